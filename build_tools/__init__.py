@@ -1,0 +1,1 @@
+"""Helpers that setup.py uses to build the native library."""

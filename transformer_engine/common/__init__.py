@@ -1,0 +1,1 @@
+"""Framework-independent parts: the native library loader (and, later, the recipes)."""

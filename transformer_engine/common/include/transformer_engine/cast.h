@@ -1,0 +1,66 @@
+/*! \file cast.h
+ *  \brief FP8 casts: quantize (optionally with the transposed copy), dequantize, amax.
+ *
+ *  Conventions (the pure-PyTorch reference in transformer_engine/pytorch/reference.py is the
+ *  executable specification and agrees bit for bit):
+ *  - `q = fp8(clamp(x * scale, -max, max))` with the product in float32 and round-to-nearest-
+ *    even; +-Inf saturates to +-max; NaN becomes the canonical byte 0x7F in both formats.
+ *  - amax is `max |x|` of the unscaled input in float32; NaN elements are ignored.
+ *  - Tensors are viewed as 2-D `[rows, cols]` with `cols` the last extent; the transposed copy
+ *    has shape `[cols, rows]` (the caller may describe it as `(cols, *leading)`).
+ */
+#ifndef TRANSFORMER_ENGINE_CAST_H_
+#define TRANSFORMER_ENGINE_CAST_H_
+
+#include "transformer_engine.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*! \brief Cast a high-precision tensor to FP8 with a given scale.
+ *
+ *  \param[in]     input     Float32, Float16 or BFloat16 tensor.
+ *  \param[in]     scale     One Float32 element: the scale to multiply by before the cast.
+ *  \param[out]    output    FP8 tensor (E4M3 or E5M2; its dtype selects the format) with
+ *                           `input`'s number of elements.
+ *  \param[out]    output_t  Optional (null): FP8 tensor of the same format with shape
+ *                           `[cols, rows]`, written in the same pass (cast+transpose).
+ *  \param[in,out] amax      Optional: one Float32 element; `max |input|` is max-accumulated into
+ *                           it (never reset here).
+ *  \param[out]    scale_inv Optional: one Float32 element that receives `1 / scale`.
+ *  \param[in]     noop      Optional: one Float32 element; if it holds 1.0 the call writes
+ *                           nothing (checked on the device, so no host synchronisation).
+ *  \param[in]     device    CUDA device index all buffers live on.
+ *  \param[in]     stream    Stream of `device` to launch on.
+ */
+NVTE_API void nvte_quantize(const NVTEBuffer* input, const NVTEBuffer* scale, NVTEBuffer* output,
+                            NVTEBuffer* output_t, NVTEBuffer* amax, NVTEBuffer* scale_inv,
+                            const NVTEBuffer* noop, int device, NVTEStream stream);
+
+/*! \brief Dequantize FP8 to Float32, Float16 or BFloat16: `out = round(float(q) * scale_inv)`.
+ *
+ *  \param[in]  input     FP8 tensor (E4M3 or E5M2).
+ *  \param[in]  scale_inv One Float32 element.
+ *  \param[out] output    Float32, Float16 or BFloat16 tensor with `input`'s number of elements.
+ *  \param[in]  device    CUDA device index all buffers live on.
+ *  \param[in]  stream    Stream of `device` to launch on.
+ */
+NVTE_API void nvte_dequantize(const NVTEBuffer* input, const NVTEBuffer* scale_inv,
+                              NVTEBuffer* output, int device, NVTEStream stream);
+
+/*! \brief Overwrite `amax` with `max |input|` (float32, NaN ignored, 0 for an empty input).
+ *
+ *  \param[in]  input  Float32, Float16 or BFloat16 tensor.
+ *  \param[out] amax   One Float32 element.
+ *  \param[in]  device CUDA device index all buffers live on.
+ *  \param[in]  stream Stream of `device` to launch on.
+ */
+NVTE_API void nvte_compute_amax(const NVTEBuffer* input, NVTEBuffer* amax, int device,
+                                NVTEStream stream);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+#endif  // TRANSFORMER_ENGINE_CAST_H_

@@ -1,0 +1,143 @@
+/* transformer_engine._native: a pybind11 binding over the C ABI.
+ *
+ * It includes no torch (and no CUDA) headers, so one build serves every torch version: tensors
+ * cross as (data_ptr, shape, dtype code) tuples, the device as an int and the stream as the
+ * integer value of a cudaStream_t. The GIL is released while native code runs. C++ exceptions
+ * from the library become Python exceptions: std::invalid_argument -> ValueError,
+ * std::runtime_error -> RuntimeError. */
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "transformer_engine/cast.h"
+#include "transformer_engine/recipe.h"
+#include "transformer_engine/transformer_engine.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using TensorArg = std::tuple<std::uintptr_t, std::vector<size_t>, int>;
+using OptionalTensorArg = std::optional<TensorArg>;
+
+NVTEBuffer to_buffer(const TensorArg& arg) {
+  const auto& [pointer, shape, dtype] = arg;
+  if (shape.size() > NVTE_MAX_DIMS) {
+    throw std::invalid_argument("tensor has " + std::to_string(shape.size()) +
+                                " dimensions; the native library takes at most " +
+                                std::to_string(NVTE_MAX_DIMS));
+  }
+  if (dtype < 0 || dtype >= kNVTENumTypes) {
+    throw std::invalid_argument("unknown dtype code " + std::to_string(dtype));
+  }
+  NVTEBuffer buffer{};
+  buffer.data = reinterpret_cast<void*>(pointer);
+  buffer.dtype = static_cast<NVTEDType>(dtype);
+  buffer.ndim = shape.size();
+  for (size_t d = 0; d < shape.size(); ++d) buffer.shape[d] = shape[d];
+  return buffer;
+}
+
+/* Holds an optional buffer and hands out a pointer to it (or null). */
+struct OptionalBuffer {
+  explicit OptionalBuffer(const OptionalTensorArg& arg) {
+    if (arg) {
+      buffer = to_buffer(*arg);
+      present = true;
+    }
+  }
+  NVTEBuffer* get() { return present ? &buffer : nullptr; }
+  NVTEBuffer buffer{};
+  bool present = false;
+};
+
+NVTEStream to_stream(std::uintptr_t stream) { return reinterpret_cast<NVTEStream>(stream); }
+
+void quantize(const TensorArg& input, const TensorArg& scale, const TensorArg& output,
+              const OptionalTensorArg& output_t, const OptionalTensorArg& amax,
+              const OptionalTensorArg& scale_inv, const OptionalTensorArg& noop, int device,
+              std::uintptr_t stream) {
+  const NVTEBuffer in = to_buffer(input), sc = to_buffer(scale);
+  NVTEBuffer out = to_buffer(output);
+  OptionalBuffer out_t(output_t), am(amax), si(scale_inv), nf(noop);
+  py::gil_scoped_release no_gil;
+  nvte_quantize(&in, &sc, &out, out_t.get(), am.get(), si.get(), nf.get(), device,
+                to_stream(stream));
+}
+
+void dequantize(const TensorArg& input, const TensorArg& scale_inv, const TensorArg& output,
+                int device, std::uintptr_t stream) {
+  const NVTEBuffer in = to_buffer(input), si = to_buffer(scale_inv);
+  NVTEBuffer out = to_buffer(output);
+  py::gil_scoped_release no_gil;
+  nvte_dequantize(&in, &si, &out, device, to_stream(stream));
+}
+
+void compute_amax(const TensorArg& input, const TensorArg& amax, int device,
+                  std::uintptr_t stream) {
+  const NVTEBuffer in = to_buffer(input);
+  NVTEBuffer am = to_buffer(amax);
+  py::gil_scoped_release no_gil;
+  nvte_compute_amax(&in, &am, device, to_stream(stream));
+}
+
+void compute_scale_from_amax(const TensorArg& amax, const TensorArg& scale, int fp8_dtype,
+                             float epsilon, bool force_pow_2_scales, int device,
+                             std::uintptr_t stream) {
+  const NVTEBuffer am = to_buffer(amax);
+  NVTEBuffer sc = to_buffer(scale);
+  py::gil_scoped_release no_gil;
+  nvte_compute_scale_from_amax(&am, &sc, static_cast<NVTEDType>(fp8_dtype), epsilon,
+                               force_pow_2_scales ? 1 : 0, device, to_stream(stream));
+}
+
+void delayed_scaling_update(const OptionalTensorArg& amax_reduction_buffer,
+                            const std::vector<TensorArg>& amax_histories,
+                            const std::vector<TensorArg>& scales, bool algo_max, int fp8_dtype,
+                            double margin, int device, std::uintptr_t stream) {
+  if (amax_histories.size() != scales.size()) {
+    throw std::invalid_argument("got " + std::to_string(amax_histories.size()) +
+                                " amax histories but " + std::to_string(scales.size()) +
+                                " scales");
+  }
+  OptionalBuffer reduced(amax_reduction_buffer);
+  std::vector<NVTEBuffer> histories, scale_buffers;
+  for (const auto& h : amax_histories) histories.push_back(to_buffer(h));
+  for (const auto& s : scales) scale_buffers.push_back(to_buffer(s));
+  std::vector<NVTEBuffer*> history_ptrs, scale_ptrs;
+  for (auto& h : histories) history_ptrs.push_back(&h);
+  for (auto& s : scale_buffers) scale_ptrs.push_back(&s);
+  py::gil_scoped_release no_gil;
+  nvte_delayed_scaling_update(reduced.get(), history_ptrs.data(), scale_ptrs.data(),
+                              history_ptrs.size(), algo_max ? kNVTEAmaxMax : kNVTEAmaxMostRecent,
+                              static_cast<NVTEDType>(fp8_dtype), margin, device,
+                              to_stream(stream));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "Native FP8 kernels of transformer_engine (C ABI binding; no torch headers).";
+  m.def("version", &nvte_version, "Version of the native library.");
+  m.def("cuda_runtime_version", &nvte_cuda_runtime_version,
+        "CUDA runtime version the library was built against.");
+  m.def("device_count", &nvte_device_count, "CUDA devices visible to the native library.");
+  m.def("quantize", &quantize, py::arg("input"), py::arg("scale"), py::arg("output"),
+        py::arg("output_t"), py::arg("amax"), py::arg("scale_inv"), py::arg("noop"),
+        py::arg("device"), py::arg("stream"));
+  m.def("dequantize", &dequantize, py::arg("input"), py::arg("scale_inv"), py::arg("output"),
+        py::arg("device"), py::arg("stream"));
+  m.def("compute_amax", &compute_amax, py::arg("input"), py::arg("amax"), py::arg("device"),
+        py::arg("stream"));
+  m.def("compute_scale_from_amax", &compute_scale_from_amax, py::arg("amax"), py::arg("scale"),
+        py::arg("fp8_dtype"), py::arg("epsilon"), py::arg("force_pow_2_scales"),
+        py::arg("device"), py::arg("stream"));
+  m.def("delayed_scaling_update", &delayed_scaling_update, py::arg("amax_reduction_buffer"),
+        py::arg("amax_histories"), py::arg("scales"), py::arg("algo_max"), py::arg("fp8_dtype"),
+        py::arg("margin"), py::arg("device"), py::arg("stream"));
+}

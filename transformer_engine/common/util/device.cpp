@@ -1,0 +1,87 @@
+#include "util/device.h"
+
+#include <mutex>
+#include <vector>
+
+#include "util/errors.h"
+
+namespace transformer_engine {
+
+namespace {
+
+int checked_device_count(const char* op) {
+  int count = 0;
+  check_cuda(op, cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  return count;
+}
+
+}  // namespace
+
+DeviceGuard::DeviceGuard(const char* op, int device) {
+  if (device < 0) {
+    throw_invalid(op, "device=", device, " is not a CUDA device index; pass tensor.device.index");
+  }
+  const int count = checked_device_count(op);
+  if (device >= count) {
+    throw_invalid(op, "device=", device, " does not exist; this process sees ", count,
+                  " CUDA device(s) (check CUDA_VISIBLE_DEVICES)");
+  }
+  check_cuda(op, cudaGetDevice(&previous_), "cudaGetDevice");
+  if (previous_ != device) {
+    check_cuda(op, cudaSetDevice(device), "cudaSetDevice");
+    switched_ = true;
+  }
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (switched_) {
+    // A destructor must not throw; restoring a device that was current a moment ago cannot
+    // reasonably fail, and if it does the next CUDA call reports the sticky error.
+    (void)cudaSetDevice(previous_);
+  }
+}
+
+CallContext::CallContext(const char* op, int device, NVTEStream stream)
+    : op_(op), device_(device), guard_(op, device), stream_(reinterpret_cast<cudaStream_t>(stream)) {
+  if (stream_ != nullptr && stream_ != cudaStreamLegacy && stream_ != cudaStreamPerThread) {
+    int stream_device = -1;
+    check_cuda(op, cudaStreamGetDevice(stream_, &stream_device), "cudaStreamGetDevice");
+    if (stream_device != device) {
+      throw_runtime(op, "the stream belongs to device ", stream_device, " but the call runs on device ",
+                    device, "; pass torch.cuda.current_stream(tensor.device)");
+    }
+  }
+}
+
+void CallContext::check_on_device(const char* name, const NVTEBuffer& buffer) const {
+  if (buffer.data == nullptr) return;  // empty tensors carry no pointer
+  cudaPointerAttributes attributes{};
+  check_cuda(op_, cudaPointerGetAttributes(&attributes, buffer.data), "cudaPointerGetAttributes");
+  if (attributes.type != cudaMemoryTypeDevice && attributes.type != cudaMemoryTypeManaged) {
+    throw_runtime(op_, name, " is not device memory (a host pointer?); the call runs on device ",
+                  device_);
+  }
+  if (attributes.type == cudaMemoryTypeDevice && attributes.device != device_) {
+    throw_runtime(op_, name, " is on device ", attributes.device, " but the call runs on device ",
+                  device_, "; move it to cuda:", device_);
+  }
+}
+
+void CallContext::check_launch(const char* kernel) const {
+  check_cuda(op_, cudaGetLastError(), kernel);
+}
+
+int CallContext::sm_count() const {
+  // Process-global caches are keyed by device (DESIGN.md section 3.6).
+  static std::mutex mutex;
+  static std::vector<int> counts;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (static_cast<size_t>(device_) >= counts.size()) counts.resize(device_ + 1, 0);
+  if (counts[device_] == 0) {
+    check_cuda(op_, cudaDeviceGetAttribute(&counts[device_], cudaDevAttrMultiProcessorCount, device_),
+               "cudaDeviceGetAttribute(MultiProcessorCount)");
+  }
+  return counts[device_];
+}
+
+}  // namespace transformer_engine

@@ -1,0 +1,89 @@
+"""Public dtype constants shared by the Python API and the native binding.
+
+The integer values are the ones the C ABI uses (``NVTEDType`` in
+``transformer_engine/common/include/transformer_engine/transformer_engine.h``),
+so a ``DType`` can be handed to the binding as a plain ``int``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = [
+    "DType",
+    "TE_DType",
+    "TE_DType_To_Torch",
+    "FP8_DTYPES",
+    "HIGH_PRECISION_DTYPES",
+    "fp8_max",
+    "to_torch_fp8_dtype",
+]
+
+
+class DType(enum.IntEnum):
+    """Element types understood by the native library (values mirror ``NVTEDType``)."""
+
+    kByte = 0
+    kInt32 = 2
+    kFloat32 = 4
+    kFloat16 = 5
+    kBFloat16 = 6
+    kFloat8E4M3 = 7
+    kFloat8E5M2 = 8
+    kFloat4E2M1 = 10
+
+    @classmethod
+    def cast(cls, value) -> "DType":
+        """Normalise a ``DType``, an ``int`` or anything with an integer ``value``."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, torch.dtype):
+            try:
+                return TE_DType[value]
+            except KeyError:
+                raise TypeError(f"torch dtype {value} has no transformer_engine DType") from None
+        return cls(int(getattr(value, "value", value)))
+
+
+TE_DType = {
+    torch.uint8: DType.kByte,
+    torch.float8_e4m3fn: DType.kFloat8E4M3,
+    torch.float8_e5m2: DType.kFloat8E5M2,
+    torch.int32: DType.kInt32,
+    torch.float32: DType.kFloat32,
+    torch.half: DType.kFloat16,
+    torch.bfloat16: DType.kBFloat16,
+}
+
+TE_DType_To_Torch = {v: k for k, v in TE_DType.items()}
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+HIGH_PRECISION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Largest finite magnitudes; casts saturate to these.
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def to_torch_fp8_dtype(fp8_dtype) -> torch.dtype:
+    """Accept ``torch.float8_*`` or ``DType.kFloat8*`` and return the torch dtype."""
+    if isinstance(fp8_dtype, torch.dtype):
+        if fp8_dtype in _FP8_MAX:
+            return fp8_dtype
+    else:
+        try:
+            dtype = TE_DType_To_Torch.get(DType.cast(fp8_dtype))
+        except (TypeError, ValueError):
+            dtype = None
+        if dtype in _FP8_MAX:
+            return dtype
+    raise TypeError(
+        f"fp8_dtype={fp8_dtype!r} is not an FP8 format; use torch.float8_e4m3fn, "
+        "torch.float8_e5m2, DType.kFloat8E4M3 or DType.kFloat8E5M2"
+    )
+
+
+def fp8_max(fp8_dtype) -> float:
+    """Largest finite value of an FP8 format: 448 for E4M3, 57344 for E5M2."""
+    return _FP8_MAX[to_torch_fp8_dtype(fp8_dtype)]

@@ -1,0 +1,21 @@
+"""Kernel wrappers: validate torch tensors, then run natively (CUDA) or via the reference (CPU)."""
+
+from .cast import QuantizeResult, compute_amax, dequantize, quantize, transposed_shape
+from .scaling import (
+    AMAX_COMPUTE_ALGOS,
+    compute_scale_from_amax,
+    delayed_scaling_update,
+    fused_amax_and_scale_update_after_reduction,
+)
+
+__all__ = [
+    "QuantizeResult",
+    "quantize",
+    "dequantize",
+    "compute_amax",
+    "transposed_shape",
+    "AMAX_COMPUTE_ALGOS",
+    "compute_scale_from_amax",
+    "delayed_scaling_update",
+    "fused_amax_and_scale_update_after_reduction",
+]

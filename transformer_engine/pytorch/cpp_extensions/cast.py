@@ -1,0 +1,172 @@
+"""FP8 cast kernels: quantize (with amax and an optional transposed copy), dequantize, amax.
+
+Each function validates its tensors, then runs the native kernel for CUDA
+tensors (on ``tensor.device``, in that device's current stream) or the
+reference math in :mod:`transformer_engine.pytorch.reference` otherwise.
+Outputs may be passed in (``out=...``) to be filled; otherwise they are
+allocated on the input's device.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from .. import reference
+from ..constants import HIGH_PRECISION_DTYPES, to_torch_fp8_dtype
+from ._routing import launch_args, native_for, tensor_arg
+from ._validation import (
+    check_dtype,
+    check_fp32_scalar,
+    check_output,
+    check_tensor,
+    check_tensors_on,
+)
+
+__all__ = ["QuantizeResult", "quantize", "dequantize", "compute_amax", "transposed_shape"]
+
+
+class QuantizeResult(NamedTuple):
+    """What :func:`quantize` produced: FP8 data, its transposed copy (or ``None``), ``1/scale``."""
+
+    data: torch.Tensor
+    transpose: Optional[torch.Tensor]
+    scale_inv: torch.Tensor
+
+
+def transposed_shape(shape) -> tuple:
+    """Shape of the column-wise copy: ``(last, *leading)``."""
+    if len(shape) == 0:
+        raise ValueError("a 0-d tensor has no transposed copy; reshape it to 1-d first")
+    return (shape[-1], *shape[:-1])
+
+
+def _as_scale(op: str, scale, like: torch.Tensor) -> torch.Tensor:
+    if isinstance(scale, (int, float)):
+        return torch.tensor([float(scale)], dtype=torch.float32, device=like.device)
+    check_fp32_scalar(op, "scale", scale)
+    return scale
+
+
+def quantize(
+    input: torch.Tensor,
+    scale: Union[torch.Tensor, float],
+    fp8_dtype,
+    *,
+    amax: Optional[torch.Tensor] = None,
+    scale_inv: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    with_transpose: bool = False,
+    out_transpose: Optional[torch.Tensor] = None,
+    noop_flag: Optional[torch.Tensor] = None,
+) -> QuantizeResult:
+    """Cast ``input * scale`` to FP8, saturating; optionally also write the transposed copy.
+
+    Args:
+        input: float32, float16 or bfloat16 tensor (made contiguous if it is not).
+        scale: one-element float32 tensor on ``input``'s device, or a Python number.
+        fp8_dtype: ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` or the ``DType`` equivalent.
+        amax: one-element float32 buffer; ``max |input|`` (unscaled) is max-accumulated into it.
+        scale_inv: one-element float32 buffer that receives ``1 / scale``.
+        out: FP8 (or uint8) buffer of ``input``'s shape.
+        with_transpose: also produce the column-wise copy of shape ``(last, *leading)``.
+        out_transpose: buffer for that copy (implies ``with_transpose``).
+        noop_flag: one-element float32 tensor; when it holds 1.0 nothing is written at all.
+    """
+    op = "quantize"
+    check_tensor(op, "input", input)
+    check_dtype(op, "input", input, HIGH_PRECISION_DTYPES)
+    dtype = to_torch_fp8_dtype(fp8_dtype)
+    scale = _as_scale(op, scale, input)
+    for name, t in (("amax", amax), ("scale_inv", scale_inv), ("noop_flag", noop_flag)):
+        check_fp32_scalar(op, name, t)
+    with_transpose = with_transpose or out_transpose is not None
+    t_shape = transposed_shape(input.shape) if with_transpose else None
+    check_output(op, "out", out, input.shape, (dtype, torch.uint8))
+    check_output(op, "out_transpose", out_transpose, t_shape or (), (dtype, torch.uint8))
+    check_tensors_on(
+        op, "input", input, scale=scale, amax=amax, scale_inv=scale_inv, out=out,
+        out_transpose=out_transpose, noop_flag=noop_flag,
+    )  # fmt: skip
+
+    input = input.contiguous()
+    device = input.device
+    if out is None:
+        out = torch.empty(input.shape, dtype=dtype, device=device)
+    if with_transpose and out_transpose is None:
+        out_transpose = torch.empty(t_shape, dtype=dtype, device=device)
+    if scale_inv is None:
+        scale_inv = torch.empty(1, dtype=torch.float32, device=device)
+    out_fp8 = out.view(dtype)
+    out_t_fp8 = out_transpose.view(dtype) if out_transpose is not None else None
+
+    native = native_for(op, device)
+    if native is not None:
+        native.quantize(
+            tensor_arg(input), tensor_arg(scale), tensor_arg(out_fp8), tensor_arg(out_t_fp8),
+            tensor_arg(amax), tensor_arg(scale_inv), tensor_arg(noop_flag), *launch_args(device),
+        )  # fmt: skip
+    elif noop_flag is None or float(noop_flag.reshape(())) != 1.0:
+        data = reference.cast_to_fp8(input, scale, dtype)
+        out_fp8.copy_(data)
+        if out_t_fp8 is not None:
+            out_t_fp8.copy_(reference.transpose_last_dim_first(data))
+        if amax is not None:
+            amax.view(1).copy_(torch.maximum(amax.view(1), reference.amax(input)))
+        scale_inv.view(1).copy_(reference.reciprocal(scale))
+    return QuantizeResult(out, out_transpose, scale_inv)
+
+
+def dequantize(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``data * scale_inv`` in float32, rounded once to ``out_dtype`` (float32, float16, bfloat16)."""
+    op = "dequantize"
+    check_tensor(op, "data", data)
+    check_dtype(op, "data", data, (torch.float8_e4m3fn, torch.float8_e5m2))
+    check_fp32_scalar(op, "scale_inv", scale_inv)
+    if out_dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(
+            f"{op}: out_dtype={out_dtype} is not supported; use torch.float32, torch.float16 "
+            "or torch.bfloat16"
+        )
+    check_output(op, "out", out, data.shape, (out_dtype,))
+    check_tensors_on(op, "data", data, scale_inv=scale_inv, out=out)
+
+    data = data.contiguous()
+    device = data.device
+    if out is None:
+        out = torch.empty(data.shape, dtype=out_dtype, device=device)
+    native = native_for(op, device)
+    if native is not None:
+        native.dequantize(
+            tensor_arg(data), tensor_arg(scale_inv), tensor_arg(out), *launch_args(device)
+        )
+    else:
+        out.copy_(reference.dequantize(data, scale_inv, out_dtype))
+    return out
+
+
+def compute_amax(input: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``max |input|`` in float32 (NaN ignored), written over ``out`` (a one-element buffer)."""
+    op = "compute_amax"
+    check_tensor(op, "input", input)
+    check_dtype(op, "input", input, HIGH_PRECISION_DTYPES)
+    check_fp32_scalar(op, "out", out)
+    check_tensors_on(op, "input", input, out=out)
+
+    input = input.contiguous()
+    device = input.device
+    if out is None:
+        out = torch.empty(1, dtype=torch.float32, device=device)
+    native = native_for(op, device)
+    if native is not None:
+        native.compute_amax(tensor_arg(input), tensor_arg(out), *launch_args(device))
+    else:
+        out.view(1).copy_(reference.amax(input))
+    return out

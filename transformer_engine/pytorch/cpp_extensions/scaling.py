@@ -1,0 +1,180 @@
+"""Scale computation kernels: current scaling (scale from amax) and the delayed-scaling update.
+
+The math is specified in :mod:`transformer_engine.pytorch.reference`
+(``compute_scale_from_amax`` and ``delayed_scaling_update``); these wrappers
+validate, then run it natively on CUDA tensors or through the reference
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from .. import reference
+from ..constants import TE_DType, to_torch_fp8_dtype
+from ._routing import launch_args, native_for, tensor_arg
+from ._validation import check_fp32_scalar, check_tensor, check_tensors_on
+
+__all__ = [
+    "AMAX_COMPUTE_ALGOS",
+    "compute_scale_from_amax",
+    "delayed_scaling_update",
+    "fused_amax_and_scale_update_after_reduction",
+]
+
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+
+def compute_scale_from_amax(
+    amax: torch.Tensor,
+    fp8_dtype,
+    *,
+    epsilon: float = 0.0,
+    force_pow_2_scales: bool = False,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Current-scaling scale ``fp8_max / max(amax, epsilon)`` into a one-element float32 tensor."""
+    op = "compute_scale_from_amax"
+    check_fp32_scalar(op, "amax", amax)
+    check_fp32_scalar(op, "out", out)
+    if not math.isfinite(float(epsilon)) or float(epsilon) < 0:
+        raise ValueError(f"{op}: epsilon={epsilon!r} must be a finite number >= 0")
+    dtype = to_torch_fp8_dtype(fp8_dtype)
+    check_tensors_on(op, "amax", amax, out=out)
+
+    device = amax.device
+    if out is None:
+        out = torch.empty(1, dtype=torch.float32, device=device)
+    native = native_for(op, device)
+    if native is not None:
+        native.compute_scale_from_amax(
+            tensor_arg(amax), tensor_arg(out), int(_dtype_code(dtype)), float(epsilon),
+            bool(force_pow_2_scales), *launch_args(device),
+        )  # fmt: skip
+    else:
+        scale = reference.compute_scale_from_amax(amax, dtype, epsilon, force_pow_2_scales)
+        out.view(1).copy_(scale)
+    return out
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return int(TE_DType[dtype])
+
+
+def _check_update_args(
+    op: str,
+    amax_histories: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    amax_compute_algo: str,
+    margin: float,
+    amax_reduction_buffer: Optional[torch.Tensor],
+) -> None:
+    if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+        raise ValueError(
+            f"{op}: amax_compute_algo={amax_compute_algo!r} is not supported; use 'max' or "
+            "'most_recent' (callables run in Python, not in this kernel)"
+        )
+    if not math.isfinite(float(margin)):
+        raise ValueError(f"{op}: margin={margin!r} must be finite")
+    if len(amax_histories) != len(scales):
+        raise ValueError(
+            f"{op}: got {len(amax_histories)} amax histories but {len(scales)} scales; pass one "
+            "scale vector per history"
+        )
+    total = 0
+    anchor = amax_histories[0]
+    for i, (history, scale) in enumerate(zip(amax_histories, scales)):
+        check_tensor(op, f"amax_histories[{i}]", history)
+        check_tensor(op, f"scales[{i}]", scale)
+        for name, t in ((f"amax_histories[{i}]", history), (f"scales[{i}]", scale)):
+            if t.dtype != torch.float32:
+                raise TypeError(f"{op}: {name} must be float32, got {t.dtype}")
+            if not t.is_contiguous():
+                raise ValueError(f"{op}: {name} must be contiguous")
+        if history.dim() != 2 or history.shape[0] < 1:
+            raise ValueError(
+                f"{op}: amax_histories[{i}] has shape {tuple(history.shape)}; expected "
+                "[amax_history_len, num_slots] with amax_history_len >= 1"
+            )
+        if tuple(scale.shape) != (history.shape[1],):
+            raise ValueError(
+                f"{op}: scales[{i}] has shape {tuple(scale.shape)} but amax_histories[{i}] has "
+                f"{history.shape[1]} slots; expected shape ({history.shape[1]},)"
+            )
+        check_tensors_on(
+            op, "amax_histories[0]", anchor, **{f"amax_histories[{i}]": history, f"scales[{i}]": scale}
+        )
+        total += history.shape[1]
+    if amax_reduction_buffer is not None:
+        check_tensor(op, "amax_reduction_buffer", amax_reduction_buffer)
+        if amax_reduction_buffer.dtype != torch.float32 or not amax_reduction_buffer.is_contiguous():
+            raise TypeError(f"{op}: amax_reduction_buffer must be a contiguous float32 tensor")
+        if amax_reduction_buffer.numel() != total:
+            raise ValueError(
+                f"{op}: amax_reduction_buffer has {amax_reduction_buffer.numel()} elements but the "
+                f"histories have {total} slots in all; it must concatenate row 0 of every history"
+            )
+        check_tensors_on(
+            op, "amax_histories[0]", anchor, amax_reduction_buffer=amax_reduction_buffer
+        )
+
+
+def delayed_scaling_update(
+    amax_histories: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    fp8_dtype,
+    *,
+    margin: float = 0.0,
+    amax_compute_algo: str = "max",
+    amax_reduction_buffer: Optional[torch.Tensor] = None,
+) -> None:
+    """Roll amax histories and update scales in place, all pairs on one device in one launch.
+
+    ``amax_histories[i]`` is ``[L, N_i]`` float32 and ``scales[i]`` is ``[N_i]``;
+    all live on one device. ``amax_reduction_buffer``, when given, holds the
+    (e.g. all-reduced) row 0 of every history concatenated in order; its
+    non-zero entries replace the history's own row 0. Exact rules in
+    :func:`transformer_engine.pytorch.reference.delayed_scaling_update`.
+    """
+    op = "delayed_scaling_update"
+    amax_histories = list(amax_histories)
+    scales = list(scales)
+    if not amax_histories and not scales:
+        return
+    dtype = to_torch_fp8_dtype(fp8_dtype)
+    _check_update_args(op, amax_histories, scales, amax_compute_algo, margin, amax_reduction_buffer)
+
+    device = amax_histories[0].device
+    native = native_for(op, device)
+    if native is not None:
+        native.delayed_scaling_update(
+            tensor_arg(amax_reduction_buffer), [tensor_arg(h) for h in amax_histories],
+            [tensor_arg(s) for s in scales], amax_compute_algo == "max", int(_dtype_code(dtype)),
+            float(margin), *launch_args(device),
+        )  # fmt: skip
+    else:
+        reference.delayed_scaling_update(
+            amax_histories, scales, dtype, margin, amax_compute_algo, amax_reduction_buffer
+        )
+
+
+def fused_amax_and_scale_update_after_reduction(
+    amax_reduction_buffer: Optional[torch.Tensor],
+    amax_histories: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    amax_compute_algo: str,
+    fp8_dtype,
+    margin: float,
+) -> None:
+    """Upstream's name and argument order for :func:`delayed_scaling_update`."""
+    delayed_scaling_update(
+        amax_histories,
+        scales,
+        fp8_dtype,
+        margin=margin,
+        amax_compute_algo=amax_compute_algo,
+        amax_reduction_buffer=amax_reduction_buffer,
+    )

@@ -1,0 +1,44 @@
+"""The device seam: the one Python module that asks "which device, which stream".
+
+Everything else receives a device. The library never consults
+``torch.cuda.current_device()`` to decide where to allocate or launch: the
+execution device is the device of the input tensor (see DESIGN.md, section 3).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["native_launch_args", "check_same_device", "reject_meta"]
+
+
+def native_launch_args(device: torch.device) -> tuple[int, int]:
+    """``(device_index, stream_handle)`` for a native launch on ``device``.
+
+    The stream is the current stream *of that device*, not of the current
+    device, so work lands in the caller's stream order on the right GPU.
+    """
+    if device.type != "cuda" or device.index is None:
+        raise ValueError(f"native kernels run on an indexed CUDA device, got {device}")
+    return device.index, torch.cuda.current_stream(device).cuda_stream
+
+
+def reject_meta(op: str, **tensors) -> None:
+    """Refuse ``meta`` tensors, which have no data to compute on."""
+    for name, t in tensors.items():
+        if t is not None and t.is_meta:
+            raise ValueError(
+                f"{op}: {name} is a meta tensor and holds no data; materialize it first "
+                "(e.g. module.to_empty(device=...) then reset_parameters())"
+            )
+
+
+def check_same_device(op: str, anchor_name: str, anchor: torch.Tensor, **tensors) -> None:
+    """Every tensor in ``tensors`` must live on ``anchor``'s device (the execution device)."""
+    for name, t in tensors.items():
+        if t is not None and t.device != anchor.device:
+            raise ValueError(
+                f"{op}: {name} is on {t.device} but {anchor_name} is on {anchor.device}; "
+                f"move {name} to {anchor.device} (the execution device is the device of "
+                f"{anchor_name})"
+            )

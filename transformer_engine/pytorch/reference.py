@@ -1,0 +1,180 @@
+"""Pure-PyTorch reference for every native kernel.
+
+This module is two things at once: the CPU execution path (any tensor that is
+not on a CUDA device is computed here), and the oracle the GPU tests compare
+the native kernels against, bit for bit. Each function states the exact
+arithmetic, in float32, in the order the CUDA kernels perform it; change one
+side only together with the other.
+
+Conventions shared with the kernels:
+
+* Casts saturate: ``x * scale`` is clamped to the largest finite FP8 value
+  before rounding (round to nearest even), so +-Inf becomes +-max. NaN stays
+  NaN and is written as the canonical pattern ``0x7F`` (sign cleared) in both
+  formats, so NaN payloads compare equal bitwise.
+* amax is ``max |x|`` of the *unscaled* input in float32. NaN elements are
+  ignored (like ``fmaxf``); +-Inf counts. An empty input contributes nothing.
+* ``scale_inv`` is ``1 / scale`` (IEEE float32 division).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from .constants import fp8_max as _fp8_max
+from .constants import to_torch_fp8_dtype
+
+__all__ = [
+    "FP8_CANONICAL_NAN",
+    "FLOAT32_MAX",
+    "amax",
+    "cast_to_fp8",
+    "transpose_last_dim_first",
+    "reciprocal",
+    "dequantize",
+    "scaled_fp8_max",
+    "compute_scale_from_amax",
+    "delayed_scaling_update",
+]
+
+FP8_CANONICAL_NAN = 0x7F
+FLOAT32_MAX = torch.finfo(torch.float32).max
+_SIGN_AND_EXPONENT_MASK = -8388608  # 0xFF800000 as a signed int32
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` in float32 as a one-element tensor; NaN ignored, 0 for an empty tensor."""
+    if x.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=x.device)
+    a = x.detach().float().abs()
+    a = torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype, device=a.device), a)
+    return a.amax().reshape(1)
+
+
+def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype) -> torch.Tensor:
+    """Saturating cast of ``x * scale`` (float32 product) to FP8, same shape as ``x``."""
+    dtype = to_torch_fp8_dtype(fp8_dtype)
+    limit = _fp8_max(dtype)
+    v = x.detach().float() * scale.detach().float().reshape(())
+    q = v.clamp(-limit, limit).to(dtype)
+    bits = q.view(torch.uint8)
+    nan_bits = torch.full((), FP8_CANONICAL_NAN, dtype=torch.uint8, device=x.device)
+    return torch.where(torch.isnan(v), nan_bits, bits).view(dtype)
+
+
+def transpose_last_dim_first(data: torch.Tensor) -> torch.Tensor:
+    """The column-wise copy: ``data`` viewed as ``[rows, last]``, transposed, shaped ``(last, *leading)``."""
+    if data.dim() == 0:
+        raise ValueError("a 0-d tensor has no last dimension to transpose")
+    cols = data.shape[-1]
+    flat = data.reshape(-1, cols)
+    # Transpose through uint8 so it works for FP8 dtypes on every torch version.
+    t = flat.view(torch.uint8).t().contiguous().view(data.dtype)
+    return t.reshape(cols, *data.shape[:-1])
+
+
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` in float32 as a one-element tensor."""
+    s = scale.detach().float().reshape(1)
+    return torch.ones_like(s) / s
+
+
+def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``fp8 * scale_inv`` computed in float32, rounded once to ``out_dtype``."""
+    s = scale_inv.detach().float().reshape(())
+    return (data.float() * s).to(out_dtype)
+
+
+def scaled_fp8_max(fp8_dtype, margin: float) -> float:
+    """``fp8_max * 2**-margin`` rounded to float32; the kernels receive this very value."""
+    value = _fp8_max(fp8_dtype) * math.pow(2.0, -float(margin))
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+def compute_scale_from_amax(
+    amax_value: torch.Tensor,
+    fp8_dtype,
+    epsilon: float = 0.0,
+    force_pow_2_scales: bool = False,
+) -> torch.Tensor:
+    """Current-scaling scale from an amax, as a one-element float32 tensor.
+
+    ``a = max(amax, epsilon)`` (NaN passes through); a zero, infinite or NaN ``a``
+    gives scale 1; otherwise ``fp8_max / a``, with +Inf replaced by FLT_MAX;
+    ``force_pow_2_scales`` then clears the mantissa (rounds down to a power of 2).
+    """
+    a = amax_value.detach().float().reshape(1).clone()
+    eps = torch.tensor(float(epsilon), dtype=torch.float32, device=a.device)
+    a = torch.where(a < eps, eps, a)
+    limit = torch.tensor(_fp8_max(fp8_dtype), dtype=torch.float32, device=a.device)
+    bad = (a == 0) | torch.isinf(a) | torch.isnan(a)
+    scale = torch.where(bad, torch.ones_like(a), limit / torch.where(bad, torch.ones_like(a), a))
+    scale = torch.where(torch.isposinf(scale), torch.full_like(scale, FLOAT32_MAX), scale)
+    if force_pow_2_scales:
+        scale = (scale.view(torch.int32) & _SIGN_AND_EXPONENT_MASK).view(torch.float32)
+    return scale
+
+
+def _max_propagating_nan(values: torch.Tensor, dim: int) -> torch.Tensor:
+    # torch.amax propagates NaN, like the kernel's explicit NaN rule.
+    return values.amax(dim=dim)
+
+
+def delayed_scaling_update(
+    amax_histories: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    fp8_dtype,
+    margin: float = 0.0,
+    amax_compute_algo: str = "max",
+    amax_reduction_buffer: Optional[torch.Tensor] = None,
+) -> None:
+    """In-place delayed-scaling update of several ``(amax_history [L, N], scale [N])`` pairs.
+
+    Per slot ``i``: ``a`` is the reduced amax (the slot's entry in
+    ``amax_reduction_buffer``, which concatenates the row 0 of every history in
+    order) when non-zero, else ``H[0, i]``. If ``a == 0`` the slot is untouched
+    (no roll, scale kept). Otherwise the candidate amax is ``max(H[1:, i], a)``
+    for ``"max"`` (NaN propagates) or ``a`` for ``"most_recent"``; the history
+    rolls so that ``a`` lands in the last row and row 0 becomes 0; and the scale
+    becomes ``scaled_max / candidate`` when the candidate is finite and positive
+    (+Inf results become FLT_MAX), else stays.
+    """
+    if amax_compute_algo not in ("max", "most_recent"):
+        raise ValueError(
+            f"amax_compute_algo={amax_compute_algo!r} is not supported; use 'max' or 'most_recent'"
+        )
+    if len(amax_histories) != len(scales):
+        raise ValueError(
+            f"got {len(amax_histories)} amax histories but {len(scales)} scales; pass one scale "
+            "vector per history"
+        )
+    scaled_max = scaled_fp8_max(fp8_dtype, margin)
+    offset = 0
+    for history, scale in zip(amax_histories, scales):
+        n = history.shape[-1]
+        h = history.view(-1, n)
+        row0 = h[0].clone()
+        if amax_reduction_buffer is not None:
+            reduced = amax_reduction_buffer.reshape(-1)[offset : offset + n].float()
+            a = torch.where(reduced != 0, reduced, row0)
+        else:
+            a = row0
+        offset += n
+        active = a != 0
+        if amax_compute_algo == "max" and h.shape[0] > 1:
+            candidate = _max_propagating_nan(torch.cat([h[1:], a.reshape(1, n)], dim=0), dim=0)
+        else:
+            candidate = a
+        rolled = torch.cat([h[1:], a.reshape(1, n)], dim=0)
+        rolled[0] = 0
+        h.copy_(torch.where(active.reshape(1, n), rolled, h))
+        good = active & torch.isfinite(candidate) & (candidate > 0)
+        safe = torch.where(good, candidate, torch.ones_like(candidate))
+        new_scale = torch.tensor(scaled_max, dtype=torch.float32, device=safe.device) / safe
+        new_scale = torch.where(
+            torch.isposinf(new_scale), torch.full_like(new_scale, FLOAT32_MAX), new_scale
+        )
+        scale.copy_(torch.where(good, new_scale, scale.float()).to(scale.dtype))
