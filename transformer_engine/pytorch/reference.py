@@ -71,8 +71,11 @@ def transpose_last_dim_first(data: torch.Tensor) -> torch.Tensor:
         raise ValueError("a 0-d tensor has no last dimension to transpose")
     cols = data.shape[-1]
     flat = data.reshape(-1, cols)
-    # Transpose through uint8 so it works for FP8 dtypes on every torch version.
-    t = flat.view(torch.uint8).t().contiguous().view(data.dtype)
+    if data.element_size() == 1:
+        # FP8 through uint8: copies of FP8 tensors are not supported on every torch version.
+        t = flat.view(torch.uint8).t().contiguous().view(data.dtype)
+    else:
+        t = flat.t().contiguous()
     return t.reshape(cols, *data.shape[:-1])
 
 

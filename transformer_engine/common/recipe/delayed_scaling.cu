@@ -17,7 +17,7 @@ namespace transformer_engine {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kEntriesPerLaunch = 128;  // 24 bytes each; well inside the 4 KiB parameter limit
+constexpr int kEntriesPerLaunch = 64;  // 32 bytes each: 2 KiB, inside the classic 4 KiB limit
 
 struct UpdateEntry {
   float* history;  // [length, slots], row-major
@@ -30,13 +30,14 @@ struct UpdateEntry {
 struct UpdateBatch {
   UpdateEntry entries[kEntriesPerLaunch];
 };
+static_assert(sizeof(UpdateBatch) <= 2048, "kernel parameters must stay well below 4 KiB");
 
 __device__ __forceinline__ float max_propagating_nan(float a, float b) {
   return (isnan(a) || isnan(b)) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
 }
 
 __global__ void __launch_bounds__(kThreads)
-    delayed_scaling_update_kernel(const __grid_constant__ UpdateBatch batch,
+    delayed_scaling_update_kernel(const UpdateBatch batch,
                                   const float* __restrict__ reduced, bool algo_max,
                                   float scaled_max) {
   const UpdateEntry& e = batch.entries[blockIdx.x];

@@ -6,17 +6,33 @@
 
 #include <cuda_runtime_api.h>
 
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace transformer_engine {
 
+/* Message formatting without iostreams: some toolchains link libstdc++ statically into shared
+ * libraries, and there the stream/locale machinery can be left uninitialised (formatting a
+ * number through std::ostringstream crashed on such a build). to_string/snprintf use libc. */
+inline void append_to(std::string& out, const char* text) { out += text; }
+inline void append_to(std::string& out, const std::string& text) { out += text; }
+inline void append_to(std::string& out, double value) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof(buffer), "%.9g", value);
+  out += buffer;
+}
+template <typename T, typename = std::enable_if_t<std::is_integral_v<T>>>
+void append_to(std::string& out, T value) {
+  out += std::to_string(value);
+}
+
 template <typename... Args>
 std::string concat(const Args&... args) {
-  std::ostringstream out;
-  (out << ... << args);
-  return out.str();
+  std::string out;
+  (append_to(out, args), ...);
+  return out;
 }
 
 /* Bad arguments: thrown before any CUDA call, so nothing has changed. */

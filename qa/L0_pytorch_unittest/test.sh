@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Unit tests of the installed package: the CPU suites always, the GPU suites when a CUDA GPU is
+# visible (they skip, with a reason, elsewhere). Every file runs even if an earlier one fails;
+# the script fails if any did. Per-file JUnit XML goes to $XML_LOG_DIR when it is set.
+set -uo pipefail
+
+TE_PATH=${TE_PATH:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
+PYTHON=${PYTHON:-python3}
+cd "$TE_PATH"
+
+# -P: do not put the working directory on sys.path, so the *installed* package is tested.
+"$PYTHON" -P -c "import transformer_engine; print(transformer_engine.native_status())"
+
+failures=()
+for test_file in tests/pytorch/test_*.py; do
+  name=$(basename "$test_file" .py)
+  xml_args=()
+  if [ -n "${XML_LOG_DIR:-}" ]; then
+    mkdir -p "$XML_LOG_DIR"
+    xml_args=(--junitxml="$XML_LOG_DIR/pytest_${name}.xml")
+  fi
+  echo "=== $test_file"
+  if ! "$PYTHON" -P -m pytest -q -rs "${xml_args[@]}" "$test_file"; then
+    failures+=("$test_file")
+  fi
+done
+
+if [ ${#failures[@]} -gt 0 ]; then
+  echo "FAILED: ${failures[*]}"
+  exit 1
+fi
+echo "all test files passed"
