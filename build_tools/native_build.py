@@ -88,7 +88,9 @@ class CMakeBuild(build_ext):
         nvcc = find_nvcc()
         cmake = shutil.which("cmake")
         if cmake is None:
-            raise RuntimeError("transformer_engine: cmake >= 3.21 is required (`pip install cmake`)")
+            raise RuntimeError(
+                "transformer_engine: cmake >= 3.21 is required (`pip install cmake`)"
+            )
         # The extension's file lands in <prefix>/transformer_engine/, which is where CMake
         # installs both the library and the binding.
         prefix = Path(self.get_ext_fullpath(ext.name)).resolve().parent.parent

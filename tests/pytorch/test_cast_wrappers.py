@@ -91,7 +91,11 @@ def test_quantize_python_number_scale():
     a = ext.quantize(x, 3.5, E4M3)
     b = ext.quantize(x, torch.tensor([3.5]), E4M3)
     assert torch.equal(u8(a.data), u8(b.data))
-    assert a.scale_inv.item() == b.scale_inv.item() == float(torch.tensor(1 / 3.5, dtype=torch.float32))
+    assert (
+        a.scale_inv.item()
+        == b.scale_inv.item()
+        == float(torch.tensor(1 / 3.5, dtype=torch.float32))
+    )
 
 
 @pytest.mark.parametrize("buf_dtype", [E4M3, torch.uint8])
@@ -182,7 +186,9 @@ def test_non_contiguous_input():
     assert torch.equal(u8(res.data), u8(ref))
     assert torch.equal(u8(res.transpose), u8(ref).t())  # the transposed copy of x is base's layout
     d = ext.dequantize(res.data.t(), res.scale_inv)
-    assert torch.equal(bits(d), bits(R.dequantize(res.data.t().contiguous(), res.scale_inv, torch.float32)))
+    assert torch.equal(
+        bits(d), bits(R.dequantize(res.data.t().contiguous(), res.scale_inv, torch.float32))
+    )
     assert ext.compute_amax(x).item() == R.amax(base).item()
 
 
@@ -265,7 +271,11 @@ def test_compute_scale_rejects_bad_tensors():
 
 def _update_state(seed=0):
     g = torch.Generator().manual_seed(seed)
-    hists = [torch.rand(4, 3, generator=g) * 10, torch.rand(4, 2, generator=g) * 10, torch.rand(1, 2, generator=g)]
+    hists = [
+        torch.rand(4, 3, generator=g) * 10,
+        torch.rand(4, 2, generator=g) * 10,
+        torch.rand(1, 2, generator=g),
+    ]
     hists[0][0, 1] = 0.0  # an unexercised slot
     hists[1][2, 0] = NAN
     scales = [torch.rand(h.shape[1], generator=g) + 0.5 for h in hists]
@@ -292,7 +302,9 @@ def test_delayed_scaling_update_matches_reference(fp8, algo, margin, use_buf):
     fh, fs = _clone(hists), _clone(scales)
     ptrs = [t.data_ptr() for t in hists + scales]
     before = _clone(hists)
-    ext.delayed_scaling_update(hists, scales, fp8, margin=margin, amax_compute_algo=algo, amax_reduction_buffer=buf)
+    ext.delayed_scaling_update(
+        hists, scales, fp8, margin=margin, amax_compute_algo=algo, amax_reduction_buffer=buf
+    )
     R.delayed_scaling_update(rh, rs, to_torch_fp8_dtype(fp8), margin, algo, buf)
     assert [t.data_ptr() for t in hists + scales] == ptrs  # updated in place
     assert _all_equal(hists, rh) and _all_equal(scales, rs)
@@ -312,7 +324,10 @@ def _bad_update(kind):
     kw = dict(margin=0.0, amax_compute_algo="max", amax_reduction_buffer=buf)
     fp8 = E4M3
     if kind == "algo":
-        kw["amax_compute_algo"], err = "mean", (ValueError, "amax_compute_algo='mean' is not supported")
+        kw["amax_compute_algo"], err = (
+            "mean",
+            (ValueError, "amax_compute_algo='mean' is not supported"),
+        )
     elif kind == "margin":
         kw["margin"], err = INF, (ValueError, "margin=inf must be finite")
     elif kind == "count":
@@ -331,7 +346,10 @@ def _bad_update(kind):
         err = (ValueError, r"amax_histories\[1\] must be contiguous")
     elif kind == "hist_1d":
         hists[2] = torch.zeros(2)
-        err = (ValueError, r"amax_histories\[2\] has shape \(2,\); expected \[amax_history_len, num_slots\]")
+        err = (
+            ValueError,
+            r"amax_histories\[2\] has shape \(2,\); expected \[amax_history_len, num_slots\]",
+        )
     elif kind == "hist_empty":
         hists[2] = torch.zeros(0, 2)
         err = (ValueError, "amax_history_len >= 1")
@@ -488,11 +506,15 @@ def test_compute_amax_refusals(x, out, exc, msg):
 
 def test_check_same_device_message_names_both_devices():
     cpu, meta = torch.zeros(1), torch.empty(1, device="meta")
-    with pytest.raises(ValueError, match=r"op: amax is on meta but input is on cpu; move amax to cpu"):
+    with pytest.raises(
+        ValueError, match=r"op: amax is on meta but input is on cpu; move amax to cpu"
+    ):
         check_same_device("op", "input", cpu, amax=meta)
     with pytest.raises(ValueError, match=r"out is on cpu but data is on meta"):
         check_same_device("op", "data", meta, out=cpu)
-    check_same_device("op", "input", cpu, amax=torch.ones(2), scale=None)  # same device, None skipped
+    check_same_device(
+        "op", "input", cpu, amax=torch.ones(2), scale=None
+    )  # same device, None skipped
 
 
 def test_reject_meta():
@@ -535,13 +557,22 @@ def test_te_dtype_tables():
 
 @pytest.mark.parametrize(
     "arg,expected",
-    [(E4M3, E4M3), (E5M2, E5M2), (DType.kFloat8E4M3, E4M3), (DType.kFloat8E5M2, E5M2), (7, E4M3), (8, E5M2)],
+    [
+        (E4M3, E4M3),
+        (E5M2, E5M2),
+        (DType.kFloat8E4M3, E4M3),
+        (DType.kFloat8E5M2, E5M2),
+        (7, E4M3),
+        (8, E5M2),
+    ],
 )
 def test_to_torch_fp8_dtype(arg, expected):
     assert to_torch_fp8_dtype(arg) is expected
 
 
-@pytest.mark.parametrize("arg", [torch.float32, torch.uint8, DType.kFloat32, DType.kFloat4E2M1, 99, "e4m3", None])
+@pytest.mark.parametrize(
+    "arg", [torch.float32, torch.uint8, DType.kFloat32, DType.kFloat4E2M1, 99, "e4m3", None]
+)
 def test_to_torch_fp8_dtype_rejects(arg):
     with pytest.raises(TypeError, match="is not an FP8 format"):
         to_torch_fp8_dtype(arg)

@@ -153,7 +153,10 @@ def test_nan_becomes_canonical_0x7f(dtype, in_dtype):
     payload = struct.unpack("<f", struct.pack("<I", 0xFFC00123))[0]  # negative NaN with payload
     x = torch.tensor([NAN, -NAN, payload, 1.0], dtype=torch.float32).to(in_dtype)
     out = R.cast_to_fp8(x, torch.tensor([1.0]), dtype)
-    assert torch.equal(out.view(torch.uint8), torch.tensor([0x7F, 0x7F, 0x7F, fp8_encode(1.0, dtype)], dtype=torch.uint8))
+    assert torch.equal(
+        out.view(torch.uint8),
+        torch.tensor([0x7F, 0x7F, 0x7F, fp8_encode(1.0, dtype)], dtype=torch.uint8),
+    )
 
 
 @pytest.mark.parametrize("dtype", FP8)
@@ -177,7 +180,9 @@ def test_every_finite_fp8_value_casts_to_itself(dtype):
 @pytest.mark.parametrize("scale", [1.0, 0.37, 3000.5, 2.0**-10, 1e-30])
 def test_cast_matches_independent_encoder(dtype, in_dtype, scale):
     rng = random.Random(zlib.crc32(f"{dtype}-{in_dtype}-{scale}".encode()))
-    vals = [rng.choice((-1, 1)) * rng.uniform(1, 2) * 2.0 ** rng.randint(-24, 24) for _ in range(400)]
+    vals = [
+        rng.choice((-1, 1)) * rng.uniform(1, 2) * 2.0 ** rng.randint(-24, 24) for _ in range(400)
+    ]
     vals += [0.0, -0.0, INF, -INF, 65504.0, -65504.0]
     x = torch.tensor(vals, dtype=torch.float32).to(in_dtype)
     s = f32(scale)
@@ -524,7 +529,7 @@ def test_twenty_step_simulation(dtype, algo, margin, use_buffer):
         return f32(rng.uniform(1, 2) * 2.0 ** rng.randint(-12, 20))
 
     for step in range(20):
-        for (L, n), h, ht in zip(shapes, hists, H):
+        for (_L, n), h, ht in zip(shapes, hists, H):
             for i in range(n):
                 # simulate casts: max-accumulate into row 0 (a whole zero step now and then)
                 v = 0.0 if step % 7 == 3 else amax_value()

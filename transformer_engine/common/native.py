@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 __all__ = ["NativeStatus", "native_status", "native_module"]
 
@@ -22,7 +21,7 @@ class NativeStatus:
 
     available: bool
     reason: str
-    path: Optional[str] = None
+    path: str | None = None
 
     def __str__(self) -> str:
         if self.available:
@@ -31,7 +30,7 @@ class NativeStatus:
 
 
 _module = None
-_status: Optional[NativeStatus] = None
+_status: NativeStatus | None = None
 
 
 def _load() -> NativeStatus:

@@ -1,7 +1,8 @@
 /* Library-wide entry points: version and runtime queries. */
+#include "transformer_engine/transformer_engine.h"
+
 #include <cuda_runtime_api.h>
 
-#include "transformer_engine/transformer_engine.h"
 #include "util/errors.h"
 
 #ifndef NVTE_VERSION_STRING

@@ -35,7 +35,7 @@ class DType(enum.IntEnum):
     kFloat4E2M1 = 10
 
     @classmethod
-    def cast(cls, value) -> "DType":
+    def cast(cls, value) -> DType:
         """Normalise a ``DType``, an ``int`` or anything with an integer ``value``."""
         if isinstance(value, cls):
             return value

@@ -20,7 +20,7 @@ Conventions shared with the kernels:
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -132,7 +132,7 @@ def delayed_scaling_update(
     fp8_dtype,
     margin: float = 0.0,
     amax_compute_algo: str = "max",
-    amax_reduction_buffer: Optional[torch.Tensor] = None,
+    amax_reduction_buffer: torch.Tensor | None = None,
 ) -> None:
     """In-place delayed-scaling update of several ``(amax_history [L, N], scale [N])`` pairs.
 

@@ -73,8 +73,8 @@ extern "C" void nvte_dequantize(const NVTEBuffer* input, const NVTEBuffer* scale
     auto* out_data = static_cast<OType*>(out.data);
     dispatch_fp8(op, in.dtype, [&](auto is_e4m3) {
       constexpr bool kE4M3 = decltype(is_e4m3)::value;
-      const bool vectorized = aligned_to(in_bytes, kVecElems) &&
-                              aligned_to(out_data, sizeof(OType) * kVecElems);
+      const bool vectorized =
+          aligned_to(in_bytes, kVecElems) && aligned_to(out_data, sizeof(OType) * kVecElems);
       const size_t work = vectorized ? n / kVecElems + n % kVecElems : n;
       const size_t wanted = std::max<size_t>(1, (work + kThreads - 1) / kThreads);
       const size_t blocks = std::min<size_t>(wanted, static_cast<size_t>(ctx.sm_count()) * 8);

@@ -14,10 +14,17 @@ namespace transformer_engine {
 template <typename F>
 void dispatch_high_precision(const char* op, NVTEDType dtype, F&& f) {
   switch (dtype) {
-    case kNVTEFloat32: f(float{}); break;
-    case kNVTEFloat16: f(__half{}); break;
-    case kNVTEBFloat16: f(__nv_bfloat16{}); break;
-    default: throw_invalid(op, "unsupported high-precision dtype code ", static_cast<int>(dtype));
+    case kNVTEFloat32:
+      f(float{});
+      break;
+    case kNVTEFloat16:
+      f(__half{});
+      break;
+    case kNVTEBFloat16:
+      f(__nv_bfloat16{});
+      break;
+    default:
+      throw_invalid(op, "unsupported high-precision dtype code ", static_cast<int>(dtype));
   }
 }
 
@@ -25,9 +32,14 @@ void dispatch_high_precision(const char* op, NVTEDType dtype, F&& f) {
 template <typename F>
 void dispatch_fp8(const char* op, NVTEDType dtype, F&& f) {
   switch (dtype) {
-    case kNVTEFloat8E4M3: f(std::true_type{}); break;
-    case kNVTEFloat8E5M2: f(std::false_type{}); break;
-    default: throw_invalid(op, "unsupported FP8 dtype code ", static_cast<int>(dtype));
+    case kNVTEFloat8E4M3:
+      f(std::true_type{});
+      break;
+    case kNVTEFloat8E5M2:
+      f(std::false_type{});
+      break;
+    default:
+      throw_invalid(op, "unsupported FP8 dtype code ", static_cast<int>(dtype));
   }
 }
 

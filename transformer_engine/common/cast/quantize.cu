@@ -19,7 +19,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kVecElems = 8;  // 16 bytes of bf16/fp16 in, 8 bytes of FP8 out
 constexpr int kTile = 64;
-constexpr int kTilePad = 4;   // 68-byte rows: 4-byte aligned, few bank conflicts
+constexpr int kTilePad = 4;  // 68-byte rows: 4-byte aligned, few bank conflicts
 constexpr int kRowsPerThreadT = 16;
 constexpr int kChunksPerColumn = kTile / kRowsPerThreadT;  // 16-byte chunks per output row
 
@@ -207,16 +207,16 @@ extern "C" void nvte_quantize(const NVTEBuffer* input, const NVTEBuffer* scale, 
         const bool vector_rows = cols % kVecElems == 0 &&
                                  aligned_to(in_data, sizeof(IType) * kVecElems) &&
                                  aligned_to(out_bytes, kVecElems);
-        const bool vector_cols = rows % kRowsPerThreadT == 0 &&
-                                 aligned_to(output_t->data, kRowsPerThreadT);
+        const bool vector_cols =
+            rows % kRowsPerThreadT == 0 && aligned_to(output_t->data, kRowsPerThreadT);
         cast_transpose_kernel<IType, kE4M3><<<tiles, kThreads, 0, ctx.stream()>>>(
             in_data, out_bytes, static_cast<uint8_t*>(output_t->data), rows, cols, tiles_c,
             vector_rows, vector_cols, args);
         ctx.check_launch("cast_transpose_kernel launch");
         return;
       }
-      const bool vectorized = aligned_to(in_data, sizeof(IType) * kVecElems) &&
-                              aligned_to(out_bytes, kVecElems);
+      const bool vectorized =
+          aligned_to(in_data, sizeof(IType) * kVecElems) && aligned_to(out_bytes, kVecElems);
       const size_t work = vectorized ? n / kVecElems + n % kVecElems : n;
       const size_t wanted = std::max<size_t>(1, (work + kThreads - 1) / kThreads);
       const size_t blocks = std::min<size_t>(wanted, static_cast<size_t>(ctx.sm_count()) * 8);

@@ -102,8 +102,7 @@ void delayed_scaling_update(const OptionalTensorArg& amax_reduction_buffer,
                             double margin, int device, std::uintptr_t stream) {
   if (amax_histories.size() != scales.size()) {
     throw std::invalid_argument("got " + std::to_string(amax_histories.size()) +
-                                " amax histories but " + std::to_string(scales.size()) +
-                                " scales");
+                                " amax histories but " + std::to_string(scales.size()) + " scales");
   }
   OptionalBuffer reduced(amax_reduction_buffer);
   std::vector<NVTEBuffer> histories, scale_buffers;
@@ -115,8 +114,7 @@ void delayed_scaling_update(const OptionalTensorArg& amax_reduction_buffer,
   py::gil_scoped_release no_gil;
   nvte_delayed_scaling_update(reduced.get(), history_ptrs.data(), scale_ptrs.data(),
                               history_ptrs.size(), algo_max ? kNVTEAmaxMax : kNVTEAmaxMostRecent,
-                              static_cast<NVTEDType>(fp8_dtype), margin, device,
-                              to_stream(stream));
+                              static_cast<NVTEDType>(fp8_dtype), margin, device, to_stream(stream));
 }
 
 }  // namespace
@@ -135,8 +133,8 @@ PYBIND11_MODULE(_native, m) {
   m.def("compute_amax", &compute_amax, py::arg("input"), py::arg("amax"), py::arg("device"),
         py::arg("stream"));
   m.def("compute_scale_from_amax", &compute_scale_from_amax, py::arg("amax"), py::arg("scale"),
-        py::arg("fp8_dtype"), py::arg("epsilon"), py::arg("force_pow_2_scales"),
-        py::arg("device"), py::arg("stream"));
+        py::arg("fp8_dtype"), py::arg("epsilon"), py::arg("force_pow_2_scales"), py::arg("device"),
+        py::arg("stream"));
   m.def("delayed_scaling_update", &delayed_scaling_update, py::arg("amax_reduction_buffer"),
         py::arg("amax_histories"), py::arg("scales"), py::arg("algo_max"), py::arg("fp8_dtype"),
         py::arg("margin"), py::arg("device"), py::arg("stream"));

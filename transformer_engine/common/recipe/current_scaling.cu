@@ -1,6 +1,7 @@
 /* nvte_compute_scale_from_amax: the current-scaling scale, on the device (no host sync). */
-#include <cfloat>
 #include <cuda_runtime.h>
+
+#include <cfloat>
 
 #include "transformer_engine/recipe.h"
 #include "util/buffer.h"

@@ -1,11 +1,11 @@
 /* nvte_delayed_scaling_update: the fused amax-history roll and scale update over many
  * (history, scale) pairs of one device. The pairs travel in the kernel's parameter block, one
  * CUDA block per pair, so the update is one launch per kEntriesPerLaunch pairs. */
+#include <cuda_runtime.h>
+
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
-#include <cuda_runtime.h>
-
 #include <limits>
 
 #include "transformer_engine/recipe.h"
@@ -37,9 +37,8 @@ __device__ __forceinline__ float max_propagating_nan(float a, float b) {
 }
 
 __global__ void __launch_bounds__(kThreads)
-    delayed_scaling_update_kernel(const UpdateBatch batch,
-                                  const float* __restrict__ reduced, bool algo_max,
-                                  float scaled_max) {
+    delayed_scaling_update_kernel(const UpdateBatch batch, const float* __restrict__ reduced,
+                                  bool algo_max, float scaled_max) {
   const UpdateEntry& e = batch.entries[blockIdx.x];
   const size_t n = e.slots;
   for (size_t i = threadIdx.x; i < n; i += kThreads) {
@@ -133,10 +132,9 @@ extern "C" void nvte_delayed_scaling_update(const NVTEBuffer* amax_reduction_buf
     int count = 0;
     for (size_t k = begin; k < num_pairs && count < kEntriesPerLaunch; ++k, ++count) {
       const NVTEBuffer& h = *amax_histories[k];
-      batch.entries[count] = UpdateEntry{static_cast<float*>(h.data),
-                                         static_cast<float*>(scales[k]->data),
-                                         static_cast<uint32_t>(h.shape[1]),
-                                         static_cast<uint32_t>(h.shape[0]), offset};
+      batch.entries[count] =
+          UpdateEntry{static_cast<float*>(h.data), static_cast<float*>(scales[k]->data),
+                      static_cast<uint32_t>(h.shape[1]), static_cast<uint32_t>(h.shape[0]), offset};
       offset += h.shape[1];
     }
     delayed_scaling_update_kernel<<<count, kThreads, 0, ctx.stream()>>>(

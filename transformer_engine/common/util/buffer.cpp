@@ -8,18 +8,30 @@ namespace transformer_engine {
 
 const char* dtype_name(NVTEDType dtype) {
   switch (dtype) {
-    case kNVTEByte: return "Byte";
-    case kNVTEInt16: return "Int16";
-    case kNVTEInt32: return "Int32";
-    case kNVTEInt64: return "Int64";
-    case kNVTEFloat32: return "Float32";
-    case kNVTEFloat16: return "Float16";
-    case kNVTEBFloat16: return "BFloat16";
-    case kNVTEFloat8E4M3: return "Float8E4M3";
-    case kNVTEFloat8E5M2: return "Float8E5M2";
-    case kNVTEFloat8E8M0: return "Float8E8M0";
-    case kNVTEFloat4E2M1: return "Float4E2M1";
-    default: return "unknown";
+    case kNVTEByte:
+      return "Byte";
+    case kNVTEInt16:
+      return "Int16";
+    case kNVTEInt32:
+      return "Int32";
+    case kNVTEInt64:
+      return "Int64";
+    case kNVTEFloat32:
+      return "Float32";
+    case kNVTEFloat16:
+      return "Float16";
+    case kNVTEBFloat16:
+      return "BFloat16";
+    case kNVTEFloat8E4M3:
+      return "Float8E4M3";
+    case kNVTEFloat8E5M2:
+      return "Float8E5M2";
+    case kNVTEFloat8E8M0:
+      return "Float8E8M0";
+    case kNVTEFloat4E2M1:
+      return "Float4E2M1";
+    default:
+      return "unknown";
   }
 }
 
@@ -27,11 +39,15 @@ size_t element_size(NVTEDType dtype) {
   switch (dtype) {
     case kNVTEInt16:
     case kNVTEFloat16:
-    case kNVTEBFloat16: return 2;
+    case kNVTEBFloat16:
+      return 2;
     case kNVTEInt32:
-    case kNVTEFloat32: return 4;
-    case kNVTEInt64: return 8;
-    default: return 1;
+    case kNVTEFloat32:
+      return 4;
+    case kNVTEInt64:
+      return 8;
+    default:
+      return 1;
   }
 }
 

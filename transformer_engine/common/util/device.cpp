@@ -42,13 +42,17 @@ DeviceGuard::~DeviceGuard() {
 }
 
 CallContext::CallContext(const char* op, int device, NVTEStream stream)
-    : op_(op), device_(device), guard_(op, device), stream_(reinterpret_cast<cudaStream_t>(stream)) {
+    : op_(op),
+      device_(device),
+      guard_(op, device),
+      stream_(reinterpret_cast<cudaStream_t>(stream)) {
   if (stream_ != nullptr && stream_ != cudaStreamLegacy && stream_ != cudaStreamPerThread) {
     int stream_device = -1;
     check_cuda(op, cudaStreamGetDevice(stream_, &stream_device), "cudaStreamGetDevice");
     if (stream_device != device) {
-      throw_runtime(op, "the stream belongs to device ", stream_device, " but the call runs on device ",
-                    device, "; pass torch.cuda.current_stream(tensor.device)");
+      throw_runtime(op, "the stream belongs to device ", stream_device,
+                    " but the call runs on device ", device,
+                    "; pass torch.cuda.current_stream(tensor.device)");
     }
   }
 }
@@ -78,7 +82,8 @@ int CallContext::sm_count() const {
   std::lock_guard<std::mutex> lock(mutex);
   if (static_cast<size_t>(device_) >= counts.size()) counts.resize(device_ + 1, 0);
   if (counts[device_] == 0) {
-    check_cuda(op_, cudaDeviceGetAttribute(&counts[device_], cudaDevAttrMultiProcessorCount, device_),
+    check_cuda(op_,
+               cudaDeviceGetAttribute(&counts[device_], cudaDevAttrMultiProcessorCount, device_),
                "cudaDeviceGetAttribute(MultiProcessorCount)");
   }
   return counts[device_];

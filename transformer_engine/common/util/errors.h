@@ -49,8 +49,8 @@ template <typename... Args>
 
 inline void check_cuda(const char* op, cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
-    throw_runtime(op, what, " failed: ", cudaGetErrorName(status), " (",
-                  cudaGetErrorString(status), ")");
+    throw_runtime(op, what, " failed: ", cudaGetErrorName(status), " (", cudaGetErrorString(status),
+                  ")");
   }
 }
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import torch
 
@@ -33,7 +32,7 @@ def native_for(op: str, device: torch.device):
     return module
 
 
-def tensor_arg(t: Optional[torch.Tensor]):
+def tensor_arg(t: torch.Tensor | None):
     """A tensor as the binding takes it: ``(data_ptr, shape, dtype code)``; ``None`` stays ``None``."""
     if t is None:
         return None

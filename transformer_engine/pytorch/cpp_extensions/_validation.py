@@ -7,7 +7,7 @@ the fix.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -34,7 +34,7 @@ def check_dtype(op: str, name: str, t: torch.Tensor, allowed: Iterable[torch.dty
         raise TypeError(f"{op}: {name} has dtype {t.dtype}; expected one of {names}")
 
 
-def check_fp32_scalar(op: str, name: str, t: Optional[torch.Tensor]) -> None:
+def check_fp32_scalar(op: str, name: str, t: torch.Tensor | None) -> None:
     """A one-element, contiguous float32 tensor (scale, amax, scale_inv, no-op flag)."""
     if t is None:
         return
@@ -42,15 +42,13 @@ def check_fp32_scalar(op: str, name: str, t: Optional[torch.Tensor]) -> None:
     if t.dtype != torch.float32:
         raise TypeError(f"{op}: {name} must be float32, got {t.dtype}; pass {name}.float()")
     if t.numel() != 1:
-        raise ValueError(
-            f"{op}: {name} must hold exactly one element, got shape {tuple(t.shape)}"
-        )
+        raise ValueError(f"{op}: {name} must hold exactly one element, got shape {tuple(t.shape)}")
 
 
 def check_output(
     op: str,
     name: str,
-    t: Optional[torch.Tensor],
+    t: torch.Tensor | None,
     shape: Sequence[int],
     dtypes: Iterable[torch.dtype],
 ) -> None:

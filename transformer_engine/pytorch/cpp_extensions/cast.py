@@ -9,7 +9,7 @@ allocated on the input's device.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple
 
 import torch
 
@@ -31,7 +31,7 @@ class QuantizeResult(NamedTuple):
     """What :func:`quantize` produced: FP8 data, its transposed copy (or ``None``), ``1/scale``."""
 
     data: torch.Tensor
-    transpose: Optional[torch.Tensor]
+    transpose: torch.Tensor | None
     scale_inv: torch.Tensor
 
 
@@ -51,15 +51,15 @@ def _as_scale(op: str, scale, like: torch.Tensor) -> torch.Tensor:
 
 def quantize(
     input: torch.Tensor,
-    scale: Union[torch.Tensor, float],
+    scale: torch.Tensor | float,
     fp8_dtype,
     *,
-    amax: Optional[torch.Tensor] = None,
-    scale_inv: Optional[torch.Tensor] = None,
-    out: Optional[torch.Tensor] = None,
+    amax: torch.Tensor | None = None,
+    scale_inv: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
     with_transpose: bool = False,
-    out_transpose: Optional[torch.Tensor] = None,
-    noop_flag: Optional[torch.Tensor] = None,
+    out_transpose: torch.Tensor | None = None,
+    noop_flag: torch.Tensor | None = None,
 ) -> QuantizeResult:
     """Cast ``input * scale`` to FP8, saturating; optionally also write the transposed copy.
 
@@ -123,7 +123,7 @@ def dequantize(
     scale_inv: torch.Tensor,
     out_dtype: torch.dtype = torch.float32,
     *,
-    out: Optional[torch.Tensor] = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``data * scale_inv`` in float32, rounded once to ``out_dtype`` (float32, float16, bfloat16)."""
     op = "dequantize"
@@ -152,7 +152,7 @@ def dequantize(
     return out
 
 
-def compute_amax(input: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def compute_amax(input: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``max |input|`` in float32 (NaN ignored), written over ``out`` (a one-element buffer)."""
     op = "compute_amax"
     check_tensor(op, "input", input)

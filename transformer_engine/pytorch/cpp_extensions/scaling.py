@@ -9,7 +9,7 @@ elsewhere.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -34,7 +34,7 @@ def compute_scale_from_amax(
     *,
     epsilon: float = 0.0,
     force_pow_2_scales: bool = False,
-    out: Optional[torch.Tensor] = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Current-scaling scale ``fp8_max / max(amax, epsilon)`` into a one-element float32 tensor."""
     op = "compute_scale_from_amax"
@@ -70,7 +70,7 @@ def _check_update_args(
     scales: Sequence[torch.Tensor],
     amax_compute_algo: str,
     margin: float,
-    amax_reduction_buffer: Optional[torch.Tensor],
+    amax_reduction_buffer: torch.Tensor | None,
 ) -> None:
     if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
         raise ValueError(
@@ -105,12 +105,18 @@ def _check_update_args(
                 f"{history.shape[1]} slots; expected shape ({history.shape[1]},)"
             )
         check_tensors_on(
-            op, "amax_histories[0]", anchor, **{f"amax_histories[{i}]": history, f"scales[{i}]": scale}
+            op,
+            "amax_histories[0]",
+            anchor,
+            **{f"amax_histories[{i}]": history, f"scales[{i}]": scale},
         )
         total += history.shape[1]
     if amax_reduction_buffer is not None:
         check_tensor(op, "amax_reduction_buffer", amax_reduction_buffer)
-        if amax_reduction_buffer.dtype != torch.float32 or not amax_reduction_buffer.is_contiguous():
+        if (
+            amax_reduction_buffer.dtype != torch.float32
+            or not amax_reduction_buffer.is_contiguous()
+        ):
             raise TypeError(f"{op}: amax_reduction_buffer must be a contiguous float32 tensor")
         if amax_reduction_buffer.numel() != total:
             raise ValueError(
@@ -129,7 +135,7 @@ def delayed_scaling_update(
     *,
     margin: float = 0.0,
     amax_compute_algo: str = "max",
-    amax_reduction_buffer: Optional[torch.Tensor] = None,
+    amax_reduction_buffer: torch.Tensor | None = None,
 ) -> None:
     """Roll amax histories and update scales in place, all pairs on one device in one launch.
 
@@ -162,7 +168,7 @@ def delayed_scaling_update(
 
 
 def fused_amax_and_scale_update_after_reduction(
-    amax_reduction_buffer: Optional[torch.Tensor],
+    amax_reduction_buffer: torch.Tensor | None,
     amax_histories: Sequence[torch.Tensor],
     scales: Sequence[torch.Tensor],
     amax_compute_algo: str,
