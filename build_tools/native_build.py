@@ -24,6 +24,7 @@ from setuptools import Extension
 from setuptools.command.build_ext import build_ext
 
 DEFAULT_CUDA_ARCHS = "89;90;100;120"
+FALLBACK_NVCC = Path("/usr/local/cuda/bin/nvcc")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -40,7 +41,7 @@ def find_nvcc() -> str:
     on_path = shutil.which("nvcc")
     if on_path:
         candidates.append(Path(on_path))
-    candidates.append(Path("/usr/local/cuda/bin/nvcc"))
+    candidates.append(FALLBACK_NVCC)
     for candidate in candidates:
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)

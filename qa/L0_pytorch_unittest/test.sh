@@ -12,7 +12,7 @@ cd "$TE_PATH"
 "$PYTHON" -P -c "import transformer_engine; print(transformer_engine.native_status())"
 
 failures=()
-for test_file in tests/pytorch/test_*.py; do
+for test_file in tests/build/test_*.py tests/pytorch/test_*.py; do
   name=$(basename "$test_file" .py)
   xml_args=()
   if [ -n "${XML_LOG_DIR:-}" ]; then
