@@ -3,6 +3,7 @@
 # visible (they skip, with a reason, elsewhere). Every file runs even if an earlier one fails;
 # the script fails if any did. Per-file JUnit XML goes to $XML_LOG_DIR when it is set.
 set -uo pipefail
+shopt -s nullglob
 
 TE_PATH=${TE_PATH:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 PYTHON=${PYTHON:-python3}
@@ -12,7 +13,7 @@ cd "$TE_PATH"
 "$PYTHON" -P -c "import transformer_engine; print(transformer_engine.native_status())"
 
 failures=()
-for test_file in tests/build/test_*.py tests/pytorch/test_*.py; do
+for test_file in tests/build_tools/test_*.py tests/pytorch/test_*.py; do
   name=$(basename "$test_file" .py)
   xml_args=()
   if [ -n "${XML_LOG_DIR:-}" ]; then
