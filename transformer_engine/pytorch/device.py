@@ -7,9 +7,17 @@ execution device is the device of the input tensor (see DESIGN.md, section 3).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-__all__ = ["native_launch_args", "check_same_device", "reject_meta"]
+__all__ = [
+    "native_launch_args",
+    "check_same_device",
+    "reject_meta",
+    "device_compute_capability",
+    "is_non_tn_fp8_gemm_supported",
+]
 
 
 def native_launch_args(device: torch.device) -> tuple[int, int]:
@@ -42,3 +50,30 @@ def check_same_device(op: str, anchor_name: str, anchor: torch.Tensor, **tensors
                 f"move {name} to {anchor.device} (the execution device is the device of "
                 f"{anchor_name})"
             )
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    # Keyed by device index: GPUs of one process may differ (DESIGN.md section 3.6).
+    return torch.cuda.get_device_capability(index)
+
+
+def device_compute_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """Compute capability of a CUDA device, ``None`` for any other device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability(index)
+
+
+def is_non_tn_fp8_gemm_supported(device: torch.device | str) -> bool:
+    """Whether FP8 GEMMs on ``device`` take non-TN layouts (data-center Blackwell).
+
+    Where they do not (Ada, Hopper, sm_120 and the CPU reference path), column-wise FP8 usage
+    needs a physically transposed copy of the data.
+    """
+    cc = device_compute_capability(device)
+    if cc is None:
+        return False
+    return (10, 0) <= cc < (12, 0) or cc >= (13, 0)
