@@ -17,20 +17,18 @@ namespace transformer_engine {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kEntriesPerLaunch = 64;  // 32 bytes each: 2 KiB, inside the classic 4 KiB limit
+constexpr int kEntriesPerLaunch = 128;
 
-struct UpdateEntry {
-  float* history;  // [length, slots], row-major
-  float* scale;    // [slots]
-  uint32_t slots;
-  uint32_t length;
-  uint64_t reduced_offset;  // where this entry's slots start in the reduction buffer
-};
-
+/* The pairs of one launch, as arrays (28 bytes a pair: 128 pairs fit the 4 KiB parameter
+ * block with room to spare). */
 struct UpdateBatch {
-  UpdateEntry entries[kEntriesPerLaunch];
+  float* history[kEntriesPerLaunch];  // [length, slots], row-major
+  float* scale[kEntriesPerLaunch];    // [slots]
+  uint32_t slots[kEntriesPerLaunch];
+  uint32_t length[kEntriesPerLaunch];
+  uint32_t reduced_offset[kEntriesPerLaunch];  // where the pair starts in the reduction buffer
 };
-static_assert(sizeof(UpdateBatch) <= 2048, "kernel parameters must stay well below 4 KiB");
+static_assert(sizeof(UpdateBatch) <= 3584, "kernel parameters must stay below 4 KiB");
 
 __device__ __forceinline__ float max_propagating_nan(float a, float b) {
   return (isnan(a) || isnan(b)) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
@@ -39,27 +37,28 @@ __device__ __forceinline__ float max_propagating_nan(float a, float b) {
 __global__ void __launch_bounds__(kThreads)
     delayed_scaling_update_kernel(const UpdateBatch batch, const float* __restrict__ reduced,
                                   bool algo_max, float scaled_max) {
-  const UpdateEntry& e = batch.entries[blockIdx.x];
-  const size_t n = e.slots;
+  const int k = blockIdx.x;
+  const size_t n = batch.slots[k];
+  const uint32_t length = batch.length[k];
   for (size_t i = threadIdx.x; i < n; i += kThreads) {
-    float* h = e.history + i;  // column i; row j is h[j * n]
+    float* h = batch.history[k] + i;  // column i; row j is h[j * n]
     float a = h[0];
     if (reduced != nullptr) {
-      const float r = reduced[e.reduced_offset + i];
+      const float r = reduced[batch.reduced_offset[k] + i];
       if (r != 0.0f) a = r;
     }
     if (a == 0.0f) continue;  // slot not exercised this step: no roll, scale kept
     float candidate = a;
     if (algo_max) {
-      for (uint32_t j = 1; j < e.length; ++j) candidate = max_propagating_nan(candidate, h[j * n]);
+      for (uint32_t j = 1; j < length; ++j) candidate = max_propagating_nan(candidate, h[j * n]);
     }
-    for (uint32_t j = 0; j + 1 < e.length; ++j) h[j * n] = h[(j + 1) * n];
-    h[(e.length - 1) * n] = a;
+    for (uint32_t j = 0; j + 1 < length; ++j) h[j * n] = h[(j + 1) * n];
+    h[(length - 1) * n] = a;
     h[0] = 0.0f;
     if (isfinite(candidate) && candidate > 0.0f) {
       float s = scaled_max / candidate;
       if (isinf(s)) s = FLT_MAX;
-      e.scale[i] = s;
+      batch.scale[k][i] = s;
     }
   }
 }
@@ -106,6 +105,9 @@ extern "C" void nvte_delayed_scaling_update(const NVTEBuffer* amax_reduction_buf
     }
     total_slots += h.shape[1];
   }
+  if (total_slots > std::numeric_limits<uint32_t>::max()) {
+    throw_invalid(op, "the histories have ", total_slots, " slots in all; at most 2^32 - 1");
+  }
   const float* reduced = nullptr;
   if (amax_reduction_buffer != nullptr) {
     const NVTEBuffer& r = require(op, "amax_reduction_buffer", amax_reduction_buffer);
@@ -132,9 +134,11 @@ extern "C" void nvte_delayed_scaling_update(const NVTEBuffer* amax_reduction_buf
     int count = 0;
     for (size_t k = begin; k < num_pairs && count < kEntriesPerLaunch; ++k, ++count) {
       const NVTEBuffer& h = *amax_histories[k];
-      batch.entries[count] =
-          UpdateEntry{static_cast<float*>(h.data), static_cast<float*>(scales[k]->data),
-                      static_cast<uint32_t>(h.shape[1]), static_cast<uint32_t>(h.shape[0]), offset};
+      batch.history[count] = static_cast<float*>(h.data);
+      batch.scale[count] = static_cast<float*>(scales[k]->data);
+      batch.slots[count] = static_cast<uint32_t>(h.shape[1]);
+      batch.length[count] = static_cast<uint32_t>(h.shape[0]);
+      batch.reduced_offset[count] = static_cast<uint32_t>(offset);
       offset += h.shape[1];
     }
     delayed_scaling_update_kernel<<<count, kThreads, 0, ctx.stream()>>>(

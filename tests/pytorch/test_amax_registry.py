@@ -1,0 +1,188 @@
+"""The amax registry: per-device grouping, ordered reduction, and the update it drives.
+
+Several devices are faked with ``cpu`` and ``meta`` tensors; the per-device update and the
+collective are replaced by recorders, so these tests run anywhere.
+"""
+
+import pytest
+import torch
+
+from transformer_engine.common.recipe import DelayedScaling, Format
+from transformer_engine.pytorch import _amax_registry
+from transformer_engine.pytorch._amax_registry import AmaxRegistry
+
+
+def pair(device, slots=3, length=4, fill=0.0):
+    history = torch.full((length, slots), fill, dtype=torch.float32, device=device)
+    scale = torch.ones(slots, dtype=torch.float32, device=device)
+    return history, scale
+
+
+@pytest.fixture
+def recorded_updates(monkeypatch):
+    calls = []
+
+    def record(histories, scales, fp8_dtype, margin, algo, reduction_buffer):
+        calls.append(
+            dict(histories=histories, scales=scales, fp8_dtype=fp8_dtype, margin=margin,
+                 algo=algo, reduction_buffer=reduction_buffer)
+        )  # fmt: skip
+
+    monkeypatch.setattr(_amax_registry, "_fused_update", record)
+    return calls
+
+
+@pytest.fixture
+def fake_distributed(monkeypatch):
+    """Pretend torch.distributed runs with 2 ranks; the collective is a recorder applying MAX
+    against a second rank whose amaxes are given by ``state['other']``."""
+    state = {"calls": [], "other": None}
+
+    def all_reduce_max(buffer, group):
+        state["calls"].append((buffer.clone(), group))
+        if state["other"] is not None:
+            buffer.copy_(torch.maximum(buffer, state["other"].to(buffer.device)))
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(_amax_registry, "_all_reduce_max", all_reduce_max)
+    return state
+
+
+def test_without_reduction_each_device_is_updated_alone_in_registration_order(recorded_updates):
+    registry = AmaxRegistry()
+    a, b, c, d = pair("cpu"), pair("meta"), pair("cpu", slots=2), pair("meta", slots=5)
+    for p in (a, b, c, d):
+        registry.register("forward_k", *p)
+    registry.reduce_and_update("forward_k", DelayedScaling(), forward=True)
+
+    assert [call["histories"][0].device.type for call in recorded_updates] == ["cpu", "meta"]
+    cpu_call, meta_call = recorded_updates
+    assert [h is x for h, x in zip(cpu_call["histories"], (a[0], c[0]))] == [True, True]
+    assert [s is x for s, x in zip(cpu_call["scales"], (a[1], c[1]))] == [True, True]
+    assert [h is x for h, x in zip(meta_call["histories"], (b[0], d[0]))] == [True, True]
+    for call in recorded_updates:
+        # the registry passes the live tensors: nothing gathered, nothing copied across devices
+        assert call["reduction_buffer"] is None
+        assert {t.device for t in call["histories"] + call["scales"]} == {
+            call["histories"][0].device
+        }
+
+
+def test_directions_use_their_own_format_and_the_recipe_margin(recorded_updates):
+    registry = AmaxRegistry()
+    registry.register("k", *pair("cpu"))
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, margin=2, amax_compute_algo="most_recent")
+    registry.reduce_and_update("k", recipe, forward=True)
+    registry.reduce_and_update("k", recipe, forward=False)
+    assert [c["fp8_dtype"] for c in recorded_updates] == [torch.float8_e4m3fn, torch.float8_e5m2]
+    assert {c["margin"] for c in recorded_updates} == {2}
+    assert {c["algo"] for c in recorded_updates} == {"most_recent"}
+
+
+def test_reduction_buffer_layout_and_max_on_one_device(recorded_updates, fake_distributed):
+    registry = AmaxRegistry()
+    pairs = [pair("cpu", slots=2), pair("cpu", slots=3), pair("cpu", slots=1)]
+    for i, p in enumerate(pairs):
+        registry.register("forward_k", *p)
+        p[0][0] = torch.arange(1, p[0].shape[1] + 1, dtype=torch.float32) * (10**i)
+    fake_distributed["other"] = torch.tensor([5.0, 0.5, 9.0, 9.0, 9.0, 3.0])
+    group = object()
+    registry.reduce_and_update("forward_k", DelayedScaling(), forward=True, group=group)
+
+    (sent, sent_group), = fake_distributed["calls"]
+    assert sent_group is group
+    # row 0 of every history, concatenated in registration order
+    assert torch.equal(sent, torch.tensor([1.0, 2.0, 10.0, 20.0, 30.0, 100.0]))
+    (call,) = recorded_updates
+    assert torch.equal(call["reduction_buffer"], torch.tensor([5.0, 2.0, 10.0, 20.0, 30.0, 100.0]))
+    assert [h is p[0] for h, p in zip(call["histories"], pairs)] == [True, True, True]
+
+
+def test_reduction_scatters_each_device_its_own_slices(monkeypatch, recorded_updates, fake_distributed):
+    # Two real "devices" are not available on CPU; fake a second one by making .to() of the
+    # gathered buffer observable: entries on cpu only, but the grouping is forced to two groups.
+    registry = AmaxRegistry()
+    pairs = [pair("cpu", slots=2), pair("cpu", slots=1), pair("cpu", slots=2)]
+    for i, p in enumerate(pairs):
+        registry.register("k", *p)
+        p[0][0] = float(i + 1)
+    fake_device = torch.device("meta")
+    monkeypatch.setattr(
+        registry, "device_groups", lambda key: [(torch.device("cpu"), [0, 2]), (fake_device, [1])]
+    )
+    registry.reduce_and_update("k", DelayedScaling(), forward=True)
+    cpu_call, meta_call = recorded_updates
+    assert torch.equal(cpu_call["reduction_buffer"], torch.tensor([1.0, 1.0, 3.0, 3.0]))
+    assert meta_call["reduction_buffer"].device.type == "meta"
+    assert meta_call["reduction_buffer"].shape == (1,)
+    assert [h is pairs[1][0] for h in meta_call["histories"]] == [True]
+
+
+def test_no_reduction_when_the_recipe_says_so(recorded_updates, fake_distributed):
+    registry = AmaxRegistry()
+    registry.register("k", *pair("cpu"))
+    registry.reduce_and_update("k", DelayedScaling(reduce_amax=False), forward=True)
+    assert fake_distributed["calls"] == []
+    assert recorded_updates[0]["reduction_buffer"] is None
+
+
+def test_replacing_an_entry_rebuilds_the_device_grouping(recorded_updates):
+    registry = AmaxRegistry()
+    registry.register("k", *pair("cpu"))
+    registry.register("k", *pair("cpu"))
+    assert [d.type for d, _ in registry.device_groups("k")] == ["cpu"]
+    moved = pair("meta")
+    registry.replace("k", 1, *moved)
+    assert [(d.type, pos) for d, pos in registry.device_groups("k")] == [("cpu", [0]), ("meta", [1])]
+    assert registry.entry("k", 1)[0] is moved[0]
+
+
+def test_bad_registrations_are_refused():
+    registry = AmaxRegistry()
+    with pytest.raises(ValueError, match="scale is on meta but amax_history is on cpu"):
+        registry.register("k", torch.zeros(2, 3), torch.ones(3, device="meta"))
+    with pytest.raises(ValueError, match=r"scale must be a float32 tensor of shape \(3,\)"):
+        registry.register("k", torch.zeros(2, 3), torch.ones(4))
+    with pytest.raises(ValueError, match="amax_history must be a float32"):
+        registry.register("k", torch.zeros(3), torch.ones(3))
+    registry.register("k", *pair("cpu"))
+    with pytest.raises(ValueError, match="has 3 slots; the replacement has 4"):
+        registry.replace("k", 0, *pair("cpu", slots=4))
+    with pytest.raises(KeyError):
+        registry.replace("k", 5, *pair("cpu"))
+    assert len(registry) == 1
+
+
+def test_real_update_on_cpu_follows_the_reference():
+    from transformer_engine.pytorch import reference
+
+    registry = AmaxRegistry()
+    pairs = [pair("cpu", slots=2, length=3), pair("cpu", slots=1, length=3)]
+    expected = [(h.clone(), s.clone()) for h, s in pairs]
+    for (h, s), (eh, es) in zip(pairs, expected):
+        registry.register("k", h, s)
+        h[0] = torch.linspace(1, 2, h.shape[1])
+        eh[0] = torch.linspace(1, 2, h.shape[1])
+    registry.reduce_and_update("k", DelayedScaling(margin=1), forward=False)
+    reference.delayed_scaling_update(
+        [e[0] for e in expected], [e[1] for e in expected], torch.float8_e5m2, 1, "max"
+    )
+    for (h, s), (eh, es) in zip(pairs, expected):
+        assert torch.equal(h, eh) and torch.equal(s, es)
+    assert pairs[0][1][0].item() == 57344.0 / 1.0 / 2  # fp8_max / amax / 2**margin
+
+
+def test_callable_algorithms_take_the_python_path():
+    registry = AmaxRegistry()
+    h, s = pair("cpu", slots=2, length=2)
+    registry.register("k", h, s)
+    h[0] = torch.tensor([2.0, 0.0])
+    recipe = DelayedScaling(
+        amax_compute_algo=lambda history: history.sum(dim=0),
+        scaling_factor_compute_algo=lambda amax, scale, fp8_max, recipe: scale * 3,
+    )
+    registry.reduce_and_update("k", recipe, forward=True)
+    assert torch.equal(s, torch.tensor([3.0, 3.0]))
+    # the Python path rolls even a zero amax (upstream's behaviour for this path)
+    assert torch.equal(h, torch.tensor([[0.0, 0.0], [2.0, 0.0]]))

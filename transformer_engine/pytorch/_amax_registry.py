@@ -1,0 +1,183 @@
+"""The amax registry: delayed-scaling state of every FP8 module, grouped by device.
+
+Modules register their ``(amax_history, scale)`` pairs under a key that names the direction
+and the autocast (recipe and reduction group). At update time (DESIGN.md section 3.5):
+
+* without reduction, the pairs are grouped by device and each group is updated on its own
+  device, in place, with one fused launch: nothing is concatenated or copied across devices;
+* with reduction, row 0 of every history is gathered in registration order onto the first
+  registered device, reduced with one ``all_reduce(MAX)``, and each device receives its slice
+  of the result for its fused update.
+
+Registration order is deterministic (the order in which modules first run), so every rank
+lays out the reduction buffer identically. The per-device grouping is cached and rebuilt
+whenever an entry is added or replaced (e.g. after a module moved to another device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._delayed_scaling_python import _amax_and_scale_update, split_and_copy
+from ._recipe_state import get_fp8_max, get_fp8_torch_dtype
+from .cpp_extensions import delayed_scaling_update
+
+__all__ = ["AmaxRegistry"]
+
+
+@dataclass
+class _Entry:
+    amax_history: torch.Tensor  # [L, N], float32
+    scale: torch.Tensor  # [N], float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.amax_history.device
+
+    @property
+    def slots(self) -> int:
+        return self.amax_history.shape[1]
+
+
+def _all_reduce_max(buffer: torch.Tensor, group) -> None:
+    """The one collective of an update step (a seam that tests replace)."""
+    torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX, group=group)
+
+
+def _fused_update(histories, scales, fp8_dtype, margin, algo, reduction_buffer) -> None:
+    """Update the pairs of one device, on that device (a seam that tests replace)."""
+    delayed_scaling_update(
+        histories,
+        scales,
+        fp8_dtype,
+        margin=margin,
+        amax_compute_algo=algo,
+        amax_reduction_buffer=reduction_buffer,
+    )
+
+
+def _should_reduce(recipe, group) -> bool:
+    if not recipe.reduce_amax:
+        return False
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _check_pair(amax_history: torch.Tensor, scale: torch.Tensor) -> None:
+    if amax_history.dim() != 2 or amax_history.dtype != torch.float32:
+        raise ValueError(
+            f"amax_history must be a float32 [amax_history_len, N] tensor, got "
+            f"{amax_history.dtype} of shape {tuple(amax_history.shape)}"
+        )
+    if scale.shape != (amax_history.shape[1],) or scale.dtype != torch.float32:
+        raise ValueError(
+            f"scale must be a float32 tensor of shape ({amax_history.shape[1]},), got "
+            f"{scale.dtype} of shape {tuple(scale.shape)}"
+        )
+    if scale.device != amax_history.device:
+        raise ValueError(
+            f"scale is on {scale.device} but amax_history is on {amax_history.device}; a recipe "
+            "state keeps both on its owner's device"
+        )
+
+
+class AmaxRegistry:
+    """Registered delayed-scaling pairs per key, and their reduction and update."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, list[_Entry]] = {}
+        self._device_groups: dict[str, list[tuple[torch.device, list[int]]]] = {}
+
+    def register(self, key: str, amax_history: torch.Tensor, scale: torch.Tensor) -> int:
+        """Append a pair under ``key``; returns its position (its place in the reduction)."""
+        _check_pair(amax_history, scale)
+        entries = self._entries.setdefault(key, [])
+        entries.append(_Entry(amax_history, scale))
+        self._device_groups.pop(key, None)
+        return len(entries) - 1
+
+    def replace(self, key: str, position: int, amax_history: torch.Tensor, scale: torch.Tensor):
+        """Point an existing position at new tensors (same slot count), e.g. after a move."""
+        _check_pair(amax_history, scale)
+        entries = self._entries.get(key)
+        if entries is None or not 0 <= position < len(entries):
+            raise KeyError(f"no amax registry entry {position} under {key!r}")
+        if entries[position].slots != amax_history.shape[1]:
+            raise ValueError(
+                f"entry {position} under {key!r} has {entries[position].slots} slots; the "
+                f"replacement has {amax_history.shape[1]} (register a new entry instead)"
+            )
+        entries[position] = _Entry(amax_history, scale)
+        self._device_groups.pop(key, None)
+
+    def entry(self, key: str, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        e = self._entries[key][position]
+        return e.amax_history, e.scale
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._device_groups.clear()
+
+    def device_groups(self, key: str) -> list[tuple[torch.device, list[int]]]:
+        """``[(device, positions)]`` in order of each device's first registration."""
+        groups = self._device_groups.get(key)
+        if groups is None:
+            by_device: dict[torch.device, list[int]] = {}
+            for position, e in enumerate(self._entries.get(key, [])):
+                by_device.setdefault(e.device, []).append(position)
+            groups = list(by_device.items())
+            self._device_groups[key] = groups
+        return groups
+
+    def reduce_and_update(self, key: str, recipe, *, forward: bool, group=None) -> None:
+        """Reduce (if the recipe and the process group ask for it) and update every pair."""
+        entries = self._entries.get(key)
+        if not entries:
+            return
+        groups = self.device_groups(key)
+        reduced = self._reduce(entries, groups, group) if _should_reduce(recipe, group) else {}
+
+        if callable(recipe.amax_compute_algo) or callable(recipe.scaling_factor_compute_algo):
+            fp8_max = get_fp8_max(recipe, forward)
+            for device, positions in groups:
+                if device in reduced:
+                    rows = [entries[p].amax_history[0] for p in positions]
+                    split_and_copy(reduced[device], rows, [entries[p].slots for p in positions])
+                for p in positions:
+                    _amax_and_scale_update(entries[p].amax_history, entries[p].scale, fp8_max, recipe)
+            return
+
+        fp8_dtype = get_fp8_torch_dtype(recipe, forward)
+        for device, positions in groups:
+            _fused_update(
+                [entries[p].amax_history for p in positions],
+                [entries[p].scale for p in positions],
+                fp8_dtype,
+                recipe.margin,
+                recipe.amax_compute_algo,
+                reduced.get(device),
+            )
+
+    @staticmethod
+    def _reduce(entries, groups, group) -> dict[torch.device, torch.Tensor]:
+        """Gather row 0 in registration order on the first device, all-reduce, split by device."""
+        home = entries[0].device
+        gathered = torch.cat([e.amax_history[0].to(home) for e in entries])
+        _all_reduce_max(gathered, group)
+        offsets, start = [], 0
+        for e in entries:
+            offsets.append(start)
+            start += e.slots
+        per_device = {}
+        for device, positions in groups:
+            pieces = [gathered[offsets[p] : offsets[p] + entries[p].slots] for p in positions]
+            per_device[device] = torch.cat(pieces).to(device)
+        return per_device

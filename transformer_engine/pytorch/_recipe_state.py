@@ -1,0 +1,190 @@
+"""Per-module, per-direction quantization state built from a recipe.
+
+A recipe state owns the tensors its quantizers read and write (delayed scaling: ``scale [N]``
+and ``amax_history [L, N]``). It always lives on one concrete device, the device of the module
+or op that owns it (DESIGN.md section 3.4): there is no ambient default, so ``device`` must be
+given and must be a real device (``meta`` modules create their state after materialization).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "RecipeState",
+    "DelayedScalingRecipeState",
+    "Float8CurrentScalingRecipeState",
+    "get_fp8_torch_dtype",
+    "get_fp8_te_dtype",
+    "get_fp8_max",
+]
+
+_MODES = ("forward", "backward")
+
+
+def get_fp8_torch_dtype(recipe, fprop_tensor: bool = True) -> torch.dtype:
+    """E4M3 for E4M3 recipes and for forward tensors of HYBRID recipes, else E5M2."""
+    from ..common.recipe import Format
+
+    if recipe.fp8_format == Format.E4M3 or (recipe.fp8_format == Format.HYBRID and fprop_tensor):
+        return torch.float8_e4m3fn
+    return torch.float8_e5m2
+
+
+def get_fp8_te_dtype(recipe, fprop_tensor: bool = True):
+    """The ``DType`` counterpart of :func:`get_fp8_torch_dtype`."""
+    from .constants import TE_DType
+
+    return TE_DType[get_fp8_torch_dtype(recipe, fprop_tensor)]
+
+
+def get_fp8_max(recipe, fprop_tensor: bool = True) -> float:
+    """Largest finite value of the format a tensor of this direction uses (448 or 57344)."""
+    fmt = recipe.fp8_format.value
+    return fmt.max_fwd if fprop_tensor else fmt.max_bwd
+
+
+def _concrete_device(device: Any) -> torch.device:
+    if device is None:
+        raise ValueError(
+            "RecipeState.create needs device=...: pass the device of the module's parameters "
+            "(recipe state is never placed on an ambient default device)"
+        )
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError(
+            "RecipeState cannot live on the meta device; create it after the module's "
+            "parameters are materialized, on their device"
+        )
+    if device.type == "cuda" and device.index is None:
+        raise ValueError(
+            f"device={device} names no CUDA index; pass e.g. weight.device (cuda:N) so the "
+            "state lands next to the weights"
+        )
+    return device
+
+
+class RecipeState:
+    """Quantization state of one direction (``mode``) of one module, on one device."""
+
+    mode: str
+    num_quantizers: int
+    device: torch.device
+    recipe: Any
+
+    @staticmethod
+    def create(recipe, *, mode: str, num_quantizers: int = 1, device=None, roles=None):
+        """Build the state class that matches ``recipe`` (delayed or current scaling)."""
+        from ..common.recipe import DelayedScaling, Float8CurrentScaling
+
+        if mode not in _MODES:
+            raise ValueError(f"mode={mode!r} must be 'forward' or 'backward'")
+        if not isinstance(num_quantizers, int) or num_quantizers < 0:
+            raise ValueError(f"num_quantizers={num_quantizers!r} must be an int >= 0")
+        if isinstance(recipe, DelayedScaling):
+            cls = DelayedScalingRecipeState
+        elif isinstance(recipe, Float8CurrentScaling):
+            cls = Float8CurrentScalingRecipeState
+        else:
+            raise NotImplementedError(
+                f"recipe {type(recipe).__name__} is not implemented; use DelayedScaling or "
+                "Float8CurrentScaling"
+            )
+        return cls(recipe, mode=mode, num_quantizers=num_quantizers, device=device, roles=roles)
+
+    def make_quantizers(self) -> list:
+        raise NotImplementedError
+
+
+class DelayedScalingRecipeState(RecipeState):
+    """``scale [N]`` (starts at 1) and ``amax_history [L, N]`` (starts at 0) on ``device``.
+
+    Quantizers made by :meth:`make_quantizers` hold *views* into these tensors, so casts
+    accumulate amaxes straight into history row 0 and read the current scale.
+    """
+
+    _persistent_state_buffers = ("scale", "amax_history")
+
+    def __init__(self, recipe, *, mode: str, num_quantizers: int = 1, device=None, roles=None):
+        self.recipe = recipe
+        self.mode = mode
+        self.num_quantizers = num_quantizers
+        self.roles = roles
+        self.device = _concrete_device(device)
+        self.dtype = get_fp8_te_dtype(recipe, mode == "forward")
+        self.scale = torch.ones(num_quantizers, dtype=torch.float32, device=self.device)
+        self.amax_history = torch.zeros(
+            recipe.amax_history_len, num_quantizers, dtype=torch.float32, device=self.device
+        )
+
+    def make_quantizers(self) -> list:
+        from .tensor.float8_tensor import Float8Quantizer
+
+        return [
+            Float8Quantizer(
+                scale=self.scale[i], amax=self.amax_history[0][i].reshape((1,)), fp8_dtype=self.dtype
+            )
+            for i in range(self.num_quantizers)
+        ]
+
+    def inherit_state_from(self, other: RecipeState) -> None:
+        """Take over ``other``'s scale and history when they are compatible.
+
+        Tensors on this state's device are rebound (so registry entries and quantizers that
+        alias them stay valid); tensors on any other device are *copied* here instead, so a
+        state never ends up holding tensors of another device.
+        """
+        if not isinstance(other, DelayedScalingRecipeState):
+            return
+        for name in self._persistent_state_buffers:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+                return
+        for name in self._persistent_state_buffers:
+            theirs = getattr(other, name)
+            if theirs.device == self.device:
+                setattr(self, name, theirs)
+            else:
+                getattr(self, name).copy_(theirs)
+
+    def adjust_amax_history_length(self, length: int) -> None:
+        """Truncate (keeping the first rows) or zero-pad the history to ``length`` rows."""
+        if not isinstance(length, int) or length < 1:
+            raise ValueError(f"amax_history_len={length!r} must be an int >= 1")
+        current = self.amax_history.shape[0]
+        if length < current:
+            self.amax_history = self.amax_history[:length].clone()
+        elif length > current:
+            pad = torch.zeros(
+                length - current, self.num_quantizers, dtype=torch.float32, device=self.device
+            )
+            self.amax_history = torch.cat([self.amax_history, pad], dim=0)
+
+
+class Float8CurrentScalingRecipeState(RecipeState):
+    """Current scaling keeps no tensors between steps; it only configures its quantizers."""
+
+    def __init__(self, recipe, *, mode: str, num_quantizers: int = 1, device=None, roles=None):
+        self.recipe = recipe
+        self.mode = mode
+        self.num_quantizers = num_quantizers
+        self.roles = roles
+        self.device = _concrete_device(device)
+        self.dtype = get_fp8_te_dtype(recipe, mode == "forward")
+
+    def make_quantizers(self) -> list:
+        from .tensor.float8_tensor import Float8CurrentScalingQuantizer
+
+        qparams = self.recipe.fp8_quant_fwd_inp if self.mode == "forward" else None
+        if qparams is None:
+            qparams = self.recipe.fp8_quant_bwd_grad
+        return [
+            Float8CurrentScalingQuantizer(
+                self.dtype,
+                force_pow_2_scales=self.recipe.use_power_2_scales,
+                amax_epsilon=qparams.amax_epsilon,
+            )
+            for _ in range(self.num_quantizers)
+        ]
