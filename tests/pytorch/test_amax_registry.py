@@ -90,7 +90,7 @@ def test_reduction_buffer_layout_and_max_on_one_device(recorded_updates, fake_di
     group = object()
     registry.reduce_and_update("forward_k", DelayedScaling(), forward=True, group=group)
 
-    (sent, sent_group), = fake_distributed["calls"]
+    ((sent, sent_group),) = fake_distributed["calls"]
     assert sent_group is group
     # row 0 of every history, concatenated in registration order
     assert torch.equal(sent, torch.tensor([1.0, 2.0, 10.0, 20.0, 30.0, 100.0]))
@@ -99,7 +99,9 @@ def test_reduction_buffer_layout_and_max_on_one_device(recorded_updates, fake_di
     assert [h is p[0] for h, p in zip(call["histories"], pairs)] == [True, True, True]
 
 
-def test_reduction_scatters_each_device_its_own_slices(monkeypatch, recorded_updates, fake_distributed):
+def test_reduction_scatters_each_device_its_own_slices(
+    monkeypatch, recorded_updates, fake_distributed
+):
     # Two real "devices" are not available on CPU; fake a second one by making .to() of the
     # gathered buffer observable: entries on cpu only, but the grouping is forced to two groups.
     registry = AmaxRegistry()
@@ -134,7 +136,10 @@ def test_replacing_an_entry_rebuilds_the_device_grouping(recorded_updates):
     assert [d.type for d, _ in registry.device_groups("k")] == ["cpu"]
     moved = pair("meta")
     registry.replace("k", 1, *moved)
-    assert [(d.type, pos) for d, pos in registry.device_groups("k")] == [("cpu", [0]), ("meta", [1])]
+    assert [(d.type, pos) for d, pos in registry.device_groups("k")] == [
+        ("cpu", [0]),
+        ("meta", [1]),
+    ]
     assert registry.entry("k", 1)[0] is moved[0]
 
 
@@ -160,7 +165,7 @@ def test_real_update_on_cpu_follows_the_reference():
     registry = AmaxRegistry()
     pairs = [pair("cpu", slots=2, length=3), pair("cpu", slots=1, length=3)]
     expected = [(h.clone(), s.clone()) for h, s in pairs]
-    for (h, s), (eh, es) in zip(pairs, expected):
+    for (h, s), (eh, _) in zip(pairs, expected):
         registry.register("k", h, s)
         h[0] = torch.linspace(1, 2, h.shape[1])
         eh[0] = torch.linspace(1, 2, h.shape[1])

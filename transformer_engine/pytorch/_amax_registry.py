@@ -152,7 +152,9 @@ class AmaxRegistry:
                     rows = [entries[p].amax_history[0] for p in positions]
                     split_and_copy(reduced[device], rows, [entries[p].slots for p in positions])
                 for p in positions:
-                    _amax_and_scale_update(entries[p].amax_history, entries[p].scale, fp8_max, recipe)
+                    _amax_and_scale_update(
+                        entries[p].amax_history, entries[p].scale, fp8_max, recipe
+                    )
             return
 
         fp8_dtype = get_fp8_torch_dtype(recipe, forward)

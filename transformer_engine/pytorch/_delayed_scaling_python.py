@@ -8,7 +8,7 @@ this path and is kept on purpose.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -82,7 +82,9 @@ def _amax_and_scale_update(
         scale.copy_(new_scale)
 
 
-def split_and_copy(buffer: torch.Tensor, outputs: list[torch.Tensor], chunk_sizes: list[int]) -> None:
+def split_and_copy(
+    buffer: torch.Tensor, outputs: list[torch.Tensor], chunk_sizes: list[int]
+) -> None:
     """Copy consecutive chunks of ``buffer`` into ``outputs`` (each on its own device)."""
     for chunk, out in zip(torch.split(buffer, chunk_sizes), outputs):
         out.copy_(chunk)

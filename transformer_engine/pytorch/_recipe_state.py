@@ -124,7 +124,9 @@ class DelayedScalingRecipeState(RecipeState):
 
         return [
             Float8Quantizer(
-                scale=self.scale[i], amax=self.amax_history[0][i].reshape((1,)), fp8_dtype=self.dtype
+                scale=self.scale[i],
+                amax=self.amax_history[0][i].reshape((1,)),
+                fp8_dtype=self.dtype,
             )
             for i in range(self.num_quantizers)
         ]

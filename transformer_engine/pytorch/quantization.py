@@ -107,7 +107,9 @@ def check_fp8_support(device=None) -> tuple[bool, str]:
         return True, ""
     if torch.cuda.is_available():
         reasons = [
-            r for ok, r in (_cuda_fp8_support(i) for i in range(torch.cuda.device_count())) if not ok
+            r
+            for ok, r in (_cuda_fp8_support(i) for i in range(torch.cuda.device_count()))
+            if not ok
         ]
         return (not reasons, "; ".join(reasons))
     return True, ""
@@ -286,7 +288,10 @@ class FP8GlobalStateManager:
                 state = fp8_meta.get(cls.get_meta_tensor_key(forward))
                 if isinstance(state, DelayedScalingRecipeState):
                     key = cls.get_key_in_buffer(forward, recipe, group)
-                    registered[forward] = (key, registry.register(key, state.amax_history, state.scale))
+                    registered[forward] = (
+                        key,
+                        registry.register(key, state.amax_history, state.scale),
+                    )
             fp8_meta[info_key] = registered
             return
         for forward, (key, position) in registered.items():
@@ -431,7 +436,9 @@ def fp8_autocast(
         DeprecationWarning,
         stacklevel=2,
     )
-    return autocast(enabled, calibrating, recipe=fp8_recipe, amax_reduction_group=fp8_group, _graph=_graph)
+    return autocast(
+        enabled, calibrating, recipe=fp8_recipe, amax_reduction_group=fp8_group, _graph=_graph
+    )
 
 
 @contextlib.contextmanager
@@ -454,7 +461,11 @@ def quantized_model_init(
         check_recipe_support(recipe)
     saved = FP8GlobalStateManager.get_model_init_state()
     FP8GlobalStateManager.set_model_init_state(
-        (enabled, recipe if recipe is not None else get_default_fp8_recipe(), preserve_high_precision_init_val)
+        (
+            enabled,
+            recipe if recipe is not None else get_default_fp8_recipe(),
+            preserve_high_precision_init_val,
+        )
     )
     try:
         yield
@@ -470,7 +481,9 @@ def fp8_model_init(
 ):
     """Deprecated alias of :func:`quantized_model_init`."""
     warnings.warn(
-        "fp8_model_init is deprecated; use te.quantized_model_init", DeprecationWarning, stacklevel=3
+        "fp8_model_init is deprecated; use te.quantized_model_init",
+        DeprecationWarning,
+        stacklevel=3,
     )
     with quantized_model_init(enabled, recipe, preserve_high_precision_init_val):
         yield

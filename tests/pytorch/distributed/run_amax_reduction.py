@@ -31,7 +31,9 @@ def rank_amax(rank: int, step: int, module: int, slot: int) -> float:
     """Rank-dependent amaxes, with some zero slots, so the MAX reduction matters."""
     if (step + slot) % 4 == 3:
         return 0.0
-    return float((rank + 1) * (module + 2) + step * 0.5 + slot * 0.25 + (7.0 if rank == step % 3 else 0))
+    return float(
+        (rank + 1) * (module + 2) + step * 0.5 + slot * 0.25 + (7.0 if rank == step % 3 else 0)
+    )
 
 
 def expected_max(world_size: int, step: int, module: int, slot: int) -> float:
@@ -50,7 +52,9 @@ def worker(rank: int, world_size: int, backend: str, out_dir: str, init_method: 
         recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4, margin=1)
         metas = []
         for _ in range(2):
-            state = DelayedScalingRecipeState(recipe, mode="forward", num_quantizers=3, device=device)
+            state = DelayedScalingRecipeState(
+                recipe, mode="forward", num_quantizers=3, device=device
+            )
             metas.append({"recipe": recipe, "fp8_group": None, "scaling_fwd": state})
         for step in range(STEPS):
             with autocast(enabled=True, recipe=recipe):

@@ -1,0 +1,500 @@
+"""Quantization recipes: frozen configuration objects that say how tensors are cast to FP8.
+
+A recipe is pure configuration. It holds no tensors and imports neither torch nor
+``transformer_engine.pytorch``; the quantization state built from it (scales, amax histories,
+quantizers) lives in ``transformer_engine.pytorch``. Recipes are frozen dataclasses, so they are
+hashable and compare field by field, and every field is checked at construction: a bad value
+raises ``TypeError`` (wrong type) or ``ValueError`` (wrong value) naming the field, the value and
+the fix.
+
+Two recipes are available:
+
+* :class:`DelayedScaling`: per-tensor scales computed from a history of amaxes seen in earlier
+  steps.
+* :class:`Float8CurrentScaling`: per-tensor scales computed from the tensor being cast.
+
+The scaling math of both is described in ``docs/recipes.md``.
+
+Environment variables (each read at construction time, by one helper in this module):
+
+``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES``
+    ``"1"`` makes ``Float8CurrentScaling.use_power_2_scales`` default to True; any other value,
+    or unset, to False. The class-level ``Float8CurrentScaling.fp8_quant_*`` parameters read it
+    once, when this module is imported.
+``NVTE_BACKWARD_OVERRIDE``
+    Default of ``Float8CurrentScaling.backward_override``: unset or empty means None, else
+    ``"high_precision"`` or ``"dequantized"``. ``DelayedScaling`` does not read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import os
+from collections.abc import Callable
+from enum import Enum
+from typing import Any, ClassVar, NamedTuple
+
+__all__ = [
+    "Format",
+    "MMParams",
+    "QParams",
+    "Recipe",
+    "DelayedScaling",
+    "Float8CurrentScaling",
+]
+
+_BACKWARD_OVERRIDE_ENV = "NVTE_BACKWARD_OVERRIDE"
+_POWER_2_SCALES_ENV = "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"
+_BACKWARD_OVERRIDES = ("high_precision", "dequantized")
+_AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+
+# ------------------------------------------------------------------ environment
+
+
+def _power_2_scales_from_env() -> bool:
+    """Default of ``use_power_2_scales``: True exactly when the variable is ``"1"``."""
+    return os.environ.get(_POWER_2_SCALES_ENV, "0") == "1"
+
+
+def _backward_override_from_env() -> str | None:
+    """Default of ``Float8CurrentScaling.backward_override`` from ``NVTE_BACKWARD_OVERRIDE``."""
+    value = os.environ.get(_BACKWARD_OVERRIDE_ENV, "")
+    if value == "":
+        return None
+    if value not in _BACKWARD_OVERRIDES:
+        raise ValueError(
+            f"environment variable {_BACKWARD_OVERRIDE_ENV}={value!r} is not a valid "
+            f"backward_override; set it to one of {_BACKWARD_OVERRIDES} or unset it"
+        )
+    return value
+
+
+# ------------------------------------------------------------------ field checks
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def _check_bool(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{owner}: {name} must be a bool, got {value!r} ({_type_name(value)}); "
+            f"pass True or False"
+        )
+
+
+def _check_int_at_least(owner: str, name: str, value: Any, minimum: int) -> int:
+    # bool is an int subclass, but margin=True is far more likely a mistake than a request for 1.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{owner}: {name} must be an int, got {value!r} ({_type_name(value)}); "
+            f"pass an integer >= {minimum}"
+        )
+    if value < minimum:
+        raise ValueError(
+            f"{owner}: {name} must be >= {minimum}, got {value}; pass {minimum} or more"
+        )
+    return int(value)
+
+
+def _check_fp8_format(owner: str, value: Any) -> None:
+    if not isinstance(value, Format):
+        raise TypeError(
+            f"{owner}: fp8_format must be a Format, got {value!r} ({_type_name(value)}); "
+            f"pass Format.HYBRID or Format.E4M3"
+        )
+    if value is Format.E5M2:
+        raise ValueError(
+            f"{owner}: fp8_format=Format.E5M2: pure E5M2 training is not supported; use "
+            f"Format.HYBRID (E4M3 forward, E5M2 gradients) or Format.E4M3"
+        )
+    if value is Format.E2M1:
+        raise ValueError(
+            f"{owner}: fp8_format=Format.E2M1 is an FP4 format, not an FP8 one; use "
+            f"Format.HYBRID or Format.E4M3"
+        )
+
+
+def _check_backward_override(owner: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{owner}: backward_override must be None or a str, got {value!r} "
+            f"({_type_name(value)}); pass None, 'high_precision' or 'dequantized'"
+        )
+    if value not in _BACKWARD_OVERRIDES:
+        raise ValueError(
+            f"{owner}: backward_override={value!r} is not supported; pass None, "
+            f"'high_precision' or 'dequantized'"
+        )
+
+
+def _check_mm_params(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, MMParams):
+        raise TypeError(
+            f"{owner}: {name} must be an MMParams, got {value!r} ({_type_name(value)}); "
+            f"pass e.g. MMParams(use_split_accumulator=True)"
+        )
+
+
+# ------------------------------------------------------------------ formats and parameters
+
+
+class _FormatMaxima(NamedTuple):
+    """Largest finite magnitudes of a :class:`Format`: forward tensors and gradients."""
+
+    max_fwd: int
+    max_bwd: int
+
+
+class Format(Enum):
+    """Low-precision number formats a recipe can cast to.
+
+    Each member's ``value`` is a named tuple ``(max_fwd, max_bwd)``: the largest finite
+    magnitude of the format used for forward tensors (activations, weights) and for backward
+    tensors (gradients). Read them as ``fmt.value.max_fwd`` and ``fmt.value.max_bwd``.
+
+    Attributes
+    ----------
+    E2M1
+        FP4 (largest value 6) everywhere. Only for FP4 recipes; FP8 recipes reject it.
+    E4M3
+        FP8 E4M3 (largest value 448) everywhere.
+    E5M2
+        FP8 E5M2 (largest value 57344) everywhere. FP8 recipes reject it: pure E5M2 training is
+        not supported.
+    HYBRID
+        E4M3 for forward tensors, E5M2 for gradients (448 / 57344).
+    """
+
+    E2M1 = _FormatMaxima(max_fwd=6, max_bwd=6)
+    E4M3 = _FormatMaxima(max_fwd=448, max_bwd=448)
+    E5M2 = _FormatMaxima(max_fwd=57344, max_bwd=57344)
+    HYBRID = _FormatMaxima(max_fwd=448, max_bwd=57344)
+
+
+@dataclasses.dataclass(frozen=True)
+class MMParams:
+    """Options of one FP8 matrix multiplication (GEMM).
+
+    Parameters
+    ----------
+    use_split_accumulator : bool, default True
+        Accumulate in higher precision by periodically promoting the partial sums (cuBLASLt's
+        split accumulation) instead of the faster FP8 fast-accumulation mode.
+    """
+
+    use_split_accumulator: bool = True
+
+    def __post_init__(self) -> None:
+        _check_bool("MMParams", "use_split_accumulator", self.use_split_accumulator)
+
+
+@dataclasses.dataclass(frozen=True)
+class QParams:
+    """Options of one quantization role (input, weight or gradient).
+
+    Parameters
+    ----------
+    power_2_scale : bool, default False
+        Round each scale down to a power of 2, so scaling is exact in binary.
+    amax_epsilon : float, default 0.0
+        Lower bound applied to the amax before the scale is computed; keeps near-zero tensors
+        from producing huge scales. Must be finite and >= 0.
+    random_hadamard_transform : bool, default False
+        Apply a random Hadamard transform before quantizing (FP4 recipes only).
+    stochastic_rounding : bool, default False
+        Round stochastically instead of to nearest (FP4 recipes only).
+    fp4_2d_quantization : bool, default False
+        Use 2D blocks for FP4 quantization (FP4 recipes only).
+    """
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (
+            "power_2_scale",
+            "random_hadamard_transform",
+            "stochastic_rounding",
+            "fp4_2d_quantization",
+        ):
+            _check_bool("QParams", name, getattr(self, name))
+        eps = self.amax_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+            raise TypeError(
+                f"QParams: amax_epsilon must be a float, got {eps!r} ({_type_name(eps)}); "
+                f"pass a finite number >= 0.0"
+            )
+        if not (math.isfinite(eps) and eps >= 0):
+            raise ValueError(
+                f"QParams: amax_epsilon must be finite and >= 0.0, got {eps!r}; pass e.g. 0.0"
+            )
+        # Normalise ints (and numpy scalars) so equal epsilons compare and print alike.
+        object.__setattr__(self, "amax_epsilon", float(eps))
+
+
+def _import_time_role_qparams() -> QParams:
+    """Per-role ``QParams`` of ``Float8CurrentScaling``, made once when this module is imported."""
+    return QParams(power_2_scale=_power_2_scales_from_env(), amax_epsilon=0.0)
+
+
+# ------------------------------------------------------------------ recipes
+
+
+class Recipe:
+    """Base class of every quantization recipe.
+
+    The predicates below test the recipe's class; they are classmethods, so they work on a
+    class (``DelayedScaling.delayed()``) and on an instance (``recipe.delayed()``) alike.
+    Predicates for recipe families this project does not implement return False.
+    """
+
+    @classmethod
+    def nvfp4(cls) -> bool:
+        """Whether this is an NVFP4 block-scaling recipe (not implemented here: always False)."""
+        return False
+
+    @classmethod
+    def mxfp8(cls) -> bool:
+        """Whether this is an MXFP8 block-scaling recipe (not implemented here: always False)."""
+        return False
+
+    @classmethod
+    def delayed(cls) -> bool:
+        """Whether this is a :class:`DelayedScaling` recipe."""
+        return issubclass(cls, DelayedScaling)
+
+    @classmethod
+    def float8_current_scaling(cls) -> bool:
+        """Whether this is a :class:`Float8CurrentScaling` recipe."""
+        return issubclass(cls, Float8CurrentScaling)
+
+    @classmethod
+    def float8_per_tensor_scaling(cls) -> bool:
+        """Whether this recipe uses one FP8 scale per tensor (delayed or current scaling)."""
+        return issubclass(cls, (DelayedScaling, Float8CurrentScaling))
+
+    @classmethod
+    def float8_block_scaling(cls) -> bool:
+        """Whether this is an FP8 block-scaling recipe (not implemented here: always False)."""
+        return False
+
+    @classmethod
+    def custom(cls) -> bool:
+        """Whether this is a custom (user-factory) recipe (not implemented here: always False)."""
+        return False
+
+
+# The repr of a recipe is part of the autocast buffer key: modules whose recipes print the same
+# share one set of global amax buffers, reduced and updated together. The key must therefore be
+# the same for the same configuration, also when the recipe object is rebuilt (a common pattern
+# is `autocast(recipe=DelayedScaling(...))` inside the training loop) and on every rank. That is
+# why the reprs below list only plain values and leave out `amax_compute_algo` and
+# `scaling_factor_compute_algo`: a callable prints with its memory address, so a freshly made
+# lambda would open a new key, and new buffers, on every step. The trade-off, as upstream: two
+# recipes that differ only in those algorithms share a key, so use one of them per process.
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class DelayedScaling(Recipe):
+    """FP8 training with delayed scaling: scales come from the amaxes of earlier steps.
+
+    Every FP8 cast records the amax (``max |x|``) of its input. At the end of the forward pass
+    (exit of the outermost autocast) and of the backward pass, the recorded amaxes are, when
+    requested, all-reduced across ranks, appended to a history of ``amax_history_len`` steps,
+    and each tensor's next scale is computed from that history as
+    ``fp8_max * 2**-margin / amax``. The casts of step ``k`` therefore use scales from steps
+    before ``k``. See ``docs/recipes.md`` for the exact rules.
+
+    Parameters
+    ----------
+    margin : int, default 0
+        Headroom: scales are divided by ``2**margin``. An int >= 0.
+    fp8_format : Format, default Format.HYBRID
+        ``Format.HYBRID`` (E4M3 forward, E5M2 gradients) or ``Format.E4M3``.
+    amax_history_len : int, default 1024
+        Number of steps in the amax history window. An int >= 1.
+    amax_compute_algo : {"max", "most_recent"} or callable, default "max"
+        Which amax the scale is computed from: the maximum over the history window
+        (``"max"``), the amax of the latest step only (``"most_recent"``), or the result of a
+        callable taking the history tensor ``[amax_history_len, N]`` and returning an amax
+        tensor ``[N]``.
+    scaling_factor_compute_algo : callable, optional
+        Custom scale function ``(amax, scale, fp8_max, recipe) -> new_scale``; None uses the
+        default formula above.
+    reduce_amax : bool, default True
+        All-reduce (MAX) the amaxes over the autocast's ``amax_reduction_group`` before the
+        update, when ``torch.distributed`` is initialized with more than one rank. With False
+        each rank keeps its own scales (and every rank must then save its checkpoint).
+    fp8_dpa : bool, default False
+        (Beta) FP8 dot-product attention: attention casts its inputs to FP8 internally.
+    fp8_mha : bool, default False
+        (Beta) FP8 multi-head attention: no casts at the attention boundaries; the QKV
+        projection produces FP8 and the output projection consumes it.
+    backward_override : None
+        Must be None: delayed scaling always runs the backward pass in FP8. Unlike
+        :class:`Float8CurrentScaling` the default ignores ``NVTE_BACKWARD_OVERRIDE``, so a
+        process-wide setting meant for current scaling does not make every ``DelayedScaling()``
+        fail; an explicit non-None value raises ``ValueError``.
+
+    Raises
+    ------
+    TypeError
+        A field has the wrong type, or an unknown keyword argument was given.
+    ValueError
+        A field has an unsupported value.
+    """
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str | Callable[[Any], Any] = "max"
+    scaling_factor_compute_algo: Callable[..., Any] | None = None
+    reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = None
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        object.__setattr__(self, "margin", _check_int_at_least(owner, "margin", self.margin, 0))
+        _check_fp8_format(owner, self.fp8_format)
+        object.__setattr__(
+            self,
+            "amax_history_len",
+            _check_int_at_least(owner, "amax_history_len", self.amax_history_len, 1),
+        )
+        algo = self.amax_compute_algo
+        if isinstance(algo, str):
+            if algo not in _AMAX_COMPUTE_ALGOS:
+                raise ValueError(
+                    f"{owner}: amax_compute_algo={algo!r} is not supported; pass 'max', "
+                    f"'most_recent' or a callable mapping the amax history [L, N] to amaxes [N]"
+                )
+        elif not callable(algo):
+            raise TypeError(
+                f"{owner}: amax_compute_algo must be 'max', 'most_recent' or a callable, got "
+                f"{algo!r} ({_type_name(algo)})"
+            )
+        sf_algo = self.scaling_factor_compute_algo
+        if sf_algo is not None and not callable(sf_algo):
+            raise TypeError(
+                f"{owner}: scaling_factor_compute_algo must be None or a callable "
+                f"(amax, scale, fp8_max, recipe) -> scale, got {sf_algo!r} ({_type_name(sf_algo)})"
+            )
+        for name in ("reduce_amax", "fp8_dpa", "fp8_mha"):
+            _check_bool(owner, name, getattr(self, name))
+        _check_backward_override(owner, self.backward_override)
+        if self.backward_override is not None:
+            raise ValueError(
+                f"{owner}: backward_override={self.backward_override!r} is not supported with "
+                f"delayed scaling; leave backward_override=None, or use Float8CurrentScaling"
+            )
+
+    def __repr__(self) -> str:
+        # Part of the autocast buffer key: see the comment above this class.
+        return (
+            f"recipe_type={type(self).__name__}, "
+            f"margin={self.margin}, "
+            f"format={self.fp8_format.name}, "
+            f"amax_history_len={self.amax_history_len}, "
+            f"reduce_amax={self.reduce_amax}, "
+            f"fp8_dpa={self.fp8_dpa}, "
+            f"fp8_mha={self.fp8_mha}, "
+            f"backward_override={self.backward_override}"
+        )
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Float8CurrentScaling(Recipe):
+    """FP8 training with current (just-in-time) per-tensor scaling.
+
+    Each cast computes the amax of the tensor it is about to cast and derives the scale from
+    it, ``fp8_max / max(amax, amax_epsilon)`` (no margin, no history), so there is no state to
+    keep between steps. See ``docs/recipes.md`` for the exact rules.
+
+    Parameters
+    ----------
+    use_power_2_scales : bool, default from ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES``
+        Round scales down to powers of 2. Defaults to True exactly when the environment
+        variable is ``"1"`` at construction time.
+    fp8_format : Format, default Format.HYBRID
+        ``Format.HYBRID`` (E4M3 forward, E5M2 gradients) or ``Format.E4M3``.
+    fp8_gemm_fprop : MMParams, default MMParams(use_split_accumulator=False)
+        Options of the forward GEMM.
+    fp8_gemm_dgrad : MMParams, default MMParams(use_split_accumulator=True)
+        Options of the input-gradient GEMM.
+    fp8_gemm_wgrad : MMParams, default MMParams(use_split_accumulator=True)
+        Options of the weight-gradient GEMM.
+    fp8_dpa : bool, default False
+        (Beta) FP8 dot-product attention.
+    fp8_mha : bool, default False
+        (Beta) FP8 multi-head attention (no casts at the attention boundaries).
+    backward_override : {None, "high_precision", "dequantized"}, default from env
+        None runs the backward pass in FP8. ``"high_precision"`` computes it from the original
+        high-precision operands; ``"dequantized"`` from the saved FP8 operands dequantized to
+        the compute dtype. Defaults to ``NVTE_BACKWARD_OVERRIDE`` at construction time (unset
+        or empty means None).
+
+    Attributes
+    ----------
+    fp8_quant_fwd_inp, fp8_quant_fwd_weight, fp8_quant_bwd_grad : QParams
+        Class attributes, not constructor arguments: per-role quantization parameters
+        ``QParams(power_2_scale=<NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES == "1">,
+        amax_epsilon=0.0)``, fixed when this module is imported. Passing them to the
+        constructor is a ``TypeError``.
+
+    Raises
+    ------
+    TypeError
+        A field has the wrong type, or an unknown keyword argument was given.
+    ValueError
+        A field has an unsupported value.
+    """
+
+    use_power_2_scales: bool = dataclasses.field(default_factory=_power_2_scales_from_env)
+    fp8_format: Format = Format.HYBRID
+    # Class-wide constants, so they cannot follow a later change of the environment; they are
+    # the per-role parameters quantizers of the input, weight and gradient roles start from.
+    fp8_quant_fwd_inp: ClassVar[QParams] = _import_time_role_qparams()
+    fp8_quant_fwd_weight: ClassVar[QParams] = _import_time_role_qparams()
+    fp8_quant_bwd_grad: ClassVar[QParams] = _import_time_role_qparams()
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = dataclasses.field(default_factory=_backward_override_from_env)
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_bool(owner, "use_power_2_scales", self.use_power_2_scales)
+        _check_fp8_format(owner, self.fp8_format)
+        for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+            _check_mm_params(owner, name, getattr(self, name))
+        for name in ("fp8_dpa", "fp8_mha"):
+            _check_bool(owner, name, getattr(self, name))
+        _check_backward_override(owner, self.backward_override)
+
+    def __repr__(self) -> str:
+        # Part of the autocast buffer key, like DelayedScaling's: plain values only.
+        return (
+            f"recipe_type={type(self).__name__}, "
+            f"format={self.fp8_format.name}, "
+            f"use_power_2_scales={self.use_power_2_scales}, "
+            f"fp8_gemm_fprop={self.fp8_gemm_fprop}, "
+            f"fp8_gemm_dgrad={self.fp8_gemm_dgrad}, "
+            f"fp8_gemm_wgrad={self.fp8_gemm_wgrad}, "
+            f"fp8_dpa={self.fp8_dpa}, "
+            f"fp8_mha={self.fp8_mha}, "
+            f"backward_override={self.backward_override}"
+        )
