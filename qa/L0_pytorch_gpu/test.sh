@@ -3,7 +3,8 @@
 #   1. build and install the package from this checkout (pip install --no-build-isolation .),
 #   2. run the unit suites (CPU and GPU; the two-GPU tests run when two GPUs are visible),
 #   3. run the native-kernel GPU tests once more under compute-sanitizer memcheck (0 errors),
-#   4. run the quantize benchmark.
+#   4. with two GPUs, the amax reduction over NCCL (torchrun, 2 processes x 1 GPU),
+#   5. run the quantize benchmark.
 # Logs go to $LOG_DIR (default: $OUT when set, else ./qa_logs).
 set -uo pipefail
 
@@ -45,6 +46,21 @@ if [ -x "$SANITIZER" ]; then
 else
   echo "compute-sanitizer not found; memcheck NOT run"
   status=1
+fi
+
+NUM_GPUS=$(nvidia-smi -L | wc -l)
+if [ "$NUM_GPUS" -ge 2 ]; then
+  step "amax reduction over NCCL: torchrun, 2 processes x 1 GPU"
+  rm -rf "$LOG_DIR/amax_nccl"
+  if torchrun --standalone --nproc_per_node=2 tests/pytorch/distributed/run_amax_reduction.py \
+      --backend nccl --out "$LOG_DIR/amax_nccl" >"$LOG_DIR/amax_nccl.log" 2>&1 &&
+     "$PYTHON" -P tests/pytorch/distributed/run_amax_reduction.py --check 2 --out "$LOG_DIR/amax_nccl"; then
+    echo "NCCL amax reduction passed"
+  else
+    tail -30 "$LOG_DIR/amax_nccl.log"; echo "NCCL AMAX REDUCTION FAILED"; status=1
+  fi
+else
+  echo "only $NUM_GPUS GPU: the NCCL amax reduction (2 processes x 1 GPU) did NOT run"
 fi
 
 if [ "${SKIP_BENCHMARK:-0}" != "1" ]; then

@@ -1,13 +1,16 @@
 """Build helpers (build_tools/native_build.py): nvcc discovery and CUDA architecture lists."""
 
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
-
-from build_tools import native_build  # noqa: E402
+# Load build_tools/native_build.py by path: putting the repository root on sys.path would make
+# later imports of transformer_engine pick up the source tree instead of the installed package.
+_PATH = Path(__file__).resolve().parents[2] / "build_tools" / "native_build.py"
+_spec = importlib.util.spec_from_file_location("native_build", _PATH)
+native_build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(native_build)
 
 
 def test_default_archs_give_real_code_and_ptx_for_the_newest():
@@ -51,7 +54,9 @@ def test_cuda_home_wins(monkeypatch, tmp_path):
     assert native_build.find_nvcc() == str(nvcc)
 
 
-@pytest.mark.parametrize("value, expected", [(None, True), ("1", True), ("0", False), (" 0 ", False)])
+@pytest.mark.parametrize(
+    "value, expected", [(None, True), ("1", True), ("0", False), (" 0 ", False)]
+)
 def test_native_build_switch(monkeypatch, value, expected):
     if value is None:
         monkeypatch.delenv("NVTE_BUILD_NATIVE", raising=False)

@@ -1,11 +1,38 @@
-"""PyTorch API of transformer_engine.
+"""PyTorch API of transformer_engine (``import transformer_engine.pytorch as te``).
 
-At this stage it holds the FP8 cast kernels (``cpp_extensions``), their
-pure-PyTorch reference (``reference``), the dtype constants and the device
-seam; recipes, quantized tensors, modules and ops build on these.
+What exists so far: FP8 recipes (``transformer_engine.common.recipe``), autocast and the
+quantization state, quantized tensors, the FP8 cast kernels and GEMM
+(``cpp_extensions``), their pure-PyTorch reference (``reference``) and the device seam.
 """
 
 from . import cpp_extensions, reference
 from .constants import DType
+from .quantization import (
+    FP8GlobalStateManager,
+    autocast,
+    fp8_autocast,
+    fp8_model_init,
+    get_default_recipe,
+    is_fp8_available,
+    quantized_model_init,
+)
+from .quantized_tensor import QuantizedTensor, Quantizer
+from .tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 
-__all__ = ["DType", "cpp_extensions", "reference"]
+__all__ = [
+    "DType",
+    "cpp_extensions",
+    "reference",
+    "FP8GlobalStateManager",
+    "autocast",
+    "fp8_autocast",
+    "fp8_model_init",
+    "get_default_recipe",
+    "is_fp8_available",
+    "quantized_model_init",
+    "Quantizer",
+    "QuantizedTensor",
+    "Float8Quantizer",
+    "Float8CurrentScalingQuantizer",
+    "Float8Tensor",
+]

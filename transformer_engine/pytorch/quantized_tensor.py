@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import abc
 import copy
+import os
+import sys
 import warnings
 from typing import Any
 
@@ -213,6 +215,7 @@ class Quantizer(abc.ABC):
 
     def calibrate(self, tensor: torch.Tensor) -> None:
         """Record statistics of ``tensor`` without quantizing it (no-op by default)."""
+        return None
 
     # ------------------------------------------------------------------ usages and copies
 
@@ -385,7 +388,7 @@ class QuantizedTensor(torch.Tensor):
 
     # Conversions (Python methods: they bypass dispatch) --------------------------------
 
-    def float(self) -> torch.Tensor:  # noqa: A003
+    def float(self) -> torch.Tensor:
         """Dequantize to float32 (autograd-aware)."""
         return self.dequantize(dtype=torch.float32)
 
@@ -411,12 +414,12 @@ class QuantizedTensor(torch.Tensor):
             if handled is not NotImplemented:
                 return handled
         if func is aten.is_pinned.default:
-            return all(t.is_pinned() for t in args[0]._buffers() if t is not None)
+            return all(t.is_pinned() for t in args[0]._quantized_buffers() if t is not None)
         if func._schema.is_mutable:
             return _inplace_fallback(func, args, kwargs)
         return _high_precision_fallback(func, args, kwargs)
 
-    def _buffers(self) -> list[torch.Tensor | None]:
+    def _quantized_buffers(self) -> list[torch.Tensor | None]:
         return []
 
 
@@ -501,6 +504,20 @@ def _inplace_fallback(func, args, kwargs):
     return tree_map(lambda v: original_of.get(id(v), v), out)
 
 
+_INTERNAL_DIRS = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # transformer_engine
+    os.path.dirname(os.path.abspath(torch.__file__)),
+)
+
+
+def _caller_stacklevel() -> int:
+    """``stacklevel`` that points a warning at the first frame outside this library and torch."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _high_precision_fallback(func, args, kwargs):
     """Dequantize all quantized arguments and run ``func`` on plain tensors."""
     name = str(func)
@@ -509,7 +526,7 @@ def _high_precision_fallback(func, args, kwargs):
         warnings.warn(
             f"{name} has no quantized implementation: it ran in high precision on dequantized "
             "values and returned plain tensors (reported once per op)",
-            stacklevel=2,
+            stacklevel=_caller_stacklevel(),
         )
     plain_args, plain_kwargs = tree_map_only(QuantizedTensor, _dequantize_any, (args, kwargs))
     return func(*plain_args, **plain_kwargs)

@@ -75,11 +75,43 @@ def worker(rank: int, world_size: int, backend: str, out_dir: str, init_method: 
         dist.destroy_process_group()
 
 
+def expected_state(world_size: int):
+    """The state a single process reaches when it sees each step's global maximum amaxes."""
+    from transformer_engine.pytorch import reference
+
+    histories = [torch.zeros(4, 3) for _ in range(2)]
+    scales = [torch.ones(3) for _ in range(2)]
+    for step in range(STEPS):
+        for m in range(2):
+            histories[m][0] = torch.tensor([expected_max(world_size, step, m, i) for i in range(3)])
+        reference.delayed_scaling_update(histories, scales, torch.float8_e4m3fn, 1, "max")
+    return histories, scales
+
+
+def check_results(out_dir: str, world_size: int) -> None:
+    """Every rank saved the same state, bitwise equal to :func:`expected_state`."""
+    histories, scales = expected_state(world_size)
+    for rank in range(world_size):
+        result = torch.load(os.path.join(out_dir, f"rank{rank}.pt"))
+        for m in range(2):
+            got = result[f"module{m}"]
+            if not (
+                torch.equal(got["scale"], scales[m])
+                and torch.equal(got["amax_history"], histories[m])
+            ):
+                raise AssertionError(f"rank {rank} module {m}: {got} != expected {scales[m]}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--check", type=int, metavar="WORLD_SIZE", help="only check saved results")
     args = parser.parse_args()
+    if args.check:
+        check_results(args.out, args.check)
+        print(f"amax reduction: {args.check} ranks ended with identical, expected state")
+        return 0
     os.makedirs(args.out, exist_ok=True)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     worker(rank, world_size, args.backend, args.out)

@@ -1,6 +1,7 @@
 """Kernel wrappers: validate torch tensors, then run natively (CUDA) or via the reference (CPU)."""
 
 from .cast import QuantizeResult, compute_amax, dequantize, quantize, transposed_shape
+from .gemm import general_gemm
 from .scaling import (
     AMAX_COMPUTE_ALGOS,
     compute_scale_from_amax,
@@ -14,6 +15,7 @@ __all__ = [
     "dequantize",
     "compute_amax",
     "transposed_shape",
+    "general_gemm",
     "AMAX_COMPUTE_ALGOS",
     "compute_scale_from_amax",
     "delayed_scaling_update",

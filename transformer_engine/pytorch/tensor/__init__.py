@@ -1,0 +1,15 @@
+"""Quantized tensor types: quantizers and the tensors they produce."""
+
+from ..quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer
+from .float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
+from .storage.float8_tensor_storage import Float8TensorStorage
+
+__all__ = [
+    "Quantizer",
+    "QuantizedTensor",
+    "QuantizedTensorStorage",
+    "Float8Quantizer",
+    "Float8CurrentScalingQuantizer",
+    "Float8Tensor",
+    "Float8TensorStorage",
+]

@@ -1,0 +1,226 @@
+"""Aten operations that a ``Float8Tensor`` performs on its FP8 bytes.
+
+``FLOAT8_HANDLERS`` maps an aten overload to ``handler(func, args, kwargs)``. A
+handler returns the result, or ``NotImplemented`` to fall back to the generic
+rules of :class:`~transformer_engine.pytorch.quantized_tensor.QuantizedTensor`
+(re-quantize for in-place ops, dequantize otherwise).
+
+Every operation here is exact: per-tensor scaling makes views, slices and
+transposes of the bytes the views, slices and transposes of the values.
+Results that are views share the row-wise bytes and ``_scale_inv`` with their
+source; a transposed copy is kept only where it is still a view of the
+source's transpose, and dropped (``_transpose is None``) otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .. import cpp_extensions as ext
+from ..constants import HIGH_PRECISION_DTYPES
+from .storage.float8_tensor_storage import Float8TensorStorage, transpose_bytes, untranspose_bytes
+
+__all__ = ["FLOAT8_HANDLERS"]
+
+aten = torch.ops.aten
+
+FLOAT8_HANDLERS: dict[torch._ops.OpOverload, Callable] = {}
+
+
+def _implements(*ops):
+    def register(fn):
+        for op in ops:
+            FLOAT8_HANDLERS[op] = fn
+        return fn
+
+    return register
+
+
+def _is_float8(t) -> bool:
+    return isinstance(t, Float8TensorStorage) and isinstance(t, torch.Tensor)
+
+
+def _rebuild(src, *, shape, data, transpose, scale_inv=None, dtype=None):
+    """A tensor of ``src``'s class with new buffers (quantizer and FP8 format kept)."""
+    return type(src)(
+        shape,
+        dtype or src.dtype,
+        data=data,
+        fp8_scale_inv=src._scale_inv if scale_inv is None else scale_inv,
+        fp8_dtype=src._fp8_dtype,
+        data_transpose=transpose,
+        quantizer=src._quantizer,
+    )
+
+
+def _normalize_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+# ---------------------------------------------------------------------- aliases and views
+
+
+@_implements(aten.detach.default, aten.alias.default)
+def _detach(func, args, kwargs):
+    t = args[0]
+    return _rebuild(t, shape=t.shape, data=t._data, transpose=t._transpose)
+
+
+def _view_shape(shape, size) -> torch.Size:
+    """The concrete shape ``size`` (may hold one -1) denotes for a tensor of ``shape``."""
+    return torch.empty(shape, device="meta").view(size).shape
+
+
+@_implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(func, args, kwargs):
+    t, size = args[0], args[1]
+    new_shape = _view_shape(t.shape, size)
+    same_last = len(new_shape) > 0 and t.dim() > 0 and new_shape[-1] == t.shape[-1]
+    if t._data is None and not same_last:
+        return NotImplemented  # the transpose alone cannot be re-laid out
+    data = t._data.view(new_shape) if t._data is not None else None
+    transpose = None
+    if t._transpose is not None and same_last:
+        # Leading dimensions are flattened row-major in both layouts: still a view.
+        transpose = t._transpose.view(ext.transposed_shape(new_shape))
+    return _rebuild(t, shape=new_shape, data=data, transpose=transpose)
+
+
+@_implements(aten.t.default, aten.transpose.int, aten.permute.default)
+def _transpose(func, args, kwargs):
+    t = args[0]
+    if func is aten.permute.default:
+        dims = [_normalize_dim(d, max(t.dim(), 1)) for d in args[1]]
+        if dims == list(range(t.dim())):
+            return _detach(func, args, kwargs)
+        if dims != [1, 0]:
+            return NotImplemented
+    elif func is aten.transpose.int:
+        d0 = _normalize_dim(args[1], max(t.dim(), 1))
+        d1 = _normalize_dim(args[2], max(t.dim(), 1))
+        if d0 == d1:
+            return _detach(func, args, kwargs)
+        if t.dim() != 2:
+            return NotImplemented
+    elif t.dim() < 2:
+        return _detach(func, args, kwargs)
+    rows, cols = t.shape
+    if t._data is not None and t._transpose is not None:
+        # The two layouts of the transpose are the two layouts of the source, swapped.
+        data, transpose = t._transpose, t._data
+    elif t._data is not None:
+        data, transpose = transpose_bytes(t._data), None
+    else:
+        data, transpose = t._transpose, None
+    return _rebuild(t, shape=(cols, rows), data=data, transpose=transpose)
+
+
+@_implements(aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+def _reshaping_view(func, args, kwargs):
+    t = args[0]
+    shape = func(torch.empty(t.shape, device="meta"), *args[1:], **kwargs).shape
+    return _view(aten.view.default, (t, shape), {})
+
+
+@_implements(aten.split.Tensor, aten.split_with_sizes.default)
+def _split(func, args, kwargs):
+    t = args[0]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    if t.dim() == 0 or _normalize_dim(dim, t.dim()) != 0 or t._data is None:
+        return NotImplemented
+    return [
+        _rebuild(t, shape=chunk.shape, data=chunk, transpose=None)
+        for chunk in func(t._data, *args[1:], **kwargs)
+    ]
+
+
+@_implements(aten.slice.Tensor)
+def _slice(func, args, kwargs):
+    t = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+    if t.dim() == 0 or _normalize_dim(dim, t.dim()) != 0 or step != 1 or t._data is None:
+        return NotImplemented
+    data = func(t._data, *args[1:], **kwargs)
+    return _rebuild(t, shape=data.shape, data=data, transpose=None)
+
+
+@_implements(aten.select.int)
+def _select(func, args, kwargs):
+    t, dim = args[0], args[1]
+    if t.dim() == 0 or _normalize_dim(dim, t.dim()) != 0 or t._data is None:
+        return NotImplemented
+    data = func(t._data, *args[1:], **kwargs)
+    return _rebuild(t, shape=data.shape, data=data, transpose=None)
+
+
+# ---------------------------------------------------------------------- copies
+
+
+@_implements(aten.clone.default)
+def _clone(func, args, kwargs):
+    t = args[0]
+
+    def clone(buf):
+        return None if buf is None else buf.clone()
+
+    return _rebuild(
+        t,
+        shape=t.shape,
+        data=clone(t._data),
+        transpose=clone(t._transpose),
+        scale_inv=t._scale_inv.clone(),
+    )
+
+
+@_implements(aten.copy_.default)
+def _copy(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if not (_is_float8(dst) and _is_float8(src)) or dst.shape != src.shape:
+        return NotImplemented
+    if dst.is_meta or src.is_meta:
+        return NotImplemented
+    partial = dst._data is not None and dst._data.untyped_storage().nbytes() > dst._data.numel()
+    if partial:
+        # dst shares its scale with a larger buffer: re-quantize with that scale instead.
+        return NotImplemented
+    # Raw bytes and scale: the layouts dst holds are filled from whatever src holds.
+    if dst._data is not None:
+        dst._data.copy_(src._data if src._data is not None else untranspose_bytes(src._transpose))
+    if dst._transpose is not None:
+        dst._transpose.copy_(
+            src._transpose if src._transpose is not None else transpose_bytes(src._data)
+        )
+    dst._scale_inv.copy_(src._scale_inv.reshape(dst._scale_inv.shape))
+    dst._fp8_dtype = src._fp8_dtype
+    return dst
+
+
+# ---------------------------------------------------------------------- new tensors
+
+
+@_implements(aten.empty_like.default, aten.new_empty.default, aten.new_zeros.default)
+def _new_like(func, args, kwargs):
+    t = args[0]
+    shape = t.shape if func is aten.empty_like.default else torch.Size(args[1])
+    dtype = kwargs.get("dtype") or t.dtype
+    if dtype not in HIGH_PRECISION_DTYPES:
+        return NotImplemented
+    device = torch.device(kwargs["device"]) if kwargs.get("device") is not None else t.device
+    pin = bool(kwargs.get("pin_memory"))
+    alloc = torch.zeros if func is aten.new_zeros.default else torch.empty
+    kw = {"dtype": torch.uint8, "device": device, "pin_memory": pin}
+    # Same layouts as the source (a 0-d result has no transposed layout).
+    want_transpose = t._transpose is not None and len(shape) > 0
+    want_data = t._data is not None or not want_transpose
+    data = alloc(shape, **kw) if want_data else None
+    transpose = alloc(ext.transposed_shape(shape), **kw) if want_transpose else None
+    if t._scale_inv.is_meta and device.type != "meta":
+        scale_inv = torch.ones(1, dtype=torch.float32, device=device)
+    else:
+        scale_inv = t._scale_inv.reshape(1).to(device, copy=True)
+    return _rebuild(
+        t, shape=shape, data=data, transpose=transpose, scale_inv=scale_inv, dtype=dtype
+    )

@@ -1,0 +1,479 @@
+"""Per-tensor FP8 quantizers: delayed scaling and current scaling.
+
+Both quantize on the input's device (DESIGN.md section 3). The delayed-scaling
+quantizer holds *views* into its recipe state (``scale`` and row 0 of the amax
+history) and max-accumulates every cast's amax into that row in place; the
+current-scaling quantizer computes the amax and scale of each tensor it casts
+in scratch buffers on the input's device and touches no state.
+
+Public names are re-exported from :mod:`transformer_engine.pytorch.tensor.float8_tensor`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from .. import cpp_extensions as ext
+from .. import reference
+from ..constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
+from ..device import check_same_device, is_non_tn_fp8_gemm_supported
+from ..quantized_tensor import (
+    QuantizedTensor,
+    QuantizedTensorStorage,
+    Quantizer,
+    _check_high_precision_dtype,
+)
+from .storage.float8_tensor_storage import Float8TensorStorage, transpose_bytes
+
+__all__ = ["Float8Quantizer", "Float8CurrentScalingQuantizer"]
+
+
+def _check_state_tensor(owner: str, name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32 or t.numel() != 1:
+        raise ValueError(
+            f"{owner}: {name} must be a one-element float32 tensor (a view into the recipe "
+            f"state), got dtype {t.dtype} and shape {tuple(t.shape)}"
+        )
+
+
+def _high_precision_source(tensor) -> torch.Tensor:
+    """A plain tensor to quantize: quantized inputs are dequantized first."""
+    if isinstance(tensor, QuantizedTensor):
+        return tensor._dequantize_plain()
+    if isinstance(tensor, QuantizedTensorStorage):
+        return tensor.dequantize()
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor to quantize, got {type(tensor).__name__}")
+    return tensor.detach()
+
+
+def _is_partial_view(storage: Float8TensorStorage) -> bool:
+    """Whether the row-wise bytes are a slice of a larger buffer (whose scale must be kept)."""
+    data = storage._data
+    return data is not None and data.untyped_storage().nbytes() > data.numel()
+
+
+class _Float8QuantizerBase(Quantizer):
+    """What both per-tensor FP8 quantizers share: layouts, wrapping, in-place updates."""
+
+    dtype: DType
+
+    def _layouts(self, device: torch.device, shape) -> tuple[bool, bool]:
+        """``(need_data, need_transpose)`` for this quantizer's usages on ``device``."""
+        owner = type(self).__name__
+        if not self.rowwise_usage and not self.columnwise_usage:
+            raise ValueError(
+                f"{owner}: rowwise and columnwise usage are both False, so nothing would be "
+                "produced; call set_usage(rowwise=True) and/or set_usage(columnwise=True)"
+            )
+        non_tn = is_non_tn_fp8_gemm_supported(device)
+        need_data = self.rowwise_usage or (self.columnwise_usage and non_tn)
+        need_transpose = self.columnwise_usage and not non_tn
+        if len(shape) == 0 and need_transpose:
+            if not need_data:
+                raise ValueError(
+                    f"{owner}: a 0-d tensor has no column-wise (transposed) layout; reshape it "
+                    "to 1-d or quantize with rowwise usage"
+                )
+            need_transpose = False
+        return need_data, need_transpose
+
+    def _wrap(self, *, shape, dtype, data, transpose, scale_inv, requires_grad=False):
+        """A ``Float8Tensor`` (or ``Float8TensorStorage`` when internal) around the buffers."""
+        if self.internal:
+            return Float8TensorStorage(
+                data=data,
+                fp8_scale_inv=scale_inv,
+                fp8_dtype=self.dtype,
+                data_transpose=transpose,
+                quantizer=self._result_quantizer(),
+                fake_dtype=dtype,
+            )
+        from .float8_tensor import Float8Tensor
+
+        return Float8Tensor(
+            shape,
+            dtype,
+            data=data,
+            fp8_scale_inv=scale_inv,
+            fp8_dtype=self.dtype,
+            data_transpose=transpose,
+            quantizer=self._result_quantizer(),
+            requires_grad=requires_grad,
+        )
+
+    def _result_quantizer(self) -> Quantizer:
+        return self.copy()
+
+    def _scale_and_amax(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The scale to cast ``src`` with and the amax buffer to accumulate into (or None)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ Quantizer API
+
+    def quantize_impl(self, tensor: torch.Tensor, *, dtype: torch.dtype | None = None):
+        """Quantize ``tensor`` on its own device into a new FP8 tensor (see the class doc)."""
+        src = _high_precision_source(tensor)
+        fake_dtype = src.dtype if dtype is None else dtype
+        if src.is_meta:
+            # Deferred initialization: shapes only, no cast and no amax.
+            return self.make_empty(src.shape, dtype=fake_dtype, device=src.device)
+        _check_high_precision_dtype(f"{type(self).__name__}.quantize", src.dtype)
+        need_data, need_transpose = self._layouts(src.device, src.shape)
+        scale, amax = self._scale_and_amax(src)
+        res = ext.quantize(src, scale, self.dtype, amax=amax, with_transpose=need_transpose)
+        return self._wrap(
+            shape=src.shape,
+            dtype=fake_dtype,
+            data=res.data.view(torch.uint8) if need_data else None,
+            transpose=res.transpose.view(torch.uint8) if need_transpose else None,
+            scale_inv=res.scale_inv,
+        )
+
+    def update_quantized(self, src: torch.Tensor, dst, *, noop_flag: torch.Tensor | None = None):
+        """Quantize ``src`` into ``dst``'s buffers in place (see :meth:`Quantizer.update_quantized`).
+
+        ``src`` is moved to ``dst``'s device first (``copy_`` semantics). ``dst``'s
+        layouts are coerced to this quantizer's usages. When ``dst``'s bytes are a
+        slice of a larger FP8 buffer, the slice keeps the scale it shares with that
+        buffer (``1 / dst._scale_inv``) so the rest of the buffer stays valid.
+        """
+        owner = type(self).__name__
+        if not isinstance(dst, Float8TensorStorage):
+            raise TypeError(
+                f"{owner}.update_quantized: dst must be a Float8Tensor or Float8TensorStorage, "
+                f"got {type(dst).__name__}"
+            )
+        src = _high_precision_source(src)
+        shape = dst.size()
+        if tuple(src.shape) != tuple(shape):
+            raise ValueError(
+                f"{owner}.update_quantized: src has shape {tuple(src.shape)} but dst has "
+                f"{tuple(shape)}; pass a tensor of dst's shape"
+            )
+        if dst.device.type == "meta":
+            return dst  # nothing to write
+        if src.dtype not in HIGH_PRECISION_DTYPES:
+            src = src.to(dst._dtype)
+        if src.device != dst.device:
+            src = src.to(dst.device)
+        need_data, need_transpose = self._layouts(dst.device, shape)
+        partial = _is_partial_view(dst)
+        if partial:
+            if DType.cast(dst._fp8_dtype) != self.dtype:
+                raise ValueError(
+                    f"{owner}.update_quantized: dst is a slice of a larger {dst._fp8_dtype.name} "
+                    f"buffer and cannot be rewritten as {self.dtype.name}"
+                )
+            need_data, need_transpose = True, False
+        scale, amax = self._scale_and_amax(src)
+        if partial:
+            scale = reference.reciprocal(dst._scale_inv)
+
+        def reusable(buf):
+            return buf is not None and buf.is_contiguous()
+
+        out = dst._data if need_data and reusable(dst._data) else None
+        out_t = dst._transpose if need_transpose and reusable(dst._transpose) else None
+        res = ext.quantize(
+            src,
+            scale,
+            self.dtype,
+            amax=amax,
+            scale_inv=None if partial else dst._scale_inv,
+            out=out,
+            with_transpose=need_transpose,
+            out_transpose=out_t,
+            noop_flag=noop_flag,
+        )
+        # Buffers written in place stay the very same objects (callers may hold them).
+        if need_data:
+            dst._data = out if out is not None else res.data.view(torch.uint8)
+        else:
+            dst._data = None
+        if need_transpose:
+            dst._transpose = out_t if out_t is not None else res.transpose.view(torch.uint8)
+        else:
+            dst._transpose = None
+        dst._transpose_invalid = dst._transpose is None
+        dst._fp8_dtype = self.dtype
+        return dst
+
+    def make_empty(
+        self,
+        shape,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        requires_grad: bool = False,
+        pin_memory: bool = False,
+    ):
+        """Uninitialised FP8 tensor with this quantizer's usages; ``_scale_inv`` is 1.
+
+        ``device=None`` uses the device of the quantizer's state (delayed scaling:
+        its ``scale``); the stateless current-scaling quantizer requires ``device``.
+        """
+        _check_high_precision_dtype(f"{type(self).__name__}.make_empty", dtype)
+        device = self._resolve_device(device)
+        shape = torch.Size(shape)
+        need_data, need_transpose = self._layouts(device, shape)
+        kw = {"dtype": torch.uint8, "device": device, "pin_memory": pin_memory}
+        data = torch.empty(shape, **kw) if need_data else None
+        transpose = torch.empty(ext.transposed_shape(shape), **kw) if need_transpose else None
+        scale_inv = torch.ones(1, dtype=torch.float32, device=device)
+        return self._wrap(
+            shape=shape,
+            dtype=dtype,
+            data=data,
+            transpose=transpose,
+            scale_inv=scale_inv,
+            requires_grad=requires_grad,
+        )
+
+    def _scale_inv_for_data(self, device: torch.device) -> torch.Tensor:
+        raise NotImplementedError
+
+    def create_tensor_from_data(
+        self,
+        data: torch.Tensor,
+        fake_dtype: torch.dtype = torch.float32,
+        requires_grad: bool = False,
+        internal: bool = False,
+    ):
+        """Wrap existing FP8 bytes (``uint8`` or torch FP8) as a tensor of this quantizer.
+
+        The transposed copy is added when this quantizer's usages need it.
+        """
+        if not isinstance(data, torch.Tensor) or data.dtype not in (
+            torch.uint8,
+            torch.float8_e4m3fn,
+            torch.float8_e5m2,
+        ):
+            raise TypeError(
+                "create_tensor_from_data: data must be a torch.uint8 or torch FP8 tensor, got "
+                f"{getattr(data, 'dtype', type(data).__name__)}"
+            )
+        _check_high_precision_dtype("create_tensor_from_data", fake_dtype)
+        data = data.view(torch.uint8)
+        _, need_transpose = self._layouts(data.device, data.shape)
+        transpose = transpose_bytes(data) if need_transpose and not data.is_meta else None
+        saved, self.internal = self.internal, internal
+        try:
+            return self._wrap(
+                shape=data.shape,
+                dtype=fake_dtype,
+                data=data,
+                transpose=transpose,
+                scale_inv=self._scale_inv_for_data(data.device),
+                requires_grad=requires_grad,
+            )
+        finally:
+            self.internal = saved
+
+    def is_quantizable(self, inp: torch.Tensor) -> bool:
+        """Float32, float16 or bfloat16 tensors (and quantized tensors) are quantizable."""
+        return super().is_quantizable(inp)
+
+
+class Float8Quantizer(_Float8QuantizerBase):
+    """Delayed-scaling FP8 quantizer: casts with a scale kept in recipe state.
+
+    Parameters
+    ----------
+    scale : torch.Tensor
+        One-element float32 tensor (0-d or ``[1]``), normally a view into the recipe
+        state's scale vector. Never copied: scale updates are seen by the next cast.
+    amax : torch.Tensor
+        One-element float32 tensor, normally a view into row 0 of the amax history.
+        Every cast max-accumulates ``max|x|`` into it in place.
+    fp8_dtype : DType or torch.dtype
+        ``DType.kFloat8E4M3`` / ``kFloat8E5M2`` (or the torch equivalents).
+    rowwise, columnwise : bool
+        Usages (see :class:`~transformer_engine.pytorch.quantized_tensor.Quantizer`).
+
+    Notes
+    -----
+    The cast runs on the input's device; a ``scale`` or ``amax`` on another device
+    is refused with a ``ValueError`` naming both devices. The output's
+    ``_scale_inv`` is ``1 / scale`` as computed by the cast.
+    """
+
+    def __init__(
+        self,
+        scale: torch.Tensor,
+        amax: torch.Tensor,
+        fp8_dtype,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = True,
+    ) -> None:
+        owner = type(self).__name__
+        _check_state_tensor(owner, "scale", scale)
+        _check_state_tensor(owner, "amax", amax)
+        check_same_device(owner, "scale", scale, amax=amax)
+        dtype = DType.cast(to_torch_fp8_dtype(fp8_dtype))
+        super().__init__(rowwise=rowwise, columnwise=columnwise)
+        self.scale = scale
+        self.amax = amax
+        self.dtype = dtype
+
+    def _scale_and_amax(self, src):
+        return self.scale, self.amax
+
+    def _state_device(self) -> torch.device:
+        return self.scale.device
+
+    def _scale_inv_for_data(self, device: torch.device) -> torch.Tensor:
+        if device.type == "meta":
+            return torch.ones(1, dtype=torch.float32, device=device)
+        if self.scale.device != device:
+            raise ValueError(
+                f"create_tensor_from_data: data is on {device} but the quantizer's scale is on "
+                f"{self.scale.device}; move the data (or the recipe state) to one device"
+            )
+        return reference.reciprocal(self.scale)
+
+    def calibrate(self, tensor: torch.Tensor) -> None:
+        """Overwrite ``amax`` with ``max|tensor|`` (no cast); ``tensor`` must share its device."""
+        ext.compute_amax(_high_precision_source(tensor), out=self.amax)
+
+    def supports_only_rowwise_all_gather(self) -> bool:
+        """Delayed-scaling tensors are all-gathered row-wise only."""
+        return True
+
+    def _get_compatible_recipe(self):
+        from ...common.recipe import DelayedScaling
+
+        return DelayedScaling
+
+    def __repr__(self) -> str:
+        scale = "meta" if self.scale.is_meta else f"{float(self.scale.reshape(())):.6g}"
+        return (
+            f"Float8Quantizer(fp8_dtype={self.dtype.name}, scale={scale}, "
+            f"device={self.scale.device}, rowwise_usage={self.rowwise_usage}, "
+            f"columnwise_usage={self.columnwise_usage}, internal={self.internal})"
+        )
+
+
+class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
+    """Current-scaling FP8 quantizer: each cast computes its own amax and scale.
+
+    Per call, on the input's device: ``amax = max|x|``; when ``with_amax_reduction``,
+    ``torch.distributed.all_reduce(amax, op=MAX, group=amax_reduction_group)``;
+    ``scale = fp8_max / max(amax, amax_epsilon)`` (1 for a zero, infinite or NaN
+    amax; FLT_MAX instead of +inf; rounded down to a power of 2 when
+    ``force_pow_2_scales``); then the cast with that scale. No amax is accumulated
+    anywhere.
+
+    Parameters
+    ----------
+    fp8_dtype : DType or torch.dtype
+        FP8 format.
+    device : optional
+        Accepted for compatibility and ignored: the input's device is used.
+    rowwise, columnwise : bool
+        Usages.
+    use_existing_amax : bool
+        Deprecated and ignored.
+    with_amax_reduction : bool
+        All-reduce (MAX) the amax over ``amax_reduction_group`` before computing the scale.
+    amax_reduction_group : torch.distributed.ProcessGroup, optional
+        Group of the reduction (``None``: the default group). Dropped when pickling.
+    force_pow_2_scales : bool
+        Round scales down to powers of 2.
+    amax_epsilon : float
+        Lower bound on the amax used for the scale (finite, >= 0).
+    scale, amax : optional
+        Deprecated and ignored.
+    """
+
+    def __init__(
+        self,
+        fp8_dtype,
+        device=None,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        use_existing_amax: bool = False,
+        with_amax_reduction: bool = False,
+        amax_reduction_group=None,
+        force_pow_2_scales: bool = False,
+        amax_epsilon: float = 0.0,
+        scale=None,
+        amax=None,
+    ) -> None:
+        owner = type(self).__name__
+        dtype = DType.cast(to_torch_fp8_dtype(fp8_dtype))
+        try:
+            epsilon = float(amax_epsilon)
+        except (TypeError, ValueError):
+            raise TypeError(f"{owner}: amax_epsilon={amax_epsilon!r} must be a number") from None
+        if not math.isfinite(epsilon) or epsilon < 0:
+            raise ValueError(f"{owner}: amax_epsilon={amax_epsilon!r} must be finite and >= 0")
+        deprecated = {"use_existing_amax": use_existing_amax, "scale": scale, "amax": amax}
+        for name, value in deprecated.items():
+            if value is not None and value is not False:
+                warnings.warn(
+                    f"{owner}: {name} is deprecated and ignored (current scaling computes the "
+                    "amax and scale of every tensor it casts)",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+        super().__init__(rowwise=rowwise, columnwise=columnwise)
+        self.dtype = dtype
+        self.with_amax_reduction = bool(with_amax_reduction)
+        self.amax_reduction_group = amax_reduction_group
+        self.force_pow_2_scales = bool(force_pow_2_scales)
+        self.amax_epsilon = epsilon
+
+    def _scale_and_amax(self, src):
+        amax = ext.compute_amax(src)
+        if self.with_amax_reduction:
+            torch.distributed.all_reduce(
+                amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group
+            )
+        scale = ext.compute_scale_from_amax(
+            amax,
+            self.dtype,
+            epsilon=self.amax_epsilon,
+            force_pow_2_scales=self.force_pow_2_scales,
+        )
+        return scale, None
+
+    def _result_quantizer(self) -> Quantizer:
+        # A produced tensor re-quantizes locally: the reduction belongs to the producing call.
+        q = self.copy()
+        q.with_amax_reduction = False
+        q.amax_reduction_group = None
+        return q
+
+    def _scale_inv_for_data(self, device: torch.device) -> torch.Tensor:
+        return torch.ones(1, dtype=torch.float32, device=device)
+
+    def is_requantization_safe(self) -> bool:
+        """Current scaling is deterministic: re-quantizing reproduces the bytes."""
+        return True
+
+    def _get_compatible_recipe(self):
+        from ...common.recipe import Float8CurrentScaling
+
+        return Float8CurrentScaling
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["amax_reduction_group"] = None  # process groups do not pickle
+        return state
+
+    def __repr__(self) -> str:
+        return (
+            f"Float8CurrentScalingQuantizer(fp8_dtype={self.dtype.name}, "
+            f"force_pow_2_scales={self.force_pow_2_scales}, amax_epsilon={self.amax_epsilon}, "
+            f"with_amax_reduction={self.with_amax_reduction}, "
+            f"rowwise_usage={self.rowwise_usage}, columnwise_usage={self.columnwise_usage}, "
+            f"internal={self.internal})"
+        )

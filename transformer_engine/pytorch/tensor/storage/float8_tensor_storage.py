@@ -1,0 +1,400 @@
+"""Buffers of a per-tensor-scaled FP8 tensor, without a ``torch.Tensor`` wrapper.
+
+Layout contract (what GEMMs and the integration code read):
+
+``_data``
+    ``torch.uint8`` tensor of the logical shape: the row-wise FP8 bytes
+    (``view(torch.float8_e4m3fn)`` / ``view(torch.float8_e5m2)`` gives the values
+    before scaling). ``None`` when only the column-wise layout is kept.
+``_transpose``
+    ``torch.uint8`` tensor of shape ``(shape[-1], *shape[:-1])``: the same bytes
+    with the last dimension first, for column-wise usage on GPUs without non-TN
+    FP8 GEMMs (and on CPU). ``None`` when absent. A stale transpose is never kept:
+    it is dropped, so ``_transpose is not None`` means it is valid.
+``_transpose_invalid``
+    ``True`` exactly when ``_transpose`` is ``None``.
+``_scale_inv``
+    ``torch.float32`` tensor of shape ``[1]``: ``1 / scale`` used by the cast,
+    shared by both layouts. Real value = FP8 value * ``_scale_inv``.
+``_fp8_dtype``
+    :class:`~transformer_engine.pytorch.constants.DType` (``kFloat8E4M3`` or
+    ``kFloat8E5M2``).
+``_quantizer``
+    The quantizer that produced the tensor (a shallow copy sharing its state), or
+    ``None``.
+``_dtype``
+    Nominal high-precision dtype (what :meth:`dequantize` returns by default).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import cpp_extensions as ext
+from ... import reference
+from ...constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
+from ...device import is_non_tn_fp8_gemm_supported
+from ...quantized_tensor import QuantizedTensorStorage
+
+__all__ = ["Float8TensorStorage"]
+
+
+def _as_uint8(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8)
+    if t.dtype != torch.uint8:
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; FP8 bytes must be torch.uint8 (or a torch FP8 dtype)"
+        )
+    return t
+
+
+def transpose_bytes(data: torch.Tensor) -> torch.Tensor:
+    """Transposing copy ``(…, last) -> (last, …)`` of FP8 bytes, on their own device."""
+    return reference.transpose_last_dim_first(data)
+
+
+def untranspose_bytes(transpose: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`transpose_bytes`: ``(last, …) -> (…, last)``."""
+    return transpose.movedim(0, -1).contiguous()
+
+
+def check_float8_buffers(
+    owner: str,
+    data: torch.Tensor | None,
+    transpose: torch.Tensor | None,
+    scale_inv: torch.Tensor,
+    shape=None,
+) -> torch.Size:
+    """Validate FP8 buffers against each other (and ``shape``); returns the logical shape."""
+    if data is None and transpose is None:
+        raise ValueError(f"{owner}: data and data_transpose are both None; pass at least one")
+    if not isinstance(scale_inv, torch.Tensor) or scale_inv.dtype != torch.float32:
+        raise TypeError(
+            f"{owner}: fp8_scale_inv must be a float32 tensor, got "
+            f"{getattr(scale_inv, 'dtype', type(scale_inv).__name__)}"
+        )
+    if scale_inv.numel() != 1:
+        raise ValueError(
+            f"{owner}: fp8_scale_inv must hold one element, got shape {tuple(scale_inv.shape)}"
+        )
+    if data is not None:
+        logical = data.shape
+    else:
+        if transpose.dim() == 0:
+            raise ValueError(f"{owner}: data_transpose is 0-d; expected (last, *leading)")
+        logical = torch.Size((*transpose.shape[1:], transpose.shape[0]))
+    if shape is not None and tuple(shape) != tuple(logical):
+        raise ValueError(
+            f"{owner}: shape={tuple(shape)} but the FP8 buffers describe shape {tuple(logical)}"
+        )
+    if transpose is not None:
+        expected = ext.transposed_shape(logical)
+        if tuple(transpose.shape) != tuple(expected):
+            raise ValueError(
+                f"{owner}: data_transpose has shape {tuple(transpose.shape)}; for shape "
+                f"{tuple(logical)} it must be {tuple(expected)}"
+            )
+    devices = {t.device for t in (data, transpose, scale_inv) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(
+            f"{owner}: data, data_transpose and fp8_scale_inv are on different devices "
+            f"({', '.join(sorted(str(d) for d in devices))}); move them to one device"
+        )
+    return torch.Size(logical)
+
+
+class Float8TensorStorage(QuantizedTensorStorage):
+    """Per-tensor-scaled FP8 buffers (row-wise bytes, transposed bytes, ``scale_inv``).
+
+    Parameters
+    ----------
+    data : torch.Tensor or None
+        Row-wise FP8 bytes (``uint8`` or a torch FP8 dtype) of the logical shape.
+    fp8_scale_inv : torch.Tensor
+        One-element float32 ``1 / scale``.
+    fp8_dtype : DType or torch.dtype
+        FP8 format of the bytes.
+    data_transpose : torch.Tensor, optional
+        Column-wise bytes of shape ``(shape[-1], *shape[:-1])``.
+    quantizer : Quantizer, optional
+        Quantizer used to re-quantize in place.
+    fake_dtype : torch.dtype
+        Nominal high-precision dtype.
+    """
+
+    def __init__(
+        self,
+        *,
+        data: torch.Tensor | None,
+        fp8_scale_inv: torch.Tensor,
+        fp8_dtype,
+        data_transpose: torch.Tensor | None = None,
+        quantizer=None,
+        fake_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self._set_float8_buffers(
+            data=data,
+            fp8_scale_inv=fp8_scale_inv,
+            fp8_dtype=fp8_dtype,
+            data_transpose=data_transpose,
+            quantizer=quantizer,
+            fake_dtype=fake_dtype,
+        )
+
+    def _set_float8_buffers(
+        self,
+        *,
+        data,
+        fp8_scale_inv,
+        fp8_dtype,
+        data_transpose=None,
+        quantizer=None,
+        fake_dtype=torch.float32,
+        shape=None,
+    ) -> None:
+        owner = type(self).__name__
+        data = _as_uint8("data", data)
+        data_transpose = _as_uint8("data_transpose", data_transpose)
+        fp8 = DType.cast(to_torch_fp8_dtype(fp8_dtype))
+        if fake_dtype not in HIGH_PRECISION_DTYPES:
+            raise TypeError(
+                f"{owner}: nominal dtype {fake_dtype!r} is not supported; use torch.float32, "
+                "torch.float16 or torch.bfloat16"
+            )
+        check_float8_buffers(owner, data, data_transpose, fp8_scale_inv, shape)
+        self._data = data
+        self._transpose = data_transpose
+        self._transpose_invalid = data_transpose is None
+        self._scale_inv = fp8_scale_inv
+        self._fp8_dtype = fp8
+        self._quantizer = quantizer
+        self._dtype = fake_dtype
+
+    # ------------------------------------------------------------------ geometry
+
+    def size(self, *args, **kwargs):
+        """Logical shape (``torch.Size``), or one dimension of it."""
+        if self._data is not None:
+            shape = self._data.shape
+        elif self._transpose is not None:
+            shape = torch.Size((*self._transpose.shape[1:], self._transpose.shape[0]))
+        else:
+            raise RuntimeError(f"{type(self).__name__} holds no buffers (cleared or saved)")
+        return shape[args[0]] if args else shape[kwargs["dim"]] if "dim" in kwargs else shape
+
+    @property
+    def shape(self) -> torch.Size:
+        """Logical shape."""
+        return self.size()
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the FP8 buffers."""
+        for t in (self._data, self._transpose, self._scale_inv):
+            if t is not None:
+                return t.device
+        raise RuntimeError(f"{type(self).__name__} holds no buffers (cleared or saved)")
+
+    # ------------------------------------------------------------------ values
+
+    def _dequantize_plain(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = self._dtype if dtype is None else dtype
+        fp8 = to_torch_fp8_dtype(self._fp8_dtype)
+        if self.device.type == "meta":
+            # Meta tensors carry shapes only; propagate the shape.
+            return torch.empty(self.size(), dtype=dtype, device="meta")
+        if self._data is not None:
+            return ext.dequantize(self._data.view(fp8), self._scale_inv, dtype)
+        if self._transpose is not None:
+            values = ext.dequantize(self._transpose.view(fp8), self._scale_inv, dtype)
+            return values.movedim(0, -1).contiguous()
+        raise RuntimeError(f"{type(self).__name__} holds no buffers (cleared or saved)")
+
+    def dequantize(self, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Values as a plain tensor: FP8 value * ``_scale_inv``, in ``dtype``.
+
+        Parameters
+        ----------
+        dtype : torch.dtype, optional
+            float32, float16 or bfloat16; defaults to the nominal dtype.
+        """
+        return self._dequantize_plain(dtype)
+
+    # ------------------------------------------------------------------ usages
+
+    def get_usages(self) -> dict[str, bool]:
+        """``{"rowwise": ..., "columnwise": ...}`` for the layouts present now."""
+        rowwise = self._data is not None
+        columnwise = self._transpose is not None
+        if rowwise and is_non_tn_fp8_gemm_supported(self._data.device):
+            columnwise = True
+        return {"rowwise": rowwise, "columnwise": columnwise}
+
+    def _create_transpose(self) -> None:
+        if self._data is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: cannot create the transposed copy, there is no "
+                "row-wise data; quantize again with rowwise usage"
+            )
+        self._transpose = transpose_bytes(self._data)
+        self._transpose_invalid = False
+
+    def update_usage(
+        self, rowwise_usage: bool | None = None, columnwise_usage: bool | None = None
+    ) -> None:
+        """Create the layouts that are required and delete those that are not.
+
+        Parameters
+        ----------
+        rowwise_usage, columnwise_usage : bool, optional
+            ``True``: the layout must be present afterwards; ``False``: drop it;
+            ``None``: keep the current state.
+
+        Raises
+        ------
+        RuntimeError
+            Row-wise data is requested but only the transpose exists: FP8 data is
+            never regenerated from the transpose; quantize again instead.
+        ValueError
+            The result would hold no layout at all.
+        """
+        owner = type(self).__name__
+        current = self.get_usages()
+        rowwise = current["rowwise"] if rowwise_usage is None else bool(rowwise_usage)
+        columnwise = current["columnwise"] if columnwise_usage is None else bool(columnwise_usage)
+        if not rowwise and not columnwise:
+            raise ValueError(
+                f"{owner}.update_usage: rowwise_usage and columnwise_usage would both be False, "
+                "leaving no data; keep at least one (or call clear())"
+            )
+        non_tn = is_non_tn_fp8_gemm_supported(self.device)
+        need_data = rowwise or (columnwise and non_tn)
+        need_transpose = columnwise and not non_tn
+        if need_data and self._data is None:
+            raise RuntimeError(
+                f"{owner}.update_usage: row-wise data was requested but only the transposed copy "
+                "exists, and FP8 data is not regenerated from the transpose; quantize the "
+                "high-precision tensor again with rowwise usage"
+            )
+        if need_transpose and self._transpose is None:
+            self._create_transpose()
+        if not need_data:
+            self._data = None
+        if not need_transpose:
+            self._transpose = None
+            self._transpose_invalid = True
+
+    def get_data_tensors(self, rowwise_data: bool = True, columnwise_data: bool = True):
+        """``(_data, _transpose)``, or one of them when the other is not requested."""
+        if rowwise_data and columnwise_data:
+            return self._data, self._transpose
+        if rowwise_data:
+            return self._data
+        if columnwise_data:
+            return self._transpose
+        raise ValueError("get_data_tensors: request rowwise_data and/or columnwise_data")
+
+    def get_metadata(self) -> dict:
+        """Keyword arguments that rebuild this object (shares the buffers)."""
+        return {
+            "data": self._data,
+            "fp8_scale_inv": self._scale_inv,
+            "fp8_dtype": self._fp8_dtype,
+            "data_transpose": self._transpose,
+            "quantizer": self._quantizer,
+            "fake_dtype": self._dtype,
+        }
+
+    # ------------------------------------------------------------------ saving, copying
+
+    def prepare_for_saving(self) -> tuple[list[torch.Tensor | None], Float8TensorStorage]:
+        """Hand the buffers out as ``[_data, _transpose, _scale_inv]`` and drop them here."""
+        tensors = [self._data, self._transpose, self._scale_inv]
+        self._data = None
+        self._transpose = None
+        self._scale_inv = None
+        return tensors, self
+
+    def restore_from_saved(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Take ``[_data, _transpose, _scale_inv]`` from the front of ``tensors``; return the rest."""
+        if len(tensors) < 3:
+            raise ValueError(
+                f"{type(self).__name__}.restore_from_saved: expected at least 3 tensors "
+                f"([_data, _transpose, _scale_inv]), got {len(tensors)}"
+            )
+        self._data, self._transpose, self._scale_inv = tensors[0], tensors[1], tensors[2]
+        self._transpose_invalid = self._transpose is None
+        return list(tensors[3:])
+
+    def copy_from_storage(self, src: Float8TensorStorage) -> None:
+        """Copy ``src``'s FP8 bytes and ``scale_inv`` into this object's buffers (same shape)."""
+        if not isinstance(src, Float8TensorStorage):
+            raise TypeError(
+                f"copy_from_storage: src must be a Float8TensorStorage, got {type(src).__name__}"
+            )
+        if tuple(src.size()) != tuple(self.size()):
+            raise ValueError(
+                f"copy_from_storage: shapes differ ({tuple(src.size())} into {tuple(self.size())})"
+            )
+        data = transpose = None
+        if self._data is not None:
+            data = src._data if src._data is not None else untranspose_bytes(src._transpose)
+        if self._transpose is not None:
+            transpose = src._transpose if src._transpose is not None else transpose_bytes(src._data)
+        if data is not None:
+            self._data.copy_(data)
+        if transpose is not None:
+            self._transpose.copy_(transpose)
+        self._scale_inv.copy_(src._scale_inv.reshape(self._scale_inv.shape))
+        self._fp8_dtype = src._fp8_dtype
+
+    def clear(self) -> None:
+        """Release the FP8 bytes (``_scale_inv`` and the quantizer are kept)."""
+        self._data = None
+        self._transpose = None
+        self._transpose_invalid = True
+
+    def view(self, shape) -> Float8TensorStorage:
+        """Storage sharing the bytes with a new logical shape (transpose kept if still valid)."""
+        if self._data is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.view: only the transposed copy exists; a view needs "
+                "row-wise data"
+            )
+        data = self._data.view(shape)
+        transpose = None
+        if (
+            self._transpose is not None
+            and data.dim() > 0
+            and data.shape[-1] == self._data.shape[-1]
+        ):
+            transpose = self._transpose.view(ext.transposed_shape(data.shape))
+        return Float8TensorStorage(
+            data=data,
+            fp8_scale_inv=self._scale_inv,
+            fp8_dtype=self._fp8_dtype,
+            data_transpose=transpose,
+            quantizer=self._quantizer,
+            fake_dtype=self._dtype,
+        )
+
+    def __repr__(self) -> str:
+        scale_inv = (
+            "None"
+            if self._scale_inv is None or self._scale_inv.is_meta
+            else f"{float(self._scale_inv.reshape(())):.6g}"
+        )
+        try:
+            shape = tuple(self.size())
+        except RuntimeError:
+            shape = "cleared"
+        return (
+            f"{type(self).__name__}(shape={shape}, fp8_dtype={self._fp8_dtype.name}, "
+            f"scale_inv={scale_inv}, dtype={self._dtype}, "
+            f"usages={self.get_usages() if shape != 'cleared' else None})"
+        )
