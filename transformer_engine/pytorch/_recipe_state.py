@@ -97,6 +97,9 @@ class RecipeState:
     def make_quantizers(self) -> list:
         raise NotImplementedError
 
+    def inherit_state_from(self, other: RecipeState) -> None:
+        """Take over compatible persistent tensors of ``other`` (stateless recipes: none)."""
+
 
 class DelayedScalingRecipeState(RecipeState):
     """``scale [N]`` (starts at 1) and ``amax_history [L, N]`` (starts at 0) on ``device``.

@@ -7,7 +7,9 @@ execution device is the device of the input tensor (see DESIGN.md, section 3).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 
@@ -17,6 +19,10 @@ __all__ = [
     "reject_meta",
     "device_compute_capability",
     "is_non_tn_fp8_gemm_supported",
+    "enter_device",
+    "exit_device",
+    "device_guard",
+    "guard_depth",
 ]
 
 
@@ -77,3 +83,54 @@ def is_non_tn_fp8_gemm_supported(device: torch.device | str) -> bool:
     if cc is None:
         return False
     return (10, 0) <= cc < (12, 0) or cc >= (13, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward device guard (DESIGN.md section 3.3): a per-thread stack of the devices that were
+# current before each guarded region, so nesting and activation recompute stay balanced.
+
+_guard_stack = threading.local()
+
+
+def _stack() -> list:
+    stack = getattr(_guard_stack, "entries", None)
+    if stack is None:
+        stack = _guard_stack.entries = []
+    return stack
+
+
+def enter_device(device: torch.device) -> None:
+    """Make ``device`` current for third-party code in the region (CUDA devices only).
+
+    Costs one comparison when ``device`` is already current. Always pair with
+    :func:`exit_device`, also when the region raises.
+    """
+    previous = None
+    if device.type == "cuda":
+        current = torch.cuda.current_device()
+        if current != device.index:
+            torch.cuda.set_device(device.index)
+            previous = current
+    _stack().append(previous)
+
+
+def exit_device() -> None:
+    """Leave the innermost guarded region, restoring the device that was current before it."""
+    previous = _stack().pop()
+    if previous is not None:
+        torch.cuda.set_device(previous)
+
+
+def guard_depth() -> int:
+    """How many guarded regions are open in this thread (tests check it returns to 0)."""
+    return len(_stack())
+
+
+@contextlib.contextmanager
+def device_guard(device: torch.device):
+    """``with device_guard(t.device):`` runs the body with ``t``'s device current."""
+    enter_device(device)
+    try:
+        yield
+    finally:
+        exit_device()

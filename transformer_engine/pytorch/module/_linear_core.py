@@ -1,0 +1,201 @@
+"""The functional linear core shared by the linear modules: ``y = x W^T + b`` in FP8 or high
+precision, as one autograd function.
+
+FP8 path (per-tensor scaling, Hopper-style TN GEMMs):
+
+* forward: ``x`` is quantized with row-wise usage (and column-wise when the weight needs a
+  gradient), ``W`` with row-wise usage (and column-wise when ``x`` needs a gradient), then the
+  fprop GEMM ``y = x W^T`` (layout TN);
+* backward: ``dy`` is quantized with both usages; dgrad ``dx = dy W`` (NN, uses ``W``'s
+  transposed copy) and wgrad ``dW = dy^T x`` (NT, uses both transposed copies).
+
+Backward runs with the gradient's device current, and the first FP8 module of an autocast
+region updates the backward scales at the end of its backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..cpp_extensions import general_gemm
+from ..device import device_guard
+from ..quantization import FP8GlobalStateManager
+from ..quantized_tensor import QuantizedTensor
+
+__all__ = ["LinearConfig", "linear_forward", "check_fp8_gemm_shapes"]
+
+
+@dataclass
+class LinearConfig:
+    """Everything the core needs besides the tensors."""
+
+    fp8: bool = False
+    input_quantizer: Any = None
+    weight_quantizer: Any = None
+    grad_output_quantizer: Any = None
+    cached_weight: Any = None  # an already-quantized weight to use instead of casting
+    cache_weight: Any = None  # callable receiving the quantized weight (is_first_microbatch=True)
+    activation_dtype: torch.dtype = torch.float32
+    fuse_wgrad_accumulation: bool = False
+    accumulate_into_main_grad: bool = True
+    fprop_split_accumulator: bool = False
+    dgrad_split_accumulator: bool = True
+    wgrad_split_accumulator: bool = True
+    reduce_and_update_bwd: bool = False
+
+
+def check_fp8_gemm_shapes(tokens: int, in_features: int, out_features: int, needs_wgrad: bool):
+    """FP8 GEMMs need the reduction and output dimensions to be multiples of 16."""
+    for name, value in (("in_features", in_features), ("out_features", out_features)):
+        if value % 16:
+            raise ValueError(
+                f"FP8 GEMMs need {name} to be a multiple of 16, got {value}; pad the layer or "
+                "run it outside te.autocast"
+            )
+    if needs_wgrad and tokens % 16:
+        raise ValueError(
+            f"FP8 weight-gradient GEMMs reduce over the tokens, which must be a multiple of 16; "
+            f"got {tokens} tokens (product of the input's leading dimensions); pad the batch"
+        )
+
+
+def _quantize(quantizer, tensor, *, rowwise: bool, columnwise: bool):
+    # quantize_impl: no straight-through autograd wrapper; the linear core owns the graph.
+    quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
+    return quantizer.quantize_impl(tensor)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, inp, bias, config: LinearConfig):
+        in_features = weight.shape[-1]
+        x = inp.reshape(-1, in_features)
+        recording = not getattr(ctx, "inference", False)
+        needs_dgrad = recording and inp.requires_grad
+        needs_wgrad = recording and weight.requires_grad
+        ctx.config = config
+        ctx.inp_shape = inp.shape
+        ctx.has_bias = bias is not None
+        ctx.bias_requires_grad = bias is not None and bias.requires_grad
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.weight = weight  # the Parameter itself: main_grad lives on it
+
+        if config.fp8:
+            owns_x_q = not isinstance(x, QuantizedTensor)
+            if not owns_x_q:
+                x_q = x
+                x_q.update_usage(rowwise_usage=True, columnwise_usage=needs_wgrad or None)
+            else:
+                x_q = _quantize(config.input_quantizer, x, rowwise=True, columnwise=needs_wgrad)
+            if isinstance(weight, QuantizedTensor):
+                w_q = weight
+                w_q.update_usage(rowwise_usage=True, columnwise_usage=needs_dgrad or None)
+            elif config.cached_weight is not None:
+                w_q = config.cached_weight
+                w_q.update_usage(rowwise_usage=True, columnwise_usage=needs_dgrad or None)
+            else:
+                w_q = _quantize(config.weight_quantizer, weight, rowwise=True, columnwise=needs_dgrad)
+                if config.cache_weight is not None:
+                    config.cache_weight(w_q)
+            out, *_ = general_gemm(
+                w_q,
+                x_q,
+                config.activation_dtype,
+                layout="TN",
+                bias=bias,
+                use_split_accumulator=config.fprop_split_accumulator,
+            )
+            # Backward needs only the transposed copies; drop the row-wise input bytes.
+            if needs_wgrad and owns_x_q:
+                x_q.update_usage(rowwise_usage=False, columnwise_usage=True)
+            ctx.save_for_backward(x_q if needs_wgrad else None, w_q if needs_dgrad else None)
+        else:
+            out = torch.nn.functional.linear(x, weight, bias)
+            ctx.save_for_backward(x if needs_wgrad else None, weight if needs_dgrad else None)
+        return out.reshape(*inp.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        config = ctx.config
+        with device_guard(grad_out.device):
+            saved_x, saved_w = ctx.saved_tensors
+            out_features = grad_out.shape[-1]
+            dy = grad_out.reshape(-1, out_features).contiguous()
+            dx = dw = dbias = None
+            weight = ctx.weight
+            fuse = config.fuse_wgrad_accumulation and hasattr(weight, "main_grad")
+            if ctx.bias_requires_grad:
+                dbias = dy.sum(dim=0).to(ctx.bias_dtype)
+            if config.fp8:
+                dy_q = _quantize(
+                    config.grad_output_quantizer,
+                    dy,
+                    rowwise=saved_w is not None,
+                    columnwise=saved_x is not None,
+                )
+                if saved_w is not None:
+                    dx, *_ = general_gemm(
+                        saved_w,
+                        dy_q,
+                        config.activation_dtype,
+                        layout="NN",
+                        use_split_accumulator=config.dgrad_split_accumulator,
+                    )
+                if saved_x is not None:
+                    if fuse:
+                        general_gemm(
+                            saved_x,
+                            dy_q,
+                            torch.float32,
+                            layout="NT",
+                            out=weight.main_grad,
+                            accumulate=config.accumulate_into_main_grad,
+                            use_split_accumulator=config.wgrad_split_accumulator,
+                        )
+                    else:
+                        dw, *_ = general_gemm(
+                            saved_x,
+                            dy_q,
+                            config.activation_dtype,
+                            layout="NT",
+                            use_split_accumulator=config.wgrad_split_accumulator,
+                        )
+            else:
+                if saved_w is not None:
+                    dx = dy @ saved_w
+                if saved_x is not None:
+                    if fuse:
+                        update = dy.t().float() @ saved_x.float()
+                        if config.accumulate_into_main_grad:
+                            weight.main_grad.add_(update)
+                        else:
+                            weight.main_grad.copy_(update)
+                    else:
+                        dw = dy.t() @ saved_x
+            if dx is not None:
+                dx = dx.reshape(ctx.inp_shape)
+            if dw is not None:
+                dw = dw.to(weight.dtype)
+            if config.reduce_and_update_bwd:
+                FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+        return dw, dx, dbias, None
+
+
+def linear_forward(weight, inp, bias, config: LinearConfig) -> torch.Tensor:
+    """``inp @ weight^T + bias`` through the linear core (autograd-aware)."""
+    if torch.is_grad_enabled():
+        return _Linear.apply(weight, inp, bias, config)
+    with torch.no_grad():
+        return _Linear.forward(_NoCtx(), weight, inp, bias, config)
+
+
+class _NoCtx:
+    """Stands in for autograd's ctx when no graph is recorded (inference)."""
+
+    inference = True
+
+    def save_for_backward(self, *tensors):
+        pass

@@ -1,0 +1,356 @@
+"""``TransformerEngineBaseModule``: FP8 metadata, the forward device guard, deferred
+initialization and checkpoints, shared by the linear modules.
+
+Device rules (DESIGN.md sections 3 and 4):
+
+* the forward runs with the *input's* device current (a guard stack in ``device.py``) and
+  restores the caller's device on every exit, exceptions included;
+* FP8 recipe state (scales, amax histories) lives on the device of the module's own parameters,
+  follows ``module.to(...)``, and is restored there by ``load_state_dict`` whatever device wrote
+  the checkpoint;
+* ``device="meta"`` builds no storage; ``reset_parameters()`` materializes onto the device given
+  to ``module.to_empty(device=...)``, else the current CUDA device, else the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from ..device import enter_device, exit_device
+from ..quantization import (
+    DelayedScalingRecipeState,
+    FP8GlobalStateManager,
+    RecipeState,
+)
+from ..quantized_tensor import QuantizedTensor
+
+__all__ = ["TransformerEngineBaseModule", "resolve_module_device", "default_init_method"]
+
+
+def resolve_module_device(device) -> torch.device:
+    """The device a module is built on: ``"cuda"`` means the current CUDA device."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={device} but CUDA is not available here; pass device='cpu' (the "
+                "reference path) or device='meta' (deferred initialization)"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def default_init_method(weight: torch.Tensor) -> None:
+    """Upstream's default for the legacy modules: N(0, 0.023)."""
+    torch.nn.init.normal_(weight, mean=0.0, std=0.023)
+
+
+def _materialization_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class TransformerEngineBaseModule(torch.nn.Module):
+    """Base of ``Linear``, ``LayerNormLinear``, ``LayerNormMLP`` and ``GroupedLinear``."""
+
+    def __init__(self, name: str | None = None) -> None:
+        super().__init__()
+        self.name = name
+        self.fp8_initialized = False
+        self.fp8 = False
+        self.fp8_calibration = False
+        self.fp8_meta: dict[str, Any] = {"fp8_checkpoint": False, "fp8_group": None}
+        self.fp8_meta_tensors_initialized = False
+        self.quantizers: dict[str, list] = {"scaling_fwd": [], "scaling_bwd": []}
+        self.tp_group = None
+        self.tp_size = 1
+        self.sequence_parallel = False
+        self.fp8_parameters = FP8GlobalStateManager.with_fp8_parameters()
+        self.primary_weights_in_fp8 = self.fp8_parameters
+        self.preserve_high_precision_init_val = FP8GlobalStateManager.with_high_precision_init_val()
+        self.param_init_meta: dict[str, tuple[Callable, int | None]] = {}
+        self._fp8_workspaces: dict[str, Any] = {}
+        self.activation_dtype: torch.dtype | None = None
+        self._num_gemms = 1
+        # the recipe FP8 parameters are quantized with (quantized_model_init's, if any)
+        self._fp8_param_recipe = (
+            FP8GlobalStateManager.get_fp8_recipe() if self.primary_weights_in_fp8 else None
+        )
+
+    # -- parameters and deferred initialization ----------------------------------------------
+    def register_parameter(self, name, param, init_fn=None, fp8_meta_index=None) -> None:
+        super().register_parameter(name, param)
+        if name not in self.param_init_meta and param is not None:
+            self.param_init_meta[name] = (init_fn, fp8_meta_index)
+
+    def parameters_device(self) -> torch.device | None:
+        """Device of the module's parameters (``None`` when it has none)."""
+        for p in self.parameters(recurse=False):
+            return p.device
+        return None
+
+    def reset_parameters(self, defer_init: bool = False) -> None:
+        """(Re)initialize every parameter, materializing meta parameters first.
+
+        Meta parameters go to the current CUDA device, else the CPU; parameters that already
+        have storage (e.g. after ``module.to_empty(device=...)``) stay where they are. Under
+        ``quantized_model_init`` the weights become FP8 parameters quantized on that device.
+        """
+        if defer_init:
+            return
+        target = _materialization_device()
+        # First every parameter in high precision, so the module has a device ...
+        for name, param in list(self.named_parameters(recurse=False)):
+            init_fn = self.param_init_meta.get(name, (None, None))[0]
+            device = param.device if param.device.type != "meta" else target
+            values = torch.empty(param.shape, dtype=param.dtype, device=device)
+            with torch.no_grad():
+                values.zero_() if init_fn is None else init_fn(values)
+            self._replace_parameter(name, param, values)
+        # ... then, under quantized_model_init, the weights become FP8 on that device.
+        if self.primary_weights_in_fp8:
+            for name, param in list(self.named_parameters(recurse=False)):
+                index = self.param_init_meta.get(name, (None, None))[1]
+                if index is not None:
+                    self._replace_parameter(name, param, self._quantize_parameter(param.data, index))
+        self._fp8_workspaces.clear()
+
+    def _replace_parameter(self, name: str, old: torch.nn.Parameter, values: torch.Tensor) -> None:
+        new_param = torch.nn.Parameter(values, requires_grad=old.requires_grad)
+        for attr, value in vars(old).items():  # keep attributes such as sequence_parallel
+            setattr(new_param, attr, value)
+        setattr(self, name, new_param)
+
+    def _quantize_parameter(self, values: torch.Tensor, fp8_meta_index: int) -> QuantizedTensor:
+        self.init_fp8_metadata(self._num_gemms, force=True)
+        quantizer = self.quantizers["scaling_fwd"][fp8_meta_index]
+        quantizer.set_usage(rowwise=True, columnwise=torch.is_grad_enabled())
+        high_precision = values.detach().cpu().clone() if self.preserve_high_precision_init_val else None
+        with torch.no_grad():
+            quantized = quantizer.quantize_impl(values)
+        if high_precision is not None:
+            quantized._high_precision_init_val = high_precision
+            quantized.get_high_precision_init_val = lambda: high_precision
+        return quantized
+
+    # -- FP8 metadata --------------------------------------------------------------------------
+    def init_fp8_metadata(self, num_gemms: int = 1, force: bool = False) -> None:
+        """Create (or refresh) the recipe states of both directions on the module's device."""
+        self._num_gemms = num_gemms
+        self.fp8_parameters = self.fp8_parameters or FP8GlobalStateManager.with_fp8_parameters()
+        self.fp8 = FP8GlobalStateManager.is_fp8_enabled()
+        self.fp8_calibration = FP8GlobalStateManager.is_fp8_calibration()
+        self.fp8_meta["fp8_checkpoint"] = self.fp8 or self.fp8_calibration
+        if not (self.fp8 or self.fp8_calibration or self.primary_weights_in_fp8 or force):
+            self.fp8_initialized = False
+            return
+        if self.fp8 or self.fp8_calibration or self._fp8_param_recipe is None:
+            recipe = FP8GlobalStateManager.get_fp8_recipe()
+        else:
+            recipe = self._fp8_param_recipe
+        device = self.parameters_device()
+        if device is None or device.type == "meta":
+            raise ValueError(
+                f"{type(self).__name__} has no materialized parameters yet; call "
+                "reset_parameters() or module.to_empty(device=...) before running it in FP8"
+            )
+        same = (
+            self.fp8_meta_tensors_initialized
+            and self.fp8_meta.get("recipe") == recipe
+            and self.fp8_meta["scaling_fwd"].device == device
+            and self.fp8_meta["scaling_fwd"].num_quantizers == 3 * num_gemms
+        )
+        if not same:
+            self._build_recipe_states(recipe, num_gemms, device)
+        self.fp8_meta["fp8_group"] = FP8GlobalStateManager.get_fp8_group()
+        self.fp8_initialized = True
+
+    def _build_recipe_states(self, recipe, num_gemms: int, device: torch.device) -> None:
+        old_class = type(self.fp8_meta.get("recipe"))
+        for forward, count in ((True, 3 * num_gemms), (False, 2 * num_gemms)):
+            key = FP8GlobalStateManager.get_meta_tensor_key(forward)
+            mode = "forward" if forward else "backward"
+            state = RecipeState.create(recipe, mode=mode, num_quantizers=count, device=device)
+            old = self.fp8_meta.get(key)
+            if old is not None:
+                state.inherit_state_from(old)
+            self.fp8_meta[key] = state
+            self.quantizers[key] = state.make_quantizers()
+        self.fp8_meta["recipe"] = recipe
+        self.fp8_meta["num_gemms"] = num_gemms
+        self.fp8_meta["fp8_max_fwd"] = recipe.fp8_format.value.max_fwd
+        self.fp8_meta["fp8_max_bwd"] = recipe.fp8_format.value.max_bwd
+        self.fp8_meta_tensors_initialized = True
+        if old_class is not type(recipe):
+            self._fp8_workspaces.clear()
+        self._rebind_fp8_parameter_quantizers()
+
+    def _rebind_fp8_parameter_quantizers(self) -> None:
+        for name, param in self.named_parameters(recurse=False):
+            index = self.param_init_meta.get(name, (None, None))[1]
+            if isinstance(param, QuantizedTensor) and index is not None:
+                param._quantizer = self.quantizers["scaling_fwd"][index].copy()
+
+    def _apply(self, fn, *args, **kwargs):
+        """Device moves carry the FP8 state along (values copied, never left behind)."""
+        result = super()._apply(fn, *args, **kwargs)
+        device = self.parameters_device()
+        state = self.fp8_meta.get("scaling_fwd")
+        if state is not None and device is not None and state.device != device:
+            self._fp8_workspaces.clear()
+            if device.type == "meta":
+                self.fp8_meta_tensors_initialized = False
+            else:
+                self._build_recipe_states(self.fp8_meta["recipe"], self.fp8_meta["num_gemms"], device)
+        return result
+
+    def get_fp8_meta_tensors(self) -> dict | None:
+        if not self.fp8_meta_tensors_initialized:
+            return None
+        out = {}
+        for key in ("scaling_fwd", "scaling_bwd"):
+            state = self.fp8_meta[key]
+            if isinstance(state, DelayedScalingRecipeState):
+                out[key] = [state.scale.clone(), state.amax_history.clone()]
+        return out or None
+
+    # -- forward -------------------------------------------------------------------------------
+    def set_activation_dtype(self, inp: torch.Tensor) -> None:
+        if torch.is_autocast_enabled(inp.device.type):
+            self.activation_dtype = torch.get_autocast_dtype(inp.device.type)
+            return
+        dtype = inp.dtype
+        for name, param in self.named_parameters(recurse=False):
+            if param.dtype != dtype:
+                raise TypeError(
+                    f"{type(self).__name__}: input dtype {dtype} does not match parameter "
+                    f"{name!r} dtype {param.dtype}; cast the input (or the module) or run under "
+                    "torch.autocast"
+                )
+        self.activation_dtype = dtype
+
+    def _check_input(self, inp: torch.Tensor) -> None:
+        device = self.parameters_device()
+        if inp.is_meta and device is not None and device.type != "meta":
+            raise ValueError(
+                f"{type(self).__name__}: the input is a meta tensor but the module is on "
+                f"{device}; pass a real tensor on {device}"
+            )
+        if device is not None and device.type == "meta":
+            raise ValueError(
+                f"{type(self).__name__} is on the meta device; call reset_parameters() or "
+                "module.to_empty(device=...) first"
+            )
+        if device is not None and inp.device != device:
+            raise ValueError(
+                f"{type(self).__name__}: the input is on {inp.device} but the module's parameters "
+                f"are on {device}; move the input to {device}"
+            )
+
+    def prepare_forward(self, inp: torch.Tensor, num_gemms: int = 1, allow_non_contiguous=False):
+        """Enter the input's device and initialize FP8 metadata; pair with :meth:`end_forward`."""
+        self._check_input(inp)
+        enter_device(inp.device)
+        try:
+            self.set_activation_dtype(inp)
+            self.init_fp8_metadata(num_gemms)
+            if not allow_non_contiguous and not isinstance(inp, QuantizedTensor):
+                inp = inp.contiguous()
+            return inp
+        except BaseException:
+            exit_device()
+            raise
+
+    def end_forward(self) -> None:
+        exit_device()
+
+    def _register_fp8_state(self) -> None:
+        """Put the delayed-scaling state into the amax registry (after a successful forward)."""
+        if self.fp8 and isinstance(self.fp8_meta.get("scaling_fwd"), DelayedScalingRecipeState):
+            if not FP8GlobalStateManager.fp8_graph_capturing():
+                FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(self.fp8_meta)
+
+    @contextlib.contextmanager
+    def prepare_forward_ctx(self, inp, num_gemms: int = 1, allow_non_contiguous=False):
+        first_flag = FP8GlobalStateManager.quantization_state.is_first_fp8_module
+        inp = self.prepare_forward(inp, num_gemms, allow_non_contiguous)
+        try:
+            yield inp
+        except BaseException:
+            # leave the region as it was: the first-module flag is handed back
+            FP8GlobalStateManager.quantization_state.is_first_fp8_module = first_flag
+            raise
+        else:
+            self._register_fp8_state()
+        finally:
+            self.end_forward()
+
+    # -- weight workspaces (is_first_microbatch) -----------------------------------------------
+    def _cached_weight(self, key: str, is_first_microbatch: bool | None):
+        """``(cached, store)``: the workspace to reuse, or a callable that stores a new one."""
+        if is_first_microbatch is None:
+            self._fp8_workspaces.pop(key, None)
+            return None, None
+        if is_first_microbatch is False and key in self._fp8_workspaces:
+            return self._fp8_workspaces[key], None
+        return None, lambda value: self._fp8_workspaces.__setitem__(key, value)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def get_extra_state(self):
+        state = self.fp8_meta.get("scaling_fwd")
+        if not (self.fp8_meta.get("fp8_checkpoint") or self.primary_weights_in_fp8):
+            return None
+        if not isinstance(state, DelayedScalingRecipeState):
+            return None
+        tensors = {
+            "scale_fwd": state.scale,
+            "amax_history_fwd": state.amax_history,
+            "scale_bwd": self.fp8_meta["scaling_bwd"].scale,
+            "amax_history_bwd": self.fp8_meta["scaling_bwd"].amax_history,
+        }
+        extra = {"num_gemms": self.fp8_meta.get("num_gemms", self._num_gemms)}
+        from . import _extra_state
+
+        return _extra_state.pack_extra_state(self.fp8_meta["recipe"], tensors, extra)
+
+    def set_extra_state(self, state) -> None:
+        device = self.parameters_device()
+        if device is None or device.type == "meta":
+            device = torch.device("cpu") if device is None else device
+        from . import _extra_state
+
+        unpacked = _extra_state.unpack_extra_state(state, device=device)
+        if unpacked is None:
+            return
+        recipe, tensors, extra = unpacked
+        num_gemms = int(extra.get("num_gemms", self._num_gemms))
+        if device.type == "meta":
+            return  # nothing to hold the values yet; they arrive with the next load
+        self._build_recipe_states(recipe, num_gemms, device)
+        with torch.no_grad():
+            for key, suffix in (("scaling_fwd", "fwd"), ("scaling_bwd", "bwd")):
+                st = self.fp8_meta[key]
+                if f"scale_{suffix}" in tensors:
+                    st.scale.copy_(tensors[f"scale_{suffix}"])
+                    history = tensors[f"amax_history_{suffix}"]
+                    if history.shape != st.amax_history.shape:
+                        st.amax_history = history.to(device).clone()
+                        self.quantizers[key] = st.make_quantizers()
+                    else:
+                        st.amax_history.copy_(history)
+        self.fp8_meta["fp8_checkpoint"] = True
+        self._rebind_fp8_parameter_quantizers()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, *args, **kwargs):
+        # FP8 weights must be re-quantized with the checkpoint's scales: load them first.
+        key = prefix + torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+        if self.primary_weights_in_fp8 and key in state_dict:
+            self.set_extra_state(state_dict[key])
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, *args, **kwargs)

@@ -1,0 +1,231 @@
+"""``te.Linear``: ``y = x W^T + b`` with FP8 GEMMs inside ``te.autocast``."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+
+from ..quantization import FP8GlobalStateManager
+from ..quantized_tensor import QuantizedTensor
+from ._linear_core import LinearConfig, check_fp8_gemm_shapes, linear_forward
+from .base import TransformerEngineBaseModule, default_init_method, resolve_module_device
+
+__all__ = ["Linear", "check_single_process_arguments", "split_sizes"]
+
+# Forward / backward quantizer slots of the first GEMM (upstream's FP8FwdTensorIdx layout).
+GEMM1_INPUT, GEMM1_WEIGHT, GEMM1_OUTPUT = 0, 1, 2
+GRAD_OUTPUT1 = 0
+
+
+def check_single_process_arguments(module: str, **arguments) -> None:
+    """Tensor-parallel and comm-overlap arguments are accepted but not implemented yet."""
+    tp_size = arguments.pop("tp_size", 1)
+    if tp_size != 1:
+        raise NotImplementedError(
+            f"{module}: tp_size={tp_size} is not implemented yet (tensor parallelism); use tp_size=1"
+        )
+    for name, value in arguments.items():
+        if value not in (None, False):
+            raise NotImplementedError(f"{module}: {name}={value!r} is not implemented yet")
+
+
+def split_sizes(parameters_split, out_features: int) -> dict[str, int]:
+    """``parameters_split`` as ``{name: rows}`` (a tuple of names splits evenly)."""
+    if parameters_split is None:
+        return {"": out_features}
+    if isinstance(parameters_split, dict):
+        sizes = {str(k): int(v) for k, v in parameters_split.items()}
+    else:
+        names = list(parameters_split)
+        if not names or out_features % len(names):
+            raise ValueError(
+                f"parameters_split={parameters_split!r} must split out_features={out_features} "
+                "into equal parts; pass a dict of sizes otherwise"
+            )
+        sizes = {str(n): out_features // len(names) for n in names}
+    if sum(sizes.values()) != out_features:
+        raise ValueError(
+            f"parameters_split sizes {sizes} sum to {sum(sizes.values())}, not out_features="
+            f"{out_features}"
+        )
+    return {name.rstrip("_"): size for name, size in sizes.items()}
+
+
+class Linear(TransformerEngineBaseModule):
+    """Linear layer ``y = x W^T + b``, in FP8 inside ``te.autocast``.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+    bias : bool, default True
+    return_bias : bool, default False
+        Return ``(out, bias)`` with the bias *not* added (for a later fused add).
+    params_dtype : torch.dtype, optional
+        Default ``torch.get_default_dtype()``.
+    device : str or torch.device, default "cuda"
+        ``"cuda"`` is the current CUDA device; ``"meta"`` defers initialization.
+    init_method : callable, optional
+        Initializes the weight in place; default N(0, 0.023).
+    parameters_split : tuple of str or dict, optional
+        Register the weight (and bias) as several parameters ``<name>_weight``.
+    fuse_wgrad_accumulation : bool, default False
+        Accumulate the weight gradient into ``weight.main_grad`` (float32).
+    name : str, optional
+
+    Tensor-parallel and comm-overlap arguments are accepted for compatibility; values other
+    than the single-process defaults raise ``NotImplementedError`` naming the argument.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker: Callable | None = None,
+        rng_tracker_name: str | None = None,
+        init_method: Callable | None = None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        parallel_mode: str | None = None,
+        parameters_split=None,
+        device="cuda",
+        ub_overlap_ag: bool = False,
+        ub_overlap_rs: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
+        ub_name: str | None = None,
+        delay_wgrad_compute: bool = False,
+        symmetric_ar_type: str | None = None,
+        save_original_input: bool = False,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        if parallel_mode not in (None, "column", "row"):
+            raise ValueError(f"parallel_mode={parallel_mode!r} must be None, 'column' or 'row'")
+        check_single_process_arguments(
+            "Linear", tp_size=tp_size, sequence_parallel=sequence_parallel,
+            ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
+            ub_bulk_wgrad=ub_bulk_wgrad, delay_wgrad_compute=delay_wgrad_compute,
+            symmetric_ar_type=symmetric_ar_type, save_original_input=save_original_input,
+        )  # fmt: skip
+        for label, value in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{label}={value!r} must be a positive int")
+        self.in_features, self.out_features = in_features, out_features
+        self.use_bias, self.return_bias = bias, return_bias
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.parallel_mode = parallel_mode
+        self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
+        self.rng_tracker_name = rng_tracker_name
+        params_dtype = params_dtype or torch.get_default_dtype()
+        device = resolve_module_device(device)
+        self.sizes = split_sizes(parameters_split, out_features)
+        if parameters_split is not None and self.primary_weights_in_fp8:
+            raise ValueError("parameters_split cannot be combined with FP8 parameters")
+        init_method = init_method or default_init_method
+
+        for split, rows in self.sizes.items():
+            prefix = f"{split}_" if split else ""
+            w = torch.empty(rows, in_features, dtype=params_dtype, device=device)
+            self.register_parameter(
+                f"{prefix}weight", torch.nn.Parameter(w), init_fn=init_method,
+                fp8_meta_index=GEMM1_WEIGHT if not split else None,
+            )  # fmt: skip
+            if bias:
+                b = torch.empty(rows, dtype=params_dtype, device=device)
+                self.register_parameter(f"{prefix}bias", torch.nn.Parameter(b), init_fn=None)
+        if not bias and not split_sizes_has_names(self.sizes):
+            self.bias = None
+        self.reset_parameters(defer_init=device.type == "meta")
+
+    # -- parameters ----------------------------------------------------------------------------
+    def _weight(self) -> torch.Tensor:
+        if "" in self.sizes:
+            return self.weight
+        return torch.cat([getattr(self, f"{n}_weight") for n in self.sizes], dim=0)
+
+    def _bias(self) -> torch.Tensor | None:
+        if not self.use_bias:
+            return None
+        if "" in self.sizes:
+            return self.bias
+        return torch.cat([getattr(self, f"{n}_bias") for n in self.sizes], dim=0)
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(
+        self,
+        inp: torch.Tensor,
+        is_first_microbatch: bool | None = None,
+        fp8_output: bool | None = False,
+        fp8_grad: bool | None = False,
+    ):
+        if fp8_grad:
+            raise NotImplementedError("Linear: fp8_grad=True is not implemented yet")
+        if inp.shape[-1] != self.in_features:
+            raise ValueError(
+                f"Linear: the input's last dimension is {inp.shape[-1]} but in_features="
+                f"{self.in_features}"
+            )
+        with self.prepare_forward_ctx(inp, num_gemms=1) as inp:
+            weight, bias = self._weight(), self._bias()
+            dtype = self.activation_dtype
+            fp8 = self.fp8
+            if isinstance(weight, QuantizedTensor) and not fp8:
+                warnings.warn(
+                    "Linear: FP8 weights used outside te.autocast are dequantized", stacklevel=2
+                )
+                weight = weight.dequantize(dtype=dtype)
+            elif not isinstance(weight, QuantizedTensor) and weight.dtype != dtype:
+                weight = weight.to(dtype)
+            if inp.dtype != dtype:
+                inp = inp.to(dtype)
+            gemm_bias = None if (bias is None or self.return_bias) else bias.to(dtype)
+            config = self._config(inp, weight, is_first_microbatch, fp8)
+            out = linear_forward(weight, inp, gemm_bias, config)
+            if fp8 and fp8_output:
+                out = self.quantizers["scaling_fwd"][GEMM1_OUTPUT].quantize_impl(out.detach())
+        if self.return_bias:
+            return out, (bias.to(dtype) if bias is not None else None)
+        return out
+
+    def _config(self, inp, weight, is_first_microbatch, fp8) -> LinearConfig:
+        config = LinearConfig(
+            fp8=fp8,
+            activation_dtype=self.activation_dtype,
+            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+            accumulate_into_main_grad=not is_first_microbatch,
+        )
+        if not fp8:
+            return config
+        grad = torch.is_grad_enabled()
+        tokens = inp.numel() // max(inp.shape[-1], 1)
+        check_fp8_gemm_shapes(
+            tokens, self.in_features, self.out_features, grad and weight.requires_grad
+        )
+        recipe = self.fp8_meta["recipe"]
+        fwd, bwd = self.quantizers["scaling_fwd"], self.quantizers["scaling_bwd"]
+        config.input_quantizer = fwd[GEMM1_INPUT]
+        config.weight_quantizer = fwd[GEMM1_WEIGHT]
+        config.grad_output_quantizer = bwd[GRAD_OUTPUT1]
+        if not isinstance(weight, QuantizedTensor):
+            config.cached_weight, config.cache_weight = self._cached_weight(
+                "weight", is_first_microbatch
+            )
+        if hasattr(recipe, "fp8_gemm_fprop"):
+            config.fprop_split_accumulator = recipe.fp8_gemm_fprop.use_split_accumulator
+            config.dgrad_split_accumulator = recipe.fp8_gemm_dgrad.use_split_accumulator
+            config.wgrad_split_accumulator = recipe.fp8_gemm_wgrad.use_split_accumulator
+        config.reduce_and_update_bwd = grad and FP8GlobalStateManager.is_first_fp8_module()
+        return config
+
+
+def split_sizes_has_names(sizes: dict[str, int]) -> bool:
+    return "" not in sizes
