@@ -5,8 +5,9 @@ quantization state, quantized tensors, the FP8 cast kernels and GEMM
 (``cpp_extensions``), their pure-PyTorch reference (``reference``) and the device seam.
 """
 
-from . import cpp_extensions, reference
+from . import cpp_extensions, distributed, reference
 from .constants import DType
+from .distributed import checkpoint
 from .quantization import (
     FP8GlobalStateManager,
     autocast,
@@ -23,6 +24,8 @@ __all__ = [
     "DType",
     "cpp_extensions",
     "reference",
+    "distributed",
+    "checkpoint",
     "FP8GlobalStateManager",
     "autocast",
     "fp8_autocast",

@@ -261,6 +261,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         try:
             self.set_activation_dtype(inp)
             self.init_fp8_metadata(num_gemms)
+            self._recompute_swap_in()
             if not allow_non_contiguous and not isinstance(inp, QuantizedTensor):
                 inp = inp.contiguous()
             return inp
@@ -269,7 +270,43 @@ class TransformerEngineBaseModule(torch.nn.Module):
             raise
 
     def end_forward(self) -> None:
-        exit_device()
+        try:
+            self._recompute_swap_out()
+        finally:
+            exit_device()
+
+    # -- activation recompute (te.checkpoint) ----------------------------------------------------
+    def _delayed_forward_state(self):
+        state = self.fp8_meta.get("scaling_fwd")
+        if self.fp8 and isinstance(state, DelayedScalingRecipeState):
+            return state
+        return None
+
+    def _recompute_swap_in(self) -> None:
+        """Original forward: stash the scales it casts with; recompute: cast with them again."""
+        from ..distributed import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
+
+        state = self._delayed_forward_state()
+        if state is None:
+            return
+        stash = self.__dict__.setdefault("_recompute_stash", [])
+        if is_fp8_activation_recompute_enabled():
+            stash.append((state.scale.clone(), state.amax_history.clone()))
+        elif in_fp8_activation_recompute_phase() and stash:
+            scale, history = stash.pop(0)
+            self._recompute_updated = (state.scale.clone(), state.amax_history.clone())
+            with torch.no_grad():
+                state.scale.copy_(scale)
+                state.amax_history.copy_(history)
+
+    def _recompute_swap_out(self) -> None:
+        """After a recompute: back to the up-to-date values (dropping the recompute's amaxes)."""
+        updated = self.__dict__.pop("_recompute_updated", None)
+        state = self._delayed_forward_state()
+        if updated is not None and state is not None:
+            with torch.no_grad():
+                state.scale.copy_(updated[0])
+                state.amax_history.copy_(updated[1])
 
     def _register_fp8_state(self) -> None:
         """Put the delayed-scaling state into the amax registry (after a successful forward)."""

@@ -1,0 +1,66 @@
+"""te.checkpoint: recomputed FP8 forwards cast with the original forward's scales, and the
+delayed-scaling state ends exactly as without recompute."""
+
+import copy
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.pytorch.device import guard_depth
+from transformer_engine.pytorch.module import Linear
+from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    FP8GlobalStateManager.reset()
+    yield
+    FP8GlobalStateManager.reset()
+
+
+def two_layers():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(Linear(32, 64, device="cpu"), Linear(64, 32, device="cpu"))
+
+
+def states(model):
+    out = []
+    for layer in model:
+        for key in ("scaling_fwd", "scaling_bwd"):
+            st = layer.fp8_meta[key]
+            out += [st.scale.clone(), st.amax_history.clone()]
+    return out
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=3), Float8CurrentScaling()])
+def test_recompute_matches_the_plain_run_step_by_step(use_reentrant, recipe):
+    plain = two_layers()
+    ckpt = copy.deepcopy(plain)
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x = torch.randn(16, 32, generator=g) * (1 + step)
+        xs = [x.clone().requires_grad_(True) for _ in range(2)]
+        with te.autocast(recipe=recipe):
+            y_plain = plain(xs[0])
+        with te.autocast(recipe=recipe):
+            y_ckpt = te.checkpoint(ckpt, xs[1], use_reentrant=use_reentrant)
+        assert torch.equal(y_plain, y_ckpt), step
+        y_plain.square().sum().backward()
+        y_ckpt.square().sum().backward()
+        assert torch.equal(xs[0].grad, xs[1].grad), step
+        for a, b in zip(plain.parameters(), ckpt.parameters()):
+            assert torch.equal(a.grad, b.grad), step
+        if isinstance(recipe, DelayedScaling):
+            for a, b in zip(states(plain), states(ckpt)):
+                assert torch.equal(a, b), step
+        assert guard_depth() == 0
+    if isinstance(recipe, DelayedScaling):
+        assert not torch.equal(plain[0].fp8_meta["scaling_bwd"].scale, torch.ones(2))
+
+
+def test_distribute_saved_activations_is_not_implemented():
+    with pytest.raises(NotImplementedError, match="distribute_saved_activations"):
+        te.checkpoint(lambda t: t, torch.ones(1), distribute_saved_activations=True)
