@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+"""te.Linear in FP8 (delayed and current scaling) against torch.nn.Linear in BF16, forward +
+backward, side by side in one run on one CUDA GPU.
+
+Reports TFLOP/s (3 GEMMs of 2*M*K*N flops each per step: fprop, dgrad, wgrad) and the ratio to
+BF16 at the large shapes, plus the host time per forward call at a small shape (how long the
+Python side takes to issue one call; the GPU work is not waited for). torchao's float8
+training under torch.compile is measured too when torchao is installed.
+
+    python benchmarks/linear/benchmark_linear.py [--json out.json] [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import transformer_engine
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+
+SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (8192, 8192, 8192)]
+HOST_SHAPE = (1024, 1024, 1024)
+TARGET = 1.5
+
+
+def time_steps(step, iters: int, warmup: int) -> float:
+    """Median seconds per step, timed with CUDA events over single steps."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def make_step(module, x, dy, recipe):
+    def step():
+        x.grad = None
+        for p in module.parameters():
+            p.grad = None
+        if recipe is None:
+            y = module(x)
+        else:
+            with te.autocast(recipe=recipe):
+                y = module(x)
+        y.backward(dy)
+
+    return step
+
+
+def torchao_step(m, k, n, device):
+    try:
+        from torchao.float8 import convert_to_float8_training  # noqa: PLC0415
+    except ImportError as err:
+        return None, f"torchao not installed ({err.name})"
+    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=True, device=device, dtype=torch.bfloat16))
+    convert_to_float8_training(model)
+    model = torch.compile(model)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    return make_step(model, x, dy, None), ""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmark_linear.py needs a CUDA GPU", file=sys.stderr)
+        return 1
+    device = torch.device(args.device)
+    torch.cuda.set_device(device)
+    print(f"te.Linear benchmark on {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    print(f"native: {transformer_engine.native_status()}")
+    recipes = {"delayed": DelayedScaling(), "current": Float8CurrentScaling()}
+    rows, passed = [], True
+    header = f"{'(M, K, N)':>22} {'impl':>14} {'ms/step':>9} {'TFLOP/s':>9} {'vs BF16':>8}"
+    print(header)
+    for m, k, n in SHAPES:
+        flops = 3 * 2 * m * k * n
+        torch.manual_seed(0)
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+        base = torch.nn.Linear(k, n, device=device, dtype=torch.bfloat16)
+        bf16 = time_steps(make_step(base, x, dy, None), args.iters, args.warmup)
+        results = {"bf16 nn.Linear": bf16}
+        for label, recipe in recipes.items():
+            module = te.Linear(k, n, device=device, params_dtype=torch.bfloat16)
+            results[f"te fp8 {label}"] = time_steps(
+                make_step(module, x, dy, recipe), args.iters, args.warmup
+            )
+        step, why = torchao_step(m, k, n, device)
+        if step is not None:
+            results["torchao compile"] = time_steps(step, args.iters, args.warmup)
+        for impl, seconds in results.items():
+            ratio = bf16 / seconds
+            print(f"{str((m, k, n)):>22} {impl:>14} {seconds * 1e3:9.3f} {flops / seconds / 1e12:9.1f} {ratio:8.2f}x")
+            rows.append({"shape": [m, k, n], "impl": impl, "seconds": seconds,
+                         "tflops": flops / seconds / 1e12, "vs_bf16": ratio})  # fmt: skip
+            if impl.startswith("te fp8") and ratio < TARGET:
+                passed = False
+        if why:
+            print(f"{str((m, k, n)):>22} {'torchao':>14} skipped: {why}")
+
+    m, k, n = HOST_SHAPE
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    host = {}
+    with torch.no_grad():
+        for label, recipe in [("bf16 nn.Linear", None), *recipes.items()]:
+            module = (
+                torch.nn.Linear(k, n, device=device, dtype=torch.bfloat16)
+                if recipe is None
+                else te.Linear(k, n, device=device, params_dtype=torch.bfloat16)
+            )
+            for _ in range(10):
+                module(x)
+            torch.cuda.synchronize()
+            calls = 200
+            ctx = te.autocast(recipe=recipe) if recipe is not None else None
+            start = time.perf_counter()
+            if ctx is None:
+                for _ in range(calls):
+                    module(x)
+            else:
+                with ctx:
+                    for _ in range(calls):
+                        module(x)
+            host[label] = (time.perf_counter() - start) / calls
+            torch.cuda.synchronize()
+    print(f"\nhost time per forward call at {HOST_SHAPE} (no_grad, GPU not awaited):")
+    for label, seconds in host.items():
+        print(f"  {label:>16}: {seconds * 1e6:8.1f} us")
+    print(f"\ntarget: te FP8 >= {TARGET}x BF16 at the three large shapes: {'PASS' if passed else 'FAIL'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "host_us": {k: v * 1e6 for k, v in host.items()}}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
