@@ -1,0 +1,352 @@
+"""Functional core of the normalization layers, and the argument rules their modules share.
+
+``layernorm`` and ``rmsnorm`` are pure functions: they hold no state, differentiate through
+autograd, and run on whatever device their input lives on. ``LayerNorm`` / ``RMSNorm`` use them
+now; ``LayerNormLinear`` and ``LayerNormMLP`` will use them for their fused norm.
+
+Precision: the statistics and the affine transform are computed in float32 (float64 inputs stay
+in float64), whatever the dtype of the input or the parameters, and the result is cast back to
+the input's dtype. Gradients come back in the dtype of the tensor they belong to.
+
+The helpers below the two functions implement the constructor, materialization and forward
+rules that both norm modules follow (DESIGN.md sections 3 and 4); they are stateless too.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from ..device import check_same_device, reject_meta
+
+__all__ = [
+    "layernorm",
+    "rmsnorm",
+    "normalized_size",
+    "resolve_params_dtype",
+    "resolve_construction_device",
+    "materialization_device",
+    "materialize_parameter",
+    "check_eps",
+    "check_sm_margin",
+    "check_module_input",
+]
+
+
+def _check_operands(
+    op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> None:
+    """Types, shapes, dtypes, then placement: every check runs before any computation."""
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is None and name == "bias":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(
+                f"{op}: {name} has dtype {t.dtype}; normalization needs a floating-point dtype"
+            )
+    if weight.dim() != 1:
+        raise ValueError(
+            f"{op}: weight must be 1-D (one value per feature), got shape {tuple(weight.shape)}"
+        )
+    if x.dim() == 0:
+        raise ValueError(f"{op}: x must have at least one dimension (the features), got a scalar")
+    if x.shape[-1] != weight.shape[0]:
+        raise ValueError(
+            f"{op}: the last dimension of x has size {x.shape[-1]} but weight has size "
+            f"{weight.shape[0]}; the normalized (last) dimension of x must match the weight"
+        )
+    if bias is not None and bias.shape != weight.shape:
+        raise ValueError(
+            f"{op}: bias has shape {tuple(bias.shape)} but weight has shape "
+            f"{tuple(weight.shape)}; they must match"
+        )
+    if not eps >= 0:  # also refuses NaN
+        raise ValueError(f"{op}: eps must be a non-negative number, got {eps!r}")
+    # All-meta operands are allowed: they propagate shapes without data (tracing). A mix of meta
+    # and materialized tensors is a deferred-initialization mistake, named as such.
+    if not (x.is_meta and weight.is_meta and (bias is None or bias.is_meta)):
+        reject_meta(op, x=x, weight=weight, bias=bias)
+    check_same_device(op, "x", x, weight=weight, bias=bias)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    # Statistics in reduced precision lose too much (BF16 has 8 mantissa bits): at least float32.
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _effective_gamma(
+    weight: torch.Tensor, dtype: torch.dtype, zero_centered_gamma: bool
+) -> torch.Tensor:
+    gamma = weight.to(dtype)
+    # Zero-centered gamma stores (gamma - 1) so that weight decay pulls the scale towards 1.
+    return gamma + 1 if zero_centered_gamma else gamma
+
+
+def layernorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    zero_centered_gamma: bool = False,
+) -> torch.Tensor:
+    r"""Layer normalization over the last dimension of ``x``.
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \varepsilon}} \cdot \gamma + \beta
+
+    with the biased variance, :math:`\gamma` = ``weight`` (``1 + weight`` when
+    ``zero_centered_gamma``) and :math:`\beta` = ``bias``.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        Input of shape ``(..., hidden)``, any floating-point dtype.
+    weight : torch.Tensor
+        Scale of shape ``(hidden,)`` on ``x``'s device.
+    bias : torch.Tensor or None
+        Shift of shape ``(hidden,)`` on ``x``'s device; ``None`` for no shift.
+    eps : float
+        Added to the variance for numerical stability; non-negative.
+    zero_centered_gamma : bool, default = `False`
+        Whether ``weight`` stores :math:`\gamma - 1` (the norm then scales by ``1 + weight``).
+
+    Returns
+    -------
+    torch.Tensor
+        Same shape, dtype and device as ``x``. Computed in float32 (float64 for float64 inputs)
+        and cast back to ``x.dtype``; differentiable with respect to all tensor arguments.
+
+    Raises
+    ------
+    TypeError
+        A non-tensor argument or a non-floating-point dtype.
+    ValueError
+        Mismatched sizes, a negative ``eps``, meta tensors mixed with materialized ones, or
+        tensors on different devices.
+    """
+    _check_operands("layernorm", x, weight, bias, eps)
+    dtype = _compute_dtype(x)
+    gamma = _effective_gamma(weight, dtype, zero_centered_gamma)
+    beta = bias.to(dtype) if bias is not None else None
+    y = torch.nn.functional.layer_norm(x.to(dtype), (weight.shape[0],), gamma, beta, eps)
+    return y.to(x.dtype)
+
+
+def rmsnorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered_gamma: bool = False,
+) -> torch.Tensor:
+    r"""Root-mean-square normalization over the last dimension of ``x``.
+
+    .. math::
+        y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \varepsilon}} \cdot \gamma
+
+    with :math:`\gamma` = ``weight`` (``1 + weight`` when ``zero_centered_gamma``).
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        Input of shape ``(..., hidden)``, any floating-point dtype.
+    weight : torch.Tensor
+        Scale of shape ``(hidden,)`` on ``x``'s device.
+    eps : float
+        Added to the mean square for numerical stability; non-negative.
+    zero_centered_gamma : bool, default = `False`
+        Whether ``weight`` stores :math:`\gamma - 1` (the norm then scales by ``1 + weight``).
+
+    Returns
+    -------
+    torch.Tensor
+        Same shape, dtype and device as ``x``. Computed in float32 (float64 for float64 inputs)
+        and cast back to ``x.dtype``; differentiable with respect to ``x`` and ``weight``.
+
+    Raises
+    ------
+    TypeError
+        A non-tensor argument or a non-floating-point dtype.
+    ValueError
+        Mismatched sizes, a negative ``eps``, meta tensors mixed with materialized ones, or
+        tensors on different devices.
+    """
+    _check_operands("rmsnorm", x, weight, None, eps)
+    dtype = _compute_dtype(x)
+    gamma = _effective_gamma(weight, dtype, zero_centered_gamma)
+    x_c = x.to(dtype)
+    rstd = torch.rsqrt(x_c.square().mean(dim=-1, keepdim=True) + eps)
+    return (x_c * rstd * gamma).to(x.dtype)
+
+
+# --- Rules shared by the norm modules ------------------------------------------------------------
+
+
+def normalized_size(
+    owner: str,
+    normalized_shape: int | Sequence[int] | None,
+    hidden_size: int | None,
+) -> int:
+    """The feature count from ``normalized_shape`` or its deprecated alias ``hidden_size``.
+
+    Only the last dimension can be normalized: an int or a one-element sequence is accepted.
+    """
+    if hidden_size is not None:
+        warnings.warn(
+            f"{owner}: hidden_size is deprecated; pass normalized_shape instead",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if normalized_shape is not None:
+            raise TypeError(
+                f"{owner}: got both normalized_shape={normalized_shape!r} and "
+                f"hidden_size={hidden_size!r}; pass normalized_shape only"
+            )
+        normalized_shape = hidden_size
+    if normalized_shape is None:
+        raise TypeError(f"{owner}: normalized_shape is required (the size of the last dimension)")
+    if isinstance(normalized_shape, (tuple, list, torch.Size)):
+        if len(normalized_shape) != 1:
+            raise NotImplementedError(
+                f"{owner}: normalized_shape={tuple(normalized_shape)!r} normalizes "
+                f"{len(normalized_shape)} dimensions; only the last dimension can be normalized, "
+                "so pass a single size (an int or a one-element tuple)"
+            )
+        (size,) = normalized_shape
+    else:
+        size = normalized_shape
+    if isinstance(size, bool):
+        raise TypeError(f"{owner}: normalized_shape must be an int, got {size!r}")
+    try:
+        size = operator.index(size)
+    except TypeError:
+        raise TypeError(
+            f"{owner}: normalized_shape must be an int or a one-element tuple of int, "
+            f"got {normalized_shape!r}"
+        ) from None
+    if size <= 0:
+        raise ValueError(f"{owner}: normalized_shape must be positive, got {size}")
+    return size
+
+
+def resolve_params_dtype(
+    owner: str, dtype: torch.dtype | None, params_dtype: torch.dtype | None
+) -> torch.dtype:
+    """The parameter dtype from ``dtype`` or its deprecated alias ``params_dtype``."""
+    if params_dtype is not None:
+        warnings.warn(
+            f"{owner}: params_dtype is deprecated; pass dtype instead",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if dtype is not None:
+            raise TypeError(
+                f"{owner}: got dtype={dtype} and params_dtype={params_dtype}; pass dtype only"
+            )
+        dtype = params_dtype
+    if dtype is None:
+        dtype = torch.get_default_dtype()
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{owner}: dtype must be a floating-point torch.dtype, got {dtype!r}")
+    return dtype
+
+
+def _ambient_device() -> torch.device:
+    # The one place the norm modules consult the ambient device (DESIGN.md section 4.2): where
+    # no device was named, parameters go to the current CUDA device, else to the CPU.
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_construction_device(
+    owner: str, device: torch.device | str | int | None
+) -> torch.device:
+    """Where a module's parameters are built.
+
+    ``None`` means the current CUDA device when CUDA is available, else the CPU. ``"cuda"``
+    without an index is pinned to the current CUDA index now, so the module does not follow
+    later changes of the current device. ``"meta"`` builds no storage.
+    """
+    if device is None:
+        return _ambient_device()
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"{owner}: device={str(device)!r} was requested but CUDA is not available; "
+                "pass device='cpu' or device='meta'"
+            )
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def materialization_device(*params: torch.Tensor | None) -> torch.device:
+    """Where ``reset_parameters`` puts meta parameters.
+
+    The device of the first parameter that already holds storage (e.g. after
+    ``module.to_empty(device=...)``), else the current CUDA device when CUDA is available, else
+    the CPU.
+    """
+    for p in params:
+        if p is not None and not p.is_meta:
+            return p.device
+    return _ambient_device()
+
+
+def materialize_parameter(param: torch.nn.Parameter, device: torch.device) -> torch.nn.Parameter:
+    """A new, uninitialized parameter on ``device`` that replaces the meta ``param``.
+
+    Attributes set on ``param`` (e.g. ``sequence_parallel``) carry over; ``requires_grad`` too.
+    """
+    new = torch.nn.Parameter(
+        torch.empty(param.shape, dtype=param.dtype, device=device),
+        requires_grad=param.requires_grad,
+    )
+    new.__dict__.update(param.__dict__)
+    return new
+
+
+def check_eps(owner: str, eps: float) -> float:
+    try:
+        value = float(eps)
+    except (TypeError, ValueError):
+        raise TypeError(f"{owner}: eps must be a number, got {eps!r}") from None
+    if not value >= 0:
+        raise ValueError(f"{owner}: eps must be non-negative, got {eps!r}")
+    return value
+
+
+def check_sm_margin(owner: str, sm_margin: int) -> int:
+    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int):
+        raise TypeError(f"{owner}: sm_margin must be an int, got {sm_margin!r}")
+    if sm_margin < 0:
+        raise ValueError(f"{owner}: sm_margin must be non-negative, got {sm_margin}")
+    return sm_margin
+
+
+def check_module_input(owner: str, inp: torch.Tensor, weight: torch.Tensor) -> None:
+    """A module's forward runs on its parameters' device, which must be the input's device."""
+    if not isinstance(inp, torch.Tensor):
+        raise TypeError(f"{owner}: the input must be a torch.Tensor, got {type(inp).__name__}")
+    if weight.is_meta:
+        raise ValueError(
+            f"{owner}: the parameters are on the meta device and hold no data; call "
+            "reset_parameters() (or module.to_empty(device=...) and then reset_parameters()) "
+            "before the forward"
+        )
+    if inp.is_meta:
+        raise ValueError(
+            f"{owner}: the input is a meta tensor and holds no data, but the parameters are on "
+            f"{weight.device}; pass an input on {weight.device}"
+        )
+    if inp.device != weight.device:
+        raise ValueError(
+            f"{owner}: the input is on {inp.device} but the parameters are on {weight.device}; "
+            f"move the input to {weight.device}, or the module to {inp.device} with "
+            "module.to(...)"
+        )
