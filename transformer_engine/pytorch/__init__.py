@@ -17,10 +17,15 @@ from .quantization import (
     is_fp8_available,
     quantized_model_init,
 )
+from .module import LayerNorm, Linear, RMSNorm, TransformerEngineBaseModule
 from .quantized_tensor import QuantizedTensor, Quantizer
 from .tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 
 __all__ = [
+    "Linear",
+    "LayerNorm",
+    "RMSNorm",
+    "TransformerEngineBaseModule",
     "DType",
     "cpp_extensions",
     "reference",

@@ -102,7 +102,7 @@ class AmaxRegistry:
         """Point an existing position at new tensors (same slot count), e.g. after a move."""
         _check_pair(amax_history, scale)
         entries = self._entries.get(key)
-        if entries is None or not 0 <= position < len(entries):
+        if entries is None or not 0 <= position < len(entries) or entries[position] is None:
             raise KeyError(f"no amax registry entry {position} under {key!r}")
         if entries[position].slots != amax_history.shape[1]:
             raise ValueError(
@@ -110,6 +110,15 @@ class AmaxRegistry:
                 f"replacement has {amax_history.shape[1]} (register a new entry instead)"
             )
         entries[position] = _Entry(amax_history, scale)
+        self._device_groups.pop(key, None)
+
+    def unregister(self, key: str, position: int) -> None:
+        """Retire a position (its owner moved to another key). The slot stays as a tombstone so
+        the other positions, and the reduction layout every rank shares, do not shift."""
+        entries = self._entries.get(key)
+        if entries is None or not 0 <= position < len(entries) or entries[position] is None:
+            raise KeyError(f"no amax registry entry {position} under {key!r}")
+        entries[position] = None
         self._device_groups.pop(key, None)
 
     def entry(self, key: str, position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +129,7 @@ class AmaxRegistry:
         return list(self._entries)
 
     def __len__(self) -> int:
-        return sum(len(v) for v in self._entries.values())
+        return sum(e is not None for v in self._entries.values() for e in v)
 
     def clear(self) -> None:
         self._entries.clear()
@@ -132,7 +141,8 @@ class AmaxRegistry:
         if groups is None:
             by_device: dict[torch.device, list[int]] = {}
             for position, e in enumerate(self._entries.get(key, [])):
-                by_device.setdefault(e.device, []).append(position)
+                if e is not None:
+                    by_device.setdefault(e.device, []).append(position)
             groups = list(by_device.items())
             self._device_groups[key] = groups
         return groups
@@ -140,9 +150,9 @@ class AmaxRegistry:
     def reduce_and_update(self, key: str, recipe, *, forward: bool, group=None) -> None:
         """Reduce (if the recipe and the process group ask for it) and update every pair."""
         entries = self._entries.get(key)
-        if not entries:
-            return
         groups = self.device_groups(key)
+        if not groups:
+            return
         reduced = self._reduce(entries, groups, group) if _should_reduce(recipe, group) else {}
 
         if callable(recipe.amax_compute_algo) or callable(recipe.scaling_factor_compute_algo):
@@ -171,13 +181,15 @@ class AmaxRegistry:
     @staticmethod
     def _reduce(entries, groups, group) -> dict[torch.device, torch.Tensor]:
         """Gather row 0 in registration order on the first device, all-reduce, split by device."""
-        home = entries[0].device
-        gathered = torch.cat([e.amax_history[0].to(home) for e in entries])
+        live = [e for e in entries if e is not None]
+        home = live[0].device
+        gathered = torch.cat([e.amax_history[0].to(home) for e in live])
         _all_reduce_max(gathered, group)
-        offsets, start = [], 0
-        for e in entries:
-            offsets.append(start)
-            start += e.slots
+        offsets, start = {}, 0
+        for position, e in enumerate(entries):
+            if e is not None:
+                offsets[position] = start
+                start += e.slots
         per_device = {}
         for device, positions in groups:
             pieces = [gathered[offsets[p] : offsets[p] + entries[p].slots] for p in positions]

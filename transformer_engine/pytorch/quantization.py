@@ -274,31 +274,32 @@ class FP8GlobalStateManager:
 
         ``fp8_meta`` carries ``"recipe"``, optionally ``"fp8_group"``, and the states under
         ``"scaling_fwd"`` / ``"scaling_bwd"``. The first call appends the module's pairs and
-        stores their positions under ``"buffer_index_and_autocast_key"``; later calls only
-        re-point the positions when the module's state tensors were replaced (a device move or
-        a rebuilt state), which also rebuilds the registry's per-device grouping.
+        stores their positions under ``"buffer_index_and_autocast_key"``; later calls re-point
+        the positions when the module's state tensors were replaced (a device move or a rebuilt
+        state), which also rebuilds the registry's per-device grouping, and move the pairs to a
+        new key when the recipe or the reduction group changed.
         """
         registry = cls.quantization_state.amax_registry
         recipe, group = fp8_meta["recipe"], fp8_meta.get("fp8_group")
         info_key = cls.get_buffer_info()
-        registered = fp8_meta.get(info_key)
-        if registered is None:
-            registered = {}
-            for forward in (True, False):
-                state = fp8_meta.get(cls.get_meta_tensor_key(forward))
-                if isinstance(state, DelayedScalingRecipeState):
-                    key = cls.get_key_in_buffer(forward, recipe, group)
-                    registered[forward] = (
-                        key,
-                        registry.register(key, state.amax_history, state.scale),
-                    )
-            fp8_meta[info_key] = registered
-            return
-        for forward, (key, position) in registered.items():
-            state = fp8_meta[cls.get_meta_tensor_key(forward)]
-            history, scale = registry.entry(key, position)
+        registered = fp8_meta.get(info_key) or {}
+        for forward in (True, False):
+            state = fp8_meta.get(cls.get_meta_tensor_key(forward))
+            if not isinstance(state, DelayedScalingRecipeState):
+                continue
+            key = cls.get_key_in_buffer(forward, recipe, group)
+            old = registered.get(forward)
+            if old is not None and old[0] != key:
+                # the recipe or group changed: the pair must be updated under the new key only
+                registry.unregister(*old)
+                old = None
+            if old is None:
+                registered[forward] = (key, registry.register(key, state.amax_history, state.scale))
+                continue
+            history, scale = registry.entry(*old)
             if history is not state.amax_history or scale is not state.scale:
-                registry.replace(key, position, state.amax_history, state.scale)
+                registry.replace(old[0], old[1], state.amax_history, state.scale)
+        fp8_meta[info_key] = registered
 
     @staticmethod
     def reduce_tensor_across_group_op_max(tensor: torch.Tensor, group) -> None:

@@ -111,16 +111,34 @@ class TransformerEngineBaseModule(torch.nn.Module):
             init_fn = self.param_init_meta.get(name, (None, None))[0]
             device = param.device if param.device.type != "meta" else target
             values = torch.empty(param.shape, dtype=param.dtype, device=device)
-            with torch.no_grad():
+            with torch.no_grad(), self._rng_context():
                 values.zero_() if init_fn is None else init_fn(values)
             self._replace_parameter(name, param, values)
         # ... then, under quantized_model_init, the weights become FP8 on that device.
         if self.primary_weights_in_fp8:
             for name, param in list(self.named_parameters(recurse=False)):
                 index = self.param_init_meta.get(name, (None, None))[1]
-                if index is not None:
-                    self._replace_parameter(name, param, self._quantize_parameter(param.data, index))
+                if index is None:
+                    continue
+                high_precision = param.detach().cpu().clone()
+                self._replace_parameter(name, param, self._quantize_parameter(param.data, index))
+                if self.preserve_high_precision_init_val:
+                    new_param = getattr(self, name)
+                    new_param._high_precision_init_val = high_precision
+                    new_param.get_high_precision_init_val = lambda hp=high_precision: hp
+                    new_param.clear_high_precision_init_val = (
+                        lambda p=new_param: setattr(p, "_high_precision_init_val", None)
+                    )
         self._fp8_workspaces.clear()
+
+    def _rng_context(self):
+        """Upstream's ``get_rng_state_tracker``: initialize inside ``tracker.fork(name)``."""
+        get_tracker = getattr(self, "get_rng_state_tracker", None)
+        if get_tracker is None:
+            return contextlib.nullcontext()
+        tracker = get_tracker()
+        name = getattr(self, "rng_tracker_name", None)
+        return tracker.fork(name) if name else tracker.fork()
 
     def _replace_parameter(self, name: str, old: torch.nn.Parameter, values: torch.Tensor) -> None:
         new_param = torch.nn.Parameter(values, requires_grad=old.requires_grad)
@@ -132,13 +150,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.init_fp8_metadata(self._num_gemms, force=True)
         quantizer = self.quantizers["scaling_fwd"][fp8_meta_index]
         quantizer.set_usage(rowwise=True, columnwise=torch.is_grad_enabled())
-        high_precision = values.detach().cpu().clone() if self.preserve_high_precision_init_val else None
         with torch.no_grad():
-            quantized = quantizer.quantize_impl(values)
-        if high_precision is not None:
-            quantized._high_precision_init_val = high_precision
-            quantized.get_high_precision_init_val = lambda: high_precision
-        return quantized
+            return quantizer.quantize_impl(values)
 
     # -- FP8 metadata --------------------------------------------------------------------------
     def init_fp8_metadata(self, num_gemms: int = 1, force: bool = False) -> None:

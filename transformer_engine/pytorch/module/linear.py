@@ -201,7 +201,8 @@ class Linear(TransformerEngineBaseModule):
             fp8=fp8,
             activation_dtype=self.activation_dtype,
             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
-            accumulate_into_main_grad=not is_first_microbatch,
+            accumulate_into_main_grad=not is_first_microbatch
+            and not getattr(weight, "overwrite_main_grad", False),
         )
         if not fp8:
             return config
