@@ -191,3 +191,42 @@ def test_callable_algorithms_take_the_python_path():
     assert torch.equal(s, torch.tensor([3.0, 3.0]))
     # the Python path rolls even a zero amax (upstream's behaviour for this path)
     assert torch.equal(h, torch.tensor([[0.0, 0.0], [2.0, 0.0]]))
+
+
+def test_unregistered_positions_are_tombstones(recorded_updates, fake_distributed):
+    registry = AmaxRegistry()
+    pairs = [pair("cpu", slots=2), pair("cpu", slots=1), pair("cpu", slots=2)]
+    for i, p in enumerate(pairs):
+        registry.register("k", *p)
+        p[0][0] = float(i + 1)
+    registry.unregister("k", 1)
+    assert len(registry) == 2
+    assert registry.device_groups("k") == [(torch.device("cpu"), [0, 2])]
+    registry.reduce_and_update("k", DelayedScaling(), forward=True)
+    ((sent, _),) = fake_distributed["calls"]
+    assert torch.equal(sent, torch.tensor([1.0, 1.0, 3.0, 3.0]))  # the retired pair is skipped
+    (call,) = recorded_updates
+    assert [h is p[0] for h, p in zip(call["histories"], (pairs[0], pairs[2]))] == [True, True]
+    with pytest.raises(KeyError):
+        registry.unregister("k", 1)
+    with pytest.raises(KeyError):
+        registry.replace("k", 1, *pair("cpu", slots=1))
+
+
+def test_a_changed_recipe_moves_the_pair_to_its_new_key():
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager, RecipeState
+
+    FP8GlobalStateManager.reset()
+    try:
+        old, new = DelayedScaling(margin=0), DelayedScaling(margin=1)
+        meta = {"recipe": old, "fp8_group": None}
+        meta["scaling_fwd"] = RecipeState.create(old, mode="forward", num_quantizers=2, device="cpu")
+        FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(meta)
+        meta["recipe"] = new
+        FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(meta)
+        registry = FP8GlobalStateManager.quantization_state.amax_registry
+        assert len(registry) == 1
+        key, _ = meta["buffer_index_and_autocast_key"][True]
+        assert key == FP8GlobalStateManager.get_key_in_buffer(True, new, None)
+    finally:
+        FP8GlobalStateManager.reset()
