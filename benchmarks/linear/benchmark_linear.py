@@ -65,7 +65,9 @@ def torchao_step(m, k, n, device):
         from torchao.float8 import convert_to_float8_training  # noqa: PLC0415
     except ImportError as err:
         return None, f"torchao not installed ({err.name})"
-    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=True, device=device, dtype=torch.bfloat16))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(k, n, bias=True, device=device, dtype=torch.bfloat16)
+    )
     convert_to_float8_training(model)
     model = torch.compile(model)
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -109,7 +111,9 @@ def main() -> int:
             results["torchao compile"] = time_steps(step, args.iters, args.warmup)
         for impl, seconds in results.items():
             ratio = bf16 / seconds
-            print(f"{str((m, k, n)):>22} {impl:>14} {seconds * 1e3:9.3f} {flops / seconds / 1e12:9.1f} {ratio:8.2f}x")
+            print(
+                f"{str((m, k, n)):>22} {impl:>14} {seconds * 1e3:9.3f} {flops / seconds / 1e12:9.1f} {ratio:8.2f}x"
+            )
             rows.append({"shape": [m, k, n], "impl": impl, "seconds": seconds,
                          "tflops": flops / seconds / 1e12, "vs_bf16": ratio})  # fmt: skip
             if impl.startswith("te fp8") and ratio < TARGET:
@@ -145,7 +149,9 @@ def main() -> int:
     print(f"\nhost time per forward call at {HOST_SHAPE} (no_grad, GPU not awaited):")
     for label, seconds in host.items():
         print(f"  {label:>16}: {seconds * 1e6:8.1f} us")
-    print(f"\ntarget: te FP8 >= {TARGET}x BF16 at the three large shapes: {'PASS' if passed else 'FAIL'}")
+    print(
+        f"\ntarget: te FP8 >= {TARGET}x BF16 at the three large shapes: {'PASS' if passed else 'FAIL'}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "host_us": {k: v * 1e6 for k, v in host.items()}}, f, indent=2)

@@ -220,7 +220,9 @@ def test_a_changed_recipe_moves_the_pair_to_its_new_key():
     try:
         old, new = DelayedScaling(margin=0), DelayedScaling(margin=1)
         meta = {"recipe": old, "fp8_group": None}
-        meta["scaling_fwd"] = RecipeState.create(old, mode="forward", num_quantizers=2, device="cpu")
+        meta["scaling_fwd"] = RecipeState.create(
+            old, mode="forward", num_quantizers=2, device="cpu"
+        )
         FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(meta)
         meta["recipe"] = new
         FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(meta)

@@ -74,7 +74,9 @@ def same(a, b):
 
 
 @two_gpus
-@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize(
+    "recipe", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "current"]
+)
 @pytest.mark.parametrize("name", MODULES)
 def test_module_on_cuda1_while_cuda0_is_current(name, recipe):
     torch.cuda.set_device(0)
@@ -157,11 +159,15 @@ def test_quantized_model_init_on_cuda1():
     with te.autocast(recipe=DelayedScaling()):
         y = module(x)
     y.float().sum().backward()
-    assert y.device == torch.device("cuda:1") and module.weight.grad.device == torch.device("cuda:1")
+    assert y.device == torch.device("cuda:1") and module.weight.grad.device == torch.device(
+        "cuda:1"
+    )
     assert torch.cuda.current_device() == 0
 
 
-@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize(
+    "recipe", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "current"]
+)
 def test_linear_fp8_numerics_on_gpu(recipe):
     FP8GlobalStateManager.reset()
     torch.manual_seed(0)

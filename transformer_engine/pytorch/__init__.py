@@ -8,6 +8,15 @@ quantization state, quantized tensors, the FP8 cast kernels and GEMM
 from . import cpp_extensions, distributed, reference
 from .constants import DType
 from .distributed import checkpoint
+from .module import (
+    GroupedLinear,
+    LayerNorm,
+    LayerNormLinear,
+    LayerNormMLP,
+    Linear,
+    RMSNorm,
+    TransformerEngineBaseModule,
+)
 from .quantization import (
     FP8GlobalStateManager,
     autocast,
@@ -17,12 +26,14 @@ from .quantization import (
     is_fp8_available,
     quantized_model_init,
 )
-from .module import LayerNorm, Linear, RMSNorm, TransformerEngineBaseModule
 from .quantized_tensor import QuantizedTensor, Quantizer
 from .tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 
 __all__ = [
     "Linear",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "GroupedLinear",
     "LayerNorm",
     "RMSNorm",
     "TransformerEngineBaseModule",

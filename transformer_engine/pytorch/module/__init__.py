@@ -1,8 +1,19 @@
 """Modules: the base module and the layers built on it."""
 
 from .base import TransformerEngineBaseModule
+from .grouped_linear import GroupedLinear
 from .layernorm import LayerNorm
+from .layernorm_linear import LayerNormLinear
+from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
 from .rmsnorm import RMSNorm
 
-__all__ = ["TransformerEngineBaseModule", "Linear", "LayerNorm", "RMSNorm"]
+__all__ = [
+    "TransformerEngineBaseModule",
+    "Linear",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "GroupedLinear",
+    "LayerNorm",
+    "RMSNorm",
+]

@@ -97,7 +97,9 @@ class _Linear(torch.autograd.Function):
                 w_q = config.cached_weight
                 w_q.update_usage(rowwise_usage=True, columnwise_usage=needs_dgrad or None)
             else:
-                w_q = _quantize(config.weight_quantizer, weight, rowwise=True, columnwise=needs_dgrad)
+                w_q = _quantize(
+                    config.weight_quantizer, weight, rowwise=True, columnwise=needs_dgrad
+                )
                 if config.cache_weight is not None:
                     config.cache_weight(w_q)
             out, *_ = general_gemm(

@@ -15,7 +15,8 @@ Device rules (DESIGN.md sections 3 and 4):
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -126,8 +127,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
                     new_param = getattr(self, name)
                     new_param._high_precision_init_val = high_precision
                     new_param.get_high_precision_init_val = lambda hp=high_precision: hp
-                    new_param.clear_high_precision_init_val = (
-                        lambda p=new_param: setattr(p, "_high_precision_init_val", None)
+                    new_param.clear_high_precision_init_val = lambda p=new_param: setattr(
+                        p, "_high_precision_init_val", None
                     )
         self._fp8_workspaces.clear()
 
@@ -221,7 +222,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
             if device.type == "meta":
                 self.fp8_meta_tensors_initialized = False
             else:
-                self._build_recipe_states(self.fp8_meta["recipe"], self.fp8_meta["num_gemms"], device)
+                self._build_recipe_states(
+                    self.fp8_meta["recipe"], self.fp8_meta["num_gemms"], device
+                )
         return result
 
     def get_fp8_meta_tensors(self) -> dict | None:
@@ -297,7 +300,10 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     def _recompute_swap_in(self) -> None:
         """Original forward: stash the scales it casts with; recompute: cast with them again."""
-        from ..distributed import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
+        from ..distributed import (
+            in_fp8_activation_recompute_phase,
+            is_fp8_activation_recompute_enabled,
+        )
 
         state = self._delayed_forward_state()
         if state is None:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from ..quantization import FP8GlobalStateManager
-from ..quantized_tensor import QuantizedTensor
-from ._linear_core import LinearConfig, check_fp8_gemm_shapes, linear_forward
+from ._linear_core import linear_forward
+from ._module_config import gemm_weight, make_linear_config
 from .base import TransformerEngineBaseModule, default_init_method, resolve_module_device
 
 __all__ = ["Linear", "check_single_process_arguments", "split_sizes"]
@@ -175,57 +173,25 @@ class Linear(TransformerEngineBaseModule):
                 f"{self.in_features}"
             )
         with self.prepare_forward_ctx(inp, num_gemms=1) as inp:
-            weight, bias = self._weight(), self._bias()
+            bias = self._bias()
             dtype = self.activation_dtype
             fp8 = self.fp8
-            if isinstance(weight, QuantizedTensor) and not fp8:
-                warnings.warn(
-                    "Linear: FP8 weights used outside te.autocast are dequantized", stacklevel=2
-                )
-                weight = weight.dequantize(dtype=dtype)
-            elif not isinstance(weight, QuantizedTensor) and weight.dtype != dtype:
-                weight = weight.to(dtype)
+            weight = gemm_weight("Linear", self._weight(), dtype, fp8)
             if inp.dtype != dtype:
                 inp = inp.to(dtype)
             gemm_bias = None if (bias is None or self.return_bias) else bias.to(dtype)
-            config = self._config(inp, weight, is_first_microbatch, fp8)
+            config = make_linear_config(
+                self, inp, weight, is_first_microbatch,
+                input_slot=GEMM1_INPUT, weight_slot=GEMM1_WEIGHT, grad_output_slot=GRAD_OUTPUT1,
+                workspace_key="weight", in_features=self.in_features,
+                out_features=self.out_features,
+            )  # fmt: skip
             out = linear_forward(weight, inp, gemm_bias, config)
             if fp8 and fp8_output:
                 out = self.quantizers["scaling_fwd"][GEMM1_OUTPUT].quantize_impl(out.detach())
         if self.return_bias:
             return out, (bias.to(dtype) if bias is not None else None)
         return out
-
-    def _config(self, inp, weight, is_first_microbatch, fp8) -> LinearConfig:
-        config = LinearConfig(
-            fp8=fp8,
-            activation_dtype=self.activation_dtype,
-            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
-            accumulate_into_main_grad=not is_first_microbatch
-            and not getattr(weight, "overwrite_main_grad", False),
-        )
-        if not fp8:
-            return config
-        grad = torch.is_grad_enabled()
-        tokens = inp.numel() // max(inp.shape[-1], 1)
-        check_fp8_gemm_shapes(
-            tokens, self.in_features, self.out_features, grad and weight.requires_grad
-        )
-        recipe = self.fp8_meta["recipe"]
-        fwd, bwd = self.quantizers["scaling_fwd"], self.quantizers["scaling_bwd"]
-        config.input_quantizer = fwd[GEMM1_INPUT]
-        config.weight_quantizer = fwd[GEMM1_WEIGHT]
-        config.grad_output_quantizer = bwd[GRAD_OUTPUT1]
-        if not isinstance(weight, QuantizedTensor):
-            config.cached_weight, config.cache_weight = self._cached_weight(
-                "weight", is_first_microbatch
-            )
-        if hasattr(recipe, "fp8_gemm_fprop"):
-            config.fprop_split_accumulator = recipe.fp8_gemm_fprop.use_split_accumulator
-            config.dgrad_split_accumulator = recipe.fp8_gemm_dgrad.use_split_accumulator
-            config.wgrad_split_accumulator = recipe.fp8_gemm_wgrad.use_split_accumulator
-        config.reduce_and_update_bwd = grad and FP8GlobalStateManager.is_first_fp8_module()
-        return config
 
 
 def split_sizes_has_names(sizes: dict[str, int]) -> bool:

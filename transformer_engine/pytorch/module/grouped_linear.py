@@ -1,0 +1,242 @@
+"""``te.GroupedLinear``: ``num_gemms`` independent linear layers applied to consecutive row
+groups of one input (the expert GEMMs of a mixture-of-experts layer).
+
+Group ``i`` takes the next ``m_splits[i]`` rows of the input through ``weight{i}``/``bias{i}``
+with its own quantizer slots (forward ``3i`` input, ``3i + 1`` weight; backward ``2i`` grad
+output); the outputs are concatenated in group order.
+
+Backward scale update: the groups' backward GEMMs are independent autograd nodes, and autograd
+does not order them. The first FP8 module of an autocast region must update the backward
+scales *after* every grad output of the region was quantized, so here no single group may
+claim the region's first-module flag. The module reads the flag itself and, when it is the
+first module, hooks the end of every group's backward node; the last group to finish runs
+the update (once per backward pass; the countdown re-arms for a retained graph).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..device import device_guard
+from ..quantization import FP8GlobalStateManager
+from ..quantized_tensor import QuantizedTensor
+from ._linear_core import linear_forward
+from ._module_config import gemm_weight, make_linear_config
+from .base import TransformerEngineBaseModule, default_init_method, resolve_module_device
+from .linear import check_single_process_arguments
+
+__all__ = ["GroupedLinear"]
+
+
+class _BackwardUpdateAfterAll:
+    """Runs the backward scale update when the last of ``count`` autograd nodes finished."""
+
+    def __init__(self, count: int, device: torch.device) -> None:
+        self.count, self.left, self.device = count, count, device
+
+    def __call__(self, grad_inputs, grad_outputs) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.left = self.count  # re-armed for a backward through a retained graph
+            with device_guard(self.device):
+                FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+
+
+class GroupedLinear(TransformerEngineBaseModule):
+    """``num_gemms`` linear layers, each applied to its own group of input rows.
+
+    Parameters
+    ----------
+    num_gemms : int
+        Number of groups (and of weights ``weight0 .. weight{num_gemms-1}``).
+    in_features, out_features : int
+        Sizes of every group's layer.
+    bias : bool, default True
+        ``bias0 .. bias{num_gemms-1}``.
+    return_bias : bool, default False
+        Return ``(out, [bias0, ...])`` with the biases *not* added.
+    params_dtype : torch.dtype, optional
+        Default ``torch.get_default_dtype()``.
+    device : str or torch.device, default "cuda"
+        ``"cuda"`` is the current CUDA device; ``"meta"`` defers initialization.
+    init_method : callable, optional
+        Initializes each weight in place; default N(0, 0.023).
+    fuse_wgrad_accumulation : bool, default False
+        Accumulate each weight gradient into ``weight{i}.main_grad`` (float32).
+    name : str, optional
+
+    Tensor-parallel, comm-overlap and grouped-parameter arguments are accepted for
+    compatibility; values other than the single-process defaults raise
+    ``NotImplementedError`` naming the argument.
+    """
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker: Callable | None = None,
+        rng_tracker_name: str | None = None,
+        init_method: Callable | None = None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        parallel_mode: str | None = None,
+        device="cuda",
+        ub_overlap_rs: bool = False,
+        ub_overlap_ag: bool = False,
+        ub_name: str | None = None,
+        delay_wgrad_compute: bool = False,
+        save_original_input: bool = False,
+        single_grouped_weight: bool = False,
+        single_grouped_bias: bool = False,
+        name: str | None = None,
+        use_grouped_tensor: bool | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        if parallel_mode not in (None, "column", "row"):
+            raise ValueError(f"parallel_mode={parallel_mode!r} must be None, 'column' or 'row'")
+        check_single_process_arguments(
+            "GroupedLinear", tp_size=tp_size, sequence_parallel=sequence_parallel,
+            ub_overlap_rs=ub_overlap_rs, ub_overlap_ag=ub_overlap_ag,
+            delay_wgrad_compute=delay_wgrad_compute, save_original_input=save_original_input,
+            single_grouped_weight=single_grouped_weight, single_grouped_bias=single_grouped_bias,
+            use_grouped_tensor=use_grouped_tensor,
+        )  # fmt: skip
+        for label, value in (
+            ("num_gemms", num_gemms),
+            ("in_features", in_features),
+            ("out_features", out_features),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{label}={value!r} must be a positive int")
+        # FP8 parameters are quantized during construction: the state needs every GEMM's slots.
+        self._num_gemms = num_gemms
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.use_bias, self.return_bias = bias, return_bias
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.parallel_mode = parallel_mode
+        self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
+        self.rng_tracker_name = rng_tracker_name
+        params_dtype = params_dtype or torch.get_default_dtype()
+        device = resolve_module_device(device)
+        init_method = init_method or default_init_method
+
+        for i in range(num_gemms):
+            w = torch.empty(out_features, in_features, dtype=params_dtype, device=device)
+            self.register_parameter(
+                f"weight{i}", torch.nn.Parameter(w), init_fn=init_method, fp8_meta_index=3 * i + 1
+            )
+        for i in range(num_gemms):
+            if bias:
+                b = torch.empty(out_features, dtype=params_dtype, device=device)
+                self.register_parameter(f"bias{i}", torch.nn.Parameter(b), init_fn=None)
+            else:
+                setattr(self, f"bias{i}", None)
+        self.reset_parameters(defer_init=device.type == "meta")
+
+    # -- forward -------------------------------------------------------------------------------
+    def _split_sizes(self, m_splits, rows: int) -> list[int]:
+        if isinstance(m_splits, torch.Tensor):
+            if m_splits.dim() != 1 or m_splits.is_floating_point() or m_splits.is_complex():
+                raise ValueError(
+                    f"GroupedLinear: m_splits must be a 1-D integer tensor, got dtype "
+                    f"{m_splits.dtype} and shape {tuple(m_splits.shape)}"
+                )
+            sizes = [int(m) for m in m_splits.tolist()]
+        else:
+            sizes = list(m_splits)
+            for m in sizes:
+                if isinstance(m, bool) or not isinstance(m, int):
+                    raise ValueError(f"GroupedLinear: m_splits must hold ints, got {m_splits!r}")
+        if len(sizes) != self.num_gemms:
+            raise ValueError(
+                f"GroupedLinear: m_splits has {len(sizes)} entries but num_gemms={self.num_gemms}"
+            )
+        if any(m < 0 for m in sizes):
+            raise ValueError(f"GroupedLinear: m_splits must be non-negative, got {sizes}")
+        if sum(sizes) != rows:
+            raise ValueError(
+                f"GroupedLinear: m_splits {sizes} sum to {sum(sizes)} but the input has {rows} "
+                "rows (product of its leading dimensions)"
+            )
+        return sizes
+
+    def forward(
+        self,
+        inp: torch.Tensor,
+        m_splits,
+        is_first_microbatch: bool | None = None,
+        out: torch.Tensor | None = None,
+        dgrad_out: torch.Tensor | None = None,
+    ):
+        """Apply group ``i``'s layer to the next ``m_splits[i]`` rows of ``inp``.
+
+        ``m_splits`` is a list of ints or an integer tensor of shape ``(num_gemms,)``; it must
+        sum to the number of input rows. Returns ``out`` (shape ``inp.shape[:-1] +
+        (out_features,)``) or, with ``return_bias``, ``(out, [bias0, ...])``.
+        """
+        if out is not None or dgrad_out is not None:
+            raise NotImplementedError(
+                "GroupedLinear: out= and dgrad_out= (preallocated buffers) are not implemented yet"
+            )
+        if isinstance(inp, QuantizedTensor):
+            raise TypeError("GroupedLinear: a quantized input is not supported; pass a tensor")
+        if inp.dim() == 0 or inp.shape[-1] != self.in_features:
+            raise ValueError(
+                f"GroupedLinear: the input's last dimension is "
+                f"{inp.shape[-1] if inp.dim() else None} but in_features={self.in_features}"
+            )
+        sizes = self._split_sizes(m_splits, inp.numel() // self.in_features)
+        with self.prepare_forward_ctx(inp, num_gemms=self.num_gemms) as inp:
+            dtype, fp8 = self.activation_dtype, self.fp8
+            if inp.dtype != dtype:
+                inp = inp.to(dtype)
+            groups = inp.reshape(-1, self.in_features).split(sizes, dim=0)
+            weights = [
+                gemm_weight("GroupedLinear", getattr(self, f"weight{i}"), dtype, fp8)
+                for i in range(self.num_gemms)
+            ]
+            biases = [
+                None if b is None else b.to(dtype)
+                for b in (getattr(self, f"bias{i}") for i in range(self.num_gemms))
+            ]
+            configs = [
+                make_linear_config(
+                    self,
+                    x,
+                    weights[i],
+                    is_first_microbatch,
+                    input_slot=3 * i,
+                    weight_slot=3 * i + 1,
+                    grad_output_slot=2 * i,
+                    workspace_key=f"weight{i}",
+                    in_features=self.in_features,
+                    out_features=self.out_features,
+                    read_first_module_flag=False,
+                )  # fmt: skip
+                for i, x in enumerate(groups)
+            ]
+            update_bwd = (
+                fp8 and torch.is_grad_enabled() and FP8GlobalStateManager.is_first_fp8_module()
+            )
+            outs = [
+                linear_forward(weights[i], x, None if self.return_bias else biases[i], configs[i])
+                for i, x in enumerate(groups)
+            ]
+            if update_bwd:
+                nodes = [o.grad_fn for o in outs if o.grad_fn is not None]
+                if nodes:
+                    hook = _BackwardUpdateAfterAll(len(nodes), inp.device)
+                    for node in nodes:
+                        node.register_hook(hook)
+            result = torch.cat(outs, dim=0).reshape(*inp.shape[:-1], self.out_features)
+        if self.return_bias:
+            return result, biases
+        return result

@@ -1,0 +1,201 @@
+"""``te.LayerNormLinear``: a LayerNorm or RMSNorm followed by ``y = x W^T + b``, with an FP8
+GEMM inside ``te.autocast``.
+
+The norm runs in high precision (float32 inside, output in the activation dtype); its output
+is quantized by the GEMM like ``Linear``'s input, with the same quantizer slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ._linear_core import linear_forward
+from ._module_config import (
+    apply_norm,
+    check_normalization,
+    gemm_weight,
+    make_linear_config,
+    register_norm_parameters,
+)
+from .base import TransformerEngineBaseModule, default_init_method, resolve_module_device
+from .linear import check_single_process_arguments, split_sizes
+
+__all__ = ["LayerNormLinear"]
+
+# Forward / backward quantizer slots of the GEMM (upstream's FP8FwdTensorIdx layout).
+GEMM1_INPUT, GEMM1_WEIGHT, GEMM1_OUTPUT = 0, 1, 2
+GRAD_OUTPUT1 = 0
+
+
+class LayerNormLinear(TransformerEngineBaseModule):
+    """Normalization followed by a linear layer, in FP8 inside ``te.autocast``.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+    eps : float, default 1e-5
+        Added to the variance (mean square for RMSNorm) in the norm.
+    bias : bool, default True
+    normalization : {"LayerNorm", "RMSNorm"}, default "LayerNorm"
+    return_bias : bool, default False
+        Return the bias *not* added, for a later fused add.
+    return_layernorm_output : bool, default False
+        Also return the norm's output (``(out, ln_out)`` or ``(out, bias, ln_out)``).
+    return_layernorm_output_gathered : bool, default False
+        Ignored without tensor parallelism.
+    params_dtype : torch.dtype, optional
+        Default ``torch.get_default_dtype()``.
+    zero_centered_gamma : bool, default False
+        ``layer_norm_weight`` starts at 0 and the norm scales by ``1 + layer_norm_weight``.
+    device : str or torch.device, default "cuda"
+        ``"cuda"`` is the current CUDA device; ``"meta"`` defers initialization.
+    init_method : callable, optional
+        Initializes the linear weight in place; default N(0, 0.023).
+    parameters_split : tuple of str or dict, optional
+        Register the linear weight (and bias) as several parameters ``<name>_weight``.
+    fuse_wgrad_accumulation : bool, default False
+        Accumulate the weight gradient into ``weight.main_grad`` (float32).
+    name : str, optional
+
+    Tensor-parallel and comm-overlap arguments are accepted for compatibility; values other
+    than the single-process defaults raise ``NotImplementedError`` naming the argument.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        eps: float = 1e-5,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker: Callable | None = None,
+        init_method: Callable | None = None,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        return_bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        parallel_mode: str | None = None,
+        return_layernorm_output: bool = False,
+        return_layernorm_output_gathered: bool = False,
+        parameters_split=None,
+        zero_centered_gamma: bool = False,
+        device="cuda",
+        ub_overlap_ag: bool = False,
+        ub_overlap_rs: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_name: str | None = None,
+        delay_wgrad_compute: bool = False,
+        symmetric_ar_type: str | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        if parallel_mode not in (None, "column", "row"):
+            raise ValueError(f"parallel_mode={parallel_mode!r} must be None, 'column' or 'row'")
+        check_normalization("LayerNormLinear", normalization)
+        check_single_process_arguments(
+            "LayerNormLinear", tp_size=tp_size, sequence_parallel=sequence_parallel,
+            ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
+            ub_bulk_wgrad=ub_bulk_wgrad, delay_wgrad_compute=delay_wgrad_compute,
+            symmetric_ar_type=symmetric_ar_type,
+        )  # fmt: skip
+        for label, value in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{label}={value!r} must be a positive int")
+        if not float(eps) >= 0:
+            raise ValueError(f"eps={eps!r} must be non-negative")
+        self.in_features, self.out_features = in_features, out_features
+        self.eps, self.normalization = float(eps), normalization
+        self.zero_centered_gamma = zero_centered_gamma
+        self.use_bias, self.return_bias = bias, return_bias
+        self.return_layernorm_output = return_layernorm_output
+        self.return_layernorm_output_gathered = return_layernorm_output_gathered
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.parallel_mode = parallel_mode
+        self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
+        params_dtype = params_dtype or torch.get_default_dtype()
+        device = resolve_module_device(device)
+        self.sizes = split_sizes(parameters_split, out_features)
+        if parameters_split is not None and self.primary_weights_in_fp8:
+            raise ValueError("parameters_split cannot be combined with FP8 parameters")
+        init_method = init_method or default_init_method
+
+        register_norm_parameters(
+            self, normalization, in_features, zero_centered_gamma, params_dtype, device
+        )
+        for split, rows in self.sizes.items():
+            prefix = f"{split}_" if split else ""
+            w = torch.empty(rows, in_features, dtype=params_dtype, device=device)
+            self.register_parameter(
+                f"{prefix}weight", torch.nn.Parameter(w), init_fn=init_method,
+                fp8_meta_index=GEMM1_WEIGHT if not split else None,
+            )  # fmt: skip
+            if bias:
+                b = torch.empty(rows, dtype=params_dtype, device=device)
+                self.register_parameter(f"{prefix}bias", torch.nn.Parameter(b), init_fn=None)
+        if not bias and "" in self.sizes:
+            self.bias = None
+        self.reset_parameters(defer_init=device.type == "meta")
+
+    # -- parameters ----------------------------------------------------------------------------
+    def _weight(self) -> torch.Tensor:
+        if "" in self.sizes:
+            return self.weight
+        return torch.cat([getattr(self, f"{n}_weight") for n in self.sizes], dim=0)
+
+    def _bias(self) -> torch.Tensor | None:
+        if not self.use_bias:
+            return None
+        if "" in self.sizes:
+            return self.bias
+        return torch.cat([getattr(self, f"{n}_bias") for n in self.sizes], dim=0)
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(
+        self,
+        inp: torch.Tensor,
+        is_first_microbatch: bool | None = None,
+        fp8_output: bool | None = False,
+        fp8_grad: bool | None = False,
+    ):
+        """Norm, then GEMM.
+
+        Returns ``out``, ``(out, bias)`` with ``return_bias``, ``(out, ln_out)`` with
+        ``return_layernorm_output``, or ``(out, bias, ln_out)`` with both.
+        """
+        if fp8_grad:
+            raise NotImplementedError("LayerNormLinear: fp8_grad=True is not implemented yet")
+        if inp.shape[-1] != self.in_features:
+            raise ValueError(
+                f"LayerNormLinear: the input's last dimension is {inp.shape[-1]} but "
+                f"in_features={self.in_features}"
+            )
+        with self.prepare_forward_ctx(inp, num_gemms=1) as inp:
+            dtype, fp8 = self.activation_dtype, self.fp8
+            if inp.dtype != dtype:
+                inp = inp.to(dtype)
+            ln_out = apply_norm(self, inp)
+            weight = gemm_weight("LayerNormLinear", self._weight(), dtype, fp8)
+            bias = self._bias()
+            gemm_bias = None if (bias is None or self.return_bias) else bias.to(dtype)
+            config = make_linear_config(
+                self, ln_out, weight, is_first_microbatch,
+                input_slot=GEMM1_INPUT, weight_slot=GEMM1_WEIGHT, grad_output_slot=GRAD_OUTPUT1,
+                workspace_key="weight", in_features=self.in_features,
+                out_features=self.out_features,
+            )  # fmt: skip
+            out = linear_forward(weight, ln_out, gemm_bias, config)
+            if fp8 and fp8_output:
+                out = self.quantizers["scaling_fwd"][GEMM1_OUTPUT].quantize_impl(out.detach())
+        outputs = (out,)
+        if self.return_bias:
+            outputs += (bias.to(dtype) if bias is not None else None,)
+        if self.return_layernorm_output:
+            outputs += (ln_out,)
+        return outputs[0] if len(outputs) == 1 else outputs

@@ -1,0 +1,216 @@
+"""``te.LayerNormMLP``: norm -> FC1 -> activation -> FC2, with FP8 GEMMs inside
+``te.autocast``.
+
+Quantizer slots (``num_gemms=2``: 6 forward, 4 backward): FC1 uses forward slots 0 (input) and
+1 (weight) and backward slot 0 (GRAD_OUTPUT1); FC2 uses forward slots 3 and 4 and backward slot
+2 (GRAD_OUTPUT2). The output slots 2 and 5 and the grad-input slots 1 and 3 stay unused.
+
+FC1's backward runs after FC2's, so FC1 is the GEMM that may claim the autocast region's
+first-module flag and update the backward scales once both grad outputs were quantized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ._activations import get_activation
+from ._linear_core import linear_forward
+from ._module_config import (
+    apply_norm,
+    check_normalization,
+    gemm_weight,
+    make_linear_config,
+    register_norm_parameters,
+)
+from .base import TransformerEngineBaseModule, default_init_method, resolve_module_device
+from .linear import check_single_process_arguments
+
+__all__ = ["LayerNormMLP"]
+
+GEMM1_INPUT, GEMM1_WEIGHT = 0, 1
+GEMM2_INPUT, GEMM2_WEIGHT = 3, 4
+GRAD_OUTPUT1, GRAD_OUTPUT2 = 0, 2
+
+
+class LayerNormMLP(TransformerEngineBaseModule):
+    """Normalization followed by a two-layer MLP, in FP8 inside ``te.autocast``.
+
+    Parameters
+    ----------
+    hidden_size : int
+        Input and output size.
+    ffn_hidden_size : int
+        Size of the activation between FC1 and FC2 (FC1 produces twice as much for the gated
+        activations).
+    eps : float, default 1e-5
+    bias : bool, default True
+        ``fc1_bias`` and ``fc2_bias``.
+    normalization : {"LayerNorm", "RMSNorm"}, default "LayerNorm"
+    activation : str, default "gelu"
+        One of gelu, geglu, glu, qgelu, qgeglu, relu, reglu, srelu, sreglu, silu, swiglu,
+        clamped_swiglu.
+    activation_params : dict, optional
+        ``clamped_swiglu`` only: ``limit`` (7.0), ``alpha`` (1.702), ``glu_linear_offset`` (1.0).
+    init_method, output_layer_init_method : callable, optional
+        Initialize ``fc1_weight`` and ``fc2_weight`` in place; default N(0, 0.023).
+    return_bias : bool, default False
+        Return ``fc2_bias`` *not* added, for a later fused add.
+    return_layernorm_output : bool, default False
+        Also return the norm's output.
+    params_dtype : torch.dtype, optional
+        Default ``torch.get_default_dtype()``.
+    zero_centered_gamma : bool, default False
+        ``layer_norm_weight`` starts at 0 and the norm scales by ``1 + layer_norm_weight``.
+    device : str or torch.device, default "cuda"
+        ``"cuda"`` is the current CUDA device; ``"meta"`` defers initialization.
+    fuse_wgrad_accumulation : bool, default False
+        Accumulate weight gradients into ``fc1_weight.main_grad`` / ``fc2_weight.main_grad``.
+    checkpoint : bool, default False
+        Selective recompute of FC1 and the activation; not implemented yet.
+    name : str, optional
+
+    Tensor-parallel and comm-overlap arguments are accepted for compatibility; values other
+    than the single-process defaults raise ``NotImplementedError`` naming the argument.
+    ``seq_length`` and ``micro_batch_size`` only size comm-overlap buffers and are ignored.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        eps: float = 1e-5,
+        sequence_parallel: bool = False,
+        return_bias: bool = False,
+        get_rng_state_tracker: Callable | None = None,
+        tp_group=None,
+        tp_size: int = 1,
+        init_method: Callable | None = None,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        activation: str = "gelu",
+        activation_params: dict | None = None,
+        output_layer_init_method: Callable | None = None,
+        fuse_wgrad_accumulation: bool = False,
+        params_dtype: torch.dtype | None = None,
+        return_layernorm_output: bool = False,
+        return_layernorm_output_gathered: bool = False,
+        seq_length: int | None = None,
+        micro_batch_size: int | None = None,
+        set_parallel_mode: bool = False,
+        zero_centered_gamma: bool = False,
+        device="cuda",
+        ub_overlap_ag: bool = False,
+        name: str | None = None,
+        ub_overlap_rs: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
+        delay_wgrad_compute: bool = False,
+        symmetric_ar_type: str | None = None,
+        checkpoint: bool = False,
+    ) -> None:
+        super().__init__(name=name)
+        # FP8 parameters are quantized during construction: the state needs both GEMMs' slots.
+        self._num_gemms = 2
+        check_normalization("LayerNormMLP", normalization)
+        self.activation_fn, self.is_glu = get_activation(
+            "LayerNormMLP", activation, activation_params
+        )
+        check_single_process_arguments(
+            "LayerNormMLP", tp_size=tp_size, sequence_parallel=sequence_parallel,
+            set_parallel_mode=set_parallel_mode, ub_overlap_ag=ub_overlap_ag,
+            ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
+            ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad,
+            delay_wgrad_compute=delay_wgrad_compute, symmetric_ar_type=symmetric_ar_type,
+        )  # fmt: skip
+        if checkpoint:
+            raise NotImplementedError(
+                "LayerNormMLP: checkpoint=True (selective recompute of FC1 and the activation) "
+                "is not implemented yet; wrap the module in activation checkpointing instead"
+            )
+        for label, value in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{label}={value!r} must be a positive int")
+        if not float(eps) >= 0:
+            raise ValueError(f"eps={eps!r} must be non-negative")
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.fc1_out_features = 2 * ffn_hidden_size if self.is_glu else ffn_hidden_size
+        self.eps, self.normalization = float(eps), normalization
+        self.activation, self.activation_params = activation, activation_params
+        self.zero_centered_gamma = zero_centered_gamma
+        self.use_bias, self.return_bias = bias, return_bias
+        self.return_layernorm_output = return_layernorm_output
+        self.return_layernorm_output_gathered = return_layernorm_output_gathered
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.set_parallel_mode, self.checkpoint = set_parallel_mode, checkpoint
+        self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
+        self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
+        params_dtype = params_dtype or torch.get_default_dtype()
+        device = resolve_module_device(device)
+
+        register_norm_parameters(
+            self, normalization, hidden_size, zero_centered_gamma, params_dtype, device
+        )
+        for layer, (rows, cols), init_fn, index in (
+            ("fc1", (self.fc1_out_features, hidden_size), init_method, GEMM1_WEIGHT),
+            ("fc2", (hidden_size, ffn_hidden_size), output_layer_init_method, GEMM2_WEIGHT),
+        ):
+            w = torch.empty(rows, cols, dtype=params_dtype, device=device)
+            self.register_parameter(
+                f"{layer}_weight", torch.nn.Parameter(w),
+                init_fn=init_fn or default_init_method, fp8_meta_index=index,
+            )  # fmt: skip
+            if bias:
+                b = torch.empty(rows, dtype=params_dtype, device=device)
+                self.register_parameter(f"{layer}_bias", torch.nn.Parameter(b), init_fn=None)
+            else:
+                setattr(self, f"{layer}_bias", None)
+        self.reset_parameters(defer_init=device.type == "meta")
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
+        """Norm, FC1, activation, FC2.
+
+        Returns ``out``, ``(out, fc2_bias)`` with ``return_bias``, ``(out, ln_out)`` with
+        ``return_layernorm_output``, or ``(out, fc2_bias, ln_out)`` with both.
+        """
+        if inp.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"LayerNormMLP: the input's last dimension is {inp.shape[-1]} but "
+                f"hidden_size={self.hidden_size}"
+            )
+        with self.prepare_forward_ctx(inp, num_gemms=2) as inp:
+            dtype, fp8 = self.activation_dtype, self.fp8
+            if inp.dtype != dtype:
+                inp = inp.to(dtype)
+            ln_out = apply_norm(self, inp)
+            fc1_weight = gemm_weight("LayerNormMLP", self.fc1_weight, dtype, fp8)
+            fc2_weight = gemm_weight("LayerNormMLP", self.fc2_weight, dtype, fp8)
+            fc1_bias = self.fc1_bias.to(dtype) if self.fc1_bias is not None else None
+            fc2_bias = self.fc2_bias.to(dtype) if self.fc2_bias is not None else None
+            # Both configs before any GEMM: shape errors surface before work is done. FC2 sees
+            # as many tokens as FC1.
+            fc1_config = make_linear_config(
+                self, ln_out, fc1_weight, is_first_microbatch,
+                input_slot=GEMM1_INPUT, weight_slot=GEMM1_WEIGHT, grad_output_slot=GRAD_OUTPUT1,
+                workspace_key="fc1_weight", in_features=self.hidden_size,
+                out_features=self.fc1_out_features, read_first_module_flag=True,
+            )  # fmt: skip
+            fc2_config = make_linear_config(
+                self, ln_out, fc2_weight, is_first_microbatch,
+                input_slot=GEMM2_INPUT, weight_slot=GEMM2_WEIGHT, grad_output_slot=GRAD_OUTPUT2,
+                workspace_key="fc2_weight", in_features=self.ffn_hidden_size,
+                out_features=self.hidden_size, read_first_module_flag=False,
+            )  # fmt: skip
+            fc1_out = linear_forward(fc1_weight, ln_out, fc1_bias, fc1_config)
+            act_out = self.activation_fn(fc1_out)
+            gemm_bias = None if self.return_bias else fc2_bias
+            out = linear_forward(fc2_weight, act_out, gemm_bias, fc2_config)
+        outputs = (out,)
+        if self.return_bias:
+            outputs += (fc2_bias,)
+        if self.return_layernorm_output:
+            outputs += (ln_out,)
+        return outputs[0] if len(outputs) == 1 else outputs
