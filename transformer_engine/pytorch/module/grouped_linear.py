@@ -23,9 +23,9 @@ from ..device import device_guard
 from ..quantization import FP8GlobalStateManager
 from ..quantized_tensor import QuantizedTensor
 from ._linear_core import linear_forward
+from ._linear_parameters import check_features, check_single_process_arguments
 from ._module_config import gemm_weight, make_linear_config
 from .base import TransformerEngineBaseModule, default_init_method, resolve_module_device
-from .linear import check_single_process_arguments
 
 __all__ = ["GroupedLinear"]
 
@@ -109,13 +109,7 @@ class GroupedLinear(TransformerEngineBaseModule):
             single_grouped_weight=single_grouped_weight, single_grouped_bias=single_grouped_bias,
             use_grouped_tensor=use_grouped_tensor,
         )  # fmt: skip
-        for label, value in (
-            ("num_gemms", num_gemms),
-            ("in_features", in_features),
-            ("out_features", out_features),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{label}={value!r} must be a positive int")
+        check_features(num_gemms=num_gemms, in_features=in_features, out_features=out_features)
         # FP8 parameters are quantized during construction: the state needs every GEMM's slots.
         self._num_gemms = num_gemms
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features

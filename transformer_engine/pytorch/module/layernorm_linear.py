@@ -12,6 +12,13 @@ from collections.abc import Callable
 import torch
 
 from ._linear_core import linear_forward
+from ._linear_parameters import (
+    check_features,
+    check_single_process_arguments,
+    linear_bias,
+    linear_weight,
+    register_linear_parameters,
+)
 from ._module_config import (
     apply_norm,
     check_normalization,
@@ -20,7 +27,6 @@ from ._module_config import (
     register_norm_parameters,
 )
 from .base import TransformerEngineBaseModule, default_init_method, resolve_module_device
-from .linear import check_single_process_arguments, split_sizes
 
 __all__ = ["LayerNormLinear"]
 
@@ -105,15 +111,13 @@ class LayerNormLinear(TransformerEngineBaseModule):
             ub_bulk_wgrad=ub_bulk_wgrad, delay_wgrad_compute=delay_wgrad_compute,
             symmetric_ar_type=symmetric_ar_type,
         )  # fmt: skip
-        for label, value in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{label}={value!r} must be a positive int")
+        check_features(in_features=in_features, out_features=out_features)
         if not float(eps) >= 0:
             raise ValueError(f"eps={eps!r} must be non-negative")
         self.in_features, self.out_features = in_features, out_features
         self.eps, self.normalization = float(eps), normalization
         self.zero_centered_gamma = zero_centered_gamma
-        self.use_bias, self.return_bias = bias, return_bias
+        self.return_bias = return_bias
         self.return_layernorm_output = return_layernorm_output
         self.return_layernorm_output_gathered = return_layernorm_output_gathered
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
@@ -121,40 +125,16 @@ class LayerNormLinear(TransformerEngineBaseModule):
         self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
         params_dtype = params_dtype or torch.get_default_dtype()
         device = resolve_module_device(device)
-        self.sizes = split_sizes(parameters_split, out_features)
-        if parameters_split is not None and self.primary_weights_in_fp8:
-            raise ValueError("parameters_split cannot be combined with FP8 parameters")
-        init_method = init_method or default_init_method
-
         register_norm_parameters(
             self, normalization, in_features, zero_centered_gamma, params_dtype, device
         )
-        for split, rows in self.sizes.items():
-            prefix = f"{split}_" if split else ""
-            w = torch.empty(rows, in_features, dtype=params_dtype, device=device)
-            self.register_parameter(
-                f"{prefix}weight", torch.nn.Parameter(w), init_fn=init_method,
-                fp8_meta_index=GEMM1_WEIGHT if not split else None,
-            )  # fmt: skip
-            if bias:
-                b = torch.empty(rows, dtype=params_dtype, device=device)
-                self.register_parameter(f"{prefix}bias", torch.nn.Parameter(b), init_fn=None)
-        if not bias and "" in self.sizes:
-            self.bias = None
+        register_linear_parameters(
+            self, in_features=in_features, out_features=out_features,
+            parameters_split=parameters_split, bias=bias, params_dtype=params_dtype,
+            device=device, init_method=init_method or default_init_method,
+            fp8_meta_index=GEMM1_WEIGHT,
+        )  # fmt: skip
         self.reset_parameters(defer_init=device.type == "meta")
-
-    # -- parameters ----------------------------------------------------------------------------
-    def _weight(self) -> torch.Tensor:
-        if "" in self.sizes:
-            return self.weight
-        return torch.cat([getattr(self, f"{n}_weight") for n in self.sizes], dim=0)
-
-    def _bias(self) -> torch.Tensor | None:
-        if not self.use_bias:
-            return None
-        if "" in self.sizes:
-            return self.bias
-        return torch.cat([getattr(self, f"{n}_bias") for n in self.sizes], dim=0)
 
     # -- forward -------------------------------------------------------------------------------
     def forward(
@@ -181,8 +161,8 @@ class LayerNormLinear(TransformerEngineBaseModule):
             if inp.dtype != dtype:
                 inp = inp.to(dtype)
             ln_out = apply_norm(self, inp)
-            weight = gemm_weight("LayerNormLinear", self._weight(), dtype, fp8)
-            bias = self._bias()
+            weight = gemm_weight("LayerNormLinear", linear_weight(self), dtype, fp8)
+            bias = linear_bias(self)
             gemm_bias = None if (bias is None or self.return_bias) else bias.to(dtype)
             config = make_linear_config(
                 self, ln_out, weight, is_first_microbatch,

@@ -17,6 +17,7 @@ import torch
 
 from ._activations import get_activation
 from ._linear_core import linear_forward
+from ._linear_parameters import check_features, check_single_process_arguments
 from ._module_config import (
     apply_norm,
     check_normalization,
@@ -25,7 +26,6 @@ from ._module_config import (
     register_norm_parameters,
 )
 from .base import TransformerEngineBaseModule, default_init_method, resolve_module_device
-from .linear import check_single_process_arguments
 
 __all__ = ["LayerNormMLP"]
 
@@ -130,9 +130,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 "LayerNormMLP: checkpoint=True (selective recompute of FC1 and the activation) "
                 "is not implemented yet; wrap the module in activation checkpointing instead"
             )
-        for label, value in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{label}={value!r} must be a positive int")
+        check_features(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         if not float(eps) >= 0:
             raise ValueError(f"eps={eps!r} must be non-negative")
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size

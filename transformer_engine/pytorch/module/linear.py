@@ -7,48 +7,21 @@ from collections.abc import Callable
 import torch
 
 from ._linear_core import linear_forward
+from ._linear_parameters import (
+    check_features,
+    check_single_process_arguments,
+    linear_bias,
+    linear_weight,
+    register_linear_parameters,
+)
 from ._module_config import gemm_weight, make_linear_config
 from .base import TransformerEngineBaseModule, default_init_method, resolve_module_device
 
-__all__ = ["Linear", "check_single_process_arguments", "split_sizes"]
+__all__ = ["Linear"]
 
 # Forward / backward quantizer slots of the first GEMM (upstream's FP8FwdTensorIdx layout).
 GEMM1_INPUT, GEMM1_WEIGHT, GEMM1_OUTPUT = 0, 1, 2
 GRAD_OUTPUT1 = 0
-
-
-def check_single_process_arguments(module: str, **arguments) -> None:
-    """Tensor-parallel and comm-overlap arguments are accepted but not implemented yet."""
-    tp_size = arguments.pop("tp_size", 1)
-    if tp_size != 1:
-        raise NotImplementedError(
-            f"{module}: tp_size={tp_size} is not implemented yet (tensor parallelism); use tp_size=1"
-        )
-    for name, value in arguments.items():
-        if value not in (None, False):
-            raise NotImplementedError(f"{module}: {name}={value!r} is not implemented yet")
-
-
-def split_sizes(parameters_split, out_features: int) -> dict[str, int]:
-    """``parameters_split`` as ``{name: rows}`` (a tuple of names splits evenly)."""
-    if parameters_split is None:
-        return {"": out_features}
-    if isinstance(parameters_split, dict):
-        sizes = {str(k): int(v) for k, v in parameters_split.items()}
-    else:
-        names = list(parameters_split)
-        if not names or out_features % len(names):
-            raise ValueError(
-                f"parameters_split={parameters_split!r} must split out_features={out_features} "
-                "into equal parts; pass a dict of sizes otherwise"
-            )
-        sizes = {str(n): out_features // len(names) for n in names}
-    if sum(sizes.values()) != out_features:
-        raise ValueError(
-            f"parameters_split sizes {sizes} sum to {sum(sizes.values())}, not out_features="
-            f"{out_features}"
-        )
-    return {name.rstrip("_"): size for name, size in sizes.items()}
 
 
 class Linear(TransformerEngineBaseModule):
@@ -114,48 +87,21 @@ class Linear(TransformerEngineBaseModule):
             ub_bulk_wgrad=ub_bulk_wgrad, delay_wgrad_compute=delay_wgrad_compute,
             symmetric_ar_type=symmetric_ar_type, save_original_input=save_original_input,
         )  # fmt: skip
-        for label, value in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{label}={value!r} must be a positive int")
+        check_features(in_features=in_features, out_features=out_features)
         self.in_features, self.out_features = in_features, out_features
-        self.use_bias, self.return_bias = bias, return_bias
+        self.return_bias = return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.parallel_mode = parallel_mode
         self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
         self.rng_tracker_name = rng_tracker_name
-        params_dtype = params_dtype or torch.get_default_dtype()
         device = resolve_module_device(device)
-        self.sizes = split_sizes(parameters_split, out_features)
-        if parameters_split is not None and self.primary_weights_in_fp8:
-            raise ValueError("parameters_split cannot be combined with FP8 parameters")
-        init_method = init_method or default_init_method
-
-        for split, rows in self.sizes.items():
-            prefix = f"{split}_" if split else ""
-            w = torch.empty(rows, in_features, dtype=params_dtype, device=device)
-            self.register_parameter(
-                f"{prefix}weight", torch.nn.Parameter(w), init_fn=init_method,
-                fp8_meta_index=GEMM1_WEIGHT if not split else None,
-            )  # fmt: skip
-            if bias:
-                b = torch.empty(rows, dtype=params_dtype, device=device)
-                self.register_parameter(f"{prefix}bias", torch.nn.Parameter(b), init_fn=None)
-        if not bias and not split_sizes_has_names(self.sizes):
-            self.bias = None
+        register_linear_parameters(
+            self, in_features=in_features, out_features=out_features,
+            parameters_split=parameters_split, bias=bias,
+            params_dtype=params_dtype or torch.get_default_dtype(), device=device,
+            init_method=init_method or default_init_method, fp8_meta_index=GEMM1_WEIGHT,
+        )  # fmt: skip
         self.reset_parameters(defer_init=device.type == "meta")
-
-    # -- parameters ----------------------------------------------------------------------------
-    def _weight(self) -> torch.Tensor:
-        if "" in self.sizes:
-            return self.weight
-        return torch.cat([getattr(self, f"{n}_weight") for n in self.sizes], dim=0)
-
-    def _bias(self) -> torch.Tensor | None:
-        if not self.use_bias:
-            return None
-        if "" in self.sizes:
-            return self.bias
-        return torch.cat([getattr(self, f"{n}_bias") for n in self.sizes], dim=0)
 
     # -- forward -------------------------------------------------------------------------------
     def forward(
@@ -173,10 +119,10 @@ class Linear(TransformerEngineBaseModule):
                 f"{self.in_features}"
             )
         with self.prepare_forward_ctx(inp, num_gemms=1) as inp:
-            bias = self._bias()
+            bias = linear_bias(self)
             dtype = self.activation_dtype
             fp8 = self.fp8
-            weight = gemm_weight("Linear", self._weight(), dtype, fp8)
+            weight = gemm_weight("Linear", linear_weight(self), dtype, fp8)
             if inp.dtype != dtype:
                 inp = inp.to(dtype)
             gemm_bias = None if (bias is None or self.return_bias) else bias.to(dtype)
@@ -192,7 +138,3 @@ class Linear(TransformerEngineBaseModule):
         if self.return_bias:
             return out, (bias.to(dtype) if bias is not None else None)
         return out
-
-
-def split_sizes_has_names(sizes: dict[str, int]) -> bool:
-    return "" not in sizes

@@ -1,0 +1,108 @@
+"""The weight and bias of ``Linear`` and ``LayerNormLinear``, optionally split by
+``parameters_split`` into several named parameters, and the single-process argument check the
+linear-family modules share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = [
+    "check_single_process_arguments",
+    "check_features",
+    "split_sizes",
+    "register_linear_parameters",
+    "linear_weight",
+    "linear_bias",
+]
+
+
+def check_single_process_arguments(module: str, **arguments) -> None:
+    """Tensor-parallel and comm-overlap arguments are accepted but not implemented yet."""
+    tp_size = arguments.pop("tp_size", 1)
+    if tp_size != 1:
+        raise NotImplementedError(
+            f"{module}: tp_size={tp_size} is not implemented yet (tensor parallelism); use tp_size=1"
+        )
+    for name, value in arguments.items():
+        if value not in (None, False):
+            raise NotImplementedError(f"{module}: {name}={value!r} is not implemented yet")
+
+
+def check_features(**features) -> None:
+    """Layer sizes must be positive ints (checked before anything is allocated)."""
+    for label, value in features.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{label}={value!r} must be a positive int")
+
+
+def split_sizes(parameters_split, out_features: int) -> dict[str, int]:
+    """``parameters_split`` as ``{name: rows}`` (a tuple of names splits evenly); ``{"": out}``
+    when there is no split."""
+    if parameters_split is None:
+        return {"": out_features}
+    if isinstance(parameters_split, dict):
+        sizes = {str(k): int(v) for k, v in parameters_split.items()}
+    else:
+        names = list(parameters_split)
+        if not names or out_features % len(names):
+            raise ValueError(
+                f"parameters_split={parameters_split!r} must split out_features={out_features} "
+                "into equal parts; pass a dict of sizes otherwise"
+            )
+        sizes = {str(n): out_features // len(names) for n in names}
+    if sum(sizes.values()) != out_features:
+        raise ValueError(
+            f"parameters_split sizes {sizes} sum to {sum(sizes.values())}, not out_features="
+            f"{out_features}"
+        )
+    return {name.rstrip("_"): size for name, size in sizes.items()}
+
+
+def register_linear_parameters(
+    module,
+    *,
+    in_features: int,
+    out_features: int,
+    parameters_split,
+    bias: bool,
+    params_dtype: torch.dtype,
+    device: torch.device,
+    init_method: Callable,
+    fp8_meta_index: int,
+) -> None:
+    """Register ``weight``/``bias`` (or ``<name>_weight``/``<name>_bias`` per split) on
+    ``module`` and record the split in ``module.sizes``. FP8 parameters cannot be split."""
+    module.sizes = split_sizes(parameters_split, out_features)
+    module.use_bias = bias
+    if parameters_split is not None and module.primary_weights_in_fp8:
+        raise ValueError("parameters_split cannot be combined with FP8 parameters")
+    for split, rows in module.sizes.items():
+        prefix = f"{split}_" if split else ""
+        w = torch.empty(rows, in_features, dtype=params_dtype, device=device)
+        module.register_parameter(
+            f"{prefix}weight", torch.nn.Parameter(w), init_fn=init_method,
+            fp8_meta_index=None if split else fp8_meta_index,
+        )  # fmt: skip
+        if bias:
+            b = torch.empty(rows, dtype=params_dtype, device=device)
+            module.register_parameter(f"{prefix}bias", torch.nn.Parameter(b), init_fn=None)
+    if not bias and "" in module.sizes:
+        module.bias = None
+
+
+def linear_weight(module) -> torch.Tensor:
+    """The whole weight (split parameters concatenated along the output dimension)."""
+    if "" in module.sizes:
+        return module.weight
+    return torch.cat([getattr(module, f"{n}_weight") for n in module.sizes], dim=0)
+
+
+def linear_bias(module) -> torch.Tensor | None:
+    """The whole bias, or ``None`` without one."""
+    if not module.use_bias:
+        return None
+    if "" in module.sizes:
+        return module.bias
+    return torch.cat([getattr(module, f"{n}_bias") for n in module.sizes], dim=0)
