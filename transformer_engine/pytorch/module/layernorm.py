@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Sequence
-
-import torch
-
-from ._normalization import (
-    check_eps,
-    check_module_input,
-    check_sm_margin,
-    layernorm,
-    materialization_device,
-    materialize_parameter,
-    normalized_size,
-    resolve_construction_device,
-    resolve_params_dtype,
-)
+from ._norm_module import _NormModule, gamma_initial_value, zero_initial_value
+from ._normalization import layernorm
 
 __all__ = ["LayerNorm"]
 
 
-class LayerNorm(torch.nn.Module):
+class LayerNorm(_NormModule):
     r"""Layer normalization over the last dimension of the input.
 
     .. math::
@@ -75,137 +61,10 @@ class LayerNorm(torch.nn.Module):
     device, which must be the parameters' device.
     """
 
-    def __init__(
-        self,
-        normalized_shape: int | Sequence[int] | None = None,
-        eps: float = 1e-5,
-        sequence_parallel: bool | None = None,
-        params_dtype: torch.dtype | None = None,
-        zero_centered_gamma: bool = False,
-        hidden_size: int | None = None,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        sm_margin: int = 0,
-    ) -> None:
-        super().__init__()
-        owner = type(self).__name__
-        size = normalized_size(owner, normalized_shape, hidden_size)
-        dtype = resolve_params_dtype(owner, dtype, params_dtype)
-        device = resolve_construction_device(owner, device)
-        if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
-            raise TypeError(f"{owner}: sequence_parallel must be a bool, got {sequence_parallel!r}")
-
-        self.normalized_shape = (size,)
-        self.eps = check_eps(owner, eps)
-        self.zero_centered_gamma = bool(zero_centered_gamma)
-        self.sequence_parallel = sequence_parallel
-        self.sm_margin = check_sm_margin(owner, sm_margin)
-
-        self.weight = torch.nn.Parameter(torch.empty(size, device=device, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.empty(size, device=device, dtype=dtype))
-        self._mark_sequence_parallel()
-        if device.type != "meta":
-            self.reset_parameters()
-
-    def _mark_sequence_parallel(self) -> None:
-        if self.sequence_parallel is None:
-            return
-        for param in (self.weight, self.bias):
-            param.sequence_parallel = self.sequence_parallel
-
-    def _apply(self, fn, recurse=True):
-        # Moves that change the tensor type (meta -> cpu in to_empty, for one) replace the
-        # Parameter objects and drop their attributes; put sequence_parallel back.
-        module = super()._apply(fn, recurse)
-        self._mark_sequence_parallel()
-        return module
-
-    def reset_parameters(self, defer_init: bool | None = None) -> None:
-        """Materialize meta parameters and initialize ``weight`` and ``bias``.
-
-        Meta parameters move to the device the other parameters already hold storage on (e.g.
-        after ``module.to_empty(device=...)``), else to the current CUDA device when CUDA is
-        available, else to the CPU. ``weight`` is set to 1 (0 with ``zero_centered_gamma``)
-        and ``bias`` to 0.
-
-        Parameters
-        ----------
-        defer_init : bool, optional
-            Deprecated: build the module with ``device="meta"`` instead. ``True`` returns
-            without doing anything.
-        """
-        if defer_init is not None:
-            warnings.warn(
-                "LayerNorm.reset_parameters: defer_init is deprecated; build the module with "
-                "device='meta' to defer initialization",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            if defer_init:
-                return
-        device = materialization_device(self.weight, self.bias)
-        if self.weight.is_meta:
-            self.weight = materialize_parameter(self.weight, device)
-        if self.bias.is_meta:
-            self.bias = materialize_parameter(self.bias, device)
-        self._mark_sequence_parallel()
-        with torch.no_grad():
-            self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
-            self.bias.zero_()
+    _norm_params = (("weight", gamma_initial_value), ("bias", zero_initial_value))
+    _norm_fn = staticmethod(layernorm)
 
     def reset_layer_norm_parameters(self) -> None:
         """Deprecated alias of :meth:`reset_parameters`."""
-        warnings.warn(
-            "LayerNorm.reset_layer_norm_parameters is deprecated; use reset_parameters",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        self._warn_deprecated("reset_layer_norm_parameters", "reset_parameters")
         self.reset_parameters()
-
-    def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        """Normalize ``inp`` over its last dimension; same shape, dtype and device as ``inp``.
-
-        Parameters
-        ----------
-        inp : torch.Tensor
-            Input of shape ``(..., normalized_shape)`` on the parameters' device.
-        """
-        check_module_input(type(self).__name__, inp, self.weight)
-        return layernorm(inp, self.weight, self.bias, self.eps, self.zero_centered_gamma)
-
-    @property
-    def fwd_ln_sm_margin(self) -> int:
-        """Deprecated: use ``sm_margin``."""
-        warnings.warn(
-            "LayerNorm.fwd_ln_sm_margin is deprecated; use sm_margin",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.sm_margin
-
-    @property
-    def bwd_ln_sm_margin(self) -> int:
-        """Deprecated: use ``sm_margin``."""
-        warnings.warn(
-            "LayerNorm.bwd_ln_sm_margin is deprecated; use sm_margin",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.sm_margin
-
-    @property
-    def inf_ln_sm_margin(self) -> int:
-        """Deprecated: use ``sm_margin``."""
-        warnings.warn(
-            "LayerNorm.inf_ln_sm_margin is deprecated; use sm_margin",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.sm_margin
-
-    def extra_repr(self) -> str:
-        return (
-            f"{self.normalized_shape}, eps={self.eps}, "
-            f"zero_centered_gamma={self.zero_centered_gamma}"
-        )

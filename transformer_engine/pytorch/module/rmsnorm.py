@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Sequence
-
-import torch
-
-from ._normalization import (
-    check_eps,
-    check_module_input,
-    check_sm_margin,
-    materialization_device,
-    materialize_parameter,
-    normalized_size,
-    resolve_construction_device,
-    resolve_params_dtype,
-    rmsnorm,
-)
+from ._norm_module import _NormModule, gamma_initial_value
+from ._normalization import rmsnorm
 
 __all__ = ["RMSNorm"]
 
 
-class RMSNorm(torch.nn.Module):
+class RMSNorm(_NormModule):
     r"""Root-mean-square normalization over the last dimension of the input.
 
     .. math::
@@ -73,129 +59,10 @@ class RMSNorm(torch.nn.Module):
     which must be the parameters' device.
     """
 
-    def __init__(
-        self,
-        normalized_shape: int | Sequence[int] | None = None,
-        eps: float = 1e-5,
-        sequence_parallel: bool | None = None,
-        params_dtype: torch.dtype | None = None,
-        zero_centered_gamma: bool = False,
-        hidden_size: int | None = None,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        sm_margin: int = 0,
-    ) -> None:
-        super().__init__()
-        owner = type(self).__name__
-        size = normalized_size(owner, normalized_shape, hidden_size)
-        dtype = resolve_params_dtype(owner, dtype, params_dtype)
-        device = resolve_construction_device(owner, device)
-        if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
-            raise TypeError(f"{owner}: sequence_parallel must be a bool, got {sequence_parallel!r}")
-
-        self.normalized_shape = (size,)
-        self.eps = check_eps(owner, eps)
-        self.zero_centered_gamma = bool(zero_centered_gamma)
-        self.sequence_parallel = sequence_parallel
-        self.sm_margin = check_sm_margin(owner, sm_margin)
-
-        self.weight = torch.nn.Parameter(torch.empty(size, device=device, dtype=dtype))
-        self._mark_sequence_parallel()
-        if device.type != "meta":
-            self.reset_parameters()
-
-    def _mark_sequence_parallel(self) -> None:
-        if self.sequence_parallel is not None:
-            self.weight.sequence_parallel = self.sequence_parallel
-
-    def _apply(self, fn, recurse=True):
-        # Moves that change the tensor type (meta -> cpu in to_empty, for one) replace the
-        # Parameter objects and drop their attributes; put sequence_parallel back.
-        module = super()._apply(fn, recurse)
-        self._mark_sequence_parallel()
-        return module
-
-    def reset_parameters(self, defer_init: bool | None = None) -> None:
-        """Materialize a meta ``weight`` and initialize it.
-
-        A meta ``weight`` moves to the current CUDA device when CUDA is available, else to the
-        CPU; a ``weight`` that holds storage (e.g. after ``module.to_empty(device=...)``) stays
-        where it is. ``weight`` is set to 1 (0 with ``zero_centered_gamma``).
-
-        Parameters
-        ----------
-        defer_init : bool, optional
-            Deprecated: build the module with ``device="meta"`` instead. ``True`` returns
-            without doing anything.
-        """
-        if defer_init is not None:
-            warnings.warn(
-                "RMSNorm.reset_parameters: defer_init is deprecated; build the module with "
-                "device='meta' to defer initialization",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            if defer_init:
-                return
-        if self.weight.is_meta:
-            self.weight = materialize_parameter(self.weight, materialization_device(self.weight))
-        self._mark_sequence_parallel()
-        with torch.no_grad():
-            self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+    _norm_params = (("weight", gamma_initial_value),)
+    _norm_fn = staticmethod(rmsnorm)
 
     def reset_rms_norm_parameters(self) -> None:
         """Deprecated alias of :meth:`reset_parameters`."""
-        warnings.warn(
-            "RMSNorm.reset_rms_norm_parameters is deprecated; use reset_parameters",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        self._warn_deprecated("reset_rms_norm_parameters", "reset_parameters")
         self.reset_parameters()
-
-    def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        """Normalize ``inp`` over its last dimension; same shape, dtype and device as ``inp``.
-
-        Parameters
-        ----------
-        inp : torch.Tensor
-            Input of shape ``(..., normalized_shape)`` on the parameters' device.
-        """
-        check_module_input(type(self).__name__, inp, self.weight)
-        return rmsnorm(inp, self.weight, self.eps, self.zero_centered_gamma)
-
-    @property
-    def fwd_ln_sm_margin(self) -> int:
-        """Deprecated: use ``sm_margin``."""
-        warnings.warn(
-            "RMSNorm.fwd_ln_sm_margin is deprecated; use sm_margin",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.sm_margin
-
-    @property
-    def bwd_ln_sm_margin(self) -> int:
-        """Deprecated: use ``sm_margin``."""
-        warnings.warn(
-            "RMSNorm.bwd_ln_sm_margin is deprecated; use sm_margin",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.sm_margin
-
-    @property
-    def inf_ln_sm_margin(self) -> int:
-        """Deprecated: use ``sm_margin``."""
-        warnings.warn(
-            "RMSNorm.inf_ln_sm_margin is deprecated; use sm_margin",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.sm_margin
-
-    def extra_repr(self) -> str:
-        return (
-            f"{self.normalized_shape}, eps={self.eps}, "
-            f"zero_centered_gamma={self.zero_centered_gamma}"
-        )
