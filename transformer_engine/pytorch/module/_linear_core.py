@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from ..cpp_extensions import general_gemm
+from ..cpp_extensions.gemm import fp8_gemm_prevalidated
 from ..device import device_guard
 from ..quantization import FP8GlobalStateManager
-from ..quantized_tensor import QuantizedTensor
+from ..quantized_tensor import QuantizedTensor, prepare_for_saving, restore_from_saved
 
 __all__ = ["LinearConfig", "linear_forward", "check_fp8_gemm_shapes"]
 
@@ -63,9 +63,14 @@ def check_fp8_gemm_shapes(tokens: int, in_features: int, out_features: int, need
 
 
 def _quantize(quantizer, tensor, *, rowwise: bool, columnwise: bool):
-    # quantize_impl: no straight-through autograd wrapper; the linear core owns the graph.
+    # quantize_impl: no straight-through autograd wrapper, the linear core owns the graph; and
+    # internal storage (a plain object, not a tensor subclass) is much cheaper on the host.
     quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
-    return quantizer.quantize_impl(tensor)
+    internal, quantizer.internal = quantizer.internal, True
+    try:
+        return quantizer.quantize_impl(tensor)
+    finally:
+        quantizer.internal = internal
 
 
 class _Linear(torch.autograd.Function):
@@ -102,7 +107,7 @@ class _Linear(torch.autograd.Function):
                 )
                 if config.cache_weight is not None:
                     config.cache_weight(w_q)
-            out, *_ = general_gemm(
+            out = fp8_gemm_prevalidated(
                 w_q,
                 x_q,
                 config.activation_dtype,
@@ -113,9 +118,15 @@ class _Linear(torch.autograd.Function):
             # Backward needs only the transposed copies; drop the row-wise input bytes.
             if needs_wgrad and owns_x_q:
                 x_q.update_usage(rowwise_usage=False, columnwise_usage=True)
-            ctx.save_for_backward(x_q if needs_wgrad else None, w_q if needs_dgrad else None)
+            # The input's FP8 buffers go through save_for_backward (so activation checkpointing
+            # and saved-tensor hooks see them); the weight's copy may be a cached workspace
+            # that later microbatches reuse, so it is kept by reference instead.
+            tensors, ctx.fp8_objects = prepare_for_saving(x_q if needs_wgrad else None)
+            ctx.save_for_backward(*tensors)
+            ctx.saved_weight = w_q if needs_dgrad else None
         else:
             out = torch.nn.functional.linear(x, weight, bias)
+            ctx.fp8_objects = None
             ctx.save_for_backward(x if needs_wgrad else None, weight if needs_dgrad else None)
         return out.reshape(*inp.shape[:-1], weight.shape[0])
 
@@ -123,7 +134,11 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad_out):
         config = ctx.config
         with device_guard(grad_out.device):
-            saved_x, saved_w = ctx.saved_tensors
+            if ctx.fp8_objects is None:
+                saved_x, saved_w = ctx.saved_tensors
+            else:
+                (saved_x,) = restore_from_saved(ctx.fp8_objects, ctx.saved_tensors)
+                saved_w = ctx.saved_weight
             out_features = grad_out.shape[-1]
             dy = grad_out.reshape(-1, out_features).contiguous()
             dx = dw = dbias = None
@@ -139,7 +154,7 @@ class _Linear(torch.autograd.Function):
                     columnwise=saved_x is not None,
                 )
                 if saved_w is not None:
-                    dx, *_ = general_gemm(
+                    dx = fp8_gemm_prevalidated(
                         saved_w,
                         dy_q,
                         config.activation_dtype,
@@ -148,7 +163,7 @@ class _Linear(torch.autograd.Function):
                     )
                 if saved_x is not None:
                     if fuse:
-                        general_gemm(
+                        fp8_gemm_prevalidated(
                             saved_x,
                             dy_q,
                             torch.float32,
@@ -158,7 +173,7 @@ class _Linear(torch.autograd.Function):
                             use_split_accumulator=config.wgrad_split_accumulator,
                         )
                     else:
-                        dw, *_ = general_gemm(
+                        dw = fp8_gemm_prevalidated(
                             saved_x,
                             dy_q,
                             config.activation_dtype,
@@ -198,6 +213,7 @@ class _NoCtx:
     """Stands in for autograd's ctx when no graph is recorded (inference)."""
 
     inference = True
+    fp8_objects = None
 
     def save_for_backward(self, *tensors):
         pass

@@ -151,6 +151,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.init_fp8_metadata(self._num_gemms, force=True)
         quantizer = self.quantizers["scaling_fwd"][fp8_meta_index]
         quantizer.set_usage(rowwise=True, columnwise=torch.is_grad_enabled())
+        quantizer.internal = False  # a parameter must be a Float8Tensor
         with torch.no_grad():
             return quantizer.quantize_impl(values)
 
