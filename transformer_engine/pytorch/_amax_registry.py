@@ -22,7 +22,7 @@ import torch
 
 from ._delayed_scaling_python import _amax_and_scale_update, split_and_copy
 from ._recipe_state import get_fp8_max, get_fp8_torch_dtype
-from .cpp_extensions import delayed_scaling_update
+from .cpp_extensions.scaling import delayed_scaling_update_prevalidated
 
 __all__ = ["AmaxRegistry"]
 
@@ -47,14 +47,10 @@ def _all_reduce_max(buffer: torch.Tensor, group) -> None:
 
 
 def _fused_update(histories, scales, fp8_dtype, margin, algo, reduction_buffer) -> None:
-    """Update the pairs of one device, on that device (a seam that tests replace)."""
-    delayed_scaling_update(
-        histories,
-        scales,
-        fp8_dtype,
-        margin=margin,
-        amax_compute_algo=algo,
-        amax_reduction_buffer=reduction_buffer,
+    """Update the pairs of one device, on that device (a seam that tests replace). The pairs
+    were checked at registration, so the per-step update skips the argument checks."""
+    delayed_scaling_update_prevalidated(
+        histories, scales, fp8_dtype, margin, algo, reduction_buffer
     )
 
 

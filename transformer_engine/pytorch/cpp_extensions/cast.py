@@ -24,7 +24,14 @@ from ._validation import (
     check_tensors_on,
 )
 
-__all__ = ["QuantizeResult", "quantize", "dequantize", "compute_amax", "transposed_shape"]
+__all__ = [
+    "QuantizeResult",
+    "quantize",
+    "quantize_prevalidated",
+    "dequantize",
+    "compute_amax",
+    "transposed_shape",
+]
 
 
 class QuantizeResult(NamedTuple):
@@ -98,14 +105,46 @@ def quantize(
         out_transpose = torch.empty(t_shape, dtype=dtype, device=device)
     if scale_inv is None:
         scale_inv = torch.empty(1, dtype=torch.float32, device=device)
-    out_fp8 = out.view(dtype)
     out_t_fp8 = out_transpose.view(dtype) if out_transpose is not None else None
+    _run_quantize(input, scale, dtype, amax, scale_inv, out.view(dtype), out_t_fp8, noop_flag)
+    return QuantizeResult(out, out_transpose, scale_inv)
 
-    native = native_for(op, device)
+
+def quantize_prevalidated(
+    input: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    amax: torch.Tensor | None,
+    with_transpose: bool,
+) -> QuantizeResult:
+    """:func:`quantize` for quantizers, whose ``scale`` and ``amax`` are their own state.
+
+    The caller has checked the input's dtype and that ``fp8_dtype`` is a torch FP8 dtype; the
+    one thing left to check is where the state lives relative to the input (one comparison
+    each), so the per-call host cost stays small.
+    """
+    device = input.device
+    if scale.device != device or (amax is not None and amax.device != device):
+        check_tensors_on("quantize", "input", input, scale=scale, amax=amax)  # raises
+    input = input.contiguous()
+    out = torch.empty(input.shape, dtype=fp8_dtype, device=device)
+    out_t = None
+    if with_transpose:
+        out_t = torch.empty(transposed_shape(input.shape), dtype=fp8_dtype, device=device)
+    scale_inv = torch.empty(1, dtype=torch.float32, device=device)
+    _run_quantize(input, scale, fp8_dtype, amax, scale_inv, out, out_t, None)
+    return QuantizeResult(out, out_t, scale_inv)
+
+
+def _run_quantize(input, scale, dtype, amax, scale_inv, out_fp8, out_t_fp8, noop_flag) -> None:
+    """The cast itself: native on CUDA, the reference elsewhere (arguments already checked)."""
+    native = native_for("quantize", input.device)
     if native is not None:
         native.quantize(
             tensor_arg(input), tensor_arg(scale), tensor_arg(out_fp8), tensor_arg(out_t_fp8),
-            tensor_arg(amax), tensor_arg(scale_inv), tensor_arg(noop_flag), *launch_args(device),
+            tensor_arg(amax), tensor_arg(scale_inv), tensor_arg(noop_flag),
+            *launch_args(input.device),
         )  # fmt: skip
     elif noop_flag is None or float(noop_flag.reshape(())) != 1.0:
         data = reference.cast_to_fp8(input, scale, dtype)
@@ -115,7 +154,6 @@ def quantize(
         if amax is not None:
             amax.view(1).copy_(torch.maximum(amax.view(1), reference.amax(input)))
         scale_inv.view(1).copy_(reference.reciprocal(scale))
-    return QuantizeResult(out, out_transpose, scale_inv)
 
 
 def dequantize(

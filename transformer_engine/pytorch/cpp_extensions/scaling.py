@@ -22,6 +22,7 @@ __all__ = [
     "AMAX_COMPUTE_ALGOS",
     "compute_scale_from_amax",
     "delayed_scaling_update",
+    "delayed_scaling_update_prevalidated",
     "fused_amax_and_scale_update_after_reduction",
 ]
 
@@ -153,6 +154,27 @@ def delayed_scaling_update(
     dtype = to_torch_fp8_dtype(fp8_dtype)
     _check_update_args(op, amax_histories, scales, amax_compute_algo, margin, amax_reduction_buffer)
 
+    _run_delayed_scaling_update(
+        op, amax_histories, scales, dtype, margin, amax_compute_algo, amax_reduction_buffer
+    )
+
+
+def delayed_scaling_update_prevalidated(
+    amax_histories, scales, fp8_dtype, margin, amax_compute_algo, amax_reduction_buffer
+) -> None:
+    """:func:`delayed_scaling_update` without argument checks, for the amax registry, which
+    checked every pair when it was registered and builds the reduction buffer itself (the
+    per-pair checks would otherwise run at every update step)."""
+    if amax_histories:
+        _run_delayed_scaling_update(
+            "delayed_scaling_update", list(amax_histories), list(scales),
+            to_torch_fp8_dtype(fp8_dtype), margin, amax_compute_algo, amax_reduction_buffer,
+        )  # fmt: skip
+
+
+def _run_delayed_scaling_update(
+    op, amax_histories, scales, dtype, margin, amax_compute_algo, amax_reduction_buffer
+) -> None:
     device = amax_histories[0].device
     native = native_for(op, device)
     if native is not None:

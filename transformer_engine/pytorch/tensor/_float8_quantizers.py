@@ -18,7 +18,8 @@ import torch
 
 from .. import cpp_extensions as ext
 from .. import reference
-from ..constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
+from ..constants import HIGH_PRECISION_DTYPES, DType, TE_DType_To_Torch, to_torch_fp8_dtype
+from ..cpp_extensions.cast import quantize_prevalidated
 from ..device import check_same_device, is_non_tn_fp8_gemm_supported
 from ..quantized_tensor import (
     QuantizedTensor,
@@ -126,7 +127,13 @@ class _Float8QuantizerBase(Quantizer):
         _check_high_precision_dtype(f"{type(self).__name__}.quantize", src.dtype)
         need_data, need_transpose = self._layouts(src.device, src.shape)
         scale, amax = self._scale_and_amax(src)
-        res = ext.quantize(src, scale, self.dtype, amax=amax, with_transpose=need_transpose)
+        res = quantize_prevalidated(
+            src,
+            scale,
+            TE_DType_To_Torch[DType(self.dtype)],
+            amax=amax,
+            with_transpose=need_transpose,
+        )
         return self._wrap(
             shape=src.shape,
             dtype=fake_dtype,
