@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..device import enter_device, exit_device
+from ..distributed import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
 from ..quantization import (
     DelayedScalingRecipeState,
     FP8GlobalStateManager,
@@ -93,8 +94,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     def parameters_device(self) -> torch.device | None:
         """Device of the module's parameters (``None`` when it has none)."""
-        for p in self.parameters(recurse=False):
-            return p.device
+        for p in self._parameters.values():  # on the forward path: no generator machinery
+            if p is not None:
+                return p.device
         return None
 
     def reset_parameters(self, defer_init: bool = False) -> None:
@@ -176,9 +178,10 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 f"{type(self).__name__} has no materialized parameters yet; call "
                 "reset_parameters() or module.to_empty(device=...) before running it in FP8"
             )
+        stored = self.fp8_meta.get("recipe")
         same = (
             self.fp8_meta_tensors_initialized
-            and self.fp8_meta.get("recipe") == recipe
+            and (stored is recipe or stored == recipe)
             and self.fp8_meta["scaling_fwd"].device == device
             and self.fp8_meta["scaling_fwd"].num_quantizers == 3 * num_gemms
         )
@@ -244,8 +247,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
             self.activation_dtype = torch.get_autocast_dtype(inp.device.type)
             return
         dtype = inp.dtype
-        for name, param in self.named_parameters(recurse=False):
-            if param.dtype != dtype:
+        for name, param in self._parameters.items():
+            if param is not None and param.dtype != dtype:
                 raise TypeError(
                     f"{type(self).__name__}: input dtype {dtype} does not match parameter "
                     f"{name!r} dtype {param.dtype}; cast the input (or the module) or run under "
