@@ -1,0 +1,103 @@
+"""What the wrappers hand the native binding, checked on CPU with a recording stand-in.
+
+On a GPU the kernels receive (data_ptr, shape, dtype code) tuples, the tensor's device index and
+that device's current stream; these tests pin that contract (argument order, which buffer goes
+where, dtype codes) for every entry point, including the prevalidated ones the quantizers, the
+linear core and the amax registry use, without needing a GPU.
+"""
+
+import types
+
+import pytest
+import torch
+
+from transformer_engine.pytorch.constants import TE_DType
+from transformer_engine.pytorch.cpp_extensions import cast, scaling
+from transformer_engine.pytorch.cpp_extensions.cast import quantize, quantize_prevalidated
+from transformer_engine.pytorch.cpp_extensions.scaling import (
+    compute_scale_from_amax,
+    delayed_scaling_update,
+    delayed_scaling_update_prevalidated,
+)
+
+DEVICE_AND_STREAM = (3, 0xABC)
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    calls = []
+
+    def record(name):
+        return lambda *args: calls.append((name, args))
+
+    fake = types.SimpleNamespace(
+        **{n: record(n) for n in ("quantize", "dequantize", "compute_amax",
+                                   "compute_scale_from_amax", "delayed_scaling_update")}
+    )  # fmt: skip
+    for module in (cast, scaling):
+        monkeypatch.setattr(module, "native_for", lambda op, device: fake)
+        monkeypatch.setattr(module, "launch_args", lambda device: DEVICE_AND_STREAM)
+    return calls
+
+
+def arg(t):
+    return (t.data_ptr(), list(t.shape), int(TE_DType[t.dtype]))
+
+
+@pytest.mark.parametrize("with_transpose", [False, True])
+def test_quantize_and_its_prevalidated_twin_pass_the_same_contract(recorder, with_transpose):
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    scale, amax = torch.ones(1), torch.zeros(1)
+    public = quantize(x, scale, torch.float8_e5m2, amax=amax, with_transpose=with_transpose)
+    fast = quantize_prevalidated(
+        x, scale, torch.float8_e5m2, amax=amax, with_transpose=with_transpose
+    )
+    for result, (name, args) in zip((public, fast), recorder):
+        assert name == "quantize"
+        inp, sc, out, out_t, am, scale_inv, noop, device, stream = args
+        assert inp == arg(x) and sc == arg(scale) and am == arg(amax)
+        assert out == arg(result.data.view(torch.float8_e5m2))
+        assert out[2] == int(TE_DType[torch.float8_e5m2])
+        assert scale_inv == arg(result.scale_inv)
+        assert noop is None
+        assert (device, stream) == DEVICE_AND_STREAM
+        if with_transpose:
+            assert out_t == arg(result.transpose.view(torch.float8_e5m2))
+            assert out_t[1] == [32, 4]
+        else:
+            assert out_t is None and result.transpose is None
+
+
+def test_prevalidated_quantize_still_refuses_state_on_another_device(recorder):
+    with pytest.raises(ValueError, match="meta"):
+        quantize_prevalidated(
+            torch.ones(2, 16), torch.ones(1, device="meta"), torch.float8_e4m3fn, amax=None,
+            with_transpose=False,
+        )  # fmt: skip
+    assert recorder == []
+
+
+def test_scale_and_update_entries(recorder):
+    amax, out = torch.tensor([2.0]), torch.empty(1)
+    compute_scale_from_amax(
+        amax, torch.float8_e4m3fn, epsilon=0.5, force_pow_2_scales=True, out=out
+    )
+    histories, scales = [torch.zeros(3, 2), torch.zeros(3, 1)], [torch.ones(2), torch.ones(1)]
+    reduced = torch.ones(3)
+    delayed_scaling_update(histories, scales, torch.float8_e5m2, margin=1.5,
+                           amax_compute_algo="most_recent", amax_reduction_buffer=reduced)  # fmt: skip
+    delayed_scaling_update_prevalidated(
+        histories, scales, torch.float8_e5m2, 1.5, "most_recent", reduced
+    )
+    (name, args), *updates = recorder
+    assert name == "compute_scale_from_amax"
+    assert args == (arg(amax), arg(out), int(TE_DType[torch.float8_e4m3fn]), 0.5, True,
+                    *DEVICE_AND_STREAM)  # fmt: skip
+    assert len(updates) == 2 and updates[0] == updates[1]
+    name, (buf, hs, ss, algo_max, code, margin, device, stream) = updates[0]
+    assert name == "delayed_scaling_update"
+    assert (
+        buf == arg(reduced) and hs == [arg(h) for h in histories] and ss == [arg(s) for s in scales]
+    )
+    assert (algo_max, code, margin) == (False, int(TE_DType[torch.float8_e5m2]), 1.5)
+    assert (device, stream) == DEVICE_AND_STREAM
