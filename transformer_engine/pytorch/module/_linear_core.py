@@ -41,6 +41,7 @@ class LinearConfig:
     activation_dtype: torch.dtype = torch.float32
     fuse_wgrad_accumulation: bool = False
     accumulate_into_main_grad: bool = True
+    main_grad_param: Any = None  # the Parameter whose main_grad the fused wgrad writes
     fprop_split_accumulator: bool = False
     dgrad_split_accumulator: bool = True
     wgrad_split_accumulator: bool = True
@@ -143,7 +144,17 @@ class _Linear(torch.autograd.Function):
             dy = grad_out.reshape(-1, out_features).contiguous()
             dx = dw = dbias = None
             weight = ctx.weight
-            fuse = config.fuse_wgrad_accumulation and hasattr(weight, "main_grad")
+            fuse = config.fuse_wgrad_accumulation and saved_x is not None
+            if fuse:
+                # The GEMM may have seen a cast or concatenated copy: main_grad lives on the
+                # module's Parameter.
+                weight = config.main_grad_param if config.main_grad_param is not None else weight
+                if getattr(weight, "main_grad", None) is None:
+                    raise RuntimeError(
+                        "fuse_wgrad_accumulation=True accumulates the weight gradient into "
+                        "weight.main_grad, but the weight has none; set weight.main_grad to a "
+                        "float32 tensor of the weight's shape before backward"
+                    )
             if ctx.bias_requires_grad:
                 dbias = dy.sum(dim=0).to(ctx.bias_dtype)
             if config.fp8:

@@ -78,6 +78,11 @@ def register_linear_parameters(
     module.use_bias = bias
     if parameters_split is not None and module.primary_weights_in_fp8:
         raise ValueError("parameters_split cannot be combined with FP8 parameters")
+    if parameters_split is not None and getattr(module, "fuse_wgrad_accumulation", False):
+        raise ValueError(
+            "parameters_split cannot be combined with fuse_wgrad_accumulation=True: the split "
+            "weights are separate parameters, so there is no single main_grad to accumulate into"
+        )
     for split, rows in module.sizes.items():
         prefix = f"{split}_" if split else ""
         w = torch.empty(rows, in_features, dtype=params_dtype, device=device)

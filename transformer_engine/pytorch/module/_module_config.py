@@ -44,6 +44,7 @@ def make_linear_config(
     in_features: int,
     out_features: int,
     read_first_module_flag: bool = True,
+    main_grad_param: torch.Tensor | None = None,
 ) -> LinearConfig:
     """The ``LinearConfig`` of one GEMM of ``module`` in the current forward.
 
@@ -86,7 +87,10 @@ def make_linear_config(
         fuse_wgrad_accumulation=module.fuse_wgrad_accumulation,
         # Megatron's overwrite_main_grad: the wgrad GEMM writes main_grad instead of adding.
         accumulate_into_main_grad=not is_first_microbatch
-        and not getattr(weight, "overwrite_main_grad", False),
+        and not getattr(
+            main_grad_param if main_grad_param is not None else weight, "overwrite_main_grad", False
+        ),
+        main_grad_param=main_grad_param,
     )
     if not fp8:
         return config

@@ -304,10 +304,6 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     def _recompute_swap_in(self) -> None:
         """Original forward: stash the scales it casts with; recompute: cast with them again."""
-        from ..distributed import (
-            in_fp8_activation_recompute_phase,
-            is_fp8_activation_recompute_enabled,
-        )
 
         state = self._delayed_forward_state()
         if state is None:

@@ -214,6 +214,7 @@ class GroupedLinear(TransformerEngineBaseModule):
                     in_features=self.in_features,
                     out_features=self.out_features,
                     read_first_module_flag=False,
+                    main_grad_param=getattr(self, f"weight{i}"),
                 )  # fmt: skip
                 for i, x in enumerate(groups)
             ]

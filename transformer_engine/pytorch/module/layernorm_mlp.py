@@ -195,12 +195,14 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 input_slot=GEMM1_INPUT, weight_slot=GEMM1_WEIGHT, grad_output_slot=GRAD_OUTPUT1,
                 workspace_key="fc1_weight", in_features=self.hidden_size,
                 out_features=self.fc1_out_features, read_first_module_flag=True,
+                main_grad_param=self.fc1_weight,
             )  # fmt: skip
             fc2_config = make_linear_config(
                 self, ln_out, fc2_weight, is_first_microbatch,
                 input_slot=GEMM2_INPUT, weight_slot=GEMM2_WEIGHT, grad_output_slot=GRAD_OUTPUT2,
                 workspace_key="fc2_weight", in_features=self.ffn_hidden_size,
                 out_features=self.hidden_size, read_first_module_flag=False,
+                main_grad_param=self.fc2_weight,
             )  # fmt: skip
             fc1_out = linear_forward(fc1_weight, ln_out, fc1_bias, fc1_config)
             act_out = self.activation_fn(fc1_out)

@@ -131,6 +131,7 @@ class Linear(TransformerEngineBaseModule):
                 input_slot=GEMM1_INPUT, weight_slot=GEMM1_WEIGHT, grad_output_slot=GRAD_OUTPUT1,
                 workspace_key="weight", in_features=self.in_features,
                 out_features=self.out_features,
+                main_grad_param=self.weight if "" in self.sizes else None,
             )  # fmt: skip
             out = linear_forward(weight, inp, gemm_bias, config)
             if fp8 and fp8_output:
