@@ -1,0 +1,75 @@
+"""Fusible operations (``te.ops``): basic operations, fused operations, the fuser and
+``Sequential``.
+
+See ``docs`` in the module docstrings: ``op.py`` (the operation classes), ``fuser.py`` (the
+device-correct, deferred-initialization-safe fuser) and ``sequential.py``.
+"""
+
+from . import fused  # registers the fusions
+from .basic import (
+    GEGLU,
+    GELU,
+    GLU,
+    QGEGLU,
+    QGELU,
+    AddExtraInput,
+    BasicLinear,
+    Bias,
+    ClampedSwiGLU,
+    ConstantScale,
+    Dropout,
+    Identity,
+    LayerNorm,
+    MakeExtraOutput,
+    Quantize,
+    QuickGELU,
+    ReGLU,
+    ReLU,
+    Reshape,
+    RMSNorm,
+    SiLU,
+    SReGLU,
+    SReLU,
+    SwiGLU,
+)
+from .fuser import OperationFuser, register_backward_fusion, register_forward_fusion
+from .linear import Linear
+from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
+from .sequential import Sequential
+
+__all__ = [
+    "AddExtraInput",
+    "BasicLinear",
+    "BasicOperation",
+    "Bias",
+    "ClampedSwiGLU",
+    "ConstantScale",
+    "Dropout",
+    "FusedOperation",
+    "FusibleOperation",
+    "GEGLU",
+    "GELU",
+    "GLU",
+    "Identity",
+    "LayerNorm",
+    "Linear",
+    "MakeExtraOutput",
+    "OperationContext",
+    "OperationFuser",
+    "QGEGLU",
+    "QGELU",
+    "Quantize",
+    "QuickGELU",
+    "RMSNorm",
+    "ReGLU",
+    "ReLU",
+    "Reshape",
+    "SReGLU",
+    "SReLU",
+    "Sequential",
+    "SiLU",
+    "SwiGLU",
+    "fused",
+    "register_backward_fusion",
+    "register_forward_fusion",
+]

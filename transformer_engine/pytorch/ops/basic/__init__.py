@@ -1,0 +1,52 @@
+"""Basic operations of the fusible-ops API."""
+
+from .activation import (
+    GEGLU,
+    GELU,
+    GLU,
+    QGEGLU,
+    QGELU,
+    ActivationOperation,
+    ClampedSwiGLU,
+    QuickGELU,
+    ReGLU,
+    ReLU,
+    SiLU,
+    SReGLU,
+    SReLU,
+    SwiGLU,
+)
+from .basic_linear import BasicLinear
+from .bias import Bias
+from .extra_io import AddExtraInput, MakeExtraOutput
+from .normalization import LayerNorm, RMSNorm
+from .quantize import Quantize
+from .simple import ConstantScale, Dropout, Identity, Reshape
+
+__all__ = [
+    "ActivationOperation",
+    "AddExtraInput",
+    "BasicLinear",
+    "Bias",
+    "ClampedSwiGLU",
+    "ConstantScale",
+    "Dropout",
+    "GEGLU",
+    "GELU",
+    "GLU",
+    "Identity",
+    "LayerNorm",
+    "MakeExtraOutput",
+    "QGEGLU",
+    "QGELU",
+    "Quantize",
+    "QuickGELU",
+    "RMSNorm",
+    "ReGLU",
+    "ReLU",
+    "Reshape",
+    "SReGLU",
+    "SReLU",
+    "SiLU",
+    "SwiGLU",
+]

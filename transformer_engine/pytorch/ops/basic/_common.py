@@ -1,0 +1,73 @@
+"""Small rules the basic operations share: construction device, parameter dtype, compute dtype,
+and turning quantized tensors back into plain ones."""
+
+from __future__ import annotations
+
+import torch
+
+from ...quantized_tensor import QuantizedTensor, QuantizedTensorStorage
+
+__all__ = [
+    "construction_device",
+    "check_params_dtype",
+    "activation_dtype",
+    "plain",
+    "autocast_dtype",
+]
+
+_PARAMS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def construction_device(owner: str, device) -> torch.device:
+    """Where an operation builds its parameters.
+
+    ``None``: the current CUDA device when CUDA is available, else the CPU. ``"cuda"`` without
+    an index is pinned to the current index now. ``"meta"`` builds no storage.
+    """
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"{owner}: device={device} but CUDA is not available here; pass device='cpu' "
+                "or device='meta' (deferred initialization)"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def check_params_dtype(owner: str, dtype: torch.dtype | None) -> torch.dtype:
+    """``dtype`` (default ``torch.get_default_dtype()``), which must be FP32, FP16 or BF16."""
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    if dtype not in _PARAMS_DTYPES:
+        raise TypeError(
+            f"{owner}: dtype={dtype!r} is not supported; use torch.float32, torch.float16 or "
+            "torch.bfloat16"
+        )
+    return dtype
+
+
+def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
+    """``torch.autocast``'s dtype for ``tensor``'s device type, ``None`` outside autocast."""
+    device_type = tensor.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def activation_dtype(input_: torch.Tensor, param: torch.Tensor) -> torch.dtype:
+    """The dtype an operation with parameters computes in: ``torch.autocast``'s when it is on,
+    else the parameter's (the input is cast to it)."""
+    dtype = autocast_dtype(input_)
+    return dtype if dtype is not None else param.dtype
+
+
+def plain(tensor):
+    """A quantized tensor dequantized to its nominal dtype; anything else unchanged."""
+    if isinstance(tensor, (QuantizedTensor, QuantizedTensorStorage)):
+        return tensor.dequantize()
+    return tensor

@@ -1,0 +1,213 @@
+"""Activation operations (``GELU``, ``SwiGLU``, ...) on the activation functions of
+``module/_activations.py``.
+
+The backward differentiates the very same function (recomputed from the saved input under
+``torch.enable_grad``), so forward and backward match PyTorch's autograd through that function
+exactly. Gated (GLU) variants split the last dimension in halves and apply the activation to
+the *first* half (the opposite of ``torch.nn.functional.glu``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...module._activations import ACTIVATIONS
+from ...quantization import FP8GlobalStateManager
+from ..op import BasicOperation, OperationContext
+from ._common import plain
+
+__all__ = [
+    "ActivationOperation",
+    "GELU",
+    "GEGLU",
+    "GLU",
+    "QGELU",
+    "QGEGLU",
+    "QuickGELU",
+    "ReLU",
+    "ReGLU",
+    "SReLU",
+    "SReGLU",
+    "SiLU",
+    "SwiGLU",
+    "ClampedSwiGLU",
+    "activation_backward",
+]
+
+
+def activation_backward(fn, input_: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """Gradient of ``fn`` at ``input_`` times ``grad_output`` (autograd through ``fn``)."""
+    with torch.enable_grad():
+        x = input_.detach().requires_grad_(True)
+        y = fn(x)
+    (grad_input,) = torch.autograd.grad(y, x, grad_output.to(y.dtype))
+    return grad_input
+
+
+class ActivationOperation(BasicOperation):
+    """Base of the activation operations.
+
+    Parameters
+    ----------
+    cache_quantized_input : bool, default False
+        Inside ``te.autocast``, keep the input for the backward in FP8 (E4M3, current scaling)
+        instead of high precision: less memory, a slightly less exact gradient.
+    """
+
+    _activation_name: str = ""
+
+    def __init__(self, *, cache_quantized_input: bool = False) -> None:
+        super().__init__()
+        self.cache_quantized_input = cache_quantized_input
+
+    def _function(self):
+        return ACTIVATIONS[self._activation_name][0]
+
+    def activation_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
+        """Apply the activation and save what :meth:`op_backward` needs into ``ctx``."""
+        x = plain(input_)
+        output = self._function()(x)
+        if ctx.requires_grad:
+            saved = x
+            if self.cache_quantized_input and FP8GlobalStateManager.is_fp8_enabled():
+                from ...tensor import Float8CurrentScalingQuantizer
+
+                quantizer = Float8CurrentScalingQuantizer(
+                    torch.float8_e4m3fn, device=x.device, rowwise=True, columnwise=False
+                )
+                quantizer.internal = True
+                saved = quantizer.quantize_impl(x)
+            ctx.save_for_backward(saved)
+        return output
+
+    def op_forward(
+        self,
+        ctx: OperationContext,
+        input_: torch.Tensor,
+        *,
+        prev_op_grad_output_quantizer=None,
+        next_op_input_quantizer=None,
+    ) -> torch.Tensor:
+        return self.activation_forward(ctx, input_)
+
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+        (saved,) = ctx.saved_tensors
+        return activation_backward(self._function(), plain(saved), plain(grad_output)), []
+
+
+class GELU(ActivationOperation):
+    """GELU, tanh approximation: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+
+    _activation_name = "gelu"
+
+
+class GEGLU(ActivationOperation):
+    """Gated GELU: ``gelu(x1) * x2`` with ``x1, x2`` the halves of the last dimension."""
+
+    _activation_name = "geglu"
+
+
+class GLU(ActivationOperation):
+    """Gated linear unit: ``sigmoid(x1) * x2`` (gates the *first* half)."""
+
+    _activation_name = "glu"
+
+
+class QGELU(ActivationOperation):
+    """Quick GELU: ``x * sigmoid(1.702 x)``."""
+
+    _activation_name = "qgelu"
+
+
+QuickGELU = QGELU
+
+
+class QGEGLU(ActivationOperation):
+    """Gated quick GELU: ``qgelu(x1) * x2``."""
+
+    _activation_name = "qgeglu"
+
+
+class ReLU(ActivationOperation):
+    """ReLU: ``max(x, 0)`` (derivative 0 at 0)."""
+
+    _activation_name = "relu"
+
+
+class ReGLU(ActivationOperation):
+    """Gated ReLU: ``relu(x1) * x2``."""
+
+    _activation_name = "reglu"
+
+
+class SReLU(ActivationOperation):
+    """Squared ReLU: ``relu(x)^2``."""
+
+    _activation_name = "srelu"
+
+
+class SReGLU(ActivationOperation):
+    """Gated squared ReLU: ``relu(x1)^2 * x2``."""
+
+    _activation_name = "sreglu"
+
+
+class SiLU(ActivationOperation):
+    """SiLU (swish): ``x * sigmoid(x)``."""
+
+    _activation_name = "silu"
+
+
+class SwiGLU(ActivationOperation):
+    """Gated SiLU: ``silu(x1) * x2``.
+
+    Parameters
+    ----------
+    cache_quantized_input : bool, default False
+    glu_interleave_size : int, optional
+        Upstream's interleaved layout of the two halves; only ``None`` (contiguous halves) is
+        implemented.
+    """
+
+    _activation_name = "swiglu"
+
+    def __init__(
+        self, *, cache_quantized_input: bool = False, glu_interleave_size: int | None = None
+    ) -> None:
+        if glu_interleave_size is not None:
+            raise NotImplementedError(
+                f"SwiGLU: glu_interleave_size={glu_interleave_size!r} is not implemented yet; "
+                "use None (contiguous halves)"
+            )
+        super().__init__(cache_quantized_input=cache_quantized_input)
+        self.glu_interleave_size = None
+
+
+class ClampedSwiGLU(SwiGLU):
+    """SwiGLU with clamped halves (GPT-OSS): ``a sigmoid(alpha a) (b + glu_linear_offset)`` with
+    ``a = min(x1, limit)`` and ``b = clamp(x2, -limit, limit)``."""
+
+    _activation_name = "clamped_swiglu"
+
+    def __init__(
+        self,
+        *,
+        limit: float = 7.0,
+        alpha: float = 1.702,
+        glu_linear_offset: float = 1.0,
+        cache_quantized_input: bool = False,
+        glu_interleave_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            cache_quantized_input=cache_quantized_input, glu_interleave_size=glu_interleave_size
+        )
+        self.limit, self.alpha, self.glu_linear_offset = limit, alpha, glu_linear_offset
+
+    def _function(self):
+        fn = ACTIVATIONS["clamped_swiglu"][0]
+        limit, alpha, offset = self.limit, self.alpha, self.glu_linear_offset
+
+        def clamped(x: torch.Tensor) -> torch.Tensor:
+            return fn(x, limit=limit, alpha=alpha, glu_linear_offset=offset)
+
+        return clamped

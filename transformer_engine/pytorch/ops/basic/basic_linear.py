@@ -1,0 +1,291 @@
+"""``BasicLinear``: ``y = x W^T`` (no bias) on the linear core the modules share.
+
+The forward and backward GEMMs (FP8 inside ``te.autocast``, high precision outside) are those
+of ``module/_linear_core.py``; this operation only chooses the quantizers and dtypes and hands
+the core an operation context instead of an autograd context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+
+import torch
+
+from ...module._linear_core import LinearConfig, _Linear, check_fp8_gemm_shapes
+from ...quantization import FP8GlobalStateManager
+from ...quantized_tensor import QuantizedTensor
+from ..op import BasicOperation, OperationContext, materialization_device
+from ._common import activation_dtype, check_params_dtype, construction_device, plain
+
+__all__ = ["BasicLinear"]
+
+# quantizer slots (upstream's layout): forward [input, weight], backward [grad_output]
+_INPUT, _WEIGHT, _GRAD_OUTPUT = 0, 1, 0
+
+
+class BasicLinear(BasicOperation):
+    """Linear transform ``y = x W^T`` without bias.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+    device : torch.device or str, optional
+        Default: the current CUDA device when CUDA is available, else the CPU. ``"meta"``
+        defers initialization to ``reset_parameters()`` or the first forward, which
+        materializes onto the input's device.
+    dtype : torch.dtype, optional
+        Parameter dtype (float32, float16 or bfloat16); default ``torch.get_default_dtype()``.
+    rng_state_tracker_function : callable, optional
+        Returns an RNG tracker whose ``fork()`` the initialization runs in.
+    accumulate_into_main_grad : bool, default False
+        Accumulate the weight gradient into ``weight.main_grad`` (float32) instead of returning
+        it.
+
+    Tensor-parallel and Userbuffers arguments (``tensor_parallel_mode``,
+    ``tensor_parallel_group``, ``sequence_parallel``, ``userbuffers_options``) are accepted for
+    compatibility; values other than the single-process defaults raise ``NotImplementedError``.
+
+    Notes
+    -----
+    The weight starts like ``torch.nn.Linear``'s (Kaiming-uniform with ``a = sqrt(5)``). Under
+    ``te.quantized_model_init`` it is an FP8 parameter quantized on its own device with this
+    operation's weight quantizer. FP8 needs ``in_features`` and ``out_features`` to be
+    multiples of 16 (and the token count too when the weight needs a gradient).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        device=None,
+        dtype: torch.dtype | None = None,
+        tensor_parallel_mode: str | None = None,
+        tensor_parallel_group=None,
+        sequence_parallel: bool = False,
+        rng_state_tracker_function=None,
+        accumulate_into_main_grad: bool = False,
+        userbuffers_options=None,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("tensor_parallel_mode", tensor_parallel_mode),
+            ("sequence_parallel", sequence_parallel),
+            ("userbuffers_options", userbuffers_options),
+        ):
+            if value not in (None, False):
+                raise NotImplementedError(
+                    f"BasicLinear: {name}={value!r} is not implemented yet (single process only)"
+                )
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"BasicLinear: {name}={value!r} must be a positive int")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.tensor_parallel_mode = None
+        self.tensor_parallel_group = tensor_parallel_group
+        self.sequence_parallel = False
+        self._rng_state_tracker_function = rng_state_tracker_function
+        self._accumulate_into_main_grad = accumulate_into_main_grad
+        self._with_quantized_weight = FP8GlobalStateManager.with_fp8_parameters()
+        self._quantized_weight_recipe = (
+            FP8GlobalStateManager.get_fp8_recipe() if self._with_quantized_weight else None
+        )
+        self._preserve_high_precision_init_val = (
+            self._with_quantized_weight and FP8GlobalStateManager.with_high_precision_init_val()
+        )
+        dtype = check_params_dtype("BasicLinear", dtype)
+        device = construction_device("BasicLinear", device)
+        self.weight = torch.nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device)
+        )
+        if device.type != "meta":
+            self.reset_parameters()
+
+    # -- quantizers ------------------------------------------------------------------------------
+    def num_quantizers(self, mode: str) -> int:
+        return 2 if mode == "forward" else 1
+
+    def get_quantizer_roles(self, mode: str) -> list | None:
+        return ["input", "weight"] if mode == "forward" else ["grad_output"]
+
+    def _on_recipe_state_change(self) -> None:
+        # An FP8 weight re-quantizes (optimizer updates) with the op's current weight quantizer.
+        weight = self.weight
+        quantizer = self.get_quantizer("forward", _WEIGHT)
+        if isinstance(weight, QuantizedTensor) and quantizer is not None:
+            quantizer = quantizer.copy()
+            quantizer.set_usage(rowwise=True, columnwise=True)
+            weight._quantizer = quantizer
+
+    def reset_recipe_state(self, *, recipe, device=None) -> None:  # noqa: D102
+        weight_recipe = self._quantized_weight_recipe
+        if (
+            recipe is not None
+            and isinstance(self.weight, QuantizedTensor)
+            and type(recipe) is not type(weight_recipe)
+        ):
+            raise ValueError(
+                f"BasicLinear: the FP8 weight was quantized for {type(weight_recipe).__name__} "
+                f"(te.quantized_model_init) but te.autocast uses {type(recipe).__name__}; use "
+                "the same recipe class for both"
+            )
+        super().reset_recipe_state(recipe=recipe, device=device)
+
+    # -- parameters ------------------------------------------------------------------------------
+    def _rng_context(self):
+        if self._rng_state_tracker_function is None:
+            return contextlib.nullcontext()
+        return self._rng_state_tracker_function().fork()
+
+    def reset_parameters(self, device=None) -> None:
+        """(Re)initialize the weight (Kaiming-uniform, ``a = sqrt(5)``).
+
+        Parameters
+        ----------
+        device : torch.device or str, optional
+            Where a meta weight is materialized (default: the current CUDA device, else the
+            CPU; the fuser passes the input's device). A weight that already has storage (e.g.
+            after ``module.to_empty(device=...)``) is re-initialized in place, on its device,
+            so optimizers holding it keep training it.
+
+        Under ``te.quantized_model_init`` the weight becomes (or is re-quantized as) an FP8
+        parameter, quantized on its device with this operation's weight quantizer, whose
+        recipe state is made there first.
+        """
+        old = self.weight
+        target = old.device if not old.is_meta else materialization_device(device)
+        values = torch.empty(old.shape, dtype=old.dtype, device=target)
+        with torch.no_grad(), self._rng_context():
+            torch.nn.init.kaiming_uniform_(values, a=math.sqrt(5))
+        high_precision = None
+        if self._with_quantized_weight:
+            if self._preserve_high_precision_init_val:
+                high_precision = values.detach().cpu().clone()
+            values = self._quantize_weight(values, old, target)
+        if old.is_meta or isinstance(values, QuantizedTensor) is not isinstance(
+            old, QuantizedTensor
+        ):
+            new = torch.nn.Parameter(values, requires_grad=old.requires_grad)
+            for attr, value in vars(old).items():
+                if not isinstance(value, torch.Tensor):
+                    setattr(new, attr, value)
+            self.weight = new
+        elif values is not old:
+            with torch.no_grad():
+                old.copy_(values)
+        if high_precision is not None:
+            _attach_high_precision_init_val(self.weight, high_precision)
+
+    def _quantize_weight(self, values: torch.Tensor, old, device: torch.device):
+        """``values`` as an FP8 weight quantized on ``device`` (in place into ``old`` if FP8)."""
+        if self.get_quantizer("forward", _WEIGHT) is None or (
+            self.recipe_state("forward").device != device
+        ):
+            self.reset_recipe_state(recipe=self._quantized_weight_recipe, device=device)
+        quantizer = self.get_quantizer("forward", _WEIGHT).copy()
+        quantizer.set_usage(rowwise=True, columnwise=True)
+        quantizer.internal = False
+        with torch.no_grad():
+            if isinstance(old, QuantizedTensor) and not old.is_meta:
+                old.quantize_(values)
+                return old
+            return quantizer.quantize_impl(values)
+
+    # -- forward and backward --------------------------------------------------------------------
+    def op_forward(
+        self,
+        ctx: OperationContext,
+        input_: torch.Tensor,
+        *,
+        prev_op_grad_output_quantizer=None,
+        next_op_input_quantizer=None,
+    ) -> torch.Tensor:
+        return self.linear_forward(ctx, input_)
+
+    def linear_forward(
+        self, ctx: OperationContext, input_: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``input_ W^T (+ bias)`` through the linear core; fills ``ctx`` for
+        :meth:`op_backward`. A ``bias`` (used by fusions) gets no gradient here: its own
+        operation computes that."""
+        if input_.shape[-1] != self.in_features:
+            raise ValueError(
+                f"BasicLinear: the input's last dimension is {input_.shape[-1]} but "
+                f"in_features={self.in_features}"
+            )
+        weight = self.weight
+        fp8 = FP8GlobalStateManager.is_fp8_enabled()
+        dtype = activation_dtype(input_, weight)
+        ctx.input_dtype = input_.dtype
+        ctx.weight_dtype = weight.dtype
+        if isinstance(input_, QuantizedTensor) and not fp8:
+            input_ = input_.dequantize()
+        if not isinstance(input_, QuantizedTensor) and input_.dtype != dtype:
+            input_ = input_.to(dtype)
+
+        gemm_weight = weight
+        if isinstance(weight, QuantizedTensor) and not fp8:
+            warnings.warn(
+                "BasicLinear: an FP8 weight used outside te.autocast is dequantized", stacklevel=4
+            )
+            gemm_weight = weight.dequantize(dtype=dtype)
+        elif not isinstance(weight, QuantizedTensor) and weight.dtype != dtype:
+            gemm_weight = weight.to(dtype)
+        if gemm_weight is not weight:
+            # a cast made without a graph: give it the parameter's flag (the core reads it)
+            gemm_weight = gemm_weight.detach().requires_grad_(weight.requires_grad)
+            if hasattr(weight, "main_grad"):
+                gemm_weight.main_grad = weight.main_grad
+
+        config = LinearConfig(
+            fp8=fp8,
+            activation_dtype=dtype,
+            fuse_wgrad_accumulation=self._accumulate_into_main_grad,
+            accumulate_into_main_grad=True,
+        )
+        if fp8:
+            tokens = input_.numel() // self.in_features
+            check_fp8_gemm_shapes(
+                tokens,
+                self.in_features,
+                self.out_features,
+                ctx.requires_grad and weight.requires_grad,
+            )
+            config.input_quantizer = self.get_quantizer("forward", _INPUT)
+            config.weight_quantizer = self.get_quantizer("forward", _WEIGHT)
+            config.grad_output_quantizer = self.get_quantizer("backward", _GRAD_OUTPUT)
+            recipe = self._fp8_metas["forward"]["recipe"]
+            if hasattr(recipe, "fp8_gemm_fprop"):
+                config.fprop_split_accumulator = recipe.fp8_gemm_fprop.use_split_accumulator
+                config.dgrad_split_accumulator = recipe.fp8_gemm_dgrad.use_split_accumulator
+                config.wgrad_split_accumulator = recipe.fp8_gemm_wgrad.use_split_accumulator
+        if bias is not None and bias.dtype != dtype:
+            bias = bias.to(dtype)
+        # The core reads "does x need a gradient" from the tensor's flag; inside the fuser's
+        # autograd function intermediates carry none, so hand it an alias with the right one.
+        x = input_.detach().requires_grad_(ctx.input_requires_grad)
+        with torch.no_grad():
+            out = _Linear.forward(ctx, gemm_weight, x, bias, config)
+        ctx.bias_requires_grad = False  # the bias operation owns the bias gradient
+        return out
+
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+        grad_output = plain(grad_output)
+        if grad_output.dtype != ctx.config.activation_dtype:
+            grad_output = grad_output.to(ctx.config.activation_dtype)
+        grad_weight, grad_input, _, _ = _Linear.backward(ctx, grad_output)
+        if grad_input is not None and grad_input.dtype != ctx.input_dtype:
+            grad_input = grad_input.to(ctx.input_dtype)
+        if grad_weight is not None and grad_weight.dtype != ctx.weight_dtype:
+            grad_weight = grad_weight.to(ctx.weight_dtype)
+        return grad_input, [grad_weight]
+
+
+def _attach_high_precision_init_val(param: torch.nn.Parameter, values: torch.Tensor) -> None:
+    """Upstream's ``preserve_high_precision_init_val``: a CPU copy of the initial values."""
+    param._high_precision_init_val = values
+    param.get_high_precision_init_val = lambda: param._high_precision_init_val
+    param.clear_high_precision_init_val = lambda: setattr(param, "_high_precision_init_val", None)

@@ -1,0 +1,98 @@
+"""``Bias``: ``y = x + b`` over the last dimension."""
+
+from __future__ import annotations
+
+import torch
+
+from ..op import BasicOperation, OperationContext, materialization_device
+from ._common import autocast_dtype, check_params_dtype, construction_device, plain
+
+__all__ = ["Bias"]
+
+
+class Bias(BasicOperation):
+    """Add a learnable bias (initialized to zero) to the last dimension.
+
+    Parameters
+    ----------
+    size : int
+        Size of the last dimension.
+    device : torch.device or str, optional
+        Default: the current CUDA device when CUDA is available, else the CPU. ``"meta"``
+        defers initialization to ``reset_parameters()`` or the first forward (onto the
+        input's device).
+    dtype : torch.dtype, optional
+        Parameter dtype; default ``torch.get_default_dtype()``.
+    tensor_parallel, tensor_parallel_group
+        Accepted for compatibility; ``tensor_parallel=True`` raises ``NotImplementedError``.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        device=None,
+        dtype: torch.dtype | None = None,
+        tensor_parallel: bool = False,
+        tensor_parallel_group=None,
+    ) -> None:
+        super().__init__()
+        if tensor_parallel:
+            raise NotImplementedError("Bias: tensor_parallel=True is not implemented yet")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise ValueError(f"Bias: size={size!r} must be a positive int")
+        self.size = size
+        dtype = check_params_dtype("Bias", dtype)
+        device = construction_device("Bias", device)
+        self.bias = torch.nn.Parameter(torch.empty(size, dtype=dtype, device=device))
+        if device.type != "meta":
+            self.reset_parameters()
+
+    def reset_parameters(self, device=None) -> None:
+        """Zero the bias; a meta bias is materialized first (on ``device`` if given, else the
+        current CUDA device, else the CPU). A bias with storage is zeroed in place."""
+        old = self.bias
+        if old.is_meta:
+            values = torch.zeros(old.shape, dtype=old.dtype, device=materialization_device(device))
+            new = torch.nn.Parameter(values, requires_grad=old.requires_grad)
+            for attr, value in vars(old).items():
+                if not isinstance(value, torch.Tensor):
+                    setattr(new, attr, value)
+            self.bias = new
+        else:
+            with torch.no_grad():
+                old.zero_()
+
+    def bias_forward(self, ctx: OperationContext) -> torch.Tensor:
+        """Record what :meth:`op_backward` needs; returns the bias parameter."""
+        bias = self.bias
+        ctx.bias_requires_grad = bias.requires_grad
+        ctx.bias_dtype = bias.dtype
+        return bias
+
+    def bias_grad(self, ctx: OperationContext, grad_output: torch.Tensor) -> torch.Tensor | None:
+        """``grad_output`` summed over every dimension but the last (``None`` if not needed)."""
+        if not ctx.bias_requires_grad:
+            return None
+        return grad_output.reshape(-1, self.size).sum(dim=0).to(ctx.bias_dtype)
+
+    def op_forward(
+        self,
+        ctx: OperationContext,
+        input_: torch.Tensor,
+        *,
+        prev_op_grad_output_quantizer=None,
+        next_op_input_quantizer=None,
+    ) -> torch.Tensor:
+        if input_.shape[-1] != self.size:
+            raise ValueError(
+                f"Bias: the input's last dimension is {input_.shape[-1]} but size={self.size}"
+            )
+        x = plain(input_)
+        dtype = autocast_dtype(x) or x.dtype
+        bias = self.bias_forward(ctx)
+        return x.to(dtype) + bias.to(dtype)
+
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+        grad_output = plain(grad_output)
+        return grad_output, [self.bias_grad(ctx, grad_output)]

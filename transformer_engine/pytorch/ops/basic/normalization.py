@@ -1,0 +1,166 @@
+"""``LayerNorm`` and ``RMSNorm`` operations on the normalization functions the modules use
+(``module/_normalization.py``: float32 statistics, output in the input's dtype).
+
+The backward differentiates the same function, recomputed from the saved input and the
+parameters the forward used, so it matches PyTorch's autograd through it exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...module._normalization import check_eps, layernorm, normalized_size, rmsnorm
+from ..op import BasicOperation, OperationContext, materialization_device
+from ._common import check_params_dtype, construction_device, plain
+
+__all__ = ["LayerNorm", "RMSNorm"]
+
+
+def _replace_meta(op: BasicOperation, name: str, device) -> torch.nn.Parameter:
+    old = getattr(op, name)
+    new = torch.nn.Parameter(
+        torch.empty(old.shape, dtype=old.dtype, device=materialization_device(device)),
+        requires_grad=old.requires_grad,
+    )
+    for attr, value in vars(old).items():
+        if not isinstance(value, torch.Tensor):
+            setattr(new, attr, value)
+    setattr(op, name, new)
+    return new
+
+
+class _Normalization(BasicOperation):
+    _param_names: tuple[str, ...] = ()
+
+    def __init__(self, owner, normalized_shape, eps, device, dtype, zero_centered_gamma, sm_margin):
+        super().__init__()
+        if isinstance(sm_margin, dict):
+            sm_margin = dict(sm_margin)
+        elif isinstance(sm_margin, bool) or not isinstance(sm_margin, int) or sm_margin < 0:
+            raise ValueError(f"{owner}: sm_margin={sm_margin!r} must be an int >= 0 (or a dict)")
+        self.normalized_shape = (normalized_size(owner, normalized_shape, None),)
+        self.eps = check_eps(owner, eps)
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.sm_margin = sm_margin  # SM reservation of the CUDA kernels; no effect here
+        dtype = check_params_dtype(owner, dtype)
+        device = construction_device(owner, device)
+        for name in self._param_names:
+            self.register_parameter(
+                name,
+                torch.nn.Parameter(torch.empty(self.normalized_shape, dtype=dtype, device=device)),
+            )
+        if device.type != "meta":
+            self.reset_parameters()
+
+    def reset_parameters(self, device=None) -> None:
+        """Weight to one (zero with ``zero_centered_gamma``), bias to zero. Meta parameters
+        are materialized first (on ``device`` if given, else the current CUDA device, else the
+        CPU); parameters with storage are reset in place."""
+        for name in self._param_names:
+            param = getattr(self, name)
+            if param.is_meta:
+                param = _replace_meta(self, name, device)
+            with torch.no_grad():
+                if name == "weight" and not self.zero_centered_gamma:
+                    param.fill_(1.0)
+                else:
+                    param.zero_()
+
+    def _normalize(self, x, *params):
+        raise NotImplementedError
+
+    def op_forward(
+        self,
+        ctx: OperationContext,
+        input_: torch.Tensor,
+        *,
+        prev_op_grad_output_quantizer=None,
+        next_op_input_quantizer=None,
+    ) -> torch.Tensor:
+        size = self.normalized_shape[0]
+        if input_.shape[-1] != size:
+            raise ValueError(
+                f"{type(self).__name__}: the input's last dimension is {input_.shape[-1]} but "
+                f"normalized_shape={self.normalized_shape}"
+            )
+        x = plain(input_)
+        params = [getattr(self, name) for name in self._param_names]
+        if ctx.requires_grad:
+            ctx.save_for_backward(x, *params)
+            ctx.param_requires_grad = [p.requires_grad for p in params]
+        return self._normalize(x, *params)
+
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+        saved = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in saved]
+            y = self._normalize(*leaves)
+        grad_output = plain(grad_output).to(y.dtype)
+        wanted = [ctx.input_requires_grad, *ctx.param_requires_grad]
+        targets = [leaf for leaf, w in zip(leaves, wanted) if w]
+        grads = iter(torch.autograd.grad(y, targets, grad_output) if targets else ())
+        results = [next(grads) if w else None for w in wanted]
+        return results[0], results[1:]
+
+
+class LayerNorm(_Normalization):
+    """Layer normalization over the last dimension: ``(x - mean) / sqrt(var + eps) * w + b``.
+
+    Parameters
+    ----------
+    normalized_shape : int or one-element sequence
+    eps : float, default 1e-5
+    device : torch.device or str, optional
+        ``"meta"`` defers initialization (materialized on the first forward onto the input's
+        device, or by ``reset_parameters()``).
+    dtype : torch.dtype, optional
+    zero_centered_gamma : bool, default False
+        ``weight`` stores ``gamma - 1`` (starts at zero; the norm scales by ``1 + weight``).
+    sm_margin : int or dict, default 0
+        SMs left free by the CUDA kernels upstream; accepted, no effect here.
+    """
+
+    _param_names = ("weight", "bias")
+
+    def __init__(
+        self,
+        normalized_shape,
+        *,
+        eps: float = 1e-5,
+        device=None,
+        dtype: torch.dtype | None = None,
+        zero_centered_gamma: bool = False,
+        sm_margin=0,
+    ) -> None:
+        super().__init__(
+            "LayerNorm", normalized_shape, eps, device, dtype, zero_centered_gamma, sm_margin
+        )
+
+    def _normalize(self, x, weight, bias):
+        return layernorm(x, weight, bias, self.eps, self.zero_centered_gamma)
+
+
+class RMSNorm(_Normalization):
+    """Root-mean-square normalization over the last dimension: ``x / sqrt(mean(x^2) + eps) * w``.
+
+    Parameters are those of :class:`LayerNorm` (there is no bias).
+    """
+
+    _param_names = ("weight",)
+
+    def __init__(
+        self,
+        normalized_shape,
+        *,
+        eps: float = 1e-5,
+        device=None,
+        dtype: torch.dtype | None = None,
+        zero_centered_gamma: bool = False,
+        sm_margin: int = 0,
+    ) -> None:
+        super().__init__(
+            "RMSNorm", normalized_shape, eps, device, dtype, zero_centered_gamma, sm_margin
+        )
+
+    def _normalize(self, x, weight):
+        return rmsnorm(x, weight, self.eps, self.zero_centered_gamma)

@@ -1,0 +1,78 @@
+"""Forward fusion: ``BasicLinear`` + ``Bias`` (+ an activation) in one place.
+
+The bias is added in the GEMM's epilogue (FP8: inside the scaled GEMM before the single
+rounding to the output dtype; high precision: ``addmm``), and the activation is applied to the
+GEMM's output right away. Each covered operation's context is filled exactly as its own
+forward would fill it, so any backward (fused or not) works on it.
+"""
+
+from __future__ import annotations
+
+from ..basic.activation import ActivationOperation
+from ..basic.basic_linear import BasicLinear
+from ..basic.bias import Bias
+from ..op import FusedOperation
+
+__all__ = ["ForwardLinearBiasActivation", "fuse_forward_linear_bias_activation"]
+
+
+class ForwardLinearBiasActivation(FusedOperation):
+    """Forward of ``BasicLinear``, ``Bias`` and optionally an activation, fused.
+
+    Parameters
+    ----------
+    linear : BasicLinear
+    bias : Bias
+        Of size ``linear.out_features``.
+    activation : ActivationOperation, optional
+    """
+
+    def __init__(self, *, linear: BasicLinear, bias: Bias, activation=None) -> None:
+        ops = [linear, bias] if activation is None else [linear, bias, activation]
+        super().__init__(ops)
+
+    def fuser_forward(
+        self,
+        basic_op_ctxs,
+        input_,
+        *,
+        basic_op_extra_inputs,
+        prev_op_grad_output_quantizer,
+        next_op_input_quantizer,
+        basic_op_kwargs,
+    ):
+        if any(basic_op_kwargs):
+            raise ValueError(
+                f"ForwardLinearBiasActivation takes no per-operation kwargs, got {basic_op_kwargs}"
+            )
+        linear, bias_op = self.basic_ops[0], self.basic_ops[1]
+        bias = bias_op.bias_forward(basic_op_ctxs[1])
+        output = linear.linear_forward(basic_op_ctxs[0], input_, bias=bias)
+        if len(self.basic_ops) == 3:
+            output = self.basic_ops[2].activation_forward(basic_op_ctxs[2], output)
+        return output, [() for _ in self.basic_ops]
+
+
+def fuse_forward_linear_bias_activation(ops, *, recipe=None):
+    """Replace each ``BasicLinear, Bias[, activation]`` run by a ``ForwardLinearBiasActivation``.
+
+    Parameters
+    ----------
+    ops : list of FusibleOperation
+    recipe : Recipe or None
+        The autocast recipe (the fusion applies with and without FP8).
+    """
+    out, i = [], 0
+    while i < len(ops):
+        op = ops[i]
+        bias = ops[i + 1] if i + 1 < len(ops) else None
+        if type(op) is BasicLinear and type(bias) is Bias and bias.size == op.out_features:
+            activation = ops[i + 2] if i + 2 < len(ops) else None
+            if not isinstance(activation, ActivationOperation):
+                activation = None
+            out.append(ForwardLinearBiasActivation(linear=op, bias=bias, activation=activation))
+            i += 2 if activation is None else 3
+        else:
+            out.append(op)
+            i += 1
+    return out
