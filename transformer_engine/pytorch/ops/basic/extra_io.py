@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-
 from ..op import BasicOperation
 from ._common import plain
 
