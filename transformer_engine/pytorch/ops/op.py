@@ -323,9 +323,15 @@ class BasicOperation(FusibleOperation):
     def register_recipe_state(self) -> None:
         """Put the delayed-scaling state into the amax registry (idempotent; re-points moved
         or rebuilt tensors). The fuser calls it after a successful FP8 forward."""
+        registry = FP8GlobalStateManager.quantization_state.amax_registry
         for mode in _MODES:
             if isinstance(self.recipe_state(mode), DelayedScalingRecipeState):
-                FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(self._fp8_metas[mode])
+                meta = self._fp8_metas[mode]
+                if meta.get("_registry") is not registry:
+                    # registered with a registry that FP8GlobalStateManager.reset() replaced
+                    meta.pop(FP8GlobalStateManager.get_buffer_info(), None)
+                    meta["_registry"] = registry
+                FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(meta)
 
     # -- forward and backward --------------------------------------------------------------------
     @abc.abstractmethod
@@ -388,12 +394,11 @@ def _state_matches(state, recipe, device: torch.device, count: int) -> bool:
 def _unregister(meta: dict) -> None:
     """Retire a state's registry positions (its owner no longer uses delayed scaling)."""
     info = meta.pop(FP8GlobalStateManager.get_buffer_info(), None) or {}
-    registry = FP8GlobalStateManager.quantization_state.amax_registry
+    registry = meta.pop("_registry", None)
+    if registry is not FP8GlobalStateManager.quantization_state.amax_registry:
+        return  # FP8GlobalStateManager.reset() replaced the registry since
     for key, position in info.values():
-        try:
-            registry.unregister(key, position)
-        except KeyError:  # the registry was reset since (FP8GlobalStateManager.reset())
-            pass
+        registry.unregister(key, position)
 
 
 class FusedOperation(FusibleOperation):
