@@ -421,3 +421,57 @@ def test_inference_forward_saves_nothing(mode):
         y = model(x)
     assert not y.requires_grad and y.grad_fn is None
     torch.testing.assert_close(y, model(x), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------
+# Checkpoints of the op-owned state
+
+
+def train_steps(model, x, recipe, steps=3):
+    for _ in range(steps):
+        with autocast(recipe):
+            y = model(x.detach().requires_grad_(True))
+        y.sum().backward()
+
+
+def test_delayed_scaling_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
+    x = torch.randn(TOKENS, HIDDEN)
+    src = mlp()
+    train_steps(src, x, "delayed")
+    torch.save(src.state_dict(), tmp_path / "ckpt.pt")
+    dst = mlp()
+    dst.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))
+    for a, b in zip(src[0].basic_ops + src[2].basic_ops, dst[0].basic_ops + dst[2].basic_ops):
+        for mode in ("forward", "backward"):
+            sa, sb = a.recipe_state(mode), b.recipe_state(mode)
+            assert (sa is None) == (sb is None)
+            if sa is not None:
+                assert torch.equal(sa.scale, sb.scale) and torch.equal(
+                    sa.amax_history, sb.amax_history
+                )
+    assert dst[0].basic_ops[0].get_quantizer("forward", 0) is None  # loading does not turn FP8 on
+    with autocast("delayed"):
+        assert torch.equal(src(x), dst(x))
+
+
+def test_checkpoint_loaded_into_meta_ops_moves_next_to_the_parameters():
+    x = torch.randn(TOKENS, HIDDEN)
+    src = mlp()
+    train_steps(src, x, "delayed")
+    dst = ops.Sequential(
+        ops.Linear(HIDDEN, FFN, device="meta"), ops.GELU(), ops.Linear(FFN, HIDDEN, device="meta")
+    )
+    with pytest.warns(UserWarning, match="meta parameter"):
+        # torch copies nothing into meta parameters; the FP8 state waits on the CPU
+        dst.load_state_dict(src.state_dict())
+    expected = src[0].basic_ops[0].recipe_state("forward").scale.clone()
+    with autocast("delayed"):
+        dst(x)
+        state = dst[0].basic_ops[0].recipe_state("forward")
+        assert state.device == torch.device("cpu") and torch.equal(state.scale, expected)
+
+
+def test_stateless_ops_and_current_scaling_save_no_extra_state():
+    model = mlp()
+    train_steps(model, torch.randn(TOKENS, HIDDEN), "current")
+    assert all(v is None for k, v in model.state_dict().items() if k.endswith("_extra_state"))

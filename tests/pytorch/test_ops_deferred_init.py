@@ -397,3 +397,18 @@ def test_gpu_meta_ops_materialize_on_the_input_device(recipe):
     m, x, _ = gpu_train("Sequential", recipe, False, device, current=0, steps=2)
     check_live(m, device, recipe)
     assert torch.cuda.current_device() == 0
+
+
+@two_gpus
+def test_gpu_checkpoint_written_on_cuda0_loads_next_to_parameters_on_cuda1():
+    torch.cuda.set_device(0)
+    src = build("Sequential", "cuda:0")
+    with autocast("delayed"):
+        src(data("cuda:0")).sum().backward()
+    dst = build("Sequential", "meta")
+    dst.load_state_dict(src.state_dict(), assign=True)
+    dst.to("cuda:1")
+    with autocast("delayed"):
+        dst(data("cuda:1")).sum().backward()
+    assert torch.cuda.current_device() == 0
+    check_live(dst, torch.device("cuda", 1), "delayed")

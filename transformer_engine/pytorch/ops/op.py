@@ -333,6 +333,26 @@ class BasicOperation(FusibleOperation):
                     meta["_registry"] = registry
                 FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(meta)
 
+    # -- checkpoints ---------------------------------------------------------------------------
+    def get_extra_state(self):
+        """Delayed-scaling scales and histories as plain data (``None`` without such state)."""
+        from ._checkpoint import get_op_extra_state
+
+        return get_op_extra_state(self)
+
+    def set_extra_state(self, state) -> None:
+        """Restore :meth:`get_extra_state`'s output onto the operation's device."""
+        from ._checkpoint import set_op_extra_state
+
+        set_op_extra_state(self, state)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, *args, **kwargs):
+        # FP8 weights are re-quantized with the checkpoint's scales: load those first.
+        key = prefix + torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+        if key in state_dict:
+            self.set_extra_state(state_dict[key])
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, *args, **kwargs)
+
     # -- forward and backward --------------------------------------------------------------------
     @abc.abstractmethod
     def op_forward(

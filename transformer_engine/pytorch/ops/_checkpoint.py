@@ -1,0 +1,79 @@
+"""Checkpoints of a basic operation's delayed-scaling state (``get_extra_state`` /
+``set_extra_state``), in the format the modules use (``module/_extra_state.py``: plain data,
+readable by ``torch.load(weights_only=True)``; upstream pickles only behind
+``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``).
+
+Loading puts the state on the operation's device whatever device wrote it. An operation whose
+parameters are still on ``meta`` keeps the loaded state on the CPU; the first forward moves it
+next to the materialized parameters (a rebuilt state takes over the old values).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..quantization import DelayedScalingRecipeState
+
+__all__ = ["get_op_extra_state", "set_op_extra_state"]
+
+_SUFFIX = {"forward": "fwd", "backward": "bwd"}
+
+
+def get_op_extra_state(op) -> dict[str, Any] | None:
+    """The op's delayed-scaling scales and histories (``None`` when it has none)."""
+    from ..module import _extra_state
+
+    tensors, recipe = {}, None
+    for mode, suffix in _SUFFIX.items():
+        state = op.recipe_state(mode)
+        if isinstance(state, DelayedScalingRecipeState):
+            tensors[f"scale_{suffix}"] = state.scale
+            tensors[f"amax_history_{suffix}"] = state.amax_history
+            recipe = op._fp8_metas[mode]["recipe"]
+    if recipe is None:
+        return None
+    return _extra_state.pack_extra_state(recipe, tensors, {})
+
+
+def set_op_extra_state(op, state: Any) -> None:
+    """Restore what :func:`get_op_extra_state` wrote (or upstream's formats)."""
+    from ..module import _extra_state
+
+    device = op.parameters_device()
+    if device is None or device.type == "meta":
+        current = op.recipe_state("forward") or op.recipe_state("backward")
+        device = current.device if current is not None else torch.device("cpu")
+    unpacked = _extra_state.unpack_extra_state(state, device=device)
+    if unpacked is None:
+        return
+    recipe, tensors, _ = unpacked
+    active = op._quantizers is not None
+    op.reset_recipe_state(recipe=recipe, device=device)
+    rebuilt = False
+    with torch.no_grad():
+        for mode, suffix in _SUFFIX.items():
+            st = op.recipe_state(mode)
+            if f"scale_{suffix}" not in tensors or not isinstance(st, DelayedScalingRecipeState):
+                continue
+            scale, history = tensors[f"scale_{suffix}"], tensors[f"amax_history_{suffix}"]
+            if scale.shape != st.scale.shape:
+                raise ValueError(
+                    f"{type(op).__name__}: the checkpoint has {scale.shape[0]} {mode} "
+                    f"quantizers but the operation uses {st.scale.shape[0]}"
+                )
+            st.scale.copy_(scale)
+            if history.shape != st.amax_history.shape:
+                st.amax_history = history.clone()
+                rebuilt = True
+            else:
+                st.amax_history.copy_(history)
+    if rebuilt:
+        op._quantizers = {
+            mode: (op.recipe_state(mode).make_quantizers() if op.num_quantizers(mode) else [])
+            for mode in _SUFFIX
+        }
+        op._on_recipe_state_change()
+    if not active:
+        op.reset_recipe_state(recipe=None)
