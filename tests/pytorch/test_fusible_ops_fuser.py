@@ -209,10 +209,14 @@ def _fuse_double_scale(ops_list, *, recipe):
 def test_custom_fusions_are_registered_and_used(monkeypatch):
     monkeypatch.setattr(OperationFuser, "forward_fusion_functions", [])
     monkeypatch.setattr(OperationFuser, "backward_fusion_functions", [])
-    ops.register_forward_fusion(_fuse_double_scale)
-    ops.register_backward_fusion(_fuse_double_scale)
     model = ops.Sequential(ops.ConstantScale(2.0), ops.ConstantScale(3.0), ops.Identity())
     x = torch.randn(4, 8, requires_grad=True)
+    model(x)
+    (fuser,) = model._get_module_groups()
+    assert len(fuser._forward_ops) == 3
+    # an existing fuser picks up fusions registered later
+    ops.register_forward_fusion(_fuse_double_scale)
+    ops.register_backward_fusion(_fuse_double_scale)
     y = model(x)
     y.sum().backward()
     (fuser,) = model._get_module_groups()

@@ -192,7 +192,6 @@ class OperationFuser:
 
     forward_fusion_functions: list[Callable] = []
     backward_fusion_functions: list[Callable] = []
-    _fusion_generation: int = 0
 
     def __init__(self, ops) -> None:
         basic_ops: list[BasicOperation] = []
@@ -244,7 +243,12 @@ class OperationFuser:
 
     def maybe_fuse_ops(self, recipe, first_op_requiring_backward: int) -> None:
         """Recompute the fused forward and backward lists when the configuration changed."""
-        key = (type(recipe), first_op_requiring_backward, OperationFuser._fusion_generation)
+        key = (
+            type(recipe),
+            first_op_requiring_backward,
+            tuple(self.forward_fusion_functions),
+            tuple(self.backward_fusion_functions),
+        )
         if key == self._fusion_key:
             return
         self._forward_ops = self._apply_fusions(self.forward_fusion_functions, recipe)
@@ -378,4 +382,3 @@ def _register(functions: list, func: Callable, prepend: bool) -> None:
         functions.insert(0, func)
     else:
         functions.append(func)
-    OperationFuser._fusion_generation += 1
