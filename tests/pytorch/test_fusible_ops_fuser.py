@@ -479,3 +479,12 @@ def test_stateless_ops_and_current_scaling_save_no_extra_state():
     model = mlp()
     train_steps(model, torch.randn(TOKENS, HIDDEN), "current")
     assert all(v is None for k, v in model.state_dict().items() if k.endswith("_extra_state"))
+
+
+def test_parameters_on_another_device_than_the_input_are_refused_by_name():
+    fuser = OperationFuser([ops.Identity(), ops.Bias(4, device="cpu")])
+    # the check compares devices only, so it can be exercised without a GPU
+    with pytest.raises(
+        ValueError, match=r"Bias: its parameters are on cpu but the input is on cuda:1"
+    ):
+        fuser._read_parameters(torch.device("cuda", 1))
