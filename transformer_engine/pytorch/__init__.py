@@ -5,7 +5,7 @@ quantization state, quantized tensors, the FP8 cast kernels and GEMM
 (``cpp_extensions``), their pure-PyTorch reference (``reference``) and the device seam.
 """
 
-from . import cpp_extensions, distributed, reference
+from . import cpp_extensions, distributed, ops, reference
 from .constants import DType
 from .distributed import checkpoint
 from .module import (
@@ -41,6 +41,7 @@ __all__ = [
     "cpp_extensions",
     "reference",
     "distributed",
+    "ops",
     "checkpoint",
     "FP8GlobalStateManager",
     "autocast",
