@@ -42,6 +42,7 @@ class LinearConfig:
     fuse_wgrad_accumulation: bool = False
     accumulate_into_main_grad: bool = True
     main_grad_param: Any = None  # the Parameter whose main_grad the fused wgrad writes
+    save_original_input: bool = False  # keep x in high precision; quantize it again in backward
     fprop_split_accumulator: bool = False
     dgrad_split_accumulator: bool = True
     wgrad_split_accumulator: bool = True
@@ -91,11 +92,16 @@ class _Linear(torch.autograd.Function):
 
         if config.fp8:
             owns_x_q = not isinstance(x, QuantizedTensor)
+            # save_original_input: backward re-quantizes the saved x (exact for stateless
+            # recipes), so the forward needs no column-wise copy.
+            keep_x = config.save_original_input and owns_x_q and needs_wgrad
             if not owns_x_q:
                 x_q = x
                 x_q.update_usage(rowwise_usage=True, columnwise_usage=needs_wgrad or None)
             else:
-                x_q = _quantize(config.input_quantizer, x, rowwise=True, columnwise=needs_wgrad)
+                x_q = _quantize(
+                    config.input_quantizer, x, rowwise=True, columnwise=needs_wgrad and not keep_x
+                )
             if isinstance(weight, QuantizedTensor):
                 w_q = weight
                 w_q.update_usage(rowwise_usage=True, columnwise_usage=needs_dgrad or None)
@@ -117,12 +123,14 @@ class _Linear(torch.autograd.Function):
                 use_split_accumulator=config.fprop_split_accumulator,
             )
             # Backward needs only the transposed copies; drop the row-wise input bytes.
-            if needs_wgrad and owns_x_q:
+            if needs_wgrad and owns_x_q and not keep_x:
                 x_q.update_usage(rowwise_usage=False, columnwise_usage=True)
             # The input's FP8 buffers go through save_for_backward (so activation checkpointing
             # and saved-tensor hooks see them); the weight's copy may be a cached workspace
             # that later microbatches reuse, so it is kept by reference instead.
-            tensors, ctx.fp8_objects = prepare_for_saving(x_q if needs_wgrad else None)
+            ctx.keep_x = keep_x
+            saved = x if keep_x else x_q if needs_wgrad else None
+            tensors, ctx.fp8_objects = prepare_for_saving(saved)
             ctx.save_for_backward(*tensors)
             ctx.saved_weight = w_q if needs_dgrad else None
         else:
@@ -140,6 +148,10 @@ class _Linear(torch.autograd.Function):
             else:
                 (saved_x,) = restore_from_saved(ctx.fp8_objects, ctx.saved_tensors)
                 saved_w = ctx.saved_weight
+                if ctx.keep_x:
+                    saved_x = _quantize(
+                        config.input_quantizer, saved_x, rowwise=False, columnwise=True
+                    )
             out_features = grad_out.shape[-1]
             dy = grad_out.reshape(-1, out_features).contiguous()
             dx = dw = dbias = None
@@ -225,6 +237,7 @@ class _NoCtx:
 
     inference = True
     fp8_objects = None
+    keep_x = False
 
     def save_for_backward(self, *tensors):
         pass

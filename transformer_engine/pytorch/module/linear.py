@@ -85,12 +85,13 @@ class Linear(TransformerEngineBaseModule):
             ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
             ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
             ub_bulk_wgrad=ub_bulk_wgrad, delay_wgrad_compute=delay_wgrad_compute,
-            symmetric_ar_type=symmetric_ar_type, save_original_input=save_original_input,
+            symmetric_ar_type=symmetric_ar_type,
         )  # fmt: skip
         check_features(in_features=in_features, out_features=out_features)
         self.in_features, self.out_features = in_features, out_features
         self.return_bias = return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.save_original_input = save_original_input
         self.parallel_mode = parallel_mode
         self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
         self.rng_tracker_name = rng_tracker_name
@@ -133,6 +134,15 @@ class Linear(TransformerEngineBaseModule):
                 out_features=self.out_features,
                 main_grad_param=self.weight if "" in self.sizes else None,
             )  # fmt: skip
+            if self.save_original_input and fp8:
+                if self.fp8_meta["recipe"].delayed():
+                    raise ValueError(
+                        "Linear: save_original_input=True re-quantizes the input in backward, "
+                        "which is only exact for stateless recipes; DelayedScaling's scale "
+                        "changes between forward and backward. Use Float8CurrentScaling or "
+                        "save_original_input=False"
+                    )
+                config.save_original_input = True
             out = linear_forward(weight, inp, gemm_bias, config)
             if fp8 and fp8_output:
                 out = self.quantizers["scaling_fwd"][GEMM1_OUTPUT].quantize_impl(out.detach())

@@ -1,0 +1,59 @@
+"""Linear(save_original_input=True): the input is kept in high precision and quantized again
+in backward for the weight gradient, which is exact for current scaling only."""
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    FP8GlobalStateManager.reset()
+    yield
+    FP8GlobalStateManager.reset()
+
+
+def run(save_original_input):
+    torch.manual_seed(0)
+    layer = te.Linear(32, 48, device="cpu", save_original_input=save_original_input)
+    x = (torch.randn(16, 32) * 3).requires_grad_(True)
+    with te.autocast(recipe=Float8CurrentScaling()):
+        y = layer(x)
+    y.square().sum().backward()
+    return y, x.grad, layer.weight.grad, layer.bias.grad
+
+
+def test_same_bits_as_saving_the_fp8_input_under_current_scaling():
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
+
+
+def test_the_forward_keeps_no_column_wise_copy(monkeypatch):
+    from transformer_engine.pytorch.module import _linear_core
+
+    calls = []
+    original = _linear_core._quantize
+
+    def spy(quantizer, tensor, *, rowwise, columnwise):
+        calls.append((tuple(tensor.shape), rowwise, columnwise))
+        return original(quantizer, tensor, rowwise=rowwise, columnwise=columnwise)
+
+    monkeypatch.setattr(_linear_core, "_quantize", spy)
+    run(True)
+    input_calls = [c for c in calls if c[0] == (16, 32)]
+    assert input_calls == [((16, 32), True, False), ((16, 32), False, True)]
+
+
+def test_delayed_scaling_is_refused_with_the_reason():
+    layer = te.Linear(32, 48, device="cpu", save_original_input=True)
+    x = torch.randn(16, 32, requires_grad=True)
+    with pytest.raises(ValueError, match="only exact for stateless recipes"):
+        with te.autocast(recipe=DelayedScaling()):
+            layer(x)
+    with torch.no_grad():  # outside FP8 the flag changes nothing
+        torch.testing.assert_close(
+            layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
+        )
