@@ -424,7 +424,6 @@ def test_tensor_parallel_size_is_not_implemented():
     [
         ({"sequence_parallel": True}, "sequence_parallel"),
         ({"ub_overlap_ag": True}, "ub_overlap_ag"),
-        ({"delay_wgrad_compute": True}, "delay_wgrad_compute"),
     ],
 )
 def test_other_unimplemented_arguments_are_named(kwargs, name):

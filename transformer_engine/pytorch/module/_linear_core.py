@@ -43,6 +43,7 @@ class LinearConfig:
     accumulate_into_main_grad: bool = True
     main_grad_param: Any = None  # the Parameter whose main_grad the fused wgrad writes
     save_original_input: bool = False  # keep x in high precision; quantize it again in backward
+    wgrad_store: Any = None  # a list: defer the weight-gradient GEMM to the module's backward_dw()
     fprop_split_accumulator: bool = False
     dgrad_split_accumulator: bool = True
     wgrad_split_accumulator: bool = True
@@ -169,8 +170,9 @@ class _Linear(torch.autograd.Function):
                     )
             if ctx.bias_requires_grad:
                 dbias = dy.sum(dim=0).to(ctx.bias_dtype)
+            grad_operand = dy
             if config.fp8:
-                dy_q = _quantize(
+                grad_operand = _quantize(
                     config.grad_output_quantizer,
                     dy,
                     rowwise=saved_w is not None,
@@ -179,42 +181,21 @@ class _Linear(torch.autograd.Function):
                 if saved_w is not None:
                     dx = fp8_gemm_prevalidated(
                         saved_w,
-                        dy_q,
+                        grad_operand,
                         config.activation_dtype,
                         layout="NN",
                         use_split_accumulator=config.dgrad_split_accumulator,
                     )
-                if saved_x is not None:
-                    if fuse:
-                        fp8_gemm_prevalidated(
-                            saved_x,
-                            dy_q,
-                            torch.float32,
-                            layout="NT",
-                            out=weight.main_grad,
-                            accumulate=config.accumulate_into_main_grad,
-                            use_split_accumulator=config.wgrad_split_accumulator,
-                        )
-                    else:
-                        dw = fp8_gemm_prevalidated(
-                            saved_x,
-                            dy_q,
-                            config.activation_dtype,
-                            layout="NT",
-                            use_split_accumulator=config.wgrad_split_accumulator,
-                        )
-            else:
-                if saved_w is not None:
-                    dx = dy @ saved_w
-                if saved_x is not None:
-                    if fuse:
-                        update = dy.t().float() @ saved_x.float()
-                        if config.accumulate_into_main_grad:
-                            weight.main_grad.add_(update)
-                        else:
-                            weight.main_grad.copy_(update)
-                    else:
-                        dw = dy.t() @ saved_x
+            elif saved_w is not None:
+                dx = dy @ saved_w
+            if saved_x is not None:
+                if config.wgrad_store is not None:
+                    # delay_wgrad_compute: the module's backward_dw() runs this later.
+                    config.wgrad_store.append(
+                        _DeferredWgrad(config, saved_x, grad_operand, weight, fuse, grad_out.device)
+                    )
+                else:
+                    dw = _weight_gradient(config, saved_x, grad_operand, weight, fuse)
             if dx is not None:
                 dx = dx.reshape(ctx.inp_shape)
             if dw is not None:
@@ -222,6 +203,55 @@ class _Linear(torch.autograd.Function):
             if config.reduce_and_update_bwd:
                 FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
         return dw, dx, dbias, None
+
+
+def _weight_gradient(config, saved_x, grad_operand, weight, fuse):
+    """``dW = dy^T x`` (FP8: layout NT on the transposed copies); with ``fuse`` it goes into
+    ``weight.main_grad`` (float32) and ``None`` is returned."""
+    if config.fp8:
+        if fuse:
+            fp8_gemm_prevalidated(
+                saved_x,
+                grad_operand,
+                torch.float32,
+                layout="NT",
+                out=weight.main_grad,
+                accumulate=config.accumulate_into_main_grad,
+                use_split_accumulator=config.wgrad_split_accumulator,
+            )
+            return None
+        return fp8_gemm_prevalidated(
+            saved_x,
+            grad_operand,
+            config.activation_dtype,
+            layout="NT",
+            use_split_accumulator=config.wgrad_split_accumulator,
+        )
+    if fuse:
+        update = grad_operand.t().float() @ saved_x.float()
+        if config.accumulate_into_main_grad:
+            weight.main_grad.add_(update)
+        else:
+            weight.main_grad.copy_(update)
+        return None
+    return grad_operand.t() @ saved_x
+
+
+class _DeferredWgrad:
+    """A weight-gradient GEMM postponed by ``delay_wgrad_compute`` (run by ``backward_dw``)."""
+
+    def __init__(self, config, saved_x, grad_operand, weight, fuse, device):
+        self.args = (config, saved_x, grad_operand, weight, fuse)
+        self.device = device
+
+    def __call__(self) -> None:
+        config, saved_x, grad_operand, weight, fuse = self.args
+        target = config.main_grad_param
+        with device_guard(self.device):
+            dw = _weight_gradient(config, saved_x, grad_operand, weight, fuse)
+            if dw is not None:
+                dw = dw.to(target.dtype)
+                target.grad = dw if target.grad is None else target.grad + dw
 
 
 def linear_forward(weight, inp, bias, config: LinearConfig) -> torch.Tensor:

@@ -358,6 +358,18 @@ class TransformerEngineBaseModule(torch.nn.Module):
             return self._fp8_workspaces[key], None
         return None, lambda value: self._fp8_workspaces.__setitem__(key, value)
 
+    # -- delayed weight gradients (delay_wgrad_compute) ----------------------------------------
+    def need_backward_dw(self) -> bool:
+        """Whether weight gradients wait for :meth:`backward_dw` (``delay_wgrad_compute``)."""
+        return getattr(self, "wgrad_store", None) is not None
+
+    def backward_dw(self) -> None:
+        """Run the weight-gradient GEMMs that backward deferred, in order, into ``.grad`` (or
+        ``main_grad`` with ``fuse_wgrad_accumulation``)."""
+        store = getattr(self, "wgrad_store", None)
+        while store:
+            store.pop(0)()
+
     # -- checkpoints ---------------------------------------------------------------------------
     def get_extra_state(self):
         state = self.fp8_meta.get("scaling_fwd")

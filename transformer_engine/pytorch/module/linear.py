@@ -84,14 +84,19 @@ class Linear(TransformerEngineBaseModule):
             "Linear", tp_size=tp_size, sequence_parallel=sequence_parallel,
             ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
             ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
-            ub_bulk_wgrad=ub_bulk_wgrad, delay_wgrad_compute=delay_wgrad_compute,
-            symmetric_ar_type=symmetric_ar_type,
+            ub_bulk_wgrad=ub_bulk_wgrad, symmetric_ar_type=symmetric_ar_type,
         )  # fmt: skip
         check_features(in_features=in_features, out_features=out_features)
         self.in_features, self.out_features = in_features, out_features
         self.return_bias = return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.save_original_input = save_original_input
+        if delay_wgrad_compute and parameters_split is not None:
+            raise ValueError(
+                "delay_wgrad_compute=True cannot be combined with parameters_split: the deferred "
+                "gradient goes to one weight parameter"
+            )
+        self.wgrad_store = [] if delay_wgrad_compute else None
         self.parallel_mode = parallel_mode
         self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
         self.rng_tracker_name = rng_tracker_name
@@ -134,6 +139,7 @@ class Linear(TransformerEngineBaseModule):
                 out_features=self.out_features,
                 main_grad_param=self.weight if "" in self.sizes else None,
             )  # fmt: skip
+            config.wgrad_store = self.wgrad_store
             if self.save_original_input and fp8:
                 if self.fp8_meta["recipe"].delayed():
                     raise ValueError(

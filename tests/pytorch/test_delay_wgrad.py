@@ -1,0 +1,65 @@
+"""Linear(delay_wgrad_compute=True): backward computes dgrad (and the bias gradient) only; the
+weight-gradient GEMMs wait for module.backward_dw() and then give the same gradients."""
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+RECIPES = [None, DelayedScaling(), Float8CurrentScaling()]
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    FP8GlobalStateManager.reset()
+    yield
+    FP8GlobalStateManager.reset()
+
+
+def train(delay, recipe, fuse=False, steps=2):
+    FP8GlobalStateManager.reset()
+    torch.manual_seed(0)
+    layer = te.Linear(32, 48, device="cpu", delay_wgrad_compute=delay, fuse_wgrad_accumulation=fuse)
+    if fuse:
+        layer.weight.main_grad = torch.zeros(48, 32)
+    grads_before_dw = []
+    x_grads = []
+    for step in range(steps):
+        x = (torch.randn(16, 32) * (step + 1)).requires_grad_(True)
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            y = layer(x)
+        y.square().sum().backward()
+        grads_before_dw.append(layer.weight.grad)
+        if delay:
+            assert layer.need_backward_dw() and len(layer.wgrad_store) == 1
+            layer.backward_dw()
+            assert layer.wgrad_store == []
+        x_grads.append(x.grad)
+    weight_grad = layer.weight.main_grad if fuse else layer.weight.grad
+    return weight_grad, layer.bias.grad, x_grads, grads_before_dw
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["high-precision", "delayed", "current"])
+@pytest.mark.parametrize("fuse", [False, True])
+def test_deferred_weight_gradients_equal_the_immediate_ones(recipe, fuse):
+    delayed = train(True, recipe, fuse)
+    immediate = train(False, recipe, fuse)
+    assert torch.equal(delayed[0], immediate[0])
+    assert torch.equal(delayed[1], immediate[1])
+    for a, b in zip(delayed[2], immediate[2]):
+        assert torch.equal(a, b)
+    if not fuse:
+        assert delayed[3][0] is None  # nothing before backward_dw() on the first step
+
+
+def test_without_delay_nothing_waits():
+    layer = te.Linear(32, 48, device="cpu")
+    assert not layer.need_backward_dw()
+    layer.backward_dw()  # a no-op
+
+
+def test_delay_with_split_parameters_is_refused():
+    with pytest.raises(ValueError, match="delay_wgrad_compute=True cannot be combined"):
+        te.Linear(32, 48, device="cpu", delay_wgrad_compute=True, parameters_split=("a", "b"))
