@@ -23,7 +23,12 @@ import torch
 from ..cpp_extensions.gemm import fp8_gemm_prevalidated
 from ..device import device_guard
 from ..quantization import FP8GlobalStateManager
-from ..quantized_tensor import QuantizedTensor, prepare_for_saving, restore_from_saved
+from ..quantized_tensor import (
+    QuantizedTensor,
+    QuantizedTensorStorage,
+    prepare_for_saving,
+    restore_from_saved,
+)
 
 __all__ = ["LinearConfig", "linear_forward", "check_fp8_gemm_shapes"]
 
@@ -44,6 +49,7 @@ class LinearConfig:
     main_grad_param: Any = None  # the Parameter whose main_grad the fused wgrad writes
     save_original_input: bool = False  # keep x in high precision; quantize it again in backward
     wgrad_store: Any = None  # a list: defer the weight-gradient GEMM to the module's backward_dw()
+    backward_override: str | None = None  # the recipe's: None, "high_precision", "dequantized"
     fprop_split_accumulator: bool = False
     dgrad_split_accumulator: bool = True
     wgrad_split_accumulator: bool = True
@@ -91,7 +97,12 @@ class _Linear(torch.autograd.Function):
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.weight = weight  # the Parameter itself: main_grad lives on it
 
-        if config.fp8:
+        ctx.hp_backward = False
+        if config.fp8 and config.backward_override is not None:
+            _forward_with_backward_override(ctx, x, weight, bias, needs_dgrad, needs_wgrad, config)
+            out = ctx.forward_out
+            del ctx.forward_out
+        elif config.fp8:
             owns_x_q = not isinstance(x, QuantizedTensor)
             # save_original_input: backward re-quantizes the saved x (exact for stateless
             # recipes), so the forward needs no column-wise copy.
@@ -153,6 +164,10 @@ class _Linear(torch.autograd.Function):
                     saved_x = _quantize(
                         config.input_quantizer, saved_x, rowwise=False, columnwise=True
                     )
+            use_fp8 = config.fp8 and not ctx.hp_backward
+            if ctx.hp_backward:  # backward_override: high-precision GEMMs
+                saved_x = _high_precision(saved_x, config.activation_dtype)
+                saved_w = _high_precision(saved_w, config.activation_dtype)
             out_features = grad_out.shape[-1]
             dy = grad_out.reshape(-1, out_features).contiguous()
             dx = dw = dbias = None
@@ -171,7 +186,7 @@ class _Linear(torch.autograd.Function):
             if ctx.bias_requires_grad:
                 dbias = dy.sum(dim=0).to(ctx.bias_dtype)
             grad_operand = dy
-            if config.fp8:
+            if use_fp8:
                 grad_operand = _quantize(
                     config.grad_output_quantizer,
                     dy,
@@ -192,10 +207,12 @@ class _Linear(torch.autograd.Function):
                 if config.wgrad_store is not None:
                     # delay_wgrad_compute: the module's backward_dw() runs this later.
                     config.wgrad_store.append(
-                        _DeferredWgrad(config, saved_x, grad_operand, weight, fuse, grad_out.device)
+                        _DeferredWgrad(
+                            config, saved_x, grad_operand, weight, fuse, use_fp8, grad_out.device
+                        )
                     )
                 else:
-                    dw = _weight_gradient(config, saved_x, grad_operand, weight, fuse)
+                    dw = _weight_gradient(config, saved_x, grad_operand, weight, fuse, use_fp8)
             if dx is not None:
                 dx = dx.reshape(ctx.inp_shape)
             if dw is not None:
@@ -205,10 +222,57 @@ class _Linear(torch.autograd.Function):
         return dw, dx, dbias, None
 
 
-def _weight_gradient(config, saved_x, grad_operand, weight, fuse):
+def _high_precision(t, dtype):
+    """A saved operand as a plain tensor of ``dtype`` (quantized ones are dequantized)."""
+    if t is None:
+        return None
+    if isinstance(t, QuantizedTensorStorage):
+        return t.dequantize(dtype=dtype)
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _forward_with_backward_override(ctx, x, weight, bias, needs_dgrad, needs_wgrad, config):
+    """FP8 forward GEMM whose backward runs in high precision (``recipe.backward_override``).
+
+    ``"high_precision"`` saves the original operands, ``"dequantized"`` saves the FP8 ones
+    (dequantized in backward). Either way no column-wise FP8 copies are made.
+    """
+    x_q = (
+        x
+        if isinstance(x, QuantizedTensor)
+        else _quantize(config.input_quantizer, x, rowwise=True, columnwise=False)
+    )
+    if isinstance(weight, QuantizedTensor):
+        w_q = weight
+    elif config.cached_weight is not None:
+        w_q = config.cached_weight
+    else:
+        w_q = _quantize(config.weight_quantizer, weight, rowwise=True, columnwise=False)
+        if config.cache_weight is not None:
+            config.cache_weight(w_q)
+    ctx.forward_out = fp8_gemm_prevalidated(
+        w_q,
+        x_q,
+        config.activation_dtype,
+        layout="TN",
+        bias=bias,
+        use_split_accumulator=config.fprop_split_accumulator,
+    )
+    ctx.hp_backward = True
+    ctx.keep_x = False
+    if config.backward_override == "high_precision":
+        ctx.fp8_objects = None
+        ctx.save_for_backward(x if needs_wgrad else None, weight if needs_dgrad else None)
+    else:  # "dequantized"
+        tensors, ctx.fp8_objects = prepare_for_saving(x_q if needs_wgrad else None)
+        ctx.save_for_backward(*tensors)
+        ctx.saved_weight = w_q if needs_dgrad else None
+
+
+def _weight_gradient(config, saved_x, grad_operand, weight, fuse, fp8):
     """``dW = dy^T x`` (FP8: layout NT on the transposed copies); with ``fuse`` it goes into
     ``weight.main_grad`` (float32) and ``None`` is returned."""
-    if config.fp8:
+    if fp8:
         if fuse:
             fp8_gemm_prevalidated(
                 saved_x,
@@ -240,15 +304,15 @@ def _weight_gradient(config, saved_x, grad_operand, weight, fuse):
 class _DeferredWgrad:
     """A weight-gradient GEMM postponed by ``delay_wgrad_compute`` (run by ``backward_dw``)."""
 
-    def __init__(self, config, saved_x, grad_operand, weight, fuse, device):
-        self.args = (config, saved_x, grad_operand, weight, fuse)
+    def __init__(self, config, saved_x, grad_operand, weight, fuse, fp8, device):
+        self.args = (config, saved_x, grad_operand, weight, fuse, fp8)
         self.device = device
 
     def __call__(self) -> None:
-        config, saved_x, grad_operand, weight, fuse = self.args
+        config = self.args[0]
         target = config.main_grad_param
         with device_guard(self.device):
-            dw = _weight_gradient(config, saved_x, grad_operand, weight, fuse)
+            dw = _weight_gradient(*self.args)
             if dw is not None:
                 dw = dw.to(target.dtype)
                 target.grad = dw if target.grad is None else target.grad + dw

@@ -110,8 +110,14 @@ def make_linear_config(
         config.fprop_split_accumulator = recipe.fp8_gemm_fprop.use_split_accumulator
         config.dgrad_split_accumulator = recipe.fp8_gemm_dgrad.use_split_accumulator
         config.wgrad_split_accumulator = recipe.fp8_gemm_wgrad.use_split_accumulator
+    config.backward_override = getattr(recipe, "backward_override", None)
+    # With a backward override nothing is quantized in backward, so there is no backward
+    # state to update (and the first-module flag stays for a module that has some).
     config.reduce_and_update_bwd = (
-        read_first_module_flag and grad and FP8GlobalStateManager.is_first_fp8_module()
+        read_first_module_flag
+        and grad
+        and config.backward_override is None
+        and FP8GlobalStateManager.is_first_fp8_module()
     )
     return config
 

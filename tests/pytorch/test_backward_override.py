@@ -1,0 +1,69 @@
+"""recipe.backward_override: FP8 forward, high-precision backward.
+
+"high_precision" uses the original operands in backward, "dequantized" the dequantized FP8
+operands; either way the gradient GEMMs run in high precision and no backward scale updates.
+"""
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import Float8CurrentScaling
+from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    FP8GlobalStateManager.reset()
+    yield
+    FP8GlobalStateManager.reset()
+
+
+def run(override, module_factory=lambda: te.Linear(32, 48, device="cpu")):
+    torch.manual_seed(0)
+    layer = module_factory()
+    x = (torch.randn(16, 32) * 2).requires_grad_(True)
+    recipe = Float8CurrentScaling(backward_override=override)
+    with te.autocast(recipe=recipe):
+        y = layer(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    return layer, x, y, dy
+
+
+def test_high_precision_backward_uses_the_original_operands():
+    layer, x, y, dy = run("high_precision")
+    torch.testing.assert_close(x.grad, dy @ layer.weight.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.weight.grad, dy.t() @ x.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.bias.grad, dy.sum(0))
+
+
+def test_dequantized_backward_uses_the_fp8_operands():
+    from transformer_engine.pytorch import reference
+
+    layer, x, y, dy = run("dequantized")
+
+    def fp8_values(t):
+        amax = reference.amax(t.detach())
+        scale = reference.compute_scale_from_amax(amax, torch.float8_e4m3fn)
+        q = reference.cast_to_fp8(t.detach(), scale, torch.float8_e4m3fn)
+        return reference.dequantize(q, reference.reciprocal(scale), torch.float32)
+
+    w_hat, x_hat = fp8_values(layer.weight), fp8_values(x)
+    torch.testing.assert_close(x.grad, dy @ w_hat, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.weight.grad, dy.t() @ x_hat, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(layer.weight.grad, dy.t() @ x.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_the_first_module_flag_is_left_for_a_module_with_backward_state():
+    with te.autocast(recipe=Float8CurrentScaling(backward_override="high_precision")):
+        te.Linear(32, 48, device="cpu")(torch.randn(16, 32, requires_grad=True))
+        assert FP8GlobalStateManager.quantization_state.is_first_fp8_module
+
+
+def test_layernorm_mlp_with_an_override_trains():
+    layer, x, y, dy = run(
+        "high_precision", lambda: te.LayerNormMLP(32, 64, device="cpu", activation="swiglu")
+    )
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert all(p.grad is not None for p in layer.parameters())
