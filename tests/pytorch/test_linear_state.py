@@ -489,3 +489,29 @@ def test_fp8_grad_is_not_implemented():
 def test_feature_counts_must_be_positive_ints(features):
     with pytest.raises(ValueError, match="must be a positive int"):
         Linear(*features, device="cpu")
+
+
+def test_cached_fp8_weight_from_another_device_is_not_reused():
+    """Parameters swapped to another device without module.to() (as accelerate does) must not
+    reuse an FP8 weight cached on the old device."""
+    from transformer_engine.common.recipe import DelayedScaling
+
+    layer = Linear(IN, OUT, device="cpu")
+    x = torch.randn(16, IN)
+    with te.autocast(recipe=DelayedScaling()):
+        layer(x, is_first_microbatch=True)
+    cached = layer._fp8_workspaces["weight"]
+    cached_device = cached.device
+    # simulate the swap: the cached workspace now claims another device
+    cached.__dict__["_fake_device"] = torch.device("meta")
+    type_device = type(cached).device
+    try:
+        type(cached).device = property(
+            lambda self: self.__dict__.get("_fake_device", type_device.fget(self))
+        )
+        with te.autocast(recipe=DelayedScaling()):
+            layer(x, is_first_microbatch=False)
+        assert layer._fp8_workspaces.get("weight") is not cached
+    finally:
+        type(cached).device = type_device
+    assert cached_device == torch.device("cpu")

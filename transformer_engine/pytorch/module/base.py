@@ -192,6 +192,11 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     def _build_recipe_states(self, recipe, num_gemms: int, device: torch.device) -> None:
         old_class = type(self.fp8_meta.get("recipe"))
+        old_state = self.fp8_meta.get("scaling_fwd")
+        if old_state is not None and old_state.device != device:
+            # Parameters moved without _apply (e.g. accelerate swaps in new Parameters): cached
+            # FP8 weights belong to the old device.
+            self._fp8_workspaces.clear()
         for forward, count in ((True, 3 * num_gemms), (False, 2 * num_gemms)):
             key = FP8GlobalStateManager.get_meta_tensor_key(forward)
             mode = "forward" if forward else "backward"
@@ -354,8 +359,11 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if is_first_microbatch is None:
             self._fp8_workspaces.pop(key, None)
             return None, None
-        if is_first_microbatch is False and key in self._fp8_workspaces:
-            return self._fp8_workspaces[key], None
+        cached = self._fp8_workspaces.get(key)
+        if is_first_microbatch is False and cached is not None:
+            if cached.device == self.parameters_device():
+                return cached, None
+            del self._fp8_workspaces[key]  # stale: the weights moved since it was cached
         return None, lambda value: self._fp8_workspaces.__setitem__(key, value)
 
     # -- delayed weight gradients (delay_wgrad_compute) ----------------------------------------
