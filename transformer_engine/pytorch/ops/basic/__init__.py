@@ -18,7 +18,9 @@ from .activation import (
 )
 from .basic_linear import BasicLinear
 from .bias import Bias
+from .collectives import AllGather, AllReduce, ReduceScatter
 from .extra_io import AddExtraInput, MakeExtraOutput
+from .grouped_linear import GroupedLinear
 from .normalization import LayerNorm, RMSNorm
 from .quantize import Quantize
 from .simple import ConstantScale, Dropout, Identity, Reshape
@@ -26,6 +28,8 @@ from .simple import ConstantScale, Dropout, Identity, Reshape
 __all__ = [
     "ActivationOperation",
     "AddExtraInput",
+    "AllGather",
+    "AllReduce",
     "BasicLinear",
     "Bias",
     "ClampedSwiGLU",
@@ -34,6 +38,7 @@ __all__ = [
     "GEGLU",
     "GELU",
     "GLU",
+    "GroupedLinear",
     "Identity",
     "LayerNorm",
     "MakeExtraOutput",
@@ -42,6 +47,7 @@ __all__ = [
     "Quantize",
     "QuickGELU",
     "RMSNorm",
+    "ReduceScatter",
     "ReGLU",
     "ReLU",
     "Reshape",

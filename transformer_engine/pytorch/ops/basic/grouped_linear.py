@@ -1,0 +1,502 @@
+"""``GroupedLinear``: ``num_groups`` independent linear layers applied to consecutive row groups
+of one input (the expert GEMMs of a mixture-of-experts layer), as one basic operation.
+
+Calling convention (upstream's): the split sizes are the operation's one *extra input*, an
+integer tensor of shape ``(num_groups,)`` whose entries sum to the number of input rows
+(product of the input's leading dimensions)::
+
+    op = te.ops.GroupedLinear(4, 64, 48)
+    y = op(x, split_sizes)                       # a tensor, or a list of ints (converted)
+    y = te.ops.Sequential(norm, op, act)(x, split_sizes)   # extra inputs: tensors only
+    y = OperationFuser([op])(x, split_sizes)     # likewise
+
+Group ``i`` takes the next ``split_sizes[i]`` rows through ``weight{i}`` (and ``bias{i}``);
+the outputs are concatenated in group order. Empty groups are allowed. The sizes are read on
+the host (``tolist()``), so a CUDA tensor costs a synchronization: prefer a CPU tensor. The
+split sizes get no gradient.
+
+The GEMMs are those of the linear core (``module/_linear_core.py``), one per group, each with
+its own quantizer slots (upstream's layout): forward ``2i`` input and ``2i + 1`` weight,
+backward ``i`` grad output. No quantizer covers the whole input or the whole output gradient,
+so :meth:`get_input_quantizer` and :meth:`get_grad_output_quantizer` are ``None`` and the
+neighbouring operations hand this one plain tensors.
+
+Backward scale update: the whole fuser is one autograd node, and its backward runs every
+group's backward GEMMs before the first FP8 operation of the autocast region updates the
+backward scales, so (unlike the module, whose groups are separate autograd nodes) no
+ordering hook is needed here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+
+import torch
+
+from ...module._linear_core import LinearConfig, _Linear, check_fp8_gemm_shapes
+from ...quantization import FP8GlobalStateManager
+from ...quantized_tensor import QuantizedTensor
+from ..op import BasicOperation, OperationContext, materialization_device
+from ._common import activation_dtype, check_params_dtype, construction_device, plain
+
+__all__ = ["GroupedLinear"]
+
+
+def _input_slot(group: int) -> int:
+    return 2 * group
+
+
+def _weight_slot(group: int) -> int:
+    return 2 * group + 1
+
+
+def _grad_output_slot(group: int) -> int:
+    return group
+
+
+class GroupedLinear(BasicOperation):
+    """``num_groups`` linear layers ``y_i = x_i W_i^T (+ b_i)``, group ``i`` applied to its own
+    consecutive rows of the input.
+
+    Parameters
+    ----------
+    num_groups : int
+        Number of groups (and of weights ``weight0 .. weight{num_groups-1}``).
+    in_features, out_features : int
+        Sizes of every group's layer.
+    bias : bool, default True
+        Biases ``bias0 .. bias{num_groups-1}`` (initialized to zero); without them the
+        attributes are ``None``.
+    device : torch.device or str, optional
+        Default: the current CUDA device when CUDA is available, else the CPU. ``"meta"``
+        defers initialization to ``reset_parameters()`` or the first forward, which
+        materializes onto the input's device.
+    dtype : torch.dtype, optional
+        Parameter dtype (float32, float16 or bfloat16); default ``torch.get_default_dtype()``.
+    rng_state_tracker_function : callable, optional
+        Returns an RNG tracker whose ``fork()`` the weight initialization runs in.
+    accumulate_into_main_grad : bool, default False
+        Accumulate each weight gradient into ``weight{i}.main_grad`` (float32) instead of
+        returning it.
+
+    ``single_grouped_weight``, ``single_grouped_bias``, ``delay_wgrad_compute`` and
+    ``scale_bias`` are accepted for compatibility; ``True`` raises ``NotImplementedError``.
+
+    Notes
+    -----
+    Extra input: the split sizes (see the module docstring for the calling convention).
+    Weights start like ``torch.nn.Linear``'s (Kaiming-uniform with ``a = sqrt(5)``), drawn in
+    group order. Under ``te.quantized_model_init`` they are FP8 parameters, each quantized on
+    its own device with its group's weight quantizer. FP8 needs ``in_features`` and
+    ``out_features`` to be multiples of 16, and every group's row count too when the weights
+    need gradients.
+    """
+
+    num_extra_inputs = 1
+
+    def __init__(
+        self,
+        num_groups: int,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        device=None,
+        dtype: torch.dtype | None = None,
+        rng_state_tracker_function=None,
+        accumulate_into_main_grad: bool = False,
+        single_grouped_weight: bool = False,
+        single_grouped_bias: bool = False,
+        delay_wgrad_compute: bool = False,
+        scale_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("single_grouped_weight", single_grouped_weight),
+            ("single_grouped_bias", single_grouped_bias),
+            ("delay_wgrad_compute", delay_wgrad_compute),
+            ("scale_bias", scale_bias),
+        ):
+            if value:
+                raise NotImplementedError(f"GroupedLinear: {name}=True is not implemented yet")
+        for name, value in (
+            ("num_groups", num_groups),
+            ("in_features", in_features),
+            ("out_features", out_features),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"GroupedLinear: {name}={value!r} must be a positive int")
+        self.num_groups = num_groups
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = bool(bias)
+        self._rng_state_tracker_function = rng_state_tracker_function
+        self._accumulate_into_main_grad = accumulate_into_main_grad
+        self._with_quantized_weight = FP8GlobalStateManager.with_fp8_parameters()
+        self._quantized_weight_recipe = (
+            FP8GlobalStateManager.get_fp8_recipe() if self._with_quantized_weight else None
+        )
+        self._preserve_high_precision_init_val = (
+            self._with_quantized_weight and FP8GlobalStateManager.with_high_precision_init_val()
+        )
+        dtype = check_params_dtype("GroupedLinear", dtype)
+        device = construction_device("GroupedLinear", device)
+        # weights first, then biases: the order of parameters() and of the gradients
+        for i in range(num_groups):
+            weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(weight))
+        for i in range(num_groups):
+            b = None
+            if self.use_bias:
+                b = torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
+            self.register_parameter(f"bias{i}", b)
+        if device.type != "meta":
+            self.reset_parameters()
+
+    def weights(self) -> list[torch.nn.Parameter]:
+        """The current ``weight0 .. weight{num_groups-1}`` (read now, never cached)."""
+        return [getattr(self, f"weight{i}") for i in range(self.num_groups)]
+
+    def biases(self) -> list[torch.nn.Parameter | None]:
+        """The current ``bias0 ..`` (``None`` entries without biases)."""
+        return [getattr(self, f"bias{i}") for i in range(self.num_groups)]
+
+    # -- quantizers ------------------------------------------------------------------------------
+    def num_quantizers(self, mode: str) -> int:
+        return 2 * self.num_groups if mode == "forward" else self.num_groups
+
+    def get_quantizer_roles(self, mode: str) -> list | None:
+        if mode == "forward":
+            return ["input", "weight"] * self.num_groups
+        return ["grad_output"] * self.num_groups
+
+    def get_input_quantizer(self):
+        # Each group quantizes its own rows with its own scale: a producer must not quantize
+        # the whole input with group 0's quantizer.
+        return None
+
+    def get_grad_output_quantizer(self):
+        return None
+
+    def _on_recipe_state_change(self) -> None:
+        # FP8 weights re-quantize (optimizer updates) with their group's current quantizer.
+        for i, weight in enumerate(self.weights()):
+            quantizer = self.get_quantizer("forward", _weight_slot(i))
+            if isinstance(weight, QuantizedTensor) and quantizer is not None:
+                quantizer = quantizer.copy()
+                quantizer.set_usage(rowwise=True, columnwise=True)
+                weight._quantizer = quantizer
+
+    def reset_recipe_state(self, *, recipe, device=None) -> None:  # noqa: D102
+        weight_recipe = self._quantized_weight_recipe
+        if (
+            recipe is not None
+            and any(isinstance(w, QuantizedTensor) for w in self.weights())
+            and type(recipe) is not type(weight_recipe)
+        ):
+            raise ValueError(
+                f"GroupedLinear: the FP8 weights were quantized for "
+                f"{type(weight_recipe).__name__} (te.quantized_model_init) but te.autocast uses "
+                f"{type(recipe).__name__}; use the same recipe class for both"
+            )
+        super().reset_recipe_state(recipe=recipe, device=device)
+
+    # -- parameters ------------------------------------------------------------------------------
+    def _rng_context(self):
+        if self._rng_state_tracker_function is None:
+            return contextlib.nullcontext()
+        return self._rng_state_tracker_function().fork()
+
+    def reset_parameters(self, device=None) -> None:
+        """(Re)initialize the weights (Kaiming-uniform, ``a = sqrt(5)``, in group order) and
+        zero the biases.
+
+        Parameters
+        ----------
+        device : torch.device or str, optional
+            Where meta parameters are materialized (default: the current CUDA device, else the
+            CPU; the fuser passes the input's device). Parameters that already have storage
+            (e.g. after ``module.to_empty(device=...)``) are re-initialized in place, on their
+            device, so optimizers holding them keep training them.
+
+        Under ``te.quantized_model_init`` the weights become (or are re-quantized as) FP8
+        parameters, each quantized on its device with its group's weight quantizer, whose
+        recipe state is made there first.
+        """
+        for i in range(self.num_groups):
+            self._reset_weight(i, device)
+        for i in range(self.num_groups):
+            self._reset_bias(i, device)
+
+    def _reset_weight(self, group: int, device) -> None:
+        name = f"weight{group}"
+        old = getattr(self, name)
+        target = old.device if not old.is_meta else materialization_device(device)
+        values = torch.empty(old.shape, dtype=old.dtype, device=target)
+        with torch.no_grad(), self._rng_context():
+            torch.nn.init.kaiming_uniform_(values, a=math.sqrt(5))
+        high_precision = None
+        if self._with_quantized_weight:
+            if self._preserve_high_precision_init_val:
+                high_precision = values.detach().cpu().clone()
+            values = self._quantize_weight(group, values, old, target)
+        if old.is_meta or isinstance(values, QuantizedTensor) is not isinstance(
+            old, QuantizedTensor
+        ):
+            setattr(self, name, _replacement(old, values))
+        elif values is not old:
+            with torch.no_grad():
+                old.copy_(values)
+        if high_precision is not None:
+            _attach_high_precision_init_val(getattr(self, name), high_precision)
+
+    def _reset_bias(self, group: int, device) -> None:
+        name = f"bias{group}"
+        old = getattr(self, name)
+        if old is None:
+            return
+        if old.is_meta:
+            values = torch.zeros(old.shape, dtype=old.dtype, device=materialization_device(device))
+            setattr(self, name, _replacement(old, values))
+        else:
+            with torch.no_grad():
+                old.zero_()
+
+    def _quantize_weight(self, group: int, values: torch.Tensor, old, device: torch.device):
+        """``values`` as an FP8 weight quantized on ``device`` (in place into ``old`` if FP8)."""
+        slot = _weight_slot(group)
+        if self.get_quantizer("forward", slot) is None or (
+            self.recipe_state("forward").device != device
+        ):
+            self.reset_recipe_state(recipe=self._quantized_weight_recipe, device=device)
+        quantizer = self.get_quantizer("forward", slot).copy()
+        quantizer.set_usage(rowwise=True, columnwise=True)
+        quantizer.internal = False
+        with torch.no_grad():
+            if isinstance(old, QuantizedTensor) and not old.is_meta:
+                old.quantize_(values)
+                return old
+            return quantizer.quantize_impl(values)
+
+    # -- split sizes -----------------------------------------------------------------------------
+    def forward(self, input: torch.Tensor, split_sizes, **kwargs):
+        """``op(input, split_sizes)``: ``split_sizes`` is an integer tensor of shape
+        ``(num_groups,)`` or a list of ints (made a CPU int64 tensor here)."""
+        if not isinstance(split_sizes, torch.Tensor):
+            split_sizes = torch.tensor(self._check_split_list(split_sizes), dtype=torch.int64)
+        return super().forward(input, split_sizes, **kwargs)
+
+    def _check_split_list(self, split_sizes) -> list[int]:
+        try:
+            sizes = list(split_sizes)
+        except TypeError:
+            raise ValueError(
+                f"GroupedLinear: the split sizes must be a 1-D integer tensor or a list of ints, "
+                f"got {type(split_sizes).__name__}"
+            ) from None
+        for m in sizes:
+            if isinstance(m, bool) or not isinstance(m, int):
+                raise ValueError(f"GroupedLinear: the split sizes must be ints, got {sizes!r}")
+        return sizes
+
+    def _split_sizes(self, split_sizes, rows: int) -> list[int]:
+        if not isinstance(split_sizes, torch.Tensor):
+            raise TypeError(
+                f"GroupedLinear: the split sizes (its extra input) must be a 1-D integer "
+                f"tensor, got {type(split_sizes).__name__}"
+            )
+        if (
+            split_sizes.dim() != 1
+            or split_sizes.is_floating_point()
+            or split_sizes.is_complex()
+            or split_sizes.dtype == torch.bool
+        ):
+            raise ValueError(
+                f"GroupedLinear: the split sizes must be a 1-D integer tensor, got dtype "
+                f"{split_sizes.dtype} and shape {tuple(split_sizes.shape)}"
+            )
+        sizes = [int(m) for m in split_sizes.tolist()]
+        if len(sizes) != self.num_groups:
+            raise ValueError(
+                f"GroupedLinear: the split sizes have {len(sizes)} entries but "
+                f"num_groups={self.num_groups}"
+            )
+        if any(m < 0 for m in sizes):
+            raise ValueError(f"GroupedLinear: the split sizes must be non-negative, got {sizes}")
+        if sum(sizes) != rows:
+            raise ValueError(
+                f"GroupedLinear: the split sizes {sizes} sum to {sum(sizes)} but the input has "
+                f"{rows} rows (product of its leading dimensions)"
+            )
+        return sizes
+
+    # -- forward and backward --------------------------------------------------------------------
+    def op_forward(self, *args, **kwargs):
+        raise RuntimeError("GroupedLinear runs through fuser_forward (it has an extra input)")
+
+    def op_backward(self, *args, **kwargs):
+        raise RuntimeError("GroupedLinear runs through fuser_backward (it has an extra input)")
+
+    def fuser_forward(
+        self,
+        basic_op_ctxs,
+        input_,
+        *,
+        basic_op_extra_inputs,
+        prev_op_grad_output_quantizer,
+        next_op_input_quantizer,
+        basic_op_kwargs,
+    ):
+        ctx: OperationContext = basic_op_ctxs[0]
+        (split_sizes,) = basic_op_extra_inputs[0]
+        x = plain(input_)  # groups have their own scales: a quantized input is dequantized
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"GroupedLinear: the input's last dimension is "
+                f"{x.shape[-1] if x.dim() else None} but in_features={self.in_features}"
+            )
+        sizes = self._split_sizes(split_sizes, x.numel() // self.in_features)
+        weights, biases = self.weights(), self.biases()
+        fp8 = FP8GlobalStateManager.is_fp8_enabled()
+        dtype = activation_dtype(x, weights[0])
+        ctx.input_dtype = x.dtype
+        ctx.input_shape = x.shape
+        ctx.sizes = sizes
+        ctx.param_dtypes = (
+            [w.dtype for w in weights],
+            [None if b is None else b.dtype for b in biases],
+        )
+        if x.dtype != dtype:
+            x = x.to(dtype)
+        rows = x.reshape(-1, self.in_features)
+
+        recipe = self._fp8_metas["forward"]["recipe"] if fp8 else None
+        outputs, group_ctxs, to_save, counts = [], [], [], []
+        for i, (group_rows, weight, bias) in enumerate(zip(rows.split(sizes), weights, biases)):
+            config = LinearConfig(
+                fp8=fp8,
+                activation_dtype=dtype,
+                fuse_wgrad_accumulation=self._accumulate_into_main_grad,
+                accumulate_into_main_grad=True,
+                main_grad_param=weight,
+            )
+            if fp8:
+                check_fp8_gemm_shapes(
+                    sizes[i],
+                    self.in_features,
+                    self.out_features,
+                    ctx.requires_grad and weight.requires_grad,
+                )
+                config.input_quantizer = self.get_quantizer("forward", _input_slot(i))
+                config.weight_quantizer = self.get_quantizer("forward", _weight_slot(i))
+                config.grad_output_quantizer = self.get_quantizer("backward", _grad_output_slot(i))
+                if hasattr(recipe, "fp8_gemm_fprop"):
+                    config.fprop_split_accumulator = recipe.fp8_gemm_fprop.use_split_accumulator
+                    config.dgrad_split_accumulator = recipe.fp8_gemm_dgrad.use_split_accumulator
+                    config.wgrad_split_accumulator = recipe.fp8_gemm_wgrad.use_split_accumulator
+            group_ctx = OperationContext()
+            group_ctx.requires_grad = ctx.requires_grad
+            group_ctx.input_requires_grad = ctx.input_requires_grad
+            # a group whose weight is frozen, when the input needs no gradient, has no GEMM
+            # in backward (only its bias gradient, if any)
+            group_ctx.needs_gemm = ctx.input_requires_grad or weight.requires_grad
+            # The core reads "does it need a gradient" from the tensors' flags; inside the
+            # fuser's autograd function nothing carries one, so hand it aliases that do.
+            group_x = group_rows.detach().requires_grad_(ctx.input_requires_grad)
+            with torch.no_grad():
+                out = _Linear.forward(
+                    group_ctx,
+                    _gemm_weight(weight, dtype, fp8),
+                    group_x,
+                    _gemm_bias(bias, dtype),
+                    config,
+                )
+            outputs.append(out)
+            counts.append(len(group_ctx.to_save))
+            to_save.extend(group_ctx.to_save)
+            group_ctx.to_save = ()
+            group_ctxs.append(group_ctx)
+        if ctx.requires_grad:
+            ctx.save_for_backward(*to_save)
+            ctx.group_ctxs = group_ctxs
+            ctx.saved_counts = counts
+        output = torch.cat(outputs, dim=0)
+        return output.reshape(*ctx.input_shape[:-1], self.out_features), [()]
+
+    def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
+        ctx: OperationContext = basic_op_ctxs[0]
+        group_ctxs: list[OperationContext] = ctx.group_ctxs
+        saved, start = ctx.saved_tensors, 0
+        for group_ctx, count in zip(group_ctxs, ctx.saved_counts):
+            group_ctx.saved_tensors = tuple(saved[start : start + count])
+            start += count
+        dtype = group_ctxs[0].config.activation_dtype
+        dy = plain(grad_output)
+        if dy.dtype != dtype:
+            dy = dy.to(dtype)
+        dy = dy.reshape(-1, self.out_features)
+
+        weight_dtypes, bias_dtypes = ctx.param_dtypes
+        grad_inputs, grad_weights, grad_biases = [], [], []
+        for i, group_dy in enumerate(dy.split(ctx.sizes)):
+            group_ctx = group_ctxs[i]
+            if group_ctx.needs_gemm:
+                dw, dx, dbias, _ = _Linear.backward(group_ctx, group_dy)
+            else:
+                dw = dx = None
+                dbias = group_dy.sum(dim=0) if group_ctx.bias_requires_grad else None
+            group_ctx.saved_tensors = ()
+            grad_inputs.append(dx)
+            grad_weights.append(None if dw is None else dw.to(weight_dtypes[i]))
+            grad_biases.append(None if dbias is None else dbias.to(bias_dtypes[i]))
+
+        grad_input = None
+        if ctx.input_requires_grad:
+            grad_input = torch.cat([g.reshape(-1, self.in_features) for g in grad_inputs])
+            grad_input = grad_input.reshape(ctx.input_shape).to(ctx.input_dtype)
+        grads = {f"weight{i}": g for i, g in enumerate(grad_weights)}
+        grads.update({f"bias{i}": g for i, g in enumerate(grad_biases)})
+        grad_params = [grads[name] for name, _ in self.named_parameters(recurse=False)]
+        return grad_input, [grad_params], [(None,)]
+
+
+def _gemm_weight(weight, dtype: torch.dtype, fp8: bool):
+    """The weight as the GEMM takes it: cast to the compute dtype (an FP8 weight outside
+    ``te.autocast`` dequantized), keeping the parameter's gradient flag."""
+    if isinstance(weight, QuantizedTensor):
+        if fp8:
+            return weight
+        warnings.warn(
+            "GroupedLinear: an FP8 weight used outside te.autocast is dequantized", stacklevel=6
+        )
+        cast = weight.dequantize(dtype=dtype)
+    elif weight.dtype != dtype:
+        cast = weight.to(dtype)
+    else:
+        return weight
+    return cast.detach().requires_grad_(weight.requires_grad)
+
+
+def _gemm_bias(bias, dtype: torch.dtype):
+    """The bias in the compute dtype, keeping the parameter's gradient flag."""
+    if bias is None or bias.dtype == dtype:
+        return bias
+    return bias.detach().to(dtype).requires_grad_(bias.requires_grad)
+
+
+def _replacement(old: torch.nn.Parameter, values) -> torch.nn.Parameter:
+    """A new ``Parameter`` holding ``values`` with ``old``'s flag and plain attributes."""
+    new = torch.nn.Parameter(values, requires_grad=old.requires_grad)
+    for attr, value in vars(old).items():
+        if not isinstance(value, torch.Tensor):
+            setattr(new, attr, value)
+    return new
+
+
+def _attach_high_precision_init_val(param: torch.nn.Parameter, values: torch.Tensor) -> None:
+    """Upstream's ``preserve_high_precision_init_val``: a CPU copy of the initial values."""
+    param._high_precision_init_val = values
+    param.get_high_precision_init_val = lambda: param._high_precision_init_val
+    param.clear_high_precision_init_val = lambda: setattr(param, "_high_precision_init_val", None)
