@@ -621,3 +621,18 @@ def test_no_warnings_in_the_plain_paths():
         with te.autocast(recipe=DelayedScaling()):
             y = m(x)
         y.sum().backward()
+
+
+def test_fp8_frozen_weight_and_constant_input_still_train_the_bias():
+    """Only the bias needs a gradient: backward must not try to quantize dy for no GEMM."""
+    from transformer_engine.common.recipe import DelayedScaling as _Delayed
+
+    layer = Linear(32, 48, device="cpu")
+    layer.weight.requires_grad_(False)
+    x = torch.randn(16, 32)
+    with te.autocast(recipe=_Delayed()):
+        y = layer(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert torch.equal(layer.bias.grad, dy.sum(0))
+    assert layer.weight.grad is None

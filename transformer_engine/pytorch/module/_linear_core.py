@@ -186,7 +186,7 @@ class _Linear(torch.autograd.Function):
             if ctx.bias_requires_grad:
                 dbias = dy.sum(dim=0).to(ctx.bias_dtype)
             grad_operand = dy
-            if use_fp8:
+            if use_fp8 and (saved_w is not None or saved_x is not None):
                 grad_operand = _quantize(
                     config.grad_output_quantizer,
                     dy,
