@@ -497,13 +497,15 @@ def run(args) -> int:
         failures = run_and_check(args, devices, rank, world_size, counter)
     finally:
         counter.uninstall()
-        # Drop the references to the process group that outlive the model: the quantization
-        # state remembers each autocast's amax_reduction_group (see the torch._dynamo import
-        # at the top for why the group must not outlive destroy_process_group).
-        counter.world_group = None
-        FP8GlobalStateManager.reset()
-        dist.barrier()
-        dist.destroy_process_group()
+    # After an exception there is no barrier or teardown: the other ranks may be waiting in a
+    # collective this rank never joins; torchrun stops them when this process exits non-zero.
+    # Drop the references to the process group that outlive the model (the quantization state
+    # remembers each autocast's amax_reduction_group; the torch._dynamo import at the top says
+    # why the group must not outlive destroy_process_group), then leave together.
+    counter.world_group = None
+    FP8GlobalStateManager.reset()
+    dist.barrier()
+    dist.destroy_process_group()
 
     for failure in failures:
         emit(f"CHECK FAILED rank={rank}: {failure}")
