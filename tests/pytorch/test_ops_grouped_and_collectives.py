@@ -761,3 +761,11 @@ def nccl_results():
 def test_gpu_collectives_over_two_nccl_processes(nccl_results, check):
     for rank, results in enumerate(nccl_results):
         assert results[check] is None, f"rank {rank}:\n{results[check]}"
+
+
+def test_split_sizes_through_sequential_must_be_a_tensor():
+    seq = te.ops.Sequential(te.ops.GroupedLinear(2, 16, 16, device="cpu"))
+    x = torch.randn(32, 16)
+    with pytest.raises(TypeError, match=r"extra input 0 must be a torch.Tensor, got list"):
+        seq(x, [16, 16])
+    assert seq(x, torch.tensor([16, 16])).shape == (32, 16)

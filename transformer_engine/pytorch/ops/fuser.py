@@ -295,6 +295,13 @@ class OperationFuser:
             raise ValueError(
                 f"expected {self.num_extra_inputs} extra inputs, got {len(extra_inputs)}"
             )
+        for i, extra in enumerate(extra_inputs):
+            if not isinstance(extra, torch.Tensor):
+                raise TypeError(
+                    f"extra input {i} must be a torch.Tensor, got {type(extra).__name__}; e.g. "
+                    "pass GroupedLinear's split sizes as torch.tensor([...]) (a CPU int64 tensor "
+                    "avoids a device sync)"
+                )
         count = len(self._basic_ops)
         if basic_op_kwargs is None:
             basic_op_kwargs = [{} for _ in range(count)]
