@@ -54,7 +54,9 @@ def main() -> int:
     rows = {
         "torch.cuda.current_stream(dev)": lambda: torch.cuda.current_stream(dev),
         "x.abs() (one torch op)": lambda: x.abs(),
-        "cpp_extensions.quantize": lambda: quantize(x, scale, torch.float8_e4m3fn, amax=amax, out=out),
+        "cpp_extensions.quantize": lambda: quantize(
+            x, scale, torch.float8_e4m3fn, amax=amax, out=out
+        ),
         "quantizer.quantize_impl": lambda: quantizer.quantize_impl(x),
         "general_gemm FP8 TN": lambda: general_gemm(w8, w8, torch.bfloat16),
         "te.Linear forward (no_grad)": lambda: forward(),
