@@ -8,6 +8,7 @@ import torch
 from ...quantized_tensor import QuantizedTensor, QuantizedTensorStorage
 
 __all__ = [
+    "quantize_weight_in_slot",
     "construction_device",
     "check_params_dtype",
     "activation_dtype",
@@ -71,3 +72,19 @@ def plain(tensor):
     if isinstance(tensor, (QuantizedTensor, QuantizedTensorStorage)):
         return tensor.dequantize()
     return tensor
+
+
+def quantize_weight_in_slot(op, slot: int, values: torch.Tensor, old, device: torch.device):
+    """``values`` as an FP8 weight quantized on ``device`` with ``op``'s forward quantizer
+    ``slot`` (in place into ``old`` when that already is an FP8 weight). The op's recipe state is
+    (re)created on ``device`` first when it is missing or lives elsewhere."""
+    if op.get_quantizer("forward", slot) is None or op.recipe_state("forward").device != device:
+        op.reset_recipe_state(recipe=op._quantized_weight_recipe, device=device)
+    quantizer = op.get_quantizer("forward", slot).copy()
+    quantizer.set_usage(rowwise=True, columnwise=True)
+    quantizer.internal = False
+    with torch.no_grad():
+        if isinstance(old, QuantizedTensor) and not old.is_meta:
+            old.quantize_(values)
+            return old
+        return quantizer.quantize_impl(values)

@@ -17,7 +17,13 @@ from ...module._linear_core import LinearConfig, _Linear, check_fp8_gemm_shapes
 from ...quantization import FP8GlobalStateManager
 from ...quantized_tensor import QuantizedTensor
 from ..op import BasicOperation, OperationContext, materialization_device
-from ._common import activation_dtype, check_params_dtype, construction_device, plain
+from ._common import (
+    activation_dtype,
+    check_params_dtype,
+    construction_device,
+    plain,
+    quantize_weight_in_slot,
+)
 
 __all__ = ["BasicLinear"]
 
@@ -164,7 +170,7 @@ class BasicLinear(BasicOperation):
         if self._with_quantized_weight:
             if self._preserve_high_precision_init_val:
                 high_precision = values.detach().cpu().clone()
-            values = self._quantize_weight(values, old, target)
+            values = quantize_weight_in_slot(self, _WEIGHT, values, old, target)
         if old.is_meta or isinstance(values, QuantizedTensor) is not isinstance(
             old, QuantizedTensor
         ):
@@ -178,21 +184,6 @@ class BasicLinear(BasicOperation):
                 old.copy_(values)
         if high_precision is not None:
             _attach_high_precision_init_val(self.weight, high_precision)
-
-    def _quantize_weight(self, values: torch.Tensor, old, device: torch.device):
-        """``values`` as an FP8 weight quantized on ``device`` (in place into ``old`` if FP8)."""
-        if self.get_quantizer("forward", _WEIGHT) is None or (
-            self.recipe_state("forward").device != device
-        ):
-            self.reset_recipe_state(recipe=self._quantized_weight_recipe, device=device)
-        quantizer = self.get_quantizer("forward", _WEIGHT).copy()
-        quantizer.set_usage(rowwise=True, columnwise=True)
-        quantizer.internal = False
-        with torch.no_grad():
-            if isinstance(old, QuantizedTensor) and not old.is_meta:
-                old.quantize_(values)
-                return old
-            return quantizer.quantize_impl(values)
 
     # -- forward and backward --------------------------------------------------------------------
     def op_forward(

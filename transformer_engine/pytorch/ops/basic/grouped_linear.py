@@ -39,7 +39,13 @@ from ...module._linear_core import LinearConfig, _Linear, check_fp8_gemm_shapes
 from ...quantization import FP8GlobalStateManager
 from ...quantized_tensor import QuantizedTensor
 from ..op import BasicOperation, OperationContext, materialization_device
-from ._common import activation_dtype, check_params_dtype, construction_device, plain
+from ._common import (
+    activation_dtype,
+    check_params_dtype,
+    construction_device,
+    plain,
+    quantize_weight_in_slot,
+)
 
 __all__ = ["GroupedLinear"]
 
@@ -241,7 +247,7 @@ class GroupedLinear(BasicOperation):
         if self._with_quantized_weight:
             if self._preserve_high_precision_init_val:
                 high_precision = values.detach().cpu().clone()
-            values = self._quantize_weight(group, values, old, target)
+            values = quantize_weight_in_slot(self, _weight_slot(group), values, old, target)
         if old.is_meta or isinstance(values, QuantizedTensor) is not isinstance(
             old, QuantizedTensor
         ):
@@ -263,22 +269,6 @@ class GroupedLinear(BasicOperation):
         else:
             with torch.no_grad():
                 old.zero_()
-
-    def _quantize_weight(self, group: int, values: torch.Tensor, old, device: torch.device):
-        """``values`` as an FP8 weight quantized on ``device`` (in place into ``old`` if FP8)."""
-        slot = _weight_slot(group)
-        if self.get_quantizer("forward", slot) is None or (
-            self.recipe_state("forward").device != device
-        ):
-            self.reset_recipe_state(recipe=self._quantized_weight_recipe, device=device)
-        quantizer = self.get_quantizer("forward", slot).copy()
-        quantizer.set_usage(rowwise=True, columnwise=True)
-        quantizer.internal = False
-        with torch.no_grad():
-            if isinstance(old, QuantizedTensor) and not old.is_meta:
-                old.quantize_(values)
-                return old
-            return quantizer.quantize_impl(values)
 
     # -- split sizes -----------------------------------------------------------------------------
     def forward(self, input: torch.Tensor, split_sizes, **kwargs):
