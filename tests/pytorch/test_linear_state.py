@@ -10,6 +10,7 @@ from transformer_engine.pytorch import reference
 from transformer_engine.pytorch.device import guard_depth
 from transformer_engine.pytorch.module import linear as linear_module
 from transformer_engine.pytorch.module.linear import Linear
+from transformer_engine.pytorch.ops.op import materialization_device
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 from transformer_engine.pytorch.tensor import Float8Tensor
 
@@ -67,28 +68,30 @@ def test_meta_module_holds_no_storage():
 
 
 @pytest.mark.parametrize("via_to_empty", [True, False], ids=["to_empty", "straight"])
-def test_reset_parameters_materializes_on_cpu(via_to_empty):
+def test_reset_parameters_materializes_on_the_to_empty_or_default_device(via_to_empty):
+    """to_empty(device=...) decides; without it, the current CUDA device, else the CPU."""
     torch.manual_seed(0)
     m = Linear(256, 128, device="meta")
     if via_to_empty:
         m.to_empty(device="cpu")
     m.reset_parameters()
+    device = torch.device("cpu") if via_to_empty else materialization_device()
     for name, p in m.named_parameters():
-        assert p.device == torch.device("cpu"), name
+        assert p.device == device, name
         assert isinstance(p, torch.nn.Parameter) and p.requires_grad
     assert abs(m.weight.std().item() - 0.023) < 0.002
     assert abs(m.weight.mean().item()) < 0.002
     assert torch.count_nonzero(m.bias) == 0
-    # usable in FP8 afterwards, its state on the CPU
-    x = torch.randn(32, 256)
+    # usable in FP8 afterwards, its state on the parameters' device
+    x = torch.randn(32, 256, device=device)
     y = fp8_step(m, x)
     assert y.shape == (32, 128)
-    assert m.fp8_meta["scaling_fwd"].scale.device == torch.device("cpu")
+    assert m.fp8_meta["scaling_fwd"].scale.device == device
 
 
 def test_reset_parameters_is_reproducible_under_manual_seed():
     torch.manual_seed(123)
-    eager = Linear(IN, OUT, device="cpu")
+    eager = Linear(IN, OUT, device=materialization_device())  # where reset_parameters() puts it
     torch.manual_seed(123)
     deferred = Linear(IN, OUT, device="meta")
     deferred.reset_parameters()
@@ -113,7 +116,7 @@ def test_init_method_is_honoured(device):
         assert calls == []  # deferred: nothing ran yet
         m.reset_parameters()
     assert calls == [(OUT, IN)]
-    assert torch.equal(m.weight, torch.full((OUT, IN), 0.25))
+    assert torch.equal(m.weight.cpu(), torch.full((OUT, IN), 0.25))
     assert torch.count_nonzero(m.bias) == 0
 
 
@@ -141,9 +144,10 @@ def test_quantized_model_init_with_meta_device_quantizes_on_materialization():
     assert m.weight.is_meta
     m.reset_parameters()
     assert isinstance(m.weight, Float8Tensor) and isinstance(m.weight, torch.nn.Parameter)
-    assert m.weight.device == torch.device("cpu")
-    assert m.fp8_meta["scaling_fwd"].scale.device == torch.device("cpu")
-    y = fp8_step(m, torch.randn(32, IN))
+    device = materialization_device()  # the current CUDA device, else the CPU
+    assert m.weight.device == device
+    assert m.fp8_meta["scaling_fwd"].scale.device == device
+    y = fp8_step(m, torch.randn(32, IN, device=device))
     assert torch.isfinite(y).all()
 
 

@@ -33,9 +33,9 @@ def build(name, device):
     if name == "GroupedLinear":
         return te.GroupedLinear(2, HIDDEN, FFN, device=device, params_dtype=BF16)
     if name == "LayerNorm":
-        return te.LayerNorm(HIDDEN, device=device, params_dtype=BF16)
+        return te.LayerNorm(HIDDEN, device=device, dtype=BF16)
     if name == "RMSNorm":
-        return te.RMSNorm(HIDDEN, device=device, params_dtype=BF16)
+        return te.RMSNorm(HIDDEN, device=device, dtype=BF16)
     raise KeyError(name)
 
 

@@ -312,7 +312,7 @@ def test_guard_is_released_when_forward_preparation_raises(device, failure):
     on_gpu = device != "cpu"
     if on_gpu:
         torch.cuda.set_device(0)
-    ambient = 0 if on_gpu else None
+    ambient = 0 if on_gpu else current_device()  # CPU runs must leave any CUDA device alone
     device = torch.device(device)
     inside: list = []
     g = torch.Generator().manual_seed(3)
@@ -342,7 +342,7 @@ def test_guard_is_released_when_forward_preparation_raises(device, failure):
     assert current_device() == ambient
     if failure != "input_dtype_mismatch":
         # the failure happened inside the module's own guard, with the input's device current
-        assert inside == [(2, 1 if on_gpu else None)]
+        assert inside == [(2, 1 if on_gpu else ambient)]
 
     # the module is not left broken: an FP8 step afterwards runs on its device
     if failure == "ops_reset_recipe_state":
@@ -534,8 +534,10 @@ SLOTS = (2, 3, 1, 2, 4)
 def test_reduction_gathers_in_registration_order_and_scatters_each_device_its_slices(
     layout, monkeypatch, fake_world, recorded_updates
 ):
+    ambient = current_device()  # CPU layouts must leave any CUDA device alone
     if layout == "cuda1_cuda0":
         torch.cuda.set_device(0)
+        ambient = 0
         first, second = CUDA1, CUDA0  # the first registered device is not the current one
     else:
         first = second = CPU
@@ -600,7 +602,7 @@ def test_reduction_gathers_in_registration_order_and_scatters_each_device_its_sl
         assert state.amax_history.device == device and state.scale.device == device
         assert torch.equal(state.amax_history[-1].cpu(), mine)
         assert torch.equal(state.scale.cpu(), torch.tensor(E4M3_MAX) / mine)
-    assert current_device() == (0 if layout == "cuda1_cuda0" else None)
+    assert current_device() == ambient
 
 
 # ---------------------------------------------------------------------------------------------
@@ -738,7 +740,7 @@ def test_dispatched_stack_trains_20_fp8_steps_then_infers_with_state_on_owner_de
         model = accelerate.dispatch_model(model, device_map=DEVICE_MAP)
         input_device, ambient = CUDA0, 0
     else:
-        input_device, ambient = CPU, None
+        input_device, ambient = CPU, current_device()
     for name, p in model.named_parameters():
         if placement == "dispatch_model":
             prefix = ".".join(name.split(".")[:2])

@@ -19,6 +19,7 @@ from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScalin
 from transformer_engine.pytorch import ops
 from transformer_engine.pytorch.device import guard_depth
 from transformer_engine.pytorch.ops.fuser import OperationFuser
+from transformer_engine.pytorch.ops.op import materialization_device
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
 RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
@@ -172,21 +173,26 @@ def test_optimizer_built_after_materialization_trains_the_live_parameters(
 
 @pytest.mark.parametrize("name", NAMES)
 def test_reset_parameters_materializes_like_eager_construction(name):
+    # without a device, reset_parameters() materializes onto the current CUDA device when CUDA
+    # is available, else the CPU; eager construction on that device draws the same values
+    default = materialization_device()
     torch.manual_seed(7)
-    eager = build(name, "cpu")
+    eager = build(name, str(default))
     torch.manual_seed(7)
     deferred = build(name, "meta")
     deferred.reset_parameters()
-    check_live(deferred, torch.device("cpu"))
+    check_live(deferred, default)
     for a, b in zip(eager.parameters(), deferred.parameters()):
         assert torch.equal(a, b)
-    # the first forward materializes the same values
+    # the first forward materializes onto the input's device the values eager construction there draws
+    torch.manual_seed(7)
+    eager_cpu = build(name, "cpu")
     torch.manual_seed(7)
     on_first_forward = build(name, "meta")
     x = data("cpu")
     torch.manual_seed(7)
     on_first_forward(x)
-    for a, b in zip(eager.parameters(), on_first_forward.parameters()):
+    for a, b in zip(eager_cpu.parameters(), on_first_forward.parameters()):
         assert torch.equal(a, b)
 
 

@@ -31,6 +31,7 @@ from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScalin
 from transformer_engine.pytorch import ops, reference
 from transformer_engine.pytorch.device import guard_depth
 from transformer_engine.pytorch.ops.fuser import OperationFuser
+from transformer_engine.pytorch.ops.op import materialization_device
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -431,14 +432,17 @@ def test_grouped_linear_first_forward_materializes_and_trains(recipe, fp8_weight
 
 
 def test_grouped_linear_reset_parameters_materializes_like_eager_construction():
+    default = materialization_device()  # the current CUDA device, else the CPU
     torch.manual_seed(7)
-    eager = ops.GroupedLinear(3, 32, 32, device="cpu")
+    eager_default = ops.GroupedLinear(3, 32, 32, device=default)
     torch.manual_seed(7)
     deferred = build_meta()
     deferred.reset_parameters()
-    check_live(deferred, torch.device("cpu"))
-    for a, b in zip(eager.parameters(), deferred.parameters()):
+    check_live(deferred, default)
+    for a, b in zip(eager_default.parameters(), deferred.parameters()):
         assert torch.equal(a, b)
+    torch.manual_seed(7)
+    eager = ops.GroupedLinear(3, 32, 32, device="cpu")
     torch.manual_seed(7)
     on_first_forward = build_meta()
     x = torch.randn(32, 32)
