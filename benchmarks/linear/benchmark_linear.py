@@ -29,8 +29,17 @@ HOST_SHAPE = (1024, 1024, 1024)
 TARGET = 1.5
 
 
+STEPS_PER_TRIAL = 10
+
+
 def time_steps(step, iters: int, warmup: int) -> float:
-    """Median seconds per step, timed with CUDA events over single steps."""
+    """Median seconds per step over ``iters`` trials of back-to-back steps (CUDA events).
+
+    Steps are issued back to back as in training, so the host prepares step i+1 while the GPU
+    runs step i: a trial measures GPU throughput, plus host time only where the host cannot keep
+    up. (Timing single steps with a sync after each would add the launch latency of an empty
+    queue to every step.)
+    """
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -38,10 +47,11 @@ def time_steps(step, iters: int, warmup: int) -> float:
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        step()
+        for _ in range(STEPS_PER_TRIAL):
+            step()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / STEPS_PER_TRIAL)
     return statistics.median(times)
 
 
@@ -75,12 +85,37 @@ def torchao_step(m, k, n, device):
     return make_step(model, x, dy, None), ""
 
 
+def print_kernel_profile(m, k, n, device, label, recipe) -> None:
+    """GPU time per kernel over 5 FP8 steps: what a step spends besides the three GEMMs."""
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    module = te.Linear(k, n, device=device, params_dtype=torch.bfloat16)
+    step = make_step(module, x, dy, recipe)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    print(f"\nGPU kernels of 5 te fp8 {label} steps at {(m, k, n)}:")
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60)
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--kernel-profile",
+        action="store_true",
+        help="also print the GPU kernels of 5 FP8 (delayed) steps at the first shape",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmark_linear.py needs a CUDA GPU", file=sys.stderr)
@@ -120,6 +155,10 @@ def main() -> int:
                 passed = False
         if why:
             print(f"{str((m, k, n)):>22} {'torchao':>14} skipped: {why}")
+
+    if args.kernel_profile:
+        for label, recipe in recipes.items():
+            print_kernel_profile(*SHAPES[0], device, label, recipe)
 
     m, k, n = HOST_SHAPE
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)

@@ -187,9 +187,11 @@ def _random_states(num_pairs, length, seed, device):
     g = torch.Generator().manual_seed(seed)
     histories, scales = [], []
     for k in range(num_pairs):
-        n = 1 + (k * 7) % 5
+        n = 1 + (k * 7) % 9  # up to 9 slots: more slots than the kernel has warps per block
         h = torch.rand((length, n), generator=g) * 100
         h[0, 0] = [0.0, 1e-44, float("inf"), float("nan"), 5.0][k % 5]
+        if length > 1 and k % 7 == 3:  # a NaN / Inf deep in the history must win the max
+            h[length // 2, n - 1] = float("nan") if k % 2 else float("inf")
         histories.append(h.to(device))
         scales.append((torch.rand(n, generator=g) + 0.5).to(device))
     return histories, scales
@@ -197,7 +199,7 @@ def _random_states(num_pairs, length, seed, device):
 
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
-@pytest.mark.parametrize("length", [1, 2, 16, 1024])
+@pytest.mark.parametrize("length", [1, 2, 16, 33, 257, 1024])  # 257: crosses a 256-row pass
 @pytest.mark.parametrize("with_reduction", [False, True])
 @pytest.mark.parametrize("margin", [0, 1.5])
 def test_delayed_scaling_update_matches_reference(fp8, algo, length, with_reduction, margin):

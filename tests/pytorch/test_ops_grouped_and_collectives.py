@@ -458,13 +458,13 @@ def test_grouped_linear_reset_parameters_materializes_like_eager_construction():
     torch.manual_seed(7)
     eager.reset_parameters()
     assert [id(p) for p in eager.parameters()] == [id(p) for p in params]
-    for a, b in zip(eager.parameters(), deferred.parameters()):
+    for a, b in zip(eager.parameters(), on_first_forward.parameters()):  # both on the CPU
         assert torch.equal(a, b)
     # to_empty, then reset_parameters
     torch.manual_seed(7)
     emptied = build_meta().to_empty(device="cpu")
     emptied.reset_parameters()
-    for a, b in zip(emptied.parameters(), deferred.parameters()):
+    for a, b in zip(emptied.parameters(), on_first_forward.parameters()):
         assert torch.equal(a, b)
 
 

@@ -1,6 +1,7 @@
 /* nvte_delayed_scaling_update: the fused amax-history roll and scale update over many
  * (history, scale) pairs of one device. The pairs travel in the kernel's parameter block, one
- * CUDA block per pair, so the update is one launch per kEntriesPerLaunch pairs. */
+ * CUDA block per pair and one warp per slot, so the update is one launch per kEntriesPerLaunch
+ * pairs. */
 #include <cuda_runtime.h>
 
 #include <cfloat>
@@ -34,32 +35,69 @@ __device__ __forceinline__ float max_propagating_nan(float a, float b) {
   return (isnan(a) || isnan(b)) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
 }
 
+constexpr int kWarpSize = 32;
+constexpr int kRowsPerLane = 8;  // history rows a lane keeps in flight per pass
+constexpr int kRowsPerPass = kWarpSize * kRowsPerLane;
+
+__device__ __forceinline__ float warp_max_propagating_nan(float v) {
+  for (int delta = kWarpSize / 2; delta > 0; delta /= 2) {
+    v = max_propagating_nan(v, __shfl_xor_sync(0xffffffffu, v, delta));
+  }
+  return v;
+}
+
+/* One CUDA block per (history, scale) pair; one warp per slot (column of the history). The warp
+ * reads each history row once: the value of row j + 1 feeds the max and is written to row j (the
+ * roll). Rows are read a pass of kRowsPerPass at a time, all reads of a pass before any of its
+ * writes; a pass writes rows [c, c + kRowsPerPass) and the next one reads only rows above
+ * c + kRowsPerPass, so the in-place shift never reads a row it already overwrote. The result is
+ * bitwise the same as the sequential definition (max is exact and order-free, NaN wins). */
 __global__ void __launch_bounds__(kThreads)
     delayed_scaling_update_kernel(const UpdateBatch batch, const float* __restrict__ reduced,
                                   bool algo_max, float scaled_max) {
   const int k = blockIdx.x;
   const size_t n = batch.slots[k];
   const uint32_t length = batch.length[k];
-  for (size_t i = threadIdx.x; i < n; i += kThreads) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  constexpr int kWarps = kThreads / kWarpSize;
+  for (size_t i = warp; i < n; i += kWarps) {
     float* h = batch.history[k] + i;  // column i; row j is h[j * n]
     float a = h[0];
     if (reduced != nullptr) {
       const float r = reduced[batch.reduced_offset[k] + i];
       if (r != 0.0f) a = r;
     }
-    if (a == 0.0f) continue;  // slot not exercised this step: no roll, scale kept
+    __syncwarp();             // every lane has read row 0 before lane 0 overwrites it
+    if (a == 0.0f) continue;  // slot not exercised this step: no roll, scale kept (warp-uniform)
     float candidate = a;
-    if (algo_max) {
-      for (uint32_t j = 1; j < length; ++j) candidate = max_propagating_nan(candidate, h[j * n]);
+    for (uint32_t c = 0; c + 1 < length; c += kRowsPerPass) {
+      float v[kRowsPerLane];
+#pragma unroll
+      for (int u = 0; u < kRowsPerLane; ++u) {
+        const uint32_t src = c + u * kWarpSize + lane + 1;
+        v[u] = src < length ? h[static_cast<size_t>(src) * n] : 0.0f;
+        if (algo_max && src < length) candidate = max_propagating_nan(candidate, v[u]);
+      }
+      __syncwarp();
+#pragma unroll
+      for (int u = 0; u < kRowsPerLane; ++u) {
+        const uint32_t src = c + u * kWarpSize + lane + 1;
+        if (src < length) h[static_cast<size_t>(src - 1) * n] = v[u];
+      }
+      __syncwarp();
     }
-    for (uint32_t j = 0; j + 1 < length; ++j) h[j * n] = h[(j + 1) * n];
-    h[(length - 1) * n] = a;
-    h[0] = 0.0f;
-    if (isfinite(candidate) && candidate > 0.0f) {
-      float s = scaled_max / candidate;
-      if (isinf(s)) s = FLT_MAX;
-      batch.scale[k][i] = s;
+    candidate = warp_max_propagating_nan(candidate);
+    if (lane == 0) {
+      h[static_cast<size_t>(length - 1) * n] = a;
+      h[0] = 0.0f;
+      if (isfinite(candidate) && candidate > 0.0f) {
+        float s = scaled_max / candidate;
+        if (isinf(s)) s = FLT_MAX;
+        batch.scale[k][i] = s;
+      }
     }
+    __syncwarp();
   }
 }
 
