@@ -193,11 +193,13 @@ def _fp8_matrices(layout: str, a: _Fp8Operand, b: _Fp8Operand, m: int, n: int, k
 
 def _fp8_gemm(x, y, x_scale_inv, y_scale_inv, *, out_dtype, bias, alpha, fast_accum, to_fp32):
     """``alpha * (x * sx) @ (y * sy)^T (+ bias)``, rounded once to ``out_dtype`` (or float32)."""
-    scale_a = x_scale_inv.reshape(())
+    # torch._scaled_mm takes any one-element float32 scale for per-tensor scaling, so the
+    # [1]-shaped scale_inv buffers go in as they are (no reshape: one dispatch less per operand).
+    scale_a = x_scale_inv
     if alpha != 1.0:
         # Folding alpha into the scale keeps a single output rounding.
         scale_a = scale_a * alpha
-    scale_b = y_scale_inv.reshape(())
+    scale_b = y_scale_inv
     m, n = x.shape[0], y.shape[0]
     # torch._scaled_mm (CUDA) takes a bias only for FP16/BF16 outputs of the same dtype; any
     # other bias is added here in float32 before the single rounding, as cuBLAS's epilogue does.
@@ -225,7 +227,7 @@ def _fp8_gemm(x, y, x_scale_inv, y_scale_inv, *, out_dtype, bias, alpha, fast_ac
         )
     if bias is not None and not fused_bias:
         product = product + bias.float()
-    return product if to_fp32 else product.to(out_dtype)
+    return product if to_fp32 or product.dtype == out_dtype else product.to(out_dtype)
 
 
 def _hp_gemm(layout: str, a: torch.Tensor, b: torch.Tensor, m: int, n: int, k: int, *, dtype):
@@ -416,10 +418,27 @@ def general_gemm(
     return out, None, None, None
 
 
-def _fp8_view(buffer: torch.Tensor | None, fp8_dtype) -> torch.Tensor | None:
+def _fp8_view(storage, attr: str) -> torch.Tensor | None:
+    """``storage.<attr>`` (uint8 bytes, 2-D) viewed as its torch FP8 dtype, or None.
+
+    The view is cached on the storage next to the buffer it was made from (quantizers seed
+    the cache with the FP8-typed tensor the cast produced), so an operand used by several GEMMs
+    costs no view dispatch per GEMM; a replaced buffer is noticed by identity and re-viewed.
+    Only internal storages cache: a ``Float8Tensor`` (a parameter, say) keeps its ``__dict__``
+    free of extra tensors, which pickling and deepcopy would carry along.
+    """
+    buffer = getattr(storage, attr)
     if buffer is None or buffer.dim() != 2:
         return None
-    return buffer.view(to_torch_fp8_dtype(fp8_dtype))
+    if isinstance(storage, torch.Tensor):
+        return buffer.view(to_torch_fp8_dtype(storage._fp8_dtype))
+    cache = storage.__dict__.setdefault("_fp8_view_cache", {})
+    cached = cache.get(attr)
+    if cached is not None and cached[0] is buffer:
+        return cached[1]
+    view = buffer.view(to_torch_fp8_dtype(storage._fp8_dtype))
+    cache[attr] = (buffer, view)
+    return view
 
 
 def fp8_gemm_prevalidated(
@@ -442,11 +461,11 @@ def fp8_gemm_prevalidated(
     :func:`general_gemm` path, which gives the same result.
     """
     if layout == "TN":
-        x, y = _fp8_view(B._data, B._fp8_dtype), _fp8_view(A._data, A._fp8_dtype)
+        x, y = _fp8_view(B, "_data"), _fp8_view(A, "_data")
     elif layout == "NN":
-        x, y = _fp8_view(B._data, B._fp8_dtype), _fp8_view(A._transpose, A._fp8_dtype)
+        x, y = _fp8_view(B, "_data"), _fp8_view(A, "_transpose")
     else:  # "NT"
-        x, y = _fp8_view(B._transpose, B._fp8_dtype), _fp8_view(A._transpose, A._fp8_dtype)
+        x, y = _fp8_view(B, "_transpose"), _fp8_view(A, "_transpose")
     if x is None or y is None:
         return general_gemm(
             A, B, out_dtype, layout=layout, bias=bias, out=out, accumulate=accumulate,

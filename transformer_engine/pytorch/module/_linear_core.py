@@ -86,7 +86,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, inp, bias, config: LinearConfig):
         in_features = weight.shape[-1]
-        x = inp.reshape(-1, in_features)
+        x = inp if inp.dim() == 2 else inp.reshape(-1, in_features)
         recording = not getattr(ctx, "inference", False)
         needs_dgrad = recording and inp.requires_grad
         needs_wgrad = recording and weight.requires_grad
@@ -149,7 +149,7 @@ class _Linear(torch.autograd.Function):
             out = torch.nn.functional.linear(x, weight, bias)
             ctx.fp8_objects = None
             ctx.save_for_backward(x if needs_wgrad else None, weight if needs_dgrad else None)
-        return out.reshape(*inp.shape[:-1], weight.shape[0])
+        return out if inp.dim() == 2 else out.reshape(*inp.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -169,7 +169,9 @@ class _Linear(torch.autograd.Function):
                 saved_x = _high_precision(saved_x, config.activation_dtype)
                 saved_w = _high_precision(saved_w, config.activation_dtype)
             out_features = grad_out.shape[-1]
-            dy = grad_out.reshape(-1, out_features).contiguous()
+            dy = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, out_features)
+            if not dy.is_contiguous():
+                dy = dy.contiguous()
             dx = dw = dbias = None
             weight = ctx.weight
             fuse = config.fuse_wgrad_accumulation and saved_x is not None
@@ -184,7 +186,7 @@ class _Linear(torch.autograd.Function):
                         "float32 tensor of the weight's shape before backward"
                     )
             if ctx.bias_requires_grad:
-                dbias = dy.sum(dim=0).to(ctx.bias_dtype)
+                dbias = _as_dtype(dy.sum(dim=0), ctx.bias_dtype)
             grad_operand = dy
             if use_fp8 and (saved_w is not None or saved_x is not None):
                 grad_operand = _quantize(
@@ -214,9 +216,10 @@ class _Linear(torch.autograd.Function):
                 else:
                     dw = _weight_gradient(config, saved_x, grad_operand, weight, fuse, use_fp8)
             if dx is not None:
-                dx = dx.reshape(ctx.inp_shape)
+                if dx.shape != ctx.inp_shape:
+                    dx = dx.reshape(ctx.inp_shape)
             if dw is not None:
-                dw = dw.to(weight.dtype)
+                dw = _as_dtype(dw, weight.dtype)
             if config.reduce_and_update_bwd:
                 FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
         return dw, dx, dbias, None
@@ -228,6 +231,11 @@ def _high_precision(t, dtype):
         return None
     if isinstance(t, QuantizedTensorStorage):
         return t.dequantize(dtype=dtype)
+    return _as_dtype(t, dtype)
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the dispatch when it is already of that dtype (host time)."""
     return t if t.dtype == dtype else t.to(dtype)
 
 

@@ -50,7 +50,11 @@ def _high_precision_source(tensor) -> torch.Tensor:
         return tensor.dequantize()
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor to quantize, got {type(tensor).__name__}")
-    return tensor.detach()
+    # Quantizing is never differentiated through; detach only where autograd could record
+    # (inside autograd functions grad mode is off, and the detach would be a wasted dispatch).
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return tensor.detach()
+    return tensor
 
 
 def _is_partial_view(storage: Float8TensorStorage) -> bool:
@@ -134,13 +138,23 @@ class _Float8QuantizerBase(Quantizer):
             amax=amax,
             with_transpose=need_transpose,
         )
-        return self._wrap(
+        data = res.data.view(torch.uint8) if need_data else None
+        transpose = res.transpose.view(torch.uint8) if need_transpose else None
+        out = self._wrap(
             shape=src.shape,
             dtype=fake_dtype,
-            data=res.data.view(torch.uint8) if need_data else None,
-            transpose=res.transpose.view(torch.uint8) if need_transpose else None,
+            data=data,
+            transpose=transpose,
             scale_inv=res.scale_inv,
         )
+        if self.internal:
+            # The FP8-typed tensors the cast produced are what GEMMs take: keep them next to
+            # the uint8 buffers (cpp_extensions.gemm._fp8_view), so no GEMM re-views them.
+            out._fp8_view_cache = {
+                "_data": (data, res.data) if need_data else None,
+                "_transpose": (transpose, res.transpose) if need_transpose else None,
+            }
+        return out
 
     def update_quantized(self, src: torch.Tensor, dst, *, noop_flag: torch.Tensor | None = None):
         """Quantize ``src`` into ``dst``'s buffers in place (see :meth:`Quantizer.update_quantized`).
