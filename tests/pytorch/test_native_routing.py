@@ -16,6 +16,7 @@ from transformer_engine.pytorch.cpp_extensions import cast, scaling
 from transformer_engine.pytorch.cpp_extensions.cast import quantize, quantize_prevalidated
 from transformer_engine.pytorch.cpp_extensions.scaling import (
     compute_scale_from_amax,
+    current_scale_prevalidated,
     delayed_scaling_update,
     delayed_scaling_update_prevalidated,
 )
@@ -101,3 +102,23 @@ def test_scale_and_update_entries(recorder):
     )
     assert (algo_max, code, margin) == (False, int(TE_DType[torch.float8_e5m2]), 1.5)
     assert (device, stream) == DEVICE_AND_STREAM
+
+
+@pytest.mark.parametrize("with_reduction", [False, True])
+def test_current_scale_prevalidated_runs_amax_reduce_then_scale(recorder, with_reduction):
+    x = torch.randn(8, 32, dtype=torch.float16)
+    reduced = []
+    reduce_amax = (lambda amax: reduced.append(amax)) if with_reduction else None
+    scale = current_scale_prevalidated(
+        x, torch.float8_e5m2, epsilon=0.25, force_pow_2_scales=True, reduce_amax=reduce_amax
+    )
+    (amax_name, amax_args), (scale_name, scale_args) = recorder
+    assert amax_name == "compute_amax" and scale_name == "compute_scale_from_amax"
+    inp, amax_out, *launch = amax_args
+    assert inp == arg(x) and tuple(amax_out[1:]) == ([1], int(TE_DType[torch.float32]))
+    assert tuple(launch) == DEVICE_AND_STREAM
+    # the scale kernel reads the amax buffer the amax kernel wrote (after the reduction)
+    assert scale_args == (amax_out, arg(scale), int(TE_DType[torch.float8_e5m2]), 0.25, True,
+                          *DEVICE_AND_STREAM)  # fmt: skip
+    if with_reduction:
+        assert len(reduced) == 1 and reduced[0].data_ptr() == amax_out[0]

@@ -21,6 +21,7 @@ from ._validation import check_fp32_scalar, check_tensor, check_tensors_on
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
     "compute_scale_from_amax",
+    "current_scale_prevalidated",
     "delayed_scaling_update",
     "delayed_scaling_update_prevalidated",
     "fused_amax_and_scale_update_after_reduction",
@@ -170,6 +171,46 @@ def delayed_scaling_update_prevalidated(
             "delayed_scaling_update", list(amax_histories), list(scales),
             to_torch_fp8_dtype(fp8_dtype), margin, amax_compute_algo, amax_reduction_buffer,
         )  # fmt: skip
+
+
+def current_scale_prevalidated(
+    input: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    epsilon: float,
+    force_pow_2_scales: bool,
+    reduce_amax=None,
+) -> torch.Tensor:
+    """Current scaling's scale for ``input``: ``amax(input)`` -> ``reduce_amax(amax)`` (e.g. an
+    all-reduce, optional) -> :func:`compute_scale_from_amax`, as a new one-element tensor on
+    ``input``'s device.
+
+    For the current-scaling quantizer, which has checked the input's dtype, that ``fp8_dtype``
+    is a torch FP8 dtype and that ``epsilon`` is finite and >= 0 (recipe validation): the
+    validated :func:`~.cast.compute_amax` and :func:`compute_scale_from_amax` give the same
+    result with more host time per call.
+    """
+    device = input.device
+    input = input.contiguous()
+    amax = torch.empty(1, dtype=torch.float32, device=device)
+    scale = torch.empty(1, dtype=torch.float32, device=device)
+    native = native_for("compute_amax", device)
+    if native is not None:
+        launch = launch_args(device)
+        native.compute_amax(tensor_arg(input), tensor_arg(amax), *launch)
+        if reduce_amax is not None:
+            reduce_amax(amax)
+        native.compute_scale_from_amax(
+            tensor_arg(amax), tensor_arg(scale), int(_dtype_code(fp8_dtype)), float(epsilon),
+            bool(force_pow_2_scales), *launch,
+        )  # fmt: skip
+    else:
+        amax.copy_(reference.amax(input).reshape(1))
+        if reduce_amax is not None:
+            reduce_amax(amax)
+        computed = reference.compute_scale_from_amax(amax, fp8_dtype, epsilon, force_pow_2_scales)
+        scale.copy_(computed.reshape(1))
+    return scale
 
 
 def _run_delayed_scaling_update(

@@ -20,6 +20,7 @@ from .. import cpp_extensions as ext
 from .. import reference
 from ..constants import HIGH_PRECISION_DTYPES, DType, TE_DType_To_Torch, to_torch_fp8_dtype
 from ..cpp_extensions.cast import quantize_prevalidated
+from ..cpp_extensions.scaling import current_scale_prevalidated
 from ..device import check_same_device, is_non_tn_fp8_gemm_supported
 from ..quantized_tensor import (
     QuantizedTensor,
@@ -453,16 +454,20 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         self.amax_epsilon = epsilon
 
     def _scale_and_amax(self, src):
-        amax = ext.compute_amax(src)
+        reduce_amax = None
         if self.with_amax_reduction:
-            torch.distributed.all_reduce(
-                amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group
-            )
-        scale = ext.compute_scale_from_amax(
-            amax,
-            self.dtype,
+
+            def reduce_amax(amax):
+                torch.distributed.all_reduce(
+                    amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group
+                )
+
+        scale = current_scale_prevalidated(
+            src,
+            TE_DType_To_Torch[DType(self.dtype)],
             epsilon=self.amax_epsilon,
             force_pow_2_scales=self.force_pow_2_scales,
+            reduce_amax=reduce_amax,
         )
         return scale, None
 
