@@ -63,3 +63,69 @@ def test_without_delay_nothing_waits():
 def test_delay_with_split_parameters_is_refused():
     with pytest.raises(ValueError, match="delay_wgrad_compute=True cannot be combined"):
         te.Linear(32, 48, device="cpu", delay_wgrad_compute=True, parameters_split=("a", "b"))
+
+
+# ------------------------------------------------------------------------------------------
+# The other GEMM modules: LayerNormLinear, LayerNormMLP (two deferred GEMMs per backward) and
+# GroupedLinear (one per group).
+
+SPLITS = [16, 0, 32]  # an empty group defers nothing for that group
+
+
+def build(kind, delay):
+    torch.manual_seed(0)
+    if kind == "LayerNormLinear":
+        return te.LayerNormLinear(32, 48, device="cpu", delay_wgrad_compute=delay)
+    if kind == "LayerNormMLP":
+        return te.LayerNormMLP(32, 64, device="cpu", delay_wgrad_compute=delay)
+    return te.GroupedLinear(3, 32, 48, device="cpu", delay_wgrad_compute=delay)
+
+
+def weights(kind, module):
+    if kind == "LayerNormMLP":
+        return [module.fc1_weight, module.fc2_weight]
+    if kind == "GroupedLinear":
+        return [getattr(module, f"weight{i}") for i in range(3)]
+    return [module.weight]
+
+
+def train_module(kind, delay, recipe, steps=2):
+    FP8GlobalStateManager.reset()
+    module = build(kind, delay)
+    deferred_counts, x_grads = [], []
+    for step in range(steps):
+        torch.manual_seed(10 + step)
+        x = (torch.randn(48, 32) * (step + 1)).requires_grad_(True)
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            y = module(x, SPLITS) if kind == "GroupedLinear" else module(x)
+        y.square().sum().backward()
+        if delay:
+            assert module.need_backward_dw()
+            deferred_counts.append(len(module.wgrad_store))
+            if step == 0:
+                assert all(w.grad is None for w in weights(kind, module))
+            module.backward_dw()
+            assert module.wgrad_store == []
+        x_grads.append(x.grad)
+    grads = {name: p.grad for name, p in module.named_parameters()}
+    return grads, x_grads, deferred_counts
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["high-precision", "delayed", "current"])
+@pytest.mark.parametrize("kind", ["LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
+def test_other_modules_defer_weight_gradients_to_backward_dw(kind, recipe):
+    grads, x_grads, counts = train_module(kind, True, recipe)
+    ref_grads, ref_x_grads, _ = train_module(kind, False, recipe)
+    assert counts == [{"LayerNormLinear": 1, "LayerNormMLP": 2, "GroupedLinear": 3}[kind]] * 2
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert grads[name] is not None and torch.equal(grads[name], ref_grads[name]), name
+    for a, b in zip(x_grads, ref_x_grads):
+        assert torch.equal(a, b)
+
+
+def test_layernorm_linear_delay_with_split_parameters_is_refused():
+    with pytest.raises(ValueError, match="LayerNormLinear: delay_wgrad_compute=True cannot"):
+        te.LayerNormLinear(
+            32, 48, device="cpu", delay_wgrad_compute=True, parameters_split=("a", "b")
+        )

@@ -345,7 +345,6 @@ def test_errors():
         ({"single_grouped_bias": True}, "single_grouped_bias"),
         ({"tp_size": 2}, "tp_size"),
         ({"ub_overlap_rs": True}, "ub_overlap_rs"),
-        ({"delay_wgrad_compute": True}, "delay_wgrad_compute"),
     ):
         with pytest.raises(NotImplementedError, match=name):
             GroupedLinear(2, 32, 32, device="cpu", **kwargs)

@@ -565,8 +565,6 @@ def test_errors():
         LayerNormMLP(32, 32, activation="tanh", device="cpu")
     with pytest.raises(ValueError, match="activation_params"):
         LayerNormMLP(32, 32, activation="gelu", activation_params={"limit": 1.0}, device="cpu")
-    with pytest.raises(NotImplementedError, match="checkpoint"):
-        LayerNormMLP(32, 32, checkpoint=True, device="cpu")
     with pytest.raises(NotImplementedError, match="tp_size"):
         LayerNormLinear(32, 32, tp_size=2, device="cpu")
     with pytest.raises(NotImplementedError, match="set_parallel_mode"):

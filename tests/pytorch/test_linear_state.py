@@ -483,12 +483,6 @@ def test_fp8_training_needs_tokens_multiple_of_16():
             assert m(torch.randn(2, 5, IN)).shape == (2, 5, OUT)  # inference: no wgrad GEMM
 
 
-def test_fp8_grad_is_not_implemented():
-    m = Linear(IN, OUT, device="cpu")
-    with pytest.raises(NotImplementedError, match="fp8_grad"):
-        m(torch.randn(32, IN), fp8_grad=True)
-
-
 @pytest.mark.parametrize("features", [(0, OUT), (IN, -1), (IN, 2.0)])
 def test_feature_counts_must_be_positive_ints(features):
     with pytest.raises(ValueError, match="must be a positive int"):

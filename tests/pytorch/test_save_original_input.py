@@ -57,3 +57,24 @@ def test_delayed_scaling_is_refused_with_the_reason():
         torch.testing.assert_close(
             layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
         )
+
+
+def run_grouped(save_original_input, recipe=None):
+    torch.manual_seed(0)
+    layer = te.GroupedLinear(2, 32, 48, device="cpu", save_original_input=save_original_input)
+    x = (torch.randn(48, 32) * 3).requires_grad_(True)
+    with te.autocast(recipe=recipe or Float8CurrentScaling()):
+        y = layer(x, [16, 32])
+    y.square().sum().backward()
+    return (y, x.grad, *(p.grad for p in layer.parameters()))
+
+
+def test_grouped_linear_same_bits_as_saving_the_fp8_inputs_under_current_scaling():
+    for a, b in zip(run_grouped(True), run_grouped(False), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_grouped_linear_refuses_delayed_scaling_with_the_reason():
+    with pytest.raises(ValueError, match="GroupedLinear: save_original_input=True .* stateless"):
+        run_grouped(True, DelayedScaling())
+    assert FP8GlobalStateManager.quantization_state.is_first_fp8_module in (True, False)

@@ -22,6 +22,8 @@ from ._normalization import layernorm, rmsnorm
 __all__ = [
     "make_linear_config",
     "gemm_weight",
+    "quantize_output",
+    "fp8_input_gradient",
     "NORMALIZATIONS",
     "check_normalization",
     "register_norm_parameters",
@@ -120,6 +122,39 @@ def make_linear_config(
         and FP8GlobalStateManager.is_first_fp8_module()
     )
     return config
+
+
+def quantize_output(quantizer, out: torch.Tensor):
+    """``fp8_output=True``: the GEMM's output as a ``Float8Tensor`` (the forward state's output
+    slot). It stays in the autograd graph: the gradient passes through unchanged, in high
+    precision (straight-through), so a model can train through an FP8 output."""
+    return quantizer.quantize(out)
+
+
+class _QuantizeGradient(torch.autograd.Function):
+    """Identity in forward; in backward the gradient is handed on as a quantized tensor."""
+
+    @staticmethod
+    def forward(ctx, tensor, quantizer):  # noqa: D102
+        ctx.quantizer = quantizer
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        quantizer = ctx.quantizer
+        quantizer.set_usage(rowwise=True, columnwise=False)
+        return quantizer.quantize_impl(grad), None
+
+
+def fp8_input_gradient(inp: torch.Tensor, quantizer) -> torch.Tensor:
+    """``fp8_grad=True``: ``inp`` unchanged, but the module hands the gradient of its input back
+    as a ``Float8Tensor`` (nominal dtype the input's) cast by ``quantizer``, the backward state's
+    grad-input slot. The cast runs after the module's own backward (for ``LayerNormLinear``
+    after the normalization's), so under delayed scaling its amax joins the history at the next
+    backward update."""
+    if not inp.requires_grad or not torch.is_grad_enabled():
+        return inp
+    return _QuantizeGradient.apply(inp, quantizer)
 
 
 def gemm_weight(owner: str, weight: torch.Tensor, dtype: torch.dtype, fp8: bool) -> torch.Tensor:

@@ -367,6 +367,16 @@ class TransformerEngineBaseModule(torch.nn.Module):
         return None, lambda value: self._fp8_workspaces.__setitem__(key, value)
 
     # -- delayed weight gradients (delay_wgrad_compute) ----------------------------------------
+    def _init_wgrad_store(self, delay_wgrad_compute: bool, parameters_split=None) -> None:
+        """``delay_wgrad_compute=True``: backward queues its weight-gradient GEMMs here and
+        :meth:`backward_dw` runs them (bias and input gradients are not delayed)."""
+        if delay_wgrad_compute and parameters_split is not None:
+            raise ValueError(
+                f"{type(self).__name__}: delay_wgrad_compute=True cannot be combined with "
+                "parameters_split: the deferred gradient goes to one weight parameter"
+            )
+        self.wgrad_store = [] if delay_wgrad_compute else None
+
     def need_backward_dw(self) -> bool:
         """Whether weight gradients wait for :meth:`backward_dw` (``delay_wgrad_compute``)."""
         return getattr(self, "wgrad_store", None) is not None

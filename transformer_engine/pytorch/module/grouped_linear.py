@@ -65,6 +65,12 @@ class GroupedLinear(TransformerEngineBaseModule):
         Initializes each weight in place; default N(0, 0.023).
     fuse_wgrad_accumulation : bool, default False
         Accumulate each weight gradient into ``weight{i}.main_grad`` (float32).
+    delay_wgrad_compute : bool, default False
+        Backward leaves the weight-gradient GEMMs to :meth:`backward_dw`.
+    save_original_input : bool, default False
+        Keep the input in high precision for backward and quantize it again there (less
+        memory when the FP8 transpose is larger than the input is worth keeping); only for
+        stateless recipes (current scaling), refused under ``DelayedScaling``.
     name : str, optional
 
     Tensor-parallel, comm-overlap and grouped-parameter arguments are accepted for
@@ -105,7 +111,6 @@ class GroupedLinear(TransformerEngineBaseModule):
         check_single_process_arguments(
             "GroupedLinear", tp_size=tp_size, sequence_parallel=sequence_parallel,
             ub_overlap_rs=ub_overlap_rs, ub_overlap_ag=ub_overlap_ag,
-            delay_wgrad_compute=delay_wgrad_compute, save_original_input=save_original_input,
             single_grouped_weight=single_grouped_weight, single_grouped_bias=single_grouped_bias,
             use_grouped_tensor=use_grouped_tensor,
         )  # fmt: skip
@@ -115,6 +120,8 @@ class GroupedLinear(TransformerEngineBaseModule):
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.save_original_input = save_original_input
+        self._init_wgrad_store(delay_wgrad_compute)
         self.parallel_mode = parallel_mode
         self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
         self.rng_tracker_name = rng_tracker_name
@@ -218,6 +225,18 @@ class GroupedLinear(TransformerEngineBaseModule):
                 )  # fmt: skip
                 for i, x in enumerate(groups)
             ]
+            for config in configs:
+                config.wgrad_store = self.wgrad_store
+            if self.save_original_input and fp8:
+                if self.fp8_meta["recipe"].delayed():
+                    raise ValueError(
+                        "GroupedLinear: save_original_input=True re-quantizes the input in "
+                        "backward, which is only exact for stateless recipes; DelayedScaling's "
+                        "scale changes between forward and backward. Use Float8CurrentScaling or "
+                        "save_original_input=False"
+                    )
+                for config in configs:
+                    config.save_original_input = True
             update_bwd = (
                 fp8 and torch.is_grad_enabled() and FP8GlobalStateManager.is_first_fp8_module()
             )

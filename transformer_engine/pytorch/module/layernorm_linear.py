@@ -22,8 +22,10 @@ from ._linear_parameters import (
 from ._module_config import (
     apply_norm,
     check_normalization,
+    fp8_input_gradient,
     gemm_weight,
     make_linear_config,
+    quantize_output,
     register_norm_parameters,
 )
 from .base import TransformerEngineBaseModule, default_init_method, resolve_module_device
@@ -32,7 +34,7 @@ __all__ = ["LayerNormLinear"]
 
 # Forward / backward quantizer slots of the GEMM (upstream's FP8FwdTensorIdx layout).
 GEMM1_INPUT, GEMM1_WEIGHT, GEMM1_OUTPUT = 0, 1, 2
-GRAD_OUTPUT1 = 0
+GRAD_OUTPUT1, GRAD_INPUT1 = 0, 1
 
 
 class LayerNormLinear(TransformerEngineBaseModule):
@@ -108,8 +110,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
             "LayerNormLinear", tp_size=tp_size, sequence_parallel=sequence_parallel,
             ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
             ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
-            ub_bulk_wgrad=ub_bulk_wgrad, delay_wgrad_compute=delay_wgrad_compute,
-            symmetric_ar_type=symmetric_ar_type,
+            ub_bulk_wgrad=ub_bulk_wgrad, symmetric_ar_type=symmetric_ar_type,
         )  # fmt: skip
         check_features(in_features=in_features, out_features=out_features)
         if not float(eps) >= 0:
@@ -121,6 +122,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         self.return_layernorm_output = return_layernorm_output
         self.return_layernorm_output_gathered = return_layernorm_output_gathered
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self._init_wgrad_store(delay_wgrad_compute, parameters_split)
         self.parallel_mode = parallel_mode
         self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
         params_dtype = params_dtype or torch.get_default_dtype()
@@ -149,8 +151,6 @@ class LayerNormLinear(TransformerEngineBaseModule):
         Returns ``out``, ``(out, bias)`` with ``return_bias``, ``(out, ln_out)`` with
         ``return_layernorm_output``, or ``(out, bias, ln_out)`` with both.
         """
-        if fp8_grad:
-            raise NotImplementedError("LayerNormLinear: fp8_grad=True is not implemented yet")
         if inp.shape[-1] != self.in_features:
             raise ValueError(
                 f"LayerNormLinear: the input's last dimension is {inp.shape[-1]} but "
@@ -158,6 +158,8 @@ class LayerNormLinear(TransformerEngineBaseModule):
             )
         with self.prepare_forward_ctx(inp, num_gemms=1) as inp:
             dtype, fp8 = self.activation_dtype, self.fp8
+            if fp8 and fp8_grad:
+                inp = fp8_input_gradient(inp, self.quantizers["scaling_bwd"][GRAD_INPUT1])
             if inp.dtype != dtype:
                 inp = inp.to(dtype)
             ln_out = apply_norm(self, inp)
@@ -171,9 +173,10 @@ class LayerNormLinear(TransformerEngineBaseModule):
                 out_features=self.out_features,
                 main_grad_param=self.weight if "" in self.sizes else None,
             )  # fmt: skip
+            config.wgrad_store = self.wgrad_store
             out = linear_forward(weight, ln_out, gemm_bias, config)
             if fp8 and fp8_output:
-                out = self.quantizers["scaling_fwd"][GEMM1_OUTPUT].quantize_impl(out.detach())
+                out = quantize_output(self.quantizers["scaling_fwd"][GEMM1_OUTPUT], out)
         outputs = (out,)
         if self.return_bias:
             outputs += (bias.to(dtype) if bias is not None else None,)

@@ -68,7 +68,10 @@ class LayerNormMLP(TransformerEngineBaseModule):
     fuse_wgrad_accumulation : bool, default False
         Accumulate weight gradients into ``fc1_weight.main_grad`` / ``fc2_weight.main_grad``.
     checkpoint : bool, default False
-        Selective recompute of FC1 and the activation; not implemented yet.
+        Selective recompute: FC1 and the activation keep no activations and are recomputed in
+        backward (FC2 is not rerun), with the FP8 scales of the original forward.
+    delay_wgrad_compute : bool, default False
+        Backward leaves both weight-gradient GEMMs to :meth:`backward_dw`.
     name : str, optional
 
     Tensor-parallel and comm-overlap arguments are accepted for compatibility; values other
@@ -123,13 +126,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
             set_parallel_mode=set_parallel_mode, ub_overlap_ag=ub_overlap_ag,
             ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
             ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad,
-            delay_wgrad_compute=delay_wgrad_compute, symmetric_ar_type=symmetric_ar_type,
+            symmetric_ar_type=symmetric_ar_type,
         )  # fmt: skip
-        if checkpoint:
-            raise NotImplementedError(
-                "LayerNormMLP: checkpoint=True (selective recompute of FC1 and the activation) "
-                "is not implemented yet; wrap the module in activation checkpointing instead"
-            )
         check_features(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         if not float(eps) >= 0:
             raise ValueError(f"eps={eps!r} must be non-negative")
@@ -142,6 +140,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self.return_layernorm_output = return_layernorm_output
         self.return_layernorm_output_gathered = return_layernorm_output_gathered
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self._init_wgrad_store(delay_wgrad_compute)
         self.set_parallel_mode, self.checkpoint = set_parallel_mode, checkpoint
         self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
         self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
@@ -204,8 +203,15 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 out_features=self.hidden_size, read_first_module_flag=False,
                 main_grad_param=self.fc2_weight,
             )  # fmt: skip
-            fc1_out = linear_forward(fc1_weight, ln_out, fc1_bias, fc1_config)
-            act_out = self.activation_fn(fc1_out)
+            fc1_config.wgrad_store = fc2_config.wgrad_store = self.wgrad_store
+            if self.checkpoint and torch.is_grad_enabled():
+                act_out = self._fc1_and_activation_recomputed(
+                    ln_out, fc1_weight, fc1_bias, fc1_config
+                )
+            else:
+                act_out = self.activation_fn(
+                    linear_forward(fc1_weight, ln_out, fc1_bias, fc1_config)
+                )
             gemm_bias = None if self.return_bias else fc2_bias
             out = linear_forward(fc2_weight, act_out, gemm_bias, fc2_config)
         outputs = (out,)
@@ -214,3 +220,33 @@ class LayerNormMLP(TransformerEngineBaseModule):
         if self.return_layernorm_output:
             outputs += (ln_out,)
         return outputs[0] if len(outputs) == 1 else outputs
+
+    def _fc1_and_activation_recomputed(self, ln_out, fc1_weight, fc1_bias, fc1_config):
+        """``checkpoint=True``: FC1 and the activation keep none of their activations; backward
+        recomputes them (FC2 is not rerun: its backward needs only its saved FP8 input).
+
+        The recompute casts exactly like the original forward: with delayed scaling, the forward
+        scales and amax history of that forward are swapped in for the recompute and the current
+        ones put back afterwards, which also drops the amaxes the recompute accumulated (no amax
+        is counted twice).
+        """
+        state = self._delayed_forward_state()
+        snapshot = None if state is None else (state.scale.clone(), state.amax_history.clone())
+        runs = {"count": 0}
+
+        def fc1_and_activation(x):
+            runs["count"] += 1
+            if runs["count"] == 1 or snapshot is None:
+                return self.activation_fn(linear_forward(fc1_weight, x, fc1_bias, fc1_config))
+            current = (state.scale.clone(), state.amax_history.clone())
+            with torch.no_grad():
+                state.scale.copy_(snapshot[0])
+                state.amax_history.copy_(snapshot[1])
+            try:
+                return self.activation_fn(linear_forward(fc1_weight, x, fc1_bias, fc1_config))
+            finally:
+                with torch.no_grad():
+                    state.scale.copy_(current[0])
+                    state.amax_history.copy_(current[1])
+
+        return torch.utils.checkpoint.checkpoint(fc1_and_activation, ln_out, use_reentrant=False)

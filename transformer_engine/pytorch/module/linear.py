@@ -14,14 +14,19 @@ from ._linear_parameters import (
     linear_weight,
     register_linear_parameters,
 )
-from ._module_config import gemm_weight, make_linear_config
+from ._module_config import (
+    fp8_input_gradient,
+    gemm_weight,
+    make_linear_config,
+    quantize_output,
+)
 from .base import TransformerEngineBaseModule, default_init_method, resolve_module_device
 
 __all__ = ["Linear"]
 
 # Forward / backward quantizer slots of the first GEMM (upstream's FP8FwdTensorIdx layout).
 GEMM1_INPUT, GEMM1_WEIGHT, GEMM1_OUTPUT = 0, 1, 2
-GRAD_OUTPUT1 = 0
+GRAD_OUTPUT1, GRAD_INPUT1 = 0, 1
 
 
 class Linear(TransformerEngineBaseModule):
@@ -43,7 +48,16 @@ class Linear(TransformerEngineBaseModule):
         Register the weight (and bias) as several parameters ``<name>_weight``.
     fuse_wgrad_accumulation : bool, default False
         Accumulate the weight gradient into ``weight.main_grad`` (float32).
+    delay_wgrad_compute : bool, default False
+        Backward leaves the weight-gradient GEMM to :meth:`backward_dw`.
+    save_original_input : bool, default False
+        Keep the input in high precision for backward and quantize it again there (stateless
+        recipes only; refused under ``DelayedScaling``).
     name : str, optional
+
+    ``forward(inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False)``: in FP8,
+    ``fp8_output`` returns the output as a differentiable ``Float8Tensor`` and ``fp8_grad``
+    hands the input's gradient back as a ``Float8Tensor`` (see docs/modules.md).
 
     Tensor-parallel and comm-overlap arguments are accepted for compatibility; values other
     than the single-process defaults raise ``NotImplementedError`` naming the argument.
@@ -91,12 +105,7 @@ class Linear(TransformerEngineBaseModule):
         self.return_bias = return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.save_original_input = save_original_input
-        if delay_wgrad_compute and parameters_split is not None:
-            raise ValueError(
-                "delay_wgrad_compute=True cannot be combined with parameters_split: the deferred "
-                "gradient goes to one weight parameter"
-            )
-        self.wgrad_store = [] if delay_wgrad_compute else None
+        self._init_wgrad_store(delay_wgrad_compute, parameters_split)
         self.parallel_mode = parallel_mode
         self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
         self.rng_tracker_name = rng_tracker_name
@@ -117,8 +126,6 @@ class Linear(TransformerEngineBaseModule):
         fp8_output: bool | None = False,
         fp8_grad: bool | None = False,
     ):
-        if fp8_grad:
-            raise NotImplementedError("Linear: fp8_grad=True is not implemented yet")
         if inp.shape[-1] != self.in_features:
             raise ValueError(
                 f"Linear: the input's last dimension is {inp.shape[-1]} but in_features="
@@ -129,6 +136,8 @@ class Linear(TransformerEngineBaseModule):
             dtype = self.activation_dtype
             fp8 = self.fp8
             weight = gemm_weight("Linear", linear_weight(self), dtype, fp8)
+            if fp8 and fp8_grad:
+                inp = fp8_input_gradient(inp, self.quantizers["scaling_bwd"][GRAD_INPUT1])
             if inp.dtype != dtype:
                 inp = inp.to(dtype)
             gemm_bias = None if (bias is None or self.return_bias) else bias.to(dtype)
@@ -151,7 +160,7 @@ class Linear(TransformerEngineBaseModule):
                 config.save_original_input = True
             out = linear_forward(weight, inp, gemm_bias, config)
             if fp8 and fp8_output:
-                out = self.quantizers["scaling_fwd"][GEMM1_OUTPUT].quantize_impl(out.detach())
+                out = quantize_output(self.quantizers["scaling_fwd"][GEMM1_OUTPUT], out)
         if self.return_bias:
             return out, (bias.to(dtype) if bias is not None else None)
         return out

@@ -1,0 +1,80 @@
+"""LayerNormMLP(checkpoint=True): FC1 and the activation keep no activations and are recomputed
+in backward, with the FP8 scales of the original forward, giving the same bits as
+checkpoint=False while saving less for backward."""
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.pytorch.device import guard_depth
+from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+RECIPES = {"high-precision": None, "delayed": DelayedScaling, "current": Float8CurrentScaling}
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    FP8GlobalStateManager.reset()
+    yield
+    FP8GlobalStateManager.reset()
+
+
+def train(checkpoint, recipe, activation="gelu", steps=3):
+    FP8GlobalStateManager.reset()
+    torch.manual_seed(0)
+    module = te.LayerNormMLP(32, 64, device="cpu", checkpoint=checkpoint, activation=activation)
+    saved_bytes = []
+    outputs, input_grads = [], []
+    for step in range(steps):
+        torch.manual_seed(10 + step)
+        x = (torch.randn(2, 16, 32) * (step + 1)).requires_grad_(True)
+        sizes = []
+
+        def pack(t, sizes=sizes):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with te.autocast(enabled=recipe is not None, recipe=recipe and recipe()):
+                y = module(x)
+        y.square().sum().backward()
+        saved_bytes.append(sum(sizes))
+        outputs.append(y.detach())
+        input_grads.append(x.grad)
+    grads = {name: p.grad for name, p in module.named_parameters()}
+    state = {
+        key: (module.fp8_meta[key].scale.clone(), module.fp8_meta[key].amax_history.clone())
+        for key in ("scaling_fwd", "scaling_bwd")
+        if recipe is DelayedScaling
+    }
+    return outputs, input_grads, grads, state, saved_bytes
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_checkpoint_gives_the_same_bits_and_saves_less(recipe, activation):
+    recomputed = train(True, RECIPES[recipe], activation)
+    stored = train(False, RECIPES[recipe], activation)
+    for a, b in zip(recomputed[0] + recomputed[1], stored[0] + stored[1]):
+        assert torch.equal(a, b)
+    assert recomputed[2].keys() == stored[2].keys()
+    for name in stored[2]:
+        assert torch.equal(recomputed[2][name], stored[2][name]), name
+    # delayed scaling: the recompute cast with the original scales and counted no amax twice
+    for key in recomputed[3]:
+        assert torch.equal(recomputed[3][key][0], stored[3][key][0]), key
+        assert torch.equal(recomputed[3][key][1], stored[3][key][1]), key
+    assert all(a < b for a, b in zip(recomputed[4], stored[4])), (recomputed[4], stored[4])
+    assert guard_depth() == 0
+
+
+def test_checkpoint_without_grad_runs_plainly():
+    torch.manual_seed(0)
+    module = te.LayerNormMLP(32, 64, device="cpu", checkpoint=True)
+    x = torch.randn(16, 32)
+    with torch.no_grad():
+        y = module(x)
+    module.checkpoint = False
+    with torch.no_grad():
+        assert torch.equal(y, module(x))
