@@ -339,3 +339,22 @@ def test_same_bits_on_both_gpus():
     assert same_bits(results[0].data, results[1].data)
     assert same_bits(results[0].transpose, results[1].transpose)
     assert torch.cuda.current_device() == 0
+
+
+@two_gpus
+def test_launch_args_name_the_current_stream_of_each_device():
+    from transformer_engine.pytorch.device import native_launch_args
+
+    torch.cuda.set_device(0)
+    side1 = torch.cuda.Stream(device="cuda:1")
+    with torch.cuda.stream(side1):  # makes side1 current on cuda:1 only
+        assert native_launch_args(torch.device("cuda:1")) == (1, side1.cuda_stream)
+        assert native_launch_args(torch.device("cuda:0")) == (
+            0,
+            torch.cuda.current_stream(0).cuda_stream,
+        )
+    assert native_launch_args(torch.device("cuda:1")) == (
+        1,
+        torch.cuda.current_stream(1).cuda_stream,
+    )
+    assert torch.cuda.current_device() == 0

@@ -268,6 +268,42 @@ def test_grouped_linear_accumulates_into_main_grad():
         torch.testing.assert_close(w.main_grad, 1 + dy[rows].t() @ x[rows], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("recipe", [None, *RECIPES])
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_grouped_linear_delay_wgrad_compute_defers_to_backward_dw(recipe, main_grad):
+    def run(delay):
+        FP8GlobalStateManager.reset()
+        op = build(delay_wgrad_compute=delay, accumulate_into_main_grad=main_grad)
+        for w in op.weights():
+            w.main_grad = torch.zeros(w.shape) if main_grad else None
+        model = ops.Sequential(op)
+        grads_before = []
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(96, IN, generator=g).requires_grad_(True)
+            dy = torch.randn(96, OUT, generator=g)
+            with autocast(recipe):
+                y = model(x, torch.tensor(SPLITS))
+            y.backward(dy)
+            grads_before.append([w.grad for w in op.weights()])
+            if delay:
+                assert op.need_backward_dw() and len(op.wgrad_store) == G
+                op.backward_dw()
+                assert op.wgrad_store == []
+            else:
+                assert not op.need_backward_dw()
+        weight_grads = [w.main_grad if main_grad else w.grad for w in op.weights()]
+        return weight_grads, [b.grad for b in op.biases()], x.grad, grads_before
+
+    deferred, immediate = run(True), run(False)
+    if not main_grad:
+        assert all(g is None for g in deferred[3][0])  # nothing before the first backward_dw()
+    for a, b in zip(
+        deferred[0] + deferred[1] + [deferred[2]], immediate[0] + immediate[1] + [immediate[2]]
+    ):
+        assert torch.equal(a, b)
+
+
 def test_grouped_linear_dequantizes_a_quantized_input():
     torch.manual_seed(5)
     op = build(num_groups=2)
@@ -347,7 +383,6 @@ def test_grouped_linear_argument_errors():
     for kwargs, name in (
         ({"single_grouped_weight": True}, "single_grouped_weight"),
         ({"single_grouped_bias": True}, "single_grouped_bias"),
-        ({"delay_wgrad_compute": True}, "delay_wgrad_compute"),
         ({"scale_bias": True}, "scale_bias"),
     ):
         with pytest.raises(NotImplementedError, match=name):

@@ -34,7 +34,19 @@ def native_launch_args(device: torch.device) -> tuple[int, int]:
     """
     if device.type != "cuda" or device.index is None:
         raise ValueError(f"native kernels run on an indexed CUDA device, got {device}")
-    return device.index, torch.cuda.current_stream(device).cuda_stream
+    return device.index, _current_raw_stream(device.index)
+
+
+def _current_raw_stream_via_stream_object(index: int) -> int:
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+# The cudaStream_t of a device's current stream. torch's raw accessor (what compiled code uses)
+# skips building a torch.cuda.Stream object, a few microseconds of host time per kernel launch;
+# the public route gives the same handle where it is missing.
+_current_raw_stream = getattr(
+    torch._C, "_cuda_getCurrentRawStream", _current_raw_stream_via_stream_object
+)
 
 
 def reject_meta(op: str, **tensors) -> None:

@@ -87,8 +87,13 @@ class GroupedLinear(BasicOperation):
         Accumulate each weight gradient into ``weight{i}.main_grad`` (float32) instead of
         returning it.
 
-    ``single_grouped_weight``, ``single_grouped_bias``, ``delay_wgrad_compute`` and
-    ``scale_bias`` are accepted for compatibility; ``True`` raises ``NotImplementedError``.
+    delay_wgrad_compute : bool, default False
+        Backward computes the input and bias gradients only; the weight-gradient GEMMs wait
+        for :meth:`backward_dw` (into ``.grad``, or ``main_grad`` with
+        ``accumulate_into_main_grad``), giving the same gradients.
+
+    ``single_grouped_weight``, ``single_grouped_bias`` and ``scale_bias`` (experimental
+    upstream) are accepted for compatibility; ``True`` raises ``NotImplementedError``.
 
     Notes
     -----
@@ -119,10 +124,10 @@ class GroupedLinear(BasicOperation):
         scale_bias: bool = False,
     ) -> None:
         super().__init__()
+        self.wgrad_store: list | None = [] if delay_wgrad_compute else None
         for name, value in (
             ("single_grouped_weight", single_grouped_weight),
             ("single_grouped_bias", single_grouped_bias),
-            ("delay_wgrad_compute", delay_wgrad_compute),
             ("scale_bias", scale_bias),
         ):
             if value:
@@ -160,6 +165,15 @@ class GroupedLinear(BasicOperation):
             self.register_parameter(f"bias{i}", b)
         if device.type != "meta":
             self.reset_parameters()
+
+    def need_backward_dw(self) -> bool:
+        """Whether weight gradients wait for :meth:`backward_dw` (``delay_wgrad_compute``)."""
+        return self.wgrad_store is not None
+
+    def backward_dw(self) -> None:
+        """Run the weight-gradient GEMMs that backward deferred, in order."""
+        while self.wgrad_store:
+            self.wgrad_store.pop(0)()
 
     def weights(self) -> list[torch.nn.Parameter]:
         """The current ``weight0 .. weight{num_groups-1}`` (read now, never cached)."""
@@ -371,6 +385,7 @@ class GroupedLinear(BasicOperation):
                 fuse_wgrad_accumulation=self._accumulate_into_main_grad,
                 accumulate_into_main_grad=True,
                 main_grad_param=weight,
+                wgrad_store=self.wgrad_store,
             )
             if fp8:
                 check_fp8_gemm_shapes(
