@@ -824,3 +824,41 @@ def test_fallback_warning_points_at_the_caller():
         warnings.simplefilter("always")
         torch.cos(y)
     assert len(caught) == 1 and caught[0].filename == __file__
+
+
+# ------------------------------------------------------------------------------------------
+# quantize_with_dbias_impl: the linear core's grad-output cast that also yields the bias gradient
+
+
+@pytest.mark.parametrize("kind", ["delayed", "current"])
+@pytest.mark.parametrize("columnwise", [True, False])
+@pytest.mark.parametrize("dtype", HP)
+def test_quantize_with_dbias_is_quantize_plus_the_column_sum(kind, columnwise, dtype):
+    x = sample((3, 40, 32), dtype=dtype, seed=4)
+
+    def make():
+        if kind == "delayed":
+            return DelayedState().quantizer(fp8=E5M2)
+        return Float8CurrentScalingQuantizer(E5M2)
+
+    fused_q, plain_q = make(), make()
+    for q in (fused_q, plain_q):
+        q.set_usage(rowwise=True, columnwise=columnwise)
+    fused, dbias = fused_q.quantize_with_dbias_impl(x)
+    plain = plain_q.quantize_impl(x)
+    assert torch.equal(u8(fused._data), u8(plain._data))
+    if columnwise:
+        assert torch.equal(u8(fused._transpose), u8(plain._transpose))
+    assert torch.equal(fused._scale_inv, plain._scale_inv)
+    assert dbias.dtype == dtype and dbias.shape == (32,)
+    assert torch.equal(dbias, R.column_sum(x))
+    torch.testing.assert_close(
+        dbias.double(), x.double().sum(dim=(0, 1)).to(dtype).double(), rtol=1e-2, atol=1e-2
+    )
+
+
+def test_quantize_with_dbias_of_an_empty_tensor_gives_zeros():
+    q = Float8CurrentScalingQuantizer(E4M3)
+    q.set_usage(rowwise=True, columnwise=True)
+    _, dbias = q.quantize_with_dbias_impl(torch.empty(0, 16))
+    assert torch.equal(dbias, torch.zeros(16))

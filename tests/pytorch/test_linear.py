@@ -636,3 +636,34 @@ def test_fp8_frozen_weight_and_constant_input_still_train_the_bias():
     y.backward(dy)
     assert torch.equal(layer.bias.grad, dy.sum(0))
     assert layer.weight.grad is None
+
+
+@pytest.mark.parametrize(
+    "bias, freeze_weight, fused",
+    [(True, False, True), (False, False, False), (True, True, False)],
+    ids=["bias+wgrad: fused", "no bias", "frozen weight: no transpose, separate sum"],
+)
+def test_backward_takes_the_bias_gradient_from_the_grad_output_cast(
+    monkeypatch, bias, freeze_weight, fused
+):
+    from transformer_engine.pytorch.tensor._float8_quantizers import Float8Quantizer
+
+    calls = []
+    original = Float8Quantizer.quantize_with_dbias_impl
+
+    def spy(self, tensor):
+        calls.append(tuple(tensor.shape))
+        return original(self, tensor)
+
+    monkeypatch.setattr(Float8Quantizer, "quantize_with_dbias_impl", spy)
+    torch.manual_seed(0)
+    layer = te.Linear(32, 48, bias=bias, device="cpu")
+    layer.weight.requires_grad_(not freeze_weight)
+    x = torch.randn(16, 32, requires_grad=True)
+    dy = torch.randn(16, 48)
+    with te.autocast(recipe=DelayedScaling()):
+        y = layer(x)
+    y.backward(dy)
+    assert calls == ([(16, 48)] if fused else [])
+    if bias:
+        torch.testing.assert_close(layer.bias.grad, dy.sum(dim=0), rtol=1e-6, atol=1e-5)

@@ -45,6 +45,22 @@ def test_version_matches_the_package():
         (lambda: native.quantize((0, [4], BF16), (FAKE, [1], F32), (FAKE, [4], E4M3), None, None,
                                  None, None, 0, 0),
          r"input has 4 elements but a null data pointer"),
+        (lambda: native.quantize_dbias((FAKE, [2, 4], BF16), (FAKE, [1], F32),
+                                       (FAKE, [2, 4], E4M3), (FAKE, [4, 2], E4M3), None, None,
+                                       (FAKE, [4], F32), (FAKE, [4], F32), 0, 0),
+         r"nvte_quantize_dbias: dbias has dtype Float32 but input has BFloat16"),
+        (lambda: native.quantize_dbias((FAKE, [2, 4], BF16), (FAKE, [1], F32),
+                                       (FAKE, [2, 4], E4M3), (FAKE, [4, 2], E4M3), None, None,
+                                       (FAKE, [3], BF16), (FAKE, [4], F32), 0, 0),
+         r"dbias must have shape \[4\]"),
+        (lambda: native.quantize_dbias((FAKE, [130, 4], BF16), (FAKE, [1], F32),
+                                       (FAKE, [130, 4], E4M3), (FAKE, [4, 130], E4M3), None, None,
+                                       (FAKE, [4], BF16), (FAKE, [11], F32), 0, 0),
+         r"workspace has 11 elements; \[130, 4\] needs nvte_quantize_dbias_workspace_elements = 12"),
+        (lambda: native.quantize_dbias((FAKE, [2, 4], BF16), (FAKE, [1], F32),
+                                       (FAKE, [2, 4], E4M3), (FAKE, [2, 4], E4M3), None, None,
+                                       (FAKE, [4], BF16), (FAKE, [4], F32), 0, 0),
+         r"nvte_quantize_dbias: output_t must have the input's last extent \(4\)"),
         (lambda: native.dequantize((FAKE, [4], BF16), (FAKE, [1], F32), (FAKE, [4], F32), 0, 0),
          r"nvte_dequantize: input has dtype BFloat16; expected one of Float8E4M3, Float8E5M2"),
         (lambda: native.compute_scale_from_amax((FAKE, [1], F32), (FAKE, [1], F32), BF16, 0.0,
@@ -81,3 +97,11 @@ def test_without_a_cuda_driver_calls_fail_cleanly():
         native.compute_amax((FAKE, [4], BF16), (FAKE, [1], F32), 0, 0)
     with pytest.raises(RuntimeError, match=r"nvte_device_count: cudaGetDeviceCount failed"):
         native.device_count()
+
+
+@pytest.mark.parametrize("rows, cols", [(0, 8), (1, 8), (64, 3), (65, 3), (4096, 4096)])
+def test_dbias_workspace_size_matches_the_python_side(rows, cols):
+    from transformer_engine.pytorch.cpp_extensions.cast import DBIAS_TILE_ROWS
+
+    expected = -(-rows // DBIAS_TILE_ROWS) * cols
+    assert native.quantize_dbias_workspace_elements(rows, cols) == expected

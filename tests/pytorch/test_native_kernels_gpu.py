@@ -358,3 +358,82 @@ def test_launch_args_name_the_current_stream_of_each_device():
         torch.cuda.current_stream(1).cuda_stream,
     )
     assert torch.cuda.current_device() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# nvte_quantize_dbias: nvte_quantize's cast + transpose, plus the sum over rows
+
+
+DBIAS_SHAPES = [(1, 16), (17, 33), (64, 64), (255, 130), (4097, 64), (3, 65, 128), (64, 4096),
+                (130, 7)]  # fmt: skip
+
+
+def _column_sum_tolerance(x: torch.Tensor) -> torch.Tensor:
+    """float32 accumulation in another order, then one rounding to x's dtype."""
+    flat = x.detach().cpu().double().reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    eps = torch.finfo(x.dtype).eps
+    exact = flat.sum(dim=0)
+    return exact, flat.abs().sum(dim=0) * rows * 2.0**-23 + exact.abs() * eps + 1e-30
+
+
+@pytest.mark.parametrize("shape", DBIAS_SHAPES)
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", HIGH)
+@pytest.mark.parametrize("aligned", [True, False])
+def test_quantize_dbias_is_quantize_plus_the_column_sum(shape, fp8, dtype, aligned):
+    from transformer_engine.pytorch.cpp_extensions.cast import quantize_dbias_prevalidated
+
+    x = make_input(shape, dtype, "cuda:0", seed=len(shape) + shape[-1], specials=False)
+    if not aligned:  # one element in: the scalar (unvectorised) path
+        flat = torch.cat([torch.zeros(1, dtype=dtype, device="cuda:0"), x.reshape(-1)])
+        x = flat[1:].view(shape)
+    scale = torch.tensor([0.75], device="cuda:0")
+    amax_fused, amax_plain = torch.zeros(1, device="cuda:0"), torch.zeros(1, device="cuda:0")
+    fused, dbias = quantize_dbias_prevalidated(x, scale, fp8, amax=amax_fused)
+    plain = quantize(x, scale, fp8, amax=amax_plain, with_transpose=True)
+    torch.cuda.synchronize()
+    assert same_bits(fused.data, plain.data) and same_bits(fused.transpose, plain.transpose)
+    assert same_bits(fused.scale_inv, plain.scale_inv) and same_bits(amax_fused, amax_plain)
+    assert dbias.dtype == dtype and dbias.shape == (shape[-1],) and dbias.device == x.device
+    exact, tol = _column_sum_tolerance(x)
+    err = (dbias.cpu().double() - exact).abs()
+    assert (err <= tol).all(), (err - tol).max()
+    # deterministic: the same bits again
+    _, again = quantize_dbias_prevalidated(x, scale, fp8, amax=None)
+    assert same_bits(again, dbias)
+
+
+def test_quantize_dbias_with_no_rows_gives_zeros_and_publishes_scale_inv():
+    native = transformer_engine.common.native.native_module()
+    x = torch.empty(0, 32, dtype=torch.bfloat16, device="cuda:0")
+    out = torch.empty(0, 32, dtype=torch.float8_e4m3fn, device="cuda:0")
+    out_t = torch.empty(32, 0, dtype=torch.float8_e4m3fn, device="cuda:0")
+    scale = torch.tensor([4.0], device="cuda:0")
+    scale_inv = torch.zeros(1, device="cuda:0")
+    dbias = torch.full((32,), 7.0, dtype=torch.bfloat16, device="cuda:0")
+    ws = torch.empty(1, device="cuda:0")
+    arg = lambda t: (t.data_ptr(), list(t.shape), int(TE_DType[t.dtype]))  # noqa: E731
+    native.quantize_dbias(arg(x), arg(scale), arg(out), arg(out_t), None, arg(scale_inv),
+                          arg(dbias), arg(ws), 0, torch.cuda.current_stream(0).cuda_stream)  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.equal(dbias.cpu(), torch.zeros(32, dtype=torch.bfloat16))
+    assert scale_inv.item() == 0.25
+
+
+@two_gpus
+def test_quantize_dbias_on_cuda1_while_cuda0_is_current():
+    from transformer_engine.pytorch.cpp_extensions.cast import quantize_dbias_prevalidated
+
+    torch.cuda.set_device(0)
+    x1 = make_input((255, 130), torch.bfloat16, "cuda:1", seed=3, specials=False)
+    scale1 = torch.tensor([2.0], device="cuda:1")
+    fused, dbias = quantize_dbias_prevalidated(x1, scale1, torch.float8_e5m2, amax=None)
+    torch.cuda.synchronize(1)
+    assert torch.cuda.current_device() == 0
+    assert fused.data.device == dbias.device == torch.device("cuda:1")
+    with torch.cuda.device(1):
+        _, again = quantize_dbias_prevalidated(x1, scale1, torch.float8_e5m2, amax=None)
+    assert same_bits(dbias, again)
+    expected = reference.cast_to_fp8(x1.cpu(), scale1.cpu(), torch.float8_e5m2)
+    assert same_bits(fused.data, expected)

@@ -13,7 +13,11 @@ import torch
 
 from transformer_engine.pytorch.constants import TE_DType
 from transformer_engine.pytorch.cpp_extensions import cast, scaling
-from transformer_engine.pytorch.cpp_extensions.cast import quantize, quantize_prevalidated
+from transformer_engine.pytorch.cpp_extensions.cast import (
+    quantize,
+    quantize_dbias_prevalidated,
+    quantize_prevalidated,
+)
 from transformer_engine.pytorch.cpp_extensions.scaling import (
     compute_scale_from_amax,
     current_scale_prevalidated,
@@ -32,7 +36,7 @@ def recorder(monkeypatch):
         return lambda *args: calls.append((name, args))
 
     fake = types.SimpleNamespace(
-        **{n: record(n) for n in ("quantize", "dequantize", "compute_amax",
+        **{n: record(n) for n in ("quantize", "quantize_dbias", "dequantize", "compute_amax",
                                    "compute_scale_from_amax", "delayed_scaling_update")}
     )  # fmt: skip
     for module in (cast, scaling):
@@ -122,3 +126,18 @@ def test_current_scale_prevalidated_runs_amax_reduce_then_scale(recorder, with_r
                           *DEVICE_AND_STREAM)  # fmt: skip
     if with_reduction:
         assert len(reduced) == 1 and reduced[0].data_ptr() == amax_out[0]
+
+
+def test_quantize_dbias_hands_every_buffer_and_a_tile_sized_workspace(recorder):
+    x = torch.randn(3, 65, 32, dtype=torch.bfloat16)  # 195 rows: 4 tiles of 64
+    scale, amax = torch.ones(1), torch.zeros(1)
+    result, dbias = quantize_dbias_prevalidated(x, scale, torch.float8_e4m3fn, amax=amax)
+    ((name, args),) = recorder
+    assert name == "quantize_dbias"
+    inp, sc, out, out_t, am, scale_inv, db, workspace, device, stream = args
+    assert inp == arg(x) and sc == arg(scale) and am == arg(amax)
+    assert out == arg(result.data) and out_t == arg(result.transpose) and out_t[1] == [32, 3, 65]
+    assert scale_inv == arg(result.scale_inv)
+    assert db == arg(dbias) and db[1:] == ([32], int(TE_DType[torch.bfloat16]))
+    assert workspace[1:] == ([4 * 32], int(TE_DType[torch.float32]))
+    assert (device, stream) == DEVICE_AND_STREAM

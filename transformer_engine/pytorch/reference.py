@@ -33,6 +33,7 @@ __all__ = [
     "amax",
     "cast_to_fp8",
     "transpose_last_dim_first",
+    "column_sum",
     "reciprocal",
     "dequantize",
     "scaled_fp8_max",
@@ -77,6 +78,18 @@ def transpose_last_dim_first(data: torch.Tensor) -> torch.Tensor:
     else:
         t = flat.t().contiguous()
     return t.reshape(cols, *data.shape[:-1])
+
+
+def column_sum(x: torch.Tensor) -> torch.Tensor:
+    """The bias gradient of a linear layer from its output gradient ``x``: the sum over every
+    dimension but the last, accumulated in float32 and rounded once to ``x``'s dtype.
+
+    (The native kernel adds 64-row tiles first, then the tiles: the same math in another order,
+    so it matches within float32 rounding, not bit for bit.)
+    """
+    if x.dim() == 0:
+        raise ValueError("a 0-d tensor has no last dimension to sum into")
+    return x.reshape(-1, x.shape[-1]).float().sum(dim=0).to(x.dtype)
 
 
 def reciprocal(scale: torch.Tensor) -> torch.Tensor:

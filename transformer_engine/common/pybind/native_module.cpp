@@ -70,6 +70,19 @@ void quantize(const TensorArg& input, const TensorArg& scale, const TensorArg& o
                 to_stream(stream));
 }
 
+void quantize_dbias(const TensorArg& input, const TensorArg& scale, const TensorArg& output,
+                    const TensorArg& output_t, const OptionalTensorArg& amax,
+                    const OptionalTensorArg& scale_inv, const TensorArg& dbias,
+                    const TensorArg& workspace, int device, std::uintptr_t stream) {
+  const NVTEBuffer in = to_buffer(input), sc = to_buffer(scale);
+  NVTEBuffer out = to_buffer(output), out_t = to_buffer(output_t), db = to_buffer(dbias),
+             ws = to_buffer(workspace);
+  OptionalBuffer am(amax), si(scale_inv);
+  py::gil_scoped_release no_gil;
+  nvte_quantize_dbias(&in, &sc, &out, &out_t, am.get(), si.get(), &db, &ws, device,
+                      to_stream(stream));
+}
+
 void dequantize(const TensorArg& input, const TensorArg& scale_inv, const TensorArg& output,
                 int device, std::uintptr_t stream) {
   const NVTEBuffer in = to_buffer(input), si = to_buffer(scale_inv);
@@ -128,6 +141,11 @@ PYBIND11_MODULE(_native, m) {
   m.def("quantize", &quantize, py::arg("input"), py::arg("scale"), py::arg("output"),
         py::arg("output_t"), py::arg("amax"), py::arg("scale_inv"), py::arg("noop"),
         py::arg("device"), py::arg("stream"));
+  m.def("quantize_dbias", &quantize_dbias, py::arg("input"), py::arg("scale"), py::arg("output"),
+        py::arg("output_t"), py::arg("amax"), py::arg("scale_inv"), py::arg("dbias"),
+        py::arg("workspace"), py::arg("device"), py::arg("stream"));
+  m.def("quantize_dbias_workspace_elements", &nvte_quantize_dbias_workspace_elements,
+        py::arg("rows"), py::arg("cols"));
   m.def("dequantize", &dequantize, py::arg("input"), py::arg("scale_inv"), py::arg("output"),
         py::arg("device"), py::arg("stream"));
   m.def("compute_amax", &compute_amax, py::arg("input"), py::arg("amax"), py::arg("device"),

@@ -28,6 +28,8 @@ __all__ = [
     "QuantizeResult",
     "quantize",
     "quantize_prevalidated",
+    "quantize_dbias_prevalidated",
+    "DBIAS_TILE_ROWS",
     "dequantize",
     "compute_amax",
     "transposed_shape",
@@ -135,6 +137,51 @@ def quantize_prevalidated(
     scale_inv = torch.empty(1, dtype=torch.float32, device=device)
     _run_quantize(input, scale, fp8_dtype, amax, scale_inv, out, out_t, None)
     return QuantizeResult(out, out_t, scale_inv)
+
+
+# Rows per tile of the native dbias kernel: its workspace holds one float32 column sum per tile
+# (nvte_quantize_dbias_workspace_elements; tests/pytorch/test_native_binding.py checks the two
+# agree).
+DBIAS_TILE_ROWS = 64
+
+
+def quantize_dbias_prevalidated(
+    input: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    amax: torch.Tensor | None,
+) -> tuple[QuantizeResult, torch.Tensor]:
+    """:func:`quantize_prevalidated` with the transposed copy, plus ``input``'s sum over every
+    dimension but the last (``reference.column_sum``: a linear layer's bias gradient from its
+    output gradient), computed natively in the same pass over ``input``.
+
+    Same caller contract as :func:`quantize_prevalidated`; ``input`` must have at least one
+    element.
+    """
+    device = input.device
+    if scale.device != device or (amax is not None and amax.device != device):
+        check_tensors_on("quantize", "input", input, scale=scale, amax=amax)  # raises
+    input = input.contiguous()
+    cols = input.shape[-1]
+    rows = input.numel() // cols
+    out = torch.empty(input.shape, dtype=fp8_dtype, device=device)
+    out_t = torch.empty(transposed_shape(input.shape), dtype=fp8_dtype, device=device)
+    scale_inv = torch.empty(1, dtype=torch.float32, device=device)
+    dbias = torch.empty(cols, dtype=input.dtype, device=device)
+    native = native_for("quantize", device)
+    if native is not None:
+        tiles = (rows + DBIAS_TILE_ROWS - 1) // DBIAS_TILE_ROWS
+        workspace = torch.empty(tiles * cols, dtype=torch.float32, device=device)
+        native.quantize_dbias(
+            tensor_arg(input), tensor_arg(scale), tensor_arg(out), tensor_arg(out_t),
+            tensor_arg(amax), tensor_arg(scale_inv), tensor_arg(dbias), tensor_arg(workspace),
+            *launch_args(device),
+        )  # fmt: skip
+    else:
+        _run_quantize(input, scale, fp8_dtype, amax, scale_inv, out, out_t, None)
+        dbias.copy_(reference.column_sum(input))
+    return QuantizeResult(out, out_t, scale_inv), dbias
 
 
 def _run_quantize(input, scale, dtype, amax, scale_inv, out_fp8, out_t_fp8, noop_flag) -> None:

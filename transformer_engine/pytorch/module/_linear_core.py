@@ -82,6 +82,19 @@ def _quantize(quantizer, tensor, *, rowwise: bool, columnwise: bool):
         quantizer.internal = internal
 
 
+def _quantize_grad_output(quantizer, dy, *, rowwise: bool, columnwise: bool, with_dbias: bool):
+    """``(dy in FP8, dbias or None)``: with the transposed copy (wgrad) the bias gradient comes
+    out of the same pass over ``dy`` (``nvte_quantize_dbias``), saving a read of ``dy``."""
+    if not (with_dbias and columnwise and hasattr(quantizer, "quantize_with_dbias_impl")):
+        return _quantize(quantizer, dy, rowwise=rowwise, columnwise=columnwise), None
+    quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
+    internal, quantizer.internal = quantizer.internal, True
+    try:
+        return quantizer.quantize_with_dbias_impl(dy)
+    finally:
+        quantizer.internal = internal
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, inp, bias, config: LinearConfig):
@@ -185,15 +198,14 @@ class _Linear(torch.autograd.Function):
                         "weight.main_grad, but the weight has none; set weight.main_grad to a "
                         "float32 tensor of the weight's shape before backward"
                     )
-            if ctx.bias_requires_grad:
-                dbias = _as_dtype(dy.sum(dim=0), ctx.bias_dtype)
             grad_operand = dy
             if use_fp8 and (saved_w is not None or saved_x is not None):
-                grad_operand = _quantize(
+                grad_operand, dbias = _quantize_grad_output(
                     config.grad_output_quantizer,
                     dy,
                     rowwise=saved_w is not None,
                     columnwise=saved_x is not None,
+                    with_dbias=ctx.bias_requires_grad,
                 )
                 if saved_w is not None:
                     dx = fp8_gemm_prevalidated(
@@ -205,6 +217,8 @@ class _Linear(torch.autograd.Function):
                     )
             elif saved_w is not None:
                 dx = dy @ saved_w
+            if ctx.bias_requires_grad:
+                dbias = _as_dtype(dy.sum(dim=0) if dbias is None else dbias, ctx.bias_dtype)
             if saved_x is not None:
                 if config.wgrad_store is not None:
                     # delay_wgrad_compute: the module's backward_dw() runs this later.

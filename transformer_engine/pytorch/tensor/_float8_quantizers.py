@@ -19,7 +19,7 @@ import torch
 from .. import cpp_extensions as ext
 from .. import reference
 from ..constants import HIGH_PRECISION_DTYPES, DType, TE_DType_To_Torch, to_torch_fp8_dtype
-from ..cpp_extensions.cast import quantize_prevalidated
+from ..cpp_extensions.cast import quantize_dbias_prevalidated, quantize_prevalidated
 from ..cpp_extensions.scaling import current_scale_prevalidated
 from ..device import check_same_device, is_non_tn_fp8_gemm_supported
 from ..quantized_tensor import (
@@ -124,6 +124,21 @@ class _Float8QuantizerBase(Quantizer):
 
     def quantize_impl(self, tensor: torch.Tensor, *, dtype: torch.dtype | None = None):
         """Quantize ``tensor`` on its own device into a new FP8 tensor (see the class doc)."""
+        return self._quantize(tensor, dtype, with_dbias=False)
+
+    def quantize_with_dbias_impl(self, tensor: torch.Tensor):
+        """:meth:`quantize_impl` plus ``reference.column_sum(tensor)`` (a linear layer's bias
+        gradient from its output gradient), ``(quantized, dbias)``.
+
+        When this quantizer's usages include the transposed copy, the sum is computed in the
+        same pass over ``tensor`` (``nvte_quantize_dbias``); otherwise, or for an empty tensor,
+        separately. ``tensor`` must be a plain high-precision tensor with at least one dimension.
+        """
+        if tensor.dim() == 0 or tensor.numel() == 0 or tensor.is_meta:
+            return self.quantize_impl(tensor), reference.column_sum(tensor)
+        return self._quantize(tensor, None, with_dbias=True)
+
+    def _quantize(self, tensor, dtype, *, with_dbias: bool):
         src = _high_precision_source(tensor)
         fake_dtype = src.dtype if dtype is None else dtype
         if src.is_meta:
@@ -132,13 +147,16 @@ class _Float8QuantizerBase(Quantizer):
         _check_high_precision_dtype(f"{type(self).__name__}.quantize", src.dtype)
         need_data, need_transpose = self._layouts(src.device, src.shape)
         scale, amax = self._scale_and_amax(src)
-        res = quantize_prevalidated(
-            src,
-            scale,
-            TE_DType_To_Torch[DType(self.dtype)],
-            amax=amax,
-            with_transpose=need_transpose,
-        )
+        fp8_dtype = TE_DType_To_Torch[DType(self.dtype)]
+        dbias = None
+        if with_dbias and need_transpose:
+            res, dbias = quantize_dbias_prevalidated(src, scale, fp8_dtype, amax=amax)
+        else:
+            res = quantize_prevalidated(
+                src, scale, fp8_dtype, amax=amax, with_transpose=need_transpose
+            )
+            if with_dbias:
+                dbias = reference.column_sum(src)
         data = res.data.view(torch.uint8) if need_data else None
         transpose = res.transpose.view(torch.uint8) if need_transpose else None
         out = self._wrap(
@@ -155,7 +173,7 @@ class _Float8QuantizerBase(Quantizer):
                 "_data": (data, res.data) if need_data else None,
                 "_transpose": (transpose, res.transpose) if need_transpose else None,
             }
-        return out
+        return (out, dbias) if with_dbias else out
 
     def update_quantized(self, src: torch.Tensor, dst, *, noop_flag: torch.Tensor | None = None):
         """Quantize ``src`` into ``dst``'s buffers in place (see :meth:`Quantizer.update_quantized`).

@@ -38,6 +38,35 @@ NVTE_API void nvte_quantize(const NVTEBuffer* input, const NVTEBuffer* scale, NV
                             NVTEBuffer* output_t, NVTEBuffer* amax, NVTEBuffer* scale_inv,
                             const NVTEBuffer* noop, int device, NVTEStream stream);
 
+/*! \brief Float32 elements the workspace of nvte_quantize_dbias needs for a `[rows, cols]` input
+ *         (one column sum per 64-row tile).
+ */
+NVTE_API size_t nvte_quantize_dbias_workspace_elements(size_t rows, size_t cols);
+
+/*! \brief nvte_quantize with the transposed copy, plus the input's sum over its rows: the bias
+ *         gradient of a linear layer, computed from its output gradient in the same pass.
+ *
+ *  `dbias[c] = sum_r input[r, c]`, accumulated in float32 in a fixed order (per 64-row tile,
+ *  then over the tiles; deterministic, no atomics) and rounded once to `dbias`'s dtype. The
+ *  cast, transposed copy, amax and scale_inv are exactly those of nvte_quantize.
+ *
+ *  \param[in]     input     Float32, Float16 or BFloat16 tensor, viewed as `[rows, cols]`.
+ *  \param[in]     scale     One Float32 element.
+ *  \param[out]    output    FP8 tensor with `input`'s number of elements.
+ *  \param[out]    output_t  FP8 tensor of shape `[cols, rows]` (required).
+ *  \param[in,out] amax      Optional: one Float32 element, max-accumulated.
+ *  \param[out]    scale_inv Optional: one Float32 element that receives `1 / scale`.
+ *  \param[out]    dbias     Tensor of `input`'s dtype and shape `[cols]`.
+ *  \param[out]    workspace Float32 scratch with at least
+ *                           nvte_quantize_dbias_workspace_elements(rows, cols) elements.
+ *  \param[in]     device    CUDA device index all buffers live on.
+ *  \param[in]     stream    Stream of `device` to launch on.
+ */
+NVTE_API void nvte_quantize_dbias(const NVTEBuffer* input, const NVTEBuffer* scale,
+                                  NVTEBuffer* output, NVTEBuffer* output_t, NVTEBuffer* amax,
+                                  NVTEBuffer* scale_inv, NVTEBuffer* dbias, NVTEBuffer* workspace,
+                                  int device, NVTEStream stream);
+
 /*! \brief Dequantize FP8 to Float32, Float16 or BFloat16: `out = round(float(q) * scale_inv)`.
  *
  *  \param[in]  input     FP8 tensor (E4M3 or E5M2).

@@ -1,0 +1,187 @@
+/* The cast pieces nvte_quantize and nvte_quantize_dbias share: the per-kernel scale handling, the
+ * 8-element vector cast, and the 64x64-tiled cast+transpose kernel, which can also produce the
+ * per-tile column sums of its input (the first step of a bias gradient). */
+#ifndef TRANSFORMER_ENGINE_COMMON_CAST_CAST_TRANSPOSE_CUH_
+#define TRANSFORMER_ENGINE_COMMON_CAST_CAST_TRANSPOSE_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "transformer_engine/transformer_engine.h"
+#include "util/buffer.h"
+#include "util/device.h"
+#include "util/fp8_math.cuh"
+
+namespace transformer_engine {
+namespace cast_detail {
+
+constexpr int kThreads = 256;
+constexpr int kVecElems = 8;  // 16 bytes of bf16/fp16 in, 8 bytes of FP8 out
+constexpr int kTile = 64;
+constexpr int kTilePad = 4;  // 68-byte rows: 4-byte aligned, few bank conflicts
+constexpr int kRowsPerThreadT = 16;
+constexpr int kChunksPerColumn = kTile / kRowsPerThreadT;  // 16-byte chunks per output row
+constexpr int kLoadRowsPerPass = kThreads * kVecElems / kTile;  // 32 rows of a tile per pass
+
+struct CastArgs {
+  const float* scale;
+  float* amax;
+  float* scale_inv;
+  const float* noop;
+};
+
+/* Scale once per kernel; block 0 publishes 1/scale (IEEE division). */
+__device__ __forceinline__ float load_scale(const CastArgs& args) {
+  const float scale = *args.scale;
+  if (args.scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    *args.scale_inv = 1.0f / scale;
+  }
+  return scale;
+}
+
+template <typename IType, bool kE4M3>
+__device__ __forceinline__ void cast_vector(const Vec<IType, kVecElems>& x, float scale,
+                                            float& local_amax, Vec<uint16_t, kVecElems / 2>& q) {
+#pragma unroll
+  for (int j = 0; j < kVecElems / 2; ++j) {
+    const float a = to_float(x.v[2 * j]);
+    const float b = to_float(x.v[2 * j + 1]);
+    local_amax = amax_step(amax_step(local_amax, a), b);
+    q.v[j] = Fp8Format<kE4M3>::cast_pair(a * scale, b * scale);
+  }
+}
+
+/* One block per 64x64 tile. Load: each thread casts 2 x 8 consecutive elements of a row and
+ * writes them to the row-wise output and to shared memory. Store: each thread gathers 16
+ * consecutive rows of one column from shared memory and writes them as one 16-byte vector of
+ * the transposed output; the 4 threads of a column are adjacent lanes, so a warp writes whole
+ * 32-byte sectors. Edge tiles fall back to element-wise, bounds-checked accesses.
+ *
+ * kDbias: the tile's column sums of the unscaled input (float32, rows in a fixed order) go to
+ * column_sums[tile_row * cols + column]; a second kernel adds the tile rows up. */
+template <typename IType, bool kE4M3, bool kDbias>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_kernel(const IType* __restrict__ in, uint8_t* __restrict__ out,
+                          uint8_t* __restrict__ out_t, size_t rows, size_t cols, size_t tiles_c,
+                          bool vector_rows, bool vector_cols, CastArgs args,
+                          float* __restrict__ column_sums) {
+  if (skip_requested(args.noop)) return;
+  __shared__ alignas(4) uint8_t tile[kTile][kTile + kTilePad];
+  __shared__ float sums[kDbias ? kLoadRowsPerPass : 1][kDbias ? kTile : 1];
+  const float scale = load_scale(args);
+  const size_t r0 = (blockIdx.x / tiles_c) * kTile;
+  const size_t c0 = (blockIdx.x % tiles_c) * kTile;
+  const int t = threadIdx.x;
+  float local_amax = 0.0f;
+  float colsum[kVecElems] = {};
+
+  const int lc = (t % (kTile / kVecElems)) * kVecElems;
+#pragma unroll
+  for (int pass = 0; pass < kTile * kTile / (kThreads * kVecElems); ++pass) {
+    const int lr = pass * kLoadRowsPerPass + t / (kTile / kVecElems);
+    const size_t r = r0 + lr;
+    const size_t c = c0 + lc;
+    if (r >= rows) continue;
+    if (vector_rows && c + kVecElems <= cols) {
+      const auto x = *reinterpret_cast<const Vec<IType, kVecElems>*>(in + r * cols + c);
+      Vec<uint16_t, kVecElems / 2> q;
+      cast_vector<IType, kE4M3>(x, scale, local_amax, q);
+      *reinterpret_cast<Vec<uint16_t, kVecElems / 2>*>(out + r * cols + c) = q;
+      auto* tile_words = reinterpret_cast<uint32_t*>(&tile[lr][lc]);
+      tile_words[0] = static_cast<uint32_t>(q.v[0]) | (static_cast<uint32_t>(q.v[1]) << 16);
+      tile_words[1] = static_cast<uint32_t>(q.v[2]) | (static_cast<uint32_t>(q.v[3]) << 16);
+      if constexpr (kDbias) {
+#pragma unroll
+        for (int j = 0; j < kVecElems; ++j) colsum[j] += to_float(x.v[j]);
+      }
+    } else {
+      for (int j = 0; j < kVecElems && c + j < cols; ++j) {
+        const float a = to_float(in[r * cols + c + j]);
+        local_amax = amax_step(local_amax, a);
+        const uint8_t q = Fp8Format<kE4M3>::cast(a * scale);
+        out[r * cols + c + j] = q;
+        tile[lr][lc + j] = q;
+        if constexpr (kDbias) colsum[j] += a;
+      }
+    }
+  }
+  if constexpr (kDbias) {
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) sums[t / (kTile / kVecElems)][lc + j] = colsum[j];
+  }
+  __syncthreads();
+
+  if constexpr (kDbias) {
+    // Thread t < 64 adds up column t of the tile: its 32 row-group partials, in order.
+    if (t < kTile && c0 + t < cols) {
+      float total = 0.0f;
+#pragma unroll
+      for (int g = 0; g < kLoadRowsPerPass; ++g) total += sums[g][t];
+      column_sums[(r0 / kTile) * cols + c0 + t] = total;
+    }
+  }
+
+  const int tc = t / kChunksPerColumn;
+  const int lr0 = (t % kChunksPerColumn) * kRowsPerThreadT;
+  const size_t c = c0 + tc;
+  const size_t rbase = r0 + lr0;
+  if (c < cols) {
+    if (vector_cols && rbase + kRowsPerThreadT <= rows) {
+      Vec<uint8_t, kRowsPerThreadT> v;
+#pragma unroll
+      for (int i = 0; i < kRowsPerThreadT; ++i) v.v[i] = tile[lr0 + i][tc];
+      *reinterpret_cast<Vec<uint8_t, kRowsPerThreadT>*>(out_t + c * rows + rbase) = v;
+    } else {
+      for (int i = 0; i < kRowsPerThreadT && rbase + i < rows; ++i) {
+        out_t[c * rows + rbase + i] = tile[lr0 + i][tc];
+      }
+    }
+  }
+  if (args.amax != nullptr) block_amax_to_global<kThreads>(local_amax, args.amax);
+}
+
+static_assert(kTile * kTile == kThreads * kVecElems * 2, "load phase assumes two passes");
+static_assert(kTile * kTile == kThreads * kRowsPerThreadT, "store phase covers the tile once");
+
+inline size_t tile_rows(size_t rows) { return (rows + kTile - 1) / kTile; }
+
+inline float* optional_data(NVTEBuffer* buffer) {
+  return buffer == nullptr ? nullptr : static_cast<float*>(buffer->data);
+}
+
+struct QuantizeShape {
+  size_t n, rows, cols;  // the input viewed as [rows, cols], cols its last extent
+};
+
+/* nvte_quantize's argument checks (dtypes, shapes, the transposed copy's layout); throws. */
+QuantizeShape check_quantize_args(const char* op, const NVTEBuffer* input,
+                                  const NVTEBuffer* scale, NVTEBuffer* output,
+                                  NVTEBuffer* output_t, NVTEBuffer* amax, NVTEBuffer* scale_inv,
+                                  const NVTEBuffer* noop);
+
+/* Every buffer on ctx's device (throws otherwise), then the kernels' pointer bundle. */
+CastArgs checked_cast_args(CallContext& ctx, const NVTEBuffer* input, const NVTEBuffer* scale,
+                           NVTEBuffer* output, NVTEBuffer* output_t, NVTEBuffer* amax,
+                           NVTEBuffer* scale_inv, const NVTEBuffer* noop);
+
+/* Launches cast_transpose_kernel over a [rows, cols] input (rows * cols > 0). */
+template <typename IType, bool kE4M3, bool kDbias>
+void launch_cast_transpose(const IType* in, uint8_t* out, uint8_t* out_t, size_t rows,
+                           size_t cols, const CastArgs& args, float* column_sums,
+                           CallContext& ctx) {
+  const size_t tiles_c = (cols + kTile - 1) / kTile;
+  const size_t tiles = tiles_c * tile_rows(rows);
+  const bool vector_rows = cols % kVecElems == 0 && aligned_to(in, sizeof(IType) * kVecElems) &&
+                           aligned_to(out, kVecElems);
+  const bool vector_cols = rows % kRowsPerThreadT == 0 && aligned_to(out_t, kRowsPerThreadT);
+  cast_transpose_kernel<IType, kE4M3, kDbias><<<tiles, kThreads, 0, ctx.stream()>>>(
+      in, out, out_t, rows, cols, tiles_c, vector_rows, vector_cols, args, column_sums);
+  ctx.check_launch("cast_transpose_kernel launch");
+}
+
+}  // namespace cast_detail
+}  // namespace transformer_engine
+
+#endif  // TRANSFORMER_ENGINE_COMMON_CAST_CAST_TRANSPOSE_CUH_

@@ -1,0 +1,100 @@
+/* nvte_quantize_dbias: the cast+transpose of nvte_quantize that also sums the input over its
+ * rows (a linear layer's bias gradient from its output gradient), so the gradient is read once
+ * instead of twice. Two launches: the tiled cast+transpose writes one float32 column sum per
+ * 64-row tile into the workspace, then one thread per column adds the tiles up in order and
+ * rounds once to the output dtype. Deterministic: no atomics, a fixed summation order. */
+#include <cuda_runtime.h>
+
+#include "cast/cast_transpose.cuh"
+#include "cast/dispatch.cuh"
+#include "transformer_engine/cast.h"
+#include "util/buffer.h"
+#include "util/device.h"
+#include "util/errors.h"
+#include "util/fp8_math.cuh"
+
+namespace transformer_engine {
+namespace {
+
+using namespace cast_detail;
+
+constexpr int kReduceThreads = 256;
+
+template <typename OType>
+__global__ void __launch_bounds__(kReduceThreads)
+    column_sums_to_dbias_kernel(const float* __restrict__ column_sums, OType* __restrict__ dbias,
+                                size_t tiles, size_t cols) {
+  const size_t c = static_cast<size_t>(blockIdx.x) * kReduceThreads + threadIdx.x;
+  if (c >= cols) return;
+  float total = 0.0f;
+#pragma unroll 8
+  for (size_t t = 0; t < tiles; ++t) total += column_sums[t * cols + c];
+  dbias[c] = from_float<OType>(total);
+}
+
+/* rows == 0: no cast kernel runs, but scale_inv is still published, as nvte_quantize does. */
+__global__ void publish_scale_inv_kernel(CastArgs args) { load_scale(args); }
+
+}  // namespace
+}  // namespace transformer_engine
+
+extern "C" size_t nvte_quantize_dbias_workspace_elements(size_t rows, size_t cols) {
+  return transformer_engine::cast_detail::tile_rows(rows) * cols;
+}
+
+extern "C" void nvte_quantize_dbias(const NVTEBuffer* input, const NVTEBuffer* scale,
+                                    NVTEBuffer* output, NVTEBuffer* output_t, NVTEBuffer* amax,
+                                    NVTEBuffer* scale_inv, NVTEBuffer* dbias,
+                                    NVTEBuffer* workspace, int device, NVTEStream stream) {
+  using namespace transformer_engine;
+  using namespace transformer_engine::cast_detail;
+  const char* op = "nvte_quantize_dbias";
+  if (output_t == nullptr) {
+    throw_invalid(op, "output_t is required: the bias gradient comes with the transposed copy");
+  }
+  const QuantizeShape shape =
+      check_quantize_args(op, input, scale, output, output_t, amax, scale_inv, nullptr);
+  const size_t rows = shape.rows, cols = shape.cols;
+  const NVTEBuffer& db = require(op, "dbias", dbias);
+  if (db.dtype != input->dtype) {
+    throw_invalid(op, "dbias has dtype ", dtype_name(db.dtype), " but input has ",
+                  dtype_name(input->dtype), "; the bias gradient uses the input's dtype");
+  }
+  if (db.ndim != 1 || db.shape[0] != cols) {
+    throw_invalid(op, "dbias must have shape [", cols, "] (the input's last extent)");
+  }
+  const NVTEBuffer& ws = require(op, "workspace", workspace);
+  check_dtype(op, "workspace", ws, {kNVTEFloat32});
+  const size_t needed = nvte_quantize_dbias_workspace_elements(rows, cols);
+  if (numel(ws) < needed) {
+    throw_invalid(op, "workspace has ", numel(ws), " elements; [", rows, ", ", cols,
+                  "] needs nvte_quantize_dbias_workspace_elements = ", needed);
+  }
+
+  CallContext ctx(op, device, stream);
+  const CastArgs args =
+      checked_cast_args(ctx, input, scale, output, output_t, amax, scale_inv, nullptr);
+  ctx.check_on_device("dbias", db);
+  ctx.check_on_device("workspace", ws);
+  if (rows == 0 && args.scale_inv != nullptr) {
+    publish_scale_inv_kernel<<<1, 1, 0, ctx.stream()>>>(args);
+    ctx.check_launch("publish_scale_inv_kernel launch");
+  }
+  if (cols == 0) return;
+  auto* column_sums = static_cast<float*>(ws.data);
+  dispatch_high_precision(op, input->dtype, [&](auto itype) {
+    using IType = decltype(itype);
+    if (rows > 0) {
+      dispatch_fp8(op, output->dtype, [&](auto is_e4m3) {
+        constexpr bool kE4M3 = decltype(is_e4m3)::value;
+        launch_cast_transpose<IType, kE4M3, true>(
+            static_cast<const IType*>(input->data), static_cast<uint8_t*>(output->data),
+            static_cast<uint8_t*>(output_t->data), rows, cols, args, column_sums, ctx);
+      });
+    }
+    const size_t blocks = (cols + kReduceThreads - 1) / kReduceThreads;
+    column_sums_to_dbias_kernel<IType><<<blocks, kReduceThreads, 0, ctx.stream()>>>(
+        column_sums, static_cast<IType*>(db.data), tile_rows(rows), cols);
+    ctx.check_launch("column_sums_to_dbias_kernel launch");
+  });
+}
