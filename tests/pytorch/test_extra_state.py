@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import importlib.util
 import io
 import pickle
-import sys
 import warnings
 from collections import OrderedDict
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,19 +24,7 @@ from transformer_engine.common.recipe import (
     MMParams,
     QParams,
 )
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MODULE_DIR = REPO_ROOT / "transformer_engine" / "pytorch" / "module"
-
-if (MODULE_DIR / "__init__.py").exists():
-    from transformer_engine.pytorch.module import _extra_state
-else:  # the module package is written by another change; load this file on its own
-    _spec = importlib.util.spec_from_file_location(
-        "transformer_engine.pytorch.module._extra_state", MODULE_DIR / "_extra_state.py"
-    )
-    _extra_state = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = _extra_state
-    _spec.loader.exec_module(_extra_state)
+from transformer_engine.pytorch.module import _extra_state, _extra_state_upstream
 
 pack_extra_state = _extra_state.pack_extra_state
 unpack_extra_state = _extra_state.unpack_extra_state
@@ -701,7 +686,7 @@ def test_code_executing_payload_does_run_once_opted_in(monkeypatch):
 @pytest.mark.parametrize("protocol", range(0, pickle.HIGHEST_PROTOCOL + 1))
 def test_payload_without_globals_reads_as_no_state_without_opt_in(protocol):
     data = pickle.dumps({"extra_fp8_variables": {"fp8_checkpoint": False}, "n": [1, 2.0]}, protocol)
-    assert _extra_state._referenced_globals(data) == []
+    assert _extra_state_upstream._referenced_globals(data) == []
     assert unpack_extra_state(_as_uint8(data), device="cpu") is None
 
 
@@ -722,7 +707,7 @@ def test_referenced_globals_are_found_without_unpickling(protocol):
     data = pickle.dumps(
         {"recipe": DelayedScaling(), "t": torch.ones(2), "x": _Exploit()}, protocol=protocol
     )
-    found = set(_extra_state._referenced_globals(data))
+    found = set(_extra_state_upstream._referenced_globals(data))
     assert "transformer_engine.common.recipe.DelayedScaling" in found
     assert "transformer_engine.common.recipe.Format" in found
     assert "torch._utils._rebuild_tensor_v2" in found

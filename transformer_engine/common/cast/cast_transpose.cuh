@@ -22,7 +22,7 @@ constexpr int kVecElems = 8;  // 16 bytes of bf16/fp16 in, 8 bytes of FP8 out
 constexpr int kTile = 64;
 constexpr int kTilePad = 4;  // 68-byte rows: 4-byte aligned, few bank conflicts
 constexpr int kRowsPerThreadT = 16;
-constexpr int kChunksPerColumn = kTile / kRowsPerThreadT;  // 16-byte chunks per output row
+constexpr int kChunksPerColumn = kTile / kRowsPerThreadT;       // 16-byte chunks per output row
 constexpr int kLoadRowsPerPass = kThreads * kVecElems / kTile;  // 32 rows of a tile per pass
 
 struct CastArgs {
@@ -156,10 +156,9 @@ struct QuantizeShape {
 };
 
 /* nvte_quantize's argument checks (dtypes, shapes, the transposed copy's layout); throws. */
-QuantizeShape check_quantize_args(const char* op, const NVTEBuffer* input,
-                                  const NVTEBuffer* scale, NVTEBuffer* output,
-                                  NVTEBuffer* output_t, NVTEBuffer* amax, NVTEBuffer* scale_inv,
-                                  const NVTEBuffer* noop);
+QuantizeShape check_quantize_args(const char* op, const NVTEBuffer* input, const NVTEBuffer* scale,
+                                  NVTEBuffer* output, NVTEBuffer* output_t, NVTEBuffer* amax,
+                                  NVTEBuffer* scale_inv, const NVTEBuffer* noop);
 
 /* Every buffer on ctx's device (throws otherwise), then the kernels' pointer bundle. */
 CastArgs checked_cast_args(CallContext& ctx, const NVTEBuffer* input, const NVTEBuffer* scale,
@@ -168,9 +167,8 @@ CastArgs checked_cast_args(CallContext& ctx, const NVTEBuffer* input, const NVTE
 
 /* Launches cast_transpose_kernel over a [rows, cols] input (rows * cols > 0). */
 template <typename IType, bool kE4M3, bool kDbias>
-void launch_cast_transpose(const IType* in, uint8_t* out, uint8_t* out_t, size_t rows,
-                           size_t cols, const CastArgs& args, float* column_sums,
-                           CallContext& ctx) {
+void launch_cast_transpose(const IType* in, uint8_t* out, uint8_t* out_t, size_t rows, size_t cols,
+                           const CastArgs& args, float* column_sums, CallContext& ctx) {
   const size_t tiles_c = (cols + kTile - 1) / kTile;
   const size_t tiles = tiles_c * tile_rows(rows);
   const bool vector_rows = cols % kVecElems == 0 && aligned_to(in, sizeof(IType) * kVecElems) &&

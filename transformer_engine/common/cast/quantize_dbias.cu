@@ -44,8 +44,8 @@ extern "C" size_t nvte_quantize_dbias_workspace_elements(size_t rows, size_t col
 
 extern "C" void nvte_quantize_dbias(const NVTEBuffer* input, const NVTEBuffer* scale,
                                     NVTEBuffer* output, NVTEBuffer* output_t, NVTEBuffer* amax,
-                                    NVTEBuffer* scale_inv, NVTEBuffer* dbias,
-                                    NVTEBuffer* workspace, int device, NVTEStream stream) {
+                                    NVTEBuffer* scale_inv, NVTEBuffer* dbias, NVTEBuffer* workspace,
+                                    int device, NVTEStream stream) {
   using namespace transformer_engine;
   using namespace transformer_engine::cast_detail;
   const char* op = "nvte_quantize_dbias";

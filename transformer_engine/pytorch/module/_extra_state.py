@@ -55,15 +55,10 @@ Environment variables
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import io
 import os
-import pickle
-import pickletools
-import types
 import warnings
-import zipfile
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -77,7 +72,6 @@ from ...common.recipe import (
     QParams,
     Recipe,
 )
-from ...common.recipe import _FormatMaxima as _FormatMaximaTuple
 
 __all__ = [
     "FORMAT_NAME",
@@ -487,288 +481,6 @@ def _unpack_ours(state: dict, device: torch.device) -> UnpackedExtraState:
     return UnpackedExtraState(recipe, moved, extra)
 
 
-# ------------------------------------------------------------------ upstream's pickles
-
-_STRING_PUSHES = frozenset(
-    (
-        "STRING",
-        "BINSTRING",
-        "SHORT_BINSTRING",
-        "UNICODE",
-        "BINUNICODE",
-        "SHORT_BINUNICODE",
-        "BINUNICODE8",
-    )
-)
-
-
-def _referenced_globals(payload: bytes) -> list[str]:
-    """The ``module.name`` globals a pickle would import, found without unpickling it.
-
-    Any opcode that can reach a callable is reported: ``GLOBAL``/``INST`` (their argument is
-    the name), ``STACK_GLOBAL`` (names pushed as strings just before, possibly through the memo;
-    reported as ``<unresolved STACK_GLOBAL>`` when they cannot be followed), ``EXT1/2/4``
-    (copyreg's extension registry) and persistent ids. Without any of these an unpickler can
-    only build builtin scalars and containers.
-
-    Raises
-    ------
-    ValueError
-        ``payload`` is not a well-formed pickle.
-    """
-    found: list[str] = []
-    pushed: list[Any] = []  # what recent opcodes pushed; None when it is not a string
-    memo: dict[int, Any] = {}
-    try:
-        for opcode, arg, _ in pickletools.genops(payload):
-            name = opcode.name
-            if name in ("GLOBAL", "INST"):
-                module, _, qualname = str(arg).partition(" ")
-                found.append(f"{module}.{qualname}")
-                pushed.append(None)
-            elif name == "STACK_GLOBAL":
-                module, qualname = (pushed[-2], pushed[-1]) if len(pushed) >= 2 else (None, None)
-                if isinstance(module, str) and isinstance(qualname, str):
-                    found.append(f"{module}.{qualname}")
-                else:
-                    found.append("<unresolved STACK_GLOBAL>")
-                del pushed[-2:]
-                pushed.append(None)
-            elif name in ("EXT1", "EXT2", "EXT4"):
-                found.append(f"<copyreg extension {arg}>")
-                pushed.append(None)
-            elif name in ("PERSID", "BINPERSID"):
-                found.append("<persistent id>")
-                pushed.append(None)
-            elif name in _STRING_PUSHES:
-                pushed.append(arg)
-            elif name == "MEMOIZE":
-                memo[len(memo)] = pushed[-1] if pushed else None
-            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-                memo[arg] = pushed[-1] if pushed else None
-            elif name in ("GET", "BINGET", "LONG_BINGET"):
-                pushed.append(memo.get(arg))
-            else:
-                pushed.append(None)
-    except Exception as exc:  # genops raises ValueError, struct.error, UnicodeDecodeError, ...
-        raise ValueError(f"extra state is not a well-formed pickle: {exc}") from exc
-    return found
-
-
-def _torch_archive_globals(data: bytes) -> list[str] | None:
-    """Globals named by the pickle of a ``torch.save`` zip archive; None if not inspectable."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            pickles = [n for n in archive.namelist() if n.rsplit("/", 1)[-1] == "data.pkl"]
-            if len(pickles) != 1:
-                return None
-            return _referenced_globals(archive.read(pickles[0]))
-    except (zipfile.BadZipFile, ValueError):
-        return None
-
-
-def _refusal(kind: str, globals_found: list[str] | None) -> RuntimeError:
-    if globals_found is None:
-        content = "its content cannot be inspected without unpickling it"
-    else:
-        unique = list(dict.fromkeys(globals_found))
-        shown = ", ".join(unique[:8]) + (f" and {len(unique) - 8} more" if len(unique) > 8 else "")
-        content = f"it references {shown}"
-    return RuntimeError(
-        f"Refusing to load extra state given as {kind}: that is the pickle-based format of "
-        f"NVIDIA Transformer Engine, and unpickling runs code named in the payload, so a "
-        f"tampered checkpoint can execute arbitrary code in this process ({content}). If you "
-        f"trust this checkpoint, set the environment variable "
-        f"{_UNSAFE_PICKLE_ENV}=1 for one load, then save the model again: the new checkpoint "
-        f"stores extra state as plain tensors and values, which torch.load(..., "
-        f"weights_only=True) reads without running code, and later loads need no opt-in."
-    )
-
-
-def _load_storage_bytes_on_cpu(data: bytes) -> Any:
-    # Plain-pickled tensors rebuild their storage through torch.storage._load_from_bytes, which
-    # restores it on the device that wrote it. Old payloads pickled CUDA tensors (upstream
-    # issue #342), and that device may not exist here; map to CPU, then move to the module.
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-
-
-class _OverrideLinearPrecision(NamedTuple):
-    """Stand-in for a recipe field of older upstream releases (no longer supported)."""
-
-    fprop: bool = False
-    dgrad: bool = False
-    wgrad: bool = False
-
-
-# Globals of transformer_engine.common.recipe that upstream payloads name but this package
-# spells differently or no longer has.
-_RECIPE_MODULE = "transformer_engine.common.recipe"
-_RECIPE_GLOBAL_STAND_INS = {
-    "_FormatHelper": _FormatMaximaTuple,  # the named tuple of each Format member's value
-    "_OverrideLinearPrecision": _OverrideLinearPrecision,
-}
-
-
-class _UpstreamUnpickler(pickle.Unpickler):
-    """Unpickler for opted-in upstream payloads: CPU storages and upstream recipe names."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch.storage" and name == "_load_from_bytes":
-            return _load_storage_bytes_on_cpu
-        try:
-            return super().find_class(module, name)
-        except AttributeError:
-            if module == _RECIPE_MODULE and name in _RECIPE_GLOBAL_STAND_INS:
-                return _RECIPE_GLOBAL_STAND_INS[name]
-            raise
-
-
-class _NoGlobalsUnpickler(pickle.Unpickler):
-    """Defence in depth for payloads classified as global-free: any global is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"extra state payload names the global {module}.{name}")
-
-
-# torch.load(pickle_module=...) subclasses `Unpickler` and uses `load` for legacy archives.
-_UPSTREAM_PICKLE_MODULE = types.SimpleNamespace(
-    Unpickler=_UpstreamUnpickler,
-    load=lambda file, **kwargs: _UpstreamUnpickler(file, **kwargs).load(),
-    __name__="transformer_engine_upstream_pickle",
-)
-
-
-def _uint8_bytes(state: torch.Tensor) -> bytes:
-    if state.is_meta:
-        raise ValueError("extra state is a uint8 tensor on the meta device: it holds no bytes")
-    flat = state.detach().reshape(-1).cpu().contiguous()
-    # Read the bytes straight from the CPU buffer (torch alone, no numpy).
-    return ctypes.string_at(flat.data_ptr(), flat.numel())
-
-
-def _recipe_from_upstream(obj: Any) -> Recipe:
-    """A validated recipe from an unpickled upstream recipe object."""
-    cls = type(obj)
-    if _RECIPE_CLASSES.get(cls.__name__) is not cls:
-        raise ValueError(
-            f"the checkpoint's recipe is a {cls.__module__}.{cls.__qualname__}, which this "
-            f"implementation cannot restore (it restores {', '.join(_RECIPE_CLASSES)})"
-        )
-    # The object was built by unpickling, without __init__/__post_init__: its __dict__ holds
-    # whatever upstream kept (fields, caches, fields of older releases). Rebuild a validated
-    # instance from the fields this class has; fields older releases lacked take defaults.
-    stored = vars(obj)
-    kwargs = {}
-    for field in dataclasses.fields(cls):
-        if field.name not in stored:
-            continue
-        value = stored[field.name]
-        if isinstance(value, (MMParams, QParams)):
-            params = type(value)
-            value = params(
-                **{
-                    f.name: vars(value)[f.name]
-                    for f in dataclasses.fields(params)
-                    if f.name in vars(value)
-                }
-            )
-        kwargs[field.name] = value
-    override = stored.get("override_linear_precision")
-    if isinstance(override, tuple) and any(override):
-        warnings.warn(
-            f"the checkpoint's recipe sets override_linear_precision={tuple(override)}, an "
-            f"option of older Transformer Engine releases that is not supported; it is ignored",
-            UserWarning,
-            stacklevel=4,
-        )
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"the checkpoint's {cls.__name__} recipe is invalid: {exc}") from exc
-
-
-# TE 1.x stored scale_inv too; it is derived from scale (1/scale) whenever quantizers are built.
-_UPSTREAM_DROPPED = ("scale_inv_fwd", "scale_inv_bwd")
-
-
-def _translate_upstream(obj: Any, device: torch.device) -> UnpackedExtraState:
-    """Upstream's unpickled dict as ``(recipe, tensors on device, extra)``."""
-    if not isinstance(obj, dict):
-        raise ValueError(
-            f"upstream extra state unpickled to a {type(obj).__name__}, not a dict; it is not "
-            f"the extra state of a Transformer Engine module"
-        )
-    if "recipe" not in obj and ("forward" in obj or "backward" in obj):
-        raise ValueError(
-            "extra state has 'forward'/'backward' entries: it is the extra state of a fusible "
-            "operation (te.ops), not of a module"
-        )
-    known = {"recipe", "extra_fp8_variables", *TENSOR_NAMES, *_UPSTREAM_DROPPED}
-    ignored = sorted(repr(key) for key in obj if key not in known)
-    if ignored:
-        warnings.warn(
-            f"upstream extra state entries {ignored} are not used by this implementation and "
-            f"are ignored",
-            UserWarning,
-            stacklevel=3,
-        )
-    # TE 1.x wrote no recipe: those releases only checkpointed delayed scaling.
-    recipe = _recipe_from_upstream(obj["recipe"]) if "recipe" in obj else DelayedScaling()
-    tensors = {name: obj[name] for name in TENSOR_NAMES if name in obj}
-    _check_tensor_set(tensors, "upstream extra state", ValueError)
-    extra = obj.get("extra_fp8_variables", {})
-    if not isinstance(extra, dict):
-        raise ValueError(
-            f"upstream extra state 'extra_fp8_variables' must be a dict, got {type(extra).__name__}"
-        )
-    extra = _copy_plain(
-        extra, "upstream extra state 'extra_fp8_variables'", ValueError, exact=False
-    )
-    moved = {name: _to_module_device(t, device) for name, t in tensors.items()}
-    return UnpackedExtraState(recipe, moved, extra)
-
-
-def _unpack_pickled_tensor(state: torch.Tensor, device: torch.device) -> UnpackedExtraState | None:
-    payload = _uint8_bytes(state)
-    found = _referenced_globals(payload)
-    if not found:
-        # Only builtin scalars and containers: safe to read, but it cannot hold a recipe or a
-        # tensor, so there is no FP8 state to restore (upstream ignores such payloads too).
-        try:
-            obj = _NoGlobalsUnpickler(io.BytesIO(payload)).load()
-        except Exception as exc:
-            raise ValueError(f"extra state pickle could not be read: {exc}") from exc
-        if type(obj) is not dict:
-            raise ValueError(
-                f"extra state pickle holds a {type(obj).__name__}, not a dict; it is not the "
-                f"extra state of a Transformer Engine module"
-            )
-        return None
-    if not _unsafe_pickle_allowed():
-        raise _refusal("a pickled torch.uint8 tensor", found)
-    try:
-        obj = _UpstreamUnpickler(io.BytesIO(payload)).load()
-    except Exception as exc:
-        raise ValueError(f"opted-in extra state pickle could not be unpickled: {exc!r}") from exc
-    return _translate_upstream(obj, device)
-
-
-def _unpack_bytesio(state: io.BytesIO, device: torch.device) -> UnpackedExtraState:
-    data = state.getvalue()  # independent of the stream position, which stays untouched
-    if not _unsafe_pickle_allowed():
-        raise _refusal("an io.BytesIO (a torch.save archive)", _torch_archive_globals(data))
-    try:
-        obj = torch.load(
-            io.BytesIO(data),
-            map_location="cpu",
-            weights_only=False,
-            pickle_module=_UPSTREAM_PICKLE_MODULE,
-        )
-    except Exception as exc:
-        raise ValueError(f"opted-in io.BytesIO extra state could not be loaded: {exc!r}") from exc
-    return _translate_upstream(obj, device)
-
-
 def unpack_extra_state(state: Any, *, device: Any) -> UnpackedExtraState | None:
     """Read what a module's ``set_extra_state()`` receives, with tensors on ``device``.
 
@@ -820,10 +532,17 @@ def unpack_extra_state(state: Any, *, device: Any) -> UnpackedExtraState | None:
                 f"extra state is a {state.dtype} tensor of shape {tuple(state.shape)}; a "
                 f"tensor is only read as upstream's pickle bytes, which are torch.uint8"
             )
-        return _unpack_pickled_tensor(state, device)
+        return _upstream().unpack_pickled_tensor(state, device)
     if isinstance(state, io.BytesIO):
-        return _unpack_bytesio(state, device)
+        return _upstream().unpack_bytesio(state, device)
     raise TypeError(
         f"extra state of type {type(state).__name__} is not understood; expected the dict of "
         f"pack_extra_state, a torch.uint8 tensor, an io.BytesIO, or None"
     )
+
+
+def _upstream():
+    """The upstream-pickle reader, imported when such a payload arrives (it imports this module)."""
+    from . import _extra_state_upstream
+
+    return _extra_state_upstream
