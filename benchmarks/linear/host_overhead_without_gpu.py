@@ -23,7 +23,7 @@ import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.pytorch.cpp_extensions import cast, scaling
 
-NATIVE_OPS = ("quantize", "dequantize", "compute_amax", "compute_scale_from_amax",
+NATIVE_OPS = ("quantize", "quantize_dbias", "dequantize", "compute_amax", "compute_scale_from_amax",
               "delayed_scaling_update")  # fmt: skip
 
 
