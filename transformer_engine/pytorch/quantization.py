@@ -182,6 +182,24 @@ _AUTOCAST_FIELDS = (
 )
 
 
+_recipe_reprs: dict[int, tuple[Recipe, str]] = {}
+
+
+def _recipe_repr(recipe: Recipe | None) -> str:
+    """``repr(recipe)``, remembered per recipe object (recipes are frozen): the autocast key is
+    built several times per forward, and a recipe's repr walks all its fields."""
+    if recipe is None:
+        return "None"
+    cached = _recipe_reprs.get(id(recipe))
+    if cached is not None and cached[0] is recipe:
+        return cached[1]
+    if len(_recipe_reprs) > 256:  # recipes made per step (unusual) must not pile up
+        _recipe_reprs.clear()
+    text = repr(recipe)
+    _recipe_reprs[id(recipe)] = (recipe, text)
+    return text
+
+
 class FP8GlobalStateManager:
     """Upstream's facade over :class:`FP8GlobalState` (same method names)."""
 
@@ -256,7 +274,7 @@ class FP8GlobalStateManager:
 
     @staticmethod
     def get_unique_autocast_key(recipe: Recipe | None = None, group=None) -> str:
-        return f"recipe={recipe!r},group={id(group) if group is not None else None}"
+        return f"recipe={_recipe_repr(recipe)},group={id(group) if group is not None else None}"
 
     @classmethod
     def get_key_in_buffer(cls, forward: bool, recipe: Recipe, group) -> str:

@@ -160,13 +160,16 @@ class TransformerEngineBaseModule(torch.nn.Module):
     # -- FP8 metadata --------------------------------------------------------------------------
     def init_fp8_metadata(self, num_gemms: int = 1, force: bool = False) -> None:
         """Create (or refresh) the recipe states of both directions on the module's device."""
-        self._num_gemms = num_gemms
-        self.fp8_parameters = self.fp8_parameters or FP8GlobalStateManager.with_fp8_parameters()
-        self.fp8 = FP8GlobalStateManager.is_fp8_enabled()
-        self.fp8_calibration = FP8GlobalStateManager.is_fp8_calibration()
+        # Plain flags, set through __dict__: nn.Module.__setattr__ (which looks for parameters,
+        # buffers and submodules first) costs host time on every forward.
+        attrs = self.__dict__
+        attrs["_num_gemms"] = num_gemms
+        attrs["fp8_parameters"] = self.fp8_parameters or FP8GlobalStateManager.with_fp8_parameters()
+        attrs["fp8"] = FP8GlobalStateManager.is_fp8_enabled()
+        attrs["fp8_calibration"] = FP8GlobalStateManager.is_fp8_calibration()
         self.fp8_meta["fp8_checkpoint"] = self.fp8 or self.fp8_calibration
         if not (self.fp8 or self.fp8_calibration or self.primary_weights_in_fp8 or force):
-            self.fp8_initialized = False
+            attrs["fp8_initialized"] = False
             return
         if self.fp8 or self.fp8_calibration or self._fp8_param_recipe is None:
             recipe = FP8GlobalStateManager.get_fp8_recipe()
@@ -188,7 +191,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if not same:
             self._build_recipe_states(recipe, num_gemms, device)
         self.fp8_meta["fp8_group"] = FP8GlobalStateManager.get_fp8_group()
-        self.fp8_initialized = True
+        attrs["fp8_initialized"] = True
 
     def _build_recipe_states(self, recipe, num_gemms: int, device: torch.device) -> None:
         old_class = type(self.fp8_meta.get("recipe"))
@@ -249,7 +252,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
     # -- forward -------------------------------------------------------------------------------
     def set_activation_dtype(self, inp: torch.Tensor) -> None:
         if torch.is_autocast_enabled(inp.device.type):
-            self.activation_dtype = torch.get_autocast_dtype(inp.device.type)
+            self.__dict__["activation_dtype"] = torch.get_autocast_dtype(inp.device.type)
             return
         dtype = inp.dtype
         for name, param in self._parameters.items():
@@ -259,7 +262,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
                     f"{name!r} dtype {param.dtype}; cast the input (or the module) or run under "
                     "torch.autocast"
                 )
-        self.activation_dtype = dtype
+        self.__dict__["activation_dtype"] = dtype  # a plain flag (see init_fp8_metadata)
 
     def _check_input(self, inp: torch.Tensor) -> None:
         device = self.parameters_device()

@@ -92,12 +92,19 @@ class _Float8QuantizerBase(Quantizer):
     def _wrap(self, *, shape, dtype, data, transpose, scale_inv, requires_grad=False):
         """A ``Float8Tensor`` (or ``Float8TensorStorage`` when internal) around the buffers."""
         if self.internal:
-            return Float8TensorStorage(
+            # Internal storages are the linear layers' per-call operands: built without
+            # re-validating what the cast just produced, and holding this quantizer itself
+            # (they are never re-quantized through it) instead of a copy.
+            if dtype not in HIGH_PRECISION_DTYPES:
+                _check_high_precision_dtype(f"{type(self).__name__}.quantize", dtype)
+            return Float8TensorStorage._from_cast(
                 data=data,
-                fp8_scale_inv=scale_inv,
-                fp8_dtype=self.dtype,
-                data_transpose=transpose,
-                quantizer=self._result_quantizer(),
+                transpose=transpose,
+                scale_inv=scale_inv,
+                fp8_dtype=self.dtype
+                if isinstance(self.dtype, DType)
+                else DType.cast(to_torch_fp8_dtype(self.dtype)),
+                quantizer=self,
                 fake_dtype=dtype,
             )
         from .float8_tensor import Float8Tensor

@@ -146,6 +146,21 @@ class Float8TensorStorage(QuantizedTensorStorage):
             fake_dtype=fake_dtype,
         )
 
+    @classmethod
+    def _from_cast(cls, *, data, transpose, scale_inv, fp8_dtype: DType, quantizer, fake_dtype):
+        """A storage around buffers a quantizer's cast just produced (uint8 views of the right
+        shapes, one device, a float32 ``[1]`` scale_inv): the checks of ``__init__`` are skipped,
+        which matters on the linear layers' per-call path."""
+        self = cls.__new__(cls)
+        self._data = data
+        self._transpose = transpose
+        self._transpose_invalid = transpose is None
+        self._scale_inv = scale_inv
+        self._fp8_dtype = fp8_dtype
+        self._quantizer = quantizer
+        self._dtype = fake_dtype
+        return self
+
     def _set_float8_buffers(
         self,
         *,
