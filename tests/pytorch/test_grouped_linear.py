@@ -336,8 +336,6 @@ def test_errors():
     module = build(num_gemms=2)
     with pytest.raises(ValueError, match="in_features=64"):
         module(torch.randn(32, 24), [16, 16])
-    with pytest.raises(NotImplementedError, match="out="):
-        module(torch.randn(32, 64), [16, 16], out=torch.empty(32, 48))
     with pytest.raises(TypeError, match="quantized input"):
         module(te.Float8CurrentScalingQuantizer(torch.float8_e4m3fn)(torch.randn(32, 64)), [16, 16])
     for kwargs, name in (
@@ -366,3 +364,49 @@ def test_fp8_needs_multiples_of_16(in_features, out_features, splits):
     if in_features % 16 == 0 and out_features % 16 == 0:
         with te.autocast(recipe=DelayedScaling()), torch.no_grad():
             module(x, splits)  # without weight gradients any split works
+
+
+@pytest.mark.parametrize("recipe", [None, "delayed", "current"])
+def test_preallocated_out_and_dgrad_out_receive_the_results(recipe):
+    def run(preallocated):
+        FP8GlobalStateManager.reset()
+        module = build(num_gemms=2)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(2, 16, 64, generator=g).requires_grad_(True)
+        dy = torch.randn(2, 16, 48, generator=g)
+        out = torch.full((2, 16, 48), float("nan")) if preallocated else None
+        dgrad_out = torch.full((2, 16, 64), float("nan")) if preallocated else None
+        make = {"delayed": DelayedScaling, "current": Float8CurrentScaling}.get(recipe)
+        with te.autocast(enabled=make is not None, recipe=make and make()):
+            y = module(x, [16, 16], out=out, dgrad_out=dgrad_out)
+        if preallocated:
+            assert y is out
+        y.backward(dy)
+        grads = [p.grad for p in module.parameters()]
+        return y.detach().clone(), x.grad, grads, dgrad_out
+
+    y, dx, grads, dgrad_out = run(True)
+    y_ref, dx_ref, grads_ref, _ = run(False)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    assert torch.equal(dgrad_out, dx_ref)  # the buffer holds the input gradient
+    for a, b in zip(grads, grads_ref):
+        assert torch.equal(a, b)
+
+
+def test_preallocated_buffers_that_do_not_fit_are_refused_before_any_work():
+    module = build(num_gemms=2)
+    x = torch.randn(32, 64, requires_grad=True)
+    cases = [
+        (
+            {"out": torch.empty(32, 47)},
+            "out has shape \\(32, 47\\); this call produces \\(32, 48\\)",
+        ),
+        ({"out": torch.empty(32, 48, dtype=torch.bfloat16)}, "out is torch.bfloat16 on cpu"),
+        ({"out": torch.empty(32, 48, requires_grad=True)}, "out requires grad"),
+        ({"dgrad_out": torch.empty(32, 63)}, "dgrad_out must be a torch.float32 tensor of shape"),
+        ({"dgrad_out": torch.empty(32, 64, dtype=torch.half)}, "dgrad_out must be"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            module(x, [16, 16], **kwargs)
+        assert guard_depth() == 0

@@ -44,6 +44,59 @@ class _BackwardUpdateAfterAll:
                 FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
 
 
+class _GradientInto(torch.autograd.Function):
+    """Identity in forward; backward copies the gradient into a caller's buffer and hands that
+    buffer on (``GroupedLinear(..., dgrad_out=...)``)."""
+
+    @staticmethod
+    def forward(ctx, tensor, buffer):  # noqa: D102
+        ctx.buffer = buffer
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        return ctx.buffer.copy_(grad), None
+
+
+def _check_preallocated(inp, out_features: int, out, dgrad_out) -> None:
+    """``out`` / ``dgrad_out`` must fit the call; checked before any state changes."""
+    if out is not None:
+        shape = (*inp.shape[:-1], out_features)
+        dtype = (
+            torch.get_autocast_dtype(inp.device.type)
+            if torch.is_autocast_enabled(inp.device.type)
+            else inp.dtype
+        )
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
+            raise ValueError(
+                f"GroupedLinear: out has shape {tuple(getattr(out, 'shape', ()))}; this call "
+                f"produces {shape}"
+            )
+        if out.dtype != dtype or out.device != inp.device:
+            raise ValueError(
+                f"GroupedLinear: out is {out.dtype} on {out.device}; this call produces {dtype} "
+                f"on {inp.device}"
+            )
+        if out.requires_grad and out.is_leaf and torch.is_grad_enabled():
+            raise ValueError(
+                "GroupedLinear: out requires grad; pass a buffer that does not (the result is "
+                "copied into it and stays in the autograd graph)"
+            )
+    if dgrad_out is not None:
+        if (
+            not isinstance(dgrad_out, torch.Tensor)
+            or dgrad_out.shape != inp.shape
+            or dgrad_out.dtype != inp.dtype
+            or dgrad_out.device != inp.device
+        ):
+            raise ValueError(
+                f"GroupedLinear: dgrad_out must be a {inp.dtype} tensor of shape "
+                f"{tuple(inp.shape)} on {inp.device} (the input's), got "
+                f"{getattr(dgrad_out, 'dtype', type(dgrad_out).__name__)} "
+                f"{tuple(getattr(dgrad_out, 'shape', ()))} on {getattr(dgrad_out, 'device', None)}"
+            )
+
+
 class GroupedLinear(TransformerEngineBaseModule):
     """``num_gemms`` linear layers, each applied to its own group of input rows.
 
@@ -182,11 +235,13 @@ class GroupedLinear(TransformerEngineBaseModule):
         ``m_splits`` is a list of ints or an integer tensor of shape ``(num_gemms,)``; it must
         sum to the number of input rows. Returns ``out`` (shape ``inp.shape[:-1] +
         (out_features,)``) or, with ``return_bias``, ``(out, [bias0, ...])``.
+
+        ``out``: a preallocated output (that shape, the activation dtype, ``inp``'s device, not
+        requiring grad) that receives the result and is returned; gradients flow through it.
+        ``dgrad_out``: a preallocated buffer (``inp``'s shape, dtype and device) that receives
+        the gradient with respect to ``inp`` in backward, and is what autograd hands on.
+        Both are filled by a copy (the grouped GEMMs still write their own outputs).
         """
-        if out is not None or dgrad_out is not None:
-            raise NotImplementedError(
-                "GroupedLinear: out= and dgrad_out= (preallocated buffers) are not implemented yet"
-            )
         if isinstance(inp, QuantizedTensor):
             raise TypeError("GroupedLinear: a quantized input is not supported; pass a tensor")
         if inp.dim() == 0 or inp.shape[-1] != self.in_features:
@@ -195,6 +250,9 @@ class GroupedLinear(TransformerEngineBaseModule):
                 f"{inp.shape[-1] if inp.dim() else None} but in_features={self.in_features}"
             )
         sizes = self._split_sizes(m_splits, inp.numel() // self.in_features)
+        _check_preallocated(inp, self.out_features, out, dgrad_out)
+        if dgrad_out is not None and inp.requires_grad and torch.is_grad_enabled():
+            inp = _GradientInto.apply(inp, dgrad_out)
         with self.prepare_forward_ctx(inp, num_gemms=self.num_gemms) as inp:
             dtype, fp8 = self.activation_dtype, self.fp8
             if inp.dtype != dtype:
@@ -251,6 +309,8 @@ class GroupedLinear(TransformerEngineBaseModule):
                     for node in nodes:
                         node.register_hook(hook)
             result = torch.cat(outs, dim=0).reshape(*inp.shape[:-1], self.out_features)
+            if out is not None:
+                result = out.copy_(result)
         if self.return_bias:
             return result, biases
         return result
