@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.utils.checkpoint
 
 from ._activations import get_activation
 from ._linear_core import linear_forward
