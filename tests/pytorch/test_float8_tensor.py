@@ -862,3 +862,15 @@ def test_quantize_with_dbias_of_an_empty_tensor_gives_zeros():
     q.set_usage(rowwise=True, columnwise=True)
     _, dbias = q.quantize_with_dbias_impl(torch.empty(0, 16))
     assert torch.equal(dbias, torch.zeros(16))
+
+
+def test_internal_storages_hold_their_quantizer_but_never_a_reducing_one():
+    delayed = DelayedState().quantizer()
+    delayed.internal = True
+    assert delayed.quantize_impl(sample())._quantizer is delayed  # no copy per cast
+    reducing = Float8CurrentScalingQuantizer(E4M3, with_amax_reduction=False)
+    reducing.with_amax_reduction = True  # as set up for a process group
+    reducing.internal = True
+    reducing._scale_and_amax = lambda src: (torch.ones(1), None)  # no process group here
+    held = reducing.quantize_impl(sample())._quantizer
+    assert held is not reducing and held.with_amax_reduction is False

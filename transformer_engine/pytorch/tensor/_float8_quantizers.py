@@ -94,7 +94,8 @@ class _Float8QuantizerBase(Quantizer):
         if self.internal:
             # Internal storages are the linear layers' per-call operands: built without
             # re-validating what the cast just produced, and holding this quantizer itself
-            # (they are never re-quantized through it) instead of a copy.
+            # (they are never re-quantized through it) instead of a copy; a quantizer that
+            # reduces amaxes across processes still hands out a local copy, as for tensors.
             if dtype not in HIGH_PRECISION_DTYPES:
                 _check_high_precision_dtype(f"{type(self).__name__}.quantize", dtype)
             return Float8TensorStorage._from_cast(
@@ -104,7 +105,9 @@ class _Float8QuantizerBase(Quantizer):
                 fp8_dtype=self.dtype
                 if isinstance(self.dtype, DType)
                 else DType.cast(to_torch_fp8_dtype(self.dtype)),
-                quantizer=self,
+                quantizer=self._result_quantizer()
+                if getattr(self, "with_amax_reduction", False)
+                else self,
                 fake_dtype=dtype,
             )
         from .float8_tensor import Float8Tensor
