@@ -232,7 +232,6 @@ class _Linear(torch.autograd.Function):
             if dx is not None:
                 if dx.shape != ctx.inp_shape:
                     dx = dx.reshape(ctx.inp_shape)
-
             if dw is not None:
                 dw = _as_dtype(dw, weight.dtype)
             if config.reduce_and_update_bwd:
