@@ -78,3 +78,48 @@ def test_checkpoint_without_grad_runs_plainly():
     module.checkpoint = False
     with torch.no_grad():
         assert torch.equal(y, module(x))
+
+
+def _train_combined(checkpoint, outer, delay, fuse, recipe):
+    FP8GlobalStateManager.reset()
+    torch.manual_seed(0)
+    module = te.LayerNormMLP(
+        32, 64, device="cpu", checkpoint=checkpoint, delay_wgrad_compute=delay,
+        fuse_wgrad_accumulation=fuse,
+    )  # fmt: skip
+    if fuse:
+        for w in (module.fc1_weight, module.fc2_weight):
+            w.main_grad = torch.zeros_like(w)
+    results = []
+    for step in range(3):
+        torch.manual_seed(10 + step)
+        x = (torch.randn(16, 32) * (step + 1)).requires_grad_(True)
+        with te.autocast(recipe=recipe()):
+            y = te.checkpoint(module, x) if outer else module(x)
+        y.square().sum().backward()
+        if delay:
+            module.backward_dw()
+        results += [y.detach(), x.grad]
+    results += [p.grad for p in module.parameters() if p.grad is not None]
+    if fuse:
+        results += [module.fc1_weight.main_grad, module.fc2_weight.main_grad]
+    if recipe is DelayedScaling:
+        state = module.fp8_meta["scaling_fwd"]
+        results += [state.amax_history.clone(), state.scale.clone()]
+    return results
+
+
+@pytest.mark.parametrize(
+    "recipe", [DelayedScaling, Float8CurrentScaling], ids=["delayed", "current"]
+)
+@pytest.mark.parametrize("outer", [False, True], ids=["", "inside-te.checkpoint"])
+@pytest.mark.parametrize("delay", [False, True], ids=["", "delay_wgrad"])
+@pytest.mark.parametrize("fuse", [False, True], ids=["", "main_grad"])
+def test_checkpoint_combines_with_te_checkpoint_delayed_wgrad_and_main_grad(
+    recipe, outer, delay, fuse
+):
+    recomputed = _train_combined(True, outer, delay, fuse, recipe)
+    stored = _train_combined(False, False, delay, fuse, recipe)
+    assert len(recomputed) == len(stored)
+    for a, b in zip(recomputed, stored):
+        assert torch.equal(a, b)
