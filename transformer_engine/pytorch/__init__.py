@@ -9,6 +9,8 @@ from . import cpp_extensions, distributed, ops, reference
 from .constants import DType
 from .distributed import checkpoint
 from .module import (
+    Fp8Padding,
+    Fp8Unpadding,
     GroupedLinear,
     LayerNorm,
     LayerNormLinear,
@@ -36,6 +38,8 @@ __all__ = [
     "GroupedLinear",
     "LayerNorm",
     "RMSNorm",
+    "Fp8Padding",
+    "Fp8Unpadding",
     "TransformerEngineBaseModule",
     "DType",
     "cpp_extensions",

@@ -1,6 +1,8 @@
 """Modules: the base module and the layers built on it."""
 
 from .base import TransformerEngineBaseModule
+from .fp8_padding import Fp8Padding
+from .fp8_unpadding import Fp8Unpadding
 from .grouped_linear import GroupedLinear
 from .layernorm import LayerNorm
 from .layernorm_linear import LayerNormLinear
@@ -16,4 +18,6 @@ __all__ = [
     "GroupedLinear",
     "LayerNorm",
     "RMSNorm",
+    "Fp8Padding",
+    "Fp8Unpadding",
 ]
