@@ -49,3 +49,50 @@ def test_layernorm_mlp_fc_weights_accumulate_into_their_main_grads():
     mlp(x).sum().backward()
     for p in (mlp.fc1_weight, mlp.fc2_weight):
         assert p.grad is None and p.main_grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("recipe", [None, DelayedScaling()], ids=["high-precision", "delayed"])
+@pytest.mark.parametrize("zero_out", [False, True])
+@pytest.mark.parametrize("under_torch_autocast", [False, True])
+def test_megatron_grad_added_to_main_grad_gets_a_placeholder_gradient(
+    recipe, zero_out, under_torch_autocast
+):
+    torch.manual_seed(0)
+    layer = te.Linear(32, 16, device="cpu", fuse_wgrad_accumulation=True)
+    w = layer.weight
+    w.main_grad = torch.zeros(16, 32)
+    w.grad_added_to_main_grad = False
+    if zero_out:
+        w.zero_out_wgrad = True
+    hook_calls = []
+    w.register_hook(lambda g: hook_calls.append(g.shape))
+    x = torch.randn(16, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=under_torch_autocast):
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            y = layer(x)
+    y.float().sum().backward()
+    assert w.grad_added_to_main_grad is True
+    assert hook_calls == [torch.Size([16, 32])]  # the weight's gradient hooks fired
+    assert w.grad is not None and w.grad.shape == (16, 32) and w.grad.dtype == w.dtype
+    if zero_out:
+        assert torch.count_nonzero(w.grad) == 0
+    expected = torch.ones(16, 16).t() @ x.detach()
+    torch.testing.assert_close(w.main_grad, expected, rtol=0.1, atol=0.5)
+
+
+def test_delayed_wgrad_sets_grad_added_to_main_grad_when_it_runs():
+    layer = te.Linear(32, 16, device="cpu", fuse_wgrad_accumulation=True, delay_wgrad_compute=True)
+    layer.weight.main_grad = torch.zeros(16, 32)
+    layer.weight.grad_added_to_main_grad = False
+    layer(torch.randn(16, 32, requires_grad=True)).sum().backward()
+    assert layer.weight.grad_added_to_main_grad is False  # nothing added yet
+    layer.backward_dw()
+    assert layer.weight.grad_added_to_main_grad is True
+    assert torch.count_nonzero(layer.weight.main_grad) > 0
+
+
+def test_without_the_megatron_attribute_no_gradient_reaches_grad():
+    layer = te.Linear(32, 16, device="cpu", fuse_wgrad_accumulation=True)
+    layer.weight.main_grad = torch.zeros(16, 32)
+    layer(torch.randn(16, 32, requires_grad=True)).sum().backward()
+    assert layer.weight.grad is None

@@ -234,6 +234,8 @@ class _Linear(torch.autograd.Function):
                     dx = dx.reshape(ctx.inp_shape)
             if dw is not None:
                 dw = _as_dtype(dw, weight.dtype)
+            elif fuse and config.wgrad_store is None:
+                dw = _placeholder_wgrad(weight, ctx.weight)
             if config.reduce_and_update_bwd:
                 FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
         return dw, dx, dbias, None
@@ -323,6 +325,21 @@ def _weight_gradient(config, saved_x, grad_operand, weight, fuse, fp8):
     return grad_operand.t() @ saved_x
 
 
+def _placeholder_wgrad(param, gemm_weight):
+    """What autograd gets for a weight whose gradient went into ``main_grad``.
+
+    Megatron-LM's contract: a weight carrying ``grad_added_to_main_grad`` has it set to True,
+    and autograd receives a placeholder gradient (zeros when the weight also carries
+    ``zero_out_wgrad=True``, else uninitialized memory) so that gradient hooks on the weight
+    still fire; any other weight gets None.
+    """
+    if not hasattr(param, "grad_added_to_main_grad"):
+        return None
+    param.grad_added_to_main_grad = True
+    make = torch.zeros if getattr(param, "zero_out_wgrad", False) else torch.empty
+    return make(gemm_weight.shape, dtype=gemm_weight.dtype, device=gemm_weight.device)
+
+
 class _DeferredWgrad:
     """A weight-gradient GEMM postponed by ``delay_wgrad_compute`` (run by ``backward_dw``)."""
 
@@ -338,6 +355,8 @@ class _DeferredWgrad:
             if dw is not None:
                 dw = dw.to(target.dtype)
                 target.grad = dw if target.grad is None else target.grad + dw
+            elif hasattr(target, "grad_added_to_main_grad"):
+                target.grad_added_to_main_grad = True  # Megatron-LM's flag (see above)
 
 
 def linear_forward(weight, inp, bias, config: LinearConfig) -> torch.Tensor:
