@@ -126,6 +126,15 @@ def quantize_prevalidated(
     one thing left to check is where the state lives relative to the input (one comparison
     each), so the per-call host cost stays small.
     """
+    input, result = _prevalidated_outputs(input, scale, fp8_dtype, amax, with_transpose)
+    _run_quantize(input, scale, fp8_dtype, amax, result.scale_inv, result.data, result.transpose,
+                  None)  # fmt: skip
+    return result
+
+
+def _prevalidated_outputs(input, scale, fp8_dtype, amax, with_transpose: bool):
+    """The prevalidated entries' one check (state on the input's device) and their outputs:
+    ``(contiguous input, QuantizeResult of empty buffers)``."""
     device = input.device
     if scale.device != device or (amax is not None and amax.device != device):
         check_tensors_on("quantize", "input", input, scale=scale, amax=amax)  # raises
@@ -135,8 +144,7 @@ def quantize_prevalidated(
     if with_transpose:
         out_t = torch.empty(transposed_shape(input.shape), dtype=fp8_dtype, device=device)
     scale_inv = torch.empty(1, dtype=torch.float32, device=device)
-    _run_quantize(input, scale, fp8_dtype, amax, scale_inv, out, out_t, None)
-    return QuantizeResult(out, out_t, scale_inv)
+    return input, QuantizeResult(out, out_t, scale_inv)
 
 
 # Rows per tile of the native dbias kernel: its workspace holds one float32 column sum per tile
@@ -159,29 +167,25 @@ def quantize_dbias_prevalidated(
     Same caller contract as :func:`quantize_prevalidated`; ``input`` must have at least one
     element.
     """
+    input, result = _prevalidated_outputs(input, scale, fp8_dtype, amax, with_transpose=True)
     device = input.device
-    if scale.device != device or (amax is not None and amax.device != device):
-        check_tensors_on("quantize", "input", input, scale=scale, amax=amax)  # raises
-    input = input.contiguous()
     cols = input.shape[-1]
     rows = input.numel() // cols
-    out = torch.empty(input.shape, dtype=fp8_dtype, device=device)
-    out_t = torch.empty(transposed_shape(input.shape), dtype=fp8_dtype, device=device)
-    scale_inv = torch.empty(1, dtype=torch.float32, device=device)
     dbias = torch.empty(cols, dtype=input.dtype, device=device)
     native = native_for("quantize", device)
     if native is not None:
         tiles = (rows + DBIAS_TILE_ROWS - 1) // DBIAS_TILE_ROWS
         workspace = torch.empty(tiles * cols, dtype=torch.float32, device=device)
         native.quantize_dbias(
-            tensor_arg(input), tensor_arg(scale), tensor_arg(out), tensor_arg(out_t),
-            tensor_arg(amax), tensor_arg(scale_inv), tensor_arg(dbias), tensor_arg(workspace),
-            *launch_args(device),
+            tensor_arg(input), tensor_arg(scale), tensor_arg(result.data),
+            tensor_arg(result.transpose), tensor_arg(amax), tensor_arg(result.scale_inv),
+            tensor_arg(dbias), tensor_arg(workspace), *launch_args(device),
         )  # fmt: skip
     else:
-        _run_quantize(input, scale, fp8_dtype, amax, scale_inv, out, out_t, None)
+        _run_quantize(input, scale, fp8_dtype, amax, result.scale_inv, result.data,
+                      result.transpose, None)  # fmt: skip
         dbias.copy_(reference.column_sum(input))
-    return QuantizeResult(out, out_t, scale_inv), dbias
+    return result, dbias
 
 
 def _run_quantize(input, scale, dtype, amax, scale_inv, out_fp8, out_t_fp8, noop_flag) -> None:

@@ -30,7 +30,7 @@ from ..quantized_tensor import (
     restore_from_saved,
 )
 
-__all__ = ["LinearConfig", "linear_forward", "check_fp8_gemm_shapes"]
+__all__ = ["LinearConfig", "linear_forward", "check_fp8_gemm_shapes", "run_deferred_wgrads"]
 
 
 @dataclass
@@ -338,6 +338,12 @@ def _placeholder_wgrad(param, gemm_weight):
     param.grad_added_to_main_grad = True
     make = torch.zeros if getattr(param, "zero_out_wgrad", False) else torch.empty
     return make(gemm_weight.shape, dtype=gemm_weight.dtype, device=gemm_weight.device)
+
+
+def run_deferred_wgrads(store: list | None) -> None:
+    """``backward_dw()``: run the weight-gradient GEMMs backward queued, oldest first."""
+    while store:
+        store.pop(0)()
 
 
 class _DeferredWgrad:

@@ -28,6 +28,7 @@ from ..quantization import (
     RecipeState,
 )
 from ..quantized_tensor import QuantizedTensor
+from ._linear_core import run_deferred_wgrads
 
 __all__ = ["TransformerEngineBaseModule", "resolve_module_device", "default_init_method"]
 
@@ -57,6 +58,18 @@ def _materialization_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def snapshot_scaling_state(state) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of a delayed-scaling state's scales and amax history (for a later recompute)."""
+    return state.scale.clone(), state.amax_history.clone()
+
+
+def restore_scaling_state(state, snapshot) -> None:
+    """Write a :func:`snapshot_scaling_state` back into the state's own tensors, in place."""
+    with torch.no_grad():
+        state.scale.copy_(snapshot[0])
+        state.amax_history.copy_(snapshot[1])
 
 
 class TransformerEngineBaseModule(torch.nn.Module):
@@ -318,22 +331,17 @@ class TransformerEngineBaseModule(torch.nn.Module):
             return
         stash = self.__dict__.setdefault("_recompute_stash", [])
         if is_fp8_activation_recompute_enabled():
-            stash.append((state.scale.clone(), state.amax_history.clone()))
+            stash.append(snapshot_scaling_state(state))
         elif in_fp8_activation_recompute_phase() and stash:
-            scale, history = stash.pop(0)
-            self._recompute_updated = (state.scale.clone(), state.amax_history.clone())
-            with torch.no_grad():
-                state.scale.copy_(scale)
-                state.amax_history.copy_(history)
+            self._recompute_updated = snapshot_scaling_state(state)
+            restore_scaling_state(state, stash.pop(0))
 
     def _recompute_swap_out(self) -> None:
         """After a recompute: back to the up-to-date values (dropping the recompute's amaxes)."""
         updated = self.__dict__.pop("_recompute_updated", None)
         state = self._delayed_forward_state()
         if updated is not None and state is not None:
-            with torch.no_grad():
-                state.scale.copy_(updated[0])
-                state.amax_history.copy_(updated[1])
+            restore_scaling_state(state, updated)
 
     def _register_fp8_state(self) -> None:
         """Put the delayed-scaling state into the amax registry (after a successful forward)."""
@@ -380,6 +388,17 @@ class TransformerEngineBaseModule(torch.nn.Module):
             )
         self.wgrad_store = [] if delay_wgrad_compute else None
 
+    def _check_save_original_input(self) -> None:
+        """``save_original_input=True`` re-quantizes the saved input in backward: refused under a
+        recipe whose scale changes between forward and backward (delayed scaling)."""
+        if self.fp8_meta["recipe"].delayed():
+            raise ValueError(
+                f"{type(self).__name__}: save_original_input=True re-quantizes the input in "
+                "backward, which is only exact for stateless recipes; DelayedScaling's scale "
+                "changes between forward and backward. Use Float8CurrentScaling or "
+                "save_original_input=False"
+            )
+
     def need_backward_dw(self) -> bool:
         """Whether weight gradients wait for :meth:`backward_dw` (``delay_wgrad_compute``)."""
         return getattr(self, "wgrad_store", None) is not None
@@ -387,9 +406,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def backward_dw(self) -> None:
         """Run the weight-gradient GEMMs that backward deferred, in order, into ``.grad`` (or
         ``main_grad`` with ``fuse_wgrad_accumulation``)."""
-        store = getattr(self, "wgrad_store", None)
-        while store:
-            store.pop(0)()
+        run_deferred_wgrads(getattr(self, "wgrad_store", None))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def get_extra_state(self):

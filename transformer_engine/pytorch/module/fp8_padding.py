@@ -17,7 +17,7 @@ from ..quantization import (
     get_default_recipe,
 )
 
-__all__ = ["Fp8Padding", "padded_sizes", "check_splits"]
+__all__ = ["Fp8Padding"]
 
 
 def check_splits(owner: str, num_gemms: int, m_splits, rows: int) -> list[int]:
@@ -33,6 +33,23 @@ def check_splits(owner: str, num_gemms: int, m_splits, rows: int) -> list[int]:
     if sum(sizes) != rows:
         raise ValueError(f"{owner}: the split sizes {sizes} sum to {sum(sizes)}, not {rows} rows")
     return sizes
+
+
+def check_arguments(owner: str, num_gemms, align_size) -> None:
+    """Constructor checks shared by ``Fp8Padding`` and ``Fp8Unpadding``."""
+    if isinstance(num_gemms, bool) or not isinstance(num_gemms, int) or num_gemms <= 0:
+        raise ValueError(f"{owner}: num_gemms={num_gemms!r} must be a positive int")
+    if align_size is not None and (
+        isinstance(align_size, bool) or not isinstance(align_size, int) or align_size <= 0
+    ):
+        raise ValueError(f"{owner}: align_size={align_size!r} must be a positive int")
+
+
+def as_rows(owner: str, inp: torch.Tensor) -> torch.Tensor:
+    """``inp`` as ``(rows, features)`` (the leading dimensions flattened; 2-D kept as is)."""
+    if inp.dim() == 0:
+        raise ValueError(f"{owner}: the input needs at least one dimension (features)")
+    return inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
 
 
 def alignment(align_size: int | None) -> int:
@@ -100,18 +117,11 @@ class Fp8Padding(torch.nn.Module):
 
     def __init__(self, num_gemms: int, align_size: int | None = None) -> None:
         super().__init__()
-        if isinstance(num_gemms, bool) or not isinstance(num_gemms, int) or num_gemms <= 0:
-            raise ValueError(f"Fp8Padding: num_gemms={num_gemms!r} must be a positive int")
-        if align_size is not None and (
-            isinstance(align_size, bool) or not isinstance(align_size, int) or align_size <= 0
-        ):
-            raise ValueError(f"Fp8Padding: align_size={align_size!r} must be a positive int")
+        check_arguments("Fp8Padding", num_gemms, align_size)
         self.num_gemms, self.align_size = num_gemms, align_size
 
     def forward(self, inp: torch.Tensor, m_splits) -> tuple[torch.Tensor, list[int]]:
-        if inp.dim() == 0:
-            raise ValueError("Fp8Padding: the input needs at least one dimension (features)")
-        rows = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
+        rows = as_rows("Fp8Padding", inp)
         sizes = check_splits("Fp8Padding", self.num_gemms, m_splits, rows.shape[0])
         padded = padded_sizes(sizes, alignment(self.align_size))
         return move_rows(rows, sizes, padded), padded

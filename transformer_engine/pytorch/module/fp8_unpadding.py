@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_padding import alignment, check_splits, move_rows, padded_sizes
+from .fp8_padding import (
+    alignment,
+    as_rows,
+    check_arguments,
+    check_splits,
+    move_rows,
+    padded_sizes,
+)
 
 __all__ = ["Fp8Unpadding"]
 
@@ -20,18 +27,11 @@ class Fp8Unpadding(torch.nn.Module):
 
     def __init__(self, num_gemms: int, align_size: int | None = None) -> None:
         super().__init__()
-        if isinstance(num_gemms, bool) or not isinstance(num_gemms, int) or num_gemms <= 0:
-            raise ValueError(f"Fp8Unpadding: num_gemms={num_gemms!r} must be a positive int")
-        if align_size is not None and (
-            isinstance(align_size, bool) or not isinstance(align_size, int) or align_size <= 0
-        ):
-            raise ValueError(f"Fp8Unpadding: align_size={align_size!r} must be a positive int")
+        check_arguments("Fp8Unpadding", num_gemms, align_size)
         self.num_gemms, self.align_size = num_gemms, align_size
 
     def forward(self, inp: torch.Tensor, m_splits) -> torch.Tensor:
-        if inp.dim() == 0:
-            raise ValueError("Fp8Unpadding: the input needs at least one dimension (features)")
-        rows = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
+        rows = as_rows("Fp8Unpadding", inp)
         original = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
         padded = padded_sizes(
             check_splits("Fp8Unpadding", self.num_gemms, original, sum(original)),

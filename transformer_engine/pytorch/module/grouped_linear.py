@@ -286,13 +286,7 @@ class GroupedLinear(TransformerEngineBaseModule):
             for config in configs:
                 config.wgrad_store = self.wgrad_store
             if self.save_original_input and fp8:
-                if self.fp8_meta["recipe"].delayed():
-                    raise ValueError(
-                        "GroupedLinear: save_original_input=True re-quantizes the input in "
-                        "backward, which is only exact for stateless recipes; DelayedScaling's "
-                        "scale changes between forward and backward. Use Float8CurrentScaling or "
-                        "save_original_input=False"
-                    )
+                self._check_save_original_input()
                 for config in configs:
                     config.save_original_input = True
             update_bwd = (

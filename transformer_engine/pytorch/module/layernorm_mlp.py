@@ -26,7 +26,13 @@ from ._module_config import (
     make_linear_config,
     register_norm_parameters,
 )
-from .base import TransformerEngineBaseModule, default_init_method, resolve_module_device
+from .base import (
+    TransformerEngineBaseModule,
+    default_init_method,
+    resolve_module_device,
+    restore_scaling_state,
+    snapshot_scaling_state,
+)
 
 __all__ = ["LayerNormMLP"]
 
@@ -232,22 +238,18 @@ class LayerNormMLP(TransformerEngineBaseModule):
         is counted twice).
         """
         state = self._delayed_forward_state()
-        snapshot = None if state is None else (state.scale.clone(), state.amax_history.clone())
+        snapshot = None if state is None else snapshot_scaling_state(state)
         runs = {"count": 0}
 
         def fc1_and_activation(x):
             runs["count"] += 1
             if runs["count"] == 1 or snapshot is None:
                 return self.activation_fn(linear_forward(fc1_weight, x, fc1_bias, fc1_config))
-            current = (state.scale.clone(), state.amax_history.clone())
-            with torch.no_grad():
-                state.scale.copy_(snapshot[0])
-                state.amax_history.copy_(snapshot[1])
+            current = snapshot_scaling_state(state)
+            restore_scaling_state(state, snapshot)
             try:
                 return self.activation_fn(linear_forward(fc1_weight, x, fc1_bias, fc1_config))
             finally:
-                with torch.no_grad():
-                    state.scale.copy_(current[0])
-                    state.amax_history.copy_(current[1])
+                restore_scaling_state(state, current)
 
         return torch.utils.checkpoint.checkpoint(fc1_and_activation, ln_out, use_reentrant=False)

@@ -150,13 +150,7 @@ class Linear(TransformerEngineBaseModule):
             )  # fmt: skip
             config.wgrad_store = self.wgrad_store
             if self.save_original_input and fp8:
-                if self.fp8_meta["recipe"].delayed():
-                    raise ValueError(
-                        "Linear: save_original_input=True re-quantizes the input in backward, "
-                        "which is only exact for stateless recipes; DelayedScaling's scale "
-                        "changes between forward and backward. Use Float8CurrentScaling or "
-                        "save_original_input=False"
-                    )
+                self._check_save_original_input()
                 config.save_original_input = True
             out = linear_forward(weight, inp, gemm_bias, config)
             if fp8 and fp8_output:

@@ -35,7 +35,12 @@ import warnings
 
 import torch
 
-from ...module._linear_core import LinearConfig, _Linear, check_fp8_gemm_shapes
+from ...module._linear_core import (
+    LinearConfig,
+    _Linear,
+    check_fp8_gemm_shapes,
+    run_deferred_wgrads,
+)
 from ...quantization import FP8GlobalStateManager
 from ...quantized_tensor import QuantizedTensor
 from ..op import BasicOperation, OperationContext, materialization_device
@@ -172,8 +177,7 @@ class GroupedLinear(BasicOperation):
 
     def backward_dw(self) -> None:
         """Run the weight-gradient GEMMs that backward deferred, in order."""
-        while self.wgrad_store:
-            self.wgrad_store.pop(0)()
+        run_deferred_wgrads(self.wgrad_store)
 
     def weights(self) -> list[torch.nn.Parameter]:
         """The current ``weight0 .. weight{num_groups-1}`` (read now, never cached)."""
