@@ -20,28 +20,30 @@ import types
 import torch
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch.cpp_extensions import cast, scaling
 
 NATIVE_OPS = ("quantize", "quantize_dbias", "dequantize", "compute_amax", "compute_scale_from_amax",
-              "delayed_scaling_update")  # fmt: skip
+              "delayed_scaling_update", "quantize_current_scaling")  # fmt: skip
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--profile", action="store_true", help="print the top of a cProfile")
+    parser.add_argument("--recipe", choices=("delayed", "current"), default="delayed")
     args = parser.parse_args()
     no_op = types.SimpleNamespace(**{name: (lambda *a, **k: None) for name in NATIVE_OPS})
     for module in (cast, scaling):  # route every kernel as if the tensors were on a GPU
         module.native_for = lambda op, device: no_op
         module.launch_args = lambda device: (0, 0)
 
+    recipe = DelayedScaling() if args.recipe == "delayed" else Float8CurrentScaling()
     layer = te.Linear(16, 16, device="cpu")
     x = torch.randn(16, 16, requires_grad=True)
 
     def step():
-        with te.autocast(recipe=DelayedScaling()):
+        with te.autocast(recipe=recipe):
             y = layer(x)
         y.sum().backward()
 
@@ -61,7 +63,7 @@ def main() -> int:
     stats = pstats.Stats(profile)
     print(f"Python function calls per step: {stats.total_calls / 200:.0f}")
     if args.profile:
-        stats.sort_stats("cumulative").print_stats(30)
+        stats.sort_stats("tottime").print_stats(30)
     return 0
 
 

@@ -71,7 +71,8 @@ def test_without_reduction_each_device_is_updated_alone_in_registration_order(re
 
 def test_directions_use_their_own_format_and_the_recipe_margin(recorded_updates):
     registry = AmaxRegistry()
-    registry.register("k", *pair("cpu"))
+    kept_1 = pair("cpu")  # the registry holds pairs weakly
+    registry.register("k", *kept_1)
     recipe = DelayedScaling(fp8_format=Format.HYBRID, margin=2, amax_compute_algo="most_recent")
     registry.reduce_and_update("k", recipe, forward=True)
     registry.reduce_and_update("k", recipe, forward=False)
@@ -123,7 +124,8 @@ def test_reduction_scatters_each_device_its_own_slices(
 
 def test_no_reduction_when_the_recipe_says_so(recorded_updates, fake_distributed):
     registry = AmaxRegistry()
-    registry.register("k", *pair("cpu"))
+    kept_2 = pair("cpu")  # the registry holds pairs weakly
+    registry.register("k", *kept_2)
     registry.reduce_and_update("k", DelayedScaling(reduce_amax=False), forward=True)
     assert fake_distributed["calls"] == []
     assert recorded_updates[0]["reduction_buffer"] is None
@@ -131,8 +133,10 @@ def test_no_reduction_when_the_recipe_says_so(recorded_updates, fake_distributed
 
 def test_replacing_an_entry_rebuilds_the_device_grouping(recorded_updates):
     registry = AmaxRegistry()
-    registry.register("k", *pair("cpu"))
-    registry.register("k", *pair("cpu"))
+    kept_3 = pair("cpu")  # the registry holds pairs weakly
+    registry.register("k", *kept_3)
+    kept_4 = pair("cpu")  # the registry holds pairs weakly
+    registry.register("k", *kept_4)
     assert [d.type for d, _ in registry.device_groups("k")] == ["cpu"]
     moved = pair("meta")
     registry.replace("k", 1, *moved)
@@ -151,7 +155,8 @@ def test_bad_registrations_are_refused():
         registry.register("k", torch.zeros(2, 3), torch.ones(4))
     with pytest.raises(ValueError, match="amax_history must be a float32"):
         registry.register("k", torch.zeros(3), torch.ones(3))
-    registry.register("k", *pair("cpu"))
+    kept_5 = pair("cpu")  # the registry holds pairs weakly
+    registry.register("k", *kept_5)
     with pytest.raises(ValueError, match="has 3 slots; the replacement has 4"):
         registry.replace("k", 0, *pair("cpu", slots=4))
     with pytest.raises(KeyError):
@@ -232,3 +237,55 @@ def test_a_changed_recipe_moves_the_pair_to_its_new_key():
         assert key == FP8GlobalStateManager.get_key_in_buffer(True, new, None)
     finally:
         FP8GlobalStateManager.reset()
+
+
+def test_a_freed_pair_retires_its_position(recorded_updates, fake_distributed):
+    registry = AmaxRegistry()
+    pairs = [pair("cpu", slots=2), pair("cpu", slots=1), pair("cpu", slots=2)]
+    for i, p in enumerate(pairs):
+        registry.register("k", *p)
+        p[0][0] = float(i + 1)
+    assert registry.device_groups("k") == [(torch.device("cpu"), [0, 1, 2])]  # cached
+    freed = pairs.pop(1)
+    del freed, p
+    assert len(registry) == 2
+    assert registry.device_groups("k") == [(torch.device("cpu"), [0, 2])]
+    assert registry.entry("k", 1) == (None, None)
+    registry.reduce_and_update("k", DelayedScaling(), forward=True)
+    ((sent, _),) = fake_distributed["calls"]
+    assert torch.equal(sent, torch.tensor([1.0, 1.0, 3.0, 3.0]))  # layout of the live pairs
+    (call,) = recorded_updates
+    assert [h is p[0] for h, p in zip(call["histories"], pairs)] == [True, True]
+    # a freed position can be pointed at its owner's new state (e.g. rebuilt after a move)
+    new = pair("cpu", slots=1)
+    registry.replace("k", 1, *new)
+    assert len(registry) == 3 and registry.entry("k", 1)[0] is new[0]
+
+
+def test_a_freed_module_is_neither_kept_alive_nor_updated(monkeypatch):
+    import gc
+    import weakref
+
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    FP8GlobalStateManager.reset()
+    updated = []
+    monkeypatch.setattr(
+        _amax_registry, "_fused_update", lambda histories, *args: updated.append(len(histories))
+    )
+    recipe = DelayedScaling()
+    kept, dropped = te.Linear(16, 16, device="cpu"), te.Linear(16, 16, device="cpu")
+    with te.autocast(recipe=recipe):
+        kept(torch.randn(16, 16))
+        dropped(torch.randn(16, 16))
+    registry = FP8GlobalStateManager.quantization_state.amax_registry
+    assert len(registry) == 4 and updated == [2]  # forward and backward pairs of each
+    history = weakref.ref(dropped.fp8_meta["scaling_fwd"].amax_history)
+    del dropped
+    gc.collect()
+    assert history() is None and len(registry) == 2
+    with te.autocast(recipe=recipe):
+        kept(torch.randn(16, 16))
+    assert updated == [2, 1]  # only the live module's pair
+    FP8GlobalStateManager.reset()

@@ -14,7 +14,9 @@ import torch
 from transformer_engine.pytorch.constants import TE_DType
 from transformer_engine.pytorch.cpp_extensions import cast, scaling
 from transformer_engine.pytorch.cpp_extensions.cast import (
+    DBIAS_TILE_ROWS,
     quantize,
+    quantize_current_scaling_prevalidated,
     quantize_dbias_prevalidated,
     quantize_prevalidated,
 )
@@ -37,7 +39,8 @@ def recorder(monkeypatch):
 
     fake = types.SimpleNamespace(
         **{n: record(n) for n in ("quantize", "quantize_dbias", "dequantize", "compute_amax",
-                                   "compute_scale_from_amax", "delayed_scaling_update")}
+                                   "compute_scale_from_amax", "delayed_scaling_update",
+                                   "quantize_current_scaling")}
     )  # fmt: skip
     for module in (cast, scaling):
         monkeypatch.setattr(module, "native_for", lambda op, device: fake)
@@ -141,3 +144,58 @@ def test_quantize_dbias_hands_every_buffer_and_a_tile_sized_workspace(recorder):
     assert db == arg(dbias) and db[1:] == ([32], int(TE_DType[torch.bfloat16]))
     assert workspace[1:] == ([4 * 32], int(TE_DType[torch.float32]))
     assert (device, stream) == DEVICE_AND_STREAM
+
+
+F32_CODE = int(TE_DType[torch.float32])
+
+
+@pytest.mark.parametrize(
+    "with_transpose, with_dbias", [(False, False), (True, False), (True, True)]
+)
+def test_current_scaling_cast_is_one_native_call(recorder, with_transpose, with_dbias):
+    x = torch.randn(3, 65, 32, dtype=torch.bfloat16)  # 195 rows: 4 tiles of 64
+    result, dbias = quantize_current_scaling_prevalidated(
+        x, torch.float8_e5m2, epsilon=0.25, force_pow_2_scales=True,
+        with_transpose=with_transpose, with_dbias=with_dbias,
+    )  # fmt: skip
+    ((name, args),) = recorder
+    assert name == "quantize_current_scaling"
+    inp, out, out_t, amax, scale, scale_inv, eps, pow2, db, workspace, *launch = args
+    assert inp == arg(x) and out == arg(result.data) and scale_inv == arg(result.scale_inv)
+    assert out[2] == int(TE_DType[torch.float8_e5m2])
+    assert (eps, pow2, tuple(launch)) == (0.25, True, DEVICE_AND_STREAM)
+    # amax and scale: consecutive float32 slots of one scratch buffer, after the workspace
+    assert amax[1:] == scale[1:] == ([1], F32_CODE) and scale[0] == amax[0] + 4
+    if with_transpose:
+        assert out_t == arg(result.transpose) and out_t[1] == [32, 3, 65]
+    else:
+        assert out_t is None and result.transpose is None
+    if with_dbias:
+        assert db == arg(dbias) and db[1:] == ([32], int(TE_DType[torch.bfloat16]))
+        tiles = -(-195 // DBIAS_TILE_ROWS)
+        assert workspace[1:] == ([tiles * 32], F32_CODE)
+        assert amax[0] == workspace[0] + 4 * tiles * 32
+    else:
+        assert db is None and workspace is None and dbias is None
+
+
+@pytest.mark.parametrize("with_amax_reduction", [False, True])
+def test_current_scaling_quantizer_fuses_unless_it_reduces_the_amax(
+    recorder, monkeypatch, with_amax_reduction
+):
+    from transformer_engine.pytorch.tensor import Float8CurrentScalingQuantizer
+
+    reduced = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, **kw: reduced.append(t))
+    q = Float8CurrentScalingQuantizer(torch.float8_e4m3fn, with_amax_reduction=with_amax_reduction)
+    q.internal = True
+    q.quantize_impl(torch.randn(64, 32, dtype=torch.bfloat16))
+    q.quantize_with_dbias_impl(torch.randn(64, 32, dtype=torch.bfloat16))
+    names = [name for name, _ in recorder]
+    if with_amax_reduction:  # the all-reduce runs between the amax and the scale kernels
+        assert names == ["compute_amax", "compute_scale_from_amax", "quantize"] + [
+            "compute_amax", "compute_scale_from_amax", "quantize_dbias"]  # fmt: skip
+        assert len(reduced) == 2
+    else:
+        assert names == ["quantize_current_scaling"] * 2 and reduced == []
+        assert recorder[1][1][8] is not None  # the second call made the bias gradient

@@ -12,11 +12,15 @@ and the autocast (recipe and reduction group). At update time (DESIGN.md section
 Registration order is deterministic (the order in which modules first run), so every rank
 lays out the reduction buffer identically. The per-device grouping is cached and rebuilt
 whenever an entry is added or replaced (e.g. after a module moved to another device).
+
+The registry holds the pairs weakly: a module that is freed retires its positions (as
+``unregister`` does), so it is neither kept alive nor updated at every later step. (Upstream's
+global buffers hold them for the life of the process.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
 
 import torch
 
@@ -27,18 +31,29 @@ from .cpp_extensions.scaling import delayed_scaling_update_prevalidated
 __all__ = ["AmaxRegistry"]
 
 
-@dataclass
 class _Entry:
-    amax_history: torch.Tensor  # [L, N], float32
-    scale: torch.Tensor  # [N], float32
+    """A registered pair, held by weak references; ``on_free`` runs when either is freed."""
+
+    def __init__(self, amax_history: torch.Tensor, scale: torch.Tensor, on_free) -> None:
+        self._history = weakref.ref(amax_history, on_free)  # [L, N], float32
+        self._scale = weakref.ref(scale, on_free)  # [N], float32
+        self.slots = amax_history.shape[1]
+
+    @property
+    def amax_history(self) -> torch.Tensor | None:
+        return self._history()
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        return self._scale()
+
+    @property
+    def alive(self) -> bool:
+        return self._history() is not None and self._scale() is not None
 
     @property
     def device(self) -> torch.device:
         return self.amax_history.device
-
-    @property
-    def slots(self) -> int:
-        return self.amax_history.shape[1]
 
 
 def _all_reduce_max(buffer: torch.Tensor, group) -> None:
@@ -90,9 +105,15 @@ class AmaxRegistry:
         """Append a pair under ``key``; returns its position (its place in the reduction)."""
         _check_pair(amax_history, scale)
         entries = self._entries.setdefault(key, [])
-        entries.append(_Entry(amax_history, scale))
+        entries.append(_Entry(amax_history, scale, self._on_free(key)))
         self._device_groups.pop(key, None)
         return len(entries) - 1
+
+    def _on_free(self, key: str):
+        """The callback of an entry's weak references: the grouping of ``key`` is rebuilt
+        without the freed pair at the next update."""
+        groups = self._device_groups
+        return lambda _ref: groups.pop(key, None)
 
     def replace(self, key: str, position: int, amax_history: torch.Tensor, scale: torch.Tensor):
         """Point an existing position at new tensors (same slot count), e.g. after a move."""
@@ -105,19 +126,21 @@ class AmaxRegistry:
                 f"entry {position} under {key!r} has {entries[position].slots} slots; the "
                 f"replacement has {amax_history.shape[1]} (register a new entry instead)"
             )
-        entries[position] = _Entry(amax_history, scale)
+        entries[position] = _Entry(amax_history, scale, self._on_free(key))
         self._device_groups.pop(key, None)
 
     def unregister(self, key: str, position: int) -> None:
         """Retire a position (its owner moved to another key). The slot stays as a tombstone so
-        the other positions, and the reduction layout every rank shares, do not shift."""
+        the other positions, and the reduction layout every rank shares, do not shift. (A freed
+        pair retires the same way by itself.)"""
         entries = self._entries.get(key)
         if entries is None or not 0 <= position < len(entries) or entries[position] is None:
             raise KeyError(f"no amax registry entry {position} under {key!r}")
         entries[position] = None
         self._device_groups.pop(key, None)
 
-    def entry(self, key: str, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def entry(self, key: str, position: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The pair at a position (``None``s once it was freed)."""
         e = self._entries[key][position]
         return e.amax_history, e.scale
 
@@ -125,7 +148,8 @@ class AmaxRegistry:
         return list(self._entries)
 
     def __len__(self) -> int:
-        return sum(e is not None for v in self._entries.values() for e in v)
+        """Live pairs."""
+        return sum(e is not None and e.alive for v in self._entries.values() for e in v)
 
     def clear(self) -> None:
         self._entries.clear()
@@ -137,7 +161,7 @@ class AmaxRegistry:
         if groups is None:
             by_device: dict[torch.device, list[int]] = {}
             for position, e in enumerate(self._entries.get(key, [])):
-                if e is not None:
+                if e is not None and e.alive:
                     by_device.setdefault(e.device, []).append(position)
             groups = list(by_device.items())
             self._device_groups[key] = groups
@@ -177,13 +201,13 @@ class AmaxRegistry:
     @staticmethod
     def _reduce(entries, groups, group) -> dict[torch.device, torch.Tensor]:
         """Gather row 0 in registration order on the first device, all-reduce, split by device."""
-        live = [e for e in entries if e is not None]
+        live = [e for e in entries if e is not None and e.alive]
         home = live[0].device
         gathered = torch.cat([e.amax_history[0].to(home) for e in live])
         _all_reduce_max(gathered, group)
         offsets, start = {}, 0
         for position, e in enumerate(entries):
-            if e is not None:
+            if e is not None and e.alive:
                 offsets[position] = start
                 start += e.slots
         per_device = {}

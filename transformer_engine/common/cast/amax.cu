@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "cast/dispatch.cuh"
+#include "cast/launchers.h"
 #include "transformer_engine/cast.h"
 #include "util/buffer.h"
 #include "util/device.h"
@@ -13,33 +14,60 @@
 namespace transformer_engine {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kVecElems = 8;
+constexpr int kAmaxThreads = 256;
+constexpr int kAmaxVecElems = 8;
 
 template <typename IType, bool kVectorized>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kAmaxThreads)
     amax_kernel(const IType* __restrict__ in, size_t n, float* __restrict__ amax) {
   float local_amax = 0.0f;
-  const size_t first = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x;
-  const size_t stride = static_cast<size_t>(gridDim.x) * kThreads;
+  const size_t first = static_cast<size_t>(blockIdx.x) * kAmaxThreads + threadIdx.x;
+  const size_t stride = static_cast<size_t>(gridDim.x) * kAmaxThreads;
   size_t scalar_begin = 0;
   if constexpr (kVectorized) {
-    const size_t num_vecs = n / kVecElems;
-    const auto* vin = reinterpret_cast<const Vec<IType, kVecElems>*>(in);
+    const size_t num_vecs = n / kAmaxVecElems;
+    const auto* vin = reinterpret_cast<const Vec<IType, kAmaxVecElems>*>(in);
     for (size_t i = first; i < num_vecs; i += stride) {
-      const Vec<IType, kVecElems> x = vin[i];
+      const Vec<IType, kAmaxVecElems> x = vin[i];
 #pragma unroll
-      for (int j = 0; j < kVecElems; ++j) local_amax = amax_step(local_amax, to_float(x.v[j]));
+      for (int j = 0; j < kAmaxVecElems; ++j) local_amax = amax_step(local_amax, to_float(x.v[j]));
     }
-    scalar_begin = num_vecs * kVecElems;
+    scalar_begin = num_vecs * kAmaxVecElems;
   }
   for (size_t i = scalar_begin + first; i < n; i += stride) {
     local_amax = amax_step(local_amax, to_float(in[i]));
   }
-  block_amax_to_global<kThreads>(local_amax, amax);
+  block_amax_to_global<kAmaxThreads>(local_amax, amax);
 }
 
 }  // namespace
+}  // namespace transformer_engine
+
+namespace transformer_engine {
+namespace cast_detail {
+
+void launch_amax(CallContext& ctx, const NVTEBuffer& in, float* amax) {
+  const char* op = ctx.op();
+  check_cuda(op, cudaMemsetAsync(amax, 0, sizeof(float), ctx.stream()), "cudaMemsetAsync");
+  const size_t n = numel(in);
+  if (n == 0) return;
+  dispatch_high_precision(op, in.dtype, [&](auto itype) {
+    using IType = decltype(itype);
+    const auto* in_data = static_cast<const IType*>(in.data);
+    const bool vectorized = aligned_to(in_data, sizeof(IType) * kAmaxVecElems);
+    const size_t work = vectorized ? n / kAmaxVecElems + n % kAmaxVecElems : n;
+    const size_t wanted = std::max<size_t>(1, (work + kAmaxThreads - 1) / kAmaxThreads);
+    const size_t blocks = std::min<size_t>(wanted, static_cast<size_t>(ctx.sm_count()) * 8);
+    if (vectorized) {
+      amax_kernel<IType, true><<<blocks, kAmaxThreads, 0, ctx.stream()>>>(in_data, n, amax);
+    } else {
+      amax_kernel<IType, false><<<blocks, kAmaxThreads, 0, ctx.stream()>>>(in_data, n, amax);
+    }
+    ctx.check_launch("amax_kernel launch");
+  });
+}
+
+}  // namespace cast_detail
 }  // namespace transformer_engine
 
 extern "C" void nvte_compute_amax(const NVTEBuffer* input, NVTEBuffer* amax, int device,
@@ -53,23 +81,5 @@ extern "C" void nvte_compute_amax(const NVTEBuffer* input, NVTEBuffer* amax, int
   CallContext ctx(op, device, stream);
   ctx.check_on_device("input", in);
   ctx.check_on_device("amax", *amax);
-  auto* amax_data = static_cast<float*>(amax->data);
-  check_cuda(op, cudaMemsetAsync(amax_data, 0, sizeof(float), ctx.stream()), "cudaMemsetAsync");
-  const size_t n = numel(in);
-  if (n == 0) return;
-
-  dispatch_high_precision(op, in.dtype, [&](auto itype) {
-    using IType = decltype(itype);
-    const auto* in_data = static_cast<const IType*>(in.data);
-    const bool vectorized = aligned_to(in_data, sizeof(IType) * kVecElems);
-    const size_t work = vectorized ? n / kVecElems + n % kVecElems : n;
-    const size_t wanted = std::max<size_t>(1, (work + kThreads - 1) / kThreads);
-    const size_t blocks = std::min<size_t>(wanted, static_cast<size_t>(ctx.sm_count()) * 8);
-    if (vectorized) {
-      amax_kernel<IType, true><<<blocks, kThreads, 0, ctx.stream()>>>(in_data, n, amax_data);
-    } else {
-      amax_kernel<IType, false><<<blocks, kThreads, 0, ctx.stream()>>>(in_data, n, amax_data);
-    }
-    ctx.check_launch("amax_kernel launch");
-  });
+  cast_detail::launch_amax(ctx, in, static_cast<float*>(amax->data));
 }

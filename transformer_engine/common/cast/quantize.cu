@@ -8,6 +8,7 @@
 
 #include "cast/cast_transpose.cuh"
 #include "cast/dispatch.cuh"
+#include "cast/launchers.h"
 #include "transformer_engine/cast.h"
 #include "util/buffer.h"
 #include "util/device.h"
@@ -98,23 +99,10 @@ CastArgs checked_cast_args(CallContext& ctx, const NVTEBuffer* input, const NVTE
                   noop == nullptr ? nullptr : static_cast<const float*>(noop->data)};
 }
 
-}  // namespace cast_detail
-}  // namespace transformer_engine
-
-extern "C" void nvte_quantize(const NVTEBuffer* input, const NVTEBuffer* scale, NVTEBuffer* output,
-                              NVTEBuffer* output_t, NVTEBuffer* amax, NVTEBuffer* scale_inv,
-                              const NVTEBuffer* noop, int device, NVTEStream stream) {
-  using namespace transformer_engine;
-  using namespace transformer_engine::cast_detail;
-  const char* op = "nvte_quantize";
-  const QuantizeShape shape =
-      check_quantize_args(op, input, scale, output, output_t, amax, scale_inv, noop);
+void launch_quantize(CallContext& ctx, const NVTEBuffer& in, NVTEBuffer& out, NVTEBuffer* output_t,
+                     const QuantizeShape& shape, const CastArgs& args) {
+  const char* op = ctx.op();
   const size_t n = shape.n, rows = shape.rows, cols = shape.cols;
-  CallContext ctx(op, device, stream);
-  const CastArgs args =
-      checked_cast_args(ctx, input, scale, output, output_t, amax, scale_inv, noop);
-  const NVTEBuffer& in = *input;
-  NVTEBuffer& out = *output;
   auto* out_bytes = static_cast<uint8_t*>(out.data);
   dispatch_high_precision(op, in.dtype, [&](auto itype) {
     using IType = decltype(itype);
@@ -142,4 +130,21 @@ extern "C" void nvte_quantize(const NVTEBuffer* input, const NVTEBuffer* scale, 
       ctx.check_launch("cast_kernel launch");
     });
   });
+}
+
+}  // namespace cast_detail
+}  // namespace transformer_engine
+
+extern "C" void nvte_quantize(const NVTEBuffer* input, const NVTEBuffer* scale, NVTEBuffer* output,
+                              NVTEBuffer* output_t, NVTEBuffer* amax, NVTEBuffer* scale_inv,
+                              const NVTEBuffer* noop, int device, NVTEStream stream) {
+  using namespace transformer_engine;
+  using namespace transformer_engine::cast_detail;
+  const char* op = "nvte_quantize";
+  const QuantizeShape shape =
+      check_quantize_args(op, input, scale, output, output_t, amax, scale_inv, noop);
+  CallContext ctx(op, device, stream);
+  const CastArgs args =
+      checked_cast_args(ctx, input, scale, output, output_t, amax, scale_inv, noop);
+  launch_quantize(ctx, *input, *output, output_t, shape, args);
 }

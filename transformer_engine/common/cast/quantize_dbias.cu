@@ -7,6 +7,7 @@
 
 #include "cast/cast_transpose.cuh"
 #include "cast/dispatch.cuh"
+#include "cast/launchers.h"
 #include "transformer_engine/cast.h"
 #include "util/buffer.h"
 #include "util/device.h"
@@ -38,6 +39,59 @@ __global__ void publish_scale_inv_kernel(CastArgs args) { load_scale(args); }
 }  // namespace
 }  // namespace transformer_engine
 
+namespace transformer_engine {
+namespace cast_detail {
+
+void check_dbias_args(const char* op, const QuantizeShape& shape, const NVTEBuffer& input,
+                      const NVTEBuffer* dbias, const NVTEBuffer* workspace) {
+  const NVTEBuffer& db = require(op, "dbias", dbias);
+  if (db.dtype != input.dtype) {
+    throw_invalid(op, "dbias has dtype ", dtype_name(db.dtype), " but input has ",
+                  dtype_name(input.dtype), "; the bias gradient uses the input's dtype");
+  }
+  if (db.ndim != 1 || db.shape[0] != shape.cols) {
+    throw_invalid(op, "dbias must have shape [", shape.cols, "] (the input's last extent)");
+  }
+  const NVTEBuffer& ws = require(op, "workspace", workspace);
+  check_dtype(op, "workspace", ws, {kNVTEFloat32});
+  const size_t needed = nvte_quantize_dbias_workspace_elements(shape.rows, shape.cols);
+  if (numel(ws) < needed) {
+    throw_invalid(op, "workspace has ", numel(ws), " elements; [", shape.rows, ", ", shape.cols,
+                  "] needs nvte_quantize_dbias_workspace_elements = ", needed);
+  }
+}
+
+void launch_quantize_dbias(CallContext& ctx, const NVTEBuffer& input, NVTEBuffer& output,
+                           NVTEBuffer& output_t, const QuantizeShape& shape, const CastArgs& args,
+                           NVTEBuffer& dbias, NVTEBuffer& workspace) {
+  const char* op = ctx.op();
+  const size_t rows = shape.rows, cols = shape.cols;
+  if (rows == 0 && args.scale_inv != nullptr) {
+    publish_scale_inv_kernel<<<1, 1, 0, ctx.stream()>>>(args);
+    ctx.check_launch("publish_scale_inv_kernel launch");
+  }
+  if (cols == 0) return;
+  auto* column_sums = static_cast<float*>(workspace.data);
+  dispatch_high_precision(op, input.dtype, [&](auto itype) {
+    using IType = decltype(itype);
+    if (rows > 0) {
+      dispatch_fp8(op, output.dtype, [&](auto is_e4m3) {
+        constexpr bool kE4M3 = decltype(is_e4m3)::value;
+        launch_cast_transpose<IType, kE4M3, true>(
+            static_cast<const IType*>(input.data), static_cast<uint8_t*>(output.data),
+            static_cast<uint8_t*>(output_t.data), rows, cols, args, column_sums, ctx);
+      });
+    }
+    const size_t blocks = (cols + kReduceThreads - 1) / kReduceThreads;
+    column_sums_to_dbias_kernel<IType><<<blocks, kReduceThreads, 0, ctx.stream()>>>(
+        column_sums, static_cast<IType*>(dbias.data), tile_rows(rows), cols);
+    ctx.check_launch("column_sums_to_dbias_kernel launch");
+  });
+}
+
+}  // namespace cast_detail
+}  // namespace transformer_engine
+
 extern "C" size_t nvte_quantize_dbias_workspace_elements(size_t rows, size_t cols) {
   return transformer_engine::cast_detail::tile_rows(rows) * cols;
 }
@@ -54,47 +108,12 @@ extern "C" void nvte_quantize_dbias(const NVTEBuffer* input, const NVTEBuffer* s
   }
   const QuantizeShape shape =
       check_quantize_args(op, input, scale, output, output_t, amax, scale_inv, nullptr);
-  const size_t rows = shape.rows, cols = shape.cols;
-  const NVTEBuffer& db = require(op, "dbias", dbias);
-  if (db.dtype != input->dtype) {
-    throw_invalid(op, "dbias has dtype ", dtype_name(db.dtype), " but input has ",
-                  dtype_name(input->dtype), "; the bias gradient uses the input's dtype");
-  }
-  if (db.ndim != 1 || db.shape[0] != cols) {
-    throw_invalid(op, "dbias must have shape [", cols, "] (the input's last extent)");
-  }
-  const NVTEBuffer& ws = require(op, "workspace", workspace);
-  check_dtype(op, "workspace", ws, {kNVTEFloat32});
-  const size_t needed = nvte_quantize_dbias_workspace_elements(rows, cols);
-  if (numel(ws) < needed) {
-    throw_invalid(op, "workspace has ", numel(ws), " elements; [", rows, ", ", cols,
-                  "] needs nvte_quantize_dbias_workspace_elements = ", needed);
-  }
+  check_dbias_args(op, shape, *input, dbias, workspace);
 
   CallContext ctx(op, device, stream);
   const CastArgs args =
       checked_cast_args(ctx, input, scale, output, output_t, amax, scale_inv, nullptr);
-  ctx.check_on_device("dbias", db);
-  ctx.check_on_device("workspace", ws);
-  if (rows == 0 && args.scale_inv != nullptr) {
-    publish_scale_inv_kernel<<<1, 1, 0, ctx.stream()>>>(args);
-    ctx.check_launch("publish_scale_inv_kernel launch");
-  }
-  if (cols == 0) return;
-  auto* column_sums = static_cast<float*>(ws.data);
-  dispatch_high_precision(op, input->dtype, [&](auto itype) {
-    using IType = decltype(itype);
-    if (rows > 0) {
-      dispatch_fp8(op, output->dtype, [&](auto is_e4m3) {
-        constexpr bool kE4M3 = decltype(is_e4m3)::value;
-        launch_cast_transpose<IType, kE4M3, true>(
-            static_cast<const IType*>(input->data), static_cast<uint8_t*>(output->data),
-            static_cast<uint8_t*>(output_t->data), rows, cols, args, column_sums, ctx);
-      });
-    }
-    const size_t blocks = (cols + kReduceThreads - 1) / kReduceThreads;
-    column_sums_to_dbias_kernel<IType><<<blocks, kReduceThreads, 0, ctx.stream()>>>(
-        column_sums, static_cast<IType*>(db.data), tile_rows(rows), cols);
-    ctx.check_launch("column_sums_to_dbias_kernel launch");
-  });
+  ctx.check_on_device("dbias", *dbias);
+  ctx.check_on_device("workspace", *workspace);
+  launch_quantize_dbias(ctx, *input, *output, *output_t, shape, args, *dbias, *workspace);
 }

@@ -83,6 +83,21 @@ void quantize_dbias(const TensorArg& input, const TensorArg& scale, const Tensor
                       to_stream(stream));
 }
 
+void quantize_current_scaling(const TensorArg& input, const TensorArg& output,
+                              const OptionalTensorArg& output_t, const TensorArg& amax,
+                              const TensorArg& scale, const OptionalTensorArg& scale_inv,
+                              float epsilon, bool force_pow_2_scales,
+                              const OptionalTensorArg& dbias, const OptionalTensorArg& workspace,
+                              int device, std::uintptr_t stream) {
+  const NVTEBuffer in = to_buffer(input);
+  NVTEBuffer out = to_buffer(output), am = to_buffer(amax), sc = to_buffer(scale);
+  OptionalBuffer out_t(output_t), si(scale_inv), db(dbias), ws(workspace);
+  py::gil_scoped_release no_gil;
+  nvte_quantize_current_scaling(&in, &out, out_t.get(), &am, &sc, si.get(), epsilon,
+                                force_pow_2_scales ? 1 : 0, db.get(), ws.get(), device,
+                                to_stream(stream));
+}
+
 void dequantize(const TensorArg& input, const TensorArg& scale_inv, const TensorArg& output,
                 int device, std::uintptr_t stream) {
   const NVTEBuffer in = to_buffer(input), si = to_buffer(scale_inv);
@@ -146,6 +161,10 @@ PYBIND11_MODULE(_native, m) {
         py::arg("workspace"), py::arg("device"), py::arg("stream"));
   m.def("quantize_dbias_workspace_elements", &nvte_quantize_dbias_workspace_elements,
         py::arg("rows"), py::arg("cols"));
+  m.def("quantize_current_scaling", &quantize_current_scaling, py::arg("input"), py::arg("output"),
+        py::arg("output_t"), py::arg("amax"), py::arg("scale"), py::arg("scale_inv"),
+        py::arg("epsilon"), py::arg("force_pow_2_scales"), py::arg("dbias"), py::arg("workspace"),
+        py::arg("device"), py::arg("stream"));
   m.def("dequantize", &dequantize, py::arg("input"), py::arg("scale_inv"), py::arg("output"),
         py::arg("device"), py::arg("stream"));
   m.def("compute_amax", &compute_amax, py::arg("input"), py::arg("amax"), py::arg("device"),

@@ -3,6 +3,7 @@
 
 #include <cfloat>
 
+#include "cast/launchers.h"
 #include "transformer_engine/recipe.h"
 #include "util/buffer.h"
 #include "util/device.h"
@@ -26,6 +27,25 @@ __global__ void compute_scale_from_amax_kernel(const float* amax, float* scale, 
 }  // namespace
 }  // namespace transformer_engine
 
+namespace transformer_engine {
+namespace cast_detail {
+
+void check_scale_epsilon(const char* op, float epsilon) {
+  if (!(epsilon >= 0.0f) || isinf(epsilon)) {
+    throw_invalid(op, "epsilon=", epsilon, " must be a finite number >= 0");
+  }
+}
+
+void launch_scale_from_amax(CallContext& ctx, const float* amax, float* scale, float fp8_max,
+                            float epsilon, bool force_pow_2_scales) {
+  compute_scale_from_amax_kernel<<<1, 1, 0, ctx.stream()>>>(amax, scale, fp8_max, epsilon,
+                                                            force_pow_2_scales);
+  ctx.check_launch("compute_scale_from_amax_kernel launch");
+}
+
+}  // namespace cast_detail
+}  // namespace transformer_engine
+
 extern "C" void nvte_compute_scale_from_amax(const NVTEBuffer* amax, NVTEBuffer* scale,
                                              NVTEDType fp8_dtype, float epsilon,
                                              int force_pow_2_scales, int device,
@@ -35,15 +55,12 @@ extern "C" void nvte_compute_scale_from_amax(const NVTEBuffer* amax, NVTEBuffer*
   check_fp32_scalar(op, "amax", require(op, "amax", amax));
   check_fp32_scalar(op, "scale", require(op, "scale", scale));
   const float max_value = fp8_max(op, fp8_dtype);
-  if (!(epsilon >= 0.0f) || isinf(epsilon)) {
-    throw_invalid(op, "epsilon=", epsilon, " must be a finite number >= 0");
-  }
+  cast_detail::check_scale_epsilon(op, epsilon);
 
   CallContext ctx(op, device, stream);
   ctx.check_on_device("amax", *amax);
   ctx.check_on_device("scale", *scale);
-  compute_scale_from_amax_kernel<<<1, 1, 0, ctx.stream()>>>(
-      static_cast<const float*>(amax->data), static_cast<float*>(scale->data), max_value, epsilon,
-      force_pow_2_scales != 0);
-  ctx.check_launch("compute_scale_from_amax_kernel launch");
+  cast_detail::launch_scale_from_amax(ctx, static_cast<const float*>(amax->data),
+                                      static_cast<float*>(scale->data), max_value, epsilon,
+                                      force_pow_2_scales != 0);
 }

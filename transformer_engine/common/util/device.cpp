@@ -1,5 +1,6 @@
 #include "util/device.h"
 
+#include <atomic>
 #include <mutex>
 #include <vector>
 
@@ -10,8 +11,14 @@ namespace transformer_engine {
 namespace {
 
 int checked_device_count(const char* op) {
-  int count = 0;
+  // The count is fixed for the life of the process (CUDA reads CUDA_VISIBLE_DEVICES once, at
+  // initialisation), so it is asked once per process instead of once per call. A failure is not
+  // cached: every call reports it.
+  static std::atomic<int> cached{0};
+  int count = cached.load(std::memory_order_relaxed);
+  if (count > 0) return count;
   check_cuda(op, cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  cached.store(count, std::memory_order_relaxed);
   return count;
 }
 

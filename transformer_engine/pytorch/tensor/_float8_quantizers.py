@@ -19,7 +19,11 @@ import torch
 from .. import cpp_extensions as ext
 from .. import reference
 from ..constants import HIGH_PRECISION_DTYPES, DType, TE_DType_To_Torch, to_torch_fp8_dtype
-from ..cpp_extensions.cast import quantize_dbias_prevalidated, quantize_prevalidated
+from ..cpp_extensions.cast import (
+    quantize_current_scaling_prevalidated,
+    quantize_dbias_prevalidated,
+    quantize_prevalidated,
+)
 from ..cpp_extensions.scaling import current_scale_prevalidated
 from ..device import check_same_device, is_non_tn_fp8_gemm_supported
 from ..quantized_tensor import (
@@ -156,17 +160,7 @@ class _Float8QuantizerBase(Quantizer):
             return self.make_empty(src.shape, dtype=fake_dtype, device=src.device)
         _check_high_precision_dtype(f"{type(self).__name__}.quantize", src.dtype)
         need_data, need_transpose = self._layouts(src.device, src.shape)
-        scale, amax = self._scale_and_amax(src)
-        fp8_dtype = TE_DType_To_Torch[DType(self.dtype)]
-        dbias = None
-        if with_dbias and need_transpose:
-            res, dbias = quantize_dbias_prevalidated(src, scale, fp8_dtype, amax=amax)
-        else:
-            res = quantize_prevalidated(
-                src, scale, fp8_dtype, amax=amax, with_transpose=need_transpose
-            )
-            if with_dbias:
-                dbias = reference.column_sum(src)
+        res, dbias = self._cast(src, need_transpose, with_dbias)
         data = res.data.view(torch.uint8) if need_data else None
         transpose = res.transpose.view(torch.uint8) if need_transpose else None
         out = self._wrap(
@@ -184,6 +178,17 @@ class _Float8QuantizerBase(Quantizer):
                 "_transpose": (transpose, res.transpose) if need_transpose else None,
             }
         return (out, dbias) if with_dbias else out
+
+    def _cast(self, src, with_transpose: bool, with_dbias: bool):
+        """The native (or reference) cast of a checked ``src``: ``(QuantizeResult, dbias or
+        None)``; the bias gradient comes from the cast's own pass when the transposed copy is
+        made too."""
+        scale, amax = self._scale_and_amax(src)
+        fp8_dtype = TE_DType_To_Torch[DType(self.dtype)]
+        if with_dbias and with_transpose:
+            return quantize_dbias_prevalidated(src, scale, fp8_dtype, amax=amax)
+        res = quantize_prevalidated(src, scale, fp8_dtype, amax=amax, with_transpose=with_transpose)
+        return res, (reference.column_sum(src) if with_dbias else None)
 
     def update_quantized(self, src: torch.Tensor, dst, *, noop_flag: torch.Tensor | None = None):
         """Quantize ``src`` into ``dst``'s buffers in place (see :meth:`Quantizer.update_quantized`).
@@ -480,6 +485,21 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         self.amax_reduction_group = amax_reduction_group
         self.force_pow_2_scales = bool(force_pow_2_scales)
         self.amax_epsilon = epsilon
+
+    def _cast(self, src, with_transpose: bool, with_dbias: bool):
+        if self.with_amax_reduction:  # the all-reduce runs between the amax and the scale
+            return super()._cast(src, with_transpose, with_dbias)
+        res, dbias = quantize_current_scaling_prevalidated(
+            src,
+            TE_DType_To_Torch[DType(self.dtype)],
+            epsilon=self.amax_epsilon,
+            force_pow_2_scales=self.force_pow_2_scales,
+            with_transpose=with_transpose,
+            with_dbias=with_dbias and with_transpose,
+        )
+        if with_dbias and dbias is None:
+            dbias = reference.column_sum(src)
+        return res, dbias
 
     def _scale_and_amax(self, src):
         reduce_amax = None

@@ -67,6 +67,31 @@ NVTE_API void nvte_quantize_dbias(const NVTEBuffer* input, const NVTEBuffer* sca
                                   NVTEBuffer* scale_inv, NVTEBuffer* dbias, NVTEBuffer* workspace,
                                   int device, NVTEStream stream);
 
+/*! \brief Current scaling's cast in one call: `amax = max |input|`, `scale` from it as
+ *         nvte_compute_scale_from_amax computes it, then nvte_quantize with that scale (or
+ *         nvte_quantize_dbias when `dbias` is given). Bitwise the same as those three calls.
+ *
+ *  Every argument is checked before anything is launched.
+ *
+ *  \param[in]  input     Float32, Float16 or BFloat16 tensor.
+ *  \param[out] output    FP8 tensor (its dtype selects the format) with `input`'s elements.
+ *  \param[out] output_t  Optional (null unless `dbias` is given): the `[cols, rows]` copy.
+ *  \param[out] amax      One Float32 element, overwritten with `max |input|`.
+ *  \param[out] scale     One Float32 element, overwritten with the scale.
+ *  \param[out] scale_inv Optional: one Float32 element that receives `1 / scale`.
+ *  \param[in]  epsilon   Lower bound on the amax the scale uses (finite, >= 0).
+ *  \param[in]  force_pow_2_scales Non-zero: round the scale down to a power of 2.
+ *  \param[out] dbias     Optional: the bias gradient, as in nvte_quantize_dbias.
+ *  \param[out] workspace Required with `dbias`: as in nvte_quantize_dbias.
+ *  \param[in]  device    CUDA device index all buffers live on.
+ *  \param[in]  stream    Stream of `device` to launch on.
+ */
+NVTE_API void nvte_quantize_current_scaling(const NVTEBuffer* input, NVTEBuffer* output,
+                                            NVTEBuffer* output_t, NVTEBuffer* amax,
+                                            NVTEBuffer* scale, NVTEBuffer* scale_inv, float epsilon,
+                                            int force_pow_2_scales, NVTEBuffer* dbias,
+                                            NVTEBuffer* workspace, int device, NVTEStream stream);
+
 /*! \brief Dequantize FP8 to Float32, Float16 or BFloat16: `out = round(float(q) * scale_inv)`.
  *
  *  \param[in]  input     FP8 tensor (E4M3 or E5M2).
