@@ -27,8 +27,9 @@ extern "C" void nvte_quantize_current_scaling(const NVTEBuffer* input, NVTEBuffe
   const bool with_dbias = dbias != nullptr || workspace != nullptr;
   if (with_dbias) {
     if (output_t == nullptr) {
-      throw_invalid(op, "output_t is required with dbias: the bias gradient comes with the "
-                        "transposed copy");
+      throw_invalid(op,
+                    "output_t is required with dbias: the bias gradient comes with the "
+                    "transposed copy");
     }
     check_dbias_args(op, shape, *input, dbias, workspace);
   }
