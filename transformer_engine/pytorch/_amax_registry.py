@@ -13,9 +13,9 @@ Registration order is deterministic (the order in which modules first run), so e
 lays out the reduction buffer identically. The per-device grouping is cached and rebuilt
 whenever an entry is added or replaced (e.g. after a module moved to another device).
 
-The registry holds the pairs weakly: a module that is freed retires its positions (as
-``unregister`` does), so it is neither kept alive nor updated at every later step. (Upstream's
-global buffers hold them for the life of the process.)
+The registry holds the pairs weakly: a module that is freed is neither kept alive nor updated at
+every later step (upstream's global buffers hold them for the life of the process). Its places
+in the reduction buffer stay, as zeros, so the layout never depends on when a rank frees it.
 """
 
 from __future__ import annotations
@@ -200,16 +200,26 @@ class AmaxRegistry:
 
     @staticmethod
     def _reduce(entries, groups, group) -> dict[torch.device, torch.Tensor]:
-        """Gather row 0 in registration order on the first device, all-reduce, split by device."""
-        live = [e for e in entries if e is not None and e.alive]
-        home = live[0].device
-        gathered = torch.cat([e.amax_history[0].to(home) for e in live])
-        _all_reduce_max(gathered, group)
-        offsets, start = {}, 0
+        """Gather row 0 in registration order on the first device, all-reduce, split by device.
+
+        A freed pair still has its place in the buffer, filled with zeros (neutral under MAX):
+        when a module is freed depends on each rank's garbage collection, and the collective
+        needs the same layout on every rank. Only ``unregister`` (an explicit call every rank
+        makes) removes a place."""
+        home = groups[0][0]
+        pieces, offsets, start = [], {}, 0
         for position, e in enumerate(entries):
-            if e is not None and e.alive:
+            if e is None:
+                continue
+            history = e.amax_history
+            if history is None:
+                pieces.append(torch.zeros(e.slots, dtype=torch.float32, device=home))
+            else:
+                pieces.append(history[0].to(home))
                 offsets[position] = start
-                start += e.slots
+            start += e.slots
+        gathered = torch.cat(pieces)
+        _all_reduce_max(gathered, group)
         per_device = {}
         for device, positions in groups:
             pieces = [gathered[offsets[p] : offsets[p] + entries[p].slots] for p in positions]
