@@ -18,6 +18,15 @@ def pair(device, slots=3, length=4, fill=0.0):
     return history, scale
 
 
+def register_three_pairs(registry):
+    """Pairs of 2, 1 and 2 slots registered under "k"; row 0 of pair i holds i + 1."""
+    pairs = [pair("cpu", slots=2), pair("cpu", slots=1), pair("cpu", slots=2)]
+    for i, (history, scale) in enumerate(pairs):
+        registry.register("k", history, scale)
+        history[0] = float(i + 1)
+    return pairs
+
+
 @pytest.fixture
 def recorded_updates(monkeypatch):
     calls = []
@@ -106,10 +115,7 @@ def test_reduction_scatters_each_device_its_own_slices(
     # Two real "devices" are not available on CPU; fake a second one by making .to() of the
     # gathered buffer observable: entries on cpu only, but the grouping is forced to two groups.
     registry = AmaxRegistry()
-    pairs = [pair("cpu", slots=2), pair("cpu", slots=1), pair("cpu", slots=2)]
-    for i, p in enumerate(pairs):
-        registry.register("k", *p)
-        p[0][0] = float(i + 1)
+    pairs = register_three_pairs(registry)
     fake_device = torch.device("meta")
     monkeypatch.setattr(
         registry, "device_groups", lambda key: [(torch.device("cpu"), [0, 2]), (fake_device, [1])]
@@ -200,10 +206,7 @@ def test_callable_algorithms_take_the_python_path():
 
 def test_unregistered_positions_are_tombstones(recorded_updates, fake_distributed):
     registry = AmaxRegistry()
-    pairs = [pair("cpu", slots=2), pair("cpu", slots=1), pair("cpu", slots=2)]
-    for i, p in enumerate(pairs):
-        registry.register("k", *p)
-        p[0][0] = float(i + 1)
+    pairs = register_three_pairs(registry)
     registry.unregister("k", 1)
     assert len(registry) == 2
     assert registry.device_groups("k") == [(torch.device("cpu"), [0, 2])]
@@ -241,13 +244,10 @@ def test_a_changed_recipe_moves_the_pair_to_its_new_key():
 
 def test_a_freed_pair_retires_its_position(recorded_updates, fake_distributed):
     registry = AmaxRegistry()
-    pairs = [pair("cpu", slots=2), pair("cpu", slots=1), pair("cpu", slots=2)]
-    for i, p in enumerate(pairs):
-        registry.register("k", *p)
-        p[0][0] = float(i + 1)
+    pairs = register_three_pairs(registry)
     assert registry.device_groups("k") == [(torch.device("cpu"), [0, 1, 2])]  # cached
     freed = pairs.pop(1)
-    del freed, p
+    del freed
     assert len(registry) == 2
     assert registry.device_groups("k") == [(torch.device("cpu"), [0, 2])]
     assert registry.entry("k", 1) == (None, None)
