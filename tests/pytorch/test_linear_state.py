@@ -394,6 +394,17 @@ def test_wrong_feature_size():
         m(torch.randn(4, IN - 1))
 
 
+@pytest.mark.parametrize(
+    "make, name",
+    [(lambda: Linear(IN, OUT, device="cpu"), "in_features"),
+     (lambda: te.LayerNormLinear(IN, OUT, device="cpu"), "in_features"),
+     (lambda: te.LayerNormMLP(IN, OUT, device="cpu"), "hidden_size")],
+)  # fmt: skip
+def test_a_0d_input_is_refused_with_the_feature_size(make, name):
+    with pytest.raises(ValueError, match=rf"last dimension is None but {name}={IN}"):
+        make()(torch.tensor(1.0))
+
+
 def test_input_dtype_must_match_params_dtype():
     m = Linear(IN, OUT, device="cpu")
     with pytest.raises(TypeError, match=r"bfloat16.*float32"):

@@ -37,9 +37,9 @@ def test_the_forward_keeps_no_column_wise_copy(monkeypatch):
     calls = []
     original = _linear_core._quantize
 
-    def spy(quantizer, tensor, *, rowwise, columnwise):
+    def spy(quantizer, tensor, *, rowwise, columnwise, **kwargs):
         calls.append((tuple(tensor.shape), rowwise, columnwise))
-        return original(quantizer, tensor, rowwise=rowwise, columnwise=columnwise)
+        return original(quantizer, tensor, rowwise=rowwise, columnwise=columnwise, **kwargs)
 
     monkeypatch.setattr(_linear_core, "_quantize", spy)
     run(True)

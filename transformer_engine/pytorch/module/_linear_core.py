@@ -56,6 +56,16 @@ class LinearConfig:
     reduce_and_update_bwd: bool = False
 
 
+def check_input_features(owner: str, inp: torch.Tensor, size: int, name: str) -> None:
+    """Raise unless ``inp``'s last dimension is ``size``, naming the argument ``name`` that set it
+    (a 0-d input has no last dimension and is refused too)."""
+    if inp.dim() == 0 or inp.shape[-1] != size:
+        raise ValueError(
+            f"{owner}: the input's last dimension is {inp.shape[-1] if inp.dim() else None} but "
+            f"{name}={size}"
+        )
+
+
 def check_fp8_gemm_shapes(tokens: int, in_features: int, out_features: int, needs_wgrad: bool):
     """FP8 GEMMs need the reduction and output dimensions to be multiples of 16."""
     for name, value in (("in_features", in_features), ("out_features", out_features)):
@@ -71,12 +81,16 @@ def check_fp8_gemm_shapes(tokens: int, in_features: int, out_features: int, need
         )
 
 
-def _quantize(quantizer, tensor, *, rowwise: bool, columnwise: bool):
+def _quantize(quantizer, tensor, *, rowwise: bool, columnwise: bool, with_dbias: bool = False):
+    """``tensor`` in FP8, as internal storage; with ``with_dbias``, ``(FP8, bias gradient)`` from
+    ``quantize_with_dbias_impl``."""
     # quantize_impl: no straight-through autograd wrapper, the linear core owns the graph; and
     # internal storage (a plain object, not a tensor subclass) is much cheaper on the host.
     quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
     internal, quantizer.internal = quantizer.internal, True
     try:
+        if with_dbias:
+            return quantizer.quantize_with_dbias_impl(tensor)
         return quantizer.quantize_impl(tensor)
     finally:
         quantizer.internal = internal
@@ -85,14 +99,9 @@ def _quantize(quantizer, tensor, *, rowwise: bool, columnwise: bool):
 def _quantize_grad_output(quantizer, dy, *, rowwise: bool, columnwise: bool, with_dbias: bool):
     """``(dy in FP8, dbias or None)``: with the transposed copy (wgrad) the bias gradient comes
     out of the same pass over ``dy`` (``nvte_quantize_dbias``), saving a read of ``dy``."""
-    if not (with_dbias and columnwise and hasattr(quantizer, "quantize_with_dbias_impl")):
-        return _quantize(quantizer, dy, rowwise=rowwise, columnwise=columnwise), None
-    quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
-    internal, quantizer.internal = quantizer.internal, True
-    try:
-        return quantizer.quantize_with_dbias_impl(dy)
-    finally:
-        quantizer.internal = internal
+    if with_dbias and columnwise and hasattr(quantizer, "quantize_with_dbias_impl"):
+        return _quantize(quantizer, dy, rowwise=rowwise, columnwise=columnwise, with_dbias=True)
+    return _quantize(quantizer, dy, rowwise=rowwise, columnwise=columnwise), None
 
 
 class _Linear(torch.autograd.Function):

@@ -22,7 +22,7 @@ import torch
 from ..device import device_guard
 from ..quantization import FP8GlobalStateManager
 from ..quantized_tensor import QuantizedTensor
-from ._linear_core import linear_forward
+from ._linear_core import check_input_features, linear_forward
 from ._linear_parameters import check_features, check_single_process_arguments
 from ._module_config import gemm_weight, make_linear_config
 from .base import TransformerEngineBaseModule, default_init_method, resolve_module_device
@@ -244,11 +244,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         """
         if isinstance(inp, QuantizedTensor):
             raise TypeError("GroupedLinear: a quantized input is not supported; pass a tensor")
-        if inp.dim() == 0 or inp.shape[-1] != self.in_features:
-            raise ValueError(
-                f"GroupedLinear: the input's last dimension is "
-                f"{inp.shape[-1] if inp.dim() else None} but in_features={self.in_features}"
-            )
+        check_input_features("GroupedLinear", inp, self.in_features, "in_features")
         sizes = self._split_sizes(m_splits, inp.numel() // self.in_features)
         _check_preallocated(inp, self.out_features, out, dgrad_out)
         if dgrad_out is not None and inp.requires_grad and torch.is_grad_enabled():

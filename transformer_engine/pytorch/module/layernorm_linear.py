@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._linear_core import linear_forward
+from ._linear_core import check_input_features, linear_forward
 from ._linear_parameters import (
     check_features,
     check_single_process_arguments,
@@ -151,11 +151,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         Returns ``out``, ``(out, bias)`` with ``return_bias``, ``(out, ln_out)`` with
         ``return_layernorm_output``, or ``(out, bias, ln_out)`` with both.
         """
-        if inp.shape[-1] != self.in_features:
-            raise ValueError(
-                f"LayerNormLinear: the input's last dimension is {inp.shape[-1]} but "
-                f"in_features={self.in_features}"
-            )
+        check_input_features("LayerNormLinear", inp, self.in_features, "in_features")
         with self.prepare_forward_ctx(inp, num_gemms=1) as inp:
             dtype, fp8 = self.activation_dtype, self.fp8
             if fp8 and fp8_grad:

@@ -17,7 +17,7 @@ import torch
 import torch.utils.checkpoint
 
 from ._activations import get_activation
-from ._linear_core import linear_forward
+from ._linear_core import check_input_features, linear_forward
 from ._linear_parameters import check_features, check_single_process_arguments
 from ._module_config import (
     apply_norm,
@@ -180,11 +180,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         Returns ``out``, ``(out, fc2_bias)`` with ``return_bias``, ``(out, ln_out)`` with
         ``return_layernorm_output``, or ``(out, fc2_bias, ln_out)`` with both.
         """
-        if inp.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"LayerNormMLP: the input's last dimension is {inp.shape[-1]} but "
-                f"hidden_size={self.hidden_size}"
-            )
+        check_input_features("LayerNormMLP", inp, self.hidden_size, "hidden_size")
         with self.prepare_forward_ctx(inp, num_gemms=2) as inp:
             dtype, fp8 = self.activation_dtype, self.fp8
             if inp.dtype != dtype:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._linear_core import linear_forward
+from ._linear_core import check_input_features, linear_forward
 from ._linear_parameters import (
     check_features,
     check_single_process_arguments,
@@ -126,11 +126,7 @@ class Linear(TransformerEngineBaseModule):
         fp8_output: bool | None = False,
         fp8_grad: bool | None = False,
     ):
-        if inp.shape[-1] != self.in_features:
-            raise ValueError(
-                f"Linear: the input's last dimension is {inp.shape[-1]} but in_features="
-                f"{self.in_features}"
-            )
+        check_input_features("Linear", inp, self.in_features, "in_features")
         with self.prepare_forward_ctx(inp, num_gemms=1) as inp:
             bias = linear_bias(self)
             dtype = self.activation_dtype

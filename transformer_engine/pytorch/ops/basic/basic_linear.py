@@ -13,7 +13,12 @@ import warnings
 
 import torch
 
-from ...module._linear_core import LinearConfig, _Linear, check_fp8_gemm_shapes
+from ...module._linear_core import (
+    LinearConfig,
+    _Linear,
+    check_fp8_gemm_shapes,
+    check_input_features,
+)
 from ...quantization import FP8GlobalStateManager
 from ...quantized_tensor import QuantizedTensor
 from ..op import BasicOperation, OperationContext, materialization_device
@@ -202,11 +207,7 @@ class BasicLinear(BasicOperation):
         """``input_ W^T (+ bias)`` through the linear core; fills ``ctx`` for
         :meth:`op_backward`. A ``bias`` (used by fusions) gets no gradient here: its own
         operation computes that."""
-        if input_.shape[-1] != self.in_features:
-            raise ValueError(
-                f"BasicLinear: the input's last dimension is {input_.shape[-1]} but "
-                f"in_features={self.in_features}"
-            )
+        check_input_features("BasicLinear", input_, self.in_features, "in_features")
         weight = self.weight
         fp8 = FP8GlobalStateManager.is_fp8_enabled()
         dtype = activation_dtype(input_, weight)

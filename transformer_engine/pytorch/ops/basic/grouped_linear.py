@@ -39,6 +39,7 @@ from ...module._linear_core import (
     LinearConfig,
     _Linear,
     check_fp8_gemm_shapes,
+    check_input_features,
     run_deferred_wgrads,
 )
 from ...quantization import FP8GlobalStateManager
@@ -360,11 +361,7 @@ class GroupedLinear(BasicOperation):
         ctx: OperationContext = basic_op_ctxs[0]
         (split_sizes,) = basic_op_extra_inputs[0]
         x = plain(input_)  # groups have their own scales: a quantized input is dequantized
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"GroupedLinear: the input's last dimension is "
-                f"{x.shape[-1] if x.dim() else None} but in_features={self.in_features}"
-            )
+        check_input_features("GroupedLinear", x, self.in_features, "in_features")
         sizes = self._split_sizes(split_sizes, x.numel() // self.in_features)
         weights, biases = self.weights(), self.biases()
         fp8 = FP8GlobalStateManager.is_fp8_enabled()
