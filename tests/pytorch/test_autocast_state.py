@@ -17,13 +17,6 @@ from transformer_engine.pytorch.quantization import (
 )
 
 
-@pytest.fixture(autouse=True)
-def fresh_state():
-    FP8GlobalStateManager.reset()
-    yield
-    FP8GlobalStateManager.reset()
-
-
 def registered_meta(recipe, device="cpu", slots=2, forward=True, backward=True):
     meta = {"recipe": recipe, "fp8_group": None}
     if forward:

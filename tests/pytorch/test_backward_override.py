@@ -4,19 +4,11 @@
 operands; either way the gradient GEMMs run in high precision and no backward scale updates.
 """
 
-import pytest
 import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import Float8CurrentScaling
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-
-
-@pytest.fixture(autouse=True)
-def fresh_state():
-    FP8GlobalStateManager.reset()
-    yield
-    FP8GlobalStateManager.reset()
 
 
 def run(override, module_factory=lambda: te.Linear(32, 48, device="cpu")):

@@ -11,13 +11,6 @@ from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 RECIPES = [None, DelayedScaling(), Float8CurrentScaling()]
 
 
-@pytest.fixture(autouse=True)
-def fresh_state():
-    FP8GlobalStateManager.reset()
-    yield
-    FP8GlobalStateManager.reset()
-
-
 def train(delay, recipe, fuse=False, steps=2):
     FP8GlobalStateManager.reset()
     torch.manual_seed(0)

@@ -12,13 +12,6 @@ from transformer_engine.pytorch.quantization import FP8GlobalStateManager, Recip
 STEPS, SLOTS, LENGTH = 20, 3, 4
 
 
-@pytest.fixture(autouse=True)
-def fresh_state():
-    FP8GlobalStateManager.reset()
-    yield
-    FP8GlobalStateManager.reset()
-
-
 class ModelOfRecipe:
     """Per-slot history (oldest first, newest last, row 0 the accumulator) and scale."""
 

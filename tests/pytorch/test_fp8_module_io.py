@@ -19,13 +19,6 @@ RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
 GRAD_INPUT1 = 1  # backward slot of the input gradient (upstream's layout)
 
 
-@pytest.fixture(autouse=True)
-def fresh_state():
-    FP8GlobalStateManager.reset()
-    yield
-    FP8GlobalStateManager.reset()
-
-
 def build(kind):
     torch.manual_seed(0)
     return getattr(te, kind)(32, 48, device="cpu")

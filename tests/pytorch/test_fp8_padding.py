@@ -7,16 +7,8 @@ import torch.nn.functional as F
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
-from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
 SPLITS = [5, 0, 19, 16]
-
-
-@pytest.fixture(autouse=True)
-def fresh_state():
-    FP8GlobalStateManager.reset()
-    yield
-    FP8GlobalStateManager.reset()
 
 
 def test_padding_appends_zero_rows_per_group_and_unpadding_removes_them():

@@ -11,13 +11,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from fp8_emulation import current_scale, fake_quant
 from tolerances import assert_close_by_table
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
-from transformer_engine.pytorch import ops, reference
-from transformer_engine.pytorch.device import guard_depth
-from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+from transformer_engine.pytorch import ops
 from transformer_engine.pytorch.tensor import Float8Tensor
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -25,27 +24,8 @@ IN, OUT = 64, 48
 RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
 
 
-@pytest.fixture(autouse=True)
-def fresh_state():
-    FP8GlobalStateManager.reset()
-    yield
-    assert guard_depth() == 0, "a forward or backward left the device guard open"
-    FP8GlobalStateManager.reset()
-
-
 def autocast(recipe):
     return te.autocast(enabled=recipe is not None, recipe=RECIPES[recipe]() if recipe else None)
-
-
-def fake_quant(t, scale, fp8_dtype):
-    """What an FP8 GEMM sees of ``t`` cast with ``scale``: dequantized values (float64)."""
-    scale = torch.as_tensor(scale, dtype=torch.float32).reshape(1)
-    data = reference.cast_to_fp8(t.detach(), scale, fp8_dtype)
-    return reference.dequantize(data, reference.reciprocal(scale), torch.float32).double()
-
-
-def current_scale(t, fp8_dtype):
-    return reference.compute_scale_from_amax(reference.amax(t.detach()), fp8_dtype)
 
 
 def leaf(t):

@@ -26,14 +26,6 @@ DTYPES = [torch.float32, torch.bfloat16]
 SPLITS = [32, 0, 48, 16]  # group 1 is empty
 
 
-@pytest.fixture(autouse=True)
-def fresh_state():
-    FP8GlobalStateManager.reset()
-    yield
-    FP8GlobalStateManager.reset()
-    assert guard_depth() == 0
-
-
 def materialization_device():
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())

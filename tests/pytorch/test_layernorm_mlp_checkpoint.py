@@ -13,13 +13,6 @@ from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 RECIPES = {"high-precision": None, "delayed": DelayedScaling, "current": Float8CurrentScaling}
 
 
-@pytest.fixture(autouse=True)
-def fresh_state():
-    FP8GlobalStateManager.reset()
-    yield
-    FP8GlobalStateManager.reset()
-
-
 def train(checkpoint, recipe, activation="gelu", steps=3):
     FP8GlobalStateManager.reset()
     torch.manual_seed(0)

@@ -19,7 +19,6 @@ from tolerances import assert_close_by_table
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
-from transformer_engine.pytorch.device import guard_depth
 from transformer_engine.pytorch.module.layernorm_linear import LayerNormLinear
 from transformer_engine.pytorch.module.layernorm_mlp import LayerNormMLP
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager, RecipeState
@@ -33,14 +32,6 @@ ACTIVATION_NAMES = [
     "gelu", "geglu", "glu", "qgelu", "qgeglu", "relu", "reglu", "srelu", "sreglu", "silu",
     "swiglu", "clamped_swiglu",
 ]  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def fresh_state():
-    FP8GlobalStateManager.reset()
-    yield
-    FP8GlobalStateManager.reset()
-    assert guard_depth() == 0
 
 
 def materialization_device():

@@ -18,14 +18,6 @@ IN, OUT = 64, 48
 RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
 
 
-@pytest.fixture(autouse=True)
-def fresh_state():
-    FP8GlobalStateManager.reset()
-    yield
-    assert guard_depth() == 0
-    FP8GlobalStateManager.reset()
-
-
 def fp8_step(module, x, recipe=None, optimizer=None):
     with te.autocast(recipe=recipe or DelayedScaling()):
         y = module(x)

@@ -10,13 +10,6 @@ from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScalin
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
 
-@pytest.fixture(autouse=True)
-def fresh_state():
-    FP8GlobalStateManager.reset()
-    yield
-    FP8GlobalStateManager.reset()
-
-
 def train(kind, recipe, outer=False, fp8_output=False, **options):
     FP8GlobalStateManager.reset()
     torch.manual_seed(0)

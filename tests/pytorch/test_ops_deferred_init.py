@@ -17,21 +17,12 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import ops
-from transformer_engine.pytorch.device import guard_depth
 from transformer_engine.pytorch.ops.fuser import OperationFuser
 from transformer_engine.pytorch.ops.op import materialization_device
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
 RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
 HIDDEN, FFN, TOKENS = 32, 64, 16
-
-
-@pytest.fixture(autouse=True)
-def fresh_state():
-    FP8GlobalStateManager.reset()
-    yield
-    assert guard_depth() == 0, "a forward or backward left the device guard open"
-    FP8GlobalStateManager.reset()
 
 
 def autocast(recipe):

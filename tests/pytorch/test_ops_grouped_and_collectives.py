@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from fp8_emulation import current_scale, fake_quant
 from tolerances import assert_close_by_table
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
-from transformer_engine.pytorch import ops, reference
-from transformer_engine.pytorch.device import guard_depth
+from transformer_engine.pytorch import ops
 from transformer_engine.pytorch.ops.fuser import OperationFuser
 from transformer_engine.pytorch.ops.op import materialization_device
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
@@ -38,14 +38,6 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
 G, IN, OUT = 4, 64, 48
 SPLITS = [32, 0, 48, 16]  # group 1 is empty
-
-
-@pytest.fixture(autouse=True)
-def fresh_state():
-    FP8GlobalStateManager.reset()
-    yield
-    assert guard_depth() == 0, "a forward or backward left the device guard open"
-    FP8GlobalStateManager.reset()
 
 
 def autocast(recipe):
@@ -76,17 +68,6 @@ def reference_run(op, x, dy, splits):
     ).reshape(*x.shape[:-1], op.out_features)
     y.backward(dy.double())
     return y, x.grad, {n: p.grad for n, p in params.items()}
-
-
-def fake_quant(t, scale, fp8_dtype):
-    """What an FP8 GEMM sees of ``t`` cast with ``scale``: dequantized values (float64)."""
-    scale = torch.as_tensor(scale, dtype=torch.float32).reshape(1)
-    data = reference.cast_to_fp8(t.detach().float(), scale, fp8_dtype)
-    return reference.dequantize(data, reference.reciprocal(scale), torch.float32).double()
-
-
-def current_scale(t, fp8_dtype):
-    return reference.compute_scale_from_amax(reference.amax(t.detach().float()), fp8_dtype)
 
 
 def hp_key(dtype):

@@ -17,13 +17,6 @@ pytestmark = pytest.mark.skipif(
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 
 
-@pytest.fixture(autouse=True)
-def fresh_state():
-    FP8GlobalStateManager.reset()
-    yield
-    FP8GlobalStateManager.reset()
-
-
 def module_meta(recipe, device, slots=3):
     meta = {"recipe": recipe, "fp8_group": None}
     for mode, key in (("forward", "scaling_fwd"), ("backward", "scaling_bwd")):

@@ -10,14 +10,6 @@ import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch.device import guard_depth
 from transformer_engine.pytorch.module import Linear
-from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-
-
-@pytest.fixture(autouse=True)
-def fresh_state():
-    FP8GlobalStateManager.reset()
-    yield
-    FP8GlobalStateManager.reset()
 
 
 def two_layers():

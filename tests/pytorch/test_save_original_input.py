@@ -9,13 +9,6 @@ from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScalin
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
 
-@pytest.fixture(autouse=True)
-def fresh_state():
-    FP8GlobalStateManager.reset()
-    yield
-    FP8GlobalStateManager.reset()
-
-
 def run(save_original_input):
     torch.manual_seed(0)
     layer = te.Linear(32, 48, device="cpu", save_original_input=save_original_input)
