@@ -210,8 +210,9 @@ def _fp8_gemm(x, y, x_scale_inv, y_scale_inv, *, out_dtype, bias, alpha, fast_ac
         and bias.dtype == out_dtype
     )
     mm_dtype = out_dtype if fused_bias or (bias is None and not to_fp32) else torch.float32
-    if x.shape[1] == 0:
-        # No reduction: the product is zero (cuBLASLt is not asked to handle k == 0).
+    if x.shape[1] == 0 or m == 0 or n == 0:
+        # No reduction: the product is zero (cuBLASLt is not asked to handle k == 0); an empty
+        # output needs no kernel (oneDNN's CPU matmul refuses m == 0).
         product = torch.zeros((m, n), dtype=mm_dtype, device=x.device)
         if fused_bias:
             product += bias
