@@ -37,7 +37,7 @@ step "compute-sanitizer memcheck over the native-kernel tests"
 SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 if [ -x "$SANITIZER" ]; then
   "$SANITIZER" --tool memcheck --error-exitcode 99 --print-limit 20 \
-    "$PYTHON" -P -m pytest -q -x tests/pytorch/test_native_kernels_gpu.py \
+    "$PYTHON" -P -m pytest -q -x tests/pytorch/kernels/test_native_kernels_gpu.py \
     >"$LOG_DIR/memcheck.log" 2>&1
   rc=$?
   tail -5 "$LOG_DIR/memcheck.log"

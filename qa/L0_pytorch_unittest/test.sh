@@ -12,7 +12,7 @@ cd "$TE_PATH"
 # -P: do not put the working directory on sys.path, so the *installed* package is tested.
 "$PYTHON" -P -c "import transformer_engine; print(transformer_engine.native_status())"
 
-test_files=(tests/build_tools/test_*.py tests/pytorch/test_*.py)
+test_files=(tests/build_tools/test_*.py tests/pytorch/*/test_*.py)
 if [ ${#test_files[@]} -eq 0 ]; then
   echo "no test files found under $TE_PATH/tests"
   exit 1

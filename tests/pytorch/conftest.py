@@ -1,6 +1,13 @@
-"""Fixtures every test under tests/pytorch gets."""
+"""Fixtures every test under tests/pytorch gets, and the shared helpers' import path."""
+
+import sys
+from pathlib import Path
 
 import pytest
+
+# The suites live in subfolders (kernels/, tensor/, quantization/, module/, ops/, distributed/,
+# scripts/); the helpers they share (utils.py, tolerances.py) live here.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from transformer_engine.pytorch.device import guard_depth
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager

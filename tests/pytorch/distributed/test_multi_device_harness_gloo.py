@@ -20,11 +20,11 @@ import pytest
 import transformer_engine
 
 HERE = Path(__file__).resolve().parent
-HARNESS = HERE / "distributed" / "run_multi_device_fp8.py"
+HARNESS = HERE / "run_multi_device_fp8.py"
 ITERS = 10
 NPROC = 2
 
-sys.path.insert(0, str(HERE / "distributed"))
+sys.path.insert(0, str(HERE))
 
 import check_hashes  # noqa: E402
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import run_amax_reduction as harness  # noqa: E402
 

@@ -33,7 +33,7 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 HP = (torch.float32, torch.float16, torch.bfloat16)
 NAN, INF = math.nan, math.inf
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def u8(t: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "examples" / "pytorch" / "train_transformer_fp8.py"
 TINY = [
     "--steps", "4", "--layers", "1", "--hidden", "32", "--ffn", "64", "--heads", "2",
