@@ -201,7 +201,7 @@ def test_bias_matches_plain_pytorch(dtype):
 
 
 # ------------------------------------------------------------------------------------------
-# Activations (plain PyTorch references, independent of module/_activations.py)
+# Activations (plain PyTorch references, independent of functional/activation.py)
 
 
 def _halves(x):

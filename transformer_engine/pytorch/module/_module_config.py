@@ -16,7 +16,7 @@ import torch
 
 from ..quantization import FP8GlobalStateManager
 from ..quantized_tensor import QuantizedTensor
-from ._linear_core import LinearConfig, check_fp8_gemm_shapes
+from ..functional.linear import LinearConfig, check_fp8_gemm_shapes
 from ._normalization import layernorm, rmsnorm
 
 __all__ = [

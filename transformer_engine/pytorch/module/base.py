@@ -28,7 +28,7 @@ from ..quantization import (
     RecipeState,
 )
 from ..quantized_tensor import QuantizedTensor
-from ._linear_core import run_deferred_wgrads
+from ..functional.linear import run_deferred_wgrads
 
 __all__ = ["TransformerEngineBaseModule", "resolve_module_device", "default_init_method"]
 

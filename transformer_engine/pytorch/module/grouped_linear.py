@@ -22,7 +22,7 @@ import torch
 from ..device import device_guard
 from ..quantization import FP8GlobalStateManager
 from ..quantized_tensor import QuantizedTensor
-from ._linear_core import check_input_features, linear_forward
+from ..functional.linear import check_input_features, linear_forward
 from ._linear_parameters import check_features, check_single_process_arguments
 from ._module_config import gemm_weight, make_linear_config
 from .base import TransformerEngineBaseModule, default_init_method, resolve_module_device

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 import torch.utils.checkpoint
 
-from ._activations import get_activation
-from ._linear_core import check_input_features, linear_forward
+from ..functional.activation import get_activation
+from ..functional.linear import check_input_features, linear_forward
 from ._linear_parameters import check_features, check_single_process_arguments
 from ._module_config import (
     apply_norm,

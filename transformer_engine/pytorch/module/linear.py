@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._linear_core import check_input_features, linear_forward
+from ..functional.linear import check_input_features, linear_forward
 from ._linear_parameters import (
     check_features,
     check_single_process_arguments,

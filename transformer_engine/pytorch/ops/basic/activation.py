@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...module._activations import ACTIVATIONS
+from ...functional.activation import ACTIVATIONS
 from ...quantization import FP8GlobalStateManager
 from ..op import BasicOperation, OperationContext
 from ._common import plain

@@ -35,7 +35,7 @@ import warnings
 
 import torch
 
-from ...module._linear_core import (
+from ...functional.linear import (
     LinearConfig,
     _Linear,
     check_fp8_gemm_shapes,
