@@ -1,8 +1,11 @@
 """The device seam: the one Python module that asks "which device, which stream".
 
-Everything else receives a device. The library never consults
-``torch.cuda.current_device()`` to decide where to allocate or launch: the
-execution device is the device of the input tensor (see DESIGN.md, section 3).
+Everything else receives a device. Kernels run on the device of their input tensor; the current
+CUDA device is consulted only here, and only where no tensor says where to go: where a module or
+operation builds its parameters (:func:`construction_device`) and where meta parameters are
+materialized (:func:`materialization_device`). An impossible placement is refused with
+:class:`DevicePlacementError`, which names the owner, the value and the fix. See
+docs/architecture.md, the device contract.
 """
 
 from __future__ import annotations
@@ -14,6 +17,11 @@ import threading
 import torch
 
 __all__ = [
+    "DevicePlacementError",
+    "default_device",
+    "construction_device",
+    "materialization_device",
+    "first_storage_device",
     "native_launch_args",
     "check_same_device",
     "reject_meta",
@@ -26,6 +34,100 @@ __all__ = [
 ]
 
 
+class DevicePlacementError(ValueError):
+    """A tensor, parameter or kernel was asked to live on a device it cannot be placed on.
+
+    The one error type for impossible placements: ``device="cuda"`` where CUDA is missing,
+    materializing onto ``meta``, operands on different devices, meta tensors where data is
+    needed. It is a ``ValueError``, so code that caught ``ValueError`` before keeps working.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Where parameters are built and materialized: the only questions about the *current* device.
+
+_CPU = torch.device("cpu")
+
+
+def default_device() -> torch.device:
+    """The current CUDA device (with its index) when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return _CPU
+
+
+def _as_device(owner: str | None, device) -> torch.device:
+    try:
+        return torch.device(device)
+    except RuntimeError:  # torch's parse error for an unknown device string
+        raise DevicePlacementError(
+            f"{_prefix(owner)}device={device!r} is not a device; pass e.g. device='cpu', "
+            "device='cuda', device='cuda:1' or device='meta'"
+        ) from None
+
+
+def _prefix(owner: str | None) -> str:
+    return f"{owner}: " if owner else ""
+
+
+def _pin_cuda_index(owner: str | None, device: torch.device) -> torch.device:
+    # A CUDA device is only placeable where CUDA exists; an index-less one is pinned to the
+    # current index *now*, so the result does not follow later torch.cuda.set_device calls.
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise DevicePlacementError(
+            f"{_prefix(owner)}device={str(device)!r} was requested but CUDA is not available "
+            "here; pass device='cpu' (the reference path) or device='meta' (deferred "
+            "initialization)"
+        )
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def construction_device(owner: str, device) -> torch.device:
+    """Where ``owner`` (a module or operation) builds its parameters.
+
+    ``None``: :func:`default_device`. ``"cuda"`` without an index: the current CUDA index,
+    pinned now. ``"meta"``: no storage (deferred initialization). A CUDA device where CUDA is
+    not available raises :class:`DevicePlacementError` naming ``owner`` and the value.
+    """
+    if device is None:
+        return default_device()
+    return _pin_cuda_index(owner, _as_device(owner, device))
+
+
+def materialization_device(device=None, *, owner: str | None = None) -> torch.device:
+    """Where meta parameters are materialized.
+
+    ``device`` when given (``"cuda"`` without an index: the current CUDA index), else
+    :func:`default_device`. ``"meta"`` holds no storage and is refused, as is a CUDA device
+    where CUDA is not available (:class:`DevicePlacementError`; ``owner`` prefixes the message).
+    """
+    if device is None:
+        return default_device()
+    device = _as_device(owner, device)
+    if device.type == "meta":
+        raise DevicePlacementError(
+            f"{_prefix(owner)}cannot materialize parameters onto the meta device; name a real "
+            "one (e.g. device='cpu' or device='cuda')"
+        )
+    return _pin_cuda_index(owner, device)
+
+
+def first_storage_device(*tensors: torch.Tensor | None) -> torch.device | None:
+    """The device of the first tensor that holds storage (not ``None``, not meta), else ``None``.
+
+    Modules whose meta parameters follow siblings already materialized (e.g. by
+    ``module.to_empty(device=...)``) pass this to :func:`materialization_device`.
+    """
+    for t in tensors:
+        if t is not None and not t.is_meta:
+            return t.device
+    return None
+
+
 def native_launch_args(device: torch.device) -> tuple[int, int]:
     """``(device_index, stream_handle)`` for a native launch on ``device``.
 
@@ -33,7 +135,7 @@ def native_launch_args(device: torch.device) -> tuple[int, int]:
     device, so work lands in the caller's stream order on the right GPU.
     """
     if device.type != "cuda" or device.index is None:
-        raise ValueError(f"native kernels run on an indexed CUDA device, got {device}")
+        raise DevicePlacementError(f"native kernels run on an indexed CUDA device, got {device}")
     return device.index, _current_raw_stream(device.index)
 
 
@@ -53,7 +155,7 @@ def reject_meta(op: str, **tensors) -> None:
     """Refuse ``meta`` tensors, which have no data to compute on."""
     for name, t in tensors.items():
         if t is not None and t.is_meta:
-            raise ValueError(
+            raise DevicePlacementError(
                 f"{op}: {name} is a meta tensor and holds no data; materialize it first "
                 "(e.g. module.to_empty(device=...) then reset_parameters())"
             )
@@ -63,7 +165,7 @@ def check_same_device(op: str, anchor_name: str, anchor: torch.Tensor, **tensors
     """Every tensor in ``tensors`` must live on ``anchor``'s device (the execution device)."""
     for name, t in tensors.items():
         if t is not None and t.device != anchor.device:
-            raise ValueError(
+            raise DevicePlacementError(
                 f"{op}: {name} is on {t.device} but {anchor_name} is on {anchor.device}; "
                 f"move {name} to {anchor.device} (the execution device is the device of "
                 f"{anchor_name})"
@@ -72,7 +174,8 @@ def check_same_device(op: str, anchor_name: str, anchor: torch.Tensor, **tensors
 
 @functools.cache
 def _cuda_capability(index: int) -> tuple[int, int]:
-    # Keyed by device index: GPUs of one process may differ (DESIGN.md section 3.6).
+    # Keyed by device index: GPUs of one process may differ (docs/architecture.md, the device
+    # contract).
     return torch.cuda.get_device_capability(index)
 
 
@@ -98,8 +201,9 @@ def is_non_tn_fp8_gemm_supported(device: torch.device | str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# The forward device guard (DESIGN.md section 3.3): a per-thread stack of the devices that were
-# current before each guarded region, so nesting and activation recompute stay balanced.
+# The forward device guard (docs/architecture.md, the device contract): a per-thread stack of
+# the devices that were current before each guarded region, so nesting and activation
+# recompute stay balanced.
 
 _guard_stack = threading.local()
 
