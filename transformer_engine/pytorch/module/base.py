@@ -1,7 +1,7 @@
 """``TransformerEngineBaseModule``: FP8 metadata, the forward device guard, deferred
 initialization and checkpoints, shared by the linear modules.
 
-Device rules (DESIGN.md sections 3 and 4):
+Device rules (docs/architecture.md, the device contract):
 
 * the forward runs with the *input's* device current (a guard stack in ``device.py``) and
   restores the caller's device on every exit, exceptions included;
@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from ..device import enter_device, exit_device
+from ..device import construction_device, enter_device, exit_device, materialization_device
 from ..distributed import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
+from ..extra_state import pack_extra_state, unpack_extra_state
 from ..quantization import (
     DelayedScalingRecipeState,
     FP8GlobalStateManager,
@@ -33,31 +34,15 @@ from ..functional.linear import run_deferred_wgrads
 __all__ = ["TransformerEngineBaseModule", "resolve_module_device", "default_init_method"]
 
 
-def resolve_module_device(device) -> torch.device:
-    """The device a module is built on: ``"cuda"`` means the current CUDA device."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"device={device} but CUDA is not available here; pass device='cpu' (the "
-                "reference path) or device='meta' (deferred initialization)"
-            )
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
+def resolve_module_device(device, owner: str = "module") -> torch.device:
+    """The device a module is built on; kept for importers of this name, the rule itself is
+    :func:`transformer_engine.pytorch.device.construction_device`."""
+    return construction_device(owner, device)
 
 
 def default_init_method(weight: torch.Tensor) -> None:
     """Upstream's default for the legacy modules: N(0, 0.023)."""
     torch.nn.init.normal_(weight, mean=0.0, std=0.023)
-
-
-def _materialization_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def snapshot_scaling_state(state) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +106,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         """
         if defer_init:
             return
-        target = _materialization_device()
+        target = materialization_device()
         # First every parameter in high precision, so the module has a device ...
         for name, param in list(self.named_parameters(recurse=False)):
             init_fn = self.param_init_meta.get(name, (None, None))[0]
@@ -422,17 +407,13 @@ class TransformerEngineBaseModule(torch.nn.Module):
             "amax_history_bwd": self.fp8_meta["scaling_bwd"].amax_history,
         }
         extra = {"num_gemms": self.fp8_meta.get("num_gemms", self._num_gemms)}
-        from . import _extra_state
-
-        return _extra_state.pack_extra_state(self.fp8_meta["recipe"], tensors, extra)
+        return pack_extra_state(self.fp8_meta["recipe"], tensors, extra)
 
     def set_extra_state(self, state) -> None:
         device = self.parameters_device()
         if device is None or device.type == "meta":
             device = torch.device("cpu") if device is None else device
-        from . import _extra_state
-
-        unpacked = _extra_state.unpack_extra_state(state, device=device)
+        unpacked = unpack_extra_state(state, device=device)
         if unpacked is None:
             return
         recipe, tensors, extra = unpacked

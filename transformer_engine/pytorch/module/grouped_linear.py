@@ -19,13 +19,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..device import device_guard
+from ..device import construction_device, device_guard
 from ..quantization import FP8GlobalStateManager
 from ..quantized_tensor import QuantizedTensor
 from ..functional.linear import check_input_features, linear_forward
 from ._linear_parameters import check_features, check_single_process_arguments
 from ._module_config import gemm_weight, make_linear_config
-from .base import TransformerEngineBaseModule, default_init_method, resolve_module_device
+from .base import TransformerEngineBaseModule, default_init_method
 
 __all__ = ["GroupedLinear"]
 
@@ -179,7 +179,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
         self.rng_tracker_name = rng_tracker_name
         params_dtype = params_dtype or torch.get_default_dtype()
-        device = resolve_module_device(device)
+        device = construction_device(type(self).__name__, device)
         init_method = init_method or default_init_method
 
         for i in range(num_gemms):

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..device import construction_device
 from ..functional.linear import check_input_features, linear_forward
 from ._linear_parameters import (
     check_features,
@@ -28,7 +29,7 @@ from ._module_config import (
     quantize_output,
     register_norm_parameters,
 )
-from .base import TransformerEngineBaseModule, default_init_method, resolve_module_device
+from .base import TransformerEngineBaseModule, default_init_method
 
 __all__ = ["LayerNormLinear"]
 
@@ -126,7 +127,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         self.parallel_mode = parallel_mode
         self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
         params_dtype = params_dtype or torch.get_default_dtype()
-        device = resolve_module_device(device)
+        device = construction_device(type(self).__name__, device)
         register_norm_parameters(
             self, normalization, in_features, zero_centered_gamma, params_dtype, device
         )

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.utils.checkpoint
 
+from ..device import construction_device
 from ..functional.activation import get_activation
 from ..functional.linear import check_input_features, linear_forward
 from ._linear_parameters import check_features, check_single_process_arguments
@@ -29,7 +30,6 @@ from ._module_config import (
 from .base import (
     TransformerEngineBaseModule,
     default_init_method,
-    resolve_module_device,
     restore_scaling_state,
     snapshot_scaling_state,
 )
@@ -152,7 +152,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
         self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
         params_dtype = params_dtype or torch.get_default_dtype()
-        device = resolve_module_device(device)
+        device = construction_device(type(self).__name__, device)
 
         register_norm_parameters(
             self, normalization, hidden_size, zero_centered_gamma, params_dtype, device

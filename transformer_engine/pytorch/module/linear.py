@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..device import construction_device
 from ..functional.linear import check_input_features, linear_forward
 from ._linear_parameters import (
     check_features,
@@ -20,7 +21,7 @@ from ._module_config import (
     make_linear_config,
     quantize_output,
 )
-from .base import TransformerEngineBaseModule, default_init_method, resolve_module_device
+from .base import TransformerEngineBaseModule, default_init_method
 
 __all__ = ["Linear"]
 
@@ -109,7 +110,7 @@ class Linear(TransformerEngineBaseModule):
         self.parallel_mode = parallel_mode
         self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
         self.rng_tracker_name = rng_tracker_name
-        device = resolve_module_device(device)
+        device = construction_device(type(self).__name__, device)
         register_linear_parameters(
             self, in_features=in_features, out_features=out_features,
             parameters_split=parameters_split, bias=bias,
