@@ -22,6 +22,7 @@ __all__ = [
     "construction_device",
     "materialization_device",
     "first_storage_device",
+    "visible_cuda_devices",
     "native_launch_args",
     "check_same_device",
     "reject_meta",
@@ -56,64 +57,73 @@ def default_device() -> torch.device:
     return _CPU
 
 
-def _as_device(owner: str | None, device) -> torch.device:
+def visible_cuda_devices() -> list[torch.device]:
+    """Every CUDA device this process can see, in index order; empty without CUDA.
+
+    For questions about all devices at once (e.g. "does every GPU support FP8?").
+    """
+    if not torch.cuda.is_available():
+        return []
+    return [torch.device("cuda", index) for index in range(torch.cuda.device_count())]
+
+
+def _as_device(who: str, device, fix: str) -> torch.device:
     try:
         return torch.device(device)
     except RuntimeError:  # torch's parse error for an unknown device string
-        raise DevicePlacementError(
-            f"{_prefix(owner)}device={device!r} is not a device; pass e.g. device='cpu', "
-            "device='cuda', device='cuda:1' or device='meta'"
-        ) from None
+        raise DevicePlacementError(f"{who}: device={device!r} is not a device; {fix}") from None
 
 
-def _prefix(owner: str | None) -> str:
-    return f"{owner}: " if owner else ""
-
-
-def _pin_cuda_index(owner: str | None, device: torch.device) -> torch.device:
+def _pin_cuda_index(who: str, device: torch.device, fix: str) -> torch.device:
     # A CUDA device is only placeable where CUDA exists; an index-less one is pinned to the
     # current index *now*, so the result does not follow later torch.cuda.set_device calls.
     if device.type != "cuda":
         return device
     if not torch.cuda.is_available():
         raise DevicePlacementError(
-            f"{_prefix(owner)}device={str(device)!r} was requested but CUDA is not available "
-            "here; pass device='cpu' (the reference path) or device='meta' (deferred "
-            "initialization)"
+            f"{who}: device={str(device)!r} was requested but CUDA is not available here; {fix}"
         )
     if device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
 
 
+_CONSTRUCTION_FIX = (
+    "pass device='cpu' (the reference path) or device='meta' (deferred initialization)"
+)
+_MATERIALIZATION_WHO = "materializing meta parameters"
+_MATERIALIZATION_FIX = "name a device that can hold data, e.g. device='cpu'"
+
+
 def construction_device(owner: str, device) -> torch.device:
-    """Where ``owner`` (a module or operation) builds its parameters.
+    """Where ``owner`` (a module or operation class name) builds its parameters.
 
     ``None``: :func:`default_device`. ``"cuda"`` without an index: the current CUDA index,
     pinned now. ``"meta"``: no storage (deferred initialization). A CUDA device where CUDA is
-    not available raises :class:`DevicePlacementError` naming ``owner`` and the value.
+    not available raises :class:`DevicePlacementError` naming ``owner``, the value and the fix.
     """
     if device is None:
         return default_device()
-    return _pin_cuda_index(owner, _as_device(owner, device))
+    device = _as_device(owner, device, _CONSTRUCTION_FIX)
+    return _pin_cuda_index(owner, device, _CONSTRUCTION_FIX)
 
 
-def materialization_device(device=None, *, owner: str | None = None) -> torch.device:
+def materialization_device(device=None) -> torch.device:
     """Where meta parameters are materialized.
 
     ``device`` when given (``"cuda"`` without an index: the current CUDA index), else
     :func:`default_device`. ``"meta"`` holds no storage and is refused, as is a CUDA device
-    where CUDA is not available (:class:`DevicePlacementError`; ``owner`` prefixes the message).
+    where CUDA is not available (:class:`DevicePlacementError`).
     """
     if device is None:
         return default_device()
-    device = _as_device(owner, device)
+    device = _as_device(_MATERIALIZATION_WHO, device, _MATERIALIZATION_FIX)
     if device.type == "meta":
         raise DevicePlacementError(
-            f"{_prefix(owner)}cannot materialize parameters onto the meta device; name a real "
-            "one (e.g. device='cpu' or device='cuda')"
+            "cannot materialize parameters onto the meta device, which holds no data; "
+            + _MATERIALIZATION_FIX
         )
-    return _pin_cuda_index(owner, device)
+    return _pin_cuda_index(_MATERIALIZATION_WHO, device, _MATERIALIZATION_FIX)
 
 
 def first_storage_device(*tensors: torch.Tensor | None) -> torch.device | None:

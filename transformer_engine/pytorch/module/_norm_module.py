@@ -16,14 +16,13 @@ from typing import ClassVar
 
 import torch
 
+from ..device import construction_device, first_storage_device, materialization_device
 from ._normalization import (
     check_eps,
     check_module_input,
     check_sm_margin,
-    materialization_device,
     materialize_parameter,
     normalized_size,
-    resolve_construction_device,
     resolve_params_dtype,
 )
 
@@ -78,7 +77,7 @@ class _NormModule(torch.nn.Module):
         owner = type(self).__name__
         size = normalized_size(owner, normalized_shape, hidden_size)
         dtype = resolve_params_dtype(owner, dtype, params_dtype)
-        device = resolve_construction_device(owner, device)
+        device = construction_device(owner, device)
         if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
             raise TypeError(f"{owner}: sequence_parallel must be a bool, got {sequence_parallel!r}")
 
@@ -142,7 +141,7 @@ class _NormModule(torch.nn.Module):
             )
             if defer_init:
                 return
-        device = materialization_device(*self._norm_parameters())
+        device = materialization_device(first_storage_device(*self._norm_parameters()))
         for name, _ in self._norm_params:
             param = getattr(self, name)
             if param.is_meta:

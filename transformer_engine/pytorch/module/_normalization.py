@@ -9,7 +9,8 @@ in float64), whatever the dtype of the input or the parameters, and the result i
 the input's dtype. Gradients come back in the dtype of the tensor they belong to.
 
 The helpers below the two functions implement the constructor, materialization and forward
-rules that both norm modules follow (DESIGN.md sections 3 and 4); they are stateless too.
+rules that both norm modules follow (docs/architecture.md, the device contract; where parameters
+are built and materialized is decided in ``device.py``); they are stateless too.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ __all__ = [
     "rmsnorm",
     "normalized_size",
     "resolve_params_dtype",
-    "resolve_construction_device",
-    "materialization_device",
     "materialize_parameter",
     "check_eps",
     "check_sm_margin",
@@ -253,49 +252,6 @@ def resolve_params_dtype(
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"{owner}: dtype must be a floating-point torch.dtype, got {dtype!r}")
     return dtype
-
-
-def _ambient_device() -> torch.device:
-    # The one place the norm modules consult the ambient device (DESIGN.md section 4.2): where
-    # no device was named, parameters go to the current CUDA device, else to the CPU.
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def resolve_construction_device(
-    owner: str, device: torch.device | str | int | None
-) -> torch.device:
-    """Where a module's parameters are built.
-
-    ``None`` means the current CUDA device when CUDA is available, else the CPU. ``"cuda"``
-    without an index is pinned to the current CUDA index now, so the module does not follow
-    later changes of the current device. ``"meta"`` builds no storage.
-    """
-    if device is None:
-        return _ambient_device()
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                f"{owner}: device={str(device)!r} was requested but CUDA is not available; "
-                "pass device='cpu' or device='meta'"
-            )
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def materialization_device(*params: torch.Tensor | None) -> torch.device:
-    """Where ``reset_parameters`` puts meta parameters.
-
-    The device of the first parameter that already holds storage (e.g. after
-    ``module.to_empty(device=...)``), else the current CUDA device when CUDA is available, else
-    the CPU.
-    """
-    for p in params:
-        if p is not None and not p.is_meta:
-            return p.device
-    return _ambient_device()
 
 
 def materialize_parameter(param: torch.nn.Parameter, device: torch.device) -> torch.nn.Parameter:

@@ -1,5 +1,6 @@
-"""Small rules the basic operations share: construction device, parameter dtype, compute dtype,
-and turning quantized tensors back into plain ones."""
+"""Small rules the basic operations share: parameter dtype, compute dtype, and turning quantized
+tensors back into plain ones. (Where operations build and materialize parameters is decided in
+``device.py``.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from ...quantized_tensor import QuantizedTensor, QuantizedTensorStorage
 
 __all__ = [
     "quantize_weight_in_slot",
-    "construction_device",
     "check_params_dtype",
     "activation_dtype",
     "plain",
@@ -17,28 +17,6 @@ __all__ = [
 ]
 
 _PARAMS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def construction_device(owner: str, device) -> torch.device:
-    """Where an operation builds its parameters.
-
-    ``None``: the current CUDA device when CUDA is available, else the CPU. ``"cuda"`` without
-    an index is pinned to the current index now. ``"meta"`` builds no storage.
-    """
-    if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    device = torch.device(device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"{owner}: device={device} but CUDA is not available here; pass device='cpu' "
-                "or device='meta' (deferred initialization)"
-            )
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def check_params_dtype(owner: str, dtype: torch.dtype | None) -> torch.dtype:

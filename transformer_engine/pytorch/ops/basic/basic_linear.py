@@ -1,8 +1,8 @@
-"""``BasicLinear``: ``y = x W^T`` (no bias) on the linear core the modules share.
+"""``BasicLinear``: ``y = x W^T`` (no bias) on the functional linear core the modules share.
 
 The forward and backward GEMMs (FP8 inside ``te.autocast``, high precision outside) are those
-of ``module/_linear_core.py``; this operation only chooses the quantizers and dtypes and hands
-the core an operation context instead of an autograd context.
+of ``functional/linear.py``; this operation only chooses the quantizers and dtypes, tells the
+core which gradients the fuser needs, and keeps the core's saved state in its context.
 """
 
 from __future__ import annotations
@@ -13,19 +13,20 @@ import warnings
 
 import torch
 
+from ...device import construction_device, materialization_device
 from ...functional.linear import (
-    LinearConfig,
-    _Linear,
     check_fp8_gemm_shapes,
     check_input_features,
+    config_from_recipe,
+    linear_backward,
+    linear_forward,
 )
 from ...quantization import FP8GlobalStateManager
 from ...quantized_tensor import QuantizedTensor
-from ..op import BasicOperation, OperationContext, materialization_device
+from ..op import BasicOperation, OperationContext
 from ._common import (
     activation_dtype,
     check_params_dtype,
-    construction_device,
     plain,
     quantize_weight_in_slot,
 )
@@ -226,49 +227,49 @@ class BasicLinear(BasicOperation):
             gemm_weight = weight.dequantize(dtype=dtype)
         elif not isinstance(weight, QuantizedTensor) and weight.dtype != dtype:
             gemm_weight = weight.to(dtype)
-        if gemm_weight is not weight:
-            # a cast made without a graph: give it the parameter's flag (the core reads it)
-            gemm_weight = gemm_weight.detach().requires_grad_(weight.requires_grad)
-            if hasattr(weight, "main_grad"):
-                gemm_weight.main_grad = weight.main_grad
 
-        config = LinearConfig(
-            fp8=fp8,
-            activation_dtype=dtype,
-            fuse_wgrad_accumulation=self._accumulate_into_main_grad,
-            accumulate_into_main_grad=True,
-        )
+        needs_wgrad = ctx.requires_grad and weight.requires_grad
+        quantizers = (None, None, None)
+        recipe = None
         if fp8:
             tokens = input_.numel() // self.in_features
-            check_fp8_gemm_shapes(
-                tokens,
-                self.in_features,
-                self.out_features,
-                ctx.requires_grad and weight.requires_grad,
+            check_fp8_gemm_shapes(tokens, self.in_features, self.out_features, needs_wgrad)
+            quantizers = (
+                self.get_quantizer("forward", _INPUT),
+                self.get_quantizer("forward", _WEIGHT),
+                self.get_quantizer("backward", _GRAD_OUTPUT),
             )
-            config.input_quantizer = self.get_quantizer("forward", _INPUT)
-            config.weight_quantizer = self.get_quantizer("forward", _WEIGHT)
-            config.grad_output_quantizer = self.get_quantizer("backward", _GRAD_OUTPUT)
             recipe = self._fp8_metas["forward"]["recipe"]
-            if hasattr(recipe, "fp8_gemm_fprop"):
-                config.fprop_split_accumulator = recipe.fp8_gemm_fprop.use_split_accumulator
-                config.dgrad_split_accumulator = recipe.fp8_gemm_dgrad.use_split_accumulator
-                config.wgrad_split_accumulator = recipe.fp8_gemm_wgrad.use_split_accumulator
+        config = config_from_recipe(
+            recipe,
+            dtype,
+            quantizers,
+            fuse_wgrad_accumulation=self._accumulate_into_main_grad,
+            main_grad_param=weight,
+        )
         if bias is not None and bias.dtype != dtype:
             bias = bias.to(dtype)
-        # The core reads "does x need a gradient" from the tensor's flag; inside the fuser's
-        # autograd function intermediates carry none, so hand it an alias with the right one.
-        x = input_.detach().requires_grad_(ctx.input_requires_grad)
         with torch.no_grad():
-            out = _Linear.forward(ctx, gemm_weight, x, bias, config)
-        ctx.bias_requires_grad = False  # the bias operation owns the bias gradient
+            out, saved = linear_forward(
+                gemm_weight,
+                input_,
+                bias,
+                config,
+                needs_dgrad=ctx.input_requires_grad,
+                needs_wgrad=needs_wgrad,
+            )
+        if ctx.requires_grad:
+            ctx.save_for_backward(*saved.pack())
+            ctx.linear_saved = saved
         return out
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+        saved = ctx.linear_saved
         grad_output = plain(grad_output)
-        if grad_output.dtype != ctx.config.activation_dtype:
-            grad_output = grad_output.to(ctx.config.activation_dtype)
-        grad_weight, grad_input, _, _ = _Linear.backward(ctx, grad_output)
+        if grad_output.dtype != saved.config.activation_dtype:
+            grad_output = grad_output.to(saved.config.activation_dtype)
+        saved.unpack(ctx.saved_tensors)
+        grad_input, grad_weight, _ = linear_backward(saved, grad_output)
         if grad_input is not None and grad_input.dtype != ctx.input_dtype:
             grad_input = grad_input.to(ctx.input_dtype)
         if grad_weight is not None and grad_weight.dtype != ctx.weight_dtype:

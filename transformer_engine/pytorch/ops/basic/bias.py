@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..op import BasicOperation, OperationContext, materialization_device
-from ._common import autocast_dtype, check_params_dtype, construction_device, plain
+from ...device import construction_device, materialization_device
+from ..op import BasicOperation, OperationContext
+from ._common import autocast_dtype, check_params_dtype, plain
 
 __all__ = ["Bias"]
 

@@ -35,6 +35,7 @@ import warnings
 
 import torch
 
+from ...device import construction_device, materialization_device
 from ...functional.linear import (
     LinearConfig,
     _Linear,
@@ -44,11 +45,10 @@ from ...functional.linear import (
 )
 from ...quantization import FP8GlobalStateManager
 from ...quantized_tensor import QuantizedTensor
-from ..op import BasicOperation, OperationContext, materialization_device
+from ..op import BasicOperation, OperationContext
 from ._common import (
     activation_dtype,
     check_params_dtype,
-    construction_device,
     plain,
     quantize_weight_in_slot,
 )

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from ...device import construction_device, materialization_device
 from ...module._normalization import check_eps, layernorm, normalized_size, rmsnorm
-from ..op import BasicOperation, OperationContext, materialization_device
-from ._common import check_params_dtype, construction_device, plain
+from ..op import BasicOperation, OperationContext
+from ._common import check_params_dtype, plain
 
 __all__ = ["LayerNorm", "RMSNorm"]
 
