@@ -24,12 +24,13 @@ from transformer_engine.common.recipe import (
     MMParams,
     QParams,
 )
-from transformer_engine.pytorch.module import _extra_state, _extra_state_upstream
+from transformer_engine.pytorch import extra_state
+from transformer_engine.pytorch.extra_state import upstream_pickle
 
-pack_extra_state = _extra_state.pack_extra_state
-unpack_extra_state = _extra_state.unpack_extra_state
-recipe_to_dict = _extra_state.recipe_to_dict
-recipe_from_dict = _extra_state.recipe_from_dict
+pack_extra_state = extra_state.pack_extra_state
+unpack_extra_state = extra_state.unpack_extra_state
+recipe_to_dict = extra_state.recipe_to_dict
+recipe_from_dict = extra_state.recipe_from_dict
 
 ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 
@@ -501,12 +502,12 @@ def _torch_saved(obj) -> io.BytesIO:
 
 
 def test_unsafe_pickle_env_is_read_at_call_time(monkeypatch):
-    assert not _extra_state._unsafe_pickle_allowed()
+    assert not upstream_pickle._unsafe_pickle_allowed()
     monkeypatch.setenv(ENV, "1")
-    assert _extra_state._unsafe_pickle_allowed()
+    assert upstream_pickle._unsafe_pickle_allowed()
     for value in ("0", "true", "yes", ""):
         monkeypatch.setenv(ENV, value)
-        assert not _extra_state._unsafe_pickle_allowed()
+        assert not upstream_pickle._unsafe_pickle_allowed()
 
 
 @pytest.mark.parametrize("protocol", range(2, pickle.HIGHEST_PROTOCOL + 1))
@@ -686,7 +687,7 @@ def test_code_executing_payload_does_run_once_opted_in(monkeypatch):
 @pytest.mark.parametrize("protocol", range(0, pickle.HIGHEST_PROTOCOL + 1))
 def test_payload_without_globals_reads_as_no_state_without_opt_in(protocol):
     data = pickle.dumps({"extra_fp8_variables": {"fp8_checkpoint": False}, "n": [1, 2.0]}, protocol)
-    assert _extra_state_upstream._referenced_globals(data) == []
+    assert upstream_pickle._referenced_globals(data) == []
     assert unpack_extra_state(_as_uint8(data), device="cpu") is None
 
 
@@ -707,7 +708,7 @@ def test_referenced_globals_are_found_without_unpickling(protocol):
     data = pickle.dumps(
         {"recipe": DelayedScaling(), "t": torch.ones(2), "x": _Exploit()}, protocol=protocol
     )
-    found = set(_extra_state_upstream._referenced_globals(data))
+    found = set(upstream_pickle._referenced_globals(data))
     assert "transformer_engine.common.recipe.DelayedScaling" in found
     assert "transformer_engine.common.recipe.Format" in found
     assert "torch._utils._rebuild_tensor_v2" in found

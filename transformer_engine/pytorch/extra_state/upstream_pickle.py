@@ -1,11 +1,27 @@
 """Reading upstream Transformer Engine's extra state: pickle bytes in a ``torch.uint8`` tensor,
-or an ``io.BytesIO`` holding a ``torch.save`` archive (see :mod:`._extra_state`, "Reading upstream
-checkpoints").
+or the older ``io.BytesIO`` holding a ``torch.save`` archive.
 
-The payload is inspected with :mod:`pickletools` before anything runs: a payload naming no
-globals is read with an unpickler that refuses every global; anything else is unpickled only
-when ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``, and then translated into our
-``UnpackedExtraState`` (recipe validated, tensors on the loading module's device).
+Unpickling calls whatever importable callables the bytes name, so a tampered checkpoint could
+run arbitrary code. The payload is therefore first inspected *without running it*
+(:mod:`pickletools`), collecting the globals it names:
+
+* A payload that names no globals at all can only build builtin containers and scalars, so it
+  is read with an unpickler that refuses every global anyway. Such a payload cannot hold a
+  recipe or a tensor, i.e. no FP8 state; it reads as ``None`` (nothing to restore), as upstream
+  ignores it.
+* Anything else (the normal case: the recipe object and the tensors are globals) is unpickled
+  only when ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``; otherwise a ``RuntimeError`` explains
+  the risk and how to convert the checkpoint. ``io.BytesIO`` payloads always need the opt-in,
+  as upstream.
+
+An opted-in payload is translated into an ``UnpackedExtraState`` (recipe validated, tensors on
+the loading module's device), the same result :mod:`.format` gives for our own format.
+
+Environment variables
+---------------------
+``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE``
+    ``"1"`` allows unpickling upstream's pickle-based extra state; any other value, or unset,
+    refuses it. Read at every load, by :func:`_unsafe_pickle_allowed`.
 """
 
 from __future__ import annotations
@@ -13,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import io
+import os
 import pickle
 import pickletools
 import types
@@ -24,18 +41,23 @@ import torch
 
 from ...common.recipe import DelayedScaling, MMParams, QParams, Recipe
 from ...common.recipe import _FormatMaxima as _FormatMaximaTuple
-from ._extra_state import (
-    _RECIPE_CLASSES,
-    _UNSAFE_PICKLE_ENV,
+from .contents import (
+    RECIPE_CLASSES,
     TENSOR_NAMES,
     UnpackedExtraState,
-    _check_tensor_set,
-    _copy_plain,
-    _to_module_device,
-    _unsafe_pickle_allowed,
+    check_tensor_set,
+    copy_plain,
+    to_module_device,
 )
 
 __all__ = ["unpack_pickled_tensor", "unpack_bytesio"]
+
+_UNSAFE_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+
+
+def _unsafe_pickle_allowed() -> bool:
+    """Whether ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE`` is ``"1"``, read at call time."""
+    return os.environ.get(_UNSAFE_PICKLE_ENV, "0") == "1"
 
 
 _STRING_PUSHES = frozenset(
@@ -198,10 +220,10 @@ def _uint8_bytes(state: torch.Tensor) -> bytes:
 def _recipe_from_upstream(obj: Any) -> Recipe:
     """A validated recipe from an unpickled upstream recipe object."""
     cls = type(obj)
-    if _RECIPE_CLASSES.get(cls.__name__) is not cls:
+    if RECIPE_CLASSES.get(cls.__name__) is not cls:
         raise ValueError(
             f"the checkpoint's recipe is a {cls.__module__}.{cls.__qualname__}, which this "
-            f"implementation cannot restore (it restores {', '.join(_RECIPE_CLASSES)})"
+            f"implementation cannot restore (it restores {', '.join(RECIPE_CLASSES)})"
         )
     # The object was built by unpickling, without __init__/__post_init__: its __dict__ holds
     # whatever upstream kept (fields, caches, fields of older releases). Rebuild a validated
@@ -264,20 +286,26 @@ def _translate_upstream(obj: Any, device: torch.device) -> UnpackedExtraState:
     # TE 1.x wrote no recipe: those releases only checkpointed delayed scaling.
     recipe = _recipe_from_upstream(obj["recipe"]) if "recipe" in obj else DelayedScaling()
     tensors = {name: obj[name] for name in TENSOR_NAMES if name in obj}
-    _check_tensor_set(tensors, "upstream extra state", ValueError)
+    check_tensor_set(tensors, "upstream extra state", ValueError)
     extra = obj.get("extra_fp8_variables", {})
     if not isinstance(extra, dict):
         raise ValueError(
             f"upstream extra state 'extra_fp8_variables' must be a dict, got {type(extra).__name__}"
         )
-    extra = _copy_plain(
+    extra = copy_plain(
         extra, "upstream extra state 'extra_fp8_variables'", ValueError, exact=False
     )
-    moved = {name: _to_module_device(t, device) for name, t in tensors.items()}
+    moved = {name: to_module_device(t, device) for name, t in tensors.items()}
     return UnpackedExtraState(recipe, moved, extra)
 
 
 def unpack_pickled_tensor(state: torch.Tensor, device: torch.device) -> UnpackedExtraState | None:
+    """Read upstream's pickle bytes held in a non-empty ``torch.uint8`` tensor.
+
+    ``None`` for a payload naming no globals (it holds no FP8 state); ``RuntimeError`` for any
+    other payload unless the opt-in is set; ``ValueError`` for content that is not a
+    Transformer Engine module's extra state.
+    """
     payload = _uint8_bytes(state)
     found = _referenced_globals(payload)
     if not found:
@@ -303,6 +331,7 @@ def unpack_pickled_tensor(state: torch.Tensor, device: torch.device) -> Unpacked
 
 
 def unpack_bytesio(state: io.BytesIO, device: torch.device) -> UnpackedExtraState:
+    """Read upstream's older ``io.BytesIO`` holding a ``torch.save`` archive (opt-in only)."""
     data = state.getvalue()  # independent of the stream position, which stays untouched
     if not _unsafe_pickle_allowed():
         raise _refusal("an io.BytesIO (a torch.save archive)", _torch_archive_globals(data))

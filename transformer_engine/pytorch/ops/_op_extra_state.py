@@ -1,6 +1,7 @@
-"""Checkpoints of a basic operation's delayed-scaling state (``get_extra_state`` /
-``set_extra_state``), in the format the modules use (``module/_extra_state.py``: plain data,
-readable by ``torch.load(weights_only=True)``; upstream pickles only behind
+"""A basic operation's extra state (``get_extra_state`` / ``set_extra_state``): its
+delayed-scaling scales and histories, in the checkpoint format the modules use
+(``transformer_engine.pytorch.extra_state``: plain data, readable by
+``torch.load(weights_only=True)``; upstream pickles only behind
 ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``).
 
 Loading puts the state on the operation's device whatever device wrote it. An operation whose
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..extra_state import pack_extra_state, unpack_extra_state
 from ..quantization import DelayedScalingRecipeState
 
 __all__ = ["get_op_extra_state", "set_op_extra_state"]
@@ -23,8 +25,6 @@ _SUFFIX = {"forward": "fwd", "backward": "bwd"}
 
 def get_op_extra_state(op) -> dict[str, Any] | None:
     """The op's delayed-scaling scales and histories (``None`` when it has none)."""
-    from ..module import _extra_state
-
     tensors, recipe = {}, None
     for mode, suffix in _SUFFIX.items():
         state = op.recipe_state(mode)
@@ -34,18 +34,16 @@ def get_op_extra_state(op) -> dict[str, Any] | None:
             recipe = op._fp8_metas[mode]["recipe"]
     if recipe is None:
         return None
-    return _extra_state.pack_extra_state(recipe, tensors, {})
+    return pack_extra_state(recipe, tensors, {})
 
 
 def set_op_extra_state(op, state: Any) -> None:
     """Restore what :func:`get_op_extra_state` wrote (or upstream's formats)."""
-    from ..module import _extra_state
-
     device = op.parameters_device()
     if device is None or device.type == "meta":
         current = op.recipe_state("forward") or op.recipe_state("backward")
         device = current.device if current is not None else torch.device("cpu")
-    unpacked = _extra_state.unpack_extra_state(state, device=device)
+    unpacked = unpack_extra_state(state, device=device)
     if unpacked is None:
         return
     recipe, tensors, _ = unpacked

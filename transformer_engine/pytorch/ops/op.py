@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..quantization import DelayedScalingRecipeState, FP8GlobalStateManager, RecipeState
+from ._op_extra_state import get_op_extra_state, set_op_extra_state
 
 __all__ = [
     "OperationContext",
@@ -336,14 +337,10 @@ class BasicOperation(FusibleOperation):
     # -- checkpoints ---------------------------------------------------------------------------
     def get_extra_state(self):
         """Delayed-scaling scales and histories as plain data (``None`` without such state)."""
-        from ._checkpoint import get_op_extra_state
-
         return get_op_extra_state(self)
 
     def set_extra_state(self, state) -> None:
         """Restore :meth:`get_extra_state`'s output onto the operation's device."""
-        from ._checkpoint import set_op_extra_state
-
         set_op_extra_state(self, state)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, *args, **kwargs):
