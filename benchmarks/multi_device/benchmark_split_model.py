@@ -36,7 +36,7 @@ import transformer_engine
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Format
 from transformer_engine.pytorch import device as te_device
-from transformer_engine.pytorch.module import _linear_core
+from transformer_engine.pytorch.module import _linear_function
 from transformer_engine.pytorch.module import base as module_base
 
 SPLIT_TARGET = 0.95  # split tokens/s >= 95% of single-GPU tokens/s
@@ -139,13 +139,13 @@ def _no_guard(device):
 @contextlib.contextmanager
 def guard_replaced_by_noops():
     """te.Linear's two guard sites (module forward, linear core) without the guard."""
-    saved = (module_base.enter_device, module_base.exit_device, _linear_core.device_guard)
+    saved = (module_base.enter_device, module_base.exit_device, _linear_function.device_guard)
     module_base.enter_device, module_base.exit_device = _no_enter, _no_exit
-    _linear_core.device_guard = _no_guard
+    _linear_function.device_guard = _no_guard
     try:
         yield
     finally:
-        module_base.enter_device, module_base.exit_device, _linear_core.device_guard = saved
+        module_base.enter_device, module_base.exit_device, _linear_function.device_guard = saved
 
 
 def host_seconds_per_step(module, x, dy, recipe, steps: int) -> float:

@@ -20,13 +20,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from utils import bitwise_equal
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Format
-from transformer_engine.pytorch import _amax_registry, reference
+from transformer_engine.pytorch import reference
 from transformer_engine.pytorch.device import device_guard, exit_device, guard_depth
 from transformer_engine.pytorch.module import linear as linear_module
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager, RecipeState
+from transformer_engine.pytorch.quantization import amax_registry as _amax_registry
 
 try:
     import accelerate
@@ -84,17 +86,6 @@ def clean_state():
 def current_device():
     """The current CUDA device index; ``None`` without CUDA."""
     return torch.cuda.current_device() if torch.cuda.is_available() else None
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (dtype, shape and bytes), wherever the two tensors live."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-
-    def raw(t):
-        return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-
-    return torch.equal(raw(a), raw(b))
 
 
 def make_linear(device, in_features: int, out_features: int, seed: int) -> te.Linear:
@@ -163,7 +154,7 @@ class UpdateCall:
             histories, scales, self.fp8_dtype, self.margin, self.algo, self.buffer
         )
         for live, expected in zip(self.histories + self.scales, histories + scales):
-            assert same(live, expected)
+            assert bitwise_equal(live, expected)
 
 
 @pytest.fixture
@@ -250,13 +241,13 @@ def _train_linear(device, steps=3):
 def test_linear_on_a_non_current_device_runs_fp8_there(monkeypatch):
     torch.cuda.set_device(0)
     seen = []
-    original = linear_module.linear_forward
+    original = linear_module.linear
 
     def recording_linear_forward(*args, **kwargs):
         seen.append((torch.cuda.current_device(), guard_depth()))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(linear_module, "linear_forward", recording_linear_forward)
+    monkeypatch.setattr(linear_module, "linear", recording_linear_forward)
     outs, module = _train_linear("cuda:1")
     torch.cuda.synchronize(CUDA1)
 
@@ -284,11 +275,11 @@ def test_linear_on_a_non_current_device_runs_fp8_there(monkeypatch):
     finally:
         torch.cuda.set_device(0)
     for a, b in zip(outs, ref_outs):
-        assert same(a, b)
+        assert bitwise_equal(a, b)
     for (name, a), b in zip(module.named_parameters(), ref_module.parameters()):
-        assert same(a.grad, b.grad), name
+        assert bitwise_equal(a.grad, b.grad), name
     for name, t in fp8_tensors(ref_module).items():
-        assert same(state[name], t), name
+        assert bitwise_equal(state[name], t), name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,7 +504,7 @@ def test_split_model_matches_the_single_device_model_bitwise():
     layers, split_record = _run_stack(split)
     assert len(single_record) == len(split_record)
     for i, (a, b) in enumerate(zip(single_record, split_record)):
-        assert same(a, b), f"record entry {i} differs"
+        assert bitwise_equal(a, b), f"record entry {i} differs"
     for layer, device in zip(layers, split):
         for name, t in fp8_tensors(layer).items():
             assert t.device == device, name
@@ -793,10 +784,10 @@ def test_dispatched_stack_trains_20_fp8_steps_then_infers_with_state_on_owner_de
     for module, saved in zip(modules, before):
         now = fp8_tensors(module)
         for key in ("scaling_fwd.scale", "scaling_bwd.scale", "scaling_bwd.amax_history"):
-            assert same(now[key], saved[key]), f"{type(module).__name__} {key} changed"
+            assert bitwise_equal(now[key], saved[key]), f"{type(module).__name__} {key} changed"
         # only row 0 (this step's amaxes) may change: the history did not roll
         fwd, saved_fwd = now["scaling_fwd.amax_history"], saved["scaling_fwd.amax_history"]
-        assert same(fwd[1:], saved_fwd[1:])
+        assert bitwise_equal(fwd[1:], saved_fwd[1:])
         for t in now.values():
             assert t.device == next(module.parameters()).device
     assert current_device() == ambient

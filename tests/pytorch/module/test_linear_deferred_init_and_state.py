@@ -3,6 +3,7 @@ device guard under exceptions, and argument errors. Numerics are in ``test_linea
 
 import pytest
 import torch
+from utils import FP8_RECIPES, materialization_device
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
@@ -10,12 +11,10 @@ from transformer_engine.pytorch import reference
 from transformer_engine.pytorch.device import guard_depth
 from transformer_engine.pytorch.module import linear as linear_module
 from transformer_engine.pytorch.module.linear import Linear
-from transformer_engine.pytorch.ops.op import materialization_device
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 from transformer_engine.pytorch.tensor import Float8Tensor
 
 IN, OUT = 64, 48
-RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
 
 
 def fp8_step(module, x, recipe=None, optimizer=None):
@@ -327,13 +326,13 @@ def test_exception_inside_forward_leaves_the_state_as_it_was(monkeypatch, recipe
 
     manager = FP8GlobalStateManager
     outside = manager.get_autocast_state()
-    with te.autocast(enabled=recipe is not None, recipe=RECIPES.get(recipe, DelayedScaling)()):
+    with te.autocast(enabled=recipe is not None, recipe=FP8_RECIPES.get(recipe, DelayedScaling)()):
         inside = manager.get_autocast_state()
         registry = len(manager.quantization_state.amax_registry)
         first = manager.quantization_state.is_first_fp8_module
         assert first
         with monkeypatch.context() as patch:
-            patch.setattr(linear_module, "linear_forward", boom)
+            patch.setattr(linear_module, "linear", boom)
             with pytest.raises(RuntimeError, match="boom"):
                 m(x)
         assert guard_depth() == 0
@@ -351,7 +350,7 @@ def test_exception_inside_forward_leaves_the_state_as_it_was(monkeypatch, recipe
 
 def test_exception_escaping_autocast_restores_everything(monkeypatch):
     m = Linear(IN, OUT, device="cpu")
-    monkeypatch.setattr(linear_module, "linear_forward", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(linear_module, "linear", lambda *a, **k: 1 / 0)
     before = FP8GlobalStateManager.get_autocast_state()
     with pytest.raises(ZeroDivisionError):
         with te.autocast(recipe=DelayedScaling()):

@@ -25,16 +25,16 @@ def test_same_bits_as_saving_the_fp8_input_under_current_scaling():
 
 
 def test_the_forward_keeps_no_column_wise_copy(monkeypatch):
-    from transformer_engine.pytorch.functional import linear as _linear_core
+    from transformer_engine.pytorch.functional import linear as functional_linear
 
     calls = []
-    original = _linear_core._quantize
+    original = functional_linear._quantize
 
     def spy(quantizer, tensor, *, rowwise, columnwise, **kwargs):
         calls.append((tuple(tensor.shape), rowwise, columnwise))
         return original(quantizer, tensor, rowwise=rowwise, columnwise=columnwise, **kwargs)
 
-    monkeypatch.setattr(_linear_core, "_quantize", spy)
+    monkeypatch.setattr(functional_linear, "_quantize", spy)
     run(True)
     input_calls = [c for c in calls if c[0] == (16, 32)]
     assert input_calls == [((16, 32), True, False), ((16, 32), False, True)]

@@ -1,5 +1,11 @@
-"""The functional linear core shared by the linear modules: ``y = x W^T + b`` in FP8 or high
-precision, as one autograd function.
+"""The linear core: ``y = x W^T + b`` in FP8 or high precision, as two plain functions.
+
+:func:`linear_forward` computes the output and returns what the backward needs as a
+:class:`LinearSaved`; :func:`linear_backward` turns that and the output gradient into the input,
+weight and bias gradients. Neither records an autograd graph nor reads global state: the caller
+(a module's autograd function, or a ``te.ops`` operation inside the fuser's) says which gradients
+are needed, saves the tensors :meth:`LinearSaved.pack` hands it through its own
+``save_for_backward``, and owns every decision about scale updates.
 
 FP8 path (per-tensor scaling, Hopper-style TN GEMMs):
 
@@ -8,9 +14,6 @@ FP8 path (per-tensor scaling, Hopper-style TN GEMMs):
   fprop GEMM ``y = x W^T`` (layout TN);
 * backward: ``dy`` is quantized with both usages; dgrad ``dx = dy W`` (NN, uses ``W``'s
   transposed copy) and wgrad ``dW = dy^T x`` (NT, uses both transposed copies).
-
-Backward runs with the gradient's device current, and the first FP8 module of an autocast
-region updates the backward scales at the end of its backward.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import torch
 
 from ..cpp_extensions.gemm import fp8_gemm_prevalidated
 from ..device import device_guard
-from ..quantization import FP8GlobalStateManager
 from ..quantized_tensor import (
     QuantizedTensor,
     QuantizedTensorStorage,
@@ -30,7 +32,16 @@ from ..quantized_tensor import (
     restore_from_saved,
 )
 
-__all__ = ["LinearConfig", "linear_forward", "check_fp8_gemm_shapes", "run_deferred_wgrads"]
+__all__ = [
+    "LinearConfig",
+    "LinearSaved",
+    "config_from_recipe",
+    "linear_forward",
+    "linear_backward",
+    "check_input_features",
+    "check_fp8_gemm_shapes",
+    "run_deferred_wgrads",
+]
 
 
 @dataclass
@@ -53,7 +64,24 @@ class LinearConfig:
     fprop_split_accumulator: bool = False
     dgrad_split_accumulator: bool = True
     wgrad_split_accumulator: bool = True
-    reduce_and_update_bwd: bool = False
+
+
+def config_from_recipe(
+    recipe, activation_dtype: torch.dtype, quantizers=(None, None, None), **options
+) -> LinearConfig:
+    """The :class:`LinearConfig` of one GEMM: high precision when ``recipe`` is ``None``, else FP8
+    with ``quantizers`` = ``(input, weight, grad_output)`` and the recipe's GEMM settings (split
+    accumulators per GEMM, ``backward_override``). ``options`` set the remaining fields."""
+    config = LinearConfig(fp8=recipe is not None, activation_dtype=activation_dtype, **options)
+    if recipe is None:
+        return config
+    config.input_quantizer, config.weight_quantizer, config.grad_output_quantizer = quantizers
+    if hasattr(recipe, "fp8_gemm_fprop"):
+        config.fprop_split_accumulator = recipe.fp8_gemm_fprop.use_split_accumulator
+        config.dgrad_split_accumulator = recipe.fp8_gemm_dgrad.use_split_accumulator
+        config.wgrad_split_accumulator = recipe.fp8_gemm_wgrad.use_split_accumulator
+    config.backward_override = getattr(recipe, "backward_override", None)
+    return config
 
 
 def check_input_features(owner: str, inp: torch.Tensor, size: int, name: str) -> None:
@@ -81,10 +109,64 @@ def check_fp8_gemm_shapes(tokens: int, in_features: int, out_features: int, need
         )
 
 
+class LinearSaved:
+    """What :func:`linear_backward` needs from one :func:`linear_forward`.
+
+    ``x`` and ``w`` are the saved GEMM operands (``None`` when the gradient that needs them is not
+    wanted); ``weight`` is the tensor the forward multiplied by (the placeholder gradient takes its
+    shape). Before the caller's ``save_for_backward``, :meth:`pack` takes the tensors out (FP8
+    storages split into their buffers, so activation checkpointing and saved-tensor hooks see
+    them); :meth:`unpack` puts back what autograd returns. An FP8 weight copy is kept by
+    reference instead: it may be a cached workspace that later microbatches reuse.
+    """
+
+    __slots__ = (
+        "config",
+        "x",
+        "w",
+        "weight",
+        "inp_shape",
+        "bias_requires_grad",
+        "bias_dtype",
+        "requantize_x",
+        "high_precision_backward",
+        "_x_storage",
+    )
+
+    def __init__(self, config, x, w, weight, inp_shape, bias, bias_requires_grad) -> None:
+        self.config = config
+        self.x, self.w, self.weight = x, w, weight
+        self.inp_shape = inp_shape
+        self.bias_requires_grad = bias_requires_grad
+        self.bias_dtype = bias.dtype if bias is not None else None
+        self.requantize_x = False  # save_original_input: x is saved in high precision
+        self.high_precision_backward = False  # backward_override, or no FP8 at all
+        self._x_storage = None
+
+    def pack(self) -> tuple:
+        """The tensors to hand to ``save_for_backward`` (they leave this object)."""
+        if self.config.fp8 and not (
+            self.high_precision_backward and self.config.backward_override == "high_precision"
+        ):
+            tensors, self._x_storage = prepare_for_saving(self.x)
+            self.x = None
+            return tuple(tensors)
+        tensors = (self.x, self.w)
+        self.x = self.w = None
+        return tensors
+
+    def unpack(self, saved_tensors) -> None:
+        """Put back the tensors :meth:`pack` took out (``ctx.saved_tensors``)."""
+        if self._x_storage is not None:
+            (self.x,) = restore_from_saved(self._x_storage, saved_tensors)
+        else:
+            self.x, self.w = saved_tensors
+
+
 def _quantize(quantizer, tensor, *, rowwise: bool, columnwise: bool, with_dbias: bool = False):
     """``tensor`` in FP8, as internal storage; with ``with_dbias``, ``(FP8, bias gradient)`` from
     ``quantize_with_dbias_impl``."""
-    # quantize_impl: no straight-through autograd wrapper, the linear core owns the graph; and
+    # quantize_impl: no straight-through autograd wrapper, the caller owns the graph; and
     # internal storage (a plain object, not a tensor subclass) is much cheaper on the host.
     quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
     internal, quantizer.internal = quantizer.internal, True
@@ -104,150 +186,177 @@ def _quantize_grad_output(quantizer, dy, *, rowwise: bool, columnwise: bool, wit
     return _quantize(quantizer, dy, rowwise=rowwise, columnwise=columnwise), None
 
 
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, weight, inp, bias, config: LinearConfig):
-        in_features = weight.shape[-1]
-        x = inp if inp.dim() == 2 else inp.reshape(-1, in_features)
-        recording = not getattr(ctx, "inference", False)
-        needs_dgrad = recording and inp.requires_grad
-        needs_wgrad = recording and weight.requires_grad
-        ctx.config = config
-        ctx.inp_shape = inp.shape
-        ctx.has_bias = bias is not None
-        ctx.bias_requires_grad = bias is not None and bias.requires_grad
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.weight = weight  # the Parameter itself: main_grad lives on it
+def _quantized_weight(weight, config: LinearConfig, columnwise: bool):
+    """The weight as the FP8 GEMM takes it: an FP8 parameter or the cached workspace as it is
+    (with the usages this call needs), else a fresh cast (handed to ``cache_weight``)."""
+    if isinstance(weight, QuantizedTensor) or config.cached_weight is not None:
+        w_q = weight if isinstance(weight, QuantizedTensor) else config.cached_weight
+        if config.backward_override is None:
+            w_q.update_usage(rowwise_usage=True, columnwise_usage=columnwise or None)
+        return w_q
+    w_q = _quantize(config.weight_quantizer, weight, rowwise=True, columnwise=columnwise)
+    if config.cache_weight is not None:
+        config.cache_weight(w_q)
+    return w_q
 
-        ctx.hp_backward = False
-        if config.fp8 and config.backward_override is not None:
-            _forward_with_backward_override(ctx, x, weight, bias, needs_dgrad, needs_wgrad, config)
-            out = ctx.forward_out
-            del ctx.forward_out
-        elif config.fp8:
-            owns_x_q = not isinstance(x, QuantizedTensor)
-            # save_original_input: backward re-quantizes the saved x (exact for stateless
-            # recipes), so the forward needs no column-wise copy.
-            keep_x = config.save_original_input and owns_x_q and needs_wgrad
-            if not owns_x_q:
-                x_q = x
-                x_q.update_usage(rowwise_usage=True, columnwise_usage=needs_wgrad or None)
-            else:
-                x_q = _quantize(
-                    config.input_quantizer, x, rowwise=True, columnwise=needs_wgrad and not keep_x
-                )
-            if isinstance(weight, QuantizedTensor):
-                w_q = weight
-                w_q.update_usage(rowwise_usage=True, columnwise_usage=needs_dgrad or None)
-            elif config.cached_weight is not None:
-                w_q = config.cached_weight
-                w_q.update_usage(rowwise_usage=True, columnwise_usage=needs_dgrad or None)
-            else:
-                w_q = _quantize(
-                    config.weight_quantizer, weight, rowwise=True, columnwise=needs_dgrad
-                )
-                if config.cache_weight is not None:
-                    config.cache_weight(w_q)
-            out = fp8_gemm_prevalidated(
-                w_q,
-                x_q,
-                config.activation_dtype,
-                layout="TN",
-                bias=bias,
-                use_split_accumulator=config.fprop_split_accumulator,
-            )
-            # Backward needs only the transposed copies; drop the row-wise input bytes.
-            if needs_wgrad and owns_x_q and not keep_x:
-                x_q.update_usage(rowwise_usage=False, columnwise_usage=True)
-            # The input's FP8 buffers go through save_for_backward (so activation checkpointing
-            # and saved-tensor hooks see them); the weight's copy may be a cached workspace
-            # that later microbatches reuse, so it is kept by reference instead.
-            ctx.keep_x = keep_x
-            saved = x if keep_x else x_q if needs_wgrad else None
-            tensors, ctx.fp8_objects = prepare_for_saving(saved)
-            ctx.save_for_backward(*tensors)
-            ctx.saved_weight = w_q if needs_dgrad else None
+
+def linear_forward(
+    weight: torch.Tensor,
+    inp: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: LinearConfig,
+    *,
+    needs_dgrad: bool,
+    needs_wgrad: bool,
+    bias_requires_grad: bool = False,
+) -> tuple[torch.Tensor, LinearSaved]:
+    """``inp @ weight^T + bias`` and what the backward needs.
+
+    ``needs_dgrad`` / ``needs_wgrad`` say which gradients the backward will compute (both
+    ``False``: inference, nothing is kept); ``bias_requires_grad`` whether it computes the bias
+    gradient too. The output has ``inp``'s leading dimensions.
+    """
+    in_features = weight.shape[-1]
+    x = inp if inp.dim() == 2 else inp.reshape(-1, in_features)
+    saved = LinearSaved(config, None, None, weight, inp.shape, bias, bias_requires_grad)
+    if not config.fp8:
+        out = torch.nn.functional.linear(x, weight, bias)
+        saved.high_precision_backward = True
+        saved.x = x if needs_wgrad else None
+        saved.w = weight if needs_dgrad else None
+    elif config.backward_override is not None:
+        out = _forward_with_backward_override(saved, x, weight, bias, needs_dgrad, needs_wgrad)
+    else:
+        owns_x_q = not isinstance(x, QuantizedTensor)
+        # save_original_input: backward re-quantizes the saved x (exact for stateless
+        # recipes), so the forward needs no column-wise copy.
+        keep_x = config.save_original_input and owns_x_q and needs_wgrad
+        if not owns_x_q:
+            x_q = x
+            x_q.update_usage(rowwise_usage=True, columnwise_usage=needs_wgrad or None)
         else:
-            out = torch.nn.functional.linear(x, weight, bias)
-            ctx.fp8_objects = None
-            ctx.save_for_backward(x if needs_wgrad else None, weight if needs_dgrad else None)
-        return out if inp.dim() == 2 else out.reshape(*inp.shape[:-1], weight.shape[0])
+            x_q = _quantize(
+                config.input_quantizer, x, rowwise=True, columnwise=needs_wgrad and not keep_x
+            )
+        w_q = _quantized_weight(weight, config, columnwise=needs_dgrad)
+        out = fp8_gemm_prevalidated(
+            w_q,
+            x_q,
+            config.activation_dtype,
+            layout="TN",
+            bias=bias,
+            use_split_accumulator=config.fprop_split_accumulator,
+        )
+        # Backward needs only the transposed copies; drop the row-wise input bytes.
+        if needs_wgrad and owns_x_q and not keep_x:
+            x_q.update_usage(rowwise_usage=False, columnwise_usage=True)
+        saved.requantize_x = keep_x
+        saved.x = x if keep_x else x_q if needs_wgrad else None
+        saved.w = w_q if needs_dgrad else None
+    out = out if inp.dim() == 2 else out.reshape(*inp.shape[:-1], weight.shape[0])
+    return out, saved
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        config = ctx.config
-        with device_guard(grad_out.device):
-            if ctx.fp8_objects is None:
-                saved_x, saved_w = ctx.saved_tensors
-            else:
-                (saved_x,) = restore_from_saved(ctx.fp8_objects, ctx.saved_tensors)
-                saved_w = ctx.saved_weight
-                if ctx.keep_x:
-                    saved_x = _quantize(
-                        config.input_quantizer, saved_x, rowwise=False, columnwise=True
-                    )
-            use_fp8 = config.fp8 and not ctx.hp_backward
-            if ctx.hp_backward:  # backward_override: high-precision GEMMs
-                saved_x = _high_precision(saved_x, config.activation_dtype)
-                saved_w = _high_precision(saved_w, config.activation_dtype)
-            out_features = grad_out.shape[-1]
-            dy = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, out_features)
-            if not dy.is_contiguous():
-                dy = dy.contiguous()
-            dx = dw = dbias = None
-            weight = ctx.weight
-            fuse = config.fuse_wgrad_accumulation and saved_x is not None
-            if fuse:
-                # The GEMM may have seen a cast or concatenated copy: main_grad lives on the
-                # module's Parameter.
-                weight = config.main_grad_param if config.main_grad_param is not None else weight
-                if getattr(weight, "main_grad", None) is None:
-                    raise RuntimeError(
-                        "fuse_wgrad_accumulation=True accumulates the weight gradient into "
-                        "weight.main_grad, but the weight has none; set weight.main_grad to a "
-                        "float32 tensor of the weight's shape before backward"
-                    )
-            grad_operand = dy
-            if use_fp8 and (saved_w is not None or saved_x is not None):
-                grad_operand, dbias = _quantize_grad_output(
-                    config.grad_output_quantizer,
-                    dy,
-                    rowwise=saved_w is not None,
-                    columnwise=saved_x is not None,
-                    with_dbias=ctx.bias_requires_grad,
-                )
-                if saved_w is not None:
-                    dx = fp8_gemm_prevalidated(
-                        saved_w,
-                        grad_operand,
-                        config.activation_dtype,
-                        layout="NN",
-                        use_split_accumulator=config.dgrad_split_accumulator,
-                    )
-            elif saved_w is not None:
-                dx = dy @ saved_w
-            if ctx.bias_requires_grad:
-                dbias = _as_dtype(dy.sum(dim=0) if dbias is None else dbias, ctx.bias_dtype)
-            if saved_x is not None:
-                if config.wgrad_store is not None:
-                    # delay_wgrad_compute: the module's backward_dw() runs this later.
-                    config.wgrad_store.append(
-                        _DeferredWgrad(
-                            config, saved_x, grad_operand, weight, fuse, use_fp8, grad_out.device
-                        )
-                    )
-                else:
-                    dw = _weight_gradient(config, saved_x, grad_operand, weight, fuse, use_fp8)
-            if dx is not None:
-                if dx.shape != ctx.inp_shape:
-                    dx = dx.reshape(ctx.inp_shape)
-            if dw is not None:
-                dw = _as_dtype(dw, weight.dtype)
-            elif fuse and config.wgrad_store is None:
-                dw = _placeholder_wgrad(weight, ctx.weight)
-            if config.reduce_and_update_bwd:
-                FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
-        return dw, dx, dbias, None
+
+def _forward_with_backward_override(saved, x, weight, bias, needs_dgrad, needs_wgrad):
+    """FP8 forward GEMM whose backward runs in high precision (``recipe.backward_override``).
+
+    ``"high_precision"`` saves the original operands, ``"dequantized"`` saves the FP8 ones
+    (dequantized in backward). Either way no column-wise FP8 copies are made.
+    """
+    config = saved.config
+    x_q = (
+        x
+        if isinstance(x, QuantizedTensor)
+        else _quantize(config.input_quantizer, x, rowwise=True, columnwise=False)
+    )
+    w_q = _quantized_weight(weight, config, columnwise=False)
+    out = fp8_gemm_prevalidated(
+        w_q,
+        x_q,
+        config.activation_dtype,
+        layout="TN",
+        bias=bias,
+        use_split_accumulator=config.fprop_split_accumulator,
+    )
+    saved.high_precision_backward = True
+    if config.backward_override == "high_precision":
+        saved.x = x if needs_wgrad else None
+        saved.w = weight if needs_dgrad else None
+    else:  # "dequantized"
+        saved.x = x_q if needs_wgrad else None
+        saved.w = w_q if needs_dgrad else None
+    return out
+
+
+def linear_backward(saved: LinearSaved, grad_out: torch.Tensor):
+    """``(dx, dW, dbias)`` from a :func:`linear_forward`'s saved state (already unpacked).
+
+    ``dx`` is computed when the forward was told ``needs_dgrad``, ``dW`` when ``needs_wgrad`` (with
+    ``fuse_wgrad_accumulation`` it goes into ``main_grad`` and ``dW`` is ``None`` or Megatron's
+    placeholder; with ``wgrad_store`` it is queued for ``backward_dw``), ``dbias`` when
+    ``bias_requires_grad``. Runs on the caller's current device.
+    """
+    config = saved.config
+    saved_x, saved_w = saved.x, saved.w
+    if saved.requantize_x:
+        saved_x = _quantize(config.input_quantizer, saved_x, rowwise=False, columnwise=True)
+    use_fp8 = config.fp8 and not saved.high_precision_backward
+    if config.fp8 and saved.high_precision_backward:  # backward_override
+        saved_x = _high_precision(saved_x, config.activation_dtype)
+        saved_w = _high_precision(saved_w, config.activation_dtype)
+    out_features = grad_out.shape[-1]
+    dy = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, out_features)
+    if not dy.is_contiguous():
+        dy = dy.contiguous()
+    dx = dw = dbias = None
+    weight = saved.weight
+    fuse = config.fuse_wgrad_accumulation and saved_x is not None
+    if fuse:
+        # The GEMM may have seen a cast or concatenated copy: main_grad lives on the module's
+        # Parameter.
+        weight = config.main_grad_param if config.main_grad_param is not None else weight
+        if getattr(weight, "main_grad", None) is None:
+            raise RuntimeError(
+                "fuse_wgrad_accumulation=True accumulates the weight gradient into "
+                "weight.main_grad, but the weight has none; set weight.main_grad to a "
+                "float32 tensor of the weight's shape before backward"
+            )
+    grad_operand = dy
+    if use_fp8 and (saved_w is not None or saved_x is not None):
+        grad_operand, dbias = _quantize_grad_output(
+            config.grad_output_quantizer,
+            dy,
+            rowwise=saved_w is not None,
+            columnwise=saved_x is not None,
+            with_dbias=saved.bias_requires_grad,
+        )
+        if saved_w is not None:
+            dx = fp8_gemm_prevalidated(
+                saved_w,
+                grad_operand,
+                config.activation_dtype,
+                layout="NN",
+                use_split_accumulator=config.dgrad_split_accumulator,
+            )
+    elif saved_w is not None:
+        dx = dy @ saved_w
+    if saved.bias_requires_grad:
+        dbias = _as_dtype(dy.sum(dim=0) if dbias is None else dbias, saved.bias_dtype)
+    if saved_x is not None:
+        if config.wgrad_store is not None:
+            # delay_wgrad_compute: the module's backward_dw() runs this later.
+            config.wgrad_store.append(
+                _DeferredWgrad(config, saved_x, grad_operand, weight, fuse, use_fp8, dy.device)
+            )
+        else:
+            dw = _weight_gradient(config, saved_x, grad_operand, weight, fuse, use_fp8)
+    if dx is not None and dx.shape != saved.inp_shape:
+        dx = dx.reshape(saved.inp_shape)
+    if dw is not None:
+        dw = _as_dtype(dw, weight.dtype)
+    elif fuse and config.wgrad_store is None:
+        dw = _placeholder_wgrad(weight, saved.weight)
+    return dx, dw, dbias
 
 
 def _high_precision(t, dtype):
@@ -262,44 +371,6 @@ def _high_precision(t, dtype):
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)`` without the dispatch when it is already of that dtype (host time)."""
     return t if t.dtype == dtype else t.to(dtype)
-
-
-def _forward_with_backward_override(ctx, x, weight, bias, needs_dgrad, needs_wgrad, config):
-    """FP8 forward GEMM whose backward runs in high precision (``recipe.backward_override``).
-
-    ``"high_precision"`` saves the original operands, ``"dequantized"`` saves the FP8 ones
-    (dequantized in backward). Either way no column-wise FP8 copies are made.
-    """
-    x_q = (
-        x
-        if isinstance(x, QuantizedTensor)
-        else _quantize(config.input_quantizer, x, rowwise=True, columnwise=False)
-    )
-    if isinstance(weight, QuantizedTensor):
-        w_q = weight
-    elif config.cached_weight is not None:
-        w_q = config.cached_weight
-    else:
-        w_q = _quantize(config.weight_quantizer, weight, rowwise=True, columnwise=False)
-        if config.cache_weight is not None:
-            config.cache_weight(w_q)
-    ctx.forward_out = fp8_gemm_prevalidated(
-        w_q,
-        x_q,
-        config.activation_dtype,
-        layout="TN",
-        bias=bias,
-        use_split_accumulator=config.fprop_split_accumulator,
-    )
-    ctx.hp_backward = True
-    ctx.keep_x = False
-    if config.backward_override == "high_precision":
-        ctx.fp8_objects = None
-        ctx.save_for_backward(x if needs_wgrad else None, weight if needs_dgrad else None)
-    else:  # "dequantized"
-        tensors, ctx.fp8_objects = prepare_for_saving(x_q if needs_wgrad else None)
-        ctx.save_for_backward(*tensors)
-        ctx.saved_weight = w_q if needs_dgrad else None
 
 
 def _weight_gradient(config, saved_x, grad_operand, weight, fuse, fp8):
@@ -365,6 +436,7 @@ class _DeferredWgrad:
     def __call__(self) -> None:
         config = self.args[0]
         target = config.main_grad_param
+        # backward_dw() runs outside any backward: make the GEMM's device current.
         with device_guard(self.device):
             dw = _weight_gradient(*self.args)
             if dw is not None:
@@ -372,22 +444,3 @@ class _DeferredWgrad:
                 target.grad = dw if target.grad is None else target.grad + dw
             elif hasattr(target, "grad_added_to_main_grad"):
                 target.grad_added_to_main_grad = True  # Megatron-LM's flag (see above)
-
-
-def linear_forward(weight, inp, bias, config: LinearConfig) -> torch.Tensor:
-    """``inp @ weight^T + bias`` through the linear core (autograd-aware)."""
-    if torch.is_grad_enabled():
-        return _Linear.apply(weight, inp, bias, config)
-    with torch.no_grad():
-        return _Linear.forward(_NoCtx(), weight, inp, bias, config)
-
-
-class _NoCtx:
-    """Stands in for autograd's ctx when no graph is recorded (inference)."""
-
-    inference = True
-    fp8_objects = None
-    keep_x = False
-
-    def save_for_backward(self, *tensors):
-        pass

@@ -20,28 +20,30 @@ from collections.abc import Callable
 import torch
 
 from ..device import construction_device, device_guard
-from ..quantization import FP8GlobalStateManager
+from ..quantization import BackwardScaleUpdate, claim_backward_update
 from ..quantized_tensor import QuantizedTensor
-from ..functional.linear import check_input_features, linear_forward
+from ..functional.linear import check_input_features
 from ._linear_parameters import check_features, check_single_process_arguments
-from ._module_config import gemm_weight, make_linear_config
+from ._gemm_setup import gemm_weight, make_linear_config
+from ._linear_function import linear
 from .base import TransformerEngineBaseModule, default_init_method
 
 __all__ = ["GroupedLinear"]
 
 
 class _BackwardUpdateAfterAll:
-    """Runs the backward scale update when the last of ``count`` autograd nodes finished."""
+    """Completes the region's backward scale update when the last of ``count`` autograd nodes
+    (one per group GEMM; their order is autograd's) finished."""
 
-    def __init__(self, count: int, device: torch.device) -> None:
-        self.count, self.left, self.device = count, count, device
+    def __init__(self, count: int, update: BackwardScaleUpdate, device: torch.device) -> None:
+        self.count, self.left, self.update, self.device = count, count, update, device
 
     def __call__(self, grad_inputs, grad_outputs) -> None:
         self.left -= 1
         if self.left == 0:
             self.left = self.count  # re-armed for a backward through a retained graph
             with device_guard(self.device):
-                FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+                self.update.complete()
 
 
 class _GradientInto(torch.autograd.Function):
@@ -274,7 +276,6 @@ class GroupedLinear(TransformerEngineBaseModule):
                     workspace_key=f"weight{i}",
                     in_features=self.in_features,
                     out_features=self.out_features,
-                    read_first_module_flag=False,
                     main_grad_param=getattr(self, f"weight{i}"),
                 )  # fmt: skip
                 for i, x in enumerate(groups)
@@ -285,17 +286,15 @@ class GroupedLinear(TransformerEngineBaseModule):
                 self._check_save_original_input()
                 for config in configs:
                     config.save_original_input = True
-            update_bwd = (
-                fp8 and torch.is_grad_enabled() and FP8GlobalStateManager.is_first_fp8_module()
-            )
+            update = claim_backward_update() if fp8 and torch.is_grad_enabled() else None
             outs = [
-                linear_forward(weights[i], x, None if self.return_bias else biases[i], configs[i])
+                linear(weights[i], x, None if self.return_bias else biases[i], configs[i])
                 for i, x in enumerate(groups)
             ]
-            if update_bwd:
+            if update is not None:
                 nodes = [o.grad_fn for o in outs if o.grad_fn is not None]
                 if nodes:
-                    hook = _BackwardUpdateAfterAll(len(nodes), inp.device)
+                    hook = _BackwardUpdateAfterAll(len(nodes), update, inp.device)
                     for node in nodes:
                         node.register_hook(hook)
             result = torch.cat(outs, dim=0).reshape(*inp.shape[:-1], self.out_features)

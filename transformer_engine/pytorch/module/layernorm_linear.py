@@ -12,7 +12,15 @@ from collections.abc import Callable
 import torch
 
 from ..device import construction_device
-from ..functional.linear import check_input_features, linear_forward
+from ..functional.linear import check_input_features
+from ._fused_norm import apply_norm, check_normalization, register_norm_parameters
+from ._gemm_setup import (
+    claim_module_backward_update,
+    fp8_input_gradient,
+    gemm_weight,
+    make_linear_config,
+    quantize_output,
+)
 from ._linear_parameters import (
     check_features,
     check_single_process_arguments,
@@ -20,15 +28,7 @@ from ._linear_parameters import (
     linear_weight,
     register_linear_parameters,
 )
-from ._module_config import (
-    apply_norm,
-    check_normalization,
-    fp8_input_gradient,
-    gemm_weight,
-    make_linear_config,
-    quantize_output,
-    register_norm_parameters,
-)
+from ._linear_function import linear
 from .base import TransformerEngineBaseModule, default_init_method
 
 __all__ = ["LayerNormLinear"]
@@ -171,7 +171,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
                 main_grad_param=self.weight if "" in self.sizes else None,
             )  # fmt: skip
             config.wgrad_store = self.wgrad_store
-            out = linear_forward(weight, ln_out, gemm_bias, config)
+            out = linear(weight, ln_out, gemm_bias, config, claim_module_backward_update(config))
             if fp8 and fp8_output:
                 out = quantize_output(self.quantizers["scaling_fwd"][GEMM1_OUTPUT], out)
         outputs = (out,)

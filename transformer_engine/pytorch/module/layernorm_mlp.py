@@ -5,8 +5,8 @@ Quantizer slots (``num_gemms=2``: 6 forward, 4 backward): FC1 uses forward slots
 1 (weight) and backward slot 0 (GRAD_OUTPUT1); FC2 uses forward slots 3 and 4 and backward slot
 2 (GRAD_OUTPUT2). The output slots 2 and 5 and the grad-input slots 1 and 3 stay unused.
 
-FC1's backward runs after FC2's, so FC1 is the GEMM that may claim the autocast region's
-first-module flag and update the backward scales once both grad outputs were quantized.
+FC1's backward runs after FC2's, so FC1's GEMM is the one that completes the autocast region's
+backward scale update (when this module holds it), once both grad outputs were quantized.
 """
 
 from __future__ import annotations
@@ -18,15 +18,11 @@ import torch.utils.checkpoint
 
 from ..device import construction_device
 from ..functional.activation import get_activation
-from ..functional.linear import check_input_features, linear_forward
+from ..functional.linear import check_input_features
+from ._fused_norm import apply_norm, check_normalization, register_norm_parameters
+from ._gemm_setup import claim_module_backward_update, gemm_weight, make_linear_config
 from ._linear_parameters import check_features, check_single_process_arguments
-from ._module_config import (
-    apply_norm,
-    check_normalization,
-    gemm_weight,
-    make_linear_config,
-    register_norm_parameters,
-)
+from ._linear_function import linear
 from .base import (
     TransformerEngineBaseModule,
     default_init_method,
@@ -196,27 +192,27 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 self, ln_out, fc1_weight, is_first_microbatch,
                 input_slot=GEMM1_INPUT, weight_slot=GEMM1_WEIGHT, grad_output_slot=GRAD_OUTPUT1,
                 workspace_key="fc1_weight", in_features=self.hidden_size,
-                out_features=self.fc1_out_features, read_first_module_flag=True,
+                out_features=self.fc1_out_features,
                 main_grad_param=self.fc1_weight,
             )  # fmt: skip
             fc2_config = make_linear_config(
                 self, ln_out, fc2_weight, is_first_microbatch,
                 input_slot=GEMM2_INPUT, weight_slot=GEMM2_WEIGHT, grad_output_slot=GRAD_OUTPUT2,
                 workspace_key="fc2_weight", in_features=self.ffn_hidden_size,
-                out_features=self.hidden_size, read_first_module_flag=False,
+                out_features=self.hidden_size,
                 main_grad_param=self.fc2_weight,
             )  # fmt: skip
             fc1_config.wgrad_store = fc2_config.wgrad_store = self.wgrad_store
+            # FC1's backward runs after FC2's: it completes the region's backward update.
+            update = claim_module_backward_update(fc1_config)
             if self.checkpoint and torch.is_grad_enabled():
                 act_out = self._fc1_and_activation_recomputed(
-                    ln_out, fc1_weight, fc1_bias, fc1_config
+                    ln_out, fc1_weight, fc1_bias, fc1_config, update
                 )
             else:
-                act_out = self.activation_fn(
-                    linear_forward(fc1_weight, ln_out, fc1_bias, fc1_config)
-                )
+                act_out = self.activation_fn(linear(fc1_weight, ln_out, fc1_bias, fc1_config, update))
             gemm_bias = None if self.return_bias else fc2_bias
-            out = linear_forward(fc2_weight, act_out, gemm_bias, fc2_config)
+            out = linear(fc2_weight, act_out, gemm_bias, fc2_config)
         outputs = (out,)
         if self.return_bias:
             outputs += (fc2_bias,)
@@ -224,7 +220,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
             outputs += (ln_out,)
         return outputs[0] if len(outputs) == 1 else outputs
 
-    def _fc1_and_activation_recomputed(self, ln_out, fc1_weight, fc1_bias, fc1_config):
+    def _fc1_and_activation_recomputed(self, ln_out, fc1_weight, fc1_bias, fc1_config, update):
         """``checkpoint=True``: FC1 and the activation keep none of their activations; backward
         recomputes them (FC2 is not rerun: its backward needs only its saved FP8 input).
 
@@ -240,11 +236,11 @@ class LayerNormMLP(TransformerEngineBaseModule):
         def fc1_and_activation(x):
             runs["count"] += 1
             if runs["count"] == 1 or snapshot is None:
-                return self.activation_fn(linear_forward(fc1_weight, x, fc1_bias, fc1_config))
+                return self.activation_fn(linear(fc1_weight, x, fc1_bias, fc1_config, update))
             current = snapshot_scaling_state(state)
             restore_scaling_state(state, snapshot)
             try:
-                return self.activation_fn(linear_forward(fc1_weight, x, fc1_bias, fc1_config))
+                return self.activation_fn(linear(fc1_weight, x, fc1_bias, fc1_config, update))
             finally:
                 restore_scaling_state(state, current)
 

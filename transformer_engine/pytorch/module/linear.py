@@ -7,19 +7,21 @@ from collections.abc import Callable
 import torch
 
 from ..device import construction_device
-from ..functional.linear import check_input_features, linear_forward
+from ..functional.linear import check_input_features
+from ._gemm_setup import (
+    claim_module_backward_update,
+    fp8_input_gradient,
+    gemm_weight,
+    make_linear_config,
+    quantize_output,
+)
+from ._linear_function import linear
 from ._linear_parameters import (
     check_features,
     check_single_process_arguments,
     linear_bias,
     linear_weight,
     register_linear_parameters,
-)
-from ._module_config import (
-    fp8_input_gradient,
-    gemm_weight,
-    make_linear_config,
-    quantize_output,
 )
 from .base import TransformerEngineBaseModule, default_init_method
 
@@ -149,7 +151,7 @@ class Linear(TransformerEngineBaseModule):
             if self.save_original_input and fp8:
                 self._check_save_original_input()
                 config.save_original_input = True
-            out = linear_forward(weight, inp, gemm_bias, config)
+            out = linear(weight, inp, gemm_bias, config, claim_module_backward_update(config))
             if fp8 and fp8_output:
                 out = quantize_output(self.quantizers["scaling_fwd"][GEMM1_OUTPUT], out)
         if self.return_bias:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..device import device_guard
-from ..quantization import FP8GlobalStateManager
+from ..quantization import BackwardScaleUpdate, FP8GlobalStateManager, claim_backward_update
 from ..quantized_tensor import prepare_for_saving, restore_from_saved
 from .op import BasicOperation, FusibleOperation, OperationContext
 
@@ -48,7 +48,7 @@ class _Call:
     num_extra_inputs: list[int]
     num_extra_outputs: list[int]
     first_op_requiring_backward: int
-    is_first_module: bool
+    backward_update: BackwardScaleUpdate | None
     input_requires_grad: bool = False
     param_requires_grad: tuple = ()
     extra_input_requires_grad: tuple = ()
@@ -68,8 +68,8 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
             grad_input, grad_params, grad_extra_inputs = _fuser_backward(
                 func_ctx, call, grad_output, grad_extra_outputs
             )
-            if call.is_first_module and not FP8GlobalStateManager.fp8_graph_capturing():
-                FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+            if call.backward_update is not None:
+                call.backward_update.complete()
         return (grad_input, None, *grad_params, *grad_extra_inputs)
 
 
@@ -346,9 +346,7 @@ class OperationFuser:
                     num_extra_inputs=self._num_extra_inputs,
                     num_extra_outputs=self._num_extra_outputs,
                     first_op_requiring_backward=first,
-                    is_first_module=fp8
-                    and first < count
-                    and FP8GlobalStateManager.is_first_fp8_module(),
+                    backward_update=claim_backward_update() if fp8 and first < count else None,
                     input_requires_grad=grad and input.requires_grad,
                     param_requires_grad=tuple(p.requires_grad for p in flat_params),
                     extra_input_requires_grad=tuple(t.requires_grad for t in extra_inputs),

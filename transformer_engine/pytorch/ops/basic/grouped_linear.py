@@ -15,16 +15,16 @@ the outputs are concatenated in group order. Empty groups are allowed. The sizes
 the host (``tolist()``), so a CUDA tensor costs a synchronization: prefer a CPU tensor. The
 split sizes get no gradient.
 
-The GEMMs are those of the linear core (``module/_linear_core.py``), one per group, each with
+The GEMMs are those of the functional linear core (``functional/linear.py``), one per group, each with
 its own quantizer slots (upstream's layout): forward ``2i`` input and ``2i + 1`` weight,
 backward ``i`` grad output. No quantizer covers the whole input or the whole output gradient,
 so :meth:`get_input_quantizer` and :meth:`get_grad_output_quantizer` are ``None`` and the
 neighbouring operations hand this one plain tensors.
 
 Backward scale update: the whole fuser is one autograd node, and its backward runs every
-group's backward GEMMs before the first FP8 operation of the autocast region updates the
-backward scales, so (unlike the module, whose groups are separate autograd nodes) no
-ordering hook is needed here.
+group's backward GEMMs before the fuser completes the region's backward update (when it holds
+it), so (unlike the module, whose groups are separate autograd nodes) no ordering hook is
+needed here.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ import torch
 
 from ...device import construction_device, materialization_device
 from ...functional.linear import (
-    LinearConfig,
-    _Linear,
     check_fp8_gemm_shapes,
     check_input_features,
+    config_from_recipe,
+    linear_backward,
+    linear_forward,
     run_deferred_wgrads,
 )
 from ...quantization import FP8GlobalStateManager
@@ -378,67 +379,59 @@ class GroupedLinear(BasicOperation):
         rows = x.reshape(-1, self.in_features)
 
         recipe = self._fp8_metas["forward"]["recipe"] if fp8 else None
-        outputs, group_ctxs, to_save, counts = [], [], [], []
+        outputs, states, to_save, counts = [], [], [], []
         for i, (group_rows, weight, bias) in enumerate(zip(rows.split(sizes), weights, biases)):
-            config = LinearConfig(
-                fp8=fp8,
-                activation_dtype=dtype,
+            needs_wgrad = ctx.requires_grad and weight.requires_grad
+            quantizers = (None, None, None)
+            if fp8:
+                check_fp8_gemm_shapes(sizes[i], self.in_features, self.out_features, needs_wgrad)
+                quantizers = (
+                    self.get_quantizer("forward", _input_slot(i)),
+                    self.get_quantizer("forward", _weight_slot(i)),
+                    self.get_quantizer("backward", _grad_output_slot(i)),
+                )
+            config = config_from_recipe(
+                recipe,
+                dtype,
+                quantizers,
                 fuse_wgrad_accumulation=self._accumulate_into_main_grad,
-                accumulate_into_main_grad=True,
                 main_grad_param=weight,
                 wgrad_store=self.wgrad_store,
             )
-            if fp8:
-                check_fp8_gemm_shapes(
-                    sizes[i],
-                    self.in_features,
-                    self.out_features,
-                    ctx.requires_grad and weight.requires_grad,
-                )
-                config.input_quantizer = self.get_quantizer("forward", _input_slot(i))
-                config.weight_quantizer = self.get_quantizer("forward", _weight_slot(i))
-                config.grad_output_quantizer = self.get_quantizer("backward", _grad_output_slot(i))
-                if hasattr(recipe, "fp8_gemm_fprop"):
-                    config.fprop_split_accumulator = recipe.fp8_gemm_fprop.use_split_accumulator
-                    config.dgrad_split_accumulator = recipe.fp8_gemm_dgrad.use_split_accumulator
-                    config.wgrad_split_accumulator = recipe.fp8_gemm_wgrad.use_split_accumulator
-            group_ctx = OperationContext()
-            group_ctx.requires_grad = ctx.requires_grad
-            group_ctx.input_requires_grad = ctx.input_requires_grad
-            # a group whose weight is frozen, when the input needs no gradient, has no GEMM
-            # in backward (only its bias gradient, if any)
-            group_ctx.needs_gemm = ctx.input_requires_grad or weight.requires_grad
-            # The core reads "does it need a gradient" from the tensors' flags; inside the
-            # fuser's autograd function nothing carries one, so hand it aliases that do.
-            group_x = group_rows.detach().requires_grad_(ctx.input_requires_grad)
             with torch.no_grad():
-                out = _Linear.forward(
-                    group_ctx,
+                out, saved = linear_forward(
                     _gemm_weight(weight, dtype, fp8),
-                    group_x,
+                    group_rows,
                     _gemm_bias(bias, dtype),
                     config,
+                    needs_dgrad=ctx.input_requires_grad,
+                    needs_wgrad=needs_wgrad,
+                    bias_requires_grad=bias is not None and bias.requires_grad,
                 )
             outputs.append(out)
-            counts.append(len(group_ctx.to_save))
-            to_save.extend(group_ctx.to_save)
-            group_ctx.to_save = ()
-            group_ctxs.append(group_ctx)
+            if ctx.requires_grad:
+                tensors = saved.pack()
+                counts.append(len(tensors))
+                to_save.extend(tensors)
+            states.append(saved)
         if ctx.requires_grad:
             ctx.save_for_backward(*to_save)
-            ctx.group_ctxs = group_ctxs
+            ctx.group_states = states
             ctx.saved_counts = counts
+            # a group whose weight is frozen, when the input needs no gradient, has no GEMM in
+            # backward (only its bias gradient, if any)
+            ctx.needs_gemm = [ctx.input_requires_grad or w.requires_grad for w in weights]
         output = torch.cat(outputs, dim=0)
         return output.reshape(*ctx.input_shape[:-1], self.out_features), [()]
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx: OperationContext = basic_op_ctxs[0]
-        group_ctxs: list[OperationContext] = ctx.group_ctxs
-        saved, start = ctx.saved_tensors, 0
-        for group_ctx, count in zip(group_ctxs, ctx.saved_counts):
-            group_ctx.saved_tensors = tuple(saved[start : start + count])
+        states = ctx.group_states
+        saved_tensors, start = ctx.saved_tensors, 0
+        for state, count in zip(states, ctx.saved_counts):
+            state.unpack(saved_tensors[start : start + count])
             start += count
-        dtype = group_ctxs[0].config.activation_dtype
+        dtype = states[0].config.activation_dtype
         dy = plain(grad_output)
         if dy.dtype != dtype:
             dy = dy.to(dtype)
@@ -447,13 +440,12 @@ class GroupedLinear(BasicOperation):
         weight_dtypes, bias_dtypes = ctx.param_dtypes
         grad_inputs, grad_weights, grad_biases = [], [], []
         for i, group_dy in enumerate(dy.split(ctx.sizes)):
-            group_ctx = group_ctxs[i]
-            if group_ctx.needs_gemm:
-                dw, dx, dbias, _ = _Linear.backward(group_ctx, group_dy)
+            if ctx.needs_gemm[i]:
+                dx, dw, dbias = linear_backward(states[i], group_dy)
             else:
                 dw = dx = None
-                dbias = group_dy.sum(dim=0) if group_ctx.bias_requires_grad else None
-            group_ctx.saved_tensors = ()
+                dbias = group_dy.sum(dim=0) if states[i].bias_requires_grad else None
+            states[i] = None  # free the group's saved operands as soon as it is done
             grad_inputs.append(dx)
             grad_weights.append(None if dw is None else dw.to(weight_dtypes[i]))
             grad_biases.append(None if dbias is None else dbias.to(bias_dtypes[i]))
@@ -470,26 +462,22 @@ class GroupedLinear(BasicOperation):
 
 def _gemm_weight(weight, dtype: torch.dtype, fp8: bool):
     """The weight as the GEMM takes it: cast to the compute dtype (an FP8 weight outside
-    ``te.autocast`` dequantized), keeping the parameter's gradient flag."""
+    ``te.autocast`` dequantized)."""
     if isinstance(weight, QuantizedTensor):
         if fp8:
             return weight
         warnings.warn(
             "GroupedLinear: an FP8 weight used outside te.autocast is dequantized", stacklevel=6
         )
-        cast = weight.dequantize(dtype=dtype)
-    elif weight.dtype != dtype:
-        cast = weight.to(dtype)
-    else:
-        return weight
-    return cast.detach().requires_grad_(weight.requires_grad)
+        return weight.dequantize(dtype=dtype)
+    return weight if weight.dtype == dtype else weight.to(dtype)
 
 
 def _gemm_bias(bias, dtype: torch.dtype):
-    """The bias in the compute dtype, keeping the parameter's gradient flag."""
+    """The bias in the compute dtype."""
     if bias is None or bias.dtype == dtype:
         return bias
-    return bias.detach().to(dtype).requires_grad_(bias.requires_grad)
+    return bias.to(dtype)
 
 
 def _replacement(old: torch.nn.Parameter, values) -> torch.nn.Parameter:

@@ -1,11 +1,12 @@
-"""Pieces the linear-family modules share: the per-GEMM ``LinearConfig``, the weight as a GEMM
-sees it, and the parameters and forward of the fused normalization.
+"""How the linear-family modules set up one GEMM: its ``LinearConfig`` (quantizer slots, weight
+workspace, main_grad), the weight as the GEMM sees it, the claim on the backward scale update,
+and the FP8 output / FP8 input-gradient options.
 
 ``Linear``, ``LayerNormLinear``, ``LayerNormMLP`` and ``GroupedLinear`` all run their GEMMs
-through ``linear_forward``; what differs between them is only which quantizer slots and which
-weight workspace each GEMM uses, and whether it may claim the autocast region's
-first-module flag (which decides who updates the backward scales). Those differences are the
-keyword arguments of :func:`make_linear_config`.
+through the functional linear core; what differs between them is only which quantizer slots
+and which weight workspace each GEMM uses, and which GEMM's backward runs last (the one that
+completes the region's backward scale update). Those differences are the keyword arguments of
+:func:`make_linear_config`.
 """
 
 from __future__ import annotations
@@ -14,23 +15,17 @@ import warnings
 
 import torch
 
-from ..quantization import FP8GlobalStateManager
+from ..functional.linear import LinearConfig, check_fp8_gemm_shapes, config_from_recipe
+from ..quantization import BackwardScaleUpdate, claim_backward_update
 from ..quantized_tensor import QuantizedTensor
-from ..functional.linear import LinearConfig, check_fp8_gemm_shapes
-from ._normalization import layernorm, rmsnorm
 
 __all__ = [
     "make_linear_config",
+    "claim_module_backward_update",
     "gemm_weight",
     "quantize_output",
     "fp8_input_gradient",
-    "NORMALIZATIONS",
-    "check_normalization",
-    "register_norm_parameters",
-    "apply_norm",
 ]
-
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
 def make_linear_config(
@@ -45,7 +40,6 @@ def make_linear_config(
     workspace_key: str,
     in_features: int,
     out_features: int,
-    read_first_module_flag: bool = True,
     main_grad_param: torch.Tensor | None = None,
 ) -> LinearConfig:
     """The ``LinearConfig`` of one GEMM of ``module`` in the current forward.
@@ -72,10 +66,8 @@ def make_linear_config(
         Key of the cached quantized weight (one per weight of the module).
     in_features, out_features : int
         The GEMM's reduction and output sizes (checked to be multiples of 16 in FP8).
-    read_first_module_flag : bool, default True
-        Whether this GEMM may claim the region's first-module flag and then update the
-        backward scales at the end of its backward. Reading clears the flag, so a module with
-        several GEMMs lets only the one whose backward runs last read it.
+    main_grad_param : torch.nn.Parameter, optional
+        The parameter whose ``main_grad`` a fused weight-gradient GEMM writes.
 
     Raises
     ------
@@ -83,9 +75,7 @@ def make_linear_config(
         In FP8, sizes that are not multiples of 16 (see ``check_fp8_gemm_shapes``).
     """
     fp8 = module.fp8
-    config = LinearConfig(
-        fp8=fp8,
-        activation_dtype=module.activation_dtype,
+    options = dict(
         fuse_wgrad_accumulation=module.fuse_wgrad_accumulation,
         # Megatron's overwrite_main_grad: the wgrad GEMM writes main_grad instead of adding.
         accumulate_into_main_grad=not is_first_microbatch
@@ -95,33 +85,35 @@ def make_linear_config(
         main_grad_param=main_grad_param,
     )
     if not fp8:
-        return config
-    grad = torch.is_grad_enabled()
+        return config_from_recipe(None, module.activation_dtype, **options)
     tokens = inp.numel() // max(inp.shape[-1], 1)
-    check_fp8_gemm_shapes(tokens, in_features, out_features, grad and weight.requires_grad)
+    check_fp8_gemm_shapes(
+        tokens, in_features, out_features, torch.is_grad_enabled() and weight.requires_grad
+    )
     fwd, bwd = module.quantizers["scaling_fwd"], module.quantizers["scaling_bwd"]
-    config.input_quantizer = fwd[input_slot]
-    config.weight_quantizer = fwd[weight_slot]
-    config.grad_output_quantizer = bwd[grad_output_slot]
+    config = config_from_recipe(
+        module.fp8_meta["recipe"],
+        module.activation_dtype,
+        (fwd[input_slot], fwd[weight_slot], bwd[grad_output_slot]),
+        **options,
+    )
     if not isinstance(weight, QuantizedTensor):
         config.cached_weight, config.cache_weight = module._cached_weight(
             workspace_key, is_first_microbatch
         )
-    recipe = module.fp8_meta["recipe"]
-    if hasattr(recipe, "fp8_gemm_fprop"):
-        config.fprop_split_accumulator = recipe.fp8_gemm_fprop.use_split_accumulator
-        config.dgrad_split_accumulator = recipe.fp8_gemm_dgrad.use_split_accumulator
-        config.wgrad_split_accumulator = recipe.fp8_gemm_wgrad.use_split_accumulator
-    config.backward_override = getattr(recipe, "backward_override", None)
-    # With a backward override nothing is quantized in backward, so there is no backward
-    # state to update (and the first-module flag stays for a module that has some).
-    config.reduce_and_update_bwd = (
-        read_first_module_flag
-        and grad
-        and config.backward_override is None
-        and FP8GlobalStateManager.is_first_fp8_module()
-    )
     return config
+
+
+def claim_module_backward_update(config: LinearConfig) -> BackwardScaleUpdate | None:
+    """The region's backward scale update, if this module is the region's first FP8 module.
+
+    Call it once per forward, for the GEMM whose backward runs last (FC1 in ``LayerNormMLP``).
+    With a backward override nothing is quantized in backward, so there is nothing to update,
+    and the first-module claim stays for a later module that has something to update.
+    """
+    if config.fp8 and torch.is_grad_enabled() and config.backward_override is None:
+        return claim_backward_update()
+    return None
 
 
 def quantize_output(quantizer, out: torch.Tensor):
@@ -172,53 +164,3 @@ def gemm_weight(owner: str, weight: torch.Tensor, dtype: torch.dtype, fp8: bool)
         )
         return weight.dequantize(dtype=dtype)
     return weight if weight.dtype == dtype else weight.to(dtype)
-
-
-# --- The fused normalization of LayerNormLinear and LayerNormMLP ------------------------------
-
-
-def check_normalization(owner: str, normalization: str) -> None:
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(
-            f"{owner}: normalization={normalization!r} is not supported; use one of "
-            f"{', '.join(repr(n) for n in NORMALIZATIONS)}"
-        )
-
-
-def _ones(t: torch.Tensor) -> None:
-    t.fill_(1.0)
-
-
-def register_norm_parameters(
-    module,
-    normalization: str,
-    size: int,
-    zero_centered_gamma: bool,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> None:
-    """``layer_norm_weight`` (and ``layer_norm_bias`` for LayerNorm) on ``module``.
-
-    The weight starts at 1, or at 0 with ``zero_centered_gamma`` (the norm then scales by
-    ``1 + weight``); the bias starts at 0. RMSNorm has no bias: ``layer_norm_bias`` is ``None``.
-    """
-    weight = torch.empty(size, dtype=dtype, device=device)
-    module.register_parameter(
-        "layer_norm_weight",
-        torch.nn.Parameter(weight),
-        init_fn=None if zero_centered_gamma else _ones,  # None initializes to zero
-    )
-    if normalization == "LayerNorm":
-        bias = torch.empty(size, dtype=dtype, device=device)
-        module.register_parameter("layer_norm_bias", torch.nn.Parameter(bias), init_fn=None)
-    else:
-        module.layer_norm_bias = None
-
-
-def apply_norm(module, inp: torch.Tensor) -> torch.Tensor:
-    """The module's normalization of ``inp`` (float32 inside, output in ``inp``'s dtype)."""
-    # The norm computes in float32 whatever the parameters' dtype, and returns inp's dtype.
-    weight = module.layer_norm_weight
-    if module.normalization == "RMSNorm":
-        return rmsnorm(inp, weight, module.eps, module.zero_centered_gamma)
-    return layernorm(inp, weight, module.layer_norm_bias, module.eps, module.zero_centered_gamma)
