@@ -68,9 +68,9 @@ import torch.nn.functional as F
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Format
-from transformer_engine.pytorch import _amax_registry
 from transformer_engine.pytorch.device import guard_depth
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+from transformer_engine.pytorch.quantization import amax_registry as _amax_registry
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -323,7 +323,8 @@ def check_registry(model: SplitModel, home: torch.device, failures: list[str]) -
     layout = []
     for key in keys:
         devices = [device for device, _ in registry.device_groups(key)]
-        layout.append(f"{key.split('_', 1)[0]}: {', '.join(str(d) for d in devices)}")
+        direction = FP8GlobalStateManager.get_fwd_bwd_key(key.forward)
+        layout.append(f"{direction}: {', '.join(str(d) for d in devices)}")
         if devices != expected:
             failures.append(f"registry key {key!r} groups devices {devices}, expected {expected}")
         if devices and devices[0] != home:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from transformer_engine.common.recipe import DelayedScaling, Format
-from transformer_engine.pytorch import _amax_registry
-from transformer_engine.pytorch._amax_registry import AmaxRegistry
+from transformer_engine.pytorch.quantization import amax_registry
+from transformer_engine.pytorch.quantization.amax_registry import AmaxRegistry
 
 
 def pair(device, slots=3, length=4, fill=0.0):
@@ -37,7 +37,7 @@ def recorded_updates(monkeypatch):
                  algo=algo, reduction_buffer=reduction_buffer)
         )  # fmt: skip
 
-    monkeypatch.setattr(_amax_registry, "_fused_update", record)
+    monkeypatch.setattr(amax_registry, "_fused_update", record)
     return calls
 
 
@@ -54,7 +54,7 @@ def fake_distributed(monkeypatch):
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(_amax_registry, "_all_reduce_max", all_reduce_max)
+    monkeypatch.setattr(amax_registry, "_all_reduce_max", all_reduce_max)
     return state
 
 
@@ -237,7 +237,8 @@ def test_a_changed_recipe_moves_the_pair_to_its_new_key():
         registry = FP8GlobalStateManager.quantization_state.amax_registry
         assert len(registry) == 1
         key, _ = meta["buffer_index_and_autocast_key"][True]
-        assert key == FP8GlobalStateManager.get_key_in_buffer(True, new, None)
+        assert key.forward and key.recipe is new and key.group is None
+        assert registry.keys() == [key], "the old key, left without pairs, is dropped"
     finally:
         FP8GlobalStateManager.reset()
 
@@ -274,7 +275,7 @@ def test_a_freed_module_is_neither_kept_alive_nor_updated(monkeypatch):
     FP8GlobalStateManager.reset()
     updated = []
     monkeypatch.setattr(
-        _amax_registry, "_fused_update", lambda histories, *args: updated.append(len(histories))
+        amax_registry, "_fused_update", lambda histories, *args: updated.append(len(histories))
     )
     recipe = DelayedScaling()
     kept, dropped = te.Linear(16, 16, device="cpu"), te.Linear(16, 16, device="cpu")

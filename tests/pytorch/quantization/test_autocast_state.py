@@ -8,6 +8,7 @@ import torch
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 from transformer_engine.pytorch import quantization as q
 from transformer_engine.pytorch.constants import DType
+from transformer_engine.pytorch.quantization import support
 from transformer_engine.pytorch.quantization import (
     DelayedScalingRecipeState,
     Float8CurrentScalingRecipeState,
@@ -91,14 +92,9 @@ def test_an_exception_skips_the_update():
 
 def test_backward_update_touches_only_backward_state():
     recipe = DelayedScaling(fp8_format=Format.HYBRID, margin=1)
-    meta = registered_meta(recipe)
-    with autocast(recipe=recipe, enabled=False):
-        pass  # records the autocast arguments for the key
+    meta = registered_meta(recipe)  # no autocast needed: the key carries recipe and group
     meta["scaling_fwd"].amax_history[0] = 2.0
     meta["scaling_bwd"].amax_history[0] = 2.0
-    FP8GlobalStateManager.quantization_state.autocast_arguments[
-        FP8GlobalStateManager.get_unique_autocast_key(recipe, None)
-    ] = (recipe, None)
     FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
     assert torch.equal(meta["scaling_bwd"].scale, torch.full((2,), 57344.0 / 2 / 2))
     assert torch.equal(meta["scaling_fwd"].scale, torch.ones(2))
@@ -231,16 +227,16 @@ def test_fp8_availability_per_device(monkeypatch):
     assert q.check_fp8_support("meta")[0] is False
     with pytest.raises(ValueError, match="names no CUDA index"):
         q.check_fp8_support("cuda")
-    q._cuda_fp8_support.cache_clear()
+    support._cuda_fp8_support.cache_clear()
     monkeypatch.setattr(
-        q, "device_compute_capability", lambda d: (8, 0) if d.index == 3 else (9, 0)
+        support, "device_compute_capability", lambda d: (8, 0) if d.index == 3 else (9, 0)
     )
     try:
         assert q.check_fp8_support("cuda:1") == (True, "")
         ok, reason = q.check_fp8_support("cuda:3")
         assert not ok and "cuda:3 has compute capability 8.0" in reason
     finally:
-        q._cuda_fp8_support.cache_clear()
+        support._cuda_fp8_support.cache_clear()
     if not torch.cuda.is_available():
         assert q.is_fp8_available() is True  # the CPU reference path
 

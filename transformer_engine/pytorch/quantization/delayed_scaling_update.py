@@ -1,6 +1,7 @@
-"""The unfused, per-module delayed-scaling update (upstream's Python path).
+"""The unfused, per-module delayed-scaling update in PyTorch (upstream's Python path).
 
-Used when a recipe supplies callables (``amax_compute_algo`` or
+The registry runs the fused kernel for string algorithms; this path is used when a recipe
+supplies callables (``amax_compute_algo`` or
 ``scaling_factor_compute_algo``), which the fused kernel cannot run. Unlike the fused kernel,
 this path rolls the history even when the new amax is zero; that is upstream's behaviour for
 this path and is kept on purpose.
@@ -12,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from .reference import FLOAT32_MAX
+from ..reference import FLOAT32_MAX
 
 __all__ = [
     "_update_amax_history",

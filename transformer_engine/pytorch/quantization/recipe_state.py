@@ -2,7 +2,7 @@
 
 A recipe state owns the tensors its quantizers read and write (delayed scaling: ``scale [N]``
 and ``amax_history [L, N]``). It always lives on one concrete device, the device of the module
-or op that owns it (DESIGN.md section 3.4): there is no ambient default, so ``device`` must be
+or op that owns it (see docs/architecture.md): there is no ambient default, so ``device`` must be
 given and must be a real device (``meta`` modules create their state after materialization).
 """
 
@@ -11,6 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from ...common.recipe import DelayedScaling, Float8CurrentScaling, Format
+from ..constants import TE_DType
+from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
 
 __all__ = [
     "RecipeState",
@@ -26,8 +30,6 @@ _MODES = ("forward", "backward")
 
 def get_fp8_torch_dtype(recipe, fprop_tensor: bool = True) -> torch.dtype:
     """E4M3 for E4M3 recipes and for forward tensors of HYBRID recipes, else E5M2."""
-    from ..common.recipe import Format
-
     if recipe.fp8_format == Format.E4M3 or (recipe.fp8_format == Format.HYBRID and fprop_tensor):
         return torch.float8_e4m3fn
     return torch.float8_e5m2
@@ -35,8 +37,6 @@ def get_fp8_torch_dtype(recipe, fprop_tensor: bool = True) -> torch.dtype:
 
 def get_fp8_te_dtype(recipe, fprop_tensor: bool = True):
     """The ``DType`` counterpart of :func:`get_fp8_torch_dtype`."""
-    from .constants import TE_DType
-
     return TE_DType[get_fp8_torch_dtype(recipe, fprop_tensor)]
 
 
@@ -77,8 +77,6 @@ class RecipeState:
     @staticmethod
     def create(recipe, *, mode: str, num_quantizers: int = 1, device=None, roles=None):
         """Build the state class that matches ``recipe`` (delayed or current scaling)."""
-        from ..common.recipe import DelayedScaling, Float8CurrentScaling
-
         if mode not in _MODES:
             raise ValueError(f"mode={mode!r} must be 'forward' or 'backward'")
         if not isinstance(num_quantizers, int) or num_quantizers < 0:
@@ -123,8 +121,6 @@ class DelayedScalingRecipeState(RecipeState):
         )
 
     def make_quantizers(self) -> list:
-        from .tensor.float8_tensor import Float8Quantizer
-
         return [
             Float8Quantizer(
                 scale=self.scale[i],
@@ -180,8 +176,6 @@ class Float8CurrentScalingRecipeState(RecipeState):
         self.dtype = get_fp8_te_dtype(recipe, mode == "forward")
 
     def make_quantizers(self) -> list:
-        from .tensor.float8_tensor import Float8CurrentScalingQuantizer
-
         qparams = self.recipe.fp8_quant_fwd_inp if self.mode == "forward" else None
         if qparams is None:
             qparams = self.recipe.fp8_quant_bwd_grad

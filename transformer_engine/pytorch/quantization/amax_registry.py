@@ -1,7 +1,8 @@
 """The amax registry: delayed-scaling state of every FP8 module, grouped by device.
 
-Modules register their ``(amax_history, scale)`` pairs under a key that names the direction
-and the autocast (recipe and reduction group). At update time (DESIGN.md section 3.5):
+Modules register their ``(amax_history, scale)`` pairs under an :class:`AmaxKey`: the
+direction and the autocast (recipe and reduction group) whose update they take part in. At
+update time (see docs/architecture.md):
 
 * without reduction, the pairs are grouped by device and each group is updated on its own
   device, in place, with one fused launch: nothing is concatenated or copied across devices;
@@ -21,14 +22,46 @@ in the reduction buffer stay, as zeros, so the layout never depends on when a ra
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ._delayed_scaling_python import _amax_and_scale_update, split_and_copy
-from ._recipe_state import get_fp8_max, get_fp8_torch_dtype
-from .cpp_extensions.scaling import delayed_scaling_update_prevalidated
+from ...common.recipe import Recipe
+from ..cpp_extensions.scaling import delayed_scaling_update_prevalidated
+from .delayed_scaling_update import _amax_and_scale_update, split_and_copy
+from .recipe_state import get_fp8_max, get_fp8_torch_dtype
 
-__all__ = ["AmaxRegistry"]
+__all__ = ["AmaxKey", "AmaxRegistry"]
+
+
+@dataclass(frozen=True, eq=False)
+class AmaxKey:
+    """Which pairs are reduced and updated together: one direction of one autocast.
+
+    Two keys are equal when they name the same direction, *equal* recipes and the *same*
+    reduction group object. Recipes compare by value because a training loop commonly builds a
+    new ``DelayedScaling()`` every step, and its modules must stay in one group. The hash
+    leaves the recipe's field values out (only its type), so a key stays findable even if a
+    recipe object is mutated after registration.
+    """
+
+    forward: bool
+    recipe: Recipe
+    group: Any = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, AmaxKey):
+            return NotImplemented
+        return (
+            self.forward == other.forward
+            and self.group is other.group
+            and (self.recipe is other.recipe or self.recipe == other.recipe)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.forward, type(self.recipe), id(self.group)))
+
 
 
 class _Entry:
@@ -98,10 +131,10 @@ class AmaxRegistry:
     """Registered delayed-scaling pairs per key, and their reduction and update."""
 
     def __init__(self) -> None:
-        self._entries: dict[str, list[_Entry]] = {}
-        self._device_groups: dict[str, list[tuple[torch.device, list[int]]]] = {}
+        self._entries: dict[Any, list[_Entry | None]] = {}
+        self._device_groups: dict[Any, list[tuple[torch.device, list[int]]]] = {}
 
-    def register(self, key: str, amax_history: torch.Tensor, scale: torch.Tensor) -> int:
+    def register(self, key, amax_history: torch.Tensor, scale: torch.Tensor) -> int:
         """Append a pair under ``key``; returns its position (its place in the reduction)."""
         _check_pair(amax_history, scale)
         entries = self._entries.setdefault(key, [])
@@ -109,13 +142,13 @@ class AmaxRegistry:
         self._device_groups.pop(key, None)
         return len(entries) - 1
 
-    def _on_free(self, key: str):
+    def _on_free(self, key):
         """The callback of an entry's weak references: the grouping of ``key`` is rebuilt
         without the freed pair at the next update."""
         groups = self._device_groups
         return lambda _ref: groups.pop(key, None)
 
-    def replace(self, key: str, position: int, amax_history: torch.Tensor, scale: torch.Tensor):
+    def replace(self, key, position: int, amax_history: torch.Tensor, scale: torch.Tensor):
         """Point an existing position at new tensors (same slot count), e.g. after a move."""
         _check_pair(amax_history, scale)
         entries = self._entries.get(key)
@@ -129,7 +162,7 @@ class AmaxRegistry:
         entries[position] = _Entry(amax_history, scale, self._on_free(key))
         self._device_groups.pop(key, None)
 
-    def unregister(self, key: str, position: int) -> None:
+    def unregister(self, key, position: int) -> None:
         """Retire a position (its owner moved to another key). The slot stays as a tombstone so
         the other positions, and the reduction layout every rank shares, do not shift. (A freed
         pair retires the same way by itself.)"""
@@ -138,13 +171,18 @@ class AmaxRegistry:
             raise KeyError(f"no amax registry entry {position} under {key!r}")
         entries[position] = None
         self._device_groups.pop(key, None)
+        if all(e is None for e in entries):
+            # Every owner moved away (e.g. a recipe rebuilt with new callables each step): drop
+            # the key so retired keys do not pile up. Only explicit unregisters, which every
+            # rank makes alike, get here, so the reduction layouts stay identical across ranks.
+            del self._entries[key]
 
-    def entry(self, key: str, position: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def entry(self, key, position: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The pair at a position (``None``s once it was freed)."""
         e = self._entries[key][position]
         return e.amax_history, e.scale
 
-    def keys(self) -> list[str]:
+    def keys(self) -> list:
         return list(self._entries)
 
     def __len__(self) -> int:
@@ -155,7 +193,7 @@ class AmaxRegistry:
         self._entries.clear()
         self._device_groups.clear()
 
-    def device_groups(self, key: str) -> list[tuple[torch.device, list[int]]]:
+    def device_groups(self, key) -> list[tuple[torch.device, list[int]]]:
         """``[(device, positions)]`` in order of each device's first registration."""
         groups = self._device_groups.get(key)
         if groups is None:
@@ -167,7 +205,7 @@ class AmaxRegistry:
             self._device_groups[key] = groups
         return groups
 
-    def reduce_and_update(self, key: str, recipe, *, forward: bool, group=None) -> None:
+    def reduce_and_update(self, key, recipe, *, forward: bool, group=None) -> None:
         """Reduce (if the recipe and the process group ask for it) and update every pair."""
         entries = self._entries.get(key)
         groups = self.device_groups(key)

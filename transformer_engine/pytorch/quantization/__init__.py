@@ -1,0 +1,88 @@
+"""FP8 quantization state: autocast, recipe state, the amax registry and the scale updates.
+
+What each file holds:
+
+* ``support.py``: whether FP8 works on a device, which recipes are implemented, the default
+  recipe and the GEMM alignment a recipe needs.
+* ``state.py``: :class:`FP8GlobalState` (the only process-wide quantization state: autocast
+  flags and the amax registry) and its facade :class:`FP8GlobalStateManager`, which registers
+  modules' delayed-scaling state and runs the reduce-and-update of one direction.
+* ``autocast.py``: the context managers ``autocast`` / ``quantized_model_init`` (and their
+  deprecated ``fp8_`` aliases).
+* ``recipe_state.py``: per-module, per-direction state built from a recipe (delayed scaling:
+  ``scale`` and ``amax_history`` on the owner's device) and the quantizers that view it.
+* ``amax_registry.py``: :class:`AmaxKey` (direction, recipe by value, reduction group by
+  identity) and the registry that groups registered pairs by device, reduces their amaxes and
+  runs the fused update.
+* ``delayed_scaling_update.py``: the unfused PyTorch update, used for recipes with callable
+  ``amax_compute_algo`` / ``scaling_factor_compute_algo``.
+* ``backward_update.py``: :class:`BackwardScaleUpdate`, the one owner of the backward update.
+
+When scales update (delayed scaling):
+
+* forward scales, when the outermost *enabled* autocast exits normally in grad mode;
+* backward scales, by the one owner :class:`BackwardScaleUpdate`: the region's first FP8
+  module or fuser claims it in forward (:func:`claim_backward_update`) and completes it at the
+  end of its backward, which autograd runs last in the region.
+
+An autocast that exits because of an exception restores the state and performs no update.
+"""
+
+from .autocast import autocast, fp8_autocast, fp8_model_init, quantized_model_init
+from .backward_update import BackwardScaleUpdate, claim_backward_update
+from .delayed_scaling_update import (
+    _amax_and_scale_update,
+    _compute_amax_and_update_history,
+    _compute_scaling_factor,
+    _default_get_amax_and_update_history,
+    _default_sf_compute,
+    _update_amax_history,
+    split_and_copy,
+)
+from .recipe_state import (
+    DelayedScalingRecipeState,
+    Float8CurrentScalingRecipeState,
+    RecipeState,
+    get_fp8_max,
+    get_fp8_te_dtype,
+    get_fp8_torch_dtype,
+)
+from .state import FP8GlobalState, FP8GlobalStateManager
+from .support import (
+    check_fp8_support,
+    check_recipe_support,
+    get_align_size_for_quantization,
+    get_default_fp8_recipe,
+    get_default_recipe,
+    is_fp8_available,
+)
+
+__all__ = [
+    "autocast",
+    "fp8_autocast",
+    "quantized_model_init",
+    "fp8_model_init",
+    "is_fp8_available",
+    "check_fp8_support",
+    "get_default_fp8_recipe",
+    "get_default_recipe",
+    "check_recipe_support",
+    "get_align_size_for_quantization",
+    "FP8GlobalStateManager",
+    "FP8GlobalState",
+    "RecipeState",
+    "DelayedScalingRecipeState",
+    "Float8CurrentScalingRecipeState",
+    "get_fp8_torch_dtype",
+    "get_fp8_te_dtype",
+    "get_fp8_max",
+    "_amax_and_scale_update",
+    "_compute_amax_and_update_history",
+    "_compute_scaling_factor",
+    "_default_get_amax_and_update_history",
+    "_default_sf_compute",
+    "_update_amax_history",
+    "split_and_copy",
+    "BackwardScaleUpdate",
+    "claim_backward_update",
+]

@@ -1,0 +1,94 @@
+"""What FP8 support exists: per device, per recipe, and the default recipe.
+
+Hardware support is a property of a device (the CPU reference path always supports FP8; a GPU
+needs compute capability 8.9 or newer), so it is answered per device and checked where tensors
+are quantized, not when an autocast region is entered.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...common.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from ..device import device_compute_capability
+
+__all__ = [
+    "is_fp8_available",
+    "check_fp8_support",
+    "get_default_fp8_recipe",
+    "get_default_recipe",
+    "check_recipe_support",
+    "get_align_size_for_quantization",
+]
+
+
+@functools.cache
+def _cuda_fp8_support(index: int) -> tuple[bool, str]:
+    cc = device_compute_capability(torch.device("cuda", index))
+    if cc >= (8, 9):
+        return True, ""
+    return False, (
+        f"cuda:{index} has compute capability {cc[0]}.{cc[1]}; FP8 needs 8.9 (Ada) or newer"
+    )
+
+
+def check_fp8_support(device=None) -> tuple[bool, str]:
+    """``(available, reason)`` for FP8 on ``device``.
+
+    ``device=None`` checks every visible CUDA device (all must support FP8) or, without CUDA,
+    the CPU reference path, which always does.
+    """
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda":
+            if device.index is None:
+                raise ValueError(f"device={device} names no CUDA index; pass e.g. cuda:0")
+            return _cuda_fp8_support(device.index)
+        if device.type == "meta":
+            return False, "meta tensors hold no data; FP8 needs a real device"
+        return True, ""
+    if torch.cuda.is_available():
+        reasons = [
+            r
+            for ok, r in (_cuda_fp8_support(i) for i in range(torch.cuda.device_count()))
+            if not ok
+        ]
+        return (not reasons, "; ".join(reasons))
+    return True, ""
+
+
+def is_fp8_available(return_reason: bool = False, device=None):
+    """Whether FP8 works (on ``device``, or on every visible GPU, or on CPU without CUDA)."""
+    available, reason = check_fp8_support(device)
+    return (available, reason) if return_reason else available
+
+
+def get_default_fp8_recipe() -> Recipe:
+    """The recipe an autocast without ``recipe=`` uses: ``DelayedScaling()``."""
+    return DelayedScaling()
+
+
+get_default_recipe = get_default_fp8_recipe
+
+
+def check_recipe_support(recipe: Recipe) -> None:
+    """Refuse recipes this library does not implement, and delayed scaling under compile."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe={recipe!r} is not a transformer_engine Recipe")
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise NotImplementedError(
+            f"recipe {type(recipe).__name__} is not implemented; use DelayedScaling or "
+            "Float8CurrentScaling"
+        )
+    if isinstance(recipe, DelayedScaling) and torch.compiler.is_compiling():
+        raise RuntimeError(
+            "DelayedScaling keeps state across steps and cannot run under torch.compile; use "
+            "Float8CurrentScaling"
+        )
+
+
+def get_align_size_for_quantization(recipe: Recipe) -> int:
+    """Alignment FP8 GEMMs need for this recipe's tensors (16 for per-tensor FP8)."""
+    return 16
