@@ -1,4 +1,4 @@
-"""te.LayerNorm / te.RMSNorm and the functional core in module/_normalization.py.
+"""te.LayerNorm / te.RMSNorm and the functional norms in functional/normalization.py.
 
 CPU: numerics (forward and backward against float64 PyTorch), zero-centered gamma, the
 constructor's aliases and deprecations, deferred (meta) initialization and the error messages.
@@ -8,28 +8,23 @@ the run with the module's device current.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from utils import current_device_unchanged, materialization_device, needs_cuda, needs_two_gpus
 
-from transformer_engine.pytorch.module import LayerNorm, RMSNorm, _normalization
-from transformer_engine.pytorch.module._normalization import layernorm, rmsnorm
+from transformer_engine.pytorch import device as device_seam
+from transformer_engine.pytorch.device import DevicePlacementError
+from transformer_engine.pytorch.module import LayerNorm, RMSNorm
+from transformer_engine.pytorch.functional.normalization import layernorm, rmsnorm
 
 TOLERANCES = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1.6e-2, 1e-2)}
 SHAPES = [(5, 64), (2, 3, 217), (1, 1616)]
 MODULES = [LayerNorm, RMSNorm]
 MODULE_IDS = ["LayerNorm", "RMSNorm"]
-
-
-def expected_ambient_device() -> torch.device:
-    """Where a module with no named device, or a meta module being reset, puts parameters."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def norm_reference(module, x, dy):
@@ -287,28 +282,31 @@ def test_no_warning_on_the_plain_path(cls):
 def test_default_device(cls):
     module = cls(8)
     for p in parameters_of(module):
-        assert p.device == expected_ambient_device()
+        assert p.device == materialization_device()
 
 
 def test_device_rules_with_faked_cuda(monkeypatch):
     """None and an index-less "cuda" resolve to the current CUDA device, at construction."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    resolve = _normalization.resolve_construction_device
+    resolve = device_seam.construction_device
     assert resolve("LayerNorm", None) == torch.device("cuda", 3)
     assert resolve("LayerNorm", "cuda") == torch.device("cuda", 3)
     assert resolve("LayerNorm", torch.device("cuda")) == torch.device("cuda", 3)
     assert resolve("LayerNorm", "cuda:1") == torch.device("cuda", 1)
     assert resolve("LayerNorm", "cpu") == torch.device("cpu")
     meta_weight = torch.empty(4, device="meta")
-    assert _normalization.materialization_device(meta_weight) == torch.device("cuda", 3)
+    materialize = device_seam.materialization_device
+    assert materialize(device_seam.first_storage_device(meta_weight)) == torch.device("cuda", 3)
     cpu_bias = torch.empty(4)
-    assert _normalization.materialization_device(meta_weight, cpu_bias) == torch.device("cpu")
+    assert materialize(device_seam.first_storage_device(meta_weight, cpu_bias)) == torch.device(
+        "cpu"
+    )
 
 
 def test_index_less_cuda_without_cuda_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(RuntimeError, match="device='cuda' was requested but CUDA is not"):
+    with pytest.raises(DevicePlacementError, match="device='cuda' was requested but CUDA is not"):
         LayerNorm(8, device="cuda")
 
 
@@ -319,7 +317,7 @@ def test_meta_then_reset_parameters(cls, zero_centered_gamma):
     for p in parameters_of(module):
         assert p.is_meta and p.dtype == torch.bfloat16
     module.reset_parameters()
-    device = expected_ambient_device()
+    device = materialization_device()
     assert not any(p.is_meta for p in module.parameters())
     for p in parameters_of(module):
         assert isinstance(p, torch.nn.Parameter) and p.requires_grad
@@ -442,22 +440,6 @@ def test_functional_argument_errors():
 # ---------------------------------------------------------------------------------------------
 # GPU: placement off the current device
 # ---------------------------------------------------------------------------------------------
-
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a CUDA GPU; runs on the GPU machine through qa/L0_pytorch_gpu/test.sh",
-)
-needs_two_gpus = pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs two CUDA GPUs in one process"
-)
-
-
-@contextlib.contextmanager
-def current_device_unchanged():
-    before = torch.cuda.current_device()
-    yield
-    assert torch.cuda.current_device() == before
-
 
 @needs_cuda
 @pytest.mark.parametrize("cls", MODULES, ids=MODULE_IDS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ._normalization import layernorm, rmsnorm
+from ..functional.normalization import layernorm, rmsnorm
 
 __all__ = ["NORMALIZATIONS", "check_normalization", "register_norm_parameters", "apply_norm"]
 

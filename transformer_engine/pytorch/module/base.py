@@ -23,13 +23,13 @@ import torch
 from ..device import construction_device, enter_device, exit_device, materialization_device
 from ..distributed import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
 from ..extra_state import pack_extra_state, unpack_extra_state
+from ..functional.linear import run_deferred_wgrads
 from ..quantization import (
     DelayedScalingRecipeState,
     FP8GlobalStateManager,
     RecipeState,
 )
 from ..quantized_tensor import QuantizedTensor
-from ..functional.linear import run_deferred_wgrads
 
 __all__ = ["TransformerEngineBaseModule", "resolve_module_device", "default_init_method"]
 

@@ -20,12 +20,12 @@ from collections.abc import Callable
 import torch
 
 from ..device import construction_device, device_guard
+from ..functional.linear import check_input_features
 from ..quantization import BackwardScaleUpdate, claim_backward_update
 from ..quantized_tensor import QuantizedTensor
-from ..functional.linear import check_input_features
-from ._linear_parameters import check_features, check_single_process_arguments
 from ._gemm_setup import gemm_weight, make_linear_config
 from ._linear_function import linear
+from ._linear_parameters import check_features, check_single_process_arguments
 from .base import TransformerEngineBaseModule, default_init_method
 
 __all__ = ["GroupedLinear"]

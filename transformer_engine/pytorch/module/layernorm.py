@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ._norm_module import _NormModule, gamma_initial_value, zero_initial_value
-from ._normalization import layernorm
+from ..functional.normalization import layernorm
+from ._norm_module_base import _NormModule, gamma_initial_value, zero_initial_value
 
 __all__ = ["LayerNorm"]
 

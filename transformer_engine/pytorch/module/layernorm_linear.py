@@ -21,6 +21,7 @@ from ._gemm_setup import (
     make_linear_config,
     quantize_output,
 )
+from ._linear_function import linear
 from ._linear_parameters import (
     check_features,
     check_single_process_arguments,
@@ -28,7 +29,6 @@ from ._linear_parameters import (
     linear_weight,
     register_linear_parameters,
 )
-from ._linear_function import linear
 from .base import TransformerEngineBaseModule, default_init_method
 
 __all__ = ["LayerNormLinear"]

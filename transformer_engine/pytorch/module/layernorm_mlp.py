@@ -21,8 +21,8 @@ from ..functional.activation import get_activation
 from ..functional.linear import check_input_features
 from ._fused_norm import apply_norm, check_normalization, register_norm_parameters
 from ._gemm_setup import claim_module_backward_update, gemm_weight, make_linear_config
-from ._linear_parameters import check_features, check_single_process_arguments
 from ._linear_function import linear
+from ._linear_parameters import check_features, check_single_process_arguments
 from .base import (
     TransformerEngineBaseModule,
     default_init_method,
@@ -210,7 +210,9 @@ class LayerNormMLP(TransformerEngineBaseModule):
                     ln_out, fc1_weight, fc1_bias, fc1_config, update
                 )
             else:
-                act_out = self.activation_fn(linear(fc1_weight, ln_out, fc1_bias, fc1_config, update))
+                act_out = self.activation_fn(
+                    linear(fc1_weight, ln_out, fc1_bias, fc1_config, update)
+                )
             gemm_bias = None if self.return_bias else fc2_bias
             out = linear(fc2_weight, act_out, gemm_bias, fc2_config)
         outputs = (out,)

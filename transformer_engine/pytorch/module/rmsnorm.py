@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ._norm_module import _NormModule, gamma_initial_value
-from ._normalization import rmsnorm
+from ..functional.normalization import rmsnorm
+from ._norm_module_base import _NormModule, gamma_initial_value
 
 __all__ = ["RMSNorm"]
 

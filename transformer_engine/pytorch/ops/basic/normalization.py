@@ -1,5 +1,5 @@
 """``LayerNorm`` and ``RMSNorm`` operations on the normalization functions the modules use
-(``module/_normalization.py``: float32 statistics, output in the input's dtype).
+(``functional/normalization.py``: float32 statistics, output in the input's dtype).
 
 The backward differentiates the same function, recomputed from the saved input and the
 parameters the forward used, so it matches PyTorch's autograd through it exactly.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...device import construction_device, materialization_device
-from ...module._normalization import check_eps, layernorm, normalized_size, rmsnorm
+from ...functional.normalization import check_eps, layernorm, normalized_size, rmsnorm
 from ..op import BasicOperation, OperationContext
 from ._common import check_params_dtype, plain
 

@@ -1,16 +1,14 @@
-"""Functional core of the normalization layers, and the argument rules their modules share.
+"""The normalizations as functions: ``layernorm`` and ``rmsnorm``, and the argument rules the
+norm modules and the norm operations share (``normalized_size``, ``check_eps``).
 
 ``layernorm`` and ``rmsnorm`` are pure functions: they hold no state, differentiate through
-autograd, and run on whatever device their input lives on. ``LayerNorm`` / ``RMSNorm`` use them
-now; ``LayerNormLinear`` and ``LayerNormMLP`` will use them for their fused norm.
+autograd, and run on whatever device their input lives on. ``te.LayerNorm`` / ``te.RMSNorm``,
+the fused norm of ``LayerNormLinear`` / ``LayerNormMLP`` and ``te.ops.LayerNorm`` /
+``te.ops.RMSNorm`` all use them.
 
 Precision: the statistics and the affine transform are computed in float32 (float64 inputs stay
 in float64), whatever the dtype of the input or the parameters, and the result is cast back to
 the input's dtype. Gradients come back in the dtype of the tensor they belong to.
-
-The helpers below the two functions implement the constructor, materialization and forward
-rules that both norm modules follow (docs/architecture.md, the device contract; where parameters
-are built and materialized is decided in ``device.py``); they are stateless too.
 """
 
 from __future__ import annotations
@@ -27,11 +25,7 @@ __all__ = [
     "layernorm",
     "rmsnorm",
     "normalized_size",
-    "resolve_params_dtype",
-    "materialize_parameter",
     "check_eps",
-    "check_sm_margin",
-    "check_module_input",
 ]
 
 
@@ -182,7 +176,7 @@ def rmsnorm(
     return (x_c * rstd * gamma).to(x.dtype)
 
 
-# --- Rules shared by the norm modules ------------------------------------------------------------
+# --- Argument rules shared by the norm modules and operations -------------------------------------
 
 
 def normalized_size(
@@ -232,41 +226,6 @@ def normalized_size(
     return size
 
 
-def resolve_params_dtype(
-    owner: str, dtype: torch.dtype | None, params_dtype: torch.dtype | None
-) -> torch.dtype:
-    """The parameter dtype from ``dtype`` or its deprecated alias ``params_dtype``."""
-    if params_dtype is not None:
-        warnings.warn(
-            f"{owner}: params_dtype is deprecated; pass dtype instead",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        if dtype is not None:
-            raise TypeError(
-                f"{owner}: got dtype={dtype} and params_dtype={params_dtype}; pass dtype only"
-            )
-        dtype = params_dtype
-    if dtype is None:
-        dtype = torch.get_default_dtype()
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"{owner}: dtype must be a floating-point torch.dtype, got {dtype!r}")
-    return dtype
-
-
-def materialize_parameter(param: torch.nn.Parameter, device: torch.device) -> torch.nn.Parameter:
-    """A new, uninitialized parameter on ``device`` that replaces the meta ``param``.
-
-    Attributes set on ``param`` (e.g. ``sequence_parallel``) carry over; ``requires_grad`` too.
-    """
-    new = torch.nn.Parameter(
-        torch.empty(param.shape, dtype=param.dtype, device=device),
-        requires_grad=param.requires_grad,
-    )
-    new.__dict__.update(param.__dict__)
-    return new
-
-
 def check_eps(owner: str, eps: float) -> float:
     try:
         value = float(eps)
@@ -275,34 +234,3 @@ def check_eps(owner: str, eps: float) -> float:
     if not value >= 0:
         raise ValueError(f"{owner}: eps must be non-negative, got {eps!r}")
     return value
-
-
-def check_sm_margin(owner: str, sm_margin: int) -> int:
-    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int):
-        raise TypeError(f"{owner}: sm_margin must be an int, got {sm_margin!r}")
-    if sm_margin < 0:
-        raise ValueError(f"{owner}: sm_margin must be non-negative, got {sm_margin}")
-    return sm_margin
-
-
-def check_module_input(owner: str, inp: torch.Tensor, weight: torch.Tensor) -> None:
-    """A module's forward runs on its parameters' device, which must be the input's device."""
-    if not isinstance(inp, torch.Tensor):
-        raise TypeError(f"{owner}: the input must be a torch.Tensor, got {type(inp).__name__}")
-    if weight.is_meta:
-        raise ValueError(
-            f"{owner}: the parameters are on the meta device and hold no data; call "
-            "reset_parameters() (or module.to_empty(device=...) and then reset_parameters()) "
-            "before the forward"
-        )
-    if inp.is_meta:
-        raise ValueError(
-            f"{owner}: the input is a meta tensor and holds no data, but the parameters are on "
-            f"{weight.device}; pass an input on {weight.device}"
-        )
-    if inp.device != weight.device:
-        raise ValueError(
-            f"{owner}: the input is on {inp.device} but the parameters are on {weight.device}; "
-            f"move the input to {weight.device}, or the module to {inp.device} with "
-            "module.to(...)"
-        )

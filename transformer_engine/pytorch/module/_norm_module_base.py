@@ -4,8 +4,9 @@ A subclass names its parameters, how each is initialized (``_norm_params``) and 
 norm it calls (``_norm_fn``); everything else lives here: the constructor and its deprecated
 aliases, the ``sequence_parallel`` attribute on the parameters, materialization of meta
 parameters, the deprecated ``*_ln_sm_margin`` properties and the forward's input checks.
-Messages name the concrete class (``type(self).__name__``). The argument rules themselves are
-the stateless helpers in ``_normalization.py``.
+Messages name the concrete class (``type(self).__name__``). The argument rules the norm
+operations share too live in ``functional/normalization.py``; the module-only ones are at the
+end of this file.
 """
 
 from __future__ import annotations
@@ -17,14 +18,7 @@ from typing import ClassVar
 import torch
 
 from ..device import construction_device, first_storage_device, materialization_device
-from ._normalization import (
-    check_eps,
-    check_module_input,
-    check_sm_margin,
-    materialize_parameter,
-    normalized_size,
-    resolve_params_dtype,
-)
+from ..functional.normalization import check_eps, normalized_size
 
 __all__ = ["_NormModule", "gamma_initial_value", "zero_initial_value"]
 
@@ -184,4 +178,73 @@ class _NormModule(torch.nn.Module):
         return (
             f"{self.normalized_shape}, eps={self.eps}, "
             f"zero_centered_gamma={self.zero_centered_gamma}"
+        )
+
+
+# --- Construction and forward rules of the norm modules ------------------------------------------
+
+
+def resolve_params_dtype(
+    owner: str, dtype: torch.dtype | None, params_dtype: torch.dtype | None
+) -> torch.dtype:
+    """The parameter dtype from ``dtype`` or its deprecated alias ``params_dtype``."""
+    if params_dtype is not None:
+        warnings.warn(
+            f"{owner}: params_dtype is deprecated; pass dtype instead",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if dtype is not None:
+            raise TypeError(
+                f"{owner}: got dtype={dtype} and params_dtype={params_dtype}; pass dtype only"
+            )
+        dtype = params_dtype
+    if dtype is None:
+        dtype = torch.get_default_dtype()
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{owner}: dtype must be a floating-point torch.dtype, got {dtype!r}")
+    return dtype
+
+
+def materialize_parameter(param: torch.nn.Parameter, device: torch.device) -> torch.nn.Parameter:
+    """A new, uninitialized parameter on ``device`` that replaces the meta ``param``.
+
+    Attributes set on ``param`` (e.g. ``sequence_parallel``) carry over; ``requires_grad`` too.
+    """
+    new = torch.nn.Parameter(
+        torch.empty(param.shape, dtype=param.dtype, device=device),
+        requires_grad=param.requires_grad,
+    )
+    new.__dict__.update(param.__dict__)
+    return new
+
+
+def check_sm_margin(owner: str, sm_margin: int) -> int:
+    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int):
+        raise TypeError(f"{owner}: sm_margin must be an int, got {sm_margin!r}")
+    if sm_margin < 0:
+        raise ValueError(f"{owner}: sm_margin must be non-negative, got {sm_margin}")
+    return sm_margin
+
+
+def check_module_input(owner: str, inp: torch.Tensor, weight: torch.Tensor) -> None:
+    """A module's forward runs on its parameters' device, which must be the input's device."""
+    if not isinstance(inp, torch.Tensor):
+        raise TypeError(f"{owner}: the input must be a torch.Tensor, got {type(inp).__name__}")
+    if weight.is_meta:
+        raise ValueError(
+            f"{owner}: the parameters are on the meta device and hold no data; call "
+            "reset_parameters() (or module.to_empty(device=...) and then reset_parameters()) "
+            "before the forward"
+        )
+    if inp.is_meta:
+        raise ValueError(
+            f"{owner}: the input is a meta tensor and holds no data, but the parameters are on "
+            f"{weight.device}; pass an input on {weight.device}"
+        )
+    if inp.device != weight.device:
+        raise ValueError(
+            f"{owner}: the input is on {inp.device} but the parameters are on {weight.device}; "
+            f"move the input to {weight.device}, or the module to {inp.device} with "
+            "module.to(...)"
         )
