@@ -31,18 +31,23 @@ import torch
 from ..device import device_guard
 from ..quantization import BackwardScaleUpdate, FP8GlobalStateManager, claim_backward_update
 from ..quantized_tensor import prepare_for_saving, restore_from_saved
-from .op import BasicOperation, FusibleOperation, OperationContext
+from .operation_context import OperationContext
 
 __all__ = ["OperationFuser", "register_forward_fusion", "register_backward_fusion"]
+
+# In annotations: te.ops.FusibleOperation / BasicOperation, which are not imported here because
+# op.py imports this file (an operation's forward runs it through a fuser).
+FusibleOp = torch.nn.Module
+BasicOp = torch.nn.Module
 
 
 @dataclass
 class _Call:
     """Everything one forward decided that its backward needs (the plan of that call)."""
 
-    basic_ops: list[BasicOperation]
-    forward_ops: list[tuple[FusibleOperation, list[int]]]
-    backward_ops: list[tuple[FusibleOperation, list[int]]]
+    basic_ops: list[BasicOp]
+    forward_ops: list[tuple[FusibleOp, list[int]]]
+    backward_ops: list[tuple[FusibleOp, list[int]]]
     basic_op_kwargs: list[dict]
     num_params: list[int]
     num_extra_inputs: list[int]
@@ -194,9 +199,11 @@ class OperationFuser:
     backward_fusion_functions: list[Callable] = []
 
     def __init__(self, ops) -> None:
-        basic_ops: list[BasicOperation] = []
+        basic_ops: list[BasicOp] = []
         for op in ops:
-            if not isinstance(op, FusibleOperation):
+            # The operation classes run themselves through a fuser, so this file does not import
+            # them: a fusible operation is recognised by its fuser interface.
+            if not _is_fusible(op):
                 raise TypeError(
                     f"OperationFuser runs fusible operations, got {type(op).__name__}; wrap "
                     "other modules in te.ops.Sequential, which runs them between fusers"
@@ -209,19 +216,19 @@ class OperationFuser:
         self._num_extra_outputs = [op.num_extra_outputs for op in basic_ops]
         self.num_extra_inputs = sum(self._num_extra_inputs)
         self.num_extra_outputs = sum(self._num_extra_outputs)
-        self._forward_ops: list[tuple[FusibleOperation, list[int]]] | None = None
-        self._backward_ops: list[tuple[FusibleOperation, list[int]]] | None = None
+        self._forward_ops: list[tuple[FusibleOp, list[int]]] | None = None
+        self._backward_ops: list[tuple[FusibleOp, list[int]]] | None = None
         self._fusion_key = None
         self._first_forward_done = False
 
     @property
-    def basic_ops(self) -> list[BasicOperation]:
+    def basic_ops(self) -> list[BasicOp]:
         """The basic operations, in forward order."""
         return list(self._basic_ops)
 
     # -- fusion ----------------------------------------------------------------------------------
-    def _apply_fusions(self, functions, recipe) -> list[tuple[FusibleOperation, list[int]]]:
-        ops: list[FusibleOperation] = list(self._basic_ops)
+    def _apply_fusions(self, functions, recipe) -> list[tuple[FusibleOp, list[int]]]:
+        ops: list[FusibleOp] = list(self._basic_ops)
         for func in functions:
             ops = list(func(ops, recipe=recipe))
         planned, start = [], 0
@@ -366,6 +373,13 @@ class OperationFuser:
                 state.is_first_fp8_module = first_module_flag
                 raise
         return output
+
+
+def _is_fusible(op) -> bool:
+    """Whether ``op`` implements the fusible-operation interface (``te.ops.FusibleOperation``)."""
+    return isinstance(op, torch.nn.Module) and all(
+        hasattr(op, name) for name in ("is_fused_op", "fuser_forward", "fuser_backward")
+    )
 
 
 def register_forward_fusion(func: Callable, prepend: bool = False) -> None:

@@ -6,7 +6,7 @@ A *basic operation* owns parameters and quantization state and knows how to run 
 basic operations at once; it holds no state of its own, only references to the basic operations
 it fuses. An ``OperationFuser`` (``fuser.py``) runs a list of them as one autograd function.
 
-Rules this file implements (DESIGN.md sections 3.4 and 4):
+Rules this file implements (docs/architecture.md, the device contract):
 
 * quantization (recipe) state is owned by the basic operation and created on the device of its
   own parameters, after they exist; a parameterless operation uses the device of its input;
@@ -21,8 +21,12 @@ from typing import Any
 
 import torch
 
+# Re-exported so that existing imports of ops.op.materialization_device keep working.
+from ..device import materialization_device
 from ..quantization import DelayedScalingRecipeState, FP8GlobalStateManager, RecipeState
 from ._op_extra_state import get_op_extra_state, set_op_extra_state
+from .fuser import OperationFuser
+from .operation_context import OperationContext
 
 __all__ = [
     "OperationContext",
@@ -33,60 +37,6 @@ __all__ = [
 ]
 
 _MODES = ("forward", "backward")
-
-
-def materialization_device(device=None) -> torch.device:
-    """Where meta parameters are materialized when no other device is known.
-
-    ``device`` when given (``"cuda"`` without an index means the current CUDA device), else the
-    current CUDA device when CUDA is available, else the CPU (DESIGN.md section 4.2). The fuser
-    always passes the input's device.
-    """
-    if device is not None:
-        device = torch.device(device)
-        if device.type == "meta":
-            raise ValueError("cannot materialize parameters onto the meta device; name a real one")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        return device
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-class OperationContext:
-    """What one basic operation carries from its forward to its backward.
-
-    Attributes
-    ----------
-    requires_grad : bool
-        Whether the operation's backward runs at all (it is at or after the first operation
-        that needs a gradient).
-    input_requires_grad : bool
-        Whether the gradient with respect to the operation's input is needed.
-    to_save : tuple
-        Tensors handed to :meth:`save_for_backward`; the fuser passes them through the autograd
-        function's ``save_for_backward`` and restores them into ``saved_tensors``.
-    saved_tensors : tuple
-        Available in backward.
-    """
-
-    def __init__(self) -> None:
-        self.requires_grad = False
-        self.input_requires_grad = False
-        self.to_save: tuple = ()
-        self.saved_tensors: tuple = ()
-        self._saved_tensors_range: tuple[int, int] | None = None
-        self._saved_objects: list | None = None
-
-    @property
-    def inference(self) -> bool:
-        """Read by the linear core: nothing is saved when the backward will not run."""
-        return not self.requires_grad
-
-    def save_for_backward(self, *tensors) -> None:
-        """Keep ``tensors`` (tensors, quantized storages or ``None``) for the backward."""
-        self.to_save = tensors
 
 
 class FusibleOperation(torch.nn.Module, abc.ABC):
@@ -397,8 +347,6 @@ class BasicOperation(FusibleOperation):
         return grad_input, [list(grad_params)], [()]
 
     def forward(self, input: torch.Tensor, *extra_inputs: torch.Tensor, **kwargs):  # noqa: D102
-        from .fuser import OperationFuser
-
         return OperationFuser([self])(input, *extra_inputs, basic_op_kwargs=[kwargs])
 
 
