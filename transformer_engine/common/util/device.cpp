@@ -83,7 +83,8 @@ void CallContext::check_launch(const char* kernel) const {
 }
 
 int CallContext::sm_count() const {
-  // Process-global caches are keyed by device (DESIGN.md section 3.6).
+  // Process-global caches are keyed by device: GPUs of one process may differ
+  // (docs/architecture.md, the device contract).
   static std::mutex mutex;
   static std::vector<int> counts;
   std::lock_guard<std::mutex> lock(mutex);

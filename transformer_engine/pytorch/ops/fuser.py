@@ -1,8 +1,8 @@
 """``OperationFuser``: a sequence of fusible operations run as one autograd function.
 
-Device and deferred-initialization rules (DESIGN.md sections 3 and 4; the upstream bug this
-avoids is ``seeds/001``: a fuser that cached ``Parameter`` objects at construction handed
-autograd the stale meta parameters after the first forward replaced them):
+Device and deferred-initialization rules (docs/architecture.md; the upstream bug this avoids:
+a fuser that cached ``Parameter`` objects at construction handed autograd the stale meta
+parameters after the first forward replaced them):
 
 * the forward runs with the input's device current and the backward with the gradient's
   (``device_guard``), and the caller's current device is restored on every exit;
