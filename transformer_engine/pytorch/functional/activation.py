@@ -1,4 +1,5 @@
-"""The activations of ``LayerNormMLP``, as plain PyTorch ops (autograd differentiates them).
+"""The activations of ``LayerNormMLP`` and the ``te.ops`` activation operations, as plain PyTorch
+ops (autograd differentiates them).
 
 Each function computes in float32 (float64 stays float64) and returns its input's dtype, like
 the fused kernels upstream, which keep the math in float32 between an FP8/BF16 load and store.
