@@ -459,6 +459,4 @@ class FusedOperation(FusibleOperation):
         return dx, grad_params, grad_extra_inputs
 
     def forward(self, input: torch.Tensor, *extra_inputs: torch.Tensor, basic_op_kwargs=None):  # noqa: D102
-        from .fuser import OperationFuser
-
         return OperationFuser([self])(input, *extra_inputs, basic_op_kwargs=basic_op_kwargs)

@@ -13,6 +13,7 @@ import torch
 
 from ...functional.activation import ACTIVATIONS
 from ...quantization import FP8GlobalStateManager
+from ...tensor import Float8CurrentScalingQuantizer
 from ..op import BasicOperation, OperationContext
 from ._common import plain
 
@@ -70,8 +71,6 @@ class ActivationOperation(BasicOperation):
         if ctx.requires_grad:
             saved = x
             if self.cache_quantized_input and FP8GlobalStateManager.is_fp8_enabled():
-                from ...tensor import Float8CurrentScalingQuantizer
-
                 quantizer = Float8CurrentScalingQuantizer(
                     torch.float8_e4m3fn, device=x.device, rowwise=True, columnwise=False
                 )
