@@ -59,3 +59,18 @@ def test_layernorm_mlp_with_an_override_trains():
     )
     assert x.grad is not None and torch.isfinite(x.grad).all()
     assert all(p.grad is not None for p in layer.parameters())
+
+
+def test_ops_linear_honours_the_override_like_the_module():
+    """te.ops.Linear takes its GEMM settings from the same config_from_recipe as te.Linear, so
+    backward_override="high_precision" gives the exact high-precision gradients there too."""
+    torch.manual_seed(0)
+    op = te.ops.Linear(32, 48, device="cpu")
+    x = (torch.randn(16, 32) * 2).requires_grad_(True)
+    with te.autocast(recipe=Float8CurrentScaling(backward_override="high_precision")):
+        y = op(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    torch.testing.assert_close(x.grad, dy @ op.weight.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(op.weight.grad, dy.t() @ x.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(op.bias.grad, dy.sum(0))
