@@ -1,6 +1,7 @@
 """Kernel wrappers: validate torch tensors, then run natively (CUDA) or via the reference (CPU)."""
 
 from .cast import QuantizeResult, compute_amax, dequantize, quantize, transposed_shape
+from .float8_gemm_operand import Float8GemmOperand
 from .gemm import general_gemm
 from .scaling import (
     AMAX_COMPUTE_ALGOS,
@@ -16,6 +17,7 @@ __all__ = [
     "compute_amax",
     "transposed_shape",
     "general_gemm",
+    "Float8GemmOperand",
     "AMAX_COMPUTE_ALGOS",
     "compute_scale_from_amax",
     "delayed_scaling_update",

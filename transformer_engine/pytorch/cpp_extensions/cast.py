@@ -31,6 +31,7 @@ __all__ = [
     "quantize_prevalidated",
     "quantize_dbias_prevalidated",
     "quantize_current_scaling_prevalidated",
+    "column_sum",
     "DBIAS_TILE_ROWS",
     "dequantize",
     "compute_amax",
@@ -176,7 +177,7 @@ def quantize_dbias_prevalidated(
     amax: torch.Tensor | None,
 ) -> tuple[QuantizeResult, torch.Tensor]:
     """:func:`quantize_prevalidated` with the transposed copy, plus ``input``'s sum over every
-    dimension but the last (``reference.column_sum``: a linear layer's bias gradient from its
+    dimension but the last (:func:`column_sum`: a linear layer's bias gradient from its
     output gradient), computed natively in the same pass over ``input``.
 
     Same caller contract as :func:`quantize_prevalidated`; ``input`` must have at least one
@@ -212,7 +213,7 @@ def quantize_current_scaling_prevalidated(
     with_dbias: bool,
 ) -> tuple[QuantizeResult, torch.Tensor | None]:
     """Current scaling's whole cast: ``amax(input)`` -> scale -> cast (+ transposed copy,
-    + ``reference.column_sum`` when ``with_dbias``), as ``(QuantizeResult, dbias or None)``.
+    + :func:`column_sum` when ``with_dbias``), as ``(QuantizeResult, dbias or None)``.
 
     On CUDA one native call (``nvte_quantize_current_scaling``) does what
     ``scaling.current_scale_prevalidated`` followed by :func:`quantize_prevalidated` (or
@@ -259,6 +260,17 @@ def quantize_current_scaling_prevalidated(
 
 
 _FLOAT32_CODE = int(TE_DType[torch.float32])
+
+
+def column_sum(input: torch.Tensor) -> torch.Tensor:
+    """The bias gradient of a linear layer from its output gradient ``input``: the sum over
+    every dimension but the last, accumulated in float32 and rounded once to ``input``'s dtype.
+
+    There is no standalone native kernel (the native sum runs fused into
+    :func:`quantize_dbias_prevalidated`), so every device runs the reference math with torch
+    operations on ``input``'s device. A 0-d ``input`` raises ``ValueError``.
+    """
+    return reference.column_sum(input)
 
 
 def _run_quantize(input, scale, dtype, amax, scale_inv, out_fp8, out_t_fp8, noop_flag) -> None:

@@ -14,22 +14,24 @@ layout    A                           B                             out
 
 TN is fprop (``y = x W^T``), NN is dgrad (``dx = dy W``), NT is wgrad (``dW = dy^T x``).
 
-FP8 operands are duck-typed: anything with ``_data``, ``_transpose``, ``_scale_inv`` and
-``_fp8_dtype`` (``Float8Tensor``, ``Float8TensorStorage`` or a stand-in). Hopper and Ada FP8
-GEMMs take only the "TN" form ``X @ Y^T`` with both ``X [M, K]`` and ``Y [N, K]`` row-major,
-so each layout reads the operand buffer that already has K innermost:
+FP8 operands are read through one method, ``float8_gemm_input(columnwise)``, which returns
+plain torch tensors: the FP8 values of one layout and ``scale_inv`` (the interface is described
+in :mod:`transformer_engine.pytorch.cpp_extensions.float8_gemm_operand`; ``Float8Tensor``,
+``Float8TensorStorage`` and :class:`Float8GemmOperand` implement it). Hopper and Ada FP8 GEMMs
+take only the "TN" form ``X @ Y^T`` with both ``X [M, K]`` and ``Y [N, K]`` row-major, so each
+layout reads the operand layout that already has K innermost:
 
-========  =============================  =============================
-layout    X (from B)                     Y (from A)
-========  =============================  =============================
-``"TN"``  ``B._data``  (rowwise)         ``A._data``  (rowwise)
-``"NN"``  ``B._data``  (rowwise)         ``A._transpose`` (columnwise)
-``"NT"``  ``B._transpose`` (columnwise)  ``A._transpose`` (columnwise)
-========  =============================  =============================
+========  ==========================  ==========================
+layout    X (from B)                  Y (from A)
+========  ==========================  ==========================
+``"TN"``  B rowwise (``data``)        A rowwise (``data``)
+``"NN"``  B rowwise (``data``)        A columnwise (``transpose``)
+``"NT"``  B columnwise (``transpose``)  A columnwise (``transpose``)
+========  ==========================  ==========================
 
 On devices whose FP8 GEMMs take non-TN layouts (data-center Blackwell) no transposed copy is
-kept and ``_data`` serves columnwise usage: it is transposed here, which is exact because the
-scale is per tensor.
+kept and the row-wise values serve columnwise usage: they are transposed here, which is exact
+because the scale is per tensor.
 """
 
 from __future__ import annotations
@@ -39,12 +41,12 @@ import numbers
 
 import torch
 
-from ..constants import HIGH_PRECISION_DTYPES, to_torch_fp8_dtype
-from ..device import check_same_device, is_non_tn_fp8_gemm_supported, reject_meta
-from ._validation import check_dtype, check_fp32_scalar, check_output, check_tensor
-from .cast import dequantize, transposed_shape
+from ..constants import HIGH_PRECISION_DTYPES
+from ..device import check_same_device, reject_meta
+from ._validation import check_dtype, check_output, check_tensor
+from .float8_gemm_operand import CheckedFloat8Operand, Float8GemmOperand, is_float8_operand
 
-__all__ = ["general_gemm", "fp8_gemm_prevalidated", "FP8_GEMM_DIM_MULTIPLE"]
+__all__ = ["general_gemm", "fp8_gemm_prevalidated", "FP8_GEMM_DIM_MULTIPLE", "Float8GemmOperand"]
 
 _OP = "general_gemm"
 _LAYOUTS = ("TN", "NN", "NT")
@@ -55,90 +57,6 @@ _LAYOUTS = ("TN", "NN", "NT")
 # anything. torch._scaled_mm on CUDA enforces exactly K % 16 and N % 16; on CPU it enforces
 # nothing, and the same rule is applied there so a shape that works on CPU works on a GPU.
 FP8_GEMM_DIM_MULTIPLE = 16
-
-_FP8_ATTRS = ("_data", "_transpose", "_scale_inv", "_fp8_dtype")
-
-
-def _is_fp8(operand) -> bool:
-    # Checked before isinstance(torch.Tensor): Float8Tensor is a tensor subclass too.
-    return all(hasattr(operand, attr) for attr in _FP8_ATTRS)
-
-
-class _Fp8Operand:
-    """Validated view of a duck-typed FP8 operand: buffers reinterpreted as torch FP8."""
-
-    def __init__(self, name: str, operand):
-        self.name = name
-        self.dtype = to_torch_fp8_dtype(operand._fp8_dtype)
-        self.data = self._buffer(operand._data, "_data")
-        self.transpose = self._buffer(operand._transpose, "_transpose")
-        if self.data is None and self.transpose is None:
-            raise ValueError(
-                f"{_OP}: FP8 operand {name} holds no data (_data and _transpose are both None); "
-                "quantize it with rowwise or columnwise usage first"
-            )
-        check_fp32_scalar(_OP, f"{name}._scale_inv", operand._scale_inv)
-        self.scale_inv = operand._scale_inv
-        if self.data is not None:
-            self.shape = tuple(self.data.shape)
-            if self.data.dim() == 0:
-                raise ValueError(f"{_OP}: {name} is 0-d; a GEMM operand needs at least one dim")
-            if self.transpose is not None and tuple(self.transpose.shape) != transposed_shape(
-                self.shape
-            ):
-                raise ValueError(
-                    f"{_OP}: {name}._transpose has shape {tuple(self.transpose.shape)} but "
-                    f"{name}._data has shape {self.shape}; expected the transpose to be "
-                    f"{transposed_shape(self.shape)} (refresh the stale transposed copy)"
-                )
-        else:
-            t_shape = tuple(self.transpose.shape)
-            if len(t_shape) == 0:
-                raise ValueError(f"{_OP}: {name}._transpose is 0-d; expected (last, *leading)")
-            self.shape = (*t_shape[1:], t_shape[0])
-
-    def _buffer(self, t, attr: str):
-        if t is None:
-            return None
-        check_tensor(_OP, f"{self.name}.{attr}", t)
-        check_dtype(_OP, f"{self.name}.{attr}", t, (torch.uint8, self.dtype))
-        return t.view(self.dtype)
-
-    def tensors(self) -> dict:
-        return {
-            f"{self.name}._data": self.data,
-            f"{self.name}._transpose": self.transpose,
-            f"{self.name}._scale_inv": self.scale_inv,
-        }
-
-    def rowwise(self, layout: str) -> torch.Tensor:
-        """The FP8 bytes in the operand's own (logical) orientation."""
-        if self.data is None:
-            raise ValueError(
-                f"{_OP}: layout {layout!r} reads {self.name} rowwise, but {self.name} has no "
-                f"rowwise FP8 data (_data is None); quantize it with rowwise usage"
-            )
-        return self.data
-
-    def columnwise(self, layout: str) -> torch.Tensor:
-        """The FP8 bytes with the last dimension first: ``(last, *leading)``."""
-        if self.transpose is not None:
-            return self.transpose
-        if self.data is not None and is_non_tn_fp8_gemm_supported(self.data.device):
-            return self.data.reshape(-1, self.shape[-1]).t().contiguous()
-        raise ValueError(
-            f"{_OP}: layout {layout!r} reads {self.name} columnwise, but {self.name} has no "
-            f"columnwise (transposed) FP8 data (_transpose is None); quantize it with "
-            f"columnwise usage"
-        )
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The high-precision tensor in the operand's logical shape."""
-        if self.data is not None:
-            return dequantize(self.data, self.scale_inv, dtype)
-        # Contiguous, so the GEMM does not depend on which buffer the values came from.
-        return dequantize(self.transpose, self.scale_inv, dtype).movedim(0, -1).contiguous()
-
 
 def _dims(layout: str, a_shape: tuple, b_shape: tuple) -> tuple[int, int, int, tuple]:
     """``(M, N, K, out_shape)`` of the GEMM, after checking that the operands agree on K."""
@@ -180,7 +98,9 @@ def _check_fp8_dims(layout: str, n: int, k: int) -> None:
             )
 
 
-def _fp8_matrices(layout: str, a: _Fp8Operand, b: _Fp8Operand, m: int, n: int, k: int):
+def _fp8_matrices(
+    layout: str, a: CheckedFloat8Operand, b: CheckedFloat8Operand, m: int, n: int, k: int
+):
     """Row-major ``X [M, K]`` (from B) and ``Y [N, K]`` (from A) for ``X @ Y^T``."""
     if layout == "TN":
         x, y = b.rowwise(layout), a.rowwise(layout)
@@ -257,8 +177,9 @@ def general_gemm(
     """``alpha * op(B) @ op(A) (+ bias)`` in cuBLAS layout naming (see the module docstring).
 
     Args:
-        A, B: FP8 operands (duck-typed, see the module docstring) or plain float32, float16 or
-            bfloat16 tensors.
+        A, B: FP8 operands (anything with ``float8_gemm_input``, see the module docstring:
+            ``Float8Tensor``, ``Float8TensorStorage``, :class:`Float8GemmOperand`) or plain
+            float32, float16 or bfloat16 tensors.
         out_dtype: float32, float16 or bfloat16. Default: ``out.dtype`` when ``out`` is given,
             else bfloat16 for FP8 x FP8, else the high-precision operand's dtype.
         layout: ``"TN"`` (fprop), ``"NN"`` (dgrad) or ``"NT"`` (wgrad).
@@ -319,8 +240,8 @@ def general_gemm(
     operands = {}
     tensors = {}
     for name, operand in (("A", A), ("B", B)):
-        if _is_fp8(operand):
-            operands[name] = _Fp8Operand(name, operand)
+        if is_float8_operand(operand):
+            operands[name] = CheckedFloat8Operand(name, operand)
             tensors.update(operands[name].tensors())
         else:
             check_tensor(_OP, name, operand)
@@ -330,7 +251,7 @@ def general_gemm(
             operands[name] = operand
             tensors[name] = operand
     a, b = operands["A"], operands["B"]
-    a_fp8, b_fp8 = isinstance(a, _Fp8Operand), isinstance(b, _Fp8Operand)
+    a_fp8, b_fp8 = isinstance(a, CheckedFloat8Operand), isinstance(b, CheckedFloat8Operand)
     if bias is not None:
         check_tensor(_OP, "bias", bias)
         check_dtype(_OP, "bias", bias, HIGH_PRECISION_DTYPES)
@@ -339,7 +260,7 @@ def general_gemm(
     tensors.update(bias=bias, out=out)
 
     reject_meta(_OP, **tensors)
-    anchor_name = "B._data" if b_fp8 and b.data is not None else "B._transpose" if b_fp8 else "B"
+    anchor_name = "B.data" if b_fp8 and b.data is not None else "B.transpose" if b_fp8 else "B"
     anchor = tensors.pop(anchor_name)
     check_same_device(_OP, anchor_name, anchor, **tensors)
     device = anchor.device
@@ -419,29 +340,6 @@ def general_gemm(
     return out, None, None, None
 
 
-def _fp8_view(storage, attr: str) -> torch.Tensor | None:
-    """``storage.<attr>`` (uint8 bytes, 2-D) viewed as its torch FP8 dtype, or None.
-
-    The view is cached on the storage next to the buffer it was made from (quantizers seed
-    the cache with the FP8-typed tensor the cast produced), so an operand used by several GEMMs
-    costs no view dispatch per GEMM; a replaced buffer is noticed by identity and re-viewed.
-    Only internal storages cache: a ``Float8Tensor`` (a parameter, say) keeps its ``__dict__``
-    free of extra tensors, which pickling and deepcopy would carry along.
-    """
-    buffer = getattr(storage, attr)
-    if buffer is None or buffer.dim() != 2:
-        return None
-    if isinstance(storage, torch.Tensor):
-        return buffer.view(to_torch_fp8_dtype(storage._fp8_dtype))
-    cache = storage.__dict__.setdefault("_fp8_view_cache", {})
-    cached = cache.get(attr)
-    if cached is not None and cached[0] is buffer:
-        return cached[1]
-    view = buffer.view(to_torch_fp8_dtype(storage._fp8_dtype))
-    cache[attr] = (buffer, view)
-    return view
-
-
 def fp8_gemm_prevalidated(
     A,
     B,
@@ -460,14 +358,20 @@ def fp8_gemm_prevalidated(
     tens of microseconds of host time per GEMM. Anything unusual (an operand that is not 2-D,
     a missing transposed copy, e.g. on GPUs with non-TN FP8 GEMMs) takes the validated
     :func:`general_gemm` path, which gives the same result.
+
+    ``A`` and ``B`` are read only through ``float8_gemm_input`` (one layout each), whose
+    implementations keep the typed views, so this path makes no view per call.
     """
     if layout == "TN":
-        x, y = _fp8_view(B, "_data"), _fp8_view(A, "_data")
+        x, x_scale_inv = B.float8_gemm_input(False)
+        y, y_scale_inv = A.float8_gemm_input(False)
     elif layout == "NN":
-        x, y = _fp8_view(B, "_data"), _fp8_view(A, "_transpose")
+        x, x_scale_inv = B.float8_gemm_input(False)
+        y, y_scale_inv = A.float8_gemm_input(True)
     else:  # "NT"
-        x, y = _fp8_view(B, "_transpose"), _fp8_view(A, "_transpose")
-    if x is None or y is None:
+        x, x_scale_inv = B.float8_gemm_input(True)
+        y, y_scale_inv = A.float8_gemm_input(True)
+    if x is None or y is None or x.dim() != 2 or y.dim() != 2:
         return general_gemm(
             A, B, out_dtype, layout=layout, bias=bias, out=out, accumulate=accumulate,
             use_split_accumulator=use_split_accumulator,
@@ -475,8 +379,8 @@ def fp8_gemm_prevalidated(
     result = _fp8_gemm(
         x,
         y,
-        B._scale_inv,
-        A._scale_inv,
+        x_scale_inv,
+        y_scale_inv,
         out_dtype=out_dtype,
         bias=bias,
         alpha=1.0,

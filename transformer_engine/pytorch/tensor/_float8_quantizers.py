@@ -1,12 +1,15 @@
 """Per-tensor FP8 quantizers: delayed scaling and current scaling.
 
-Both quantize on the input's device (DESIGN.md section 3). The delayed-scaling
+Both quantize on the input's device. The delayed-scaling
 quantizer holds *views* into its recipe state (``scale`` and row 0 of the amax
 history) and max-accumulates every cast's amax into that row in place; the
 current-scaling quantizer computes the amax and scale of each tensor it casts
 in scratch buffers on the input's device and touches no state.
 
-Public names are re-exported from :mod:`transformer_engine.pytorch.tensor.float8_tensor`.
+Public names are re-exported from :mod:`transformer_engine.pytorch.tensor.float8_tensor`. The
+quantizers sit above the tensor class they produce
+(:mod:`~transformer_engine.pytorch.tensor._float8_tensor_class`) and write into existing tensors
+through :func:`~transformer_engine.pytorch.tensor._float8_quantize_into.quantize_into`.
 """
 
 from __future__ import annotations
@@ -16,22 +19,20 @@ import warnings
 
 import torch
 
+from ...common.recipe import DelayedScaling, Float8CurrentScaling
 from .. import cpp_extensions as ext
-from .. import reference
 from ..constants import HIGH_PRECISION_DTYPES, DType, TE_DType_To_Torch, to_torch_fp8_dtype
 from ..cpp_extensions.cast import (
+    column_sum,
     quantize_current_scaling_prevalidated,
     quantize_dbias_prevalidated,
     quantize_prevalidated,
 )
 from ..cpp_extensions.scaling import current_scale_prevalidated
-from ..device import check_same_device, is_non_tn_fp8_gemm_supported
-from ..quantized_tensor import (
-    QuantizedTensor,
-    QuantizedTensorStorage,
-    Quantizer,
-    _check_high_precision_dtype,
-)
+from ..device import check_same_device
+from ..quantized_tensor import Quantizer, _check_high_precision_dtype
+from ._float8_quantize_into import float8_layouts, high_precision_source, quantize_into
+from ._float8_tensor_class import Float8Tensor
 from .storage.float8_tensor_storage import Float8TensorStorage, transpose_bytes
 
 __all__ = ["Float8Quantizer", "Float8CurrentScalingQuantizer"]
@@ -47,27 +48,6 @@ def _check_state_tensor(owner: str, name: str, t) -> None:
         )
 
 
-def _high_precision_source(tensor) -> torch.Tensor:
-    """A plain tensor to quantize: quantized inputs are dequantized first."""
-    if isinstance(tensor, QuantizedTensor):
-        return tensor._dequantize_plain()
-    if isinstance(tensor, QuantizedTensorStorage):
-        return tensor.dequantize()
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor to quantize, got {type(tensor).__name__}")
-    # Quantizing is never differentiated through; detach only where autograd could record
-    # (inside autograd functions grad mode is off, and the detach would be a wasted dispatch).
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return tensor.detach()
-    return tensor
-
-
-def _is_partial_view(storage: Float8TensorStorage) -> bool:
-    """Whether the row-wise bytes are a slice of a larger buffer (whose scale must be kept)."""
-    data = storage._data
-    return data is not None and data.untyped_storage().nbytes() > data.numel()
-
-
 class _Float8QuantizerBase(Quantizer):
     """What both per-tensor FP8 quantizers share: layouts, wrapping, in-place updates."""
 
@@ -75,26 +55,26 @@ class _Float8QuantizerBase(Quantizer):
 
     def _layouts(self, device: torch.device, shape) -> tuple[bool, bool]:
         """``(need_data, need_transpose)`` for this quantizer's usages on ``device``."""
-        owner = type(self).__name__
-        if not self.rowwise_usage and not self.columnwise_usage:
-            raise ValueError(
-                f"{owner}: rowwise and columnwise usage are both False, so nothing would be "
-                "produced; call set_usage(rowwise=True) and/or set_usage(columnwise=True)"
-            )
-        non_tn = is_non_tn_fp8_gemm_supported(device)
-        need_data = self.rowwise_usage or (self.columnwise_usage and non_tn)
-        need_transpose = self.columnwise_usage and not non_tn
-        if len(shape) == 0 and need_transpose:
-            if not need_data:
-                raise ValueError(
-                    f"{owner}: a 0-d tensor has no column-wise (transposed) layout; reshape it "
-                    "to 1-d or quantize with rowwise usage"
-                )
-            need_transpose = False
-        return need_data, need_transpose
+        return float8_layouts(
+            type(self).__name__, self.rowwise_usage, self.columnwise_usage, device, shape
+        )
 
-    def _wrap(self, *, shape, dtype, data, transpose, scale_inv, requires_grad=False):
-        """A ``Float8Tensor`` (or ``Float8TensorStorage`` when internal) around the buffers."""
+    def _wrap(
+        self,
+        *,
+        shape,
+        dtype,
+        data,
+        transpose,
+        scale_inv,
+        requires_grad=False,
+        data_fp8=None,
+        transpose_fp8=None,
+    ):
+        """A ``Float8Tensor`` (or ``Float8TensorStorage`` when internal) around the buffers.
+
+        ``data_fp8`` / ``transpose_fp8``: the FP8-typed tensors a cast wrote, which an internal
+        storage hands to GEMMs (see ``Float8TensorStorage.float8_gemm_input``)."""
         if self.internal:
             # Internal storages are the linear layers' per-call operands: built without
             # re-validating what the cast just produced, and holding this quantizer itself
@@ -113,9 +93,9 @@ class _Float8QuantizerBase(Quantizer):
                 if getattr(self, "with_amax_reduction", False)
                 else self,
                 fake_dtype=dtype,
+                data_fp8=data_fp8,
+                transpose_fp8=transpose_fp8,
             )
-        from .float8_tensor import Float8Tensor
-
         return Float8Tensor(
             shape,
             dtype,
@@ -141,7 +121,7 @@ class _Float8QuantizerBase(Quantizer):
         return self._quantize(tensor, dtype, with_dbias=False)
 
     def quantize_with_dbias_impl(self, tensor: torch.Tensor):
-        """:meth:`quantize_impl` plus ``reference.column_sum(tensor)`` (a linear layer's bias
+        """:meth:`quantize_impl` plus ``column_sum(tensor)`` (a linear layer's bias
         gradient from its output gradient), ``(quantized, dbias)``.
 
         When this quantizer's usages include the transposed copy, the sum is computed in the
@@ -149,11 +129,11 @@ class _Float8QuantizerBase(Quantizer):
         separately. ``tensor`` must be a plain high-precision tensor with at least one dimension.
         """
         if tensor.dim() == 0 or tensor.numel() == 0 or tensor.is_meta:
-            return self.quantize_impl(tensor), reference.column_sum(tensor)
+            return self.quantize_impl(tensor), column_sum(tensor)
         return self._quantize(tensor, None, with_dbias=True)
 
     def _quantize(self, tensor, dtype, *, with_dbias: bool):
-        src = _high_precision_source(tensor)
+        src = high_precision_source(tensor)
         fake_dtype = src.dtype if dtype is None else dtype
         if src.is_meta:
             # Deferred initialization: shapes only, no cast and no amax.
@@ -169,14 +149,9 @@ class _Float8QuantizerBase(Quantizer):
             data=data,
             transpose=transpose,
             scale_inv=res.scale_inv,
+            data_fp8=res.data if need_data else None,
+            transpose_fp8=res.transpose if need_transpose else None,
         )
-        if self.internal:
-            # The FP8-typed tensors the cast produced are what GEMMs take: keep them next to
-            # the uint8 buffers (cpp_extensions.gemm._fp8_view), so no GEMM re-views them.
-            out._fp8_view_cache = {
-                "_data": (data, res.data) if need_data else None,
-                "_transpose": (transpose, res.transpose) if need_transpose else None,
-            }
         return (out, dbias) if with_dbias else out
 
     def _cast(self, src, with_transpose: bool, with_dbias: bool):
@@ -188,7 +163,7 @@ class _Float8QuantizerBase(Quantizer):
         if with_dbias and with_transpose:
             return quantize_dbias_prevalidated(src, scale, fp8_dtype, amax=amax)
         res = quantize_prevalidated(src, scale, fp8_dtype, amax=amax, with_transpose=with_transpose)
-        return res, (reference.column_sum(src) if with_dbias else None)
+        return res, (column_sum(src) if with_dbias else None)
 
     def update_quantized(self, src: torch.Tensor, dst, *, noop_flag: torch.Tensor | None = None):
         """Quantize ``src`` into ``dst``'s buffers in place (see :meth:`Quantizer.update_quantized`).
@@ -198,66 +173,16 @@ class _Float8QuantizerBase(Quantizer):
         slice of a larger FP8 buffer, the slice keeps the scale it shares with that
         buffer (``1 / dst._scale_inv``) so the rest of the buffer stays valid.
         """
-        owner = type(self).__name__
-        if not isinstance(dst, Float8TensorStorage):
-            raise TypeError(
-                f"{owner}.update_quantized: dst must be a Float8Tensor or Float8TensorStorage, "
-                f"got {type(dst).__name__}"
-            )
-        src = _high_precision_source(src)
-        shape = dst.size()
-        if tuple(src.shape) != tuple(shape):
-            raise ValueError(
-                f"{owner}.update_quantized: src has shape {tuple(src.shape)} but dst has "
-                f"{tuple(shape)}; pass a tensor of dst's shape"
-            )
-        if dst.device.type == "meta":
-            return dst  # nothing to write
-        if src.dtype not in HIGH_PRECISION_DTYPES:
-            src = src.to(dst._dtype)
-        if src.device != dst.device:
-            src = src.to(dst.device)
-        need_data, need_transpose = self._layouts(dst.device, shape)
-        partial = _is_partial_view(dst)
-        if partial:
-            if DType.cast(dst._fp8_dtype) != self.dtype:
-                raise ValueError(
-                    f"{owner}.update_quantized: dst is a slice of a larger {dst._fp8_dtype.name} "
-                    f"buffer and cannot be rewritten as {self.dtype.name}"
-                )
-            need_data, need_transpose = True, False
-        scale, amax = self._scale_and_amax(src)
-        if partial:
-            scale = reference.reciprocal(dst._scale_inv)
-
-        def reusable(buf):
-            return buf is not None and buf.is_contiguous()
-
-        out = dst._data if need_data and reusable(dst._data) else None
-        out_t = dst._transpose if need_transpose and reusable(dst._transpose) else None
-        res = ext.quantize(
+        return quantize_into(
+            type(self).__name__,
             src,
-            scale,
-            self.dtype,
-            amax=amax,
-            scale_inv=None if partial else dst._scale_inv,
-            out=out,
-            with_transpose=need_transpose,
-            out_transpose=out_t,
+            dst,
+            fp8_dtype=self.dtype,
+            rowwise=self.rowwise_usage,
+            columnwise=self.columnwise_usage,
+            scale_and_amax=self._scale_and_amax,
             noop_flag=noop_flag,
         )
-        # Buffers written in place stay the very same objects (callers may hold them).
-        if need_data:
-            dst._data = out if out is not None else res.data.view(torch.uint8)
-        else:
-            dst._data = None
-        if need_transpose:
-            dst._transpose = out_t if out_t is not None else res.transpose.view(torch.uint8)
-        else:
-            dst._transpose = None
-        dst._transpose_invalid = dst._transpose is None
-        dst._fp8_dtype = self.dtype
-        return dst
 
     def make_empty(
         self,
@@ -391,19 +316,17 @@ class Float8Quantizer(_Float8QuantizerBase):
                 f"create_tensor_from_data: data is on {device} but the quantizer's scale is on "
                 f"{self.scale.device}; move the data (or the recipe state) to one device"
             )
-        return reference.reciprocal(self.scale)
+        return torch.reciprocal(self.scale.detach().reshape(1))
 
     def calibrate(self, tensor: torch.Tensor) -> None:
         """Overwrite ``amax`` with ``max|tensor|`` (no cast); ``tensor`` must share its device."""
-        ext.compute_amax(_high_precision_source(tensor), out=self.amax)
+        ext.compute_amax(high_precision_source(tensor), out=self.amax)
 
     def supports_only_rowwise_all_gather(self) -> bool:
         """Delayed-scaling tensors are all-gathered row-wise only."""
         return True
 
     def _get_compatible_recipe(self):
-        from ...common.recipe import DelayedScaling
-
         return DelayedScaling
 
     def __repr__(self) -> str:
@@ -498,7 +421,7 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
             with_dbias=with_dbias and with_transpose,
         )
         if with_dbias and dbias is None:
-            dbias = reference.column_sum(src)
+            dbias = column_sum(src)
         return res, dbias
 
     def _scale_and_amax(self, src):
@@ -534,8 +457,6 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         return True
 
     def _get_compatible_recipe(self):
-        from ...common.recipe import Float8CurrentScaling
-
         return Float8CurrentScaling
 
     def __getstate__(self) -> dict:

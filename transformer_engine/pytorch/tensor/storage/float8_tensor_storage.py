@@ -24,6 +24,10 @@ Layout contract (what GEMMs and the integration code read):
     ``None``.
 ``_dtype``
     Nominal high-precision dtype (what :meth:`dequantize` returns by default).
+
+GEMMs do not read these attributes: they take the FP8 values through
+:meth:`Float8TensorStorage.float8_gemm_input`, the operand interface that
+:mod:`transformer_engine.pytorch.cpp_extensions.gemm` defines.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from __future__ import annotations
 import torch
 
 from ... import cpp_extensions as ext
-from ... import reference
 from ...constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
 from ...device import is_non_tn_fp8_gemm_supported
 from ...quantized_tensor import QuantizedTensorStorage
@@ -54,8 +57,15 @@ def _as_uint8(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def transpose_bytes(data: torch.Tensor) -> torch.Tensor:
-    """Transposing copy ``(…, last) -> (last, …)`` of FP8 bytes, on their own device."""
-    return reference.transpose_last_dim_first(data)
+    """Transposing copy ``(…, last) -> (last, …)`` of FP8 bytes (``uint8``), on their own device.
+
+    The rows of the copy are the columns of ``data`` viewed as ``[rows, last]``: the layout
+    the quantize kernels write for column-wise usage.
+    """
+    if data.dim() == 0:
+        raise ValueError("a 0-d tensor has no last dimension to transpose")
+    cols = data.shape[-1]
+    return data.reshape(-1, cols).t().contiguous().reshape(cols, *data.shape[:-1])
 
 
 def untranspose_bytes(transpose: torch.Tensor) -> torch.Tensor:
@@ -127,6 +137,12 @@ class Float8TensorStorage(QuantizedTensorStorage):
         Nominal high-precision dtype.
     """
 
+    # ``(uint8 buffer, the same bytes typed as torch FP8)`` for each layout, or None: the views
+    # :meth:`float8_gemm_input` hands to GEMMs, kept so a storage read by several GEMMs is
+    # viewed once. Valid only while the buffer is the very object recorded next to the view.
+    _data_fp8_view: tuple[torch.Tensor, torch.Tensor] | None = None
+    _transpose_fp8_view: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def __init__(
         self,
         *,
@@ -147,13 +163,30 @@ class Float8TensorStorage(QuantizedTensorStorage):
         )
 
     @classmethod
-    def _from_cast(cls, *, data, transpose, scale_inv, fp8_dtype: DType, quantizer, fake_dtype):
+    def _from_cast(
+        cls,
+        *,
+        data,
+        transpose,
+        scale_inv,
+        fp8_dtype: DType,
+        quantizer,
+        fake_dtype,
+        data_fp8=None,
+        transpose_fp8=None,
+    ):
         """A storage around buffers a quantizer's cast just produced (uint8 views of the right
         shapes, one device, a float32 ``[1]`` scale_inv): the checks of ``__init__`` are skipped,
-        which matters on the linear layers' per-call path."""
+        which matters on the linear layers' per-call path. ``data_fp8`` / ``transpose_fp8`` are
+        the FP8-typed tensors the cast wrote (``data`` / ``transpose`` are their uint8 views):
+        GEMMs get them without another view."""
         self = cls.__new__(cls)
         self._data = data
         self._transpose = transpose
+        if data_fp8 is not None:
+            self._data_fp8_view = (data, data_fp8)
+        if transpose_fp8 is not None:
+            self._transpose_fp8_view = (transpose, transpose_fp8)
         self._transpose_invalid = transpose is None
         self._scale_inv = scale_inv
         self._fp8_dtype = fp8_dtype
@@ -189,6 +222,21 @@ class Float8TensorStorage(QuantizedTensorStorage):
         self._fp8_dtype = fp8
         self._quantizer = quantizer
         self._dtype = fake_dtype
+
+    def _replace_buffers(self, *, data, transpose, fp8_dtype: DType) -> None:
+        """Take new (or rewritten) FP8 bytes in ``fp8_dtype`` after an in-place quantization."""
+        if fp8_dtype != self._fp8_dtype:
+            # Same buffers, other format: the typed views no longer describe them.
+            self._forget_fp8_views()
+        self._data = data
+        self._transpose = transpose
+        self._transpose_invalid = transpose is None
+        self._fp8_dtype = fp8_dtype
+
+    def _forget_fp8_views(self) -> None:
+        # Instance attributes only where they were set: a Float8Tensor never sets them.
+        self.__dict__.pop("_data_fp8_view", None)
+        self.__dict__.pop("_transpose_fp8_view", None)
 
     # ------------------------------------------------------------------ geometry
 
@@ -239,6 +287,47 @@ class Float8TensorStorage(QuantizedTensorStorage):
             float32, float16 or bfloat16; defaults to the nominal dtype.
         """
         return self._dequantize_plain(dtype)
+
+    # ------------------------------------------------------------------ GEMM operand
+
+    def float8_gemm_input(self, columnwise: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The FP8 values and scale a GEMM reads, as plain torch tensors: ``(values, scale_inv)``.
+
+        This is the FP8 operand interface of
+        :func:`transformer_engine.pytorch.cpp_extensions.general_gemm`.
+
+        Parameters
+        ----------
+        columnwise : bool
+            ``False``: the row-wise values, in the logical shape. ``True``: the transposed
+            copy, of shape ``(shape[-1], *shape[:-1])``.
+
+        Returns
+        -------
+        values : torch.Tensor or None
+            The requested layout typed as its torch FP8 dtype (``torch.float8_e4m3fn`` or
+            ``torch.float8_e5m2``; a view of the bytes, no copy), or ``None`` when this
+            storage does not hold that layout.
+        scale_inv : torch.Tensor
+            One-element float32 ``1 / scale``: real value = FP8 value * ``scale_inv``.
+
+        The typed view is kept next to the buffer it was made from (a quantizer's cast hands
+        over the FP8 tensor it wrote), so a storage read by several GEMMs costs no view per
+        GEMM; a replaced buffer is noticed by identity and viewed again.
+        """
+        if columnwise:
+            buffer, cached = self._transpose, self._transpose_fp8_view
+        else:
+            buffer, cached = self._data, self._data_fp8_view
+        if buffer is None:
+            return None, self._scale_inv
+        if cached is None or cached[0] is not buffer:
+            cached = (buffer, buffer.view(to_torch_fp8_dtype(self._fp8_dtype)))
+            if columnwise:
+                self._transpose_fp8_view = cached
+            else:
+                self._data_fp8_view = cached
+        return cached[1], self._scale_inv
 
     # ------------------------------------------------------------------ usages
 
@@ -300,9 +389,13 @@ class Float8TensorStorage(QuantizedTensorStorage):
             self._create_transpose()
         if not need_data:
             self._data = None
+            # A dropped layout's view would keep its bytes alive (e.g. an input's row-wise
+            # bytes, saved for backward only through its transposed copy).
+            self.__dict__.pop("_data_fp8_view", None)
         if not need_transpose:
             self._transpose = None
             self._transpose_invalid = True
+            self.__dict__.pop("_transpose_fp8_view", None)
 
     def get_data_tensors(self, rowwise_data: bool = True, columnwise_data: bool = True):
         """``(_data, _transpose)``, or one of them when the other is not requested."""
@@ -366,6 +459,8 @@ class Float8TensorStorage(QuantizedTensorStorage):
         if transpose is not None:
             self._transpose.copy_(transpose)
         self._scale_inv.copy_(src._scale_inv.reshape(self._scale_inv.shape))
+        if src._fp8_dtype != self._fp8_dtype:
+            self._forget_fp8_views()
         self._fp8_dtype = src._fp8_dtype
 
     def clear(self) -> None:
@@ -373,6 +468,7 @@ class Float8TensorStorage(QuantizedTensorStorage):
         self._data = None
         self._transpose = None
         self._transpose_invalid = True
+        self._forget_fp8_views()
 
     def view(self, shape) -> Float8TensorStorage:
         """Storage sharing the bytes with a new logical shape (transpose kept if still valid)."""

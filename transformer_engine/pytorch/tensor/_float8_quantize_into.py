@@ -1,0 +1,148 @@
+"""Quantizing into existing per-tensor FP8 buffers, and the layout rule every FP8 cast follows.
+
+Two callers write new values into a ``Float8Tensor``'s (or ``Float8TensorStorage``'s) own
+buffers: a quantizer's ``update_quantized``, and ``Float8Tensor.quantize_`` for a tensor
+that has no quantizer (one loaded from a checkpoint keeps its current scale). Both run
+:func:`quantize_into`; it lives below the quantizer classes and the tensor class so that
+neither has to import the other for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .. import cpp_extensions as ext
+from ..constants import HIGH_PRECISION_DTYPES, DType
+from ..device import is_non_tn_fp8_gemm_supported
+from ..quantized_tensor import QuantizedTensor, QuantizedTensorStorage
+from .storage.float8_tensor_storage import Float8TensorStorage
+
+__all__ = ["float8_layouts", "high_precision_source", "quantize_into"]
+
+# ``scale_and_amax(src) -> (scale, amax buffer or None)``: the scale to cast ``src`` with (a
+# one-element float32 tensor on its device) and where the cast max-accumulates its amax.
+ScaleAndAmax = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+def high_precision_source(tensor) -> torch.Tensor:
+    """A plain tensor to quantize: quantized inputs are dequantized first."""
+    if isinstance(tensor, QuantizedTensor):
+        return tensor._dequantize_plain()
+    if isinstance(tensor, QuantizedTensorStorage):
+        return tensor.dequantize()
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor to quantize, got {type(tensor).__name__}")
+    # Quantizing is never differentiated through; detach only where autograd could record
+    # (inside autograd functions grad mode is off, and the detach would be a wasted dispatch).
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return tensor.detach()
+    return tensor
+
+
+def float8_layouts(
+    owner: str, rowwise: bool, columnwise: bool, device: torch.device, shape
+) -> tuple[bool, bool]:
+    """``(need_data, need_transpose)`` for the requested usages of a tensor on ``device``.
+
+    Devices whose FP8 GEMMs take non-TN layouts serve column-wise usage from the row-wise
+    bytes, so they never keep a transposed copy; a 0-d tensor has no transposed layout.
+    """
+    if not rowwise and not columnwise:
+        raise ValueError(
+            f"{owner}: rowwise and columnwise usage are both False, so nothing would be "
+            "produced; call set_usage(rowwise=True) and/or set_usage(columnwise=True)"
+        )
+    non_tn = is_non_tn_fp8_gemm_supported(device)
+    need_data = rowwise or (columnwise and non_tn)
+    need_transpose = columnwise and not non_tn
+    if len(shape) == 0 and need_transpose:
+        if not need_data:
+            raise ValueError(
+                f"{owner}: a 0-d tensor has no column-wise (transposed) layout; reshape it "
+                "to 1-d or quantize with rowwise usage"
+            )
+        need_transpose = False
+    return need_data, need_transpose
+
+
+def _is_partial_view(storage: Float8TensorStorage) -> bool:
+    """Whether the row-wise bytes are a slice of a larger buffer (whose scale must be kept)."""
+    data = storage._data
+    return data is not None and data.untyped_storage().nbytes() > data.numel()
+
+
+def quantize_into(
+    owner: str,
+    src: torch.Tensor,
+    dst: Float8TensorStorage,
+    *,
+    fp8_dtype: DType,
+    rowwise: bool,
+    columnwise: bool,
+    scale_and_amax: ScaleAndAmax,
+    noop_flag: torch.Tensor | None = None,
+) -> Float8TensorStorage:
+    """Quantize ``src`` into ``dst``'s buffers in place and return ``dst``.
+
+    ``src`` is moved to ``dst``'s device first (``copy_`` semantics). ``dst``'s layouts
+    become those of the ``rowwise``/``columnwise`` usages (:func:`float8_layouts`). When
+    ``dst``'s bytes are a slice of a larger FP8 buffer, the slice keeps the scale it shares
+    with that buffer (``1 / dst._scale_inv``) so the rest of the buffer stays valid. Buffers
+    written in place stay the very same objects (callers may hold them). ``owner`` names the
+    caller in error messages.
+    """
+    if not isinstance(dst, Float8TensorStorage):
+        raise TypeError(
+            f"{owner}.update_quantized: dst must be a Float8Tensor or Float8TensorStorage, "
+            f"got {type(dst).__name__}"
+        )
+    src = high_precision_source(src)
+    shape = dst.size()
+    if tuple(src.shape) != tuple(shape):
+        raise ValueError(
+            f"{owner}.update_quantized: src has shape {tuple(src.shape)} but dst has "
+            f"{tuple(shape)}; pass a tensor of dst's shape"
+        )
+    if dst.device.type == "meta":
+        return dst  # nothing to write
+    if src.dtype not in HIGH_PRECISION_DTYPES:
+        src = src.to(dst._dtype)
+    if src.device != dst.device:
+        src = src.to(dst.device)
+    need_data, need_transpose = float8_layouts(owner, rowwise, columnwise, dst.device, shape)
+    partial = _is_partial_view(dst)
+    if partial:
+        if DType.cast(dst._fp8_dtype) != fp8_dtype:
+            raise ValueError(
+                f"{owner}.update_quantized: dst is a slice of a larger {dst._fp8_dtype.name} "
+                f"buffer and cannot be rewritten as {fp8_dtype.name}"
+            )
+        need_data, need_transpose = True, False
+    scale, amax = scale_and_amax(src)
+    if partial:
+        scale = torch.reciprocal(dst._scale_inv.detach().reshape(1))
+
+    def reusable(buf):
+        return buf is not None and buf.is_contiguous()
+
+    out = dst._data if need_data and reusable(dst._data) else None
+    out_t = dst._transpose if need_transpose and reusable(dst._transpose) else None
+    res = ext.quantize(
+        src,
+        scale,
+        fp8_dtype,
+        amax=amax,
+        scale_inv=None if partial else dst._scale_inv,
+        out=out,
+        with_transpose=need_transpose,
+        out_transpose=out_t,
+        noop_flag=noop_flag,
+    )
+    data = (out if out is not None else res.data.view(torch.uint8)) if need_data else None
+    transpose = None
+    if need_transpose:
+        transpose = out_t if out_t is not None else res.transpose.view(torch.uint8)
+    dst._replace_buffers(data=data, transpose=transpose, fp8_dtype=fp8_dtype)
+    return dst
