@@ -12,14 +12,17 @@ cd "$TE_PATH"
 # -P: do not put the working directory on sys.path, so the *installed* package is tested.
 "$PYTHON" -P -c "import transformer_engine; print(transformer_engine.native_status())"
 
-test_files=(tests/build_tools/test_*.py tests/pytorch/*/test_*.py)
+# tests/pytorch/test_*.py: the checks of the whole package (test_layering.py); the suites live in
+# subfolders that mirror the source (kernels/, tensor/, quantization/, module/, ops/, ...).
+test_files=(tests/build_tools/test_*.py tests/pytorch/test_*.py tests/pytorch/*/test_*.py)
 if [ ${#test_files[@]} -eq 0 ]; then
   echo "no test files found under $TE_PATH/tests"
   exit 1
 fi
 failures=()
 for test_file in "${test_files[@]}"; do
-  name=$(basename "$test_file" .py)
+  # The folder is part of the JUnit name: the same file name may exist in two folders.
+  name=$(dirname "${test_file#tests/}" | tr '/' '_')_$(basename "$test_file" .py)
   xml_args=()
   if [ -n "${XML_LOG_DIR:-}" ]; then
     mkdir -p "$XML_LOG_DIR"

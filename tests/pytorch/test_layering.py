@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+# Not from utils.py: this test imports nothing of the package it checks.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "transformer_engine"
 
@@ -74,7 +75,9 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
 ]  # fmt: skip
 
 # Groups of one layer that must not import each other (either direction).
-PEERS: list[tuple[str, str]] = [("transformer_engine.pytorch.module", "transformer_engine.pytorch.ops")]
+PEERS: list[tuple[str, str]] = [
+    ("transformer_engine.pytorch.module", "transformer_engine.pytorch.ops")
+]
 
 # Extension modules built from the C++ sources: importable once built, absent from a fresh
 # checkout, so they are modules of the tree either way.
@@ -136,7 +139,14 @@ def _import_text(node: ast.AST) -> str:
     return ast.unparse(node).splitlines()[0]
 
 
-def imports_of(source: str, name: str, is_package: bool, modules: set[str], path: str = "", package: str = PACKAGE) -> list[Import]:
+def imports_of(
+    source: str,
+    name: str,
+    is_package: bool,
+    modules: set[str],
+    path: str = "",
+    package: str = PACKAGE,
+) -> list[Import]:
     """Every import of a module of ``package`` in ``source`` (the module ``name``)."""
     found = []
 
@@ -178,13 +188,20 @@ def scan(root: Path, package: str = PACKAGE) -> list[Import]:
     for path in python_files(root, package):
         name = module_name(path, root)
         rel = str(path.relative_to(root))
-        found += imports_of(path.read_text(), name, path.name == "__init__.py", modules, rel, package)
+        found += imports_of(
+            path.read_text(), name, path.name == "__init__.py", modules, rel, package
+        )
     return found
 
 
 # --- the rules -----------------------------------------------------------------------------------
 def layer_of(module: str, layers=LAYERS) -> int | None:
-    matches = {layer for layer, _, patterns in layers for pat in patterns if fnmatch.fnmatchcase(module, pat)}
+    matches = {
+        layer
+        for layer, _, patterns in layers
+        for pat in patterns
+        if fnmatch.fnmatchcase(module, pat)
+    }
     return matches.pop() if len(matches) == 1 else None
 
 
@@ -192,7 +209,9 @@ def _in_group(module: str, group: str) -> bool:
     return module == group or module.startswith(group + ".")
 
 
-def layering_violations(imports: list[Import], modules: set[str], layers=LAYERS, peers=PEERS) -> list[str]:
+def layering_violations(
+    imports: list[Import], modules: set[str], layers=LAYERS, peers=PEERS
+) -> list[str]:
     problems = []
     for name in sorted(modules):
         if layer_of(name, layers) is None:
@@ -295,7 +314,9 @@ def long_files(root: Path, package: str = PACKAGE, limit: int = MAX_LINES) -> li
         if path.is_file() and "__pycache__" not in path.parts and path.suffix in TEXT_SUFFIXES:
             lines = len(path.read_text(errors="replace").splitlines())
             if lines > limit:
-                problems.append(f"{path.relative_to(root)} has {lines} lines (the limit is {limit})")
+                problems.append(
+                    f"{path.relative_to(root)} has {lines} lines (the limit is {limit})"
+                )
     return problems
 
 
@@ -305,7 +326,11 @@ def design_md_mentions(root: Path, places=(PACKAGE, "docs", "README.md")) -> lis
         top = root / place
         paths = [top] if top.is_file() else sorted(top.rglob("*")) if top.exists() else []
         for path in paths:
-            if not path.is_file() or "__pycache__" in path.parts or path.suffix not in TEXT_SUFFIXES:
+            if (
+                not path.is_file()
+                or "__pycache__" in path.parts
+                or path.suffix not in TEXT_SUFFIXES
+            ):
                 continue
             for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
                 if re.search(r"DESIGN\.md", line):
@@ -343,7 +368,9 @@ def test_no_mention_of_design_md():
 
 def test_the_layer_table_matches_each_module_once():
     for module in sorted(known_modules(REPO_ROOT)):
-        matches = [layer for layer, _, pats in LAYERS for p in pats if fnmatch.fnmatchcase(module, p)]
+        matches = [
+            layer for layer, _, pats in LAYERS for p in pats if fnmatch.fnmatchcase(module, p)
+        ]
         assert len(matches) <= 1, f"{module} matches layers {matches}: the table overlaps"
 
 
@@ -371,7 +398,9 @@ TE = "transformer_engine/pytorch"
 
 
 def test_checker_accepts_a_downward_import(tmp_path):
-    make_tree(tmp_path, {f"{TE}/device.py": "", f"{TE}/module/linear.py": "from ..device import x\n"})
+    make_tree(
+        tmp_path, {f"{TE}/device.py": "", f"{TE}/module/linear.py": "from ..device import x\n"}
+    )
     assert check_tree(tmp_path) == ([], [])
 
 
@@ -394,7 +423,11 @@ def test_checker_catches_peers_importing_each_other(tmp_path):
         f"{TE}/module/linear.py": "",
     })  # fmt: skip
     layering, _ = check_tree(tmp_path)
-    assert len(layering) == 1 and "are peers" in layering[0] and f"{TE}/ops/basic/bias.py:1" in layering[0]
+    assert (
+        len(layering) == 1
+        and "are peers" in layering[0]
+        and f"{TE}/ops/basic/bias.py:1" in layering[0]
+    )
 
 
 def test_checker_resolves_relative_imports_and_submodule_names(tmp_path):
@@ -409,7 +442,9 @@ def test_checker_resolves_relative_imports_and_submodule_names(tmp_path):
     ]
     in_init = imports_of("from .op import Thing\n", "transformer_engine.pytorch.ops", True, modules)
     assert [i.target for i in in_init] == ["transformer_engine.pytorch.ops.op"]
-    dynamic = imports_of('import importlib\nimportlib.import_module("transformer_engine.x")\n', "m", False, modules)
+    dynamic = imports_of(
+        'import importlib\nimportlib.import_module("transformer_engine.x")\n', "m", False, modules
+    )
     assert [i.target for i in dynamic] == ["transformer_engine.x"]
 
 
@@ -436,7 +471,10 @@ def test_find_cycles_on_plain_graphs():
 def test_checker_fails_loudly_on_a_module_missing_from_the_table(tmp_path):
     make_tree(tmp_path, {f"{TE}/attention/core.py": "", f"{TE}/device.py": ""})
     layering, _ = check_tree(tmp_path)
-    assert any("transformer_engine.pytorch.attention.core" in p and "add it to the layer table" in p for p in layering)
+    assert any(
+        "transformer_engine.pytorch.attention.core" in p and "add it to the layer table" in p
+        for p in layering
+    )
 
 
 def test_checker_reports_an_import_of_a_missing_module(tmp_path):
@@ -452,6 +490,8 @@ def test_long_files_and_design_md_checks(tmp_path):
         "docs/a.md": "see\nDESIGN.md\n",
         "README.md": "fine\n",
     })  # fmt: skip
-    assert long_files(tmp_path) == [f"{TE}/device.py has {MAX_LINES + 1} lines (the limit is {MAX_LINES})"]
+    assert long_files(tmp_path) == [
+        f"{TE}/device.py has {MAX_LINES + 1} lines (the limit is {MAX_LINES})"
+    ]
     mentions = design_md_mentions(tmp_path)
     assert len(mentions) == 1 and mentions[0].startswith("docs/a.md:2 mentions DESIGN.md")

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GEMM_TOLERANCES", "tolerance", "assert_close_by_table"]
+__all__ = ["GEMM_TOLERANCES", "tolerance", "assert_close_by_table", "table_keys"]
 
 _BF16, _FP16, _FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -109,3 +109,13 @@ def assert_close_by_table(actual: torch.Tensor, expected: torch.Tensor, key) -> 
         atol=atol_rms * rms,
         msg=lambda m: f"{m}\n(tolerance row {key!r}: rtol={rtol}, atol={atol_rms} x RMS {rms:.4g})",
     )
+
+
+def table_keys(recipe_name: str, dtype: torch.dtype):
+    """(forward key, backward key) of a module's output and gradients against float64 of the
+    values it was given: FP8 recipes forward in E4M3 and backward in HYBRID (E5M2 gradients);
+    high precision is exact math in FP32 or one BF16/FP16 rounding away."""
+    if recipe_name != "high_precision":
+        return ("e4m3", dtype), ("hybrid", dtype)
+    key = ("same_values", torch.float32) if dtype == torch.float32 else ("bf16", dtype)
+    return key, key

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from utils import describe_process
 
 import transformer_engine
 
@@ -57,12 +58,6 @@ def run_harness(workdir: Path, devices_per_process: int) -> subprocess.Completed
     return proc
 
 
-def describe(proc: subprocess.CompletedProcess) -> str:
-    return (
-        f"exit code {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-4000:]}"
-    )
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``{devices_per_process: (workdir, completed process)}``, each configuration run once."""
@@ -82,15 +77,15 @@ def test_both_ranks_agree_with_one_amax_all_reduce_per_direction_per_step(
     runs, devices_per_process
 ):
     workdir, proc = runs(devices_per_process)
-    assert proc.returncode == 0, describe(proc)
+    assert proc.returncode == 0, describe_process(proc)
     out = proc.stdout
     for rank in range(NPROC):
-        assert f"HARNESS rank={rank} PASSED" in out, describe(proc)
-        assert f"devices {['cpu'] * devices_per_process}" in out, describe(proc)
-    assert "CHECK FAILED" not in out, describe(proc)
+        assert f"HARNESS rank={rank} PASSED" in out, describe_process(proc)
+        assert f"devices {['cpu'] * devices_per_process}" in out, describe_process(proc)
+    assert "CHECK FAILED" not in out, describe_process(proc)
 
     hashes = {int(m["local_rank"]): m["hash"] for m in HASH.finditer(out)}
-    assert sorted(hashes) == list(range(NPROC)), describe(proc)
+    assert sorted(hashes) == list(range(NPROC)), describe_process(proc)
     assert len(set(hashes.values())) == 1, hashes
     # the checker agrees, on the console log and on torchrun's per-rank log files
     for source in (workdir / "console.log", workdir / "torchrun"):
@@ -99,7 +94,7 @@ def test_both_ranks_agree_with_one_amax_all_reduce_per_direction_per_step(
         assert {h for _, h, _ in found} == set(hashes.values())
 
     counts = {int(m["rank"]): m for m in COUNTS.finditer(out)}
-    assert sorted(counts) == list(range(NPROC)), describe(proc)
+    assert sorted(counts) == list(range(NPROC)), describe_process(proc)
     one_per_step = ",".join(["1"] * ITERS)
     for m in counts.values():
         assert m["steps"] == str(ITERS) and m["expected"] == "1"
@@ -113,7 +108,7 @@ def test_splitting_over_devices_does_not_change_the_result(runs):
     hashes = []
     for devices_per_process in (1, 2):
         _, proc = runs(devices_per_process)
-        assert proc.returncode == 0, describe(proc)
+        assert proc.returncode == 0, describe_process(proc)
         hashes.append({m["hash"] for m in HASH.finditer(proc.stdout)})
     assert len(hashes[0]) == 1 and hashes[0] == hashes[1], hashes
 

@@ -12,10 +12,10 @@ import os
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
+from utils import REPO_ROOT, float32_bits, uint8_view
 
 import transformer_engine
 from transformer_engine.pytorch import cpp_extensions as ext
@@ -33,16 +33,6 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 HP = (torch.float32, torch.float16, torch.bfloat16)
 NAN, INF = math.nan, math.inf
-REPO = Path(__file__).resolve().parents[3]
-
-
-def u8(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Bitwise view of a float32 tensor (NaN-safe comparisons)."""
-    return t.contiguous().view(torch.int32)
 
 
 def sample(shape=(2, 3, 5), dtype=torch.float32, seed=0):
@@ -76,21 +66,22 @@ def test_quantize_matches_reference_bitwise(fp8, in_dtype, with_transpose):
     assert isinstance(res, ext.QuantizeResult)
     expected = R.cast_to_fp8(x, scale, torch_dtype)
     assert res.data.dtype == torch_dtype and res.data.shape == x.shape
-    assert torch.equal(u8(res.data), u8(expected))
+    assert torch.equal(uint8_view(res.data), uint8_view(expected))
     if with_transpose:
         assert res.transpose.shape == (5, 2, 3) and res.transpose.dtype == torch_dtype
-        assert torch.equal(u8(res.transpose), u8(R.transpose_last_dim_first(expected)))
+        expected_t = R.transpose_last_dim_first(expected)
+        assert torch.equal(uint8_view(res.transpose), uint8_view(expected_t))
     else:
         assert res.transpose is None
-    assert torch.equal(bits(res.scale_inv), bits(R.reciprocal(scale)))
-    assert torch.equal(bits(amax), bits(R.amax(x)))
+    assert torch.equal(float32_bits(res.scale_inv), float32_bits(R.reciprocal(scale)))
+    assert torch.equal(float32_bits(amax), float32_bits(R.amax(x)))
 
 
 def test_quantize_python_number_scale():
     x = sample()
     a = ext.quantize(x, 3.5, E4M3)
     b = ext.quantize(x, torch.tensor([3.5]), E4M3)
-    assert torch.equal(u8(a.data), u8(b.data))
+    assert torch.equal(uint8_view(a.data), uint8_view(b.data))
     assert (
         a.scale_inv.item()
         == b.scale_inv.item()
@@ -111,8 +102,8 @@ def test_quantize_fills_provided_buffers_in_place(buf_dtype):
     assert res.data is out and res.transpose is out_t and res.scale_inv is scale_inv
     assert [t.data_ptr() for t in (out, out_t, amax, scale_inv)] == ptrs
     ref = R.cast_to_fp8(x, scale, E4M3)
-    assert torch.equal(u8(out), u8(ref))
-    assert torch.equal(u8(out_t), u8(R.transpose_last_dim_first(ref)))
+    assert torch.equal(uint8_view(out), uint8_view(ref))
+    assert torch.equal(uint8_view(out_t), uint8_view(R.transpose_last_dim_first(ref)))
     assert scale_inv.item() == float(torch.tensor(1.0) / torch.tensor(3.0))
     assert amax.item() == R.amax(x).item()
 
@@ -121,7 +112,7 @@ def test_quantize_scale_inv_is_reciprocal_of_scale():
     for s in (1.0, 3.0, 0.1, 448.0 / 7, 2.0**-30):
         st = torch.tensor([s])
         res = ext.quantize(torch.ones(4), st, E5M2)
-        assert torch.equal(bits(res.scale_inv), bits(torch.ones(1) / st))
+        assert torch.equal(float32_bits(res.scale_inv), float32_bits(torch.ones(1) / st))
 
 
 def test_quantize_amax_is_max_accumulated():
@@ -152,7 +143,7 @@ def _snapshot(bufs):
 
 
 def _unchanged(bufs, snap):
-    return all(torch.equal(u8(bufs[k]), u8(snap[k])) for k in bufs)
+    return all(torch.equal(uint8_view(bufs[k]), uint8_view(snap[k])) for k in bufs)
 
 
 def test_noop_flag_one_writes_nothing():
@@ -170,8 +161,9 @@ def test_noop_flag_zero_runs_normally():
     bufs = _filled_buffers(x)
     res = ext.quantize(x, 2.0, E4M3, noop_flag=torch.tensor([0.0]), **bufs)
     ref = R.cast_to_fp8(x, torch.tensor([2.0]), E4M3)
-    assert torch.equal(u8(res.data), u8(ref))
-    assert torch.equal(u8(bufs["out_transpose"]), u8(R.transpose_last_dim_first(ref)))
+    assert torch.equal(uint8_view(res.data), uint8_view(ref))
+    ref_t = R.transpose_last_dim_first(ref)
+    assert torch.equal(uint8_view(bufs["out_transpose"]), uint8_view(ref_t))
     assert bufs["amax"].item() == R.amax(x).item()
     assert bufs["scale_inv"].item() == 0.5
 
@@ -183,12 +175,12 @@ def test_non_contiguous_input():
     res = ext.quantize(x, 1.5, E5M2, with_transpose=True)
     ref = R.cast_to_fp8(x.contiguous(), torch.tensor([1.5]), E5M2)
     assert res.data.shape == (4, 5)
-    assert torch.equal(u8(res.data), u8(ref))
-    assert torch.equal(u8(res.transpose), u8(ref).t())  # the transposed copy of x is base's layout
+    assert torch.equal(uint8_view(res.data), uint8_view(ref))
+    # the transposed copy of x is base's layout
+    assert torch.equal(uint8_view(res.transpose), uint8_view(ref).t())
     d = ext.dequantize(res.data.t(), res.scale_inv)
-    assert torch.equal(
-        bits(d), bits(R.dequantize(res.data.t().contiguous(), res.scale_inv, torch.float32))
-    )
+    expected_d = R.dequantize(res.data.t().contiguous(), res.scale_inv, torch.float32)
+    assert torch.equal(float32_bits(d), float32_bits(expected_d))
     assert ext.compute_amax(x).item() == R.amax(base).item()
 
 
@@ -241,10 +233,10 @@ def test_compute_scale_from_amax_matches_reference(amax, fp8, eps, pow2):
     got = ext.compute_scale_from_amax(a, fp8, epsilon=eps, force_pow_2_scales=pow2)
     exp = R.compute_scale_from_amax(a, to_torch_fp8_dtype(fp8), eps, pow2)
     assert got.dtype == torch.float32 and got.shape == (1,)
-    assert torch.equal(bits(got), bits(exp))
+    assert torch.equal(float32_bits(got), float32_bits(exp))
     out = torch.tensor([-1.0])
     assert ext.compute_scale_from_amax(a, fp8, epsilon=eps, force_pow_2_scales=pow2, out=out) is out
-    assert torch.equal(bits(out), bits(exp))
+    assert torch.equal(float32_bits(out), float32_bits(exp))
 
 
 @pytest.mark.parametrize("eps", [-1e-3, INF, NAN])
@@ -288,7 +280,7 @@ def _clone(seq):
 
 
 def _all_equal(a, b):
-    return all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+    return all(torch.equal(float32_bits(x), float32_bits(y)) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2, DType.kFloat8E4M3])
@@ -386,12 +378,12 @@ def test_delayed_scaling_update_refusals_change_nothing(kind):
     snap = _clone(real)
     with pytest.raises(exc, match=msg):
         ext.delayed_scaling_update(hists, scales, fp8, **kw)
-    assert all(torch.equal(u8(a), u8(b)) for a, b in zip(real, snap))
+    assert all(torch.equal(uint8_view(a), uint8_view(b)) for a, b in zip(real, snap))
     with pytest.raises(exc, match=msg):
         ext.fused_amax_and_scale_update_after_reduction(
             kw["amax_reduction_buffer"], hists, scales, kw["amax_compute_algo"], fp8, kw["margin"]
         )
-    assert all(torch.equal(u8(a), u8(b)) for a, b in zip(real, snap))
+    assert all(torch.equal(uint8_view(a), uint8_view(b)) for a, b in zip(real, snap))
 
 
 # ---------------------------------------------------------------- quantize / dequantize / amax refusals
@@ -480,7 +472,7 @@ def test_dequantize_refusals(kwargs, exc, msg):
     snap = out.clone()
     with pytest.raises(exc, match=msg):
         ext.dequantize(args["data"], args["scale_inv"], args["out_dtype"], out=out)
-    assert torch.equal(u8(out), u8(snap))
+    assert torch.equal(uint8_view(out), uint8_view(snap))
 
 
 @pytest.mark.parametrize(
@@ -601,9 +593,9 @@ def test_native_status():
 
 def test_python_dash_m_prints_status():
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "transformer_engine"], cwd=REPO, env=env,
+        [sys.executable, "-m", "transformer_engine"], cwd=REPO_ROOT, env=env,
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

@@ -6,6 +6,7 @@ here is skipped with that reason. Tests that need two GPUs skip with their own r
 
 import pytest
 import torch
+from utils import bitwise_equal, cpu_bytes, needs_cuda, needs_two_gpus
 
 import transformer_engine
 from transformer_engine.pytorch import reference
@@ -18,13 +19,7 @@ from transformer_engine.pytorch.cpp_extensions import (
     quantize,
 )
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a CUDA GPU; runs on the GPU machine through qa/L0_pytorch_gpu/test.sh",
-)
-two_gpus = pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs two CUDA GPUs in one process"
-)
+pytestmark = needs_cuda
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 HIGH = [torch.float32, torch.float16, torch.bfloat16]
@@ -33,24 +28,13 @@ SHAPES = [(1,), (17,), (255,), (4097,), (1, 1), (17, 33), (255, 17), (3, 17, 65)
 SCALES = [1.0, 0.37, 1000.0, 2.0**-10]
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().view(torch.uint8)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
 def same_bits_nan_aware(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equal except that any NaN matches any NaN (payloads are not specified)."""
     a, b = a.detach().cpu(), b.detach().cpu()
     if not torch.equal(a.isnan(), b.isnan()):
         return False
     keep = ~a.isnan()
-    return same_bits(a[keep], b[keep])
+    return bitwise_equal(a[keep], b[keep])
 
 
 def make_input(shape, dtype, device, seed=0, specials=True) -> torch.Tensor:
@@ -86,15 +70,15 @@ def test_quantize_matches_reference_bitwise(fp8, dtype, shape, with_transpose):
         result = quantize(x, scale, fp8, amax=amax, with_transpose=with_transpose)
         expected = reference.cast_to_fp8(x.cpu(), scale.cpu(), fp8)
         assert result.data.device == x.device
-        assert same_bits(result.data, expected), (shape, dtype, fp8, scale_value)
+        assert bitwise_equal(result.data, expected), (shape, dtype, fp8, scale_value)
         if with_transpose:
             assert result.transpose.shape == (shape[-1], *shape[:-1])
-            assert same_bits(result.transpose, reference.transpose_last_dim_first(expected))
+            assert bitwise_equal(result.transpose, reference.transpose_last_dim_first(expected))
         else:
             assert result.transpose is None
         expected_amax = torch.maximum(torch.tensor([0.5]), reference.amax(x.cpu()))
-        assert same_bits(amax, expected_amax)
-        assert same_bits(result.scale_inv, reference.reciprocal(scale.cpu()))
+        assert bitwise_equal(amax, expected_amax)
+        assert bitwise_equal(result.scale_inv, reference.reciprocal(scale.cpu()))
 
 
 @pytest.mark.parametrize("with_transpose", [False, True])
@@ -104,9 +88,9 @@ def test_quantize_misaligned_input_uses_the_scalar_path_correctly(with_transpose
     scale = torch.tensor([3.0], device="cuda:0")
     result = quantize(x, scale, torch.float8_e4m3fn, with_transpose=with_transpose)
     expected = reference.cast_to_fp8(x.cpu(), scale.cpu(), torch.float8_e4m3fn)
-    assert same_bits(result.data, expected)
+    assert bitwise_equal(result.data, expected)
     if with_transpose:
-        assert same_bits(result.transpose, reference.transpose_last_dim_first(expected))
+        assert bitwise_equal(result.transpose, reference.transpose_last_dim_first(expected))
 
 
 def test_quantize_empty_tensor_writes_only_scale_inv():
@@ -134,7 +118,7 @@ def test_noop_flag_writes_nothing(with_transpose):
     quantize(x, torch.tensor([2.0], device="cuda:0"), torch.float8_e4m3fn, amax=amax, out=out,
              scale_inv=scale_inv, noop_flag=noop)  # fmt: skip
     expected = reference.cast_to_fp8(x.cpu(), torch.tensor([2.0]), torch.float8_e4m3fn)
-    assert torch.equal(bits(out), bits(expected))
+    assert torch.equal(cpu_bytes(out), cpu_bytes(expected))
 
 
 @pytest.mark.parametrize("fp8", FP8)
@@ -148,7 +132,7 @@ def test_dequantize_matches_reference_bitwise(fp8, out_dtype, shape):
     scale_inv = torch.tensor([0.3125], device="cuda:0")
     out = dequantize(data, scale_inv, out_dtype)
     assert out.dtype == out_dtype and out.device == data.device
-    assert same_bits(out, reference.dequantize(data.cpu(), scale_inv.cpu(), out_dtype))
+    assert bitwise_equal(out, reference.dequantize(data.cpu(), scale_inv.cpu(), out_dtype))
 
 
 @pytest.mark.parametrize("fp8", FP8)
@@ -166,7 +150,7 @@ def test_compute_amax_matches_reference_and_overwrites(dtype, shape):
     x = make_input(shape, dtype, "cuda:0", seed=11)
     out = torch.tensor([1e38], device="cuda:0")
     compute_amax(x, out=out)
-    assert same_bits(out, reference.amax(x.cpu()))
+    assert bitwise_equal(out, reference.amax(x.cpu()))
 
 
 AMAX_CASES = [0.0, 1e-45, 1e-40, 1e-30, 1.0, 3.0, 448.0, 1e30, float("inf"), float("nan")]
@@ -180,7 +164,7 @@ def test_compute_scale_from_amax_matches_reference(fp8, epsilon, pow2):
         amax = torch.tensor([value], device="cuda:0")
         scale = compute_scale_from_amax(amax, fp8, epsilon=epsilon, force_pow_2_scales=pow2)
         expected = reference.compute_scale_from_amax(amax.cpu(), fp8, epsilon, pow2)
-        assert same_bits(scale, expected), (value, epsilon, pow2)
+        assert bitwise_equal(scale, expected), (value, epsilon, pow2)
 
 
 def _random_states(num_pairs, length, seed, device):
@@ -217,8 +201,8 @@ def test_delayed_scaling_update_matches_reference(fp8, algo, length, with_reduct
                                amax_reduction_buffer=reduced_gpu)  # fmt: skip
         reference.delayed_scaling_update(cpu_h, cpu_s, fp8, margin, algo, reduced_cpu)
     for k in range(num_pairs):
-        assert same_bits(gpu_h[k], cpu_h[k]), k
-        assert same_bits(gpu_s[k], cpu_s[k]), k
+        assert bitwise_equal(gpu_h[k], cpu_h[k]), k
+        assert bitwise_equal(gpu_s[k], cpu_s[k]), k
 
 
 def test_work_goes_to_the_current_stream_of_the_tensors_device():
@@ -230,7 +214,7 @@ def test_work_goes_to_the_current_stream_of_the_tensors_device():
         result = quantize(x, scale, torch.float8_e5m2, with_transpose=True)
     side.synchronize()
     expected = reference.cast_to_fp8(x.cpu(), torch.tensor([2.0]), torch.float8_e5m2)
-    assert same_bits(result.data, expected)
+    assert bitwise_equal(result.data, expected)
 
 
 def test_native_layer_refuses_a_stream_of_another_device_or_a_bad_index():
@@ -250,7 +234,7 @@ def test_native_layer_refuses_a_stream_of_another_device_or_a_bad_index():
 # Two GPUs in one process: the execution device is the tensors' device, never the current one.
 
 
-@two_gpus
+@needs_two_gpus
 @pytest.mark.parametrize("with_transpose", [False, True])
 def test_quantize_on_cuda1_while_cuda0_is_current(with_transpose):
     torch.cuda.set_device(0)
@@ -266,16 +250,16 @@ def test_quantize_on_cuda1_while_cuda0_is_current(with_transpose):
     with torch.cuda.device(1):
         again = quantize(x1, scale1, torch.float8_e4m3fn, with_transpose=with_transpose)
     assert torch.cuda.current_device() == 0
-    assert same_bits(result.data, again.data)
+    assert bitwise_equal(result.data, again.data)
     expected = reference.cast_to_fp8(x1.cpu(), scale1.cpu(), torch.float8_e4m3fn)
-    assert same_bits(result.data, expected)
+    assert bitwise_equal(result.data, expected)
     if with_transpose:
         assert result.transpose.device == torch.device("cuda:1")
-        assert same_bits(result.transpose, reference.transpose_last_dim_first(expected))
-    assert same_bits(amax1, reference.amax(x1.cpu()))
+        assert bitwise_equal(result.transpose, reference.transpose_last_dim_first(expected))
+    assert bitwise_equal(amax1, reference.amax(x1.cpu()))
 
 
-@two_gpus
+@needs_two_gpus
 def test_every_kernel_on_cuda1_leaves_cuda0_current():
     torch.cuda.set_device(0)
     x1 = make_input((33, 65), torch.float16, "cuda:1", seed=9)
@@ -289,14 +273,14 @@ def test_every_kernel_on_cuda1_leaves_cuda0_current():
     assert torch.cuda.current_device() == 0
     for t in (amax, scale, q.data, y, h[0], s[0]):
         assert t.device == torch.device("cuda:1")
-    assert same_bits(amax, reference.amax(x1.cpu()))
+    assert bitwise_equal(amax, reference.amax(x1.cpu()))
     ref_scale = reference.compute_scale_from_amax(amax.cpu(), torch.float8_e5m2)
-    assert same_bits(scale, ref_scale)
+    assert bitwise_equal(scale, ref_scale)
     expected_y = reference.dequantize(q.data.cpu(), q.scale_inv.cpu(), torch.float32)
     assert same_bits_nan_aware(y, expected_y)
 
 
-@two_gpus
+@needs_two_gpus
 def test_wrong_device_is_refused_before_any_launch():
     torch.cuda.set_device(0)
     x1 = make_input((16, 16), torch.bfloat16, "cuda:1")
@@ -309,7 +293,7 @@ def test_wrong_device_is_refused_before_any_launch():
     assert torch.cuda.current_device() == 0
 
 
-@two_gpus
+@needs_two_gpus
 def test_native_layer_double_checks_pointer_devices_and_streams():
     native = transformer_engine.common.native.native_module()
     x1 = torch.ones(8, device="cuda:1")
@@ -325,7 +309,7 @@ def test_native_layer_double_checks_pointer_devices_and_streams():
     assert amax1.item() == 0.0
 
 
-@two_gpus
+@needs_two_gpus
 def test_same_bits_on_both_gpus():
     torch.cuda.set_device(0)
     x = make_input((4097, 24), torch.float32, "cpu", seed=21)
@@ -336,12 +320,12 @@ def test_same_bits_on_both_gpus():
             xd, torch.tensor([0.75], device=device), torch.float8_e5m2, with_transpose=True
         )
         results.append(r)
-    assert same_bits(results[0].data, results[1].data)
-    assert same_bits(results[0].transpose, results[1].transpose)
+    assert bitwise_equal(results[0].data, results[1].data)
+    assert bitwise_equal(results[0].transpose, results[1].transpose)
     assert torch.cuda.current_device() == 0
 
 
-@two_gpus
+@needs_two_gpus
 def test_launch_args_name_the_current_stream_of_each_device():
     from transformer_engine.pytorch.device import native_launch_args
 
@@ -393,15 +377,17 @@ def test_quantize_dbias_is_quantize_plus_the_column_sum(shape, fp8, dtype, align
     fused, dbias = quantize_dbias_prevalidated(x, scale, fp8, amax=amax_fused)
     plain = quantize(x, scale, fp8, amax=amax_plain, with_transpose=True)
     torch.cuda.synchronize()
-    assert same_bits(fused.data, plain.data) and same_bits(fused.transpose, plain.transpose)
-    assert same_bits(fused.scale_inv, plain.scale_inv) and same_bits(amax_fused, amax_plain)
+    assert bitwise_equal(fused.data, plain.data)
+    assert bitwise_equal(fused.transpose, plain.transpose)
+    assert bitwise_equal(fused.scale_inv, plain.scale_inv)
+    assert bitwise_equal(amax_fused, amax_plain)
     assert dbias.dtype == dtype and dbias.shape == (shape[-1],) and dbias.device == x.device
     exact, tol = _column_sum_tolerance(x)
     err = (dbias.cpu().double() - exact).abs()
     assert (err <= tol).all(), (err - tol).max()
     # deterministic: the same bits again
     _, again = quantize_dbias_prevalidated(x, scale, fp8, amax=None)
-    assert same_bits(again, dbias)
+    assert bitwise_equal(again, dbias)
 
 
 def test_quantize_dbias_with_no_rows_gives_zeros_and_publishes_scale_inv():
@@ -421,7 +407,7 @@ def test_quantize_dbias_with_no_rows_gives_zeros_and_publishes_scale_inv():
     assert scale_inv.item() == 0.25
 
 
-@two_gpus
+@needs_two_gpus
 def test_quantize_dbias_on_cuda1_while_cuda0_is_current():
     from transformer_engine.pytorch.cpp_extensions.cast import quantize_dbias_prevalidated
 
@@ -434,6 +420,6 @@ def test_quantize_dbias_on_cuda1_while_cuda0_is_current():
     assert fused.data.device == dbias.device == torch.device("cuda:1")
     with torch.cuda.device(1):
         _, again = quantize_dbias_prevalidated(x1, scale1, torch.float8_e5m2, amax=None)
-    assert same_bits(dbias, again)
+    assert bitwise_equal(dbias, again)
     expected = reference.cast_to_fp8(x1.cpu(), scale1.cpu(), torch.float8_e5m2)
-    assert same_bits(fused.data, expected)
+    assert bitwise_equal(fused.data, expected)

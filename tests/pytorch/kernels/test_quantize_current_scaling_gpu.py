@@ -6,6 +6,7 @@ Runs on a CUDA machine (qa/L0_pytorch_gpu/test.sh); skipped elsewhere with that 
 
 import pytest
 import torch
+from utils import cpu_bytes, needs_cuda, needs_two_gpus
 
 import transformer_engine
 from transformer_engine.pytorch import reference
@@ -17,22 +18,12 @@ from transformer_engine.pytorch.cpp_extensions.cast import (
 )
 from transformer_engine.pytorch.cpp_extensions.scaling import current_scale_prevalidated
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a CUDA GPU; runs on the GPU machine through qa/L0_pytorch_gpu/test.sh",
-)
-two_gpus = pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs two CUDA GPUs in one process"
-)
+pytestmark = needs_cuda
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 HIGH = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(1, 1), (17, 33), (255, 17), (3, 17, 65), (128, 4097), (256, 1024), (0, 32)]
 SCALING = [(0.0, False), (0.5, True), (1e4, False)]  # (epsilon, force_pow_2_scales)
-
-
-def bits(t):
-    return t.detach().cpu().contiguous().view(torch.uint8)
 
 
 def make_input(shape, dtype, device, seed=0):
@@ -52,14 +43,14 @@ def composed(x, fp8, epsilon, pow2, with_transpose, with_dbias):
 
 def assert_same(fused, plain):
     (res, dbias), (res_p, dbias_p) = fused, plain
-    assert torch.equal(bits(res.data), bits(res_p.data))
-    assert torch.equal(bits(res.scale_inv), bits(res_p.scale_inv))
+    assert torch.equal(cpu_bytes(res.data), cpu_bytes(res_p.data))
+    assert torch.equal(cpu_bytes(res.scale_inv), cpu_bytes(res_p.scale_inv))
     if res_p.transpose is None:
         assert res.transpose is None
     else:
-        assert torch.equal(bits(res.transpose), bits(res_p.transpose))
+        assert torch.equal(cpu_bytes(res.transpose), cpu_bytes(res_p.transpose))
     if dbias_p is not None:
-        assert torch.equal(bits(dbias), bits(dbias_p))
+        assert torch.equal(cpu_bytes(dbias), cpu_bytes(dbias_p))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -77,7 +68,8 @@ def test_one_call_gives_the_bits_of_amax_scale_and_cast(shape, dtype, fp8, epsil
     assert_same(fused, composed(x, fp8, epsilon, pow2, with_transpose, False))
     # and the CPU reference: scale from the amax, then the cast
     scale = reference.compute_scale_from_amax(reference.amax(x.cpu()), fp8, epsilon, pow2)
-    assert torch.equal(bits(fused[0].data), bits(reference.cast_to_fp8(x.cpu(), scale, fp8)))
+    expected = reference.cast_to_fp8(x.cpu(), scale, fp8)
+    assert torch.equal(cpu_bytes(fused[0].data), cpu_bytes(expected))
 
 
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[0] > 0])
@@ -116,7 +108,7 @@ def test_a_refused_call_writes_nothing():
     assert amax.item() == scale.item() == scale_inv.item() == 3.0
 
 
-@two_gpus
+@needs_two_gpus
 def test_on_cuda1_while_cuda0_is_current():
     torch.cuda.set_device(0)
     x1 = make_input((255, 130), torch.bfloat16, "cuda:1", seed=3)
@@ -136,7 +128,7 @@ def test_on_cuda1_while_cuda0_is_current():
     assert_same((res, dbias), again)
 
 
-@two_gpus
+@needs_two_gpus
 def test_a_buffer_on_the_other_gpu_is_refused_before_anything_runs():
     native = transformer_engine.common.native.native_module()
     x = make_input((64, 32), torch.bfloat16, "cuda:0")

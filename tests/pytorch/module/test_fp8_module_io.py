@@ -8,14 +8,13 @@ amax then enters the backward scale update.
 
 import pytest
 import torch
+from utils import FP8_RECIPES
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import reference
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
 KINDS = ["Linear", "LayerNormLinear"]
-RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
 GRAD_INPUT1 = 1  # backward slot of the input gradient (upstream's layout)
 
 
@@ -29,14 +28,14 @@ def inputs():
     return (torch.randn(16, 32) * 2).requires_grad_(True), torch.randn(16, 48)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_fp8_output_is_a_differentiable_float8_tensor(kind, recipe):
     results = {}
     for fp8_output in (False, True):
         FP8GlobalStateManager.reset()
         module, (x, dy) = build(kind), inputs()
-        with te.autocast(recipe=RECIPES[recipe]()):
+        with te.autocast(recipe=FP8_RECIPES[recipe]()):
             out = module(x, fp8_output=fp8_output)
         if fp8_output:
             assert isinstance(out, te.Float8Tensor) and out.requires_grad
@@ -64,7 +63,7 @@ def test_fp8_output_is_a_differentiable_float8_tensor(kind, recipe):
 
 # the plain op before the module gets an FP8 gradient and runs on its dequantized values
 @pytest.mark.filterwarnings("ignore:aten.mul.Tensor has no quantized implementation")
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_fp8_grad_returns_the_input_gradient_in_fp8(kind, recipe):
     grads = {}
@@ -77,7 +76,7 @@ def test_fp8_grad_returns_the_input_gradient_in_fp8(kind, recipe):
         dy = torch.randn(16, 48)
         seen = {}
         x.register_hook(lambda g, seen=seen: seen.setdefault("grad", g))
-        with te.autocast(recipe=RECIPES[recipe]()):
+        with te.autocast(recipe=FP8_RECIPES[recipe]()):
             out = module(x, fp8_grad=fp8_grad)
         (out * dy).sum().backward()
         grads[fp8_grad] = (seen["grad"], x0.grad, module)

@@ -12,7 +12,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from tolerances import assert_close_by_table
+from tolerances import assert_close_by_table, table_keys
+from utils import (
+    RECIPES_WITH_HIGH_PRECISION,
+    backward_recipe_state,
+    make_recipe,
+    materialization_device,
+)
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
@@ -21,27 +27,8 @@ from transformer_engine.pytorch.module.grouped_linear import GroupedLinear
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
 
-RECIPES = {"high_precision": None, "delayed": DelayedScaling, "current": Float8CurrentScaling}
 DTYPES = [torch.float32, torch.bfloat16]
 SPLITS = [32, 0, 48, 16]  # group 1 is empty
-
-
-def materialization_device():
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def table_keys(recipe_name, dtype):
-    if recipe_name != "high_precision":
-        return ("e4m3", dtype), ("hybrid", dtype)
-    key = ("same_values", torch.float32) if dtype == torch.float32 else ("bf16", dtype)
-    return key, key
-
-
-def make_recipe(recipe_name):
-    cls = RECIPES[recipe_name]
-    return None if cls is None else cls()
 
 
 def build(num_gemms=4, in_features=64, out_features=48, seed=0, **kwargs):
@@ -73,12 +60,8 @@ def step(module, x, dy, recipe, splits, **kwargs):
     return out, x.grad
 
 
-def bwd_state(module):
-    return module.fp8_meta["scaling_bwd"]
-
-
 # --- numerics ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("recipe_name", list(RECIPES_WITH_HIGH_PRECISION))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits_as_tensor", [False, True])
 def test_matches_reference(recipe_name, dtype, splits_as_tensor):
@@ -105,7 +88,7 @@ def test_matches_reference(recipe_name, dtype, splits_as_tensor):
             assert_close_by_table(p.grad, params[name].grad, bwd_key)
 
 
-@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("recipe_name", list(RECIPES_WITH_HIGH_PRECISION))
 def test_leading_dimensions_and_return_bias(recipe_name):
     module = build(num_gemms=2, in_features=32, out_features=32, return_bias=True)
     x = torch.randn(4, 16, 32)
@@ -145,7 +128,7 @@ def test_backward_update_runs_once_after_every_group(monkeypatch, input_requires
 
     def recording(cls, forward=True):
         if not forward:
-            seen.append(bwd_state(module).amax_history[0].clone())
+            seen.append(backward_recipe_state(module).amax_history[0].clone())
         update(cls, forward)
 
     monkeypatch.setattr(
@@ -157,9 +140,9 @@ def test_backward_update_runs_once_after_every_group(monkeypatch, input_requires
     y.backward(torch.randn_like(y), retain_graph=True)
     assert len(seen) == 1
     grad_output_slots = [2 * i for i, m in enumerate(SPLITS) if m]
-    for slot in range(bwd_state(module).num_quantizers):
+    for slot in range(backward_recipe_state(module).num_quantizers):
         assert (seen[0][slot] > 0) == (slot in grad_output_slots), (slot, seen[0])
-    scale = bwd_state(module).scale
+    scale = backward_recipe_state(module).scale
     assert all((scale[s] != 1) == (s in grad_output_slots) for s in range(scale.numel()))
     y.backward(torch.randn_like(y))  # a retained graph: the countdown re-armed
     assert len(seen) == 2
@@ -173,7 +156,7 @@ def test_delayed_scaling_state_registered_and_updated():
     assert FP8GlobalStateManager.get_buffer_info() in module.fp8_meta
     y.backward(torch.randn_like(y))
     fwd = module.fp8_meta["scaling_fwd"]
-    assert fwd.num_quantizers == 12 and bwd_state(module).num_quantizers == 8
+    assert fwd.num_quantizers == 12 and backward_recipe_state(module).num_quantizers == 8
     used = {3 * i + 1 for i in range(4)} | {3 * i for i, m in enumerate(SPLITS) if m}
     for slot in range(12):  # the empty group's weight was still quantized, its input not
         assert (fwd.scale[slot] != 1) == (slot in used), (slot, fwd.scale)
@@ -202,7 +185,7 @@ def test_is_first_microbatch_reuses_cached_fp8_weights():
     assert [module._fp8_workspaces[f"weight{i}"] for i in range(2)] == cached
 
 
-@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("recipe_name", list(RECIPES_WITH_HIGH_PRECISION))
 def test_fuse_wgrad_accumulation_into_main_grad(recipe_name):
     module = build(num_gemms=2, fuse_wgrad_accumulation=True)
     for i in range(2):
@@ -264,7 +247,7 @@ def test_fp8_parameters_under_quantized_model_init(recipe_name):
     assert_close_by_table(y_hp, y_ref, ("same_values", torch.float32))
 
 
-@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("recipe_name", list(RECIPES_WITH_HIGH_PRECISION))
 def test_torch_autocast_bf16_with_fp32_params(recipe_name):
     module = build(num_gemms=2)
     x = torch.randn(32, 64, requires_grad=True)

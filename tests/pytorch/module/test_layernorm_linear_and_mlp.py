@@ -15,7 +15,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from tolerances import assert_close_by_table
+from tolerances import assert_close_by_table, table_keys
+from utils import (
+    RECIPES_WITH_HIGH_PRECISION,
+    REFERENCE_ACTIVATIONS,
+    clamped_swiglu,
+    make_recipe,
+    materialization_device,
+)
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
@@ -26,7 +33,6 @@ from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
 
 SEED = 1  # the numeric checks passed for seeds 0..49 (FP8 included) when they were written
 TOKENS = 64  # the K of the weight-gradient GEMMs: fewer tokens make FP8 wgrad errors spikier
-RECIPES = {"high_precision": None, "delayed": DelayedScaling, "current": Float8CurrentScaling}
 DTYPES = [torch.float32, torch.bfloat16]
 ACTIVATION_NAMES = [
     "gelu", "geglu", "glu", "qgelu", "qgeglu", "relu", "reglu", "srelu", "sreglu", "silu",
@@ -34,58 +40,7 @@ ACTIVATION_NAMES = [
 ]  # fmt: skip
 
 
-def materialization_device():
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def table_keys(recipe_name, dtype):
-    """(forward key, backward key) of the tolerance table."""
-    if recipe_name != "high_precision":
-        return ("e4m3", dtype), ("hybrid", dtype)
-    key = ("same_values", torch.float32) if dtype == torch.float32 else ("bf16", dtype)
-    return key, key
-
-
-def make_recipe(recipe_name):
-    cls = RECIPES[recipe_name]
-    return None if cls is None else cls()
-
-
 # --- the plain-PyTorch reference (float64) ------------------------------------------------------
-def _gelu_tanh(x):
-    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
-
-
-def _first_half_gated(act):
-    def fn(x):
-        a, b = x.chunk(2, dim=-1)
-        return act(a) * b
-
-    return fn
-
-
-def _clamped_swiglu(x, limit=7.0, alpha=1.702, glu_linear_offset=1.0):
-    a, b = x.chunk(2, dim=-1)
-    a = a.clamp(max=limit)
-    return a * torch.sigmoid(alpha * a) * (b.clamp(-limit, limit) + glu_linear_offset)
-
-
-REFERENCE_ACTIVATIONS = {
-    "gelu": _gelu_tanh,
-    "geglu": _first_half_gated(_gelu_tanh),
-    "glu": _first_half_gated(torch.sigmoid),
-    "qgelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "qgeglu": _first_half_gated(lambda x: x * torch.sigmoid(1.702 * x)),
-    "relu": F.relu,
-    "reglu": _first_half_gated(F.relu),
-    "srelu": lambda x: F.relu(x) ** 2,
-    "sreglu": _first_half_gated(lambda x: F.relu(x) ** 2),
-    "silu": F.silu,
-    "swiglu": _first_half_gated(F.silu),
-    "clamped_swiglu": _clamped_swiglu,
-}
 
 
 def reference_params(module):
@@ -172,7 +127,7 @@ def state(module, direction="fwd"):
 
 
 # --- numerics ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("recipe_name", list(RECIPES_WITH_HIGH_PRECISION))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("zero_centered_gamma", [False, True])
@@ -268,7 +223,7 @@ def check_mlp_stages(module, activation_ref, recipe_name, dtype):
         assert_close_by_table(module.layer_norm_bias.grad, grads[2], pointwise_key)
 
 
-@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("recipe_name", list(RECIPES_WITH_HIGH_PRECISION))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ACTIVATION_NAMES)
 def test_layernorm_mlp_matches_reference(recipe_name, dtype, activation):
@@ -291,7 +246,7 @@ def test_layernorm_mlp_end_to_end_in_float32(activation):
     check_against_reference(module, reference, "high_precision", torch.float32, 64, 64)
 
 
-@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("recipe_name", list(RECIPES_WITH_HIGH_PRECISION))
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 def test_layernorm_mlp_zero_centered_gamma_and_clamp_parameters(recipe_name, normalization):
     params = {"limit": 0.5, "alpha": 1.0, "glu_linear_offset": 0.25}
@@ -302,7 +257,7 @@ def test_layernorm_mlp_zero_centered_gamma_and_clamp_parameters(recipe_name, nor
     assert torch.equal(module.layer_norm_weight, torch.zeros(64))
     randomize(module)
 
-    check_mlp_stages(module, lambda h: _clamped_swiglu(h, **params), recipe_name, torch.float32)
+    check_mlp_stages(module, lambda h: clamped_swiglu(h, **params), recipe_name, torch.float32)
 
 
 # --- return tuples and parameter splits ----------------------------------------------------------
@@ -345,7 +300,7 @@ def test_return_tuples(cls, return_bias, return_layernorm_output):
         assert x.grad is not None and module.layer_norm_weight.grad is not None
 
 
-@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("recipe_name", list(RECIPES_WITH_HIGH_PRECISION))
 @pytest.mark.parametrize("split", [("query_", "key_", "value_"), {"q": 16, "kv": 32}])
 def test_layernorm_linear_parameters_split(recipe_name, split):
     module = randomize(LayerNormLinear(32, 48, parameters_split=split, device="cpu"))
@@ -399,7 +354,7 @@ def test_is_first_microbatch_reuses_cached_fp8_weight(cls):
     assert not any(key in module._fp8_workspaces for key in weight_slots)
 
 
-@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("recipe_name", list(RECIPES_WITH_HIGH_PRECISION))
 @pytest.mark.parametrize("cls", ["LayerNormLinear", "LayerNormMLP"])
 def test_fuse_wgrad_accumulation_into_main_grad(recipe_name, cls):
     if cls == "LayerNormLinear":
@@ -513,7 +468,7 @@ def test_delayed_scaling_state_registered_and_updated(cls):
     assert len(state(module).scale) == (3 if cls == "LayerNormLinear" else 6)
 
 
-@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("recipe_name", list(RECIPES_WITH_HIGH_PRECISION))
 @pytest.mark.parametrize("cls", [LayerNormLinear, LayerNormMLP])
 def test_torch_autocast_bf16_with_fp32_params(recipe_name, cls):
     module = randomize(cls(32, 32, device="cpu"))

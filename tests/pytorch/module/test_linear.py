@@ -11,11 +11,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from fp8_emulation import current_scale, fake_quant
 from tolerances import assert_close_by_table
+from utils import FP8_RECIPES, backward_recipe_state, current_scale, fake_quant
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.pytorch import reference
 from transformer_engine.pytorch.module.linear import Linear
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
@@ -23,15 +23,10 @@ from transformer_engine.pytorch.tensor import Float8Tensor
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 IN, OUT = 64, 48
-RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
 
 
 def fwd_state(module):
     return module.fp8_meta["scaling_fwd"]
-
-
-def bwd_state(module):
-    return module.fp8_meta["scaling_bwd"]
 
 
 def amax(t):
@@ -64,10 +59,10 @@ def test_forward_and_backward_match_plain_pytorch(recipe, dtype, bias, shape):
     if recipe is None:
         y = m(x)
     else:
-        with te.autocast(recipe=RECIPES[recipe]()):
+        with te.autocast(recipe=FP8_RECIPES[recipe]()):
             y = m(x)
             fwd_scale = fwd_state(m).scale.clone() if recipe == "delayed" else None
-        bwd_scale = bwd_state(m).scale.clone() if recipe == "delayed" else None
+        bwd_scale = backward_recipe_state(m).scale.clone() if recipe == "delayed" else None
     y.backward(dy)
 
     assert y.shape == (*shape, OUT) and y.dtype == dtype
@@ -119,7 +114,7 @@ def test_fp8_inference_forward_needs_no_token_alignment(recipe):
     torch.manual_seed(2)
     m = Linear(IN, OUT, device="cpu")
     x = torch.randn(10, IN)
-    with torch.no_grad(), te.autocast(recipe=RECIPES[recipe]()):
+    with torch.no_grad(), te.autocast(recipe=FP8_RECIPES[recipe]()):
         y = m(x)
     assert y.shape == (10, OUT)
     assert_close_by_table(y, F.linear(x, m.weight, m.bias), ("e4m3", torch.float32))
@@ -132,7 +127,7 @@ def test_fp8_with_a_frozen_weight(recipe):
     m.weight.requires_grad_(False)
     x = torch.randn(32, IN, requires_grad=True)
     dy = torch.randn(32, OUT)
-    with te.autocast(recipe=RECIPES[recipe]()):
+    with te.autocast(recipe=FP8_RECIPES[recipe]()):
         y = m(x)
     y.backward(dy)
     assert m.weight.grad is None
@@ -146,7 +141,7 @@ def test_non_contiguous_input(recipe):
     m = Linear(IN, OUT, device="cpu")
     x = torch.randn(16, 2, IN).transpose(0, 1)
     assert not x.is_contiguous()
-    with te.autocast(enabled=recipe is not None, recipe=RECIPES.get(recipe, DelayedScaling)()):
+    with te.autocast(enabled=recipe is not None, recipe=FP8_RECIPES.get(recipe, DelayedScaling)()):
         y = m(x)
         y_contiguous = m(x.contiguous())
     assert torch.equal(y, y_contiguous)
@@ -227,7 +222,7 @@ def test_is_first_microbatch_true_caches_and_false_reuses_the_cached_weight():
     assert (y2 - F.linear(x2, m.weight, m.bias)).abs().max() > 1.0
 
     # backward uses the cached weight as well (its transposed copy)
-    bwd_scale = bwd_state(m).scale[0].clone()
+    bwd_scale = backward_recipe_state(m).scale[0].clone()
     y2.backward(dy)
     dyq = fake_quant(dy, bwd_scale, E5M2)
     assert_close_by_table(x2.grad, dyq @ w_cached, ("fp8_dequantized", torch.float32))
@@ -268,7 +263,7 @@ def test_return_bias_returns_the_bias_without_adding_it(recipe):
     with torch.no_grad():
         m.bias.uniform_(-1.0, 1.0)
     x = torch.randn(2, 16, IN)
-    with te.autocast(enabled=recipe is not None, recipe=RECIPES.get(recipe, DelayedScaling)()):
+    with te.autocast(enabled=recipe is not None, recipe=FP8_RECIPES.get(recipe, DelayedScaling)()):
         out, b = m(x)
     assert b.dtype == torch.float32 and b.shape == (OUT,)
     assert torch.equal(b, m.bias)
@@ -372,7 +367,7 @@ def test_fuse_wgrad_accumulation_into_main_grad(recipe, params_dtype):
         with te.autocast(enabled=recipe is not None, recipe=DelayedScaling()):
             y = m(x, is_first_microbatch=first)
             x_scale = fwd_state(m).scale[0].clone() if recipe else None  # updated only at exit
-        dy_scale = bwd_state(m).scale[0].clone() if recipe else None
+        dy_scale = backward_recipe_state(m).scale[0].clone() if recipe else None
         y.backward(dy)
         if recipe is None:
             return dy.double().t() @ x.double()
@@ -452,7 +447,7 @@ def test_fp8_parameters_forward_backward_and_sgd_step():
     assert_close_by_table(
         y, xq @ w_before.t() + m.bias.double(), ("fp8_dequantized", torch.float32)
     )
-    dy_scale = bwd_state(m).scale[0].clone()
+    dy_scale = backward_recipe_state(m).scale[0].clone()
     y.backward(dy)
     dyq = fake_quant(dy, dy_scale, E5M2)
     assert type(m.weight.grad) is torch.Tensor
@@ -502,7 +497,7 @@ def test_delayed_scaling_scales_follow_the_iteration_timeline():
         x_amaxes.append(amax(x))
         dy_amaxes.append(amax(dy))
         fwd_before = fwd_state(m).scale.clone() if step else torch.ones(3)
-        bwd_before = bwd_state(m).scale.clone() if step else torch.ones(2)
+        bwd_before = backward_recipe_state(m).scale.clone() if step else torch.ones(2)
         with te.autocast(recipe=recipe):
             y = m(x.requires_grad_())
             assert torch.equal(fwd_state(m).scale, fwd_before)  # no update inside the region
@@ -511,13 +506,14 @@ def test_delayed_scaling_scales_follow_the_iteration_timeline():
         assert fwd[0] == torch.tensor(448.0) / max(x_amaxes)
         assert fwd[1] == torch.tensor(448.0) / w_amax
         assert fwd[2] == 1.0  # the output slot is never cast
-        assert torch.equal(bwd_state(m).scale, bwd_before)  # backward ones wait for backward
+        # backward ones wait for backward
+        assert torch.equal(backward_recipe_state(m).scale, bwd_before)
         y.backward(dy)
-        bwd = bwd_state(m).scale
+        bwd = backward_recipe_state(m).scale
         assert bwd[0] == torch.tensor(57344.0) / max(dy_amaxes)
         assert bwd[1] == 1.0
         assert fwd_state(m).scale.device == m.weight.device
-        assert bwd_state(m).amax_history.device == m.weight.device
+        assert backward_recipe_state(m).amax_history.device == m.weight.device
     # one registry entry per direction, however many steps ran
     assert len(FP8GlobalStateManager.quantization_state.amax_registry) == 2
 
@@ -529,7 +525,7 @@ def test_delayed_scaling_does_not_update_under_no_grad():
         with torch.no_grad(), te.autocast(recipe=DelayedScaling()):
             m(torch.randn(32, IN))
     assert torch.equal(fwd_state(m).scale, torch.ones(3))
-    assert torch.equal(bwd_state(m).scale, torch.ones(2))
+    assert torch.equal(backward_recipe_state(m).scale, torch.ones(2))
     assert torch.count_nonzero(fwd_state(m).amax_history[1:]) == 0  # never rolled
 
 
@@ -563,7 +559,7 @@ def test_recipe_state_lives_on_the_parameters_device():
     m = Linear(IN, OUT, device="cpu")
     with te.autocast(recipe=DelayedScaling()):
         m(torch.randn(32, IN))
-    for state in (fwd_state(m), bwd_state(m)):
+    for state in (fwd_state(m), backward_recipe_state(m)):
         assert state.device == torch.device("cpu")
         assert state.scale.device == state.amax_history.device == torch.device("cpu")
     for quantizer in m.quantizers["scaling_fwd"] + m.quantizers["scaling_bwd"]:
@@ -580,7 +576,8 @@ def test_torch_autocast_bf16_with_fp32_params(recipe):
     m = Linear(IN, OUT, device="cpu")
     x = torch.randn(32, IN, requires_grad=True)
     with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
-        with te.autocast(enabled=recipe is not None, recipe=RECIPES.get(recipe, DelayedScaling)()):
+        recipe_object = FP8_RECIPES.get(recipe, DelayedScaling)()
+        with te.autocast(enabled=recipe is not None, recipe=recipe_object):
             y = m(x)
         y_ref = F.linear(x, m.weight, m.bias)
     assert y.dtype == torch.bfloat16

@@ -7,17 +7,14 @@ import io
 
 import pytest
 import torch
+from utils import bitwise_equal, needs_cuda, needs_two_gpus
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch.device import guard_depth
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a CUDA GPU; runs on the GPU machine through qa/L0_pytorch_gpu/test.sh",
-)
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+pytestmark = needs_cuda
 BF16 = torch.bfloat16
 HIDDEN, FFN, TOKENS = 64, 128, 32
 
@@ -69,11 +66,7 @@ def train(name, device, recipe, steps=3):
     return outs, grads, fp8_state
 
 
-def same(a, b):
-    return a.dtype == b.dtype and torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
-
-
-@two_gpus
+@needs_two_gpus
 @pytest.mark.parametrize(
     "recipe", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "current"]
 )
@@ -95,10 +88,10 @@ def test_module_on_cuda1_while_cuda0_is_current(name, recipe):
     finally:
         torch.cuda.set_device(0)
     for a, b in zip(outs + grads + state, ref_outs + ref_grads + ref_state):
-        assert same(a, b)
+        assert bitwise_equal(a, b)
 
 
-@two_gpus
+@needs_two_gpus
 def test_two_modules_on_two_gpus_in_one_autocast():
     torch.cuda.set_device(0)
     FP8GlobalStateManager.reset()
@@ -120,7 +113,7 @@ def test_two_modules_on_two_gpus_in_one_autocast():
     assert x.grad.device == torch.device("cuda:0")
 
 
-@two_gpus
+@needs_two_gpus
 def test_checkpoint_saved_on_cuda0_loads_onto_cuda1():
     torch.cuda.set_device(0)
     _, _, _ = train("Linear", "cuda:0", DelayedScaling())
@@ -145,7 +138,7 @@ def test_checkpoint_saved_on_cuda0_loads_onto_cuda1():
     assert torch.cuda.current_device() == 0
 
 
-@two_gpus
+@needs_two_gpus
 def test_quantized_model_init_on_cuda1():
     torch.cuda.set_device(0)
     FP8GlobalStateManager.reset()

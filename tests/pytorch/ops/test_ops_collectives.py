@@ -19,17 +19,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from tolerances import assert_close_by_table
+from utils import needs_two_gpus
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import Float8CurrentScaling
 from transformer_engine.pytorch import ops
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-
-two_gpus = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-    reason="needs two CUDA GPUs (one NCCL process on each); runs on the GPU machine",
-)
-
 
 # ------------------------------------------------------------------------------------------
 # Collectives: single process
@@ -272,7 +267,7 @@ def nccl_results():
     return _run("nccl")
 
 
-@two_gpus
+@needs_two_gpus
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_gpu_collectives_over_two_nccl_processes(nccl_results, check):
     for rank, results in enumerate(nccl_results):

@@ -13,20 +13,15 @@ while cuda:0 is current.
 
 import pytest
 import torch
+from utils import FP8_RECIPES, autocast_by_name, materialization_device, needs_cuda, needs_two_gpus
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import ops
 from transformer_engine.pytorch.ops.fuser import OperationFuser
-from transformer_engine.pytorch.ops.op import materialization_device
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
-RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
 HIDDEN, FFN, TOKENS = 32, 64, 16
-
-
-def autocast(recipe):
-    return te.autocast(enabled=recipe is not None, recipe=RECIPES[recipe]() if recipe else None)
 
 
 def build(name, device, dtype=torch.float32):
@@ -65,7 +60,7 @@ CASE_IDS = [f"{n}-{r}{'-fp8weights' if q else ''}" for n, r, q in CASES]
 def build_case(name, recipe, fp8_weights, device="meta"):
     if not fp8_weights:
         return build(name, device)
-    with te.quantized_model_init(recipe=RECIPES[recipe]()):
+    with te.quantized_model_init(recipe=FP8_RECIPES[recipe]()):
         return build(name, device)
 
 
@@ -121,7 +116,7 @@ def test_first_forward_materializes_and_backward_reaches_the_live_parameters(
 ):
     m = build_case(name, recipe, fp8_weights)
     x = data("cpu").requires_grad_(True)
-    with autocast(recipe):
+    with autocast_by_name(recipe):
         y = m(x)
     y.backward(torch.ones_like(y))
     cpu = torch.device("cpu")
@@ -141,7 +136,7 @@ def test_optimizer_built_after_materialization_trains_the_live_parameters(
 ):
     m = build_case(name, recipe, fp8_weights)
     x = data("cpu")
-    with torch.no_grad(), autocast(recipe):
+    with torch.no_grad(), autocast_by_name(recipe):
         m(x)  # materializes
     params = list(m.parameters())
     before = [p.detach().float().clone() for p in params]
@@ -150,7 +145,7 @@ def test_optimizer_built_after_materialization_trains_the_live_parameters(
     losses = []
     for _ in range(8):
         optimizer.zero_grad()
-        with autocast(recipe):
+        with autocast_by_name(recipe):
             loss = torch.nn.functional.mse_loss(m(x), target)
         loss.backward()
         optimizer.step()
@@ -230,14 +225,14 @@ def test_fuser_made_before_materialization_hands_autograd_the_live_parameters(re
     linear, norm = ops.Linear(HIDDEN, FFN, device="meta"), ops.RMSNorm(HIDDEN, device="meta")
     fuser = OperationFuser([norm, linear])
     x = data("cpu").requires_grad_(True)
-    with autocast(recipe):
+    with autocast_by_name(recipe):
         y = fuser(x)
     y.sum().backward()  # upstream: "expected device meta but got cpu"
     for p in (*norm.parameters(), *linear.parameters()):
         assert p.device.type == "cpu" and p.grad is not None
     model = build("Sequential", "meta")
     model._get_module_groups()  # fusers made while everything is meta
-    with autocast(recipe):
+    with autocast_by_name(recipe):
         model(x).sum().backward()
     check_live(model, torch.device("cpu"), recipe)
 
@@ -264,11 +259,11 @@ def test_linear_weight_and_bias_follow_the_basic_ops():
 def test_moving_back_to_meta_rematerializes_on_the_next_forward(recipe):
     m = build("Sequential", "meta")
     x = data("cpu")
-    with autocast(recipe):
+    with autocast_by_name(recipe):
         m(x).sum().backward()
     m.to("meta")
     assert all(p.is_meta for p in m.parameters())
-    with autocast(recipe):
+    with autocast_by_name(recipe):
         m(x).sum().backward()
     check_live(m, torch.device("cpu"), recipe)
     assert all(p.grad is not None and p.grad.device.type == "cpu" for p in m.parameters())
@@ -285,7 +280,9 @@ def test_first_forward_in_inference_mode_makes_trainable_parameters():
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_fp8_weights_keep_their_high_precision_init_values(recipe):
-    with te.quantized_model_init(recipe=RECIPES[recipe](), preserve_high_precision_init_val=True):
+    with te.quantized_model_init(
+        recipe=FP8_RECIPES[recipe](), preserve_high_precision_init_val=True
+    ):
         m = ops.BasicLinear(HIDDEN, FFN, device="meta")
     with pytest.warns(UserWarning, match="dequantized"):
         m(data("cpu"))  # outside autocast the FP8 weight is dequantized; still materializes
@@ -299,13 +296,6 @@ def test_fp8_weights_keep_their_high_precision_init_values(recipe):
 # ------------------------------------------------------------------------------------------
 # GPU: cuda:1 while cuda:0 is current
 
-cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a CUDA GPU; runs on the GPU machine through qa/L0_pytorch_gpu/test.sh",
-)
-two_gpus = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"
-)
 GPU_CASES = [
     c
     for c in CASES
@@ -321,7 +311,7 @@ def gpu_train(name, recipe, fp8_weights, device, current, steps=3, dtype=torch.b
     torch.cuda.set_device(current)
     torch.manual_seed(11)
     if fp8_weights:
-        with te.quantized_model_init(recipe=RECIPES[recipe]()):
+        with te.quantized_model_init(recipe=FP8_RECIPES[recipe]()):
             m = build(name, "meta", dtype)
     else:
         m = build(name, "meta", dtype)
@@ -329,7 +319,7 @@ def gpu_train(name, recipe, fp8_weights, device, current, steps=3, dtype=torch.b
     outputs = []
     optimizer = None
     for _ in range(steps):
-        with autocast(recipe):
+        with autocast_by_name(recipe):
             y = m(x)
         assert torch.cuda.current_device() == current
         y.float().square().mean().backward()
@@ -343,7 +333,7 @@ def gpu_train(name, recipe, fp8_weights, device, current, steps=3, dtype=torch.b
     return m, x, outputs
 
 
-@two_gpus
+@needs_two_gpus
 @pytest.mark.parametrize("name, recipe, fp8_weights", GPU_CASES, ids=GPU_IDS)
 def test_gpu_meta_ops_on_cuda1_while_cuda0_is_current(name, recipe, fp8_weights):
     dev1 = torch.device("cuda", 1)
@@ -363,7 +353,7 @@ def test_gpu_meta_ops_on_cuda1_while_cuda0_is_current(name, recipe, fp8_weights)
                         assert t.device == dev1
 
 
-@two_gpus
+@needs_two_gpus
 @pytest.mark.parametrize("recipe", [None, "delayed", "current"])
 def test_gpu_sequential_on_cuda1_is_bitwise_equal_whatever_device_is_current(recipe):
     dev1 = torch.device("cuda", 1)
@@ -378,7 +368,7 @@ def test_gpu_sequential_on_cuda1_is_bitwise_equal_whatever_device_is_current(rec
         assert torch.equal(a.grad, b.grad)
 
 
-@two_gpus
+@needs_two_gpus
 def test_gpu_input_on_another_device_than_the_parameters_is_refused():
     torch.cuda.set_device(0)
     m = build("Linear", "meta")
@@ -388,7 +378,7 @@ def test_gpu_input_on_another_device_than_the_parameters_is_refused():
     assert torch.cuda.current_device() == 0
 
 
-@cuda
+@needs_cuda
 @pytest.mark.parametrize("recipe", [None, "delayed", "current"])
 def test_gpu_meta_ops_materialize_on_the_input_device(recipe):
     device = torch.device("cuda", torch.cuda.device_count() - 1)
@@ -397,16 +387,16 @@ def test_gpu_meta_ops_materialize_on_the_input_device(recipe):
     assert torch.cuda.current_device() == 0
 
 
-@two_gpus
+@needs_two_gpus
 def test_gpu_checkpoint_written_on_cuda0_loads_next_to_parameters_on_cuda1():
     torch.cuda.set_device(0)
     src = build("Sequential", "cuda:0")
-    with autocast("delayed"):
+    with autocast_by_name("delayed"):
         src(data("cuda:0")).sum().backward()
     dst = build("Sequential", "meta")
     dst.load_state_dict(src.state_dict(), assign=True)
     dst.to("cuda:1")
-    with autocast("delayed"):
+    with autocast_by_name("delayed"):
         dst(data("cuda:1")).sum().backward()
     assert torch.cuda.current_device() == 0
     check_live(dst, torch.device("cuda", 1), "delayed")

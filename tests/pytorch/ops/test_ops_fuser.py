@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tolerances import assert_close_by_table
+from utils import autocast_by_name
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
@@ -14,12 +15,7 @@ from transformer_engine.pytorch.ops.fused import BackwardActivationBias, Forward
 from transformer_engine.pytorch.ops.fuser import OperationFuser
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
-RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
 HIDDEN, FFN, TOKENS = 32, 64, 16
-
-
-def autocast(recipe):
-    return te.autocast(enabled=recipe is not None, recipe=RECIPES[recipe]() if recipe else None)
 
 
 def mlp(dtype=torch.float32, activation=ops.GELU):
@@ -39,7 +35,7 @@ def run(model, x, dy, recipe):
     x = x.detach().clone().requires_grad_(True)
     for p in model.parameters():
         p.grad = None
-    with autocast(recipe):
+    with autocast_by_name(recipe):
         y = model(x)
     y.backward(dy)
     return [y, x.grad, *(p.grad for p in model.parameters())]
@@ -317,7 +313,7 @@ def test_delayed_scaling_state_is_registered_and_updated():
     x = torch.randn(TOKENS, HIDDEN)
     linear = model[0].basic_ops[0]
     for _ in range(2):
-        with autocast("delayed"):
+        with autocast_by_name("delayed"):
             y = model(x.requires_grad_(True))
         y.sum().backward()
     fwd, bwd = linear.recipe_state("forward"), linear.recipe_state("backward")
@@ -334,10 +330,10 @@ def test_delayed_scaling_state_is_registered_and_updated():
 def test_first_module_flag_is_claimed_once_and_restored_on_error():
     model = mlp()
     x = torch.randn(TOKENS, HIDDEN, requires_grad=True)
-    with autocast("delayed"):
+    with autocast_by_name("delayed"):
         model(x)
         assert not FP8GlobalStateManager.quantization_state.is_first_fp8_module
-    with autocast("delayed"):
+    with autocast_by_name("delayed"):
         with pytest.raises(ValueError):
             model(torch.randn(TOKENS, HIDDEN + 1, requires_grad=True))
         assert FP8GlobalStateManager.quantization_state.is_first_fp8_module
@@ -347,13 +343,13 @@ def test_recipe_changes_rebuild_the_state_and_keep_delayed_history():
     torch.manual_seed(27)
     op = ops.BasicLinear(HIDDEN, FFN, device="cpu")
     x = torch.randn(TOKENS, HIDDEN, requires_grad=True)
-    with autocast("delayed"):
+    with autocast_by_name("delayed"):
         op(x).sum().backward()
     state = op.recipe_state("forward")
     history = state.amax_history.clone()
     op(x)  # FP8 off: quantizers deactivated, state kept
     assert op.get_quantizer("forward", 0) is None and op.recipe_state("forward") is state
-    with autocast("delayed"):
+    with autocast_by_name("delayed"):
         op(x)
         assert op.recipe_state("forward") is state
         assert torch.equal(state.amax_history[1:], history[1:])
@@ -362,7 +358,7 @@ def test_recipe_changes_rebuild_the_state_and_keep_delayed_history():
         resized = op.recipe_state("forward")
         assert resized.amax_history.shape == (4, 2)
     registry = FP8GlobalStateManager.quantization_state.amax_registry
-    with autocast("current"):
+    with autocast_by_name("current"):
         op(x)
     assert type(op.recipe_state("forward")).__name__ == "Float8CurrentScalingRecipeState"
     assert len(registry) == 0  # the delayed entries were retired
@@ -370,7 +366,7 @@ def test_recipe_changes_rebuild_the_state_and_keep_delayed_history():
 
 def test_fp8_forward_outside_grad_mode_does_not_claim_the_first_module_flag():
     model = mlp()
-    with torch.no_grad(), autocast("delayed"):
+    with torch.no_grad(), autocast_by_name("delayed"):
         model(torch.randn(TOKENS, HIDDEN))
         assert FP8GlobalStateManager.quantization_state.is_first_fp8_module
 
@@ -381,7 +377,7 @@ def test_fp8_weights_and_autocast_recipe_must_agree():
     assert isinstance(op.weight, te.Float8Tensor) and isinstance(op.weight, torch.nn.Parameter)
     with (
         pytest.raises(ValueError, match="DelayedScaling.*Float8CurrentScaling"),
-        autocast("current"),
+        autocast_by_name("current"),
     ):
         op(torch.randn(TOKENS, HIDDEN))
     with pytest.warns(UserWarning, match="dequantized"):
@@ -424,7 +420,7 @@ def test_inference_forward_saves_nothing(mode):
 
 def train_steps(model, x, recipe, steps=3):
     for _ in range(steps):
-        with autocast(recipe):
+        with autocast_by_name(recipe):
             y = model(x.detach().requires_grad_(True))
         y.sum().backward()
 
@@ -445,7 +441,7 @@ def test_delayed_scaling_state_round_trips_through_a_weights_only_checkpoint(tmp
                     sa.amax_history, sb.amax_history
                 )
     assert dst[0].basic_ops[0].get_quantizer("forward", 0) is None  # loading does not turn FP8 on
-    with autocast("delayed"):
+    with autocast_by_name("delayed"):
         assert torch.equal(src(x), dst(x))
 
 
@@ -460,7 +456,7 @@ def test_checkpoint_loaded_into_meta_ops_moves_next_to_the_parameters():
         # torch copies nothing into meta parameters; the FP8 state waits on the CPU
         dst.load_state_dict(src.state_dict())
     expected = src[0].basic_ops[0].recipe_state("forward").scale.clone()
-    with autocast("delayed"):
+    with autocast_by_name("delayed"):
         dst(x)
         state = dst[0].basic_ops[0].recipe_state("forward")
         assert state.device == torch.device("cpu") and torch.equal(state.scale, expected)

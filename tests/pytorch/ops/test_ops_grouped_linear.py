@@ -13,24 +13,25 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from fp8_emulation import current_scale, fake_quant
 from tolerances import assert_close_by_table
+from utils import (
+    FP8_RECIPES,
+    autocast_by_name,
+    current_scale,
+    fake_quant,
+    materialization_device,
+    needs_two_gpus,
+)
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import ops
 from transformer_engine.pytorch.ops.fuser import OperationFuser
-from transformer_engine.pytorch.ops.op import materialization_device
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
 G, IN, OUT = 4, 64, 48
 SPLITS = [32, 0, 48, 16]  # group 1 is empty
-
-
-def autocast(recipe):
-    return te.autocast(enabled=recipe is not None, recipe=RECIPES[recipe]() if recipe else None)
 
 
 def build(num_groups=G, in_features=IN, out_features=OUT, seed=0, **kwargs):
@@ -78,7 +79,7 @@ def test_grouped_linear_matches_per_group_linear(recipe, dtype, splits_as):
     x = torch.randn(rows, IN, generator=g).to(dtype).requires_grad_()
     dy = torch.randn(rows, OUT, generator=g).to(dtype)
     splits = torch.tensor(SPLITS) if splits_as == "tensor" else SPLITS
-    with autocast(recipe):
+    with autocast_by_name(recipe):
         y = op(x, splits)
     y.backward(dy)
     y_ref, dx_ref, grads_ref = reference_run(op, x, dy, SPLITS)
@@ -129,7 +130,7 @@ def test_grouped_linear_per_group_quantizer_slots_and_one_backward_update():
     assert op.num_quantizers("forward") == 2 * G and op.num_quantizers("backward") == G
     assert op.get_input_quantizer() is None and op.get_grad_output_quantizer() is None
     x = torch.randn(sum(SPLITS), IN, requires_grad=True)
-    with autocast("delayed"):
+    with autocast_by_name("delayed"):
         y = op(x, SPLITS)
         fwd, bwd = op.recipe_state("forward"), op.recipe_state("backward")
         amaxes = fwd.amax_history[0].clone()  # before the update at the autocast exit
@@ -153,7 +154,7 @@ def test_grouped_linear_in_sequential_with_leading_dimensions(recipe):
     model = ops.Sequential(first, ops.GELU(), second)
     x = torch.randn(4, 16, 32, requires_grad=True)
     s1, s2 = torch.tensor([48, 16]), torch.tensor([16, 32, 16])
-    with autocast(recipe):
+    with autocast_by_name(recipe):
         y = model(x, s1, s2)
     dy = torch.randn_like(y)
     y.backward(dy)
@@ -192,7 +193,7 @@ def test_grouped_linear_empty_groups_and_no_bias():
     assert [n for n, _ in op.named_parameters()] == ["weight0", "weight1", "weight2"]
     assert op.bias0 is None and op.biases() == [None, None, None]
     x = torch.randn(16, IN, requires_grad=True)
-    with autocast("current"):
+    with autocast_by_name("current"):
         y = op(x, [0, 16, 0])
     y.sum().backward()
     assert torch.equal(op.weight0.grad, torch.zeros_like(op.weight0))
@@ -211,7 +212,7 @@ def test_grouped_linear_frozen_weights_and_input_without_grad():
     for p in op.parameters():
         p.requires_grad_(False)
     x = torch.randn(32, IN, requires_grad=True)
-    with autocast("delayed"):
+    with autocast_by_name("delayed"):
         y = op(x, [16, 16])
     y.sum().backward()
     assert x.grad is not None and all(p.grad is None for p in op.parameters())
@@ -219,7 +220,7 @@ def test_grouped_linear_frozen_weights_and_input_without_grad():
     op.weight0.requires_grad_(True)
     op.bias1.requires_grad_(True)
     dy = torch.randn(32, OUT)
-    with autocast("delayed"):
+    with autocast_by_name("delayed"):
         y = op(torch.randn(32, IN), [16, 16])
     y.backward(dy)
     assert op.weight0.grad is not None and op.weight1.grad is None and op.bias0.grad is None
@@ -238,7 +239,7 @@ def test_grouped_linear_accumulates_into_main_grad():
         torch.testing.assert_close(w.main_grad, 1 + dy[rows].t() @ x[rows], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("recipe", [None, *RECIPES])
+@pytest.mark.parametrize("recipe", [None, *FP8_RECIPES])
 @pytest.mark.parametrize("main_grad", [False, True])
 def test_grouped_linear_delay_wgrad_compute_defers_to_backward_dw(recipe, main_grad):
     def run(delay):
@@ -252,7 +253,7 @@ def test_grouped_linear_delay_wgrad_compute_defers_to_backward_dw(recipe, main_g
             g = torch.Generator().manual_seed(step)
             x = torch.randn(96, IN, generator=g).requires_grad_(True)
             dy = torch.randn(96, OUT, generator=g)
-            with autocast(recipe):
+            with autocast_by_name(recipe):
                 y = model(x, torch.tensor(SPLITS))
             y.backward(dy)
             grads_before.append([w.grad for w in op.weights()])
@@ -279,7 +280,7 @@ def test_grouped_linear_dequantizes_a_quantized_input():
     op = build(num_groups=2)
     model = ops.Sequential(ops.Quantize(), op)
     x = torch.randn(32, IN, requires_grad=True)
-    with autocast("current"):
+    with autocast_by_name("current"):
         y = model(x, torch.tensor([16, 16]))
     y.sum().backward()
     y_ref, _, _ = reference_run(op, x, torch.ones(32, OUT), [16, 16])
@@ -302,12 +303,12 @@ def test_grouped_linear_delayed_scaling_checkpoint_round_trip(tmp_path):
     """Every group's scales survive a weights_only checkpoint into a meta-built operation."""
     op = build(num_groups=3, in_features=32, out_features=32)
     x = torch.randn(32, 32, requires_grad=True)
-    with autocast("delayed"):
+    with autocast_by_name("delayed"):
         op(x, [16, 0, 16]).sum().backward()
     torch.save(op.state_dict(), tmp_path / "op.pt")
     restored = ops.GroupedLinear(3, 32, 32, device="meta")
     restored.load_state_dict(torch.load(tmp_path / "op.pt", weights_only=True), assign=True)
-    with autocast("delayed"):
+    with autocast_by_name("delayed"):
         expected, actual = op(x, [16, 0, 16]), restored(x, [16, 0, 16])
     assert torch.equal(actual, expected)
     for mode in ("forward", "backward"):
@@ -346,9 +347,9 @@ def test_grouped_linear_argument_errors():
         OperationFuser([op])(torch.randn(32, IN))
     with pytest.raises(ValueError, match="expected 1 extra inputs"):
         ops.Sequential(op)(torch.randn(32, IN))
-    with pytest.raises(ValueError, match="multiple of 16"), autocast("delayed"):
+    with pytest.raises(ValueError, match="multiple of 16"), autocast_by_name("delayed"):
         op(torch.randn(32, IN, requires_grad=True), [8, 24])
-    with torch.no_grad(), autocast("delayed"):
+    with torch.no_grad(), autocast_by_name("delayed"):
         op(torch.randn(32, IN), [8, 24])  # without weight gradients any split works
     for kwargs, name in (
         ({"single_grouped_weight": True}, "single_grouped_weight"),
@@ -376,7 +377,7 @@ D_SPLITS = [16, 0, 16]
 def build_meta(recipe=None, fp8_weights=False, **kwargs):
     if not fp8_weights:
         return ops.GroupedLinear(3, 32, 32, device="meta", **kwargs)
-    with te.quantized_model_init(recipe=RECIPES[recipe]()):
+    with te.quantized_model_init(recipe=FP8_RECIPES[recipe]()):
         return ops.GroupedLinear(3, 32, 32, device="meta", **kwargs)
 
 
@@ -400,7 +401,7 @@ def test_grouped_linear_meta_construction_holds_no_storage():
 def test_grouped_linear_first_forward_materializes_and_trains(recipe, fp8_weights):
     op = build_meta(recipe, fp8_weights)
     x = torch.randn(32, 32, requires_grad=True)
-    with autocast(recipe):
+    with autocast_by_name(recipe):
         y = op(x, D_SPLITS)
     y.backward(torch.ones_like(y))
     cpu = torch.device("cpu")
@@ -418,7 +419,7 @@ def test_grouped_linear_first_forward_materializes_and_trains(recipe, fp8_weight
     losses = []
     for _ in range(6):
         optimizer.zero_grad()
-        with autocast(recipe):
+        with autocast_by_name(recipe):
             loss = F.mse_loss(op(x.detach(), D_SPLITS), target)
         loss.backward()
         optimizer.step()
@@ -478,7 +479,7 @@ def test_grouped_linear_fuser_made_before_materialization_uses_the_live_paramete
     model = ops.Sequential(ops.RMSNorm(32, device="meta"), op)
     model._get_module_groups()  # fusers made while everything is meta
     x = torch.randn(32, 32, requires_grad=True)
-    with autocast("delayed"):
+    with autocast_by_name("delayed"):
         model(x, torch.tensor(D_SPLITS)).sum().backward()
     assert all(p.device.type == "cpu" and p.grad is not None for p in model.parameters())
     check_live(op, torch.device("cpu"), "delayed")
@@ -486,7 +487,9 @@ def test_grouped_linear_fuser_made_before_materialization_uses_the_live_paramete
 
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_grouped_linear_fp8_weights_keep_their_high_precision_init_values(recipe):
-    with te.quantized_model_init(recipe=RECIPES[recipe](), preserve_high_precision_init_val=True):
+    with te.quantized_model_init(
+        recipe=FP8_RECIPES[recipe](), preserve_high_precision_init_val=True
+    ):
         op = ops.GroupedLinear(2, 32, 32, device="meta")
     with pytest.warns(UserWarning, match="dequantized"):
         op(torch.randn(32, 32), [16, 16])
@@ -496,25 +499,19 @@ def test_grouped_linear_fp8_weights_keep_their_high_precision_init_values(recipe
         torch.testing.assert_close(w.dequantize(), init, rtol=0.125, atol=1e-2)
     with (
         pytest.raises(ValueError, match="same recipe class"),
-        autocast("current" if recipe == "delayed" else "delayed"),
+        autocast_by_name("current" if recipe == "delayed" else "delayed"),
     ):
         op(torch.randn(32, 32), [16, 16])
 
 
-two_gpus = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-    reason="needs two CUDA GPUs (cuda:1 while cuda:0 is current); runs on the GPU machine",
-)
-
-
-@two_gpus
+@needs_two_gpus
 @pytest.mark.parametrize("recipe", [None, "delayed", "current"])
 def test_gpu_grouped_linear_meta_on_cuda1_while_cuda0_is_current(recipe):
     torch.cuda.set_device(0)
     dev1 = torch.device("cuda", 1)
     op = ops.GroupedLinear(3, 32, 32, device="meta", dtype=torch.bfloat16)
     x = torch.randn(32, 32, device=dev1, dtype=torch.bfloat16, requires_grad=True)
-    with autocast(recipe):
+    with autocast_by_name(recipe):
         y = op(x, D_SPLITS)
     assert torch.cuda.current_device() == 0
     y.float().square().mean().backward()

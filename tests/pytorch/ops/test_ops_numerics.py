@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from fp8_emulation import current_scale, fake_quant
 from tolerances import assert_close_by_table
+from utils import REFERENCE_ACTIVATIONS, autocast_by_name, current_scale, fake_quant
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
@@ -21,11 +21,6 @@ from transformer_engine.pytorch.tensor import Float8Tensor
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 IN, OUT = 64, 48
-RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
-
-
-def autocast(recipe):
-    return te.autocast(enabled=recipe is not None, recipe=RECIPES[recipe]() if recipe else None)
 
 
 def leaf(t):
@@ -53,7 +48,7 @@ def test_basic_linear_matches_plain_pytorch(recipe, dtype, shape):
     dy = torch.randn(*shape, OUT, dtype=dtype)
     w_ref, x_ref = leaf(op.weight), leaf(x)
     F.linear(x_ref, w_ref).backward(dy)
-    with autocast(recipe):
+    with autocast_by_name(recipe):
         y = op(x)
         state = op.recipe_state("forward")
         fwd_scale = state.scale.clone() if recipe == "delayed" else None
@@ -94,14 +89,14 @@ def test_basic_linear_frozen_weight_and_input_without_grad(recipe):
     op = ops.BasicLinear(IN, OUT, device="cpu")
     op.weight.requires_grad_(False)
     x = torch.randn(32, IN, requires_grad=True)
-    with autocast(recipe):
+    with autocast_by_name(recipe):
         y = op(x)
     y.sum().backward()
     assert op.weight.grad is None and x.grad.shape == x.shape
     # weight trainable, input not: only the weight gradient
     op.weight.requires_grad_(True)
     x2 = torch.randn(32, IN)
-    with autocast(recipe):
+    with autocast_by_name(recipe):
         y2 = op(x2)
     y2.sum().backward()
     assert op.weight.grad is not None
@@ -162,7 +157,7 @@ def test_basic_linear_argument_errors():
     op = ops.BasicLinear(IN, OUT, device="cpu")
     with pytest.raises(ValueError, match="in_features=64"):
         op(torch.randn(4, IN + 1))
-    with pytest.raises(ValueError, match="multiple of 16"), autocast("current"):
+    with pytest.raises(ValueError, match="multiple of 16"), autocast_by_name("current"):
         ops.BasicLinear(IN, 40, device="cpu")(torch.randn(16, IN))
 
 
@@ -171,7 +166,7 @@ def test_basic_linear_fp8_inference_needs_no_token_alignment(recipe):
     torch.manual_seed(7)
     op = ops.BasicLinear(IN, OUT, device="cpu")
     x = torch.randn(10, IN)
-    with torch.no_grad(), autocast(recipe):
+    with torch.no_grad(), autocast_by_name(recipe):
         y = op(x)
     assert_close_by_table(y, F.linear(x, op.weight), ("e4m3", torch.float32))
 
@@ -204,39 +199,16 @@ def test_bias_matches_plain_pytorch(dtype):
 # Activations (plain PyTorch references, independent of functional/activation.py)
 
 
-def _halves(x):
-    return x.chunk(2, dim=-1)
-
-
-def _gelu(x):
-    return F.gelu(x, approximate="tanh")
-
-
-def _qgelu(x):
-    return x * torch.sigmoid(1.702 * x)
-
-
-def _clamped_swiglu(x):
-    a, b = _halves(x)
-    a = a.clamp(max=7.0)
-    return a * torch.sigmoid(1.702 * a) * (b.clamp(-7.0, 7.0) + 1.0)
-
-
+# operation name -> (operation, the plain-PyTorch reference of the module activation it computes)
 ACTIVATIONS = {
-    "GELU": (ops.GELU, _gelu),
-    "GEGLU": (ops.GEGLU, lambda x: _gelu(_halves(x)[0]) * _halves(x)[1]),
-    "GLU": (ops.GLU, lambda x: torch.sigmoid(_halves(x)[0]) * _halves(x)[1]),
-    "QGELU": (ops.QGELU, _qgelu),
-    "QuickGELU": (ops.QuickGELU, _qgelu),
-    "QGEGLU": (ops.QGEGLU, lambda x: _qgelu(_halves(x)[0]) * _halves(x)[1]),
-    "ReLU": (ops.ReLU, F.relu),
-    "ReGLU": (ops.ReGLU, lambda x: F.relu(_halves(x)[0]) * _halves(x)[1]),
-    "SReLU": (ops.SReLU, lambda x: F.relu(x) ** 2),
-    "SReGLU": (ops.SReGLU, lambda x: F.relu(_halves(x)[0]) ** 2 * _halves(x)[1]),
-    "SiLU": (ops.SiLU, F.silu),
-    "SwiGLU": (ops.SwiGLU, lambda x: F.silu(_halves(x)[0]) * _halves(x)[1]),
-    "ClampedSwiGLU": (ops.ClampedSwiGLU, _clamped_swiglu),
-}
+    name: (getattr(ops, name), REFERENCE_ACTIVATIONS[activation])
+    for name, activation in [
+        ("GELU", "gelu"), ("GEGLU", "geglu"), ("GLU", "glu"), ("QGELU", "qgelu"),
+        ("QuickGELU", "qgelu"), ("QGEGLU", "qgeglu"), ("ReLU", "relu"), ("ReGLU", "reglu"),
+        ("SReLU", "srelu"), ("SReGLU", "sreglu"), ("SiLU", "silu"), ("SwiGLU", "swiglu"),
+        ("ClampedSwiGLU", "clamped_swiglu"),
+    ]
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -269,7 +241,7 @@ def test_activation_cache_quantized_input(recipe):
     x = torch.randn(16, 32, requires_grad=True)
     x2 = leaf(x)
     dy = torch.randn(16, 32)
-    with autocast(recipe):
+    with autocast_by_name(recipe):
         y, y2 = exact(x), cached(x2)
     (y * dy).sum().backward()
     (y2 * dy).sum().backward()
@@ -387,7 +359,7 @@ def test_quantize_forward_and_backward(recipe):
     op = ops.Quantize(forward=True, backward=True)
     x = torch.randn(32, 64, requires_grad=True)
     dy = torch.randn(32, 64)
-    with autocast(recipe):
+    with autocast_by_name(recipe):
         y = op(x)
     assert isinstance(y, Float8Tensor) and y.dtype == torch.float32
     sx = torch.ones(1) if recipe == "delayed" else current_scale(x, E4M3)
@@ -418,7 +390,7 @@ def test_quantized_input_feeds_the_linear_as_is():
     model = ops.Sequential(ops.Quantize(), ops.BasicLinear(IN, OUT, device="cpu"))
     x = torch.randn(32, IN, requires_grad=True)
     linear = model[1]
-    with autocast("delayed"):
+    with autocast_by_name("delayed"):
         y = model(x)
         # the linear did not cast its input again: its input amax slot stays empty
         assert linear.recipe_state("forward").amax_history[0, 0] == 0.0

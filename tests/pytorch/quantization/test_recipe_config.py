@@ -12,9 +12,9 @@ import os
 import pickle
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from utils import REPO_ROOT
 
 from transformer_engine.common.recipe import (
     DelayedScaling,
@@ -27,7 +27,6 @@ from transformer_engine.common.recipe import (
 
 ENV_POWER_2 = "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"
 ENV_BACKWARD = "NVTE_BACKWARD_OVERRIDE"
-REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(autouse=True)

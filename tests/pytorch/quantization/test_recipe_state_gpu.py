@@ -5,16 +5,13 @@ Skipped without CUDA (reason given); the two-GPU tests need two GPUs in one proc
 
 import pytest
 import torch
+from utils import needs_cuda, needs_two_gpus
 
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 from transformer_engine.pytorch import reference
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager, RecipeState, autocast
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a CUDA GPU; runs on the GPU machine through qa/L0_pytorch_gpu/test.sh",
-)
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+pytestmark = needs_cuda
 
 
 def module_meta(recipe, device, slots=3):
@@ -35,7 +32,7 @@ def run_steps(meta, inputs, recipe):
     return outs
 
 
-@pytest.mark.parametrize("device", ["cuda:0", pytest.param("cuda:1", marks=two_gpus)])
+@pytest.mark.parametrize("device", ["cuda:0", pytest.param("cuda:1", marks=needs_two_gpus)])
 def test_delayed_scaling_on_a_device_matches_the_cpu_run_bitwise(device):
     torch.cuda.set_device(0)
     recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=5, margin=1)
@@ -60,7 +57,7 @@ def test_delayed_scaling_on_a_device_matches_the_cpu_run_bitwise(device):
         assert torch.equal(g_out._scale_inv.cpu(), c_out._scale_inv)
 
 
-@two_gpus
+@needs_two_gpus
 def test_two_states_on_two_gpus_update_in_one_exit_without_cross_device_copies():
     torch.cuda.set_device(0)
     recipe = DelayedScaling(amax_history_len=4)
@@ -92,7 +89,7 @@ def test_two_states_on_two_gpus_update_in_one_exit_without_cross_device_copies()
     assert torch.cuda.current_device() == 0
 
 
-@two_gpus
+@needs_two_gpus
 def test_current_scaling_quantizer_runs_on_the_inputs_device():
     torch.cuda.set_device(0)
     state = RecipeState.create(

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from utils import REPO_ROOT, describe_process
 
-REPO = Path(__file__).resolve().parents[3]
-SCRIPT = REPO / "examples" / "pytorch" / "train_transformer_fp8.py"
+SCRIPT = REPO_ROOT / "examples" / "pytorch" / "train_transformer_fp8.py"
 TINY = [
     "--steps", "4", "--layers", "1", "--hidden", "32", "--ffn", "64", "--heads", "2",
     "--seq-len", "16", "--batch-size", "2",
@@ -43,24 +43,20 @@ def run_example(*args: str, cwd: Path, timeout: float = 120.0) -> subprocess.Com
     )
 
 
-def describe(proc: subprocess.CompletedProcess) -> str:
-    return f"exit code {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
-
-
 def test_tiny_cpu_run_prints_the_table_and_writes_a_png(tmp_path):
     out = tmp_path / "plots" / "curves.png"
     proc = run_example(*TINY, "--device", "cpu", "--out", str(out), cwd=tmp_path)
-    assert proc.returncode == 0, describe(proc)
+    assert proc.returncode == 0, describe_process(proc)
     stdout = proc.stdout
 
-    assert stdout.startswith("transformer_engine "), describe(proc)  # native_status() first
+    assert stdout.startswith("transformer_engine "), describe_process(proc)  # native_status() first
     assert "identical initial weights in both runs: True" in stdout
     assert re.search(r"block 0 \(LayerNormLinear, Linear, LayerNormMLP\)\s+-> cpu", stdout)
-    assert "FP8 state placement: OK" in stdout, describe(proc)
+    assert "FP8 state placement: OK" in stdout, describe_process(proc)
 
-    assert "=== FP8 vs high precision: comparison ===" in stdout, describe(proc)
+    assert "=== FP8 vs high precision: comparison ===" in stdout, describe_process(proc)
     rows = {m["label"]: m for m in ROW.finditer(stdout)}
-    assert set(rows) == {"FP8 (HYBRID)", "BF16 (no FP8)"}, describe(proc)
+    assert set(rows) == {"FP8 (HYBRID)", "BF16 (no FP8)"}, describe_process(proc)
     for row in rows.values():
         final, mean = float(row["final"]), float(row["mean"])
         assert math.isfinite(final) and 0.0 < final < 10.0
@@ -79,9 +75,9 @@ def test_no_plot_and_fp32_override(tmp_path):
     proc = run_example(
         *TINY, "--device", "cpu", "--hp-dtype", "fp32", "--no-plot", "--steps", "2", cwd=tmp_path
     )
-    assert proc.returncode == 0, describe(proc)
+    assert proc.returncode == 0, describe_process(proc)
     rows = {m["label"] for m in ROW.finditer(proc.stdout)}
-    assert rows == {"FP8 (HYBRID)", "FP32 (no FP8)"}, describe(proc)
+    assert rows == {"FP8 (HYBRID)", "FP32 (no FP8)"}, describe_process(proc)
     assert "loss curves written" not in proc.stdout
     assert not (tmp_path / "fp8_vs_bf16_loss.png").exists()
     assert list(tmp_path.iterdir()) == []
@@ -89,7 +85,7 @@ def test_no_plot_and_fp32_override(tmp_path):
 
 def test_sizes_that_fp8_gemms_cannot_take_are_refused(tmp_path):
     proc = run_example(*TINY, "--device", "cpu", "--hidden", "40", cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2, describe(proc)
+    assert proc.returncode == 2, describe_process(proc)
     assert "--hidden 40: FP8 GEMMs need a multiple of 16" in proc.stderr
 
 
@@ -97,7 +93,7 @@ def test_sizes_that_fp8_gemms_cannot_take_are_refused(tmp_path):
 @pytest.mark.parametrize("device", ["cuda", "split"])
 def test_cuda_devices_without_cuda_exit_with_a_message(tmp_path, device):
     proc = run_example(*TINY, "--device", device, cwd=tmp_path, timeout=60)
-    assert proc.returncode != 0, describe(proc)
+    assert proc.returncode != 0, describe_process(proc)
     assert f"--device {device} was requested but CUDA is not available" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert "comparison" not in proc.stdout
