@@ -7,7 +7,7 @@ What each file holds:
 * ``state.py``: :class:`FP8GlobalState` (the only process-wide quantization state: autocast
   flags and the amax registry) and its facade :class:`FP8GlobalStateManager`, which registers
   modules' delayed-scaling state and runs the reduce-and-update of one direction.
-* ``autocast.py``: the context managers ``autocast`` / ``quantized_model_init`` (and their
+* ``context_managers.py``: the context managers ``autocast`` / ``quantized_model_init`` (and their
   deprecated ``fp8_`` aliases).
 * ``recipe_state.py``: per-module, per-direction state built from a recipe (delayed scaling:
   ``scale`` and ``amax_history`` on the owner's device) and the quantizers that view it.
@@ -28,7 +28,7 @@ When scales update (delayed scaling):
 An autocast that exits because of an exception restores the state and performs no update.
 """
 
-from .autocast import autocast, fp8_autocast, fp8_model_init, quantized_model_init
+from .context_managers import autocast, fp8_autocast, fp8_model_init, quantized_model_init
 from .backward_update import BackwardScaleUpdate, claim_backward_update
 from .delayed_scaling_update import (
     _amax_and_scale_update,
