@@ -12,7 +12,7 @@ import functools
 import torch
 
 from ...common.recipe import DelayedScaling, Float8CurrentScaling, Recipe
-from ..device import device_compute_capability
+from ..device import device_compute_capability, visible_cuda_devices
 
 __all__ = [
     "is_fp8_available",
@@ -49,12 +49,9 @@ def check_fp8_support(device=None) -> tuple[bool, str]:
         if device.type == "meta":
             return False, "meta tensors hold no data; FP8 needs a real device"
         return True, ""
-    if torch.cuda.is_available():
-        reasons = [
-            r
-            for ok, r in (_cuda_fp8_support(i) for i in range(torch.cuda.device_count()))
-            if not ok
-        ]
+    gpus = visible_cuda_devices()
+    if gpus:
+        reasons = [r for ok, r in (_cuda_fp8_support(d.index) for d in gpus) if not ok]
         return (not reasons, "; ".join(reasons))
     return True, ""
 
