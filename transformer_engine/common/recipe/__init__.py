@@ -294,14 +294,14 @@ class Recipe:
         return False
 
 
-# The repr of a recipe is part of the autocast buffer key: modules whose recipes print the same
-# share one set of global amax buffers, reduced and updated together. The key must therefore be
-# the same for the same configuration, also when the recipe object is rebuilt (a common pattern
-# is `autocast(recipe=DelayedScaling(...))` inside the training loop) and on every rank. That is
-# why the reprs below list only plain values and leave out `amax_compute_algo` and
-# `scaling_factor_compute_algo`: a callable prints with its memory address, so a freshly made
-# lambda would open a new key, and new buffers, on every step. The trade-off, as upstream: two
-# recipes that differ only in those algorithms share a key, so use one of them per process.
+# Which modules share one set of amax buffers (reduced and updated together) is decided by recipe
+# *equality* (transformer_engine.pytorch.quantization.AmaxKey), so a recipe rebuilt every step
+# (`autocast(recipe=DelayedScaling(...))` inside the training loop) keeps its modules in one
+# group, on every rank. Recipes whose `amax_compute_algo` / `scaling_factor_compute_algo` are
+# different callables are different groups, each updated with its own callables; a lambda made
+# afresh every step therefore moves its modules to a new group every step (correct, but it
+# re-registers them each time: define the callable once). The reprs below list plain values only
+# (a callable prints with its memory address); upstream's string key helpers still use them.
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -401,7 +401,7 @@ class DelayedScaling(Recipe):
             )
 
     def __repr__(self) -> str:
-        # Part of the autocast buffer key: see the comment above this class.
+        # Plain values only: see the comment above this class.
         return (
             f"recipe_type={type(self).__name__}, "
             f"margin={self.margin}, "
@@ -486,7 +486,7 @@ class Float8CurrentScaling(Recipe):
         _check_backward_override(owner, self.backward_override)
 
     def __repr__(self) -> str:
-        # Part of the autocast buffer key, like DelayedScaling's: plain values only.
+        # Plain values only, like DelayedScaling's.
         return (
             f"recipe_type={type(self).__name__}, "
             f"format={self.fp8_format.name}, "
