@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,8 +20,8 @@ from tolerances import GEMM_TOLERANCES, assert_close_by_table
 
 from transformer_engine.pytorch import cpp_extensions as ext
 from transformer_engine.pytorch.constants import DType, TE_DType_To_Torch, fp8_max
-from transformer_engine.pytorch.cpp_extensions import gemm as gemm_module
-from transformer_engine.pytorch.cpp_extensions import general_gemm
+from transformer_engine.pytorch.cpp_extensions import Float8GemmOperand, general_gemm
+from transformer_engine.pytorch.cpp_extensions import float8_gemm_operand as operand_module
 
 E4M3, E5M2 = DType.kFloat8E4M3, DType.kFloat8E5M2
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -47,18 +46,17 @@ def randn(shape, seed, scale=1.0, dtype=FP32, device="cpu"):
 
 
 def fp8_operand(t, fp8_dtype, *, rowwise=True, columnwise=True, device=None):
-    """A stand-in Float8TensorStorage (current scaling: amax maps to the FP8 max) and the
+    """A plain-tensor FP8 operand (current scaling: amax maps to the FP8 max) and the
     dequantized float32 values it holds. Quantized on CPU, then moved to ``device``."""
     device = device or t.device
     torch_fp8 = TE_DType_To_Torch[fp8_dtype]
     amax = t.abs().max().float().cpu() if t.numel() else torch.tensor(1.0)
     scale = fp8_max(torch_fp8) / amax.clamp_min(1e-12).reshape(1)
     q = ext.quantize(t.detach().cpu(), scale, fp8_dtype, with_transpose=True)
-    operand = SimpleNamespace(
-        _data=q.data.view(torch.uint8).to(device) if rowwise else None,
-        _transpose=q.transpose.view(torch.uint8).to(device) if columnwise else None,
-        _scale_inv=q.scale_inv.to(device),
-        _fp8_dtype=fp8_dtype,
+    operand = Float8GemmOperand(
+        data=q.data.to(device) if rowwise else None,
+        transpose=q.transpose.to(device) if columnwise else None,
+        scale_inv=q.scale_inv.to(device),
     )
     return operand, (q.data.float() * q.scale_inv).to(device)
 
@@ -127,11 +125,13 @@ def test_fp8_gemm_reads_only_the_buffers_its_layout_needs(layout):
     # The unused buffers poisoned: still the same result (they are never read).
     poisoned = []
     for op, row, col in ((qa, a_row, a_col), (qb, b_row, b_col)):
-        p = SimpleNamespace(**vars(op))
+        p = op
         if not row:
-            p._data = torch.full_like(op._data, 0x7E)
+            p = p._replace(data=torch.full_like(op.data.view(torch.uint8), 0x7E).view(op.data.dtype))
         if not col:
-            p._transpose = torch.full_like(op._transpose, 0x7E)
+            p = p._replace(
+                transpose=torch.full_like(op.transpose.view(torch.uint8), 0x7E).view(op.data.dtype)
+            )
         poisoned.append(p)
     assert torch.equal(general_gemm(*poisoned, FP32, layout=layout)[0], full)
 
@@ -151,12 +151,14 @@ def test_fp8_gemm_missing_buffer_names_the_usage(layout, operand, usage):
     a, b = operands(layout)
     qa, _ = fp8_operand(a, E4M3)
     qb, _ = fp8_operand(b, E4M3)
-    target = qa if operand == "A" else qb
+    field = "data" if usage == "rowwise" else "transpose"
+    if operand == "A":
+        qa = qa._replace(**{field: None})
+    else:
+        qb = qb._replace(**{field: None})
     if usage == "rowwise":
-        target._data = None
         message = f"{operand} has no rowwise FP8 data .*quantize it with rowwise usage"
     else:
-        target._transpose = None
         message = (
             f"{operand} has no columnwise \\(transposed\\) FP8 data.*quantize it with "
             "columnwise usage"
@@ -175,19 +177,19 @@ def test_fp8_gemm_without_any_buffer_is_refused():
 
 @pytest.mark.parametrize("layout", ["NN", "NT"])
 def test_non_tn_devices_serve_columnwise_usage_from_rowwise_data(layout, monkeypatch):
-    # Data-center Blackwell keeps no transposed copy; _data is transposed on the fly (exact).
+    # Data-center Blackwell keeps no transposed copy; data is transposed on the fly (exact).
     a, b = operands(layout)
     qa, _ = fp8_operand(a, E4M3)
     qb, _ = fp8_operand(b, E5M2)
     expected = general_gemm(qa, qb, FP32, layout=layout)[0]
     qa_row, _ = fp8_operand(a, E4M3, columnwise=False)
     qb_row, _ = fp8_operand(b, E5M2, columnwise=False)
-    monkeypatch.setattr(gemm_module, "is_non_tn_fp8_gemm_supported", lambda device: True)
+    monkeypatch.setattr(operand_module, "is_non_tn_fp8_gemm_supported", lambda device: True)
     assert torch.equal(general_gemm(qa_row, qb_row, FP32, layout=layout)[0], expected)
 
 
 def test_fp8_transpose_only_operand_has_its_logical_shape():
-    # A B quantized for wgrad only (no _data) still gives the right output shape.
+    # A B quantized for wgrad only (no row-wise data) still gives the right output shape.
     a, b = operands("NT")
     qa, da = fp8_operand(a, E4M3, rowwise=False)
     qb, db = fp8_operand(b, E5M2, rowwise=False)
@@ -394,7 +396,7 @@ def test_k_mismatch(layout):
         general_gemm(fp8_operand(a, E4M3)[0], fp8_operand(b, E4M3)[0], layout=layout)
 
 
-@pytest.mark.parametrize("where", ["A", "B", "A._data", "B._transpose", "scale_inv", "bias", "out"])
+@pytest.mark.parametrize("where", ["A", "B", "A.data", "B.transpose", "scale_inv", "bias", "out"])
 def test_meta_tensors_are_refused(where):
     a, b = operands("NT")
     qa, _ = fp8_operand(a, E4M3)
@@ -407,12 +409,12 @@ def test_meta_tensors_are_refused(where):
         a_arg, b_arg = a, b.to("meta")
     else:
         a_arg, b_arg = qa, qb
-        if where == "A._data":
-            qa._data = qa._data.to("meta")
-        elif where == "B._transpose":
-            qb._transpose = qb._transpose.to("meta")
+        if where == "A.data":
+            a_arg = qa._replace(data=qa.data.to("meta"))
+        elif where == "B.transpose":
+            b_arg = qb._replace(transpose=qb.transpose.to("meta"))
         elif where == "scale_inv":
-            qa._scale_inv = qa._scale_inv.to("meta")
+            a_arg = qa._replace(scale_inv=qa.scale_inv.to("meta"))
         elif where == "bias":
             bias = bias.to("meta")
         else:
@@ -506,21 +508,17 @@ def test_fp8_operand_errors():
     with pytest.raises(ValueError, match="A and B are both E5M2"):
         general_gemm(*both_e5m2)
     qa, _ = fp8_operand(a, E4M3)
-    qa._scale_inv = qa._scale_inv.double()
-    with pytest.raises(TypeError, match="A._scale_inv must be float32"):
-        general_gemm(qa, qb)
-    qa, _ = fp8_operand(a, E4M3)
-    qa._transpose = qa._transpose[:-1]
-    with pytest.raises(ValueError, match=r"A._transpose has shape \(63, 48\).*stale"):
-        general_gemm(qa, qb)
-    qa, _ = fp8_operand(a, E4M3)
-    qa._data = qa._data.float()
-    with pytest.raises(TypeError, match="A._data has dtype torch.float32"):
-        general_gemm(qa, qb)
-    qa, _ = fp8_operand(a, E4M3)
-    qa._fp8_dtype = DType.kBFloat16
-    with pytest.raises(TypeError, match="is not an FP8 format"):
-        general_gemm(qa, qb)
+    with pytest.raises(TypeError, match="A.scale_inv must be float32"):
+        general_gemm(qa._replace(scale_inv=qa.scale_inv.double()), qb)
+    with pytest.raises(ValueError, match=r"A.transpose has shape \(63, 48\).*stale"):
+        general_gemm(qa._replace(transpose=qa.transpose[:-1]), qb)
+    with pytest.raises(TypeError, match="A.data has dtype torch.float32"):
+        general_gemm(qa._replace(data=qa.data.float()), qb)
+    # uint8 bytes say nothing about their format: the interface hands over typed values.
+    with pytest.raises(TypeError, match="A.transpose has dtype torch.uint8"):
+        general_gemm(qa._replace(transpose=qa.transpose.view(torch.uint8)), qb)
+    with pytest.raises(TypeError, match="A.transpose is torch.float8_e5m2 but A.data is"):
+        general_gemm(qa._replace(transpose=qa.transpose.view(torch.float8_e5m2)), qb)
 
 
 def test_tolerance_table_is_complete_for_gemm_tests():
@@ -667,9 +665,9 @@ def test_gpu_second_device_while_first_is_current():
     )
     # An operand on the other GPU is refused, naming both devices, before any launch.
     qa0, _ = fp8_operand(a, E4M3, device="cuda:0")
-    with pytest.raises(ValueError, match="A._data is on cuda:0 but B._data is on cuda:1"):
+    with pytest.raises(ValueError, match="A.data is on cuda:0 but B.data is on cuda:1"):
         general_gemm(qa0, qb, layout="NN")
-    with pytest.raises(ValueError, match="out is on cuda:0 but B._data is on cuda:1"):
+    with pytest.raises(ValueError, match="out is on cuda:0 but B.data is on cuda:1"):
         general_gemm(qa, qb, layout="NN", out=torch.empty(2, 5, 48, dtype=BF16, device="cuda:0"))
 
 
@@ -678,7 +676,7 @@ def test_gpu_device_mismatch_with_cpu():
     a, b = operands("TN")
     qa, _ = fp8_operand(a, E4M3, device="cuda:0")
     qb, _ = fp8_operand(b, E4M3)
-    with pytest.raises(ValueError, match="A._data is on cuda:0 but B._data is on cpu"):
+    with pytest.raises(ValueError, match="A.data is on cuda:0 but B.data is on cpu"):
         general_gemm(qa, qb)
     with pytest.raises(ValueError, match="A is on cpu but B is on cuda:0"):
         general_gemm(a, b.cuda())

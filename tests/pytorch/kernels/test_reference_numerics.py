@@ -1,8 +1,8 @@
 """Numerics of transformer_engine.pytorch.reference against independent expected values.
 
 Expected values are hand-computed constants or come from the small per-element
-Python implementations below (struct/float math); the reference is never used
-to check itself.
+Python implementations in tests/pytorch/fp8_oracle.py and below (struct/float math); the
+reference is never used to check itself.
 """
 
 from __future__ import annotations
@@ -14,31 +14,15 @@ import zlib
 
 import pytest
 import torch
+from fp8_oracle import E4M3, E5M2, FLT_MAX, INF, NAN, FP8_FORMATS, f32, fp8_decode, fp8_encode
+from fp8_oracle import delayed_scaling_update_model as model_update
 
 from transformer_engine.pytorch import reference as R
 
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
 FP8 = (E4M3, E5M2)
 HP = (torch.float32, torch.float16, torch.bfloat16)
-FLT_MAX = 3.4028234663852886e38
-INF = math.inf
-NAN = math.nan
 
 # ---------------------------------------------------------------- independent helpers
-
-# mantissa bits, exponent bias, largest finite value, its byte
-_FMT = {E4M3: (3, 7, 448.0, 0x7E), E5M2: (2, 15, 57344.0, 0x7B)}
-
-
-def f32(x: float) -> float:
-    """Round a Python float to float32 (round to nearest even, overflow to inf)."""
-    if math.isnan(x) or math.isinf(x):
-        return x
-    try:
-        return struct.unpack("<f", struct.pack("<f", x))[0]
-    except OverflowError:
-        return math.copysign(INF, x)
 
 
 def f32_bits(x: float) -> int:
@@ -65,42 +49,6 @@ def bf16(x: float) -> float:
 
 def round_to(x: float, dtype: torch.dtype) -> float:
     return {torch.float32: f32, torch.float16: f16, torch.bfloat16: bf16}[dtype](x)
-
-
-def fp8_encode(v: float, dtype) -> int:
-    """Saturating, round-to-nearest-even encoding of a float32 value; NaN -> 0x7F."""
-    mbits, bias, vmax, maxbyte = _FMT[dtype]
-    if math.isnan(v):
-        return 0x7F
-    sign = 0x80 if math.copysign(1.0, v) < 0 else 0
-    a = abs(v)
-    if a >= vmax:
-        return sign | maxbyte
-    if a == 0:
-        return sign
-    emin = 1 - bias
-    e = max(math.frexp(a)[1] - 1, emin)
-    r = round(a / 2.0 ** (e - mbits))  # exact quotient; round() is half-to-even
-    if r == 2 ** (mbits + 1):
-        e, r = e + 1, 2**mbits
-    if r < 2**mbits:  # subnormal (or zero)
-        return sign | r
-    return sign | ((e + bias) << mbits) | (r - 2**mbits)
-
-
-def fp8_decode(b: int, dtype) -> float:
-    mbits, bias, _, _ = _FMT[dtype]
-    ebits = 7 - mbits
-    sign = -1.0 if b & 0x80 else 1.0
-    exp = (b >> mbits) & ((1 << ebits) - 1)
-    mant = b & ((1 << mbits) - 1)
-    if dtype == E4M3 and exp == 15 and mant == 7:
-        return NAN
-    if dtype == E5M2 and exp == 31:
-        return sign * INF if mant == 0 else NAN
-    if exp == 0:
-        return sign * mant * 2.0 ** (1 - bias - mbits)
-    return sign * (1 + mant / 2**mbits) * 2.0 ** (exp - bias)
 
 
 def bytes_of(t: torch.Tensor) -> list:
@@ -286,6 +234,18 @@ def test_transpose_wider_dtypes_never_silently_wrong(dtype):
 # ---------------------------------------------------------------- reciprocal, dequantize
 
 
+def test_column_sum_hand_values():
+    x = torch.tensor([[[1.0, -2.0, 0.5]], [[3.0, 4.0, 0.25]]])  # shape (2, 1, 3)
+    assert torch.equal(R.column_sum(x), torch.tensor([4.0, 2.0, 0.75]))
+    # Accumulated in float32, rounded once: 256 + 1 + 1 = 258 is a bf16 value (a bf16 running
+    # sum would stay at 256: 257 is a tie between 256 and 258 and rounds to even, 256).
+    col = torch.tensor([[256.0], [1.0], [1.0]], dtype=torch.bfloat16)
+    out = R.column_sum(col)
+    assert out.dtype == torch.bfloat16 and out.item() == 258.0
+    with pytest.raises(ValueError, match="0-d tensor has no last dimension"):
+        R.column_sum(torch.tensor(1.0))
+
+
 @pytest.mark.parametrize("s", [1.0, 3.0, 0.1, 448.0 / 3, 2.0**-20, FLT_MAX, 0.0])
 def test_reciprocal(s):
     r = R.reciprocal(torch.tensor(s, dtype=torch.float32))
@@ -383,33 +343,6 @@ def test_scaled_fp8_max():
 # ---------------------------------------------------------------- delayed scaling: independent model
 
 
-def model_update(hists, scales, fp8_max, margin=0.0, algo="max", reduced=None):
-    """Loop-based delayed-scaling update over lists of plain floats (in place)."""
-    scaled_max = f32(fp8_max * 2.0 ** (-margin))
-    offset = 0
-    for hist, scale in zip(hists, scales):
-        n, L = len(scale), len(hist)
-        for i in range(n):
-            a = hist[0][i]
-            if reduced is not None and reduced[offset + i] != 0:
-                a = reduced[offset + i]
-            if a == 0:
-                continue
-            cand = a
-            if algo == "max":
-                for r in range(1, L):
-                    h = hist[r][i]
-                    cand = NAN if (math.isnan(h) or math.isnan(cand)) else max(cand, h)
-            col = [hist[r][i] for r in range(1, L)] + [a]
-            col[0] = 0.0
-            for r in range(L):
-                hist[r][i] = col[r]
-            if math.isfinite(cand) and cand > 0:
-                s = f32(scaled_max / cand)  # correctly rounded float32 division
-                scale[i] = FLT_MAX if s == INF else s
-        offset += n
-
-
 def to_t(rows):
     return torch.tensor(rows, dtype=torch.float32)
 
@@ -423,7 +356,7 @@ def same(t: torch.Tensor, values) -> bool:
 @pytest.mark.parametrize("margin", [0.0, 1.0])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 def test_edge_case_table(dtype, margin, algo):
-    fp8_max = _FMT[dtype][2]
+    fp8_max = FP8_FORMATS[dtype][2]
     row0 = [0.0, 1e-37, 2.0, INF, NAN]
     H = to_t([row0, [0.0] * 5, [0.0] * 5])
     S = to_t([0.5] * 5)
@@ -518,7 +451,7 @@ def test_twenty_step_simulation(dtype, algo, margin, use_buffer):
     scales = [[1.0] * n for _, n in shapes]
     H = [to_t(h) for h in hists]
     S = [to_t(s) for s in scales]
-    fp8_max = _FMT[dtype][2]
+    fp8_max = FP8_FORMATS[dtype][2]
 
     def amax_value():
         kind = rng.random()
