@@ -13,13 +13,13 @@ import math
 import subprocess
 from pathlib import Path
 
+import fp8_oracle as oracle
 import pytest
 import torch
 import torch.nn.functional as F
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
-from transformer_engine.pytorch import reference
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,15 +103,16 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # --- what an FP8 GEMM sees -----------------------------------------------------------------------
 def fake_quant(t, scale, fp8_dtype):
-    """What an FP8 GEMM sees of ``t`` cast with ``scale``: dequantized values (float64)."""
+    """What an FP8 GEMM sees of ``t`` cast with ``scale``: dequantized values (float64), from
+    the independent oracle (fp8_oracle.py), not the reference the CPU path itself runs."""
     scale = torch.as_tensor(scale, dtype=torch.float32).reshape(1)
-    data = reference.cast_to_fp8(t.detach(), scale, fp8_dtype)
-    return reference.dequantize(data, reference.reciprocal(scale), torch.float32).double()
+    data = oracle.cast_bytes(t, scale, fp8_dtype)
+    return oracle.dequantize(data, oracle.reciprocal(scale), torch.float32, fp8_dtype).double()
 
 
 def current_scale(t, fp8_dtype):
     """Current scaling's scale for ``t``."""
-    return reference.compute_scale_from_amax(reference.amax(t.detach()), fp8_dtype)
+    return oracle.scale_from_amax(oracle.amax(t), fp8_dtype)
 
 
 # --- plain-PyTorch reference activations ---------------------------------------------------------

@@ -8,6 +8,7 @@ in ``test_linear_state.py``.
 
 import warnings
 
+import fp8_oracle as oracle
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,6 @@ from utils import FP8_RECIPES, backward_recipe_state, current_scale, fake_quant
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
-from transformer_engine.pytorch import reference
 from transformer_engine.pytorch.module.linear import Linear
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 from transformer_engine.pytorch.tensor import Float8Tensor
@@ -197,7 +197,7 @@ def test_is_first_microbatch_true_caches_and_false_reuses_the_cached_weight():
     cached_bytes = cached._data.clone()
     # cast with the weight slot's scale at that time (1.0 on the first step)
     assert torch.equal(
-        cached_bytes, reference.cast_to_fp8(w0, torch.ones(1), E4M3).view(torch.uint8)
+        cached_bytes, oracle.cast_bytes(w0, 1.0, E4M3)
     )
     weight_scale = fwd_state(m).scale[1].clone()
     assert weight_scale != 1.0
@@ -430,7 +430,7 @@ def test_fp8_parameters_preserve_high_precision_init_val():
     assert init.shape == (OUT, IN)
     assert 0.018 < init.std().item() < 0.028
     assert init.device.type == "cpu" and init.dtype == torch.float32
-    assert torch.equal(w._data, reference.cast_to_fp8(init, torch.ones(1), E4M3).view(torch.uint8))
+    assert torch.equal(w._data, oracle.cast_bytes(init, 1.0, E4M3))
 
 
 def test_fp8_parameters_forward_backward_and_sgd_step():
@@ -461,9 +461,9 @@ def test_fp8_parameters_forward_backward_and_sgd_step():
     assert isinstance(m.weight, Float8Tensor) and isinstance(m.weight, torch.nn.Parameter)
     assert not torch.equal(m.weight._data, bytes_before)
     new_scale = fwd_state(m).scale[1].reshape(1)
-    expected = reference.cast_to_fp8(w_before.float() - lr * grad, new_scale, E4M3)
-    assert torch.equal(m.weight._data, expected.view(torch.uint8))  # re-cast with the new scale
-    torch.testing.assert_close(m.weight._scale_inv, reference.reciprocal(new_scale))
+    expected = oracle.cast_bytes(w_before.float() - lr * grad, new_scale, E4M3)
+    assert torch.equal(m.weight._data, expected)  # re-cast with the new scale
+    torch.testing.assert_close(m.weight._scale_inv, oracle.reciprocal(new_scale))
     assert_close_by_table(
         m.weight.dequantize(), w_before.float() - lr * grad, ("e4m3", torch.float32)
     )
