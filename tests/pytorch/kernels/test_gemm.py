@@ -11,12 +11,12 @@ outputs land, and skips without a GPU.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import pytest
 import torch
 from tolerances import GEMM_TOLERANCES, assert_close_by_table
+from utils import current_device_unchanged, needs_cuda, needs_two_gpus
 
 from transformer_engine.pytorch import cpp_extensions as ext
 from transformer_engine.pytorch.constants import DType, TE_DType_To_Torch, fp8_max
@@ -538,22 +538,6 @@ def test_tolerance_table_is_complete_for_gemm_tests():
 # ---------------------------------------------------------------------------------------------
 # GPU: same numerics on CUDA, outputs on the operands' device, current device unchanged
 # ---------------------------------------------------------------------------------------------
-
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a CUDA GPU; runs on the GPU machine through qa/L0_pytorch_gpu/test.sh",
-)
-needs_two_gpus = pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs two CUDA GPUs in one process"
-)
-
-
-@contextlib.contextmanager
-def current_device_unchanged():
-    before = torch.cuda.current_device()
-    yield
-    assert torch.cuda.current_device() == before
-
 
 def gpu_devices():
     return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
