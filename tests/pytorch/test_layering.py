@@ -21,8 +21,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 # Not from utils.py: this test imports nothing of the package it checks.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "transformer_engine"

@@ -15,9 +15,9 @@ import subprocess
 import sys
 import warnings
 
+import fp8_oracle as oracle
 import pytest
 import torch
-import fp8_oracle as oracle
 from utils import REPO_ROOT, float32_bits, uint8_view
 
 import transformer_engine

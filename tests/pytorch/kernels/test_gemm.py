@@ -127,7 +127,9 @@ def test_fp8_gemm_reads_only_the_buffers_its_layout_needs(layout):
     for op, row, col in ((qa, a_row, a_col), (qb, b_row, b_col)):
         p = op
         if not row:
-            p = p._replace(data=torch.full_like(op.data.view(torch.uint8), 0x7E).view(op.data.dtype))
+            p = p._replace(
+                data=torch.full_like(op.data.view(torch.uint8), 0x7E).view(op.data.dtype)
+            )
         if not col:
             p = p._replace(
                 transpose=torch.full_like(op.transpose.view(torch.uint8), 0x7E).view(op.data.dtype)
@@ -538,6 +540,7 @@ def test_tolerance_table_is_complete_for_gemm_tests():
 # ---------------------------------------------------------------------------------------------
 # GPU: same numerics on CUDA, outputs on the operands' device, current device unchanged
 # ---------------------------------------------------------------------------------------------
+
 
 def gpu_devices():
     return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]

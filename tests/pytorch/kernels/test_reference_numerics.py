@@ -14,7 +14,7 @@ import zlib
 
 import pytest
 import torch
-from fp8_oracle import E4M3, E5M2, FLT_MAX, INF, NAN, FP8_FORMATS, f32, fp8_decode, fp8_encode
+from fp8_oracle import E4M3, E5M2, FLT_MAX, FP8_FORMATS, INF, NAN, f32, fp8_decode, fp8_encode
 from fp8_oracle import delayed_scaling_update_model as model_update
 
 from transformer_engine.pytorch import reference as R

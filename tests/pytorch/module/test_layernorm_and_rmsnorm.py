@@ -18,8 +18,8 @@ from utils import current_device_unchanged, materialization_device, needs_cuda, 
 
 from transformer_engine.pytorch import device as device_seam
 from transformer_engine.pytorch.device import DevicePlacementError
-from transformer_engine.pytorch.module import LayerNorm, RMSNorm
 from transformer_engine.pytorch.functional.normalization import layernorm, rmsnorm
+from transformer_engine.pytorch.module import LayerNorm, RMSNorm
 
 TOLERANCES = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1.6e-2, 1e-2)}
 SHAPES = [(5, 64), (2, 3, 217), (1, 1616)]
@@ -440,6 +440,7 @@ def test_functional_argument_errors():
 # ---------------------------------------------------------------------------------------------
 # GPU: placement off the current device
 # ---------------------------------------------------------------------------------------------
+
 
 @needs_cuda
 @pytest.mark.parametrize("cls", MODULES, ids=MODULE_IDS)

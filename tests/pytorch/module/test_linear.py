@@ -196,9 +196,7 @@ def test_is_first_microbatch_true_caches_and_false_reuses_the_cached_weight():
     cached = m._fp8_workspaces["weight"]
     cached_bytes = cached._data.clone()
     # cast with the weight slot's scale at that time (1.0 on the first step)
-    assert torch.equal(
-        cached_bytes, oracle.cast_bytes(w0, 1.0, E4M3)
-    )
+    assert torch.equal(cached_bytes, oracle.cast_bytes(w0, 1.0, E4M3))
     weight_scale = fwd_state(m).scale[1].clone()
     assert weight_scale != 1.0
 

@@ -16,7 +16,6 @@ import torch
 from utils import FP8_RECIPES, autocast_by_name, materialization_device, needs_cuda, needs_two_gpus
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import ops
 from transformer_engine.pytorch.ops.fuser import OperationFuser
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager

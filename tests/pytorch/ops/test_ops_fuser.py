@@ -9,7 +9,7 @@ from tolerances import assert_close_by_table
 from utils import autocast_by_name
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.pytorch import ops
 from transformer_engine.pytorch.ops.fused import BackwardActivationBias, ForwardLinearBiasActivation
 from transformer_engine.pytorch.ops.fuser import OperationFuser

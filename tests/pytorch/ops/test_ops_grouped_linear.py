@@ -24,7 +24,6 @@ from utils import (
 )
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import ops
 from transformer_engine.pytorch.ops.fuser import OperationFuser
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager

@@ -14,8 +14,6 @@ import torch.nn.functional as F
 from tolerances import assert_close_by_table
 from utils import REFERENCE_ACTIVATIONS, autocast_by_name, current_scale, fake_quant
 
-import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import ops
 from transformer_engine.pytorch.tensor import Float8Tensor
 

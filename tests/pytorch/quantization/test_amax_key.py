@@ -9,8 +9,12 @@ import pytest
 import torch
 
 from transformer_engine.common.recipe import DelayedScaling
-from transformer_engine.pytorch.quantization import FP8GlobalStateManager, RecipeState, autocast
-from transformer_engine.pytorch.quantization import amax_registry
+from transformer_engine.pytorch.quantization import (
+    FP8GlobalStateManager,
+    RecipeState,
+    amax_registry,
+    autocast,
+)
 
 
 class UnhashableDelayedScaling(DelayedScaling):

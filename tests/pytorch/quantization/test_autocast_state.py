@@ -8,13 +8,13 @@ import torch
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 from transformer_engine.pytorch import quantization as q
 from transformer_engine.pytorch.constants import DType
-from transformer_engine.pytorch.quantization import support
 from transformer_engine.pytorch.quantization import (
     DelayedScalingRecipeState,
     Float8CurrentScalingRecipeState,
     FP8GlobalStateManager,
     RecipeState,
     autocast,
+    support,
 )
 
 

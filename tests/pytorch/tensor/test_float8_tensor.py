@@ -16,9 +16,9 @@ import math
 import pickle
 import warnings
 
+import fp8_oracle as oracle
 import pytest
 import torch
-import fp8_oracle as oracle
 from utils import float32_bits, uint8_view
 
 from transformer_engine.pytorch import quantized_tensor as qt_module
@@ -31,9 +31,9 @@ from transformer_engine.pytorch.tensor import (
     QuantizedTensor,
     QuantizedTensorStorage,
     Quantizer,
+    _float8_quantize_into,
 )
 from transformer_engine.pytorch.tensor.float8_tensor import _make_float8_tensor_in_reduce_ex
-from transformer_engine.pytorch.tensor import _float8_quantize_into
 from transformer_engine.pytorch.tensor.storage import float8_tensor_storage
 
 E4M3 = torch.float8_e4m3fn

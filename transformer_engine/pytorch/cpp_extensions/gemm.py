@@ -58,6 +58,7 @@ _LAYOUTS = ("TN", "NN", "NT")
 # nothing, and the same rule is applied there so a shape that works on CPU works on a GPU.
 FP8_GEMM_DIM_MULTIPLE = 16
 
+
 def _dims(layout: str, a_shape: tuple, b_shape: tuple) -> tuple[int, int, int, tuple]:
     """``(M, N, K, out_shape)`` of the GEMM, after checking that the operands agree on K."""
     if layout in ("TN", "NN"):

@@ -65,8 +65,7 @@ def copy_plain(value: Any, path: str, error: type[Exception], *, exact: bool = T
     for plain in (list, tuple):
         if kind is plain or (not exact and isinstance(value, plain)):
             return plain(
-                copy_plain(item, f"{path}[{i}]", error, exact=exact)
-                for i, item in enumerate(value)
+                copy_plain(item, f"{path}[{i}]", error, exact=exact) for i, item in enumerate(value)
             )
     if kind is dict or (not exact and isinstance(value, dict)):
         copied = {}

@@ -66,7 +66,7 @@ def _target_device(device: Any) -> torch.device:
         raise ValueError(
             "unpack_extra_state needs device=...: the device of the module's parameters, where "
             "its FP8 state lives (state follows its module: docs/architecture.md, section "
-            "\"device contract\")"
+            '"device contract")'
         )
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -220,4 +220,3 @@ def unpack_extra_state(state: Any, *, device: Any) -> UnpackedExtraState | None:
         f"extra state of type {type(state).__name__} is not understood; expected the dict of "
         f"pack_extra_state, a torch.uint8 tensor, an io.BytesIO, or None"
     )
-

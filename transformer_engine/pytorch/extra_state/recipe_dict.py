@@ -194,4 +194,3 @@ def recipe_from_dict(stored: dict[str, Any]) -> Recipe:
                     stacklevel=2,
                 )
     return recipe
-

@@ -292,9 +292,7 @@ def _translate_upstream(obj: Any, device: torch.device) -> UnpackedExtraState:
         raise ValueError(
             f"upstream extra state 'extra_fp8_variables' must be a dict, got {type(extra).__name__}"
         )
-    extra = copy_plain(
-        extra, "upstream extra state 'extra_fp8_variables'", ValueError, exact=False
-    )
+    extra = copy_plain(extra, "upstream extra state 'extra_fp8_variables'", ValueError, exact=False)
     moved = {name: to_module_device(t, device) for name, t in tensors.items()}
     return UnpackedExtraState(recipe, moved, extra)
 

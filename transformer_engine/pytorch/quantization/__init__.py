@@ -28,8 +28,8 @@ When scales update (delayed scaling):
 An autocast that exits because of an exception restores the state and performs no update.
 """
 
-from .context_managers import autocast, fp8_autocast, fp8_model_init, quantized_model_init
 from .backward_update import BackwardScaleUpdate, claim_backward_update
+from .context_managers import autocast, fp8_autocast, fp8_model_init, quantized_model_init
 from .delayed_scaling_update import (
     _amax_and_scale_update,
     _compute_amax_and_update_history,

@@ -63,7 +63,6 @@ class AmaxKey:
         return hash((self.forward, type(self.recipe), id(self.group)))
 
 
-
 class _Entry:
     """A registered pair, held by weak references; ``on_free`` runs when either is freed."""
 

@@ -219,7 +219,9 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
             self._transpose = None
             self._transpose_invalid = True
 
-    def float8_gemm_input(self, columnwise: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def float8_gemm_input(
+        self, columnwise: bool = False
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``(values, scale_inv)`` for a GEMM, as
         :meth:`Float8TensorStorage.float8_gemm_input <transformer_engine.pytorch.tensor.storage.float8_tensor_storage.Float8TensorStorage.float8_gemm_input>`
         describes, except that the typed view is made afresh on every call: a tensor keeps its

@@ -15,7 +15,7 @@ checkpoints use for the pickled reconstructor ``_make_float8_tensor_in_reduce_ex
 """
 
 from ._float8_quantizers import Float8CurrentScalingQuantizer, Float8Quantizer
-from ._float8_tensor_class import Float8Tensor, _make_float8_tensor_in_reduce_ex
+from ._float8_tensor_class import Float8Tensor, _make_float8_tensor_in_reduce_ex  # noqa: F401
 
 __all__ = ["Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8Tensor"]
 

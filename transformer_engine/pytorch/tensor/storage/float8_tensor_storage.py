@@ -290,7 +290,9 @@ class Float8TensorStorage(QuantizedTensorStorage):
 
     # ------------------------------------------------------------------ GEMM operand
 
-    def float8_gemm_input(self, columnwise: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def float8_gemm_input(
+        self, columnwise: bool = False
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The FP8 values and scale a GEMM reads, as plain torch tensors: ``(values, scale_inv)``.
 
         This is the FP8 operand interface of
