@@ -1,0 +1,46 @@
+"""``transformer_engine_torch``: upstream Transformer Engine's extension module, by name.
+
+Upstream ships its C++ extension as this top-level module and its Python code, tests and
+users do ``import transformer_engine_torch as tex``. Here it is a Python package over this
+package's kernel wrappers (:mod:`transformer_engine.pytorch.cpp_extensions`: the native
+library on CUDA tensors, the PyTorch reference elsewhere), with upstream's argument order and
+meaning. It is a client of :mod:`transformer_engine.pytorch` and nothing in
+``transformer_engine`` imports it.
+
+Only what works is here: the enums and ``FP8TensorMeta``, the per-tensor FP8 quantize family,
+``generic_gemm`` (high precision and per-tensor FP8), the fused delayed-scaling update and the
+version queries. docs/build.md lists what each accepts and what it refuses.
+"""
+
+from transformer_engine.pytorch.cpp_extensions import (
+    fused_amax_and_scale_update_after_reduction,
+)
+
+from ._enums import DType, FP8BwdTensors, FP8FwdTensors, FP8TensorMeta
+from ._gemm import generic_gemm
+from ._quantize import (
+    bgrad_quantize,
+    compute_amax,
+    create_empty_quantized_tensor,
+    dequantize,
+    multi_tensor_quantize,
+    quantize,
+)
+from ._versions import get_cublasLt_version, get_cudnn_version
+
+__all__ = [
+    "DType",
+    "FP8FwdTensors",
+    "FP8BwdTensors",
+    "FP8TensorMeta",
+    "quantize",
+    "dequantize",
+    "bgrad_quantize",
+    "create_empty_quantized_tensor",
+    "multi_tensor_quantize",
+    "compute_amax",
+    "generic_gemm",
+    "fused_amax_and_scale_update_after_reduction",
+    "get_cublasLt_version",
+    "get_cudnn_version",
+]
