@@ -38,7 +38,10 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.common.*",
         "transformer_engine.pytorch.constants",
     )),
-    (1, "the device seam", ("transformer_engine.pytorch.device",)),
+    (1, "the device seam, and upstream's small helpers over it", (
+        "transformer_engine.pytorch.device",
+        "transformer_engine.pytorch.utils",
+    )),
     (2, "pure-PyTorch kernel specification", ("transformer_engine.pytorch.reference",)),
     (3, "kernel wrappers", (
         "transformer_engine.pytorch.cpp_extensions",
@@ -54,6 +57,7 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.pytorch.quantization.*",
         "transformer_engine.pytorch.extra_state",
         "transformer_engine.pytorch.extra_state.*",
+        "transformer_engine.pytorch._extra_state",
     )),
     (6, "the functional core", (
         "transformer_engine.pytorch.functional",

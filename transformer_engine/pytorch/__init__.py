@@ -28,8 +28,28 @@ from .quantization import (
     is_fp8_available,
     quantized_model_init,
 )
-from .quantized_tensor import QuantizedTensor, Quantizer
-from .tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
+from .quantized_tensor import (
+    QuantizedTensor,
+    QuantizedTensorStorage,
+    Quantizer,
+    prepare_for_saving,
+    restore_from_func_ctx,
+    restore_from_saved,
+)
+from .tensor import (
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    Float8Tensor,
+    Float8TensorStorage,
+)
+from .utils import (
+    deinterleave_glu_tensor,
+    get_cudnn_version,
+    get_device_compute_capability,
+    interleave_glu_tensor,
+    is_bf16_available,
+    torch_version,
+)
 
 __all__ = [
     "Linear",
@@ -59,4 +79,15 @@ __all__ = [
     "Float8Quantizer",
     "Float8CurrentScalingQuantizer",
     "Float8Tensor",
+    "Float8TensorStorage",
+    "QuantizedTensorStorage",
+    "prepare_for_saving",
+    "restore_from_saved",
+    "restore_from_func_ctx",
+    "torch_version",
+    "get_device_compute_capability",
+    "get_cudnn_version",
+    "is_bf16_available",
+    "interleave_glu_tensor",
+    "deinterleave_glu_tensor",
 ]

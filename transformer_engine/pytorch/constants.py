@@ -8,6 +8,7 @@ so a ``DType`` can be handed to the binding as a plain ``int``.
 from __future__ import annotations
 
 import enum
+from types import SimpleNamespace
 
 import torch
 
@@ -19,6 +20,8 @@ __all__ = [
     "HIGH_PRECISION_DTYPES",
     "fp8_max",
     "to_torch_fp8_dtype",
+    "FP8FwdTensorIdx",
+    "FP8BwdTensorIdx",
 ]
 
 
@@ -87,3 +90,27 @@ def to_torch_fp8_dtype(fp8_dtype) -> torch.dtype:
 def fp8_max(fp8_dtype) -> float:
     """Largest finite value of an FP8 format: 448 for E4M3, 57344 for E5M2."""
     return _FP8_MAX[to_torch_fp8_dtype(fp8_dtype)]
+
+
+# Quantizer slots of a module's recipe state (upstream's ``tex.FP8FwdTensors`` /
+# ``tex.FP8BwdTensors`` numbering). Forward: three slots per GEMM, ``[input, weight, output]``;
+# backward: two per GEMM, ``[grad_output, grad_input]``. Upstream's forward table has no
+# GEMM3_INPUT / GEMM3_WEIGHT (only attention's third "GEMM" output uses slot 8), and neither has
+# this one, so code written against upstream finds exactly the names it expects.
+FP8FwdTensorIdx = SimpleNamespace(
+    GEMM1_INPUT=0,
+    GEMM1_WEIGHT=1,
+    GEMM1_OUTPUT=2,
+    GEMM2_INPUT=3,
+    GEMM2_WEIGHT=4,
+    GEMM2_OUTPUT=5,
+    GEMM3_OUTPUT=8,
+)
+FP8BwdTensorIdx = SimpleNamespace(
+    GRAD_OUTPUT1=0,
+    GRAD_INPUT1=1,
+    GRAD_OUTPUT2=2,
+    GRAD_INPUT2=3,
+    GRAD_OUTPUT3=4,
+    GRAD_INPUT3=5,
+)

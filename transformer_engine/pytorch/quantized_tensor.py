@@ -44,6 +44,7 @@ __all__ = [
     "QuantizedTensor",
     "prepare_for_saving",
     "restore_from_saved",
+    "restore_from_func_ctx",
 ]
 
 aten = torch.ops.aten
@@ -310,17 +311,46 @@ def prepare_for_saving(*tensors) -> tuple[list[torch.Tensor | None], list[Any]]:
     return tensor_list, objects
 
 
-def restore_from_saved(objects: list[Any], saved_tensors) -> list[Any]:
-    """Inverse of :func:`prepare_for_saving`: the original tensors and storages, in order."""
+def restore_from_saved(objects: list[Any], saved_tensors, return_saved_tensors: bool = False):
+    """Inverse of :func:`prepare_for_saving`: the original tensors and storages, in order.
+
+    Each storage takes its buffers from the front of ``saved_tensors``. With
+    ``return_saved_tensors=True`` the result is ``(restored, leftover)``, ``leftover`` being
+    the saved tensors no object consumed (for callers that saved more after them).
+    """
     saved = list(saved_tensors)
     out = []
     for obj in objects:
         if obj is None:
+            if not saved:
+                raise ValueError(
+                    "restore_from_saved: more objects than saved tensors; pass the objects and "
+                    "tensors of one prepare_for_saving call"
+                )
             out.append(saved.pop(0))
         else:
             saved = obj.restore_from_saved(saved)
             out.append(obj)
-    return out
+    return (out, saved) if return_saved_tensors else out
+
+
+def restore_from_func_ctx(ctx, return_saved_tensors: bool = False):
+    """:func:`restore_from_saved` for an autograd function's ``ctx``.
+
+    Forward stores ``tensors, ctx.tensor_objects = prepare_for_saving(...)`` and calls
+    ``ctx.save_for_backward(*tensors)``; backward calls this. ``ctx.tensor_objects`` is
+    cleared afterwards so the storages are not kept alive by the graph.
+    """
+    try:
+        objects = ctx.tensor_objects
+    except AttributeError:
+        raise AttributeError(
+            "restore_from_func_ctx: ctx has no tensor_objects; in forward, set "
+            "ctx.tensor_objects to the objects prepare_for_saving returned"
+        ) from None
+    result = restore_from_saved(objects, ctx.saved_tensors, return_saved_tensors)
+    ctx.tensor_objects = None
+    return result
 
 
 def _mutated_arguments(func, args, kwargs) -> list[Any]:

@@ -9,6 +9,9 @@ run arbitrary code. The payload is therefore first inspected *without running it
   is read with an unpickler that refuses every global anyway. Such a payload cannot hold a
   recipe or a tensor, i.e. no FP8 state; it reads as ``None`` (nothing to restore), as upstream
   ignores it.
+* A payload whose only globals are stateless recipes (and their plain data) and which holds
+  no delayed-scaling tensors has nothing to restore either; without the opt-in it reads as
+  ``None`` unopened (:mod:`.pickle_policy`, upstream's classification).
 * Anything else (the normal case: the recipe object and the tensors are globals) is unpickled
   only when ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``; otherwise a ``RuntimeError`` explains
   the risk and how to convert the checkpoint. ``io.BytesIO`` payloads always need the opt-in,
@@ -21,7 +24,7 @@ Environment variables
 ---------------------
 ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE``
     ``"1"`` allows unpickling upstream's pickle-based extra state; any other value, or unset,
-    refuses it. Read at every load, by :func:`_unsafe_pickle_allowed`.
+    refuses it. Read at every load (:func:`.pickle_policy.unsafe_pickle_allowed`).
 """
 
 from __future__ import annotations
@@ -29,9 +32,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import io
-import os
 import pickle
-import pickletools
 import types
 import warnings
 import zipfile
@@ -49,81 +50,24 @@ from .contents import (
     copy_plain,
     to_module_device,
 )
+from .pickle_policy import (
+    UNSAFE_PICKLE_EXTRA_STATE_ENV,
+    payload_needs_unsafe_load,
+    scan_pickle,
+    unsafe_pickle_allowed,
+)
 
 __all__ = ["unpack_pickled_tensor", "unpack_bytesio"]
 
-_UNSAFE_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
-
-
-def _unsafe_pickle_allowed() -> bool:
-    """Whether ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE`` is ``"1"``, read at call time."""
-    return os.environ.get(_UNSAFE_PICKLE_ENV, "0") == "1"
-
-
-_STRING_PUSHES = frozenset(
-    (
-        "STRING",
-        "BINSTRING",
-        "SHORT_BINSTRING",
-        "UNICODE",
-        "BINUNICODE",
-        "SHORT_BINUNICODE",
-        "BINUNICODE8",
-    )
-)
+# The opt-in and the scanner live in .pickle_policy (shared with upstream's policy API); the
+# private names stay importable here for the tests and callers that use them.
+_UNSAFE_PICKLE_ENV = UNSAFE_PICKLE_EXTRA_STATE_ENV
+_unsafe_pickle_allowed = unsafe_pickle_allowed
 
 
 def _referenced_globals(payload: bytes) -> list[str]:
-    """The ``module.name`` globals a pickle would import, found without unpickling it.
-
-    Any opcode that can reach a callable is reported: ``GLOBAL``/``INST`` (their argument is
-    the name), ``STACK_GLOBAL`` (names pushed as strings just before, possibly through the memo;
-    reported as ``<unresolved STACK_GLOBAL>`` when they cannot be followed), ``EXT1/2/4``
-    (copyreg's extension registry) and persistent ids. Without any of these an unpickler can
-    only build builtin scalars and containers.
-
-    Raises
-    ------
-    ValueError
-        ``payload`` is not a well-formed pickle.
-    """
-    found: list[str] = []
-    pushed: list[Any] = []  # what recent opcodes pushed; None when it is not a string
-    memo: dict[int, Any] = {}
-    try:
-        for opcode, arg, _ in pickletools.genops(payload):
-            name = opcode.name
-            if name in ("GLOBAL", "INST"):
-                module, _, qualname = str(arg).partition(" ")
-                found.append(f"{module}.{qualname}")
-                pushed.append(None)
-            elif name == "STACK_GLOBAL":
-                module, qualname = (pushed[-2], pushed[-1]) if len(pushed) >= 2 else (None, None)
-                if isinstance(module, str) and isinstance(qualname, str):
-                    found.append(f"{module}.{qualname}")
-                else:
-                    found.append("<unresolved STACK_GLOBAL>")
-                del pushed[-2:]
-                pushed.append(None)
-            elif name in ("EXT1", "EXT2", "EXT4"):
-                found.append(f"<copyreg extension {arg}>")
-                pushed.append(None)
-            elif name in ("PERSID", "BINPERSID"):
-                found.append("<persistent id>")
-                pushed.append(None)
-            elif name in _STRING_PUSHES:
-                pushed.append(arg)
-            elif name == "MEMOIZE":
-                memo[len(memo)] = pushed[-1] if pushed else None
-            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-                memo[arg] = pushed[-1] if pushed else None
-            elif name in ("GET", "BINGET", "LONG_BINGET"):
-                pushed.append(memo.get(arg))
-            else:
-                pushed.append(None)
-    except Exception as exc:  # genops raises ValueError, struct.error, UnicodeDecodeError, ...
-        raise ValueError(f"extra state is not a well-formed pickle: {exc}") from exc
-    return found
+    """The ``module.name`` globals a pickle would import (:func:`scan_pickle`'s ``globals``)."""
+    return scan_pickle(payload).globals
 
 
 def _torch_archive_globals(data: bytes) -> list[str] | None:
@@ -320,6 +264,11 @@ def unpack_pickled_tensor(state: torch.Tensor, device: torch.device) -> Unpacked
             )
         return None
     if not _unsafe_pickle_allowed():
+        needs_unsafe_load, _ = payload_needs_unsafe_load(payload)
+        if not needs_unsafe_load:
+            # Only stateless recipes named, no delayed-scaling tensors: nothing to restore, so
+            # upstream skips it without unpickling, and so does this reader.
+            return None
         raise _refusal("a pickled torch.uint8 tensor", found)
     try:
         obj = _UpstreamUnpickler(io.BytesIO(payload)).load()
