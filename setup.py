@@ -24,7 +24,11 @@ else:
     ext_modules = []
 
 setup(
-    packages=find_packages(include=["transformer_engine", "transformer_engine.*"]),
+    # transformer_engine_torch: upstream's extension-module name (`import transformer_engine_torch
+    # as tex`), a pure-Python client of transformer_engine.pytorch shipped in every build.
+    packages=find_packages(
+        include=["transformer_engine", "transformer_engine.*", "transformer_engine_torch"]
+    ),
     ext_modules=ext_modules,
     cmdclass={"build_ext": CMakeBuild},
 )
