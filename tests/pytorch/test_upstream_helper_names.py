@@ -535,3 +535,42 @@ def test_the_reader_skips_stateless_payloads_without_the_opt_in(no_opt_in):
     with pytest.raises(RuntimeError, match=ENV):
         payload = torch.frombuffer(bytearray(NEEDS_UNSAFE["delayed scaling"]), dtype=torch.uint8)
         unpack_extra_state(payload, device="cpu")
+
+
+# ------------------------------------------------------------------ on a GPU
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU; runs on the GPU machine through qa/L0_pytorch_gpu/test.sh",
+)
+
+
+@needs_cuda
+def test_probes_answer_for_the_current_gpu():
+    index = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    assert te.get_device_compute_capability() == (major, minor)
+    assert te.is_bf16_available() is (major >= 8)
+    non_tn = (10, 0) <= (major, minor) < (12, 0) or (major, minor) >= (13, 0)
+    assert te_utils.is_non_tn_fp8_gemm_supported() is non_tn
+    raw = torch.backends.cudnn.version()
+    if raw is not None:
+        major_c = raw // 1000 if raw < 90000 else raw // 10000
+        assert te.get_cudnn_version()[0] == major_c
+
+
+@needs_cuda
+def test_replace_raw_data_on_a_gpu():
+    from transformer_engine.pytorch.tensor.utils import replace_raw_data
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    quantizer = te.Float8Quantizer(
+        torch.tensor([2.0], device=device), torch.zeros(1, device=device), DType.kFloat8E4M3
+    )
+    values = torch.tensor([[0.5, 1.0, -2.0, 0.25], [4.0, -0.5, 0.125, 3.0]], device=device)
+    tensor = quantizer(values)
+    bucket = torch.zeros(16, dtype=torch.uint8, device=device)
+    replace_raw_data(tensor, bucket[8:].view(2, 4))
+    assert torch.equal(tensor.dequantize(), values)
+    with pytest.raises(ValueError, match="cpu"):  # DevicePlacementError is a ValueError
+        replace_raw_data(tensor, torch.zeros(2, 4, dtype=torch.uint8))
