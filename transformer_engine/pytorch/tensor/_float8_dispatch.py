@@ -20,7 +20,12 @@ import torch
 
 from .. import cpp_extensions as ext
 from ..constants import HIGH_PRECISION_DTYPES
-from .storage.float8_tensor_storage import Float8TensorStorage, transpose_bytes, untranspose_bytes
+from .storage.float8_tensor_storage import (
+    Float8TensorStorage,
+    float8_transposed_shape,
+    transpose_bytes,
+    untranspose_bytes,
+)
 
 __all__ = ["FLOAT8_HANDLERS"]
 
@@ -212,11 +217,11 @@ def _new_like(func, args, kwargs):
     pin = bool(kwargs.get("pin_memory"))
     alloc = torch.zeros if func is aten.new_zeros.default else torch.empty
     kw = {"dtype": torch.uint8, "device": device, "pin_memory": pin}
-    # Same layouts as the source (a 0-d result has no transposed layout).
-    want_transpose = t._transpose is not None and len(shape) > 0
+    # Same layouts as the source.
+    want_transpose = t._transpose is not None
     want_data = t._data is not None or not want_transpose
     data = alloc(shape, **kw) if want_data else None
-    transpose = alloc(ext.transposed_shape(shape), **kw) if want_transpose else None
+    transpose = alloc(float8_transposed_shape(shape), **kw) if want_transpose else None
     if t._scale_inv.is_meta and device.type != "meta":
         scale_inv = torch.ones(1, dtype=torch.float32, device=device)
     else:

@@ -47,7 +47,9 @@ def float8_layouts(
     """``(need_data, need_transpose)`` for the requested usages of a tensor on ``device``.
 
     Devices whose FP8 GEMMs take non-TN layouts serve column-wise usage from the row-wise
-    bytes, so they never keep a transposed copy; a 0-d tensor has no transposed layout.
+    bytes, so they never keep a transposed copy. Elsewhere (Hopper, Ada, CPU) column-wise
+    usage means a transposed copy, for every shape: upstream's cast writes a 0-d tensor's
+    transpose as a 0-d copy of its byte, and so does :func:`cast_with_layouts`.
     """
     if not rowwise and not columnwise:
         raise ValueError(
@@ -57,14 +59,15 @@ def float8_layouts(
     non_tn = is_non_tn_fp8_gemm_supported(device)
     need_data = rowwise or (columnwise and non_tn)
     need_transpose = columnwise and not non_tn
-    if len(shape) == 0 and need_transpose:
-        if not need_data:
-            raise ValueError(
-                f"{owner}: a 0-d tensor has no column-wise (transposed) layout; reshape it "
-                "to 1-d or quantize with rowwise usage"
-            )
-        need_transpose = False
     return need_data, need_transpose
+
+
+def cast_transpose_of_0d(data: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The column-wise bytes of a 0-d FP8 cast: its one byte (the cast kernels take no 0-d
+    transpose; a one-element tensor is its own transpose, so the copy is exact)."""
+    if out is None:
+        return data.clone()
+    return out.copy_(data)
 
 
 def _is_partial_view(storage: Float8TensorStorage) -> bool:
@@ -129,6 +132,9 @@ def quantize_into(
 
     out = dst._data if need_data and reusable(dst._data) else None
     out_t = dst._transpose if need_transpose and reusable(dst._transpose) else None
+    zero_dim = len(shape) == 0  # the kernels write no 0-d transpose: copy the byte instead
+    if zero_dim and not need_data:
+        out = out_t  # a 0-d transpose has the data's shape: the cast writes it directly
     res = ext.quantize(
         src,
         scale,
@@ -136,13 +142,16 @@ def quantize_into(
         amax=amax,
         scale_inv=None if partial else dst._scale_inv,
         out=out,
-        with_transpose=need_transpose,
-        out_transpose=out_t,
+        with_transpose=need_transpose and not zero_dim,
+        out_transpose=None if zero_dim else out_t,
         noop_flag=noop_flag,
     )
-    data = (out if out is not None else res.data.view(torch.uint8)) if need_data else None
+    written = out if out is not None else res.data.view(torch.uint8)
+    data = written if need_data else None
     transpose = None
-    if need_transpose:
+    if need_transpose and zero_dim:
+        transpose = written if not need_data else cast_transpose_of_0d(written, out_t)
+    elif need_transpose:
         transpose = out_t if out_t is not None else res.transpose.view(torch.uint8)
     dst._replace_buffers(data=data, transpose=transpose, fp8_dtype=fp8_dtype)
     return dst

@@ -33,7 +33,11 @@ from ..device import check_same_device
 from ..quantized_tensor import Quantizer, _check_high_precision_dtype
 from ._float8_quantize_into import float8_layouts, high_precision_source, quantize_into
 from ._float8_tensor_class import Float8Tensor
-from .storage.float8_tensor_storage import Float8TensorStorage, transpose_bytes
+from .storage.float8_tensor_storage import (
+    Float8TensorStorage,
+    float8_transposed_shape,
+    transpose_bytes,
+)
 
 __all__ = ["Float8Quantizer", "Float8CurrentScalingQuantizer"]
 
@@ -140,9 +144,16 @@ class _Float8QuantizerBase(Quantizer):
             return self.make_empty(src.shape, dtype=fake_dtype, device=src.device)
         _check_high_precision_dtype(f"{type(self).__name__}.quantize", src.dtype)
         need_data, need_transpose = self._layouts(src.device, src.shape)
-        res, dbias = self._cast(src, need_transpose, with_dbias)
+        # The cast kernels write no 0-d transpose; a 0-d tensor's is a copy of its one byte.
+        zero_dim = src.dim() == 0
+        res, dbias = self._cast(src, need_transpose and not zero_dim, with_dbias)
         data = res.data.view(torch.uint8) if need_data else None
-        transpose = res.transpose.view(torch.uint8) if need_transpose else None
+        transpose = transpose_fp8 = None
+        if need_transpose and zero_dim:
+            transpose_fp8 = res.data.clone() if need_data else res.data
+            transpose = transpose_fp8.view(torch.uint8)
+        elif need_transpose:
+            transpose, transpose_fp8 = res.transpose.view(torch.uint8), res.transpose
         out = self._wrap(
             shape=src.shape,
             dtype=fake_dtype,
@@ -150,7 +161,7 @@ class _Float8QuantizerBase(Quantizer):
             transpose=transpose,
             scale_inv=res.scale_inv,
             data_fp8=res.data if need_data else None,
-            transpose_fp8=res.transpose if need_transpose else None,
+            transpose_fp8=transpose_fp8,
         )
         return (out, dbias) if with_dbias else out
 
@@ -204,7 +215,7 @@ class _Float8QuantizerBase(Quantizer):
         need_data, need_transpose = self._layouts(device, shape)
         kw = {"dtype": torch.uint8, "device": device, "pin_memory": pin_memory}
         data = torch.empty(shape, **kw) if need_data else None
-        transpose = torch.empty(ext.transposed_shape(shape), **kw) if need_transpose else None
+        transpose = torch.empty(float8_transposed_shape(shape), **kw) if need_transpose else None
         scale_inv = torch.ones(1, dtype=torch.float32, device=device)
         return self._wrap(
             shape=shape,

@@ -61,11 +61,12 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
     data : torch.Tensor or None
         Row-wise FP8 bytes (``uint8`` or torch FP8) of ``shape``.
     fp8_scale_inv : torch.Tensor
-        One-element float32 ``1 / scale``.
+        One-element float32 ``1 / scale``; on another device than the bytes (upstream's tests
+        pass a CPU tensor with CUDA bytes) it is copied to the bytes' device.
     fp8_dtype : DType or torch.dtype
         FP8 format of the bytes.
     data_transpose : torch.Tensor, optional
-        Column-wise bytes of shape ``(shape[-1], *shape[:-1])``.
+        Column-wise bytes of shape ``(shape[-1], *shape[:-1])`` (``()`` for a 0-d tensor).
     quantizer : Quantizer, optional
         Used to re-quantize in place (``copy_``, in-place ops, ``quantize_``).
     requires_grad : bool

@@ -9,7 +9,8 @@ Layout contract (what GEMMs and the integration code read):
 ``_transpose``
     ``torch.uint8`` tensor of shape ``(shape[-1], *shape[:-1])``: the same bytes
     with the last dimension first, for column-wise usage on GPUs without non-TN
-    FP8 GEMMs (and on CPU). ``None`` when absent. A stale transpose is never kept:
+    FP8 GEMMs (and on CPU); a 0-d tensor's transpose is a 0-d copy of its one byte
+    (upstream's cast writes the same). ``None`` when absent. A stale transpose is never kept:
     it is dropped, so ``_transpose is not None`` means it is valid.
 ``_transpose_invalid``
     ``True`` exactly when ``_transpose`` is ``None``.
@@ -42,6 +43,12 @@ from ...quantized_tensor import QuantizedTensorStorage
 __all__ = ["Float8TensorStorage"]
 
 
+def float8_transposed_shape(shape) -> tuple:
+    """Shape of the column-wise bytes of a tensor of ``shape``: ``(last, *leading)``, and ``()``
+    for a 0-d tensor (one byte, its own transpose), as upstream allocates it."""
+    return () if len(shape) == 0 else ext.transposed_shape(shape)
+
+
 def _as_uint8(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None:
         return None
@@ -60,17 +67,25 @@ def transpose_bytes(data: torch.Tensor) -> torch.Tensor:
     """Transposing copy ``(…, last) -> (last, …)`` of FP8 bytes (``uint8``), on their own device.
 
     The rows of the copy are the columns of ``data`` viewed as ``[rows, last]``: the layout
-    the quantize kernels write for column-wise usage.
+    the quantize kernels write for column-wise usage. A 0-d tensor's transpose is a copy.
     """
     if data.dim() == 0:
-        raise ValueError("a 0-d tensor has no last dimension to transpose")
+        return data.clone()
     cols = data.shape[-1]
     return data.reshape(-1, cols).t().contiguous().reshape(cols, *data.shape[:-1])
 
 
 def untranspose_bytes(transpose: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`transpose_bytes`: ``(last, …) -> (…, last)``."""
+    if transpose.dim() == 0:
+        return transpose.clone()
     return transpose.movedim(0, -1).contiguous()
+
+
+def _logical_shape_of_transpose(transpose: torch.Tensor) -> torch.Size:
+    if transpose.dim() == 0:
+        return torch.Size(())
+    return torch.Size((*transpose.shape[1:], transpose.shape[0]))
 
 
 def check_float8_buffers(
@@ -95,27 +110,46 @@ def check_float8_buffers(
     if data is not None:
         logical = data.shape
     else:
-        if transpose.dim() == 0:
-            raise ValueError(f"{owner}: data_transpose is 0-d; expected (last, *leading)")
-        logical = torch.Size((*transpose.shape[1:], transpose.shape[0]))
+        logical = _logical_shape_of_transpose(transpose)
     if shape is not None and tuple(shape) != tuple(logical):
         raise ValueError(
             f"{owner}: shape={tuple(shape)} but the FP8 buffers describe shape {tuple(logical)}"
         )
     if transpose is not None:
-        expected = ext.transposed_shape(logical)
+        expected = float8_transposed_shape(logical)
         if tuple(transpose.shape) != tuple(expected):
             raise ValueError(
                 f"{owner}: data_transpose has shape {tuple(transpose.shape)}; for shape "
                 f"{tuple(logical)} it must be {tuple(expected)}"
             )
-    devices = {t.device for t in (data, transpose, scale_inv) if t is not None}
-    if len(devices) > 1:
+    # fp8_scale_inv may be elsewhere: the constructors move it to the bytes' device (upstream's
+    # constructor accepts it), see ``scale_inv_on_device``.
+    if data is not None and transpose is not None and data.device != transpose.device:
         raise ValueError(
-            f"{owner}: data, data_transpose and fp8_scale_inv are on different devices "
-            f"({', '.join(sorted(str(d) for d in devices))}); move them to one device"
+            f"{owner}: data is on {data.device} but data_transpose is on {transpose.device}; "
+            "move them to one device"
         )
     return torch.Size(logical)
+
+
+def scale_inv_on_device(
+    scale_inv: torch.Tensor, data: torch.Tensor | None, transpose: torch.Tensor | None
+) -> torch.Tensor:
+    """``scale_inv`` on the device of the FP8 bytes: itself when it is there already, else a copy.
+
+    Upstream's constructors accept a ``fp8_scale_inv`` on another device than the bytes (its
+    tests build CUDA tensors with a CPU ``torch.full([1], s)``); kernels here read the scale
+    on the bytes' device, so the value is copied there once, at construction.
+    """
+    anchor = data if data is not None else transpose
+    if anchor is None or scale_inv.device == anchor.device:
+        return scale_inv
+    if scale_inv.is_meta:
+        raise ValueError(
+            f"fp8_scale_inv is a meta tensor (no value) but the FP8 bytes are on {anchor.device}; "
+            f"pass a scale_inv with a value (e.g. torch.ones(1, device='{anchor.device}'))"
+        )
+    return scale_inv.to(anchor.device)
 
 
 class Float8TensorStorage(QuantizedTensorStorage):
@@ -126,7 +160,8 @@ class Float8TensorStorage(QuantizedTensorStorage):
     data : torch.Tensor or None
         Row-wise FP8 bytes (``uint8`` or a torch FP8 dtype) of the logical shape.
     fp8_scale_inv : torch.Tensor
-        One-element float32 ``1 / scale``.
+        One-element float32 ``1 / scale``; kept as is on the bytes' device, copied there from
+        any other device.
     fp8_dtype : DType or torch.dtype
         FP8 format of the bytes.
     data_transpose : torch.Tensor, optional
@@ -218,7 +253,7 @@ class Float8TensorStorage(QuantizedTensorStorage):
         self._data = data
         self._transpose = data_transpose
         self._transpose_invalid = data_transpose is None
-        self._scale_inv = fp8_scale_inv
+        self._scale_inv = scale_inv_on_device(fp8_scale_inv, data, data_transpose)
         self._fp8_dtype = fp8
         self._quantizer = quantizer
         self._dtype = fake_dtype
@@ -245,7 +280,7 @@ class Float8TensorStorage(QuantizedTensorStorage):
         if self._data is not None:
             shape = self._data.shape
         elif self._transpose is not None:
-            shape = torch.Size((*self._transpose.shape[1:], self._transpose.shape[0]))
+            shape = _logical_shape_of_transpose(self._transpose)
         else:
             raise RuntimeError(f"{type(self).__name__} holds no buffers (cleared or saved)")
         return shape[args[0]] if args else shape[kwargs["dim"]] if "dim" in kwargs else shape
@@ -275,7 +310,7 @@ class Float8TensorStorage(QuantizedTensorStorage):
             return ext.dequantize(self._data.view(fp8), self._scale_inv, dtype)
         if self._transpose is not None:
             values = ext.dequantize(self._transpose.view(fp8), self._scale_inv, dtype)
-            return values.movedim(0, -1).contiguous()
+            return values if values.dim() == 0 else values.movedim(0, -1).contiguous()
         raise RuntimeError(f"{type(self).__name__} holds no buffers (cleared or saved)")
 
     def dequantize(self, *, dtype: torch.dtype | None = None) -> torch.Tensor:
