@@ -76,6 +76,11 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
     )),
 ]  # fmt: skip
 
+# Top-level packages above the whole table: clients of transformer_engine.pytorch that
+# nothing under transformer_engine/ may import (transformer_engine_torch is upstream's
+# extension-module name, `import transformer_engine_torch as tex`).
+CLIENT_PACKAGES = ("transformer_engine_torch",)
+
 # Groups of one layer that must not import each other (either direction).
 PEERS: list[tuple[str, str]] = [
     ("transformer_engine.pytorch.module", "transformer_engine.pytorch.ops")
@@ -343,6 +348,31 @@ def design_md_mentions(root: Path, places=(PACKAGE, "docs", "README.md")) -> lis
     return problems
 
 
+def client_problems(root: Path, clients=CLIENT_PACKAGES) -> list[str]:
+    """Nothing under transformer_engine/ imports a client package; a client imports only
+    modules of transformer_engine that exist; client files keep the line limit."""
+    modules = known_modules(root)
+    problems = []
+    for client in clients:
+        if not (root / client).exists():
+            continue
+        for path in python_files(root):
+            name, rel = module_name(path, root), str(path.relative_to(root))
+            for imp in imports_of(path.read_text(), name, path.name == "__init__.py", set(), rel,
+                                  client):  # fmt: skip
+                problems.append(
+                    f"{rel}:{imp.line}: `{imp.text}` imports the client package {client}; "
+                    "rule: transformer_engine never imports its clients"
+                )
+        for path in python_files(root, client):
+            name, rel = module_name(path, root), str(path.relative_to(root))
+            for imp in imports_of(path.read_text(), name, path.name == "__init__.py", modules, rel):
+                if imp.target not in modules:
+                    problems.append(f"{rel}:{imp.line} imports {imp.target}, no module of the tree")
+        problems += long_files(root, client)
+    return problems
+
+
 def _report(problems: list[str]) -> str:
     return f"{len(problems)} problem(s):\n" + "\n".join(problems)
 
@@ -365,6 +395,11 @@ def test_no_file_over_the_line_limit():
 
 def test_no_mention_of_design_md():
     problems = design_md_mentions(REPO_ROOT)
+    assert not problems, _report(problems)
+
+
+def test_client_packages_sit_above_every_layer():
+    problems = client_problems(REPO_ROOT)
     assert not problems, _report(problems)
 
 
@@ -497,3 +532,16 @@ def test_long_files_and_design_md_checks(tmp_path):
     ]
     mentions = design_md_mentions(tmp_path)
     assert len(mentions) == 1 and mentions[0].startswith("docs/a.md:2 mentions DESIGN.md")
+
+
+def test_checker_catches_an_import_of_a_client_package(tmp_path):
+    make_tree(tmp_path, {
+        f"{TE}/device.py": "def f():\n    import transformer_engine_torch as tex\n",
+        "transformer_engine_torch/__init__.py": "from transformer_engine.pytorch import device\n",
+        "transformer_engine_torch/_gone.py": "import transformer_engine.pytorch.gone\n",
+    })  # fmt: skip
+    problems = client_problems(tmp_path)
+    assert len(problems) == 2
+    assert f"{TE}/device.py:2" in problems[0] and "never imports its clients" in problems[0]
+    gone = "transformer_engine_torch/_gone.py:1 imports transformer_engine.pytorch.gone"
+    assert gone in problems[1]
