@@ -53,19 +53,29 @@ CallContext::CallContext(const char* op, int device, NVTEStream stream)
       device_(device),
       guard_(op, device),
       stream_(reinterpret_cast<cudaStream_t>(stream)) {
-  if (stream_ != nullptr && stream_ != cudaStreamLegacy && stream_ != cudaStreamPerThread) {
-    int stream_device = -1;
-    check_cuda(op, cudaStreamGetDevice(stream_, &stream_device), "cudaStreamGetDevice");
-    if (stream_device != device) {
-      throw_runtime(op, "the stream belongs to device ", stream_device,
-                    " but the call runs on device ", device,
-                    "; pass torch.cuda.current_stream(tensor.device)");
-    }
+  // The legacy and per-thread default streams are the call's device's own (nothing to check).
+  if (stream_ == nullptr || stream_ == cudaStreamLegacy || stream_ == cudaStreamPerThread) return;
+  // A stream being captured into a CUDA graph refuses cudaStreamGetDevice, and the refused call
+  // invalidates the capture. cudaStreamIsCapturing is the query capture allows: while the stream
+  // captures, the double-checks that need runtime queries (this one and check_on_device) are
+  // left out. The Python wrappers' placement checks still run, and the eager warm-up a capture
+  // needs has passed these checks with the same buffers.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_cuda(op, cudaStreamIsCapturing(stream_, &capture), "cudaStreamIsCapturing");
+  capturing_ = capture != cudaStreamCaptureStatusNone;
+  if (capturing_) return;
+  int stream_device = -1;
+  check_cuda(op, cudaStreamGetDevice(stream_, &stream_device), "cudaStreamGetDevice");
+  if (stream_device != device) {
+    throw_runtime(op, "the stream belongs to device ", stream_device,
+                  " but the call runs on device ", device,
+                  "; pass torch.cuda.current_stream(tensor.device)");
   }
 }
 
 void CallContext::check_on_device(const char* name, const NVTEBuffer& buffer) const {
   if (buffer.data == nullptr) return;  // empty tensors carry no pointer
+  if (capturing_) return;              // no runtime queries during graph capture (see above)
   cudaPointerAttributes attributes{};
   check_cuda(op_, cudaPointerGetAttributes(&attributes, buffer.data), "cudaPointerGetAttributes");
   if (attributes.type != cudaMemoryTypeDevice && attributes.type != cudaMemoryTypeManaged) {

@@ -1,7 +1,9 @@
 /* The device seam of the native library: the only place that asks or changes which device is
  * current. Entry points construct a CallContext, which validates the device index, makes it
  * current for the call, checks that the stream belongs to it, and restores the caller's device
- * when it goes out of scope (exceptions included). */
+ * when it goes out of scope (exceptions included). Every query it makes is one that CUDA-graph
+ * capture allows (cudaGetDevice/cudaSetDevice, cudaStreamIsCapturing, cudaGetLastError,
+ * cudaDeviceGetAttribute); the others are skipped while the stream captures. */
 #ifndef TRANSFORMER_ENGINE_COMMON_UTIL_DEVICE_H_
 #define TRANSFORMER_ENGINE_COMMON_UTIL_DEVICE_H_
 
@@ -33,7 +35,11 @@ class CallContext {
   int device() const { return device_; }
   cudaStream_t stream() const { return stream_; }
 
-  /* Throws unless `buffer` (when non-empty) points to memory on this call's device. */
+  /* Whether `stream` is being captured into a CUDA graph: then the stream-device and
+   * buffer-placement double-checks are skipped, since capture refuses the queries they need. */
+  bool capturing() const { return capturing_; }
+  /* Throws unless `buffer` (when non-empty) points to memory on this call's device (not checked
+   * while the stream is capturing). */
   void check_on_device(const char* name, const NVTEBuffer& buffer) const;
   /* Throws with the launch error, if the preceding launch failed. */
   void check_launch(const char* kernel) const;
@@ -45,6 +51,7 @@ class CallContext {
   int device_;
   DeviceGuard guard_;
   cudaStream_t stream_;
+  bool capturing_ = false;
 };
 
 }  // namespace transformer_engine
