@@ -369,6 +369,38 @@ def test_reset_materializes_next_to_materialized_parameters():
     assert module.weight.device == torch.device("cpu")
 
 
+@pytest.mark.parametrize("cls", MODULES, ids=MODULE_IDS)
+@pytest.mark.parametrize("zero_centered_gamma", [False, True], ids=["gamma", "zc_gamma"])
+@pytest.mark.parametrize(
+    "normalized_shape", [(4, 6), [2, 3, 5], torch.Size([7])], ids=["2d", "3d", "size"]
+)
+def test_multi_dim_normalized_shape_against_float64(cls, zero_centered_gamma, normalized_shape):
+    """The trailing dimensions are normalized together, with parameters of their shape:
+    torch.nn.functional.layer_norm / rms_norm with the same normalized_shape, in float64."""
+    gen = torch.Generator().manual_seed(77)
+    shape = tuple(normalized_shape)
+    module = cls(normalized_shape, eps=1e-5, zero_centered_gamma=zero_centered_gamma, device="cpu")
+    assert module.normalized_shape == shape
+    assert all(p.shape == shape for p in parameters_of(module))
+    module = module.double()
+    randomize_parameters(module, gen)
+    x = torch.randn((3, 2, *shape), generator=gen, dtype=torch.float64) * 3 + 1
+    dy = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    y, grads = run_module(module, x, dy)
+
+    x64 = x.clone().requires_grad_()
+    leaves = [p.detach().clone().requires_grad_() for p in parameters_of(module)]
+    gamma = leaves[0] + 1 if zero_centered_gamma else leaves[0]
+    if cls is LayerNorm:
+        y_ref = F.layer_norm(x64, shape, gamma, leaves[1], 1e-5)
+    else:
+        y_ref = F.rms_norm(x64, shape, gamma, 1e-5)
+    y_ref.backward(dy)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    for g, ref in zip(grads, [x64.grad] + [t.grad for t in leaves]):
+        torch.testing.assert_close(g, ref, rtol=1e-12, atol=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------
 # errors
 # ---------------------------------------------------------------------------------------------
@@ -396,10 +428,16 @@ def test_meta_input_for_a_cpu_module(cls):
 
 
 @pytest.mark.parametrize("cls", MODULES, ids=MODULE_IDS)
-@pytest.mark.parametrize("shape", [(4, 8), [2, 3, 8]], ids=["2d", "3d"])
-def test_multi_dim_normalized_shape(cls, shape):
-    with pytest.raises(NotImplementedError, match=re.escape(f"normalized_shape={tuple(shape)!r}")):
-        cls(shape, device="cpu")
+def test_multi_dim_normalized_shape_errors(cls):
+    module = cls((4, 8), device="cpu")
+    with pytest.raises(ValueError, match=re.escape("x has shape (3, 8, 4), whose trailing")):
+        module(torch.randn(3, 8, 4))
+    with pytest.raises(ValueError, match=re.escape("x has shape (8,), whose trailing")):
+        module(torch.randn(8))
+    with pytest.raises(ValueError, match=re.escape("normalized_shape=() names no dimension")):
+        cls((), device="cpu")
+    with pytest.raises(ValueError, match="normalized_shape must be positive, got 0"):
+        cls((4, 0), device="cpu")
 
 
 @pytest.mark.parametrize("cls", MODULES, ids=MODULE_IDS)
@@ -427,8 +465,10 @@ def test_functional_argument_errors():
         layernorm(x, w, torch.zeros(7), 1e-5)
     with pytest.raises(TypeError, match="x has dtype torch.int64"):
         layernorm(torch.ones(2, 8, dtype=torch.int64), w, None, 1e-5)
-    with pytest.raises(ValueError, match="weight must be 1-D"):
+    with pytest.raises(ValueError, match=re.escape("x has shape (2, 8), whose trailing")):
         rmsnorm(x, torch.ones(1, 8), 1e-5)
+    with pytest.raises(ValueError, match="weight must have the normalized shape"):
+        rmsnorm(x, torch.tensor(1.0), 1e-5)
     with pytest.raises(ValueError, match="weight is a meta tensor"):
         rmsnorm(x, torch.ones(8, device="meta"), 1e-5)
     with pytest.raises(ValueError, match="x is a meta tensor"):

@@ -1,5 +1,9 @@
 """The normalizations as functions: ``layernorm`` and ``rmsnorm``, and the argument rules the
-norm modules and the norm operations share (``normalized_size``, ``check_eps``).
+norm modules and the norm operations share (``normalized_dims``, ``check_eps``).
+
+Both normalize over the trailing ``weight.dim()`` dimensions of the input, as
+``torch.nn.functional.layer_norm`` does with ``normalized_shape = weight.shape``: a 1-D weight
+normalizes the last dimension, a ``(heads, head_dim)`` weight the last two together.
 
 ``layernorm`` and ``rmsnorm`` are pure functions: they hold no state, differentiate through
 autograd, and run on whatever device their input lives on. ``te.LayerNorm`` / ``te.RMSNorm``,
@@ -24,7 +28,7 @@ from ..device import check_same_device, reject_meta
 __all__ = [
     "layernorm",
     "rmsnorm",
-    "normalized_size",
+    "normalized_dims",
     "check_eps",
 ]
 
@@ -42,16 +46,21 @@ def _check_operands(
             raise TypeError(
                 f"{op}: {name} has dtype {t.dtype}; normalization needs a floating-point dtype"
             )
-    if weight.dim() != 1:
+    if weight.dim() == 0:
         raise ValueError(
-            f"{op}: weight must be 1-D (one value per feature), got shape {tuple(weight.shape)}"
+            f"{op}: weight must have the normalized shape (one value per feature), got a scalar"
         )
     if x.dim() == 0:
         raise ValueError(f"{op}: x must have at least one dimension (the features), got a scalar")
-    if x.shape[-1] != weight.shape[0]:
+    if weight.dim() == 1 and x.shape[-1] != weight.shape[0]:
         raise ValueError(
             f"{op}: the last dimension of x has size {x.shape[-1]} but weight has size "
             f"{weight.shape[0]}; the normalized (last) dimension of x must match the weight"
+        )
+    if x.shape[max(x.dim() - weight.dim(), 0) :] != weight.shape or x.dim() < weight.dim():
+        raise ValueError(
+            f"{op}: x has shape {tuple(x.shape)}, whose trailing dimensions must equal the "
+            f"weight's shape {tuple(weight.shape)} (the normalized shape)"
         )
     if bias is not None and bias.shape != weight.shape:
         raise ValueError(
@@ -87,7 +96,7 @@ def layernorm(
     eps: float,
     zero_centered_gamma: bool = False,
 ) -> torch.Tensor:
-    r"""Layer normalization over the last dimension of ``x``.
+    r"""Layer normalization over the trailing ``weight.dim()`` dimensions of ``x``.
 
     .. math::
         y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \varepsilon}} \cdot \gamma + \beta
@@ -98,11 +107,11 @@ def layernorm(
     Parameters
     ----------
     x : torch.Tensor
-        Input of shape ``(..., hidden)``, any floating-point dtype.
+        Input of shape ``(..., *normalized_shape)``, any floating-point dtype.
     weight : torch.Tensor
-        Scale of shape ``(hidden,)`` on ``x``'s device.
+        Scale of shape ``normalized_shape`` (e.g. ``(hidden,)``) on ``x``'s device.
     bias : torch.Tensor or None
-        Shift of shape ``(hidden,)`` on ``x``'s device; ``None`` for no shift.
+        Shift of the weight's shape on ``x``'s device; ``None`` for no shift.
     eps : float
         Added to the variance for numerical stability; non-negative.
     zero_centered_gamma : bool, default = `False`
@@ -126,7 +135,7 @@ def layernorm(
     dtype = _compute_dtype(x)
     gamma = _effective_gamma(weight, dtype, zero_centered_gamma)
     beta = bias.to(dtype) if bias is not None else None
-    y = torch.nn.functional.layer_norm(x.to(dtype), (weight.shape[0],), gamma, beta, eps)
+    y = torch.nn.functional.layer_norm(x.to(dtype), tuple(weight.shape), gamma, beta, eps)
     return y.to(x.dtype)
 
 
@@ -136,7 +145,7 @@ def rmsnorm(
     eps: float,
     zero_centered_gamma: bool = False,
 ) -> torch.Tensor:
-    r"""Root-mean-square normalization over the last dimension of ``x``.
+    r"""Root-mean-square normalization over the trailing ``weight.dim()`` dimensions of ``x``.
 
     .. math::
         y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \varepsilon}} \cdot \gamma
@@ -146,9 +155,9 @@ def rmsnorm(
     Parameters
     ----------
     x : torch.Tensor
-        Input of shape ``(..., hidden)``, any floating-point dtype.
+        Input of shape ``(..., *normalized_shape)``, any floating-point dtype.
     weight : torch.Tensor
-        Scale of shape ``(hidden,)`` on ``x``'s device.
+        Scale of shape ``normalized_shape`` (e.g. ``(hidden,)``) on ``x``'s device.
     eps : float
         Added to the mean square for numerical stability; non-negative.
     zero_centered_gamma : bool, default = `False`
@@ -172,22 +181,22 @@ def rmsnorm(
     dtype = _compute_dtype(x)
     gamma = _effective_gamma(weight, dtype, zero_centered_gamma)
     x_c = x.to(dtype)
-    rstd = torch.rsqrt(x_c.square().mean(dim=-1, keepdim=True) + eps)
+    dims = tuple(range(-weight.dim(), 0))
+    rstd = torch.rsqrt(x_c.square().mean(dim=dims, keepdim=True) + eps)
     return (x_c * rstd * gamma).to(x.dtype)
 
 
 # --- Argument rules shared by the norm modules and operations -------------------------------------
 
 
-def normalized_size(
+def normalized_dims(
     owner: str,
     normalized_shape: int | Sequence[int] | None,
     hidden_size: int | None,
-) -> int:
-    """The feature count from ``normalized_shape`` or its deprecated alias ``hidden_size``.
-
-    Only the last dimension can be normalized: an int or a one-element sequence is accepted.
-    """
+) -> tuple[int, ...]:
+    """The normalized shape, as a tuple of positive ints, from ``normalized_shape`` (an int or a
+    non-empty sequence of ints: the trailing dimensions normalized together) or its deprecated
+    alias ``hidden_size``."""
     if hidden_size is not None:
         warnings.warn(
             f"{owner}: hidden_size is deprecated; pass normalized_shape instead",
@@ -203,27 +212,28 @@ def normalized_size(
     if normalized_shape is None:
         raise TypeError(f"{owner}: normalized_shape is required (the size of the last dimension)")
     if isinstance(normalized_shape, (tuple, list, torch.Size)):
-        if len(normalized_shape) != 1:
-            raise NotImplementedError(
-                f"{owner}: normalized_shape={tuple(normalized_shape)!r} normalizes "
-                f"{len(normalized_shape)} dimensions; only the last dimension can be normalized, "
-                "so pass a single size (an int or a one-element tuple)"
+        if len(normalized_shape) == 0:
+            raise ValueError(
+                f"{owner}: normalized_shape=() names no dimension; pass at least one size"
             )
-        (size,) = normalized_shape
+        sizes = tuple(normalized_shape)
     else:
-        size = normalized_shape
-    if isinstance(size, bool):
-        raise TypeError(f"{owner}: normalized_shape must be an int, got {size!r}")
-    try:
-        size = operator.index(size)
-    except TypeError:
-        raise TypeError(
-            f"{owner}: normalized_shape must be an int or a one-element tuple of int, "
-            f"got {normalized_shape!r}"
-        ) from None
-    if size <= 0:
-        raise ValueError(f"{owner}: normalized_shape must be positive, got {size}")
-    return size
+        sizes = (normalized_shape,)
+    dims = []
+    for size in sizes:
+        if isinstance(size, bool):
+            raise TypeError(f"{owner}: normalized_shape must be an int, got {size!r}")
+        try:
+            size = operator.index(size)
+        except TypeError:
+            raise TypeError(
+                f"{owner}: normalized_shape must be an int or a sequence of ints, "
+                f"got {normalized_shape!r}"
+            ) from None
+        if size <= 0:
+            raise ValueError(f"{owner}: normalized_shape must be positive, got {size}")
+        dims.append(size)
+    return tuple(dims)
 
 
 def check_eps(owner: str, eps: float) -> float:

@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from ..device import construction_device, first_storage_device, materialization_device
-from ..functional.normalization import check_eps, normalized_size
+from ..functional.normalization import check_eps, normalized_dims
 
 __all__ = ["_NormModule", "gamma_initial_value", "zero_initial_value"]
 
@@ -34,7 +34,8 @@ def zero_initial_value(module: _NormModule) -> float:
 
 
 class _NormModule(torch.nn.Module):
-    """Normalization over the last dimension with one 1-D parameter per entry of ``_norm_params``.
+    """Normalization over the trailing ``normalized_shape`` dimensions, with one parameter of
+    that shape per entry of ``_norm_params``.
 
     Subclasses set:
 
@@ -69,20 +70,20 @@ class _NormModule(torch.nn.Module):
     ) -> None:
         super().__init__()
         owner = type(self).__name__
-        size = normalized_size(owner, normalized_shape, hidden_size)
+        shape = normalized_dims(owner, normalized_shape, hidden_size)
         dtype = resolve_params_dtype(owner, dtype, params_dtype)
         device = construction_device(owner, device)
         if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
             raise TypeError(f"{owner}: sequence_parallel must be a bool, got {sequence_parallel!r}")
 
-        self.normalized_shape = (size,)
+        self.normalized_shape = shape
         self.eps = check_eps(owner, eps)
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.sequence_parallel = sequence_parallel
         self.sm_margin = check_sm_margin(owner, sm_margin)
 
         for name, _ in self._norm_params:
-            param = torch.nn.Parameter(torch.empty(size, device=device, dtype=dtype))
+            param = torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
             setattr(self, name, param)
         self._mark_sequence_parallel()
         if device.type != "meta":
@@ -146,12 +147,13 @@ class _NormModule(torch.nn.Module):
                 getattr(self, name).fill_(initial_value(self))
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        """Normalize ``inp`` over its last dimension; same shape, dtype and device as ``inp``.
+        """Normalize ``inp`` over its trailing ``normalized_shape`` dimensions; same shape, dtype
+        and device as ``inp``.
 
         Parameters
         ----------
         inp : torch.Tensor
-            Input of shape ``(..., normalized_shape)`` on the parameters' device.
+            Input of shape ``(..., *normalized_shape)`` on the parameters' device.
         """
         check_module_input(type(self).__name__, inp, self.weight)
         return self._norm_fn(inp, *self._norm_parameters(), self.eps, self.zero_centered_gamma)

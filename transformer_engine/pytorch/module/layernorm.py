@@ -1,4 +1,4 @@
-"""``te.LayerNorm``: layer normalization over the last dimension."""
+"""``te.LayerNorm``: layer normalization over the trailing ``normalized_shape`` dimensions."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ __all__ = ["LayerNorm"]
 
 
 class LayerNorm(_NormModule):
-    r"""Layer normalization over the last dimension of the input.
+    r"""Layer normalization over the trailing ``normalized_shape`` dimensions of the input.
 
     .. math::
         y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \varepsilon}} \cdot \gamma + \beta
@@ -21,8 +21,8 @@ class LayerNorm(_NormModule):
     Parameters
     ----------
     normalized_shape : int or iterable of int
-        Size of the normalized (last) dimension. Only one dimension can be normalized: an int
-        or a one-element tuple, list or ``torch.Size``.
+        Shape of the trailing dimensions normalized together: an int for the last dimension,
+        or a tuple, list or ``torch.Size`` for several (as ``torch.nn.LayerNorm``).
     eps : float, default = 1e-5
         Added to the variance for numerical stability.
     sequence_parallel : bool, optional
@@ -49,10 +49,10 @@ class LayerNorm(_NormModule):
     Attributes
     ----------
     weight : torch.nn.Parameter
-        :math:`\gamma` of shape ``(normalized_shape,)``, initialized to 1 (0 with
+        :math:`\gamma` of shape ``normalized_shape``, initialized to 1 (0 with
         ``zero_centered_gamma``).
     bias : torch.nn.Parameter
-        :math:`\beta` of shape ``(normalized_shape,)``, initialized to 0.
+        :math:`\beta` of shape ``normalized_shape``, initialized to 0.
 
     Notes
     -----

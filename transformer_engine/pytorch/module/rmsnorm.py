@@ -1,4 +1,4 @@
-"""``te.RMSNorm``: root-mean-square normalization over the last dimension."""
+"""``te.RMSNorm``: root-mean-square normalization over the trailing ``normalized_shape`` dims."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ __all__ = ["RMSNorm"]
 
 
 class RMSNorm(_NormModule):
-    r"""Root-mean-square normalization over the last dimension of the input.
+    r"""Root-mean-square normalization over the trailing ``normalized_shape`` dimensions.
 
     .. math::
         y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \varepsilon}} \cdot \gamma
@@ -21,8 +21,8 @@ class RMSNorm(_NormModule):
     Parameters
     ----------
     normalized_shape : int or iterable of int
-        Size of the normalized (last) dimension. Only one dimension can be normalized: an int
-        or a one-element tuple, list or ``torch.Size``.
+        Shape of the trailing dimensions normalized together: an int for the last dimension,
+        or a tuple, list or ``torch.Size`` for several (as ``torch.nn.LayerNorm``).
     eps : float, default = 1e-5
         Added to the mean square for numerical stability.
     sequence_parallel : bool, optional
@@ -49,7 +49,7 @@ class RMSNorm(_NormModule):
     Attributes
     ----------
     weight : torch.nn.Parameter
-        :math:`\gamma` of shape ``(normalized_shape,)``, initialized to 1 (0 with
+        :math:`\gamma` of shape ``normalized_shape``, initialized to 1 (0 with
         ``zero_centered_gamma``).
 
     Notes

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...device import construction_device, materialization_device
-from ...functional.normalization import check_eps, layernorm, normalized_size, rmsnorm
+from ...functional.normalization import check_eps, layernorm, normalized_dims, rmsnorm
 from ..op import BasicOperation, OperationContext
 from ._common import check_params_dtype, plain
 
@@ -39,7 +39,7 @@ class _Normalization(BasicOperation):
             sm_margin = dict(sm_margin)
         elif isinstance(sm_margin, bool) or not isinstance(sm_margin, int) or sm_margin < 0:
             raise ValueError(f"{owner}: sm_margin={sm_margin!r} must be an int >= 0 (or a dict)")
-        self.normalized_shape = (normalized_size(owner, normalized_shape, None),)
+        self.normalized_shape = normalized_dims(owner, normalized_shape, None)
         self.eps = check_eps(owner, eps)
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.sm_margin = sm_margin  # SM reservation of the CUDA kernels; no effect here
@@ -78,11 +78,11 @@ class _Normalization(BasicOperation):
         prev_op_grad_output_quantizer=None,
         next_op_input_quantizer=None,
     ) -> torch.Tensor:
-        size = self.normalized_shape[0]
-        if input_.shape[-1] != size:
+        trailing = tuple(input_.shape[max(input_.dim() - len(self.normalized_shape), 0) :])
+        if trailing != self.normalized_shape:
             raise ValueError(
-                f"{type(self).__name__}: the input's last dimension is {input_.shape[-1]} but "
-                f"normalized_shape={self.normalized_shape}"
+                f"{type(self).__name__}: the input has shape {tuple(input_.shape)}, whose "
+                f"trailing dimensions must be normalized_shape={self.normalized_shape}"
             )
         x = plain(input_)
         params = [getattr(self, name) for name in self._param_names]
@@ -105,11 +105,12 @@ class _Normalization(BasicOperation):
 
 
 class LayerNorm(_Normalization):
-    """Layer normalization over the last dimension: ``(x - mean) / sqrt(var + eps) * w + b``.
+    """Layer normalization over the trailing ``normalized_shape`` dimensions (together):
+    ``(x - mean) / sqrt(var + eps) * w + b``, with ``w`` and ``b`` of that shape.
 
     Parameters
     ----------
-    normalized_shape : int or one-element sequence
+    normalized_shape : int or sequence of ints
     eps : float, default 1e-5
     device : torch.device or str, optional
         ``"meta"`` defers initialization (materialized on the first forward onto the input's
@@ -142,7 +143,8 @@ class LayerNorm(_Normalization):
 
 
 class RMSNorm(_Normalization):
-    """Root-mean-square normalization over the last dimension: ``x / sqrt(mean(x^2) + eps) * w``.
+    """Root-mean-square normalization over the trailing ``normalized_shape`` dimensions:
+    ``x / sqrt(mean(x^2) + eps) * w``.
 
     Parameters are those of :class:`LayerNorm` (there is no bias).
     """
