@@ -1,7 +1,8 @@
-"""The normalizations as functions: ``layernorm`` and ``rmsnorm``, and the argument rules the
-norm modules and the norm operations share (``normalized_dims``, ``check_eps``).
+"""The normalizations as functions: ``layernorm``, ``rmsnorm`` and ``l2_normalize`` (with
+``l2_normalize_backward``), and the argument rules the norm modules and the norm operations
+share (``normalized_dims``, ``check_eps``).
 
-Both normalize over the trailing ``weight.dim()`` dimensions of the input, as
+``layernorm`` and ``rmsnorm`` normalize over the trailing ``weight.dim()`` dimensions of the input, as
 ``torch.nn.functional.layer_norm`` does with ``normalized_shape = weight.shape``: a 1-D weight
 normalizes the last dimension, a ``(heads, head_dim)`` weight the last two together.
 
@@ -28,6 +29,8 @@ from ..device import check_same_device, reject_meta
 __all__ = [
     "layernorm",
     "rmsnorm",
+    "l2_normalize",
+    "l2_normalize_backward",
     "normalized_dims",
     "check_eps",
 ]
@@ -184,6 +187,41 @@ def rmsnorm(
     dims = tuple(range(-weight.dim(), 0))
     rstd = torch.rsqrt(x_c.square().mean(dim=dims, keepdim=True) + eps)
     return (x_c * rstd * gamma).to(x.dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""L2 normalization over the last dimension of ``x``, without parameters.
+
+    .. math::
+        y = \frac{x}{\sqrt{\sum_i x_i^2 + \varepsilon}}
+
+    Returns ``(y, rsqrt_norm)``: ``y`` in ``x``'s dtype and shape, and the reciprocal norm
+    :math:`(\sum_i x_i^2 + \varepsilon)^{-1/2}` of shape ``(..., 1)`` in the compute dtype
+    (float32, float64 for float64 inputs), which :func:`l2_normalize_backward` takes.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"l2_normalize: x must be a floating-point tensor, got {x!r:.80}")
+    if x.dim() == 0:
+        raise ValueError("l2_normalize: x must have at least one dimension (the features)")
+    if not eps >= 0:  # also refuses NaN
+        raise ValueError(f"l2_normalize: eps must be a non-negative number, got {eps!r}")
+    x_c = x.to(_compute_dtype(x))
+    rsqrt_norm = torch.rsqrt(x_c.square().sum(dim=-1, keepdim=True) + eps)
+    return (x_c * rsqrt_norm).to(x.dtype), rsqrt_norm
+
+
+def l2_normalize_backward(
+    grad_output: torch.Tensor, x: torch.Tensor, rsqrt_norm: torch.Tensor
+) -> torch.Tensor:
+    r"""Gradient of :func:`l2_normalize` with respect to ``x`` (in ``x``'s dtype).
+
+    With :math:`r = (\sum_i x_i^2 + \varepsilon)^{-1/2}` and :math:`y = x r`:
+    :math:`\partial L / \partial x = r\,g - x\,r^3 \sum_i g_i x_i`.
+    """
+    dtype = rsqrt_norm.dtype
+    g, x_c = grad_output.to(dtype), x.to(dtype)
+    dot = (g * x_c).sum(dim=-1, keepdim=True)
+    return (rsqrt_norm * g - x_c * rsqrt_norm.pow(3) * dot).to(x.dtype)
 
 
 # --- Argument rules shared by the norm modules and operations -------------------------------------

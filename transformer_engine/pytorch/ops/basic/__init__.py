@@ -21,6 +21,7 @@ from .bias import Bias
 from .collectives import AllGather, AllReduce, ReduceScatter
 from .extra_io import AddExtraInput, MakeExtraOutput
 from .grouped_linear import GroupedLinear
+from .l2_normalization import L2Normalization
 from .normalization import LayerNorm, RMSNorm
 from .quantize import Quantize
 from .simple import ConstantScale, Dropout, Identity, Reshape
@@ -40,6 +41,7 @@ __all__ = [
     "GLU",
     "GroupedLinear",
     "Identity",
+    "L2Normalization",
     "LayerNorm",
     "MakeExtraOutput",
     "QGEGLU",
