@@ -37,7 +37,12 @@ from .basic import (
     SReLU,
     SwiGLU,
 )
-from .fuser import OperationFuser, register_backward_fusion, register_forward_fusion
+from .fuser import (
+    OperationFuser,
+    register_backward_fusion,
+    register_forward_backward_fusion,
+    register_forward_fusion,
+)
 from .linear import Linear
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
 from .sequential import Sequential
@@ -81,5 +86,6 @@ __all__ = [
     "SwiGLU",
     "fused",
     "register_backward_fusion",
+    "register_forward_backward_fusion",
     "register_forward_fusion",
 ]

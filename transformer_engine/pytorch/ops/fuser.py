@@ -13,12 +13,16 @@ parameters after the first forward replaced them):
 * parameters on another device than the input are a ``ValueError`` naming both devices.
 
 Fusions are functions ``func(ops, *, recipe) -> ops`` registered with
-:func:`register_forward_fusion` / :func:`register_backward_fusion`: they map the list of basic
-operations (or the result of the previous function) to a list in which runs of consecutive
-operations are replaced by ``FusedOperation``s covering them. The forward and the backward are
-fused independently; every fused operation reads and writes the contexts of the basic
-operations it covers exactly as those operations would, so any forward fusion combines with
-any backward fusion.
+:func:`register_forward_backward_fusion`, :func:`register_forward_fusion` or
+:func:`register_backward_fusion`: they map the list of basic operations (or the result of the
+previous function) to a list in which runs of consecutive operations are replaced by
+``FusedOperation``s covering them. The joint (forward-and-backward) functions run first and
+their fused operations run both passes (an operation whose forward saves something only its
+own backward understands, as a fused kernel's workspace, needs that). The forward-only and
+the backward-only functions then each start from the joint result; they see its fused
+operations as ordinary entries and may only pass them through. Every forward- or
+backward-only fused operation reads and writes the contexts of the basic operations it covers
+exactly as those operations would, so any forward fusion combines with any backward fusion.
 """
 
 from __future__ import annotations
@@ -33,7 +37,12 @@ from ..quantization import BackwardScaleUpdate, FP8GlobalStateManager, claim_bac
 from ..quantized_tensor import prepare_for_saving, restore_from_saved
 from .operation_context import OperationContext
 
-__all__ = ["OperationFuser", "register_forward_fusion", "register_backward_fusion"]
+__all__ = [
+    "OperationFuser",
+    "register_forward_backward_fusion",
+    "register_forward_fusion",
+    "register_backward_fusion",
+]
 
 # In annotations: te.ops.FusibleOperation / BasicOperation, which are not imported here because
 # op.py imports this file (an operation's forward runs it through a fuser).
@@ -195,6 +204,7 @@ class OperationFuser:
     ``(output, *extra_outputs)`` when some operation has extra outputs.
     """
 
+    forward_backward_fusion_functions: list[Callable] = []
     forward_fusion_functions: list[Callable] = []
     backward_fusion_functions: list[Callable] = []
 
@@ -227,8 +237,10 @@ class OperationFuser:
         return list(self._basic_ops)
 
     # -- fusion ----------------------------------------------------------------------------------
-    def _apply_fusions(self, functions, recipe) -> list[tuple[FusibleOp, list[int]]]:
-        ops: list[FusibleOp] = list(self._basic_ops)
+    def _apply_fusions(self, functions, recipe, ops=None) -> list[tuple[FusibleOp, list[int]]]:
+        """Run ``functions`` over ``ops`` (default: the basic operations) and check the result
+        still covers every basic operation once, in order."""
+        ops = list(self._basic_ops) if ops is None else list(ops)
         for func in functions:
             ops = list(func(ops, recipe=recipe))
         planned, start = [], 0
@@ -253,13 +265,28 @@ class OperationFuser:
         key = (
             type(recipe),
             first_op_requiring_backward,
+            tuple(self.forward_backward_fusion_functions),
             tuple(self.forward_fusion_functions),
             tuple(self.backward_fusion_functions),
         )
         if key == self._fusion_key:
             return
-        self._forward_ops = self._apply_fusions(self.forward_fusion_functions, recipe)
-        self._backward_ops = self._apply_fusions(self.backward_fusion_functions, recipe)
+        joint = self._apply_fusions(self.forward_backward_fusion_functions, recipe)
+        joint_ops = [op for op, _ in joint]
+        forward = self._apply_fusions(self.forward_fusion_functions, recipe, joint_ops)
+        backward = self._apply_fusions(self.backward_fusion_functions, recipe, joint_ops)
+        # a jointly fused operation must run both passes: its backward may need what only its
+        # own forward saved
+        for op in joint_ops:
+            if op.is_fused_op and not (
+                any(f is op for f, _ in forward) and any(b is op for b, _ in backward)
+            ):
+                raise RuntimeError(
+                    f"a forward- or backward-only fusion absorbed {type(op).__name__}, which a "
+                    "forward-backward fusion made; such fusions must pass fused operations "
+                    "through unchanged"
+                )
+        self._forward_ops, self._backward_ops = forward, backward
         self._fusion_key = key
 
     # -- call ------------------------------------------------------------------------------------
@@ -380,6 +407,13 @@ def _is_fusible(op) -> bool:
     return isinstance(op, torch.nn.Module) and all(
         hasattr(op, name) for name in ("is_fused_op", "fuser_forward", "fuser_backward")
     )
+
+
+def register_forward_backward_fusion(func: Callable, prepend: bool = False) -> None:
+    """Add a fusion ``func(ops, *, recipe) -> ops`` whose fused operations run both the forward
+    and the backward (applied in registration order, before the forward-only and backward-only
+    fusions)."""
+    _register(OperationFuser.forward_backward_fusion_functions, func, prepend)
 
 
 def register_forward_fusion(func: Callable, prepend: bool = False) -> None:
