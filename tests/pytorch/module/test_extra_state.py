@@ -143,7 +143,7 @@ def test_recipe_dict_round_trip(recipe):
 
 
 def test_recipe_to_dict_rejects_other_recipes():
-    @dataclasses.dataclass(frozen=True, repr=False)
+    @dataclasses.dataclass(repr=False)
     class MyScaling(DelayedScaling):
         pass
 

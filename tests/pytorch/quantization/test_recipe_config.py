@@ -1,5 +1,6 @@
-"""Recipe configuration objects: defaults, formats, predicates, immutability, repr, validation
-and environment defaults of transformer_engine.common.recipe.
+"""Recipe configuration objects: defaults, formats, predicates, equality, repr, validation
+and environment defaults of transformer_engine.common.recipe (assignment after construction:
+test_recipe_mutability.py).
 
 The module is pure Python, so these tests need neither torch nor a GPU.
 """
@@ -273,7 +274,7 @@ def test_predicates(cls, true_ones):
 
 
 def test_predicates_see_subclasses():
-    @dataclasses.dataclass(frozen=True, repr=False)
+    @dataclasses.dataclass(repr=False)
     class MyDelayed(DelayedScaling):
         pass
 
@@ -286,19 +287,16 @@ def test_recipes_are_recipes():
     assert isinstance(Float8CurrentScaling(), Recipe)
 
 
-# ---------------------------------------------------------------- frozen, equality, hash
+# ---------------------------------------------------------------- equality, hash
 
 
 @pytest.mark.parametrize("cls", [DelayedScaling, Float8CurrentScaling])
-def test_recipes_are_frozen(cls):
-    r = cls()
-    for f in dataclasses.fields(cls):
-        with pytest.raises(dataclasses.FrozenInstanceError):
-            setattr(r, f.name, getattr(r, f.name))
-        with pytest.raises(dataclasses.FrozenInstanceError):
-            delattr(r, f.name)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        r.not_a_field = 1
+def test_recipes_are_unhashable_like_upstreams(cls):
+    # Upstream's recipes are mutable dataclasses with field-wise equality, hence unhashable.
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(cls())
+    with pytest.raises(TypeError, match="unhashable"):
+        {cls()}  # noqa: B018
 
 
 def _algo(history):
@@ -332,12 +330,10 @@ def _sf(amax, scale, fp8_max, recipe):
         (Float8CurrentScaling, {"backward_override": "dequantized"}),
     ],
 )
-def test_equality_and_hash_are_field_wise(cls, changes):
+def test_equality_is_field_wise(cls, changes):
     a, b = cls(**changes), cls(**changes)
-    assert a == b and hash(a) == hash(b)
-    assert a is not b
+    assert a == b and a is not b
     assert a != cls()
-    assert len({a, b, cls()}) == 2
     assert dataclasses.replace(cls(), **changes) == a
 
 

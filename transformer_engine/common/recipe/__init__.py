@@ -1,11 +1,14 @@
-"""Quantization recipes: frozen configuration objects that say how tensors are cast to FP8.
+"""Quantization recipes: configuration objects that say how tensors are cast to FP8.
 
 A recipe is pure configuration. It holds no tensors and imports neither torch nor
 ``transformer_engine.pytorch``; the quantization state built from it (scales, amax histories,
-quantizers) lives in ``transformer_engine.pytorch``. Recipes are frozen dataclasses, so they are
-hashable and compare field by field, and every field is checked at construction: a bad value
+quantizers) lives in ``transformer_engine.pytorch``. Recipes are mutable dataclasses, as
+upstream's are: they compare field by field, are not hashable, and their fields may be assigned
+after construction. Every field is checked at construction and on every assignment: a bad value
 raises ``TypeError`` (wrong type) or ``ValueError`` (wrong value) naming the field, the value and
-the fix.
+the fix. Modules and operations compare the recipe they run with against a copy of the one their
+state was built from, so a recipe changed between steps refreshes that state exactly as an equal
+new recipe would. ``MMParams`` and ``QParams`` are frozen (hashable), as upstream's are.
 
 Two recipes are available:
 
@@ -29,12 +32,24 @@ Environment variables (each read at construction time, by one helper in this mod
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
-import os
 from collections.abc import Callable
 from enum import Enum
 from typing import Any, ClassVar, NamedTuple
+
+from ._field_checks import (
+    backward_override_from_env,
+    check_amax_compute_algo,
+    check_backward_override,
+    check_bool,
+    check_delayed_backward_override,
+    check_int_at_least,
+    check_optional_callable,
+    power_2_scales_from_env,
+    type_name,
+)
 
 __all__ = [
     "Format",
@@ -44,102 +59,6 @@ __all__ = [
     "DelayedScaling",
     "Float8CurrentScaling",
 ]
-
-_BACKWARD_OVERRIDE_ENV = "NVTE_BACKWARD_OVERRIDE"
-_POWER_2_SCALES_ENV = "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"
-_BACKWARD_OVERRIDES = ("high_precision", "dequantized")
-_AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-
-
-# ------------------------------------------------------------------ environment
-
-
-def _power_2_scales_from_env() -> bool:
-    """Default of ``use_power_2_scales``: True exactly when the variable is ``"1"``."""
-    return os.environ.get(_POWER_2_SCALES_ENV, "0") == "1"
-
-
-def _backward_override_from_env() -> str | None:
-    """Default of ``Float8CurrentScaling.backward_override`` from ``NVTE_BACKWARD_OVERRIDE``."""
-    value = os.environ.get(_BACKWARD_OVERRIDE_ENV, "")
-    if value == "":
-        return None
-    if value not in _BACKWARD_OVERRIDES:
-        raise ValueError(
-            f"environment variable {_BACKWARD_OVERRIDE_ENV}={value!r} is not a valid "
-            f"backward_override; set it to one of {_BACKWARD_OVERRIDES} or unset it"
-        )
-    return value
-
-
-# ------------------------------------------------------------------ field checks
-
-
-def _type_name(value: Any) -> str:
-    return type(value).__name__
-
-
-def _check_bool(owner: str, name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"{owner}: {name} must be a bool, got {value!r} ({_type_name(value)}); "
-            f"pass True or False"
-        )
-
-
-def _check_int_at_least(owner: str, name: str, value: Any, minimum: int) -> int:
-    # bool is an int subclass, but margin=True is far more likely a mistake than a request for 1.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{owner}: {name} must be an int, got {value!r} ({_type_name(value)}); "
-            f"pass an integer >= {minimum}"
-        )
-    if value < minimum:
-        raise ValueError(
-            f"{owner}: {name} must be >= {minimum}, got {value}; pass {minimum} or more"
-        )
-    return int(value)
-
-
-def _check_fp8_format(owner: str, value: Any) -> None:
-    if not isinstance(value, Format):
-        raise TypeError(
-            f"{owner}: fp8_format must be a Format, got {value!r} ({_type_name(value)}); "
-            f"pass Format.HYBRID or Format.E4M3"
-        )
-    if value is Format.E5M2:
-        raise ValueError(
-            f"{owner}: fp8_format=Format.E5M2: pure E5M2 training is not supported; use "
-            f"Format.HYBRID (E4M3 forward, E5M2 gradients) or Format.E4M3"
-        )
-    if value is Format.E2M1:
-        raise ValueError(
-            f"{owner}: fp8_format=Format.E2M1 is an FP4 format, not an FP8 one; use "
-            f"Format.HYBRID or Format.E4M3"
-        )
-
-
-def _check_backward_override(owner: str, value: Any) -> None:
-    if value is None:
-        return
-    if not isinstance(value, str):
-        raise TypeError(
-            f"{owner}: backward_override must be None or a str, got {value!r} "
-            f"({_type_name(value)}); pass None, 'high_precision' or 'dequantized'"
-        )
-    if value not in _BACKWARD_OVERRIDES:
-        raise ValueError(
-            f"{owner}: backward_override={value!r} is not supported; pass None, "
-            f"'high_precision' or 'dequantized'"
-        )
-
-
-def _check_mm_params(owner: str, name: str, value: Any) -> None:
-    if not isinstance(value, MMParams):
-        raise TypeError(
-            f"{owner}: {name} must be an MMParams, got {value!r} ({_type_name(value)}); "
-            f"pass e.g. MMParams(use_split_accumulator=True)"
-        )
 
 
 # ------------------------------------------------------------------ formats and parameters
@@ -192,7 +111,7 @@ class MMParams:
     use_split_accumulator: bool = True
 
     def __post_init__(self) -> None:
-        _check_bool("MMParams", "use_split_accumulator", self.use_split_accumulator)
+        check_bool("MMParams", "use_split_accumulator", self.use_split_accumulator)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,11 +146,11 @@ class QParams:
             "stochastic_rounding",
             "fp4_2d_quantization",
         ):
-            _check_bool("QParams", name, getattr(self, name))
+            check_bool("QParams", name, getattr(self, name))
         eps = self.amax_epsilon
         if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
             raise TypeError(
-                f"QParams: amax_epsilon must be a float, got {eps!r} ({_type_name(eps)}); "
+                f"QParams: amax_epsilon must be a float, got {eps!r} ({type_name(eps)}); "
                 f"pass a finite number >= 0.0"
             )
         if not (math.isfinite(eps) and eps >= 0):
@@ -242,12 +161,45 @@ class QParams:
         object.__setattr__(self, "amax_epsilon", float(eps))
 
 
+def _check_fp8_format(owner: str, name: str, value: Any) -> Format:
+    if not isinstance(value, Format):
+        raise TypeError(
+            f"{owner}: {name} must be a Format, got {value!r} ({type_name(value)}); "
+            f"pass Format.HYBRID or Format.E4M3"
+        )
+    if value is Format.E5M2:
+        raise ValueError(
+            f"{owner}: {name}=Format.E5M2: pure E5M2 training is not supported; use "
+            f"Format.HYBRID (E4M3 forward, E5M2 gradients) or Format.E4M3"
+        )
+    if value is Format.E2M1:
+        raise ValueError(
+            f"{owner}: {name}=Format.E2M1 is an FP4 format, not an FP8 one; use "
+            f"Format.HYBRID or Format.E4M3"
+        )
+    return value
+
+
+def _check_mm_params(owner: str, name: str, value: Any) -> MMParams:
+    if not isinstance(value, MMParams):
+        raise TypeError(
+            f"{owner}: {name} must be an MMParams, got {value!r} ({type_name(value)}); "
+            f"pass e.g. MMParams(use_split_accumulator=True)"
+        )
+    return value
+
+
 def _import_time_role_qparams() -> QParams:
     """Per-role ``QParams`` of ``Float8CurrentScaling``, made once when this module is imported."""
-    return QParams(power_2_scale=_power_2_scales_from_env(), amax_epsilon=0.0)
+    return QParams(power_2_scale=power_2_scales_from_env(), amax_epsilon=0.0)
 
 
 # ------------------------------------------------------------------ recipes
+
+
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 class Recipe:
@@ -256,7 +208,37 @@ class Recipe:
     The predicates below test the recipe's class; they are classmethods, so they work on a
     class (``DelayedScaling.delayed()``) and on an instance (``recipe.delayed()``) alike.
     Predicates for recipe families this project does not implement return False.
+
+    Recipes are mutable, as upstream's are: code assigns fields of a recipe it already built
+    (``recipe.amax_history_len = 16``). Every assignment, including the constructor's own, is
+    checked by the same per-field check, so a bad value raises at the line that assigned it,
+    naming the field and the value, instead of reaching the kernels. (Upstream does not check
+    assignments at all; checking at autocast entry instead would report the mistake far from
+    where it was made, and nothing upstream assigns is refused: its recipe checks are each about
+    one field.) Assigning a name that is not a field raises ``AttributeError``: a misspelt
+    field would otherwise be silently ignored.
     """
+
+    # Per-field checks of a subclass: ``{field name: check(owner, name, value) -> value}``.
+    _field_checks: ClassVar[dict[str, Callable[[str, str, Any], Any]]] = {}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        cls = type(self)
+        if dataclasses.is_dataclass(cls):
+            if name not in _field_names(cls):
+                raise AttributeError(_not_a_field_message(cls, name))
+            check = cls._field_checks.get(name)
+            if check is not None:
+                value = check(cls.__name__, name, value)
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if dataclasses.is_dataclass(type(self)) and name in _field_names(type(self)):
+            raise AttributeError(
+                f"{type(self).__name__}.{name} is a recipe field and cannot be deleted; assign "
+                f"a new value instead"
+            )
+        object.__delattr__(self, name)
 
     @classmethod
     def nvfp4(cls) -> bool:
@@ -294,6 +276,17 @@ class Recipe:
         return False
 
 
+def _not_a_field_message(cls: type, name: str) -> str:
+    fields = ", ".join(f.name for f in dataclasses.fields(cls))
+    if hasattr(cls, name):
+        return (
+            f"{cls.__name__}.{name} is a class attribute shared by every {cls.__name__}, not a "
+            f"field of one recipe, and cannot be assigned on an instance; the fields are: "
+            f"{fields}"
+        )
+    return f"{cls.__name__} has no field {name!r}; its fields are: {fields}"
+
+
 # Which modules share one set of amax buffers (reduced and updated together) is decided by recipe
 # *equality* (transformer_engine.pytorch.quantization.AmaxKey), so a recipe rebuilt every step
 # (`autocast(recipe=DelayedScaling(...))` inside the training loop) keeps its modules in one
@@ -304,7 +297,7 @@ class Recipe:
 # (a callable prints with its memory address); upstream's string key helpers still use them.
 
 
-@dataclasses.dataclass(frozen=True, repr=False)
+@dataclasses.dataclass(repr=False)
 class DelayedScaling(Recipe):
     """FP8 training with delayed scaling: scales come from the amaxes of earlier steps.
 
@@ -364,41 +357,17 @@ class DelayedScaling(Recipe):
     fp8_mha: bool = False
     backward_override: str | None = None
 
-    def __post_init__(self) -> None:
-        owner = type(self).__name__
-        object.__setattr__(self, "margin", _check_int_at_least(owner, "margin", self.margin, 0))
-        _check_fp8_format(owner, self.fp8_format)
-        object.__setattr__(
-            self,
-            "amax_history_len",
-            _check_int_at_least(owner, "amax_history_len", self.amax_history_len, 1),
-        )
-        algo = self.amax_compute_algo
-        if isinstance(algo, str):
-            if algo not in _AMAX_COMPUTE_ALGOS:
-                raise ValueError(
-                    f"{owner}: amax_compute_algo={algo!r} is not supported; pass 'max', "
-                    f"'most_recent' or a callable mapping the amax history [L, N] to amaxes [N]"
-                )
-        elif not callable(algo):
-            raise TypeError(
-                f"{owner}: amax_compute_algo must be 'max', 'most_recent' or a callable, got "
-                f"{algo!r} ({_type_name(algo)})"
-            )
-        sf_algo = self.scaling_factor_compute_algo
-        if sf_algo is not None and not callable(sf_algo):
-            raise TypeError(
-                f"{owner}: scaling_factor_compute_algo must be None or a callable "
-                f"(amax, scale, fp8_max, recipe) -> scale, got {sf_algo!r} ({_type_name(sf_algo)})"
-            )
-        for name in ("reduce_amax", "fp8_dpa", "fp8_mha"):
-            _check_bool(owner, name, getattr(self, name))
-        _check_backward_override(owner, self.backward_override)
-        if self.backward_override is not None:
-            raise ValueError(
-                f"{owner}: backward_override={self.backward_override!r} is not supported with "
-                f"delayed scaling; leave backward_override=None, or use Float8CurrentScaling"
-            )
+    _field_checks = {
+        "margin": lambda owner, name, value: check_int_at_least(owner, name, value, 0),
+        "fp8_format": _check_fp8_format,
+        "amax_history_len": lambda owner, name, value: check_int_at_least(owner, name, value, 1),
+        "amax_compute_algo": check_amax_compute_algo,
+        "scaling_factor_compute_algo": check_optional_callable,
+        "reduce_amax": check_bool,
+        "fp8_dpa": check_bool,
+        "fp8_mha": check_bool,
+        "backward_override": check_delayed_backward_override,
+    }
 
     def __repr__(self) -> str:
         # Plain values only: see the comment above this class.
@@ -414,7 +383,7 @@ class DelayedScaling(Recipe):
         )
 
 
-@dataclasses.dataclass(frozen=True, repr=False)
+@dataclasses.dataclass(repr=False)
 class Float8CurrentScaling(Recipe):
     """FP8 training with current (just-in-time) per-tensor scaling.
 
@@ -451,7 +420,7 @@ class Float8CurrentScaling(Recipe):
         Class attributes, not constructor arguments: per-role quantization parameters
         ``QParams(power_2_scale=<NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES == "1">,
         amax_epsilon=0.0)``, fixed when this module is imported. Passing them to the
-        constructor is a ``TypeError``.
+        constructor is a ``TypeError``; assigning them on an instance an ``AttributeError``.
 
     Raises
     ------
@@ -461,7 +430,7 @@ class Float8CurrentScaling(Recipe):
         A field has an unsupported value.
     """
 
-    use_power_2_scales: bool = dataclasses.field(default_factory=_power_2_scales_from_env)
+    use_power_2_scales: bool = dataclasses.field(default_factory=power_2_scales_from_env)
     fp8_format: Format = Format.HYBRID
     # Class-wide constants, so they cannot follow a later change of the environment; they are
     # the per-role parameters quantizers of the input, weight and gradient roles start from.
@@ -473,17 +442,18 @@ class Float8CurrentScaling(Recipe):
     fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
     fp8_dpa: bool = False
     fp8_mha: bool = False
-    backward_override: str | None = dataclasses.field(default_factory=_backward_override_from_env)
+    backward_override: str | None = dataclasses.field(default_factory=backward_override_from_env)
 
-    def __post_init__(self) -> None:
-        owner = type(self).__name__
-        _check_bool(owner, "use_power_2_scales", self.use_power_2_scales)
-        _check_fp8_format(owner, self.fp8_format)
-        for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
-            _check_mm_params(owner, name, getattr(self, name))
-        for name in ("fp8_dpa", "fp8_mha"):
-            _check_bool(owner, name, getattr(self, name))
-        _check_backward_override(owner, self.backward_override)
+    _field_checks = {
+        "use_power_2_scales": check_bool,
+        "fp8_format": _check_fp8_format,
+        "fp8_gemm_fprop": _check_mm_params,
+        "fp8_gemm_dgrad": _check_mm_params,
+        "fp8_gemm_wgrad": _check_mm_params,
+        "fp8_dpa": check_bool,
+        "fp8_mha": check_bool,
+        "backward_override": check_backward_override,
+    }
 
     def __repr__(self) -> str:
         # Plain values only, like DelayedScaling's.

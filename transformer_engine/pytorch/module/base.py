@@ -15,6 +15,7 @@ Device rules (docs/architecture.md, the device contract):
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -179,10 +180,13 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 f"{type(self).__name__} has no materialized parameters yet; call "
                 "reset_parameters() or module.to_empty(device=...) before running it in FP8"
             )
+        # fp8_meta["recipe"] is a copy taken when the state was built (recipes are mutable):
+        # a recipe whose fields were assigned since compares unequal and rebuilds the state,
+        # exactly as an equal new recipe object would.
         stored = self.fp8_meta.get("recipe")
         same = (
             self.fp8_meta_tensors_initialized
-            and (stored is recipe or stored == recipe)
+            and stored == recipe
             and self.fp8_meta["scaling_fwd"].device == device
             and self.fp8_meta["scaling_fwd"].num_quantizers == 3 * num_gemms
         )
@@ -192,6 +196,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         attrs["fp8_initialized"] = True
 
     def _build_recipe_states(self, recipe, num_gemms: int, device: torch.device) -> None:
+        recipe = copy.copy(recipe)  # a snapshot: see init_fp8_metadata
         old_class = type(self.fp8_meta.get("recipe"))
         old_state = self.fp8_meta.get("scaling_fwd")
         if old_state is not None and old_state.device != device:

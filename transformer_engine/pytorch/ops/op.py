@@ -17,6 +17,7 @@ Rules this file implements (docs/architecture.md, the device contract):
 from __future__ import annotations
 
 import abc
+import copy
 from typing import Any
 
 import torch
@@ -227,6 +228,7 @@ class BasicOperation(FusibleOperation):
         target = self._recipe_state_device(device)
         metas = self._fp8_metas if self._fp8_metas is not None else dict.fromkeys(_MODES)
         rebuilt = self._quantizers is None
+        snapshot = None
         for mode in _MODES:
             count = counts[mode]
             meta = metas.get(mode)
@@ -239,11 +241,15 @@ class BasicOperation(FusibleOperation):
             meta = meta if meta is not None else {}
             old = meta.get(key)
             if not _state_matches(old, recipe, target, count):
-                meta[key] = self._make_state(recipe, mode, count, target, old)
+                # States keep a copy of the recipe (recipes are mutable): a recipe whose fields
+                # were assigned since no longer matches and rebuilds, as an equal new one would.
+                snapshot = snapshot if snapshot is not None else copy.copy(recipe)
+                meta[key] = self._make_state(snapshot, mode, count, target, old)
                 if old is not None and not isinstance(meta[key], DelayedScalingRecipeState):
                     _unregister(meta)
                 rebuilt = True
-            meta["recipe"] = recipe
+            # the registry keys its groups by this copy, which nobody mutates
+            meta["recipe"] = meta[key].recipe
             meta["fp8_group"] = FP8GlobalStateManager.get_fp8_group()
             metas[mode] = meta
         self._fp8_metas = metas
@@ -353,7 +359,7 @@ class BasicOperation(FusibleOperation):
 def _state_matches(state, recipe, device: torch.device, count: int) -> bool:
     if state is None or state.device != device or state.num_quantizers != count:
         return False
-    return state.recipe is recipe or state.recipe == recipe
+    return state.recipe == recipe
 
 
 def _unregister(meta: dict) -> None:
