@@ -26,6 +26,9 @@ from .quantization import (
     fp8_model_init,
     get_default_recipe,
     is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_mxfp8_available,
+    is_nvfp4_available,
     quantized_model_init,
 )
 from .quantized_tensor import (
@@ -73,6 +76,9 @@ __all__ = [
     "fp8_model_init",
     "get_default_recipe",
     "is_fp8_available",
+    "is_mxfp8_available",
+    "is_fp8_block_scaling_available",
+    "is_nvfp4_available",
     "quantized_model_init",
     "Quantizer",
     "QuantizedTensor",

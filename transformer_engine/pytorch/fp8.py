@@ -1,4 +1,8 @@
-"""Deprecated module name: use ``transformer_engine.pytorch.quantization``."""
+"""Deprecated module name: use ``transformer_engine.pytorch.quantization``.
+
+Kept because code written for upstream imports from it, e.g. Hugging Face accelerate's
+``from transformer_engine.pytorch.fp8 import check_mxfp8_support``.
+"""
 
 import warnings
 
@@ -10,6 +14,10 @@ from .quantization import (  # noqa: F401
     _default_get_amax_and_update_history,
     _default_sf_compute,
     _update_amax_history,
+    check_fp8_block_scaling_support,
+    check_fp8_support,
+    check_mxfp8_support,
+    check_nvfp4_support,
     split_and_copy,
 )
 

@@ -49,12 +49,18 @@ from .recipe_state import (
 )
 from .state import FP8GlobalState, FP8GlobalStateManager
 from .support import (
+    check_fp8_block_scaling_support,
     check_fp8_support,
+    check_mxfp8_support,
+    check_nvfp4_support,
     check_recipe_support,
     get_align_size_for_quantization,
     get_default_fp8_recipe,
     get_default_recipe,
     is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_mxfp8_available,
+    is_nvfp4_available,
 )
 
 __all__ = [
@@ -64,6 +70,12 @@ __all__ = [
     "fp8_model_init",
     "is_fp8_available",
     "check_fp8_support",
+    "is_mxfp8_available",
+    "check_mxfp8_support",
+    "is_fp8_block_scaling_available",
+    "check_fp8_block_scaling_support",
+    "is_nvfp4_available",
+    "check_nvfp4_support",
     "get_default_fp8_recipe",
     "get_default_recipe",
     "check_recipe_support",

@@ -17,6 +17,12 @@ from ..device import device_compute_capability, visible_cuda_devices
 __all__ = [
     "is_fp8_available",
     "check_fp8_support",
+    "is_mxfp8_available",
+    "check_mxfp8_support",
+    "is_fp8_block_scaling_available",
+    "check_fp8_block_scaling_support",
+    "is_nvfp4_available",
+    "check_nvfp4_support",
     "get_default_fp8_recipe",
     "get_default_recipe",
     "check_recipe_support",
@@ -62,6 +68,55 @@ def is_fp8_available(return_reason: bool = False, device=None):
     return (available, reason) if return_reason else available
 
 
+# Upstream answers these from the GPU generation alone. Here they answer whether this package
+# can run the recipe at all: the block-scaled recipes are not implemented yet, so they are never
+# available, whatever the hardware (claiming support would send callers such as Hugging Face
+# accelerate's `use_mxfp8_block_scaling` into a recipe this package cannot build).
+def _unimplemented_recipe_support(recipe_name: str, description: str, device) -> tuple[bool, str]:
+    reason = (
+        f"{recipe_name} ({description}) is not implemented in this package yet; the recipes it "
+        "implements are DelayedScaling and Float8CurrentScaling"
+    )
+    fp8_ok, fp8_reason = check_fp8_support(device)
+    if not fp8_ok:
+        reason += f"; FP8 itself is not available here either: {fp8_reason}"
+    return False, reason
+
+
+def check_mxfp8_support(device=None) -> tuple[bool, str]:
+    """``(False, reason)``: ``MXFP8BlockScaling`` is not implemented in this package yet."""
+    return _unimplemented_recipe_support("MXFP8BlockScaling", "MXFP8 block scaling", device)
+
+
+def check_fp8_block_scaling_support(device=None) -> tuple[bool, str]:
+    """``(False, reason)``: ``Float8BlockScaling`` is not implemented in this package yet."""
+    return _unimplemented_recipe_support("Float8BlockScaling", "FP8 block scaling", device)
+
+
+def check_nvfp4_support(device=None) -> tuple[bool, str]:
+    """``(False, reason)``: ``NVFP4BlockScaling`` is not implemented in this package yet."""
+    return _unimplemented_recipe_support("NVFP4BlockScaling", "NVFP4 block scaling", device)
+
+
+def is_mxfp8_available(return_reason: bool = False, device=None):
+    """Whether ``MXFP8BlockScaling`` can run: never yet (see :func:`check_mxfp8_support`)."""
+    available, reason = check_mxfp8_support(device)
+    return (available, reason) if return_reason else available
+
+
+def is_fp8_block_scaling_available(return_reason: bool = False, device=None):
+    """Whether ``Float8BlockScaling`` can run: never yet (see
+    :func:`check_fp8_block_scaling_support`)."""
+    available, reason = check_fp8_block_scaling_support(device)
+    return (available, reason) if return_reason else available
+
+
+def is_nvfp4_available(return_reason: bool = False, device=None):
+    """Whether ``NVFP4BlockScaling`` can run: never yet (see :func:`check_nvfp4_support`)."""
+    available, reason = check_nvfp4_support(device)
+    return (available, reason) if return_reason else available
+
+
 def get_default_fp8_recipe() -> Recipe:
     """The recipe an autocast without ``recipe=`` uses: ``DelayedScaling()``."""
     return DelayedScaling()
@@ -71,7 +126,12 @@ get_default_recipe = get_default_fp8_recipe
 
 
 def check_recipe_support(recipe: Recipe) -> None:
-    """Refuse recipes this library does not implement, and delayed scaling under compile."""
+    """Refuse recipes this library does not implement, and delayed scaling under compile.
+
+    Field values need no check here: recipes check every field when it is assigned (see
+    ``transformer_engine.common.recipe.Recipe``), so a recipe changed since construction is as
+    valid as a new one.
+    """
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe={recipe!r} is not a transformer_engine Recipe")
     if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
