@@ -1,0 +1,121 @@
+"""Forward fusion: ``BasicLinear`` (+ ``Bias``) + in-place ``AddExtraInput`` (a residual
+added into the caller's buffer)."""
+
+from __future__ import annotations
+
+from ..basic._common import autocast_dtype
+from ..basic.basic_linear import BasicLinear
+from ..basic.bias import Bias
+from ..basic.extra_io import AddExtraInput
+from ..op import FusedOperation
+from ._owned_buffers import add_into_fresh
+
+__all__ = ["ForwardLinearBiasAdd", "fuse_forward_linear_bias_add"]
+
+
+class ForwardLinearBiasAdd(FusedOperation):
+    """Forward of ``BasicLinear``, an optional ``Bias`` and ``AddExtraInput(in_place=True)``:
+    ``extra += x W^T (+ b)``, returned as the output.
+
+    Parameters
+    ----------
+    linear : BasicLinear
+    bias : Bias or None
+    add : AddExtraInput
+        With ``in_place=True``.
+
+    What it saves: the chain allocates the GEMM output, then a second buffer for the bias sum.
+    Here the bias is added into the GEMM's own output (which nothing else holds), and that is
+    added into the extra input's storage, so the whole forward allocates the GEMM output only.
+
+    What it does not do, to keep the chain's bits: upstream accumulates the GEMM directly into
+    the extra input (GEMM ``beta = 1``) with the bias in the GEMM epilogue. That rounds the sum
+    ``x W^T + b + extra`` once, where the chain rounds the product, the bias sum and the
+    residual sum separately (different bits in FP16/BF16, and a different reduction kernel
+    even in FP32), so the three steps stay separate roundings here.
+    """
+
+    def __init__(self, *, linear: BasicLinear, bias: Bias | None, add: AddExtraInput) -> None:
+        if not (isinstance(add, AddExtraInput) and add.in_place):
+            raise ValueError(
+                "ForwardLinearBiasAdd: add must be AddExtraInput(in_place=True), got "
+                f"{add!r}; without in_place the chain allocates the sum anyway, so run the ops "
+                "unfused"
+            )
+        super().__init__([linear, add] if bias is None else [linear, bias, add])
+        self._has_bias = bias is not None
+
+    def fuser_forward(
+        self,
+        basic_op_ctxs,
+        input_,
+        *,
+        basic_op_extra_inputs,
+        prev_op_grad_output_quantizer,
+        next_op_input_quantizer,
+        basic_op_kwargs,
+    ):
+        if any(basic_op_kwargs):
+            raise ValueError(
+                f"ForwardLinearBiasAdd takes no per-operation kwargs, got {basic_op_kwargs}"
+            )
+        linear, add = self.basic_ops[0], self.basic_ops[-1]
+        out = linear.linear_forward(basic_op_ctxs[0], input_)
+        if self._has_bias:
+            bias_op = self.basic_ops[1]
+            if out.shape[-1] != bias_op.size:
+                raise ValueError(
+                    f"Bias: the input's last dimension is {out.shape[-1]} but size={bias_op.size}"
+                )
+            # the Bias op's arithmetic (operands in the autocast dtype, else the input's),
+            # written into the GEMM output when its dtype already is that one
+            dtype = autocast_dtype(out) or out.dtype
+            bias = bias_op.bias_forward(basic_op_ctxs[1]).to(dtype)
+            out = add_into_fresh(out.to(dtype), bias)
+        out, _ = add.fuser_forward(
+            basic_op_ctxs[-1:],
+            out,
+            basic_op_extra_inputs=basic_op_extra_inputs[-1:],
+            prev_op_grad_output_quantizer=None,
+            next_op_input_quantizer=next_op_input_quantizer,
+            basic_op_kwargs=basic_op_kwargs[-1:],
+        )
+        return out, [() for _ in self.basic_ops]
+
+
+def _fusable_linear(op) -> bool:
+    # row tensor parallelism reduces the GEMM output across ranks before anything may be
+    # added to it, so the residual cannot join the GEMM's step
+    return type(op) is BasicLinear and getattr(op, "tensor_parallel_mode", None) != "row"
+
+
+def _in_place_add(op) -> bool:
+    return type(op) is AddExtraInput and op.in_place
+
+
+def fuse_forward_linear_bias_add(ops, *, recipe=None):
+    """Replace each ``BasicLinear[, Bias], AddExtraInput(in_place=True)`` run by a
+    :class:`ForwardLinearBiasAdd` (with and without FP8).
+
+    Parameters
+    ----------
+    ops : list of FusibleOperation
+    recipe : Recipe or None
+    """
+    out, i = [], 0
+    while i < len(ops):
+        op = ops[i]
+        if _fusable_linear(op):
+            nxt = ops[i + 1] if i + 1 < len(ops) else None
+            after = ops[i + 2] if i + 2 < len(ops) else None
+            if type(nxt) is Bias and nxt.size == op.out_features and _in_place_add(after):
+                out.append(ForwardLinearBiasAdd(linear=op, bias=nxt, add=after))
+                i += 3
+                continue
+            if _in_place_add(nxt):
+                out.append(ForwardLinearBiasAdd(linear=op, bias=None, add=nxt))
+                i += 2
+                continue
+        out.append(op)
+        i += 1
+    return out
