@@ -3,6 +3,8 @@
 from .cast import QuantizeResult, compute_amax, dequantize, quantize, transposed_shape
 from .float8_gemm_operand import Float8GemmOperand
 from .gemm import general_gemm
+from .grouped_gemm import general_grouped_gemm
+from .normalization import layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd
 from .scaling import (
     AMAX_COMPUTE_ALGOS,
     compute_scale_from_amax,
@@ -17,6 +19,11 @@ __all__ = [
     "compute_amax",
     "transposed_shape",
     "general_gemm",
+    "general_grouped_gemm",
+    "layernorm_fwd",
+    "layernorm_bwd",
+    "rmsnorm_fwd",
+    "rmsnorm_bwd",
     "Float8GemmOperand",
     "AMAX_COMPUTE_ALGOS",
     "compute_scale_from_amax",
