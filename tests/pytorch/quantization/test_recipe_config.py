@@ -548,7 +548,7 @@ def test_validation_never_uses_assert():
 @pytest.mark.parametrize(
     "cls, kwarg",
     [
-        (DelayedScaling, "interval"),  # removed upstream long ago
+        (DelayedScaling, "bogus"),
         (DelayedScaling, "use_power_2_scales"),
         (Float8CurrentScaling, "margin"),
         (Float8CurrentScaling, "amax_history_len"),

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any, ClassVar, NamedTuple
 
+from ._compat_arguments import check_interval, check_override_linear_precision
 from ._field_checks import (
     backward_override_from_env,
     check_amax_compute_algo,
@@ -333,6 +334,12 @@ class DelayedScaling(Recipe):
     fp8_mha : bool, default False
         (Beta) FP8 multi-head attention: no casts at the attention boundaries; the QKV
         projection produces FP8 and the output projection consumes it.
+    interval, override_linear_precision : keyword-only, optional
+        Arguments of older releases, accepted so that code passing them (Megatron-LM,
+        accelerate) runs; they change nothing and are not stored. ``interval`` (an int >= 1)
+        other than 1, and ``override_linear_precision`` (three bools ``(fprop, dgrad, wgrad)``)
+        with a True entry, draw a ``UserWarning``: scales update every step and all GEMMs run
+        in FP8, as in current upstream.
     backward_override : None
         Must be None: delayed scaling always runs the backward pass in FP8. Unlike
         :class:`Float8CurrentScaling` the default ignores ``NVTE_BACKWARD_OVERRIDE``, so a
@@ -356,6 +363,12 @@ class DelayedScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: str | None = None
+    # Keyword-only constructor arguments of older releases that clients still pass (Megatron-LM,
+    # accelerate): checked, warned about where they ask for something not done, never stored.
+    # See _compat_arguments.py.
+    _: dataclasses.KW_ONLY
+    interval: dataclasses.InitVar[int | None] = None
+    override_linear_precision: dataclasses.InitVar[tuple[bool, bool, bool] | None] = None
 
     _field_checks = {
         "margin": lambda owner, name, value: check_int_at_least(owner, name, value, 0),
@@ -368,6 +381,10 @@ class DelayedScaling(Recipe):
         "fp8_mha": check_bool,
         "backward_override": check_delayed_backward_override,
     }
+
+    def __post_init__(self, interval: Any, override_linear_precision: Any) -> None:
+        check_interval(type(self).__name__, interval)
+        check_override_linear_precision(type(self).__name__, override_linear_precision)
 
     def __repr__(self) -> str:
         # Plain values only: see the comment above this class.

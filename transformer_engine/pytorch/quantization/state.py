@@ -10,6 +10,7 @@ them.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +18,14 @@ import torch
 
 from ...common.recipe import Recipe
 from .amax_registry import AmaxKey, AmaxRegistry
-from .recipe_state import DelayedScalingRecipeState
-from .support import check_fp8_support, get_default_fp8_recipe
+from .recipe_state import DelayedScalingRecipeState, RecipeState
+from .support import (
+    check_fp8_block_scaling_support,
+    check_fp8_support,
+    check_mxfp8_support,
+    check_nvfp4_support,
+    get_default_fp8_recipe,
+)
 
 __all__ = ["FP8GlobalState", "FP8GlobalStateManager"]
 
@@ -39,6 +46,9 @@ class FP8GlobalState:
     amax_registry: AmaxRegistry = field(default_factory=AmaxRegistry)
     fp8_tensors_recompute_buffer: list = field(default_factory=list)
 
+
+# Where an fp8_meta keeps its queue's index in fp8_tensors_recompute_buffer (upstream's key).
+_RECOMPUTE_POSITION = "global_fp8_buffer_pos_fwd_recompute"
 
 _AUTOCAST_FIELDS = (
     "fp8_enabled",
@@ -108,6 +118,21 @@ class FP8GlobalStateManager:
     @staticmethod
     def is_fp8_available() -> tuple[bool, str]:
         return check_fp8_support()
+
+    @staticmethod
+    def is_mxfp8_available() -> tuple[bool, str]:
+        """``(False, reason)``: MXFP8 block scaling is not implemented in this package yet."""
+        return check_mxfp8_support()
+
+    @staticmethod
+    def is_fp8_block_scaling_available() -> tuple[bool, str]:
+        """``(False, reason)``: FP8 block scaling is not implemented in this package yet."""
+        return check_fp8_block_scaling_support()
+
+    @staticmethod
+    def is_nvfp4_available() -> tuple[bool, str]:
+        """``(False, reason)``: NVFP4 block scaling is not implemented in this package yet."""
+        return check_nvfp4_support()
 
     # -- registry keys ------------------------------------------------------------------------
     @staticmethod
@@ -189,6 +214,67 @@ class FP8GlobalStateManager:
         for key in registry.keys():
             if key.forward == forward:
                 registry.reduce_and_update(key, key.recipe, forward=forward, group=key.group)
+
+    # -- activation recompute (upstream's fp8_meta-level API) -----------------------------------
+    # The modules here stash per module (module/base.py); these serve code that drives
+    # upstream's protocol itself on an ``fp8_meta`` dict. Values are swapped in place, so the
+    # quantizers and the amax registry keep pointing at the state's own tensors.
+    @classmethod
+    def _recompute_state(cls, fp8_meta: dict):
+        """The forward delayed-scaling tensors of ``fp8_meta`` (None: nothing persistent)."""
+        owner = fp8_meta.get(cls.get_meta_tensor_key(forward=True))
+        return owner.delayed_scaling_state() if isinstance(owner, RecipeState) else None
+
+    @classmethod
+    def copy_forward_fp8_meta_tensors_for_recompute(cls, fp8_meta: dict) -> None:
+        """Original forward: queue copies of the forward scales and amax history."""
+        state = cls._recompute_state(fp8_meta)
+        if state is None:
+            return  # nothing persistent to keep (current scaling)
+        buffers = cls.quantization_state.fp8_tensors_recompute_buffer
+        position = fp8_meta.get(_RECOMPUTE_POSITION)
+        if position is None or position >= len(buffers):
+            position = len(buffers)
+            buffers.append(deque())
+            fp8_meta[_RECOMPUTE_POSITION] = position
+        buffers[position].append((state.amax_history.clone(), state.scale.clone()))
+
+    @classmethod
+    def get_old_fp8_meta_tensors_for_recompute(cls, fp8_meta: dict) -> None:
+        """Recompute: keep the current values aside and cast with the oldest queued copies."""
+        state = cls._recompute_state(fp8_meta)
+        if state is None:
+            return
+        position = fp8_meta.get(_RECOMPUTE_POSITION)
+        buffers = cls.quantization_state.fp8_tensors_recompute_buffer
+        if position is None or position >= len(buffers) or not buffers[position]:
+            raise RuntimeError(
+                "get_old_fp8_meta_tensors_for_recompute: no forward values were queued for "
+                "this fp8_meta; call copy_forward_fp8_meta_tensors_for_recompute in the "
+                "original forward first"
+            )
+        history, scale = buffers[position].popleft()
+        fp8_meta["updated_amax_history_fwd"] = state.amax_history.clone()
+        fp8_meta["updated_scale_fwd"] = state.scale.clone()
+        with torch.no_grad():
+            state.amax_history.copy_(history)
+            state.scale.copy_(scale)
+
+    @classmethod
+    def restore_fp8_meta_tensors(cls, fp8_meta: dict) -> None:
+        """After a recompute: back to the values kept aside (the recompute's amaxes are
+        dropped)."""
+        state = cls._recompute_state(fp8_meta)
+        if state is None:
+            return
+        if "updated_amax_history_fwd" not in fp8_meta:
+            raise RuntimeError(
+                "restore_fp8_meta_tensors: nothing to restore; call "
+                "get_old_fp8_meta_tensors_for_recompute before the recompute"
+            )
+        with torch.no_grad():
+            state.amax_history.copy_(fp8_meta.pop("updated_amax_history_fwd"))
+            state.scale.copy_(fp8_meta.pop("updated_scale_fwd"))
 
     # -- autocast -----------------------------------------------------------------------------
     @classmethod
