@@ -14,6 +14,10 @@ import torch
 __all__ = ["add_into_fresh"]
 
 
+# tensors whose values are their storage (a quantized tensor's are not)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _storage(tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
@@ -22,9 +26,8 @@ def _can_receive(fresh: torch.Tensor, other: torch.Tensor, others) -> bool:
     """Whether ``fresh += other`` gives ``fresh + other``'s dtype, shape and bits without
     touching any memory but ``fresh``'s own."""
     return (
-        isinstance(fresh, torch.Tensor)
-        and type(fresh) is torch.Tensor
-        and type(other) is torch.Tensor
+        type(fresh) is torch.Tensor
+        and type(other) in _PLAIN
         and not fresh.requires_grad
         and fresh.is_contiguous()
         and torch.result_type(fresh, other) == fresh.dtype
@@ -33,7 +36,7 @@ def _can_receive(fresh: torch.Tensor, other: torch.Tensor, others) -> bool:
         and fresh.numel() > 0
         and all(
             # a quantized tensor's buffers are FP8 bytes of their own, never ``fresh``
-            type(t) is not torch.Tensor or _storage(t) != _storage(fresh)
+            type(t) not in _PLAIN or _storage(t) != _storage(fresh)
             for t in (other, *others)
         )
     )
