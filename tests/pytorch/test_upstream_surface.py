@@ -161,8 +161,8 @@ DROP_IN_NAMES = [
 
 # name -> what is missing. Keep in step with the counts at the end of this file.
 NOT_BUILT_YET: dict[str, str] = {
-    "transformer_engine.pytorch.custom_recipes.gemm.MMParams": "the custom_recipes package (quantizer factories, MMParams, reference quantizers)",
-    "transformer_engine.pytorch.custom_recipes.quantizer_factories.high_precision_factory": "the custom_recipes package (quantizer factories, MMParams, reference quantizers)",
+    "transformer_engine.pytorch.custom_recipes.gemm.MMParams": "the custom_recipes.gemm module (MMParams)",
+    "transformer_engine.pytorch.custom_recipes.quantizer_factories.high_precision_factory": "the quantizer factory that keeps every role in high precision",
     "transformer_engine.pytorch.ops.ScaledClampedQGeGLU": "the te.ops activation ScaledClampedQGeGLU",
     "transformer_engine.pytorch.ops.ScaledSReLU": "the te.ops activation ScaledSReLU",
     "transformer_engine.pytorch.ops.ScaledSiTUGLU": "the te.ops activation ScaledSiTUGLU",
