@@ -58,6 +58,9 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.pytorch.extra_state",
         "transformer_engine.pytorch.extra_state.*",
         "transformer_engine.pytorch._extra_state",
+        # CustomRecipe factories and reference quantizers: build on quantizers and roles only
+        "transformer_engine.pytorch.custom_recipes",
+        "transformer_engine.pytorch.custom_recipes.*",
     )),
     (6, "the functional core", (
         "transformer_engine.pytorch.functional",

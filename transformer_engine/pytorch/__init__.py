@@ -20,7 +20,10 @@ from .module import (
     TransformerEngineBaseModule,
 )
 from .quantization import (
+    DelayedScalingRequest,
     FP8GlobalStateManager,
+    QuantizerRequest,
+    QuantizerRole,
     autocast,
     fp8_autocast,
     fp8_model_init,
@@ -80,6 +83,9 @@ __all__ = [
     "is_fp8_block_scaling_available",
     "is_nvfp4_available",
     "quantized_model_init",
+    "QuantizerRole",
+    "QuantizerRequest",
+    "DelayedScalingRequest",
     "Quantizer",
     "QuantizedTensor",
     "Float8Quantizer",

@@ -10,13 +10,14 @@ the fix. Modules and operations compare the recipe they run with against a copy 
 state was built from, so a recipe changed between steps refreshes that state exactly as an equal
 new recipe would. ``MMParams`` and ``QParams`` are frozen (hashable), as upstream's are.
 
-Two recipes are available:
+Three recipes are available:
 
 * :class:`DelayedScaling`: per-tensor scales computed from a history of amaxes seen in earlier
   steps.
 * :class:`Float8CurrentScaling`: per-tensor scales computed from the tensor being cast.
+* :class:`CustomRecipe`: every quantizer chosen by a user factory, per role.
 
-The scaling math of both is described in ``docs/recipes.md``.
+The scaling math of the first two is described in ``docs/recipes.md``.
 
 Environment variables (each read at construction time, by one helper in this module):
 
@@ -59,6 +60,7 @@ __all__ = [
     "Recipe",
     "DelayedScaling",
     "Float8CurrentScaling",
+    "CustomRecipe",
 ]
 
 
@@ -273,8 +275,8 @@ class Recipe:
 
     @classmethod
     def custom(cls) -> bool:
-        """Whether this is a custom (user-factory) recipe (not implemented here: always False)."""
-        return False
+        """Whether this is a :class:`CustomRecipe` (quantizers chosen by a user factory)."""
+        return issubclass(cls, CustomRecipe)
 
 
 def _not_a_field_message(cls: type, name: str) -> str:
@@ -484,4 +486,89 @@ class Float8CurrentScaling(Recipe):
             f"fp8_dpa={self.fp8_dpa}, "
             f"fp8_mha={self.fp8_mha}, "
             f"backward_override={self.backward_override}"
+        )
+
+
+# ------------------------------------------------------------------ custom recipe
+
+
+def _check_qfactory(owner: str, name: str, value: Any) -> Callable[..., Any]:
+    if not callable(value):
+        raise TypeError(
+            f"{owner}: {name} must be a callable taking a QuantizerRole (or None) and returning "
+            f"a Quantizer or a QuantizerRequest, got {value!r} ({type_name(value)}); pass e.g. "
+            f"transformer_engine.pytorch.custom_recipes.quantizer_factories.current_scaling_factory"
+        )
+    return value
+
+
+def _check_alignment(owner: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{owner}: {name} must be an int, got {value!r} ({type_name(value)}); pass a "
+            f"positive integer such as 128"
+        )
+    if value <= 0:
+        raise ValueError(
+            f"{owner}: {name} must be positive, got {value}; pass a positive integer such as 128"
+        )
+    return int(value)
+
+
+@dataclasses.dataclass(repr=False)
+class CustomRecipe(Recipe):
+    """A recipe whose quantizer of every slot is chosen by a factory.
+
+    Each module or fusible operation asks ``qfactory`` for one quantizer per slot, passing the
+    slot's ``QuantizerRole`` (``module_type``, ``tensor_type``, ``name``), or ``None`` for
+    boundary slots (a module's output and grad-input). The factory returns either a
+    ``Quantizer``, used as it is, or a ``DelayedScalingRequest``, for which the library keeps
+    delayed-scaling state (amax history and scale on the owner's device, reduced and updated
+    like :class:`~transformer_engine.common.recipe.DelayedScaling`'s). See ``docs/recipes.md``.
+
+    Parameters
+    ----------
+    qfactory : callable
+        ``qfactory(role) -> Quantizer | QuantizerRequest``; called once per slot whenever a
+        module's or operation's quantization state is (re)built. Returning ``None`` is an error.
+    fp8_format : Format, default Format.HYBRID
+        The format reported to code that asks the recipe (e.g. ``fp8_max_fwd``); the
+        quantizers' own formats are the factory's choice.
+    fp8_dpa, fp8_mha : bool, default False
+        (Beta) FP8 attention flags, as on the built-in recipes.
+    backward_override : {None, "high_precision", "dequantized"}, default from env
+        As :class:`~transformer_engine.common.recipe.Float8CurrentScaling`'s; defaults to
+        ``NVTE_BACKWARD_OVERRIDE`` at construction time.
+    quantization_alignment : int, default 128
+        Row alignment the factory's quantized tensors need (returned by
+        ``get_align_size_for_quantization`` without calling the factory). Must be positive.
+    """
+
+    qfactory: Callable[..., Any]
+    fp8_format: Format = Format.HYBRID
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = dataclasses.field(default_factory=backward_override_from_env)
+    quantization_alignment: int = 128
+
+    _field_checks = {
+        "qfactory": _check_qfactory,
+        "fp8_format": _check_fp8_format,
+        "fp8_dpa": check_bool,
+        "fp8_mha": check_bool,
+        "backward_override": check_backward_override,
+        "quantization_alignment": _check_alignment,
+    }
+
+    def __repr__(self) -> str:
+        # Plain values only (the factory by name, not by address), like the other recipes.
+        factory = getattr(self.qfactory, "__qualname__", type(self.qfactory).__qualname__)
+        return (
+            f"recipe_type={type(self).__name__}, "
+            f"qfactory={factory}, "
+            f"format={self.fp8_format.name}, "
+            f"fp8_dpa={self.fp8_dpa}, "
+            f"fp8_mha={self.fp8_mha}, "
+            f"backward_override={self.backward_override}, "
+            f"quantization_alignment={self.quantization_alignment}"
         )

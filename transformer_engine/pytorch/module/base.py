@@ -26,6 +26,7 @@ from ..distributed import in_fp8_activation_recompute_phase, is_fp8_activation_r
 from ..extra_state import pack_extra_state, unpack_extra_state
 from ..functional.linear import run_deferred_wgrads
 from ..quantization import (
+    CustomRecipeState,
     DelayedScalingRecipeState,
     FP8GlobalStateManager,
     RecipeState,
@@ -206,7 +207,10 @@ class TransformerEngineBaseModule(torch.nn.Module):
         for forward, count in ((True, 3 * num_gemms), (False, 2 * num_gemms)):
             key = FP8GlobalStateManager.get_meta_tensor_key(forward)
             mode = "forward" if forward else "backward"
-            state = RecipeState.create(recipe, mode=mode, num_quantizers=count, device=device)
+            roles = self.get_quantizer_roles(fwd=forward, num_quantizers=count)
+            state = RecipeState.create(
+                recipe, mode=mode, num_quantizers=count, device=device, roles=roles
+            )
             old = self.fp8_meta.get(key)
             if old is not None:
                 state.inherit_state_from(old)
@@ -220,6 +224,12 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if old_class is not type(recipe):
             self._fp8_workspaces.clear()
         self._rebind_fp8_parameter_quantizers()
+
+    def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int) -> list | None:
+        """The :class:`QuantizerRole` (or ``None`` for a boundary slot) of each of the
+        ``num_quantizers`` slots of one direction; ``None``: the module declares none. Only a
+        ``CustomRecipe`` factory reads them."""
+        return None
 
     def _rebind_fp8_parameter_quantizers(self) -> None:
         for name, param in self.named_parameters(recurse=False):
@@ -247,8 +257,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
             return None
         out = {}
         for key in ("scaling_fwd", "scaling_bwd"):
-            state = self.fp8_meta[key]
-            if isinstance(state, DelayedScalingRecipeState):
+            state = self.fp8_meta[key].delayed_scaling_state()
+            if state is not None:
                 out[key] = [state.scale.clone(), state.amax_history.clone()]
         return out or None
 
@@ -309,8 +319,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
     # -- activation recompute (te.checkpoint) ----------------------------------------------------
     def _delayed_forward_state(self):
         state = self.fp8_meta.get("scaling_fwd")
-        if self.fp8 and isinstance(state, DelayedScalingRecipeState):
-            return state
+        if self.fp8 and isinstance(state, RecipeState):
+            return state.delayed_scaling_state()
         return None
 
     def _recompute_swap_in(self) -> None:
@@ -335,7 +345,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     def _register_fp8_state(self) -> None:
         """Put the delayed-scaling state into the amax registry (after a successful forward)."""
-        if self.fp8 and isinstance(self.fp8_meta.get("scaling_fwd"), DelayedScalingRecipeState):
+        state = self.fp8_meta.get("scaling_fwd")
+        if self.fp8 and isinstance(state, RecipeState) and state.delayed_scaling_state():
             if not FP8GlobalStateManager.fp8_graph_capturing():
                 FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(self.fp8_meta)
 
@@ -381,7 +392,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def _check_save_original_input(self) -> None:
         """``save_original_input=True`` re-quantizes the saved input in backward: refused under a
         recipe whose scale changes between forward and backward (delayed scaling)."""
-        if self.fp8_meta["recipe"].delayed():
+        state = self.fp8_meta.get("scaling_fwd")
+        if self.fp8_meta["recipe"].delayed() or (state and state.delayed_scaling_state()):
             raise ValueError(
                 f"{type(self).__name__}: save_original_input=True re-quantizes the input in "
                 "backward, which is only exact for stateless recipes; DelayedScaling's scale "
@@ -403,6 +415,15 @@ class TransformerEngineBaseModule(torch.nn.Module):
         state = self.fp8_meta.get("scaling_fwd")
         if not (self.fp8_meta.get("fp8_checkpoint") or self.primary_weights_in_fp8):
             return None
+        if isinstance(state, CustomRecipeState):
+            if state.delayed_scaling_state() is None:
+                return None  # every quantizer came from the factory: nothing to restore
+            raise NotImplementedError(
+                f"{type(self).__name__}: saving a checkpoint of a module run under a "
+                "CustomRecipe whose factory returned DelayedScalingRequests is not supported "
+                "(the recipe's factory cannot be stored); save under DelayedScaling, or leave "
+                "the module out of FP8 (autocast(enabled=False)) before state_dict()"
+            )
         if not isinstance(state, DelayedScalingRecipeState):
             return None
         tensors = {

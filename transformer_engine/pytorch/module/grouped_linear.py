@@ -26,6 +26,7 @@ from ..quantized_tensor import QuantizedTensor
 from ._gemm_setup import gemm_weight, make_linear_config
 from ._linear_function import linear
 from ._linear_parameters import check_features, check_single_process_arguments
+from ._quantizer_roles import gemm_quantizer_roles
 from .base import TransformerEngineBaseModule, default_init_method
 
 __all__ = ["GroupedLinear"]
@@ -223,6 +224,12 @@ class GroupedLinear(TransformerEngineBaseModule):
                 "rows (product of its leading dimensions)"
             )
         return sizes
+
+    def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int) -> list:
+        """Per GEMM: forward ``[input, weight, None]``, backward ``[grad_output, None]``
+        (``None``: a boundary slot), for a ``CustomRecipe`` factory."""
+        names = [self.name or ""] * (num_quantizers // (3 if fwd else 2))
+        return gemm_quantizer_roles("grouped_linear", names, fwd=fwd, num_quantizers=num_quantizers)
 
     def forward(
         self,

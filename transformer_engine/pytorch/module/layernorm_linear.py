@@ -29,6 +29,7 @@ from ._linear_parameters import (
     linear_weight,
     register_linear_parameters,
 )
+from ._quantizer_roles import gemm_quantizer_roles
 from .base import TransformerEngineBaseModule, default_init_method
 
 __all__ = ["LayerNormLinear"]
@@ -140,6 +141,12 @@ class LayerNormLinear(TransformerEngineBaseModule):
         self.reset_parameters(defer_init=device.type == "meta")
 
     # -- forward -------------------------------------------------------------------------------
+    def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int) -> list:
+        """Per GEMM: forward ``[input, weight, None]``, backward ``[grad_output, None]``
+        (``None``: a boundary slot), for a ``CustomRecipe`` factory."""
+        names = [self.name or ""]
+        return gemm_quantizer_roles("linear", names, fwd=fwd, num_quantizers=num_quantizers)
+
     def forward(
         self,
         inp: torch.Tensor,

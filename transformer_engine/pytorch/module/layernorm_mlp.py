@@ -23,6 +23,7 @@ from ._fused_norm import apply_norm, check_normalization, register_norm_paramete
 from ._gemm_setup import claim_module_backward_update, gemm_weight, make_linear_config
 from ._linear_function import linear
 from ._linear_parameters import check_features, check_single_process_arguments
+from ._quantizer_roles import gemm_quantizer_roles
 from .base import (
     TransformerEngineBaseModule,
     default_init_method,
@@ -170,6 +171,15 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self.reset_parameters(defer_init=device.type == "meta")
 
     # -- forward -------------------------------------------------------------------------------
+    def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int) -> list:
+        """Per GEMM: forward ``[input, weight, None]``, backward ``[grad_output, None]``
+        (``None``: a boundary slot), for a ``CustomRecipe`` factory."""
+        names = [
+            f"{self.name}.fc1" if self.name else "fc1",
+            f"{self.name}.fc2" if self.name else "fc2",
+        ]
+        return gemm_quantizer_roles("linear", names, fwd=fwd, num_quantizers=num_quantizers)
+
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
         """Norm, FC1, activation, FC2.
 

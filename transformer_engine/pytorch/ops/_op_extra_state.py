@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..extra_state import pack_extra_state, unpack_extra_state
-from ..quantization import DelayedScalingRecipeState
+from ..quantization import CustomRecipeState, DelayedScalingRecipeState
 
 __all__ = ["get_op_extra_state", "set_op_extra_state"]
 
@@ -28,6 +28,12 @@ def get_op_extra_state(op) -> dict[str, Any] | None:
     tensors, recipe = {}, None
     for mode, suffix in _SUFFIX.items():
         state = op.recipe_state(mode)
+        if isinstance(state, CustomRecipeState) and state.delayed_scaling_state() is not None:
+            raise NotImplementedError(
+                f"{type(op).__name__}: saving a checkpoint of an operation run under a "
+                "CustomRecipe whose factory returned DelayedScalingRequests is not supported "
+                "(the recipe's factory cannot be stored); save under DelayedScaling instead"
+            )
         if isinstance(state, DelayedScalingRecipeState):
             tensors[f"scale_{suffix}"] = state.scale
             tensors[f"amax_history_{suffix}"] = state.amax_history

@@ -24,7 +24,12 @@ import torch
 
 # Re-exported so that existing imports of ops.op.materialization_device keep working.
 from ..device import materialization_device
-from ..quantization import DelayedScalingRecipeState, FP8GlobalStateManager, RecipeState
+from ..quantization import (
+    CustomRecipeState,
+    DelayedScalingRecipeState,
+    FP8GlobalStateManager,
+    RecipeState,
+)
 from ._op_extra_state import get_op_extra_state, set_op_extra_state
 from .fuser import OperationFuser
 from .operation_context import OperationContext
@@ -153,7 +158,8 @@ class BasicOperation(FusibleOperation):
         return 0
 
     def get_quantizer_roles(self, mode: str) -> list | None:
-        """Optional role of each quantizer of ``mode`` (informational)."""
+        """The :class:`QuantizerRole` (or ``None``) of each quantizer of ``mode``; ``None``: the
+        operation declares none. Only a ``CustomRecipe`` factory reads them."""
         return None
 
     def get_quantizer(self, mode: str, index: int):
@@ -245,7 +251,7 @@ class BasicOperation(FusibleOperation):
                 # were assigned since no longer matches and rebuilds, as an equal new one would.
                 snapshot = snapshot if snapshot is not None else copy.copy(recipe)
                 meta[key] = self._make_state(snapshot, mode, count, target, old)
-                if old is not None and not isinstance(meta[key], DelayedScalingRecipeState):
+                if old is not None and meta[key].delayed_scaling_state() is None:
                     _unregister(meta)
                 rebuilt = True
             # the registry keys its groups by this copy, which nobody mutates
@@ -272,6 +278,8 @@ class BasicOperation(FusibleOperation):
             if old.amax_history.shape[0] != state.amax_history.shape[0]:
                 old.adjust_amax_history_length(state.amax_history.shape[0])
             state.inherit_state_from(old)
+        elif isinstance(old, CustomRecipeState) and isinstance(state, CustomRecipeState):
+            state.inherit_state_from(old)  # the delayed part, when dtype, count, length match
         return state
 
     def _on_recipe_state_change(self) -> None:
@@ -282,7 +290,8 @@ class BasicOperation(FusibleOperation):
         or rebuilt tensors). The fuser calls it after a successful FP8 forward."""
         registry = FP8GlobalStateManager.quantization_state.amax_registry
         for mode in _MODES:
-            if isinstance(self.recipe_state(mode), DelayedScalingRecipeState):
+            state = self.recipe_state(mode)
+            if state is not None and state.delayed_scaling_state() is not None:
                 meta = self._fp8_metas[mode]
                 if meta.get("_registry") is not registry:
                     # registered with a registry that FP8GlobalStateManager.reset() replaced

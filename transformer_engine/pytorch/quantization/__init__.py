@@ -10,7 +10,10 @@ What each file holds:
 * ``context_managers.py``: the context managers ``autocast`` / ``quantized_model_init`` (and their
   deprecated ``fp8_`` aliases).
 * ``recipe_state.py``: per-module, per-direction state built from a recipe (delayed scaling:
-  ``scale`` and ``amax_history`` on the owner's device) and the quantizers that view it.
+  ``scale`` and ``amax_history`` on the owner's device) and the quantizers that view it;
+  :class:`CustomRecipeState` asks a ``CustomRecipe``'s factory for each slot's quantizer.
+* ``quantizer_roles.py``: :class:`QuantizerRole` (what a slot quantizes) and the requests a
+  ``CustomRecipe`` factory may answer with (:class:`DelayedScalingRequest`).
 * ``amax_registry.py``: :class:`AmaxKey` (direction, recipe by value, reduction group by
   identity) and the registry that groups registered pairs by device, reduces their amaxes and
   runs the fused update.
@@ -39,7 +42,9 @@ from .delayed_scaling_update import (
     _update_amax_history,
     split_and_copy,
 )
+from .quantizer_roles import DelayedScalingRequest, QuantizerRequest, QuantizerRole
 from .recipe_state import (
+    CustomRecipeState,
     DelayedScalingRecipeState,
     Float8CurrentScalingRecipeState,
     RecipeState,
@@ -85,6 +90,10 @@ __all__ = [
     "RecipeState",
     "DelayedScalingRecipeState",
     "Float8CurrentScalingRecipeState",
+    "CustomRecipeState",
+    "QuantizerRole",
+    "QuantizerRequest",
+    "DelayedScalingRequest",
     "get_fp8_torch_dtype",
     "get_fp8_te_dtype",
     "get_fp8_max",

@@ -8,18 +8,22 @@ given and must be a real device (``meta`` modules create their state after mater
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
-from ...common.recipe import DelayedScaling, Float8CurrentScaling, Format
+from ...common.recipe import CustomRecipe, DelayedScaling, Float8CurrentScaling, Format
 from ..constants import TE_DType
+from ..quantized_tensor import Quantizer
 from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
+from .quantizer_roles import DelayedScalingRequest, QuantizerRequest, QuantizerRole
 
 __all__ = [
     "RecipeState",
     "DelayedScalingRecipeState",
     "Float8CurrentScalingRecipeState",
+    "CustomRecipeState",
     "get_fp8_torch_dtype",
     "get_fp8_te_dtype",
     "get_fp8_max",
@@ -85,10 +89,12 @@ class RecipeState:
             cls = DelayedScalingRecipeState
         elif isinstance(recipe, Float8CurrentScaling):
             cls = Float8CurrentScalingRecipeState
+        elif isinstance(recipe, CustomRecipe):
+            cls = CustomRecipeState
         else:
             raise NotImplementedError(
-                f"recipe {type(recipe).__name__} is not implemented; use DelayedScaling or "
-                "Float8CurrentScaling"
+                f"recipe {type(recipe).__name__} is not implemented; use DelayedScaling, "
+                "Float8CurrentScaling or CustomRecipe"
             )
         return cls(recipe, mode=mode, num_quantizers=num_quantizers, device=device, roles=roles)
 
@@ -97,6 +103,11 @@ class RecipeState:
 
     def inherit_state_from(self, other: RecipeState) -> None:
         """Take over compatible persistent tensors of ``other`` (stateless recipes: none)."""
+
+    def delayed_scaling_state(self) -> DelayedScalingRecipeState | None:
+        """The delayed-scaling part of this state: the tensors the amax registry reduces and
+        updates, the recompute swaps and checkpoints save (``None``: nothing persistent)."""
+        return None
 
 
 class DelayedScalingRecipeState(RecipeState):
@@ -129,6 +140,9 @@ class DelayedScalingRecipeState(RecipeState):
             )
             for i in range(self.num_quantizers)
         ]
+
+    def delayed_scaling_state(self) -> DelayedScalingRecipeState:
+        return self
 
     def inherit_state_from(self, other: RecipeState) -> None:
         """Take over ``other``'s scale and history when they are compatible.
@@ -187,3 +201,99 @@ class Float8CurrentScalingRecipeState(RecipeState):
             )
             for _ in range(self.num_quantizers)
         ]
+
+
+class CustomRecipeState(RecipeState):
+    """The state of a :class:`~transformer_engine.common.recipe.CustomRecipe`: one factory
+    answer per slot.
+
+    The factory is called once per slot, with the slot's :class:`QuantizerRole` (``None`` for a
+    boundary slot). A returned ``Quantizer`` is used as it is. Slots answered with a
+    :class:`DelayedScalingRequest` (all requests must be equal) share one inner
+    :class:`DelayedScalingRecipeState` sized for every slot, on ``device``: its quantizers view
+    it, and the owner registers it with the amax registry like a ``DelayedScaling`` state, with
+    the ``DelayedScaling`` recipe the request describes (so it is reduced and updated by those
+    rules; unused columns keep a zero amax, which leaves their scale unchanged).
+    """
+
+    def __init__(self, recipe, *, mode: str, num_quantizers: int = 1, device=None, roles=None):
+        self.recipe = recipe
+        self.mode = mode
+        self.num_quantizers = num_quantizers
+        self.device = _concrete_device(device)
+        self.roles = self._check_roles(roles, num_quantizers)
+        self.answers = [self._ask_factory(role) for role in self.roles]
+        requests = {a for a in self.answers if isinstance(a, DelayedScalingRequest)}
+        if len(requests) > 1:
+            raise ValueError(
+                f"CustomRecipe: the factory returned different DelayedScalingRequests within one "
+                f"{mode} state ({sorted(map(repr, requests))}); they share one amax history and "
+                "scale, so return one equal request for every delayed-scaling slot"
+            )
+        self.delayed_state = None
+        if requests:
+            self.delayed_state = DelayedScalingRecipeState(
+                requests.pop().as_delayed_scaling(),
+                mode=mode,
+                num_quantizers=num_quantizers,
+                device=self.device,
+            )
+
+    @staticmethod
+    def _check_roles(roles, num_quantizers: int) -> list:
+        if roles is None:
+            warnings.warn(
+                "CustomRecipe: the module or operation declares no quantizer roles; every slot "
+                "is asked for with QuantizerRole()",
+                stacklevel=3,
+            )
+            return [QuantizerRole()] * num_quantizers
+        roles = list(roles)
+        if len(roles) != num_quantizers:
+            raise ValueError(
+                f"CustomRecipe: {len(roles)} quantizer roles were given for {num_quantizers} "
+                "slots; give one role (or None for a boundary slot) per slot"
+            )
+        for role in roles:
+            if role is not None and not isinstance(role, QuantizerRole):
+                raise TypeError(
+                    f"CustomRecipe: quantizer role {role!r} ({type(role).__name__}) is not a "
+                    "QuantizerRole or None"
+                )
+        return roles
+
+    def _ask_factory(self, role):
+        answer = self.recipe.qfactory(role)
+        if answer is None:
+            raise ValueError(
+                f"CustomRecipe: qfactory returned None for role {role}; return a Quantizer or a "
+                "DelayedScalingRequest for every role, including None (boundary) roles"
+            )
+        if isinstance(answer, DelayedScalingRequest) or isinstance(answer, Quantizer):
+            return answer
+        if isinstance(answer, QuantizerRequest):
+            raise NotImplementedError(
+                f"CustomRecipe: qfactory returned {type(answer).__name__} for role {role}; the "
+                "only request implemented is DelayedScalingRequest"
+            )
+        raise TypeError(
+            f"CustomRecipe: qfactory returned {answer!r} ({type(answer).__name__}) for role "
+            f"{role}; return a Quantizer or a DelayedScalingRequest"
+        )
+
+    def make_quantizers(self) -> list:
+        delayed = self.delayed_state.make_quantizers() if self.delayed_state else None
+        return [
+            delayed[i] if isinstance(answer, DelayedScalingRequest) else answer
+            for i, answer in enumerate(self.answers)
+        ]
+
+    def delayed_scaling_state(self) -> DelayedScalingRecipeState | None:
+        return self.delayed_state
+
+    def inherit_state_from(self, other: RecipeState) -> None:
+        """Take over ``other``'s delayed-scaling tensors when both have them and their dtype,
+        slot count and history length match."""
+        mine, theirs = self.delayed_state, other.delayed_scaling_state()
+        if mine is not None and theirs is not None and mine.dtype == theirs.dtype:
+            mine.inherit_state_from(theirs)

@@ -18,7 +18,7 @@ import torch
 
 from ...common.recipe import Recipe
 from .amax_registry import AmaxKey, AmaxRegistry
-from .recipe_state import DelayedScalingRecipeState, RecipeState
+from .recipe_state import RecipeState
 from .support import (
     check_fp8_block_scaling_support,
     check_fp8_support,
@@ -184,10 +184,13 @@ class FP8GlobalStateManager:
         info_key = cls.get_buffer_info()
         registered = fp8_meta.get(info_key) or {}
         for forward in (True, False):
-            state = fp8_meta.get(cls.get_meta_tensor_key(forward))
-            if not isinstance(state, DelayedScalingRecipeState):
+            owner = fp8_meta.get(cls.get_meta_tensor_key(forward))
+            state = owner.delayed_scaling_state() if isinstance(owner, RecipeState) else None
+            if state is None:
                 continue
-            key = AmaxKey(forward, recipe, group)
+            # a CustomRecipe state's delayed part is updated by the DelayedScaling rules its
+            # requests named (state.recipe), not by the CustomRecipe
+            key = AmaxKey(forward, recipe if owner is state else state.recipe, group)
             old = registered.get(forward)
             if old is not None and old[0] != key:
                 # the recipe or group changed: the pair must be updated under the new key only

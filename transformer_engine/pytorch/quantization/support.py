@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from ...common.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from ...common.recipe import CustomRecipe, DelayedScaling, Float8CurrentScaling, Recipe
 from ..device import device_compute_capability, visible_cuda_devices
 
 __all__ = [
@@ -134,10 +134,10 @@ def check_recipe_support(recipe: Recipe) -> None:
     """
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe={recipe!r} is not a transformer_engine Recipe")
-    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling, CustomRecipe)):
         raise NotImplementedError(
-            f"recipe {type(recipe).__name__} is not implemented; use DelayedScaling or "
-            "Float8CurrentScaling"
+            f"recipe {type(recipe).__name__} is not implemented; use DelayedScaling, "
+            "Float8CurrentScaling or CustomRecipe"
         )
     if isinstance(recipe, DelayedScaling) and torch.compiler.is_compiling():
         raise RuntimeError(
@@ -147,5 +147,8 @@ def check_recipe_support(recipe: Recipe) -> None:
 
 
 def get_align_size_for_quantization(recipe: Recipe) -> int:
-    """Alignment FP8 GEMMs need for this recipe's tensors (16 for per-tensor FP8)."""
+    """Alignment FP8 GEMMs need for this recipe's tensors: 16 for per-tensor FP8; a
+    ``CustomRecipe`` states its own (``quantization_alignment``; the factory is not called)."""
+    if isinstance(recipe, CustomRecipe):
+        return recipe.quantization_alignment
     return 16

@@ -21,7 +21,7 @@ from ...functional.linear import (
     linear_backward,
     linear_forward,
 )
-from ...quantization import FP8GlobalStateManager
+from ...quantization import FP8GlobalStateManager, QuantizerRole
 from ...quantized_tensor import QuantizedTensor
 from ..op import BasicOperation, OperationContext
 from ._common import (
@@ -121,7 +121,9 @@ class BasicLinear(BasicOperation):
         return 2 if mode == "forward" else 1
 
     def get_quantizer_roles(self, mode: str) -> list | None:
-        return ["input", "weight"] if mode == "forward" else ["grad_output"]
+        if mode == "forward":
+            return [QuantizerRole("linear", "input"), QuantizerRole("linear", "weight")]
+        return [QuantizerRole("linear", "grad_output")]
 
     def _on_recipe_state_change(self) -> None:
         # An FP8 weight re-quantizes (optimizer updates) with the op's current weight quantizer.

@@ -44,7 +44,7 @@ from ...functional.linear import (
     linear_forward,
     run_deferred_wgrads,
 )
-from ...quantization import FP8GlobalStateManager
+from ...quantization import FP8GlobalStateManager, QuantizerRole
 from ...quantized_tensor import QuantizedTensor
 from ..op import BasicOperation, OperationContext
 from ._common import (
@@ -195,8 +195,9 @@ class GroupedLinear(BasicOperation):
 
     def get_quantizer_roles(self, mode: str) -> list | None:
         if mode == "forward":
-            return ["input", "weight"] * self.num_groups
-        return ["grad_output"] * self.num_groups
+            roles = [QuantizerRole("grouped_linear", t) for t in ("input", "weight")]
+            return roles * self.num_groups
+        return [QuantizerRole("grouped_linear", "grad_output")] * self.num_groups
 
     def get_input_quantizer(self):
         # Each group quantizes its own rows with its own scale: a producer must not quantize
