@@ -160,7 +160,8 @@ def test_compat_arguments_bad_values_refused(kwargs, error, match):
 def test_compat_arguments_are_keyword_only_and_not_attributes():
     with pytest.raises(TypeError):
         DelayedScaling(0, DelayedScaling().fp8_format, 16, "max", None, True, False, False, None, 1)
-    recipe = DelayedScaling(interval=3, override_linear_precision=(False, False, True))
+    with pytest.warns(UserWarning):
+        recipe = DelayedScaling(interval=3, override_linear_precision=(False, False, True))
     # Not stored: the class-level defaults (None: "not given") are all an instance shows.
     assert recipe.interval is None and recipe.override_linear_precision is None
     with pytest.raises(AttributeError, match="override_linear_precision.*not a field"):
