@@ -111,9 +111,9 @@ def test_prepare_swaps_linears_and_trains():
     # The optimizer was re-pointed at the new modules' parameters (accelerate maps them by name).
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert optimized == {id(p) for p in model.parameters()}
-    for module in model.modules():
-        if isinstance(module, te.Linear):
-            assert module.weight.device == accelerator.device
+    # accelerate's device is "cuda" without an index: the model sits on one device of that type.
+    devices = {p.device for p in model.parameters()}
+    assert len(devices) == 1 and next(iter(devices)).type == accelerator.device.type, devices
 
     # A fixed batch to memorise: the loss must fall from about ln(VOCAB).
     generator = torch.Generator().manual_seed(1)
