@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 import torch
+from utils import needs_cuda
 
 import transformer_engine.pytorch as te
-from tests.pytorch.utils import needs_cuda
 from transformer_engine.common.recipe import (
     CustomRecipe,
     DelayedScaling,
