@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerances import assert_close_by_table
 from utils import fake_quant, needs_cuda
 
 from transformer_engine.pytorch import cpp_extensions as ce
@@ -333,7 +334,10 @@ def test_grouped_gemm_fp8_groups(device):
     for a, b, o in zip(A, B, out):
         seen_a = fake_quant(a.cpu(), 4.0, torch.float8_e4m3fn)
         seen_b = fake_quant(b.cpu(), 2.0, torch.float8_e4m3fn)
-        torch.testing.assert_close(o.double().cpu(), seen_b @ seen_a.T, rtol=1e-5, atol=1e-4)
+        # The table's FP8 row: Hopper's FP8 tensor cores accumulate in reduced precision, so
+        # the GPU product differs from the float64 one beyond float32 rounding (the CPU's
+        # does not, and passes the same row).
+        assert_close_by_table(o.cpu(), seen_b @ seen_a.T, ("fp8_dequantized", torch.float32))
 
 
 @pytest.mark.parametrize(
