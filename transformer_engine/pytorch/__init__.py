@@ -1,8 +1,9 @@
 """PyTorch API of transformer_engine (``import transformer_engine.pytorch as te``).
 
-What exists so far: FP8 recipes (``transformer_engine.common.recipe``), autocast and the
-quantization state, quantized tensors, the FP8 cast kernels and GEMM
-(``cpp_extensions``), their pure-PyTorch reference (``reference``) and the device seam.
+The modules (``te.Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``,
+``LayerNorm``, ``RMSNorm``), the fusible operations (``te.ops``), autocast and the quantization
+state, quantized tensors, the FP8 cast kernels and GEMM (``cpp_extensions``), their pure-PyTorch
+reference (``reference``) and upstream's helper names. docs/architecture.md describes the layers.
 """
 
 from . import cpp_extensions, distributed, ops, reference
