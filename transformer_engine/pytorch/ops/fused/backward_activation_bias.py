@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..basic.activation import ActivationOperation
 from ..basic.bias import Bias
 from ..op import FusedOperation
+from ._rewrite import op_at, replace_matching_runs
 
 __all__ = ["BackwardActivationBias", "fuse_backward_activation_bias"]
 
@@ -39,14 +40,11 @@ def fuse_backward_activation_bias(ops, *, recipe=None):
     recipe : Recipe or None
         The autocast recipe (the fusion applies with and without FP8).
     """
-    out, i = [], 0
-    while i < len(ops):
-        op = ops[i]
-        activation = ops[i + 1] if i + 1 < len(ops) else None
-        if type(op) is Bias and isinstance(activation, ActivationOperation):
-            out.append(BackwardActivationBias(bias=op, activation=activation))
-            i += 2
-        else:
-            out.append(op)
-            i += 1
-    return out
+    return replace_matching_runs(ops, _match_backward_activation_bias)
+
+
+def _match_backward_activation_bias(ops, i):
+    op, activation = ops[i], op_at(ops, i + 1)
+    if type(op) is Bias and isinstance(activation, ActivationOperation):
+        return BackwardActivationBias(bias=op, activation=activation), 2
+    return None

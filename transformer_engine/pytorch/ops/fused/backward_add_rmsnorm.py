@@ -8,6 +8,7 @@ from ..basic.extra_io import MakeExtraOutput
 from ..basic.normalization import RMSNorm
 from ..op import FusedOperation
 from ._owned_buffers import add_into_fresh
+from ._rewrite import op_at, replace_matching_runs
 
 __all__ = ["BackwardAddRMSNorm", "fuse_backward_add_rmsnorm"]
 
@@ -63,14 +64,11 @@ def fuse_backward_add_rmsnorm(ops, *, recipe=None):
     ops : list of FusibleOperation
     recipe : Recipe or None
     """
-    out, i = [], 0
-    while i < len(ops):
-        op = ops[i]
-        norm = ops[i + 1] if i + 1 < len(ops) else None
-        if type(op) is MakeExtraOutput and not op.in_place and type(norm) is RMSNorm:
-            out.append(BackwardAddRMSNorm(add=op, rmsnorm=norm))
-            i += 2
-        else:
-            out.append(op)
-            i += 1
-    return out
+    return replace_matching_runs(ops, _match_backward_add_rmsnorm)
+
+
+def _match_backward_add_rmsnorm(ops, i):
+    op, norm = ops[i], op_at(ops, i + 1)
+    if type(op) is MakeExtraOutput and not op.in_place and type(norm) is RMSNorm:
+        return BackwardAddRMSNorm(add=op, rmsnorm=norm), 2
+    return None

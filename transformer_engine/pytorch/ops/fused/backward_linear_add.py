@@ -9,6 +9,7 @@ from ..basic.basic_linear import BasicLinear
 from ..basic.extra_io import MakeExtraOutput, _writable_like
 from ..op import FusedOperation
 from ._owned_buffers import add_into_fresh
+from ._rewrite import op_at, replace_matching_runs
 
 __all__ = ["BackwardLinearAdd", "fuse_backward_linear_add"]
 
@@ -70,21 +71,18 @@ def fuse_backward_linear_add(ops, *, recipe=None):
     ops : list of FusibleOperation
     recipe : Recipe or None
     """
-    out, i = [], 0
-    while i < len(ops):
-        op = ops[i]
-        linear = ops[i + 1] if i + 1 < len(ops) else None
-        if (
-            type(op) is MakeExtraOutput
-            and op.in_place
-            and type(linear) is BasicLinear
-            # column tensor parallelism all-reduces the input gradient across ranks, which must
-            # happen before the branch's gradient is added
-            and getattr(linear, "tensor_parallel_mode", None) != "column"
-        ):
-            out.append(BackwardLinearAdd(backward_add=op, linear=linear))
-            i += 2
-        else:
-            out.append(op)
-            i += 1
-    return out
+    return replace_matching_runs(ops, _match_backward_linear_add)
+
+
+def _match_backward_linear_add(ops, i):
+    op, linear = ops[i], op_at(ops, i + 1)
+    if (
+        type(op) is MakeExtraOutput
+        and op.in_place
+        and type(linear) is BasicLinear
+        # column tensor parallelism all-reduces the input gradient across ranks, which must
+        # happen before the branch's gradient is added
+        and getattr(linear, "tensor_parallel_mode", None) != "column"
+    ):
+        return BackwardLinearAdd(backward_add=op, linear=linear), 2
+    return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..basic.basic_linear import BasicLinear
 from ..basic.simple import ConstantScale
 from ..op import FusedOperation
+from ._rewrite import op_at, replace_matching_runs
 
 __all__ = ["BackwardLinearScale", "fuse_backward_linear_scale"]
 
@@ -51,20 +52,17 @@ def fuse_backward_linear_scale(ops, *, recipe=None):
     ops : list of FusibleOperation
     recipe : Recipe or None
     """
-    out, i = [], 0
-    while i < len(ops):
-        op = ops[i]
-        scale = ops[i + 1] if i + 1 < len(ops) else None
-        if (
-            type(op) is BasicLinear
-            and type(scale) is ConstantScale
-            # column tensor parallelism all-reduces the input gradient across ranks; upstream
-            # leaves that case unfused
-            and getattr(op, "tensor_parallel_mode", None) != "column"
-        ):
-            out.append(BackwardLinearScale(linear=op, scale=scale))
-            i += 2
-        else:
-            out.append(op)
-            i += 1
-    return out
+    return replace_matching_runs(ops, _match_backward_linear_scale)
+
+
+def _match_backward_linear_scale(ops, i):
+    op, scale = ops[i], op_at(ops, i + 1)
+    if (
+        type(op) is BasicLinear
+        and type(scale) is ConstantScale
+        # column tensor parallelism all-reduces the input gradient across ranks; upstream
+        # leaves that case unfused
+        and getattr(op, "tensor_parallel_mode", None) != "column"
+    ):
+        return BackwardLinearScale(linear=op, scale=scale), 2
+    return None

@@ -12,6 +12,7 @@ from ..basic.activation import ActivationOperation
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..op import FusedOperation
+from ._rewrite import op_at, replace_matching_runs
 
 __all__ = ["ForwardLinearBiasActivation", "fuse_forward_linear_bias_activation"]
 
@@ -62,17 +63,15 @@ def fuse_forward_linear_bias_activation(ops, *, recipe=None):
     recipe : Recipe or None
         The autocast recipe (the fusion applies with and without FP8).
     """
-    out, i = [], 0
-    while i < len(ops):
-        op = ops[i]
-        bias = ops[i + 1] if i + 1 < len(ops) else None
-        if type(op) is BasicLinear and type(bias) is Bias and bias.size == op.out_features:
-            activation = ops[i + 2] if i + 2 < len(ops) else None
-            if not isinstance(activation, ActivationOperation):
-                activation = None
-            out.append(ForwardLinearBiasActivation(linear=op, bias=bias, activation=activation))
-            i += 2 if activation is None else 3
-        else:
-            out.append(op)
-            i += 1
-    return out
+    return replace_matching_runs(ops, _match_forward_linear_bias_activation)
+
+
+def _match_forward_linear_bias_activation(ops, i):
+    op, bias = ops[i], op_at(ops, i + 1)
+    if not (type(op) is BasicLinear and type(bias) is Bias and bias.size == op.out_features):
+        return None
+    activation = op_at(ops, i + 2)
+    if not isinstance(activation, ActivationOperation):
+        activation = None
+    fused = ForwardLinearBiasActivation(linear=op, bias=bias, activation=activation)
+    return fused, 2 if activation is None else 3

@@ -9,6 +9,7 @@ from ..basic.bias import Bias
 from ..basic.extra_io import AddExtraInput
 from ..op import FusedOperation
 from ._owned_buffers import add_into_fresh
+from ._rewrite import op_at, replace_matching_runs
 
 __all__ = ["ForwardLinearBiasAdd", "fuse_forward_linear_bias_add"]
 
@@ -102,20 +103,16 @@ def fuse_forward_linear_bias_add(ops, *, recipe=None):
     ops : list of FusibleOperation
     recipe : Recipe or None
     """
-    out, i = [], 0
-    while i < len(ops):
-        op = ops[i]
-        if _fusable_linear(op):
-            nxt = ops[i + 1] if i + 1 < len(ops) else None
-            after = ops[i + 2] if i + 2 < len(ops) else None
-            if type(nxt) is Bias and nxt.size == op.out_features and _in_place_add(after):
-                out.append(ForwardLinearBiasAdd(linear=op, bias=nxt, add=after))
-                i += 3
-                continue
-            if _in_place_add(nxt):
-                out.append(ForwardLinearBiasAdd(linear=op, bias=None, add=nxt))
-                i += 2
-                continue
-        out.append(op)
-        i += 1
-    return out
+    return replace_matching_runs(ops, _match_forward_linear_bias_add)
+
+
+def _match_forward_linear_bias_add(ops, i):
+    op = ops[i]
+    if not _fusable_linear(op):
+        return None
+    nxt, after = op_at(ops, i + 1), op_at(ops, i + 2)
+    if type(nxt) is Bias and nxt.size == op.out_features and _in_place_add(after):
+        return ForwardLinearBiasAdd(linear=op, bias=nxt, add=after), 3
+    if _in_place_add(nxt):
+        return ForwardLinearBiasAdd(linear=op, bias=None, add=nxt), 2
+    return None

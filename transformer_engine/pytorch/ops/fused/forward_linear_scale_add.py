@@ -7,6 +7,7 @@ from ..basic.basic_linear import BasicLinear
 from ..basic.extra_io import AddExtraInput
 from ..basic.simple import ConstantScale
 from ..op import FusedOperation
+from ._rewrite import op_at, replace_matching_runs
 
 __all__ = ["ForwardLinearScaleAdd", "fuse_forward_linear_scale_add"]
 
@@ -81,21 +82,18 @@ def fuse_forward_linear_scale_add(ops, *, recipe=None):
     ops : list of FusibleOperation
     recipe : Recipe or None
     """
-    out, i = [], 0
-    while i < len(ops):
-        window = ops[i : i + 3]
-        if (
-            len(window) == 3
-            and type(window[0]) is BasicLinear
-            # row tensor parallelism reduces the GEMM output across ranks first
-            and getattr(window[0], "tensor_parallel_mode", None) != "row"
-            and type(window[1]) is ConstantScale
-            and type(window[2]) is AddExtraInput
-            and window[2].in_place
-        ):
-            out.append(ForwardLinearScaleAdd(linear=window[0], scale=window[1], add=window[2]))
-            i += 3
-        else:
-            out.append(ops[i])
-            i += 1
-    return out
+    return replace_matching_runs(ops, _match_forward_linear_scale_add)
+
+
+def _match_forward_linear_scale_add(ops, i):
+    linear, scale, add = ops[i], op_at(ops, i + 1), op_at(ops, i + 2)
+    if (
+        type(linear) is BasicLinear
+        # row tensor parallelism reduces the GEMM output across ranks first
+        and getattr(linear, "tensor_parallel_mode", None) != "row"
+        and type(scale) is ConstantScale
+        and type(add) is AddExtraInput
+        and add.in_place
+    ):
+        return ForwardLinearScaleAdd(linear=linear, scale=scale, add=add), 3
+    return None
