@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ...common.recipe import Recipe
+from ..device import default_device
 from .amax_registry import AmaxKey, AmaxRegistry
 from .recipe_state import RecipeState
 from .support import (
@@ -45,6 +46,9 @@ class FP8GlobalState:
     autocast_depth: int = 0
     amax_registry: AmaxRegistry = field(default_factory=AmaxRegistry)
     fp8_tensors_recompute_buffer: list = field(default_factory=list)
+    # device -> one-element float32 flag (upstream keeps one process-wide tensor on whichever
+    # device was current when it was first set; here each device has its own).
+    skip_fp8_weight_update_tensors: dict = field(default_factory=dict)
 
 
 # Where an fp8_meta keeps its queue's index in fp8_tensors_recompute_buffer (upstream's key).
@@ -307,6 +311,47 @@ class FP8GlobalStateManager:
         s.autocast_depth -= 1
         if update and enabled and s.autocast_depth == 0 and not _graph and torch.is_grad_enabled():
             cls.reduce_and_update_fp8_tensors(forward=True)
+
+    # -- weight re-cast flag (CUDA graphs) ------------------------------------------------------
+    @classmethod
+    def set_skip_fp8_weight_update_tensor(cls, skip: bool, device=None) -> None:
+        """Set the device flag that tells weight casts to skip (1.0) or run (0.0).
+
+        Weight casts that take it as their ``noop_flag`` read it on the device, so a captured
+        CUDA graph can skip re-casting cached FP8 weights on later microbatches without being
+        re-captured. There is one flag per device: ``device=None`` means the current CUDA device
+        (the CPU where CUDA is not available; the CPU reference casts take the flag too). The
+        tensor is made on the first call for a device and then only written (``fill_``), so a
+        graph that captured it keeps reading the same memory.
+        """
+        if not isinstance(skip, (bool, int)) or skip not in (0, 1):
+            raise TypeError(
+                f"set_skip_fp8_weight_update_tensor: skip={skip!r} must be a bool (True skips "
+                "the weight casts, False runs them)"
+            )
+        device = default_device() if device is None else torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            raise ValueError(
+                f"set_skip_fp8_weight_update_tensor: device={device} names no CUDA index; pass "
+                "e.g. the weight's device (cuda:N), whose casts read the flag"
+            )
+        flags = cls.quantization_state.skip_fp8_weight_update_tensors
+        flag = flags.get(device)
+        if flag is None:
+            flag = flags[device] = torch.empty(1, dtype=torch.float32, device=device)
+        flag.fill_(float(skip))
+
+    @classmethod
+    def get_skip_fp8_weight_update_tensor(cls, device=None) -> torch.Tensor | None:
+        """The flag :meth:`set_skip_fp8_weight_update_tensor` made for ``device`` (``None``: the
+        current CUDA device, or the CPU without CUDA), or ``None`` if it was never set there."""
+        device = default_device() if device is None else torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            raise ValueError(
+                f"get_skip_fp8_weight_update_tensor: device={device} names no CUDA index; pass "
+                "the device whose flag you want (cuda:N)"
+            )
+        return cls.quantization_state.skip_fp8_weight_update_tensors.get(device)
 
     # -- quantized_model_init -----------------------------------------------------------------
     @classmethod
