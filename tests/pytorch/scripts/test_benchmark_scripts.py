@@ -2,6 +2,7 @@
 the GPU benchmarks refuse clearly without the GPUs they need (they are run on the GPU machine,
 never timed in tests)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -36,8 +37,25 @@ def test_host_overhead_tool_runs_a_few_steps_without_a_gpu():
     [
         ("benchmarks/linear/benchmark_linear.py", "needs a CUDA GPU"),
         ("benchmarks/multi_device/benchmark_split_model.py", "needs two CUDA GPUs"),
+        ("benchmarks/mlp/benchmark_mlp.py", "needs a CUDA GPU"),
     ],
 )
 def test_gpu_benchmarks_refuse_without_gpus(script, message):
     result = run(script)
     assert result.returncode == 1 and message in result.stderr
+
+
+def test_mlp_benchmark_smoke_run_on_cpu(tmp_path):
+    """Every configuration and implementation (FP8 through the reference path) at tiny shapes."""
+    out = tmp_path / "mlp.json"
+    result = run(
+        "benchmarks/mlp/benchmark_mlp.py", "--device", "cpu", "--tokens", "32", "--hidden", "32",
+        "--ffn", "64", "--steps", "1", "--warmup", "0", "--rounds", "1", "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    impls = ["plain bf16", "te bf16", "te fp8 delayed", "te fp8 current"]
+    assert [(r["config"], r["impl"]) for r in rows] == [
+        (config, impl) for config in ("gelu", "swiglu", "ln_linear") for impl in impls
+    ]
+    assert all(r["step_ms"] > 0 and r["forward_ms"] > 0 for r in rows)
