@@ -8,8 +8,11 @@ rules of :class:`~transformer_engine.pytorch.quantized_tensor.QuantizedTensor`
 Every operation here is exact: per-tensor scaling makes views, slices and
 transposes of the bytes the views, slices and transposes of the values.
 Results that are views share the row-wise bytes and ``_scale_inv`` with their
-source; a transposed copy is kept only where it is still a view of the
-source's transpose, and dropped (``_transpose is None``) otherwise.
+source. A transposed copy is kept where it is still a view of the source's
+transpose; slices along dim 0 (``t[a:b]``, ``narrow``, ``split``, ``t[i]``) keep
+the matching columns of the source's transpose as a new contiguous copy (the
+GEMM reads a dense transposed copy); other results drop it
+(``_transpose is None``).
 """
 
 from __future__ import annotations
@@ -129,15 +132,48 @@ def _reshaping_view(func, args, kwargs):
     return _view(aten.view.default, (t, shape), {})
 
 
+def _dim0_of_transpose(t) -> int:
+    """Where the source's dim 0 sits in its transposed copy ``(last, *leading)``: dim 1, or
+    dim 0 for a 1-D tensor (whose transposed copy has its own layout)."""
+    return 0 if t.dim() == 1 else 1
+
+
+def _dim0_slices(t, take):
+    """``(shapes, data parts, transpose parts)`` of a dim-0 slicing op, ``take(buffer, dim)``
+    applied to each layout the source holds (``None`` for a layout it lacks). Transpose parts
+    are made contiguous: a dim-0 slice is a column slice of the transposed copy."""
+    shapes = take(torch.empty(t.shape, device="meta"), 0)
+    data = take(t._data, 0) if t._data is not None else None
+    transpose = None
+    if t._transpose is not None:
+        transpose = take(t._transpose, _dim0_of_transpose(t))
+        transpose = (
+            [part.contiguous() for part in transpose]
+            if isinstance(transpose, (list, tuple))
+            else transpose.contiguous()
+        )
+    return shapes, data, transpose
+
+
+def _along_dim0(t, dim) -> bool:
+    return t.dim() > 0 and _normalize_dim(dim, t.dim()) == 0
+
+
 @_implements(aten.split.Tensor, aten.split_with_sizes.default)
 def _split(func, args, kwargs):
     t = args[0]
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    if t.dim() == 0 or _normalize_dim(dim, t.dim()) != 0 or t._data is None:
+    if not _along_dim0(t, dim):
         return NotImplemented
+    shapes, data, transpose = _dim0_slices(t, lambda buf, d: func(buf, args[1], d))
     return [
-        _rebuild(t, shape=chunk.shape, data=chunk, transpose=None)
-        for chunk in func(t._data, *args[1:], **kwargs)
+        _rebuild(
+            t,
+            shape=shape.shape,
+            data=None if data is None else data[i],
+            transpose=None if transpose is None else transpose[i],
+        )
+        for i, shape in enumerate(shapes)
     ]
 
 
@@ -146,19 +182,20 @@ def _slice(func, args, kwargs):
     t = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     step = args[4] if len(args) > 4 else kwargs.get("step", 1)
-    if t.dim() == 0 or _normalize_dim(dim, t.dim()) != 0 or step != 1 or t._data is None:
+    if not _along_dim0(t, dim) or step != 1:
         return NotImplemented
-    data = func(t._data, *args[1:], **kwargs)
-    return _rebuild(t, shape=data.shape, data=data, transpose=None)
+    rest = {k: v for k, v in kwargs.items() if k != "dim"}
+    shape, data, transpose = _dim0_slices(t, lambda buf, d: func(buf, d, *args[2:], **rest))
+    return _rebuild(t, shape=shape.shape, data=data, transpose=transpose)
 
 
 @_implements(aten.select.int)
 def _select(func, args, kwargs):
     t, dim = args[0], args[1]
-    if t.dim() == 0 or _normalize_dim(dim, t.dim()) != 0 or t._data is None:
+    if not _along_dim0(t, dim):
         return NotImplemented
-    data = func(t._data, *args[1:], **kwargs)
-    return _rebuild(t, shape=data.shape, data=data, transpose=None)
+    shape, data, transpose = _dim0_slices(t, lambda buf, d: func(buf, d, *args[2:], **kwargs))
+    return _rebuild(t, shape=shape.shape, data=data, transpose=transpose)
 
 
 # ---------------------------------------------------------------------- copies
