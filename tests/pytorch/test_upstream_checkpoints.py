@@ -1,0 +1,208 @@
+"""Checkpoint interchange with upstream Transformer Engine, module by module: the state-dict key
+names, upstream-written state dicts (BF16 and FP8 delayed scaling) loading here, and what this
+package writes for upstream to read (docs/compatibility.md, "Checkpoints").
+
+Upstream's layouts are written out here from its documented format (shared/reference facts): the
+parameter names, and extra state as an empty ``torch.uint8`` tensor (no FP8 state) or the pickled
+dict ``{"recipe", "scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd",
+"extra_fp8_variables"}`` as bytes in a ``torch.uint8`` tensor.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+
+ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+H, F = 32, 64
+
+# class -> (constructor, upstream's state-dict keys)
+UPSTREAM_KEYS = {
+    "Linear": (lambda: te.Linear(H, H, device="cpu"), ["weight", "bias", "_extra_state"]),
+    "LayerNormLinear": (
+        lambda: te.LayerNormLinear(H, H, device="cpu"),
+        ["layer_norm_weight", "layer_norm_bias", "weight", "bias", "_extra_state"],
+    ),
+    "LayerNormMLP": (
+        lambda: te.LayerNormMLP(H, F, device="cpu"),
+        [
+            "layer_norm_weight",
+            "layer_norm_bias",
+            "fc1_weight",
+            "fc1_bias",
+            "fc2_weight",
+            "fc2_bias",
+            "_extra_state",
+        ],
+    ),  # fmt: skip
+    "ops.Linear": (
+        lambda: te.ops.Linear(H, H, device="cpu"),
+        [
+            "basic_ops.0.weight",
+            "basic_ops.0._extra_state",
+            "basic_ops.1.bias",
+            "basic_ops.1._extra_state",
+        ],
+    ),  # fmt: skip
+}
+# te.LayerNorm / te.RMSNorm: upstream's are te.ops basic operations, so their state dict also
+# holds an (empty) "_extra_state"; here they save only their parameters.
+NORM_PARAMS = {
+    "LayerNorm": (lambda: te.LayerNorm(H, device="cpu"), ["weight", "bias"]),
+    "RMSNorm": (lambda: te.RMSNorm(H, device="cpu"), ["weight"]),
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_unsafe_pickle(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+
+
+def _empty_extra_state():
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _upstream_state_dict(keys, seed=0):
+    """Upstream's BF16 checkpoint of a module: random parameters, empty extra state."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for key, value in keys:
+        state[key] = (
+            _empty_extra_state()
+            if key.endswith("_extra_state")
+            else torch.randn(value.shape, generator=g)
+        )
+    return state
+
+
+@pytest.mark.parametrize("name", list(UPSTREAM_KEYS))
+def test_state_dict_keys_are_upstreams(name):
+    make, keys = UPSTREAM_KEYS[name]
+    assert list(make().state_dict()) == keys
+
+
+@pytest.mark.parametrize("name", list(NORM_PARAMS))
+def test_norm_parameter_keys_are_upstreams(name):
+    make, keys = NORM_PARAMS[name]
+    assert list(make().state_dict()) == keys
+
+
+@pytest.mark.parametrize("name", list(UPSTREAM_KEYS))
+def test_upstream_bf16_state_dict_loads_strictly(name):
+    make, _ = UPSTREAM_KEYS[name]
+    m = make()
+    upstream = _upstream_state_dict(m.state_dict().items())
+    result = m.load_state_dict(upstream, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    for key, value in m.state_dict().items():
+        if not key.endswith("_extra_state"):
+            assert torch.equal(value, upstream[key]), key
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="te.LayerNorm / te.RMSNorm have no _extra_state here; upstream's (ops-based) do",
+)
+@pytest.mark.parametrize("name", list(NORM_PARAMS))
+def test_upstream_norm_state_dict_with_extra_state_loads_strictly(name):
+    make, keys = NORM_PARAMS[name]
+    m = make()
+    upstream = {key: torch.randn(H) for key in keys}
+    upstream["_extra_state"] = _empty_extra_state()
+    m.load_state_dict(upstream, strict=True)
+
+
+@pytest.mark.parametrize("name", list(NORM_PARAMS))
+def test_upstream_norm_state_dict_loads_without_its_empty_extra_state(name):
+    make, keys = NORM_PARAMS[name]
+    m = make()
+    upstream = {key: torch.randn(H) for key in keys}
+    result = m.load_state_dict({**upstream, "_extra_state": _empty_extra_state()}, strict=False)
+    assert result.unexpected_keys == ["_extra_state"] and not result.missing_keys
+    for key in keys:
+        assert torch.equal(m.state_dict()[key], upstream[key])
+
+
+def _upstream_fp8_linear_state(recipe, length):
+    """Upstream's delayed-scaling checkpoint of a te.Linear (3 forward, 2 backward slots)."""
+    g = torch.Generator().manual_seed(3)
+    tensors = {
+        "scale_fwd": torch.rand(3, generator=g) + 0.5,
+        "amax_history_fwd": torch.rand(length, 3, generator=g),
+        "scale_bwd": torch.rand(2, generator=g) + 0.5,
+        "amax_history_bwd": torch.rand(length, 2, generator=g),
+    }
+    payload = {
+        "recipe": recipe,
+        **tensors,
+        "extra_fp8_variables": {"fp8_checkpoint": True, "num_gemms": 1},
+    }
+    extra = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)
+    return extra, tensors
+
+
+def test_upstream_fp8_delayed_linear_loads_with_the_opt_in(monkeypatch):
+    recipe = DelayedScaling(margin=1, amax_history_len=4)
+    extra, tensors = _upstream_fp8_linear_state(recipe, 4)
+    m = te.Linear(H, H, device="cpu")
+    state = {"weight": torch.randn(H, H), "bias": torch.randn(H), "_extra_state": extra}
+    with pytest.raises(RuntimeError, match=ENV):
+        m.load_state_dict(state)
+    monkeypatch.setenv(ENV, "1")
+    m.load_state_dict(state)
+    fwd, bwd = m.fp8_meta["scaling_fwd"], m.fp8_meta["scaling_bwd"]
+    assert m.fp8_meta["recipe"] == recipe
+    assert torch.equal(fwd.scale, tensors["scale_fwd"])
+    assert torch.equal(fwd.amax_history, tensors["amax_history_fwd"])
+    assert torch.equal(bwd.scale, tensors["scale_bwd"])
+    assert torch.equal(bwd.amax_history, tensors["amax_history_bwd"])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="upstream's te.ops extra state ({'forward': ..., 'backward': ...}) is not read here",
+)
+def test_upstream_fp8_delayed_ops_linear_loads_with_the_opt_in(monkeypatch):
+    monkeypatch.setenv(ENV, "1")
+    recipe = DelayedScaling(amax_history_len=4)
+    payload = {
+        "forward": {"recipe": recipe, "scale_fwd": torch.ones(1),
+                    "amax_history_fwd": torch.zeros(4, 1), "extra_fp8_variables": {}},
+        "backward": {"recipe": recipe, "scale_bwd": torch.ones(1),
+                     "amax_history_bwd": torch.zeros(4, 1), "extra_fp8_variables": {}},
+    }  # fmt: skip
+    extra = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)
+    m = te.ops.Linear(H, H, device="cpu")
+    state = dict(m.state_dict())
+    state["basic_ops.0._extra_state"] = extra
+    m.load_state_dict(state)
+
+
+@pytest.mark.parametrize("recipe", [None, Float8CurrentScaling], ids=["bf16", "current"])
+@pytest.mark.parametrize("name", ["Linear", "LayerNormLinear", "LayerNormMLP", "ops.Linear"])
+def test_ours_without_delayed_state_saves_no_extra_state(name, recipe):
+    """What upstream's reader skips (None is a no-op there): ours then holds weights only, under
+    upstream's key names."""
+    make, keys = UPSTREAM_KEYS[name]
+    m = make()
+    with te.autocast(enabled=recipe is not None, recipe=recipe() if recipe else None):
+        m(torch.randn(16, H)).sum().backward()
+    state = m.state_dict()
+    assert list(state) == keys
+    assert all(state[k] is None for k in keys if k.endswith("_extra_state"))
+
+
+def test_ours_with_delayed_state_is_a_plain_dict_upstream_cannot_read():
+    m = te.Linear(H, H, device="cpu")
+    with te.autocast(enabled=True, recipe=DelayedScaling()):
+        m(torch.randn(16, H)).sum().backward()
+    extra = m.state_dict()["_extra_state"]
+    # Not a uint8 tensor or io.BytesIO, the only forms upstream's set_extra_state reads.
+    assert isinstance(extra, dict) and extra["format"] == "transformer_engine/extra_state"
