@@ -53,17 +53,50 @@ __device__ __forceinline__ void cast_vector(const Vec<IType, kVecElems>& x, floa
   }
 }
 
+/* Eight float32 values cast at once; the amax sees them unscaled. */
+template <bool kE4M3>
+__device__ __forceinline__ void cast_floats(const float (&v)[kVecElems], float scale,
+                                            float& local_amax, Vec<uint16_t, kVecElems / 2>& q) {
+#pragma unroll
+  for (int j = 0; j < kVecElems / 2; ++j) {
+    local_amax = amax_step(amax_step(local_amax, v[2 * j]), v[2 * j + 1]);
+    q.v[j] = Fp8Format<kE4M3>::cast_pair(v[2 * j] * scale, v[2 * j + 1] * scale);
+  }
+}
+
+/* Where the tiled kernel's values come from: element (r, c) of a [rows, cols] matrix, as
+ * float32. PlainLoad reads a high-precision tensor; the activation kernels pass loaders that
+ * compute an activation (or its gradient) of their inputs on the fly, so the cast, transposed
+ * copy, amax and bias-gradient sums below serve them unchanged. A loader's `load_vec(r, c, v)`
+ * reads kVecElems consecutive columns starting at c (only called when its `vectorizable()` was
+ * true on the host and c + kVecElems <= cols); `load(r, c)` reads one. */
+template <typename IType>
+struct PlainLoad {
+  const IType* in;
+  size_t cols;
+
+  bool vectorizable() const { return aligned_to(in, sizeof(IType) * kVecElems); }
+  __device__ __forceinline__ void load_vec(size_t r, size_t c, float (&v)[kVecElems]) const {
+    const auto x = *reinterpret_cast<const Vec<IType, kVecElems>*>(in + r * cols + c);
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) v[j] = to_float(x.v[j]);
+  }
+  __device__ __forceinline__ float load(size_t r, size_t c) const {
+    return to_float(in[r * cols + c]);
+  }
+};
+
 /* One block per 64x64 tile. Load: each thread casts 2 x 8 consecutive elements of a row and
  * writes them to the row-wise output and to shared memory. Store: each thread gathers 16
  * consecutive rows of one column from shared memory and writes them as one 16-byte vector of
  * the transposed output; the 4 threads of a column are adjacent lanes, so a warp writes whole
  * 32-byte sectors. Edge tiles fall back to element-wise, bounds-checked accesses.
  *
- * kDbias: the tile's column sums of the unscaled input (float32, rows in a fixed order) go to
+ * kDbias: the tile's column sums of the unscaled values (float32, rows in a fixed order) go to
  * column_sums[tile_row * cols + column]; a second kernel adds the tile rows up. */
-template <typename IType, bool kE4M3, bool kDbias>
+template <class Loader, bool kE4M3, bool kDbias>
 __global__ void __launch_bounds__(kThreads)
-    cast_transpose_kernel(const IType* __restrict__ in, uint8_t* __restrict__ out,
+    cast_transpose_kernel(const Loader loader, uint8_t* __restrict__ out,
                           uint8_t* __restrict__ out_t, size_t rows, size_t cols, size_t tiles_c,
                           bool vector_rows, bool vector_cols, CastArgs args,
                           float* __restrict__ column_sums) {
@@ -85,20 +118,21 @@ __global__ void __launch_bounds__(kThreads)
     const size_t c = c0 + lc;
     if (r >= rows) continue;
     if (vector_rows && c + kVecElems <= cols) {
-      const auto x = *reinterpret_cast<const Vec<IType, kVecElems>*>(in + r * cols + c);
+      float x[kVecElems];
+      loader.load_vec(r, c, x);
       Vec<uint16_t, kVecElems / 2> q;
-      cast_vector<IType, kE4M3>(x, scale, local_amax, q);
+      cast_floats<kE4M3>(x, scale, local_amax, q);
       *reinterpret_cast<Vec<uint16_t, kVecElems / 2>*>(out + r * cols + c) = q;
       auto* tile_words = reinterpret_cast<uint32_t*>(&tile[lr][lc]);
       tile_words[0] = static_cast<uint32_t>(q.v[0]) | (static_cast<uint32_t>(q.v[1]) << 16);
       tile_words[1] = static_cast<uint32_t>(q.v[2]) | (static_cast<uint32_t>(q.v[3]) << 16);
       if constexpr (kDbias) {
 #pragma unroll
-        for (int j = 0; j < kVecElems; ++j) colsum[j] += to_float(x.v[j]);
+        for (int j = 0; j < kVecElems; ++j) colsum[j] += x[j];
       }
     } else {
       for (int j = 0; j < kVecElems && c + j < cols; ++j) {
-        const float a = to_float(in[r * cols + c + j]);
+        const float a = loader.load(r, c + j);
         local_amax = amax_step(local_amax, a);
         const uint8_t q = Fp8Format<kE4M3>::cast(a * scale);
         out[r * cols + c + j] = q;
@@ -165,18 +199,28 @@ CastArgs checked_cast_args(CallContext& ctx, const NVTEBuffer* input, const NVTE
                            NVTEBuffer* output, NVTEBuffer* output_t, NVTEBuffer* amax,
                            NVTEBuffer* scale_inv, const NVTEBuffer* noop);
 
-/* Launches cast_transpose_kernel over a [rows, cols] input (rows * cols > 0). */
+/* Launches cast_transpose_kernel over the [rows, cols] values of `loader` (rows * cols > 0). */
+template <class Loader, bool kE4M3, bool kDbias>
+void launch_cast_transpose_from(const Loader& loader, uint8_t* out, uint8_t* out_t, size_t rows,
+                                size_t cols, const CastArgs& args, float* column_sums,
+                                CallContext& ctx) {
+  const size_t tiles_c = (cols + kTile - 1) / kTile;
+  const size_t tiles = tiles_c * tile_rows(rows);
+  const bool vector_rows =
+      cols % kVecElems == 0 && loader.vectorizable() && aligned_to(out, kVecElems);
+  const bool vector_cols = rows % kRowsPerThreadT == 0 && aligned_to(out_t, kRowsPerThreadT);
+  cast_transpose_kernel<Loader, kE4M3, kDbias><<<tiles, kThreads, 0, ctx.stream()>>>(
+      loader, out, out_t, rows, cols, tiles_c, vector_rows, vector_cols, args, column_sums);
+  ctx.check_launch("cast_transpose_kernel launch");
+}
+
+/* The same over a plain high-precision [rows, cols] input. */
 template <typename IType, bool kE4M3, bool kDbias>
 void launch_cast_transpose(const IType* in, uint8_t* out, uint8_t* out_t, size_t rows, size_t cols,
                            const CastArgs& args, float* column_sums, CallContext& ctx) {
-  const size_t tiles_c = (cols + kTile - 1) / kTile;
-  const size_t tiles = tiles_c * tile_rows(rows);
-  const bool vector_rows = cols % kVecElems == 0 && aligned_to(in, sizeof(IType) * kVecElems) &&
-                           aligned_to(out, kVecElems);
-  const bool vector_cols = rows % kRowsPerThreadT == 0 && aligned_to(out_t, kRowsPerThreadT);
-  cast_transpose_kernel<IType, kE4M3, kDbias><<<tiles, kThreads, 0, ctx.stream()>>>(
-      in, out, out_t, rows, cols, tiles_c, vector_rows, vector_cols, args, column_sums);
-  ctx.check_launch("cast_transpose_kernel launch");
+  launch_cast_transpose_from<PlainLoad<IType>, kE4M3, kDbias>(PlainLoad<IType>{in, cols}, out,
+                                                              out_t, rows, cols, args,
+                                                              column_sums, ctx);
 }
 
 }  // namespace cast_detail

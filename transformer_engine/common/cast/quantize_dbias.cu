@@ -61,6 +61,17 @@ void check_dbias_args(const char* op, const QuantizeShape& shape, const NVTEBuff
   }
 }
 
+void launch_dbias_from_column_sums(CallContext& ctx, const float* column_sums, NVTEBuffer& dbias,
+                                   size_t rows, size_t cols) {
+  dispatch_high_precision(ctx.op(), dbias.dtype, [&](auto otype) {
+    using OType = decltype(otype);
+    const size_t blocks = (cols + kReduceThreads - 1) / kReduceThreads;
+    column_sums_to_dbias_kernel<OType><<<blocks, kReduceThreads, 0, ctx.stream()>>>(
+        column_sums, static_cast<OType*>(dbias.data), tile_rows(rows), cols);
+    ctx.check_launch("column_sums_to_dbias_kernel launch");
+  });
+}
+
 void launch_quantize_dbias(CallContext& ctx, const NVTEBuffer& input, NVTEBuffer& output,
                            NVTEBuffer& output_t, const QuantizeShape& shape, const CastArgs& args,
                            NVTEBuffer& dbias, NVTEBuffer& workspace) {
@@ -82,10 +93,7 @@ void launch_quantize_dbias(CallContext& ctx, const NVTEBuffer& input, NVTEBuffer
             static_cast<uint8_t*>(output_t.data), rows, cols, args, column_sums, ctx);
       });
     }
-    const size_t blocks = (cols + kReduceThreads - 1) / kReduceThreads;
-    column_sums_to_dbias_kernel<IType><<<blocks, kReduceThreads, 0, ctx.stream()>>>(
-        column_sums, static_cast<IType*>(dbias.data), tile_rows(rows), cols);
-    ctx.check_launch("column_sums_to_dbias_kernel launch");
+    launch_dbias_from_column_sums(ctx, column_sums, dbias, rows, cols);
   });
 }
 

@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "transformer_engine/activation.h"
 #include "transformer_engine/cast.h"
 #include "transformer_engine/recipe.h"
 #include "transformer_engine/transformer_engine.h"
@@ -145,6 +146,39 @@ void delayed_scaling_update(const OptionalTensorArg& amax_reduction_buffer,
                               static_cast<NVTEDType>(fp8_dtype), margin, device, to_stream(stream));
 }
 
+NVTEActivation to_activation(int kind, bool gated, float limit, float alpha,
+                             float glu_linear_offset) {
+  return NVTEActivation{kind, gated ? 1 : 0, limit, alpha, glu_linear_offset};
+}
+
+void activation(const TensorArg& input, int kind, bool gated, float limit, float alpha,
+                float glu_linear_offset, const TensorArg& output, const OptionalTensorArg& scale,
+                const OptionalTensorArg& output_t, const OptionalTensorArg& amax,
+                const OptionalTensorArg& scale_inv, int device, std::uintptr_t stream) {
+  const NVTEBuffer in = to_buffer(input);
+  NVTEBuffer out = to_buffer(output);
+  OptionalBuffer sc(scale), out_t(output_t), am(amax), si(scale_inv);
+  const NVTEActivation act = to_activation(kind, gated, limit, alpha, glu_linear_offset);
+  py::gil_scoped_release no_gil;
+  nvte_activation(&in, act, &out, sc.get(), out_t.get(), am.get(), si.get(), device,
+                  to_stream(stream));
+}
+
+void dactivation(const TensorArg& grad, const TensorArg& input, int kind, bool gated, float limit,
+                 float alpha, float glu_linear_offset, const TensorArg& dinput,
+                 const OptionalTensorArg& scale, const OptionalTensorArg& output_t,
+                 const OptionalTensorArg& amax, const OptionalTensorArg& scale_inv,
+                 const OptionalTensorArg& dbias, const OptionalTensorArg& workspace, int device,
+                 std::uintptr_t stream) {
+  const NVTEBuffer g = to_buffer(grad), in = to_buffer(input);
+  NVTEBuffer dx = to_buffer(dinput);
+  OptionalBuffer sc(scale), out_t(output_t), am(amax), si(scale_inv), db(dbias), ws(workspace);
+  const NVTEActivation act = to_activation(kind, gated, limit, alpha, glu_linear_offset);
+  py::gil_scoped_release no_gil;
+  nvte_dactivation(&g, &in, act, &dx, sc.get(), out_t.get(), am.get(), si.get(), db.get(),
+                   ws.get(), device, to_stream(stream));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -175,4 +209,13 @@ PYBIND11_MODULE(_native, m) {
   m.def("delayed_scaling_update", &delayed_scaling_update, py::arg("amax_reduction_buffer"),
         py::arg("amax_histories"), py::arg("scales"), py::arg("algo_max"), py::arg("fp8_dtype"),
         py::arg("margin"), py::arg("device"), py::arg("stream"));
+  m.def("activation", &activation, py::arg("input"), py::arg("kind"), py::arg("gated"),
+        py::arg("limit"), py::arg("alpha"), py::arg("glu_linear_offset"), py::arg("output"),
+        py::arg("scale"), py::arg("output_t"), py::arg("amax"), py::arg("scale_inv"),
+        py::arg("device"), py::arg("stream"));
+  m.def("dactivation", &dactivation, py::arg("grad"), py::arg("input"), py::arg("kind"),
+        py::arg("gated"), py::arg("limit"), py::arg("alpha"), py::arg("glu_linear_offset"),
+        py::arg("dinput"), py::arg("scale"), py::arg("output_t"), py::arg("amax"),
+        py::arg("scale_inv"), py::arg("dbias"), py::arg("workspace"), py::arg("device"),
+        py::arg("stream"));
 }

@@ -1,0 +1,233 @@
+"""The fused activation kernels (cpp_extensions.activation) against float64 autograd through the
+hand-written formulas of tests/pytorch/utils.py, on the CPU path and (GPU machine) the native
+kernels, in high precision and FP8 (with the transposed copy and the bias gradient)."""
+
+import pytest
+import torch
+from utils import REFERENCE_ACTIVATIONS, needs_cuda, needs_two_gpus
+
+from transformer_engine.pytorch.cpp_extensions import quantize
+from transformer_engine.pytorch.cpp_extensions.activation import (
+    activation_backward,
+    activation_backward_fp8,
+    activation_forward,
+    activation_forward_fp8,
+    activation_spec,
+)
+
+NAMES = sorted(REFERENCE_ACTIVATIONS)
+GATED = {"geglu", "glu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu"}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Relative tolerance of one rounding to the dtype, plus float32 libm differences.
+RTOL = {torch.float32: 2e-6, torch.bfloat16: 2**-8, torch.float16: 2**-11}
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+
+
+def make_input(shape, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (3 * torch.randn(shape, generator=g)).to(dtype).to(device)
+
+
+def reference(name, x, grad):
+    """Float64 forward value and input gradient (autograd through the formula)."""
+    x64 = x.detach().double().cpu().requires_grad_()
+    y = REFERENCE_ACTIVATIONS[name](x64)
+    (dx,) = torch.autograd.grad(y, x64, grad.double().cpu())
+    return y.detach(), dx
+
+
+def assert_close(actual, expected, dtype, scale):
+    """Within one rounding of ``dtype`` of each value, plus an absolute floor relative to the
+    tensor's scale (values that cancel to near zero)."""
+    torch.testing.assert_close(
+        actual.double().cpu(), expected, rtol=2 * RTOL[dtype], atol=1e-6 * scale + 1e-30
+    )
+
+
+def out_shape(name, shape):
+    return (*shape[:-1], shape[-1] // 2) if name in GATED else shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("shape", [(4, 64), (3, 5, 34), (1, 2), (257, 1024)])
+def test_forward_and_backward_match_float64(device, dtype, name, shape):
+    x = make_input(shape, dtype, device)
+    grad = make_input(out_shape(name, shape), dtype, device, seed=1)
+    spec = activation_spec(name)
+    y = activation_forward(x, spec)
+    dx = activation_backward(grad, x, spec)
+    assert y.dtype == dtype and y.shape == out_shape(name, shape) and y.device == x.device
+    assert dx.dtype == dtype and dx.shape == x.shape and dx.device == x.device
+    y_ref, dx_ref = reference(name, x, grad)
+    assert_close(y, y_ref, dtype, y_ref.abs().max().item())
+    assert_close(dx, dx_ref, dtype, dx_ref.abs().max().item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_clamped_swiglu_parameters_and_clamp_edges(device):
+    params = {"limit": 0.5, "alpha": 1.0, "glu_linear_offset": 0.25}
+    spec = activation_spec("clamped_swiglu", **params)
+    x = torch.tensor([[0.5, -2.0, 0.25, 0.5, 0.5, -0.5, 3.0, 0.1]], device=device)
+    grad = torch.ones(1, 4, device=device)
+    y_ref, dx_ref = None, None
+    x64 = x.double().cpu().requires_grad_()
+    y_ref = REFERENCE_ACTIVATIONS["clamped_swiglu"](x64, **params)
+    (dx_ref,) = torch.autograd.grad(y_ref, x64, grad.double().cpu())
+    torch.testing.assert_close(activation_forward(x, spec).double().cpu(), y_ref.detach())
+    # At the limit itself both clamps pass the gradient (as torch.clamp does).
+    torch.testing.assert_close(activation_backward(grad, x, spec).double().cpu(), dx_ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_propagates_and_empty_input(device):
+    spec = activation_spec("relu")
+    x = torch.tensor([float("nan"), -1.0, 0.0, 2.0], device=device)
+    y = activation_forward(x, spec)
+    assert y[0].isnan() and y[1:].tolist() == [0.0, 0.0, 2.0]
+    dx = activation_backward(torch.ones_like(x), x, spec)
+    assert dx[1:].tolist() == [0.0, 0.0, 1.0]  # derivative 0 at 0
+    empty = torch.empty(0, 16, device=device, dtype=torch.bfloat16)
+    assert activation_forward(empty, activation_spec("swiglu")).shape == (0, 8)
+    assert activation_backward(empty[:, :8], empty, activation_spec("swiglu")).shape == (0, 16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_input(device):
+    base = make_input((64, 96), torch.bfloat16, device)
+    x = base[:, 16:80]  # rows with a stride of 96
+    assert not x.is_contiguous()
+    spec = activation_spec("geglu")
+    y = activation_forward(x, spec)
+    y_ref, _ = reference("geglu", x, torch.ones(64, 32))
+    assert_close(y, y_ref, torch.bfloat16, y_ref.abs().max().item())
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="even last dimension"):
+        activation_forward(torch.ones(2, 3), activation_spec("swiglu"))
+    with pytest.raises(ValueError, match="not supported"):
+        activation_spec("tanh")
+    with pytest.raises(ValueError, match="limit"):
+        activation_spec("clamped_swiglu", limit=-1.0)
+    with pytest.raises(TypeError, match="dtype"):
+        activation_forward(torch.ones(2, 4, dtype=torch.int32), activation_spec("gelu"))
+    with pytest.raises(ValueError, match="grad has shape"):
+        activation_backward(torch.ones(2, 4), torch.ones(2, 4), activation_spec("swiglu"))
+
+
+# --- FP8 outputs ---------------------------------------------------------------------------------
+def fp8_reference(values64, scale, fp8_dtype):
+    """The cast of the float32 values (what the kernels cast: float32 results, no rounding to
+    the activation dtype first), with the reference quantizer, and the amax."""
+    v = values64.float()
+    amax = torch.zeros(1)
+    res = quantize(v, scale, fp8_dtype, amax=amax, with_transpose=True)
+    return res, amax
+
+
+def assert_fp8_close(actual, expected, max_fraction=1e-2):
+    """Equal values except for a few codes one step apart (the float32 activation differs from
+    the float64-then-rounded value by an ulp, which can cross a rounding boundary; a value that
+    cancels to a tiny number may also round to a zero of the other sign)."""
+    differ = actual.float().cpu() != expected.float().cpu()
+    assert differ.float().mean().item() <= max_fraction
+
+    def ordinal(t):  # FP8 codes in value order: -0 and +0 both 0, neighbours 1 apart
+        codes = t.view(torch.uint8).cpu().int()[differ]
+        return torch.where(codes >= 0x80, -(codes & 0x7F), codes)
+
+    assert ((ordinal(actual) - ordinal(expected)).abs() <= 1).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("name", ["gelu", "swiglu", "srelu", "clamped_swiglu", "qgeglu"])
+@pytest.mark.parametrize("shape", [(128, 256), (96, 34)])
+def test_fp8_forward_writes_the_cast_of_the_activation(device, fp8_dtype, name, shape):
+    x = make_input(shape, torch.bfloat16, device)
+    scale = torch.tensor([0.75], device=device)
+    amax = torch.zeros(1, device=device)
+    res = activation_forward_fp8(
+        x, activation_spec(name), scale, fp8_dtype, amax=amax, with_transpose=True
+    )
+    y_ref, _ = reference(name, x, torch.zeros(out_shape(name, shape)))
+    expected, amax_ref = fp8_reference(y_ref, 0.75, fp8_dtype)
+    assert res.data.dtype == fp8_dtype and res.data.shape == out_shape(name, shape)
+    assert_fp8_close(res.data, expected.data)
+    # The transposed copy holds exactly the transposed bytes of the row-wise copy.
+    assert torch.equal(res.transpose.view(torch.uint8).cpu(), res.data.view(torch.uint8).cpu().t())
+    torch.testing.assert_close(amax.cpu(), amax_ref, rtol=1e-6, atol=0)
+    assert res.scale_inv.item() == pytest.approx(1 / 0.75, rel=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["gelu", "swiglu", "relu", "glu"])
+@pytest.mark.parametrize("shape", [(128, 256), (80, 48)])
+def test_fp8_backward_with_bias_gradient(device, name, shape):
+    x = make_input(shape, torch.bfloat16, device)
+    grad = make_input(out_shape(name, shape), torch.bfloat16, device, seed=1)
+    scale = torch.tensor([2.0], device=device)
+    amax = torch.zeros(1, device=device)
+    res, dbias = activation_backward_fp8(
+        grad, x, activation_spec(name), scale, torch.float8_e5m2, amax=amax, with_dbias=True
+    )
+    _, dx_ref = reference(name, x, grad)
+    expected, amax_ref = fp8_reference(dx_ref, 2.0, torch.float8_e5m2)
+    assert res.data.shape == x.shape and res.transpose.shape == (shape[1], shape[0])
+    assert_fp8_close(res.data, expected.data)
+    assert torch.equal(res.transpose.view(torch.uint8).cpu(), res.data.view(torch.uint8).cpu().t())
+    torch.testing.assert_close(amax.cpu(), amax_ref, rtol=1e-5, atol=0)
+    assert dbias.dtype == torch.bfloat16 and dbias.shape == (shape[1],)
+    dbias_ref = dx_ref.sum(0)
+    torch.testing.assert_close(
+        dbias.double().cpu(), dbias_ref, rtol=2**-7, atol=1e-4 * dbias_ref.abs().max().item()
+    )
+
+
+# --- device contract (GPU machine) -------------------------------------------------------------
+@needs_two_gpus
+def test_runs_on_the_tensors_device_not_the_current_one():
+    x = make_input((64, 128), torch.bfloat16, "cuda:1")
+    spec = activation_spec("swiglu")
+    with torch.cuda.device(0):
+        y = activation_forward(x, spec)
+        dx = activation_backward(torch.ones_like(y), x, spec)
+        scale = torch.ones(1, device="cuda:1")
+        res = activation_forward_fp8(x, spec, scale, torch.float8_e4m3fn, amax=None,
+                                     with_transpose=True)  # fmt: skip
+    assert y.device == dx.device == res.data.device == torch.device("cuda:1")
+    y_ref, _ = reference("swiglu", x, torch.ones(64, 64))
+    assert_close(y, y_ref, torch.bfloat16, y_ref.abs().max().item())
+
+
+@needs_cuda
+def test_capturable_in_a_cuda_graph():
+    x = make_input((256, 512), torch.bfloat16, "cuda")
+    grad = make_input((256, 256), torch.bfloat16, "cuda", seed=1)
+    spec = activation_spec("geglu")
+    scale = torch.ones(1, device="cuda")
+    amax = torch.zeros(1, device="cuda")
+    eager = (
+        activation_forward(x, spec),
+        activation_backward(grad, x, spec),
+        activation_backward_fp8(grad, x, spec, scale, torch.float8_e4m3fn, amax=amax,
+                                with_dbias=True),
+    )  # fmt: skip
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture
+        activation_forward(x, spec)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = activation_forward(x, spec)
+        dx = activation_backward(grad, x, spec)
+        (res, dbias) = activation_backward_fp8(grad, x, spec, scale, torch.float8_e4m3fn,
+                                               amax=amax, with_dbias=True)  # fmt: skip
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, eager[0]) and torch.equal(dx, eager[1])
+    assert torch.equal(res.data.view(torch.uint8), eager[2][0].data.view(torch.uint8))
+    assert torch.equal(dbias, eager[2][1])

@@ -1,0 +1,305 @@
+"""The MLP activations as kernels: forward and backward in one pass each, optionally writing
+FP8 (with the transposed copy and, in backward, the bias gradient) in the same pass.
+
+:func:`activation_forward` and :func:`activation_backward` run ``nvte_activation`` /
+``nvte_dactivation`` for CUDA tensors (on the tensor's device, in that device's current stream)
+and fused PyTorch operations elsewhere. The formulas (``activation.h`` and
+:mod:`transformer_engine.pytorch.functional.activation`
+states them) are evaluated in float32 and rounded once.
+
+A gated activation's input holds two halves; the *first* goes through the activation and the
+second multiplies it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..constants import HIGH_PRECISION_DTYPES
+from ._routing import launch_args, native_for, tensor_arg
+from .cast import (
+    DBIAS_TILE_ROWS,
+    QuantizeResult,
+    column_sum,
+    quantize_prevalidated,
+    transposed_shape,
+)
+
+__all__ = [
+    "ActivationSpec",
+    "activation_spec",
+    "activation_forward",
+    "activation_backward",
+    "activation_forward_fp8",
+    "activation_backward_fp8",
+]
+
+# name -> (native kind, gated); the kinds are activation.h's NVTEActivationKind.
+_KINDS = {
+    "gelu": (0, False),
+    "geglu": (0, True),
+    "qgelu": (1, False),
+    "qgeglu": (1, True),
+    "relu": (2, False),
+    "reglu": (2, True),
+    "srelu": (3, False),
+    "sreglu": (3, True),
+    "silu": (4, False),
+    "swiglu": (4, True),
+    "glu": (5, True),
+    "clamped_swiglu": (6, True),
+}
+_QGELU_SLOPE = 1.702
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """One activation: its name, native kind, gating and clamped-SwiGLU parameters."""
+
+    name: str
+    kind: int
+    gated: bool
+    limit: float = 7.0
+    alpha: float = 1.702
+    glu_linear_offset: float = 1.0
+
+    def native_args(self) -> tuple:
+        return (self.kind, self.gated, self.limit, self.alpha, self.glu_linear_offset)
+
+
+def activation_spec(name: str, **params) -> ActivationSpec:
+    """The :class:`ActivationSpec` of ``name`` (``params``: clamped SwiGLU's ``limit``,
+    ``alpha``, ``glu_linear_offset``; checked by the caller)."""
+    if name not in _KINDS:
+        raise ValueError(
+            f"activation {name!r} is not supported; use one of {', '.join(sorted(_KINDS))}"
+        )
+    kind, gated = _KINDS[name]
+    spec = ActivationSpec(name, kind, gated, **{k: float(v) for k, v in params.items()})
+    if not spec.limit >= 0:
+        raise ValueError(f"{name}: limit={spec.limit!r} must be >= 0 (the clamp bound)")
+    return spec
+
+
+def _out_cols(spec: ActivationSpec, x: torch.Tensor) -> int:
+    cols = x.shape[-1]
+    if spec.gated and cols % 2:
+        raise ValueError(
+            f"{spec.name}: a gated activation needs an even last dimension (two halves), got {cols}"
+        )
+    return cols // 2 if spec.gated else cols
+
+
+def _check_input(op: str, x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in HIGH_PRECISION_DTYPES and x.dtype != torch.float64:
+        raise TypeError(
+            f"{op}: input has dtype {x.dtype}; expected float32, float16, bfloat16 or float64"
+        )
+    if x.dim() == 0:
+        raise ValueError(f"{op}: input must have at least one dimension (the features)")
+
+
+def _native(op: str, x: torch.Tensor):
+    """The binding for ``x``'s device, or ``None`` for the PyTorch path (CPU, float64)."""
+    if x.dtype == torch.float64:  # the kernels take float32/16 and bfloat16
+        return None
+    return native_for(op, x.device)
+
+
+# --- The CPU path: fused PyTorch operations on float32 values --------------------------------
+
+
+def _act(name: str, u: torch.Tensor) -> torch.Tensor:
+    if name in ("gelu", "geglu"):
+        return F.gelu(u, approximate="tanh")
+    if name in ("qgelu", "qgeglu"):
+        return u * torch.sigmoid(_QGELU_SLOPE * u)
+    if name in ("relu", "reglu"):
+        return torch.relu(u)
+    if name in ("srelu", "sreglu"):
+        return torch.square(torch.relu(u))
+    if name in ("silu", "swiglu"):
+        return F.silu(u)
+    return torch.sigmoid(u)  # glu
+
+
+def _dact(name: str, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``g * act'(u)``."""
+    if name in ("gelu", "geglu"):
+        return torch.ops.aten.gelu_backward(g, u, approximate="tanh")
+    if name in ("silu", "swiglu"):
+        return torch.ops.aten.silu_backward(g, u)
+    if name in ("relu", "reglu"):
+        return torch.where(u > 0, g, torch.zeros_like(g))
+    if name in ("srelu", "sreglu"):
+        return g * 2 * torch.relu(u)
+    if name in ("qgelu", "qgeglu"):
+        s = torch.sigmoid(_QGELU_SLOPE * u)
+        return g * (s + _QGELU_SLOPE * u * s * (1 - s))
+    s = torch.sigmoid(u)  # glu
+    return g * s * (1 - s)
+
+
+def _forward_cpu(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
+    """Float32 values of the activation (float64 stays float64)."""
+    u = x.to(torch.promote_types(x.dtype, torch.float32))
+    if not spec.gated:
+        return _act(spec.name, u)
+    a, b = u.chunk(2, dim=-1)
+    if spec.name == "clamped_swiglu":
+        a = torch.clamp_max(a, spec.limit)
+        b = torch.clamp(b, -spec.limit, spec.limit)
+        return a * torch.sigmoid(spec.alpha * a) * (b + spec.glu_linear_offset)
+    return _act(spec.name, a) * b
+
+
+def _backward_cpu(grad: torch.Tensor, x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    g, u = grad.to(dtype), x.to(dtype)
+    if not spec.gated:
+        return _dact(spec.name, g, u)
+    a, b = u.chunk(2, dim=-1)
+    if spec.name == "clamped_swiglu":
+        limit = spec.limit
+        ac = torch.clamp_max(a, limit)
+        bc = torch.clamp(b, -limit, limit)
+        s = torch.sigmoid(spec.alpha * ac)
+        da = g * (bc + spec.glu_linear_offset) * (s + spec.alpha * ac * s * (1 - s))
+        da = torch.where(a <= limit, da, torch.zeros_like(da))
+        db = torch.where((b >= -limit) & (b <= limit), g * ac * s, torch.zeros_like(g))
+        return torch.cat((da, db), dim=-1)
+    return torch.cat((_dact(spec.name, g * b, a), g * _act(spec.name, a)), dim=-1)
+
+
+# --- Entry points ------------------------------------------------------------------------------
+
+
+def activation_forward(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
+    """``act(x)`` in ``x``'s dtype, shape ``(..., cols)``."""
+    op = "activation_forward"
+    _check_input(op, x)
+    cols = _out_cols(spec, x)
+    native = _native(op, x)
+    if native is None:
+        return _forward_cpu(x, spec).to(x.dtype)
+    x = x.contiguous()
+    out = torch.empty(*x.shape[:-1], cols, dtype=x.dtype, device=x.device)
+    native.activation(
+        tensor_arg(x), *spec.native_args(), tensor_arg(out), None, None, None, None,
+        *launch_args(x.device),
+    )  # fmt: skip
+    return out
+
+
+def activation_backward(grad: torch.Tensor, x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
+    """``d loss / d x`` from the output gradient ``grad``, in ``x``'s dtype and shape."""
+    op = "activation_backward"
+    _check_input(op, x)
+    cols = _out_cols(spec, x)
+    if grad.shape != (*x.shape[:-1], cols):
+        raise ValueError(
+            f"{op}: grad has shape {tuple(grad.shape)}; the activation's output has shape "
+            f"{(*x.shape[:-1], cols)}"
+        )
+    grad = grad if grad.dtype == x.dtype else grad.to(x.dtype)
+    native = _native(op, x)
+    if native is None:
+        return _backward_cpu(grad, x, spec).to(x.dtype)
+    x, grad = x.contiguous(), grad.contiguous()
+    dx = torch.empty_like(x)
+    native.dactivation(
+        tensor_arg(grad), tensor_arg(x), *spec.native_args(), tensor_arg(dx), None, None, None,
+        None, None, None, *launch_args(x.device),
+    )  # fmt: skip
+    return dx
+
+
+def activation_forward_fp8(
+    x: torch.Tensor,
+    spec: ActivationSpec,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    amax: torch.Tensor | None,
+    with_transpose: bool,
+) -> QuantizeResult:
+    """``act(x)`` cast to FP8 with ``scale`` (amax of the float32 values max-accumulated into
+    ``amax``), with the transposed copy when asked: on CUDA in the activation's own pass.
+
+    The caller (a delayed-scaling quantizer) has checked ``scale``/``amax`` (float32 scalars)
+    and ``fp8_dtype`` (a torch FP8 dtype).
+    """
+    op = "activation_forward_fp8"
+    _check_input(op, x)
+    cols = _out_cols(spec, x)
+    native = _native(op, x)
+    if native is None:
+        y = _forward_cpu(x, spec)
+        y = y if y.dtype == torch.float32 else y.float()
+        return quantize_prevalidated(y, scale, fp8_dtype, amax=amax, with_transpose=with_transpose)
+    x = x.contiguous()
+    shape = (*x.shape[:-1], cols)
+    out = torch.empty(shape, dtype=fp8_dtype, device=x.device)
+    out_t = (
+        torch.empty(transposed_shape(shape), dtype=fp8_dtype, device=x.device)
+        if with_transpose
+        else None
+    )
+    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    native.activation(
+        tensor_arg(x), *spec.native_args(), tensor_arg(out), tensor_arg(scale),
+        tensor_arg(out_t), tensor_arg(amax), tensor_arg(scale_inv), *launch_args(x.device),
+    )  # fmt: skip
+    return QuantizeResult(out, out_t, scale_inv)
+
+
+def activation_backward_fp8(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    spec: ActivationSpec,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    amax: torch.Tensor | None,
+    with_dbias: bool,
+) -> tuple[QuantizeResult, torch.Tensor | None]:
+    """``d loss / d x`` cast to FP8 with ``scale``, with its transposed copy and (``with_dbias``)
+    its sum over the rows (the bias gradient of the layer that produced ``x``), in ``grad``'s
+    dtype. Same caller contract as :func:`activation_forward_fp8`."""
+    op = "activation_backward_fp8"
+    _check_input(op, x)
+    cols = _out_cols(spec, x)
+    if grad.shape != (*x.shape[:-1], cols) or grad.dtype != x.dtype:
+        raise ValueError(
+            f"{op}: grad has shape {tuple(grad.shape)} and dtype {grad.dtype}; expected "
+            f"{(*x.shape[:-1], cols)} and {x.dtype}"
+        )
+    native = _native(op, x)
+    if native is None:
+        dx = _backward_cpu(grad, x, spec)
+        dx = dx if dx.dtype == torch.float32 else dx.float()
+        res = quantize_prevalidated(dx, scale, fp8_dtype, amax=amax, with_transpose=True)
+        return res, column_sum(dx).to(grad.dtype) if with_dbias else None
+    x, grad = x.contiguous(), grad.contiguous()
+    device = x.device
+    out = torch.empty(x.shape, dtype=fp8_dtype, device=device)
+    out_t = torch.empty(transposed_shape(x.shape), dtype=fp8_dtype, device=device)
+    scale_inv = torch.empty(1, dtype=torch.float32, device=device)
+    dbias = workspace = None
+    if with_dbias:
+        in_cols = x.shape[-1]
+        rows = x.numel() // in_cols if in_cols else 0
+        tiles = (rows + DBIAS_TILE_ROWS - 1) // DBIAS_TILE_ROWS
+        dbias = torch.empty(in_cols, dtype=grad.dtype, device=device)
+        workspace = torch.empty(max(tiles * in_cols, 1), dtype=torch.float32, device=device)
+    native.dactivation(
+        tensor_arg(grad), tensor_arg(x), *spec.native_args(), tensor_arg(out),
+        tensor_arg(scale), tensor_arg(out_t), tensor_arg(amax), tensor_arg(scale_inv),
+        tensor_arg(dbias), tensor_arg(workspace), *launch_args(device),
+    )  # fmt: skip
+    return QuantizeResult(out, out_t, scale_inv), dbias
