@@ -217,7 +217,9 @@ def linear_forward(
     gradient too. The output has ``inp``'s leading dimensions.
     """
     in_features = weight.shape[-1]
-    x = inp if inp.dim() == 2 else inp.reshape(-1, in_features)
+    # An FP8 input a producer already quantized (a fused activation) comes as a 2-D storage.
+    two_dim = len(inp.shape) == 2
+    x = inp if two_dim else inp.reshape(-1, in_features)
     saved = LinearSaved(config, None, None, weight, inp.shape, bias, bias_requires_grad)
     if not config.fp8:
         out = torch.nn.functional.linear(x, weight, bias)
@@ -227,7 +229,7 @@ def linear_forward(
     elif config.backward_override is not None:
         out = _forward_with_backward_override(saved, x, weight, bias, needs_dgrad, needs_wgrad)
     else:
-        owns_x_q = not isinstance(x, QuantizedTensor)
+        owns_x_q = not isinstance(x, (QuantizedTensor, QuantizedTensorStorage))
         # save_original_input: backward re-quantizes the saved x (exact for stateless
         # recipes), so the forward needs no column-wise copy.
         keep_x = config.save_original_input and owns_x_q and needs_wgrad
@@ -253,7 +255,7 @@ def linear_forward(
         saved.requantize_x = keep_x
         saved.x = x if keep_x else x_q if needs_wgrad else None
         saved.w = w_q if needs_dgrad else None
-    out = out if inp.dim() == 2 else out.reshape(*inp.shape[:-1], weight.shape[0])
+    out = out if two_dim else out.reshape(*inp.shape[:-1], weight.shape[0])
     return out, saved
 
 
@@ -266,7 +268,7 @@ def _forward_with_backward_override(saved, x, weight, bias, needs_dgrad, needs_w
     config = saved.config
     x_q = (
         x
-        if isinstance(x, QuantizedTensor)
+        if isinstance(x, (QuantizedTensor, QuantizedTensorStorage))
         else _quantize(config.input_quantizer, x, rowwise=True, columnwise=False)
     )
     w_q = _quantized_weight(weight, config, columnwise=False)
@@ -288,15 +290,23 @@ def _forward_with_backward_override(saved, x, weight, bias, needs_dgrad, needs_w
     return out
 
 
-def linear_backward(saved: LinearSaved, grad_out: torch.Tensor):
+def linear_backward(saved: LinearSaved, grad_out, dbias_of_grad: torch.Tensor | None = None):
     """``(dx, dW, dbias)`` from a :func:`linear_forward`'s saved state (already unpacked).
 
     ``dx`` is computed when the forward was told ``needs_dgrad``, ``dW`` when ``needs_wgrad`` (with
     ``fuse_wgrad_accumulation`` it goes into ``main_grad`` and ``dW`` is ``None`` or Megatron's
     placeholder; with ``wgrad_store`` it is queued for ``backward_dw``), ``dbias`` when
     ``bias_requires_grad``. Runs on the caller's current device.
+
+    ``grad_out`` may also be an FP8 storage of shape ``[tokens, out_features]`` that a fused
+    producer (an activation's backward) already quantized with the grad-output quantizer, with
+    the usages this backward reads (row-wise for dgrad, column-wise for wgrad); then the bias
+    gradient, when needed, comes as ``dbias_of_grad`` (the producer's column sums).
     """
     config = saved.config
+    prequantized = isinstance(grad_out, QuantizedTensorStorage) and not isinstance(
+        grad_out, torch.Tensor
+    )
     saved_x, saved_w = saved.x, saved.w
     if saved.requantize_x:
         saved_x = _quantize(config.input_quantizer, saved_x, rowwise=False, columnwise=True)
@@ -304,10 +314,21 @@ def linear_backward(saved: LinearSaved, grad_out: torch.Tensor):
     if config.fp8 and saved.high_precision_backward:  # backward_override
         saved_x = _high_precision(saved_x, config.activation_dtype)
         saved_w = _high_precision(saved_w, config.activation_dtype)
-    out_features = grad_out.shape[-1]
-    dy = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, out_features)
-    if not dy.is_contiguous():
-        dy = dy.contiguous()
+    if prequantized:
+        if not use_fp8:
+            raise TypeError(
+                "linear_backward: a pre-quantized output gradient needs the FP8 backward of an "
+                "FP8 forward without backward_override"
+            )
+        if saved.bias_requires_grad and dbias_of_grad is None:
+            raise ValueError("linear_backward: pass the bias gradient with a quantized grad_out")
+        dy, device = None, grad_out.device
+    else:
+        out_features = grad_out.shape[-1]
+        dy = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, out_features)
+        if not dy.is_contiguous():
+            dy = dy.contiguous()
+        device = dy.device
     dx = dw = dbias = None
     weight = saved.weight
     fuse = config.fuse_wgrad_accumulation and saved_x is not None
@@ -322,14 +343,17 @@ def linear_backward(saved: LinearSaved, grad_out: torch.Tensor):
                 "float32 tensor of the weight's shape before backward"
             )
     grad_operand = dy
+    if prequantized:
+        grad_operand, dbias = grad_out, dbias_of_grad
     if use_fp8 and (saved_w is not None or saved_x is not None):
-        grad_operand, dbias = _quantize_grad_output(
-            config.grad_output_quantizer,
-            dy,
-            rowwise=saved_w is not None,
-            columnwise=saved_x is not None,
-            with_dbias=saved.bias_requires_grad,
-        )
+        if not prequantized:
+            grad_operand, dbias = _quantize_grad_output(
+                config.grad_output_quantizer,
+                dy,
+                rowwise=saved_w is not None,
+                columnwise=saved_x is not None,
+                with_dbias=saved.bias_requires_grad,
+            )
         if saved_w is not None:
             dx = fp8_gemm_prevalidated(
                 saved_w,
@@ -346,7 +370,7 @@ def linear_backward(saved: LinearSaved, grad_out: torch.Tensor):
         if config.wgrad_store is not None:
             # delay_wgrad_compute: the module's backward_dw() runs this later.
             config.wgrad_store.append(
-                _DeferredWgrad(config, saved_x, grad_operand, weight, fuse, use_fp8, dy.device)
+                _DeferredWgrad(config, saved_x, grad_operand, weight, fuse, use_fp8, device)
             )
         else:
             dw = _weight_gradient(config, saved_x, grad_operand, weight, fuse, use_fp8)

@@ -12,8 +12,10 @@ the fused norm of ``LayerNormLinear`` / ``LayerNormMLP`` and ``te.ops.LayerNorm`
 ``te.ops.RMSNorm`` all use them.
 
 Precision: the statistics and the affine transform are computed in float32 (float64 inputs stay
-in float64), whatever the dtype of the input or the parameters, and the result is cast back to
-the input's dtype. Gradients come back in the dtype of the tensor they belong to.
+in float64), whatever the dtype of the input or the parameters, and the result is rounded once
+to the input's dtype. Gradients come back in the dtype of the tensor they belong to. Both run
+as one autograd node each over fused kernels (:mod:`._fused_norms`): no float32 copy of the
+input is kept for backward, which saves only the input and the per-row statistics.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from ..device import check_same_device, reject_meta
+from ._fused_norms import fused_layernorm, fused_rmsnorm
 
 __all__ = [
     "layernorm",
@@ -84,14 +87,6 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _effective_gamma(
-    weight: torch.Tensor, dtype: torch.dtype, zero_centered_gamma: bool
-) -> torch.Tensor:
-    gamma = weight.to(dtype)
-    # Zero-centered gamma stores (gamma - 1) so that weight decay pulls the scale towards 1.
-    return gamma + 1 if zero_centered_gamma else gamma
-
-
 def layernorm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -135,11 +130,7 @@ def layernorm(
         tensors on different devices.
     """
     _check_operands("layernorm", x, weight, bias, eps)
-    dtype = _compute_dtype(x)
-    gamma = _effective_gamma(weight, dtype, zero_centered_gamma)
-    beta = bias.to(dtype) if bias is not None else None
-    y = torch.nn.functional.layer_norm(x.to(dtype), tuple(weight.shape), gamma, beta, eps)
-    return y.to(x.dtype)
+    return fused_layernorm(x, weight, bias, eps, zero_centered_gamma)
 
 
 def rmsnorm(
@@ -181,12 +172,7 @@ def rmsnorm(
         tensors on different devices.
     """
     _check_operands("rmsnorm", x, weight, None, eps)
-    dtype = _compute_dtype(x)
-    gamma = _effective_gamma(weight, dtype, zero_centered_gamma)
-    x_c = x.to(dtype)
-    dims = tuple(range(-weight.dim(), 0))
-    rstd = torch.rsqrt(x_c.square().mean(dim=dims, keepdim=True) + eps)
-    return (x_c * rstd * gamma).to(x.dtype)
+    return fused_rmsnorm(x, weight, eps, zero_centered_gamma)
 
 
 def l2_normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

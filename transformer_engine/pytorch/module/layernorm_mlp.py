@@ -17,12 +17,13 @@ import torch
 import torch.utils.checkpoint
 
 from ..device import construction_device
-from ..functional.activation import get_activation
+from ..functional.activation import get_activation, get_activation_spec
 from ..functional.linear import check_input_features
 from ._fused_norm import apply_norm, check_normalization, register_norm_parameters
 from ._gemm_setup import claim_module_backward_update, gemm_weight, make_linear_config
 from ._linear_function import linear
 from ._linear_parameters import check_features, check_single_process_arguments
+from ._mlp_function import fc1_activation_fc2
 from ._quantizer_roles import gemm_quantizer_roles
 from .base import (
     TransformerEngineBaseModule,
@@ -125,6 +126,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self.activation_fn, self.is_glu = get_activation(
             "LayerNormMLP", activation, activation_params
         )
+        self._activation_spec = get_activation_spec("LayerNormMLP", activation, activation_params)
+        self._fused_activation_fn = self.activation_fn  # replaced by a user: no fused node
         check_single_process_arguments(
             "LayerNormMLP", tp_size=tp_size, sequence_parallel=sequence_parallel,
             set_parallel_mode=set_parallel_mode, ub_overlap_ag=ub_overlap_ag,
@@ -215,16 +218,24 @@ class LayerNormMLP(TransformerEngineBaseModule):
             fc1_config.wgrad_store = fc2_config.wgrad_store = self.wgrad_store
             # FC1's backward runs after FC2's: it completes the region's backward update.
             update = claim_module_backward_update(fc1_config)
+            gemm_bias = None if self.return_bias else fc2_bias
             if self.checkpoint and torch.is_grad_enabled():
                 act_out = self._fc1_and_activation_recomputed(
                     ln_out, fc1_weight, fc1_bias, fc1_config, update
                 )
-            else:
+                out = linear(fc2_weight, act_out, gemm_bias, fc2_config)
+            elif self.activation_fn is self._fused_activation_fn:
+                # One node for FC1, the activation and FC2: the fused activation writes FC2's
+                # FP8 input, and its backward FC1's FP8 output gradient (delayed scaling).
+                out = fc1_activation_fc2(
+                    ln_out, fc1_weight, fc1_bias, fc2_weight, gemm_bias,
+                    self._activation_spec, fc1_config, fc2_config, update,
+                )  # fmt: skip
+            else:  # activation_fn replaced by the user: call it
                 act_out = self.activation_fn(
                     linear(fc1_weight, ln_out, fc1_bias, fc1_config, update)
                 )
-            gemm_bias = None if self.return_bias else fc2_bias
-            out = linear(fc2_weight, act_out, gemm_bias, fc2_config)
+                out = linear(fc2_weight, act_out, gemm_bias, fc2_config)
         outputs = (out,)
         if self.return_bias:
             outputs += (fc2_bias,)

@@ -176,6 +176,37 @@ class _Float8QuantizerBase(Quantizer):
         res = quantize_prevalidated(src, scale, fp8_dtype, amax=amax, with_transpose=with_transpose)
         return res, (column_sum(src) if with_dbias else None)
 
+    #: Whether the scale is fixed before a cast (delayed scaling), so that a fused producer (an
+    #: activation kernel) can write the FP8 bytes in its own pass: :meth:`quantize_produced`.
+    scale_precedes_cast = False
+
+    def quantize_produced(self, produce, shape, dtype: torch.dtype, device: torch.device):
+        """An FP8 tensor (internal storage when ``internal``) of ``shape`` whose bytes
+        ``produce(scale, amax, fp8_dtype, with_transpose)`` writes with this quantizer's scale
+        and amax, returning ``(QuantizeResult, extra)``; returns ``(tensor, extra)``.
+
+        Only for quantizers whose scale precedes the cast (``scale_precedes_cast``); the
+        others compute it from the values, which a producer does not have before its pass.
+        """
+        if not self.scale_precedes_cast:
+            raise TypeError(
+                f"{type(self).__name__} computes its scale from the values; quantize the "
+                "produced tensor with quantize() instead of quantize_produced()"
+            )
+        need_data, need_transpose = self._layouts(device, shape)
+        scale, amax = self._scale_and_amax(None)
+        res, extra = produce(scale, amax, TE_DType_To_Torch[DType(self.dtype)], need_transpose)
+        out = self._wrap(
+            shape=torch.Size(shape),
+            dtype=dtype,
+            data=res.data.view(torch.uint8) if need_data else None,
+            transpose=res.transpose.view(torch.uint8) if need_transpose else None,
+            scale_inv=res.scale_inv,
+            data_fp8=res.data if need_data else None,
+            transpose_fp8=res.transpose if need_transpose else None,
+        )
+        return out, extra
+
     def update_quantized(self, src: torch.Tensor, dst, *, noop_flag: torch.Tensor | None = None):
         """Quantize ``src`` into ``dst``'s buffers in place (see :meth:`Quantizer.update_quantized`).
 
@@ -312,6 +343,8 @@ class Float8Quantizer(_Float8QuantizerBase):
         self.scale = scale
         self.amax = amax
         self.dtype = dtype
+
+    scale_precedes_cast = True
 
     def _scale_and_amax(self, src):
         return self.scale, self.amax

@@ -1,17 +1,20 @@
-"""Activation operations (``GELU``, ``SwiGLU``, ...) on the activation functions of
-``module/_activations.py``.
-
-The backward differentiates the very same function (recomputed from the saved input under
-``torch.enable_grad``), so forward and backward match PyTorch's autograd through that function
-exactly. Gated (GLU) variants split the last dimension in halves and apply the activation to
-the *first* half (the opposite of ``torch.nn.functional.glu``).
+"""Activation operations (``GELU``, ``SwiGLU``, ...) on the fused activation kernels of
+:mod:`transformer_engine.pytorch.functional.activation`: one pass forward, one pass backward
+from the saved input (no float32 intermediates). Gated (GLU) variants split the last dimension
+in halves and apply the activation to the *first* half (the opposite of
+``torch.nn.functional.glu``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...functional.activation import ACTIVATIONS
+from ...functional.activation import (
+    ActivationSpec,
+    activation_backward,
+    activation_forward,
+    activation_spec,
+)
 from ...quantization import FP8GlobalStateManager
 from ...tensor import Float8CurrentScalingQuantizer
 from ..op import BasicOperation, OperationContext
@@ -32,17 +35,7 @@ __all__ = [
     "SiLU",
     "SwiGLU",
     "ClampedSwiGLU",
-    "activation_backward",
 ]
-
-
-def activation_backward(fn, input_: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-    """Gradient of ``fn`` at ``input_`` times ``grad_output`` (autograd through ``fn``)."""
-    with torch.enable_grad():
-        x = input_.detach().requires_grad_(True)
-        y = fn(x)
-    (grad_input,) = torch.autograd.grad(y, x, grad_output.to(y.dtype))
-    return grad_input
 
 
 class ActivationOperation(BasicOperation):
@@ -61,13 +54,13 @@ class ActivationOperation(BasicOperation):
         super().__init__()
         self.cache_quantized_input = cache_quantized_input
 
-    def _function(self):
-        return ACTIVATIONS[self._activation_name][0]
+    def _spec(self) -> ActivationSpec:
+        return activation_spec(self._activation_name)
 
     def activation_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
         """Apply the activation and save what :meth:`op_backward` needs into ``ctx``."""
         x = plain(input_)
-        output = self._function()(x)
+        output = activation_forward(x, self._spec())
         if ctx.requires_grad:
             saved = x
             if self.cache_quantized_input and FP8GlobalStateManager.is_fp8_enabled():
@@ -91,7 +84,9 @@ class ActivationOperation(BasicOperation):
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
         (saved,) = ctx.saved_tensors
-        return activation_backward(self._function(), plain(saved), plain(grad_output)), []
+        x = plain(saved)
+        grad = plain(grad_output)
+        return activation_backward(grad.to(x.dtype), x, self._spec()), []
 
 
 class GELU(ActivationOperation):
@@ -202,11 +197,10 @@ class ClampedSwiGLU(SwiGLU):
         )
         self.limit, self.alpha, self.glu_linear_offset = limit, alpha, glu_linear_offset
 
-    def _function(self):
-        fn = ACTIVATIONS["clamped_swiglu"][0]
-        limit, alpha, offset = self.limit, self.alpha, self.glu_linear_offset
-
-        def clamped(x: torch.Tensor) -> torch.Tensor:
-            return fn(x, limit=limit, alpha=alpha, glu_linear_offset=offset)
-
-        return clamped
+    def _spec(self) -> ActivationSpec:
+        return activation_spec(
+            "clamped_swiglu",
+            limit=self.limit,
+            alpha=self.alpha,
+            glu_linear_offset=self.glu_linear_offset,
+        )

@@ -1,0 +1,195 @@
+"""LayerNorm and RMSNorm as single autograd nodes over fused kernels.
+
+Forward reads the input in its own dtype and computes the statistics and the affine transform
+in float32 (float64 for float64 input), rounding once to the input's dtype; backward keeps only
+the input and the per-row statistics (no float32 copy of the input). The effective scale
+``gamma`` (``weight``, or ``1 + weight`` with zero-centered gamma) is formed in float32 for
+reduced-precision input, so ``1 + weight`` never rounds to BF16.
+
+Kernels: PyTorch's ``native_layer_norm`` and ``_fused_rms_norm`` forward; backward through
+``native_layer_norm_backward`` / ``_fused_rms_norm_backward`` on CUDA. Elsewhere the backward
+is written out in float32 here (PyTorch's CPU LayerNorm backward accumulates the weight
+gradient of BF16 input in reduced precision, and its fused RMSNorm backward is CUDA-only), as
+are both directions of zero-centered gamma on CUDA with reduced-precision input (see
+``_gamma``):
+
+* ``xhat = (x - mean) * rstd`` (LayerNorm) or ``x * rstd`` (RMSNorm), ``dy = grad * gamma``;
+* ``dx = rstd * (dy - mean(dy) - xhat * mean(dy * xhat))`` (RMSNorm without ``mean(dy)``);
+* ``dgamma = sum_rows(grad * xhat)``, ``dbeta = sum_rows(grad)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["fused_layernorm", "fused_rmsnorm"]
+
+# Device types whose PyTorch has the fused RMSNorm forward (dropped after a failed call).
+_FUSED_RMS_NORM = {"cpu", "cuda"}
+_FUSED_RMS_NORM_BACKWARD = {"cuda"}  # PyTorch's CPU build has no fused RMSNorm backward
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _gamma(weight: torch.Tensor, x: torch.Tensor, zero_centered_gamma: bool):
+    """``(gamma, fused)``: the effective scale, and whether the fused kernels can take it.
+
+    The CPU kernels take float32 parameters with reduced-precision input (their mixed path,
+    which computes everything in float32); the CUDA ones want the input's dtype, so there
+    ``1 + weight`` (zero-centered gamma), which must not round to BF16, runs the float32
+    formulas instead."""
+    dtype = _compute_dtype(x.dtype)
+    reduced = dtype != x.dtype
+    fused = True
+    if reduced and x.device.type != "cpu":
+        if zero_centered_gamma:
+            fused = False
+        else:
+            dtype = x.dtype
+    gamma = weight if weight.dtype == dtype else weight.to(dtype)
+    # Zero-centered gamma stores (gamma - 1) so that weight decay pulls the scale towards 1.
+    return (gamma + 1 if zero_centered_gamma else gamma), fused
+
+
+def _row_dims(x: torch.Tensor, normalized: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(feature dims, row dims)`` of x for ``normalized`` trailing dimensions."""
+    return tuple(range(-normalized, 0)), tuple(range(x.dim() - normalized))
+
+
+def _reduce_rows(t: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+    return t.sum(dim=rows) if rows else t
+
+
+def _layernorm_forward(x, gamma, beta, eps, fused: bool):
+    """``(y, mean, rstd)``; mean and rstd in the compute dtype, shaped to broadcast against x."""
+    if fused:
+        return torch.native_layer_norm(x, list(gamma.shape), gamma, beta, eps)
+    dims, _ = _row_dims(x, gamma.dim())
+    x_c = x.to(_compute_dtype(x.dtype))
+    mean = x_c.mean(dim=dims, keepdim=True)
+    rstd = torch.rsqrt((x_c - mean).square().mean(dim=dims, keepdim=True) + eps)
+    y = (x_c - mean) * rstd * gamma
+    if beta is not None:
+        y = y + beta
+    return y.to(x.dtype), mean, rstd
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, zero_centered_gamma):  # noqa: D102
+        gamma, fused = _gamma(weight, x, zero_centered_gamma)
+        beta = None if bias is None else bias.to(gamma.dtype)
+        y, mean, rstd = _layernorm_forward(x, gamma, beta, eps, fused)
+        ctx.save_for_backward(x, gamma, mean, rstd)
+        ctx.has_bias, ctx.fused = bias is not None, fused
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        x, gamma, mean, rstd = ctx.saved_tensors
+        needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]
+        if x.is_cuda and ctx.fused:
+            beta = torch.empty_like(gamma) if ctx.has_bias else None  # only its presence is read
+            dx, dgamma, dbeta = torch.ops.aten.native_layer_norm_backward(
+                grad.contiguous(), x, list(gamma.shape), mean, rstd, gamma, beta,
+                [needs_x, needs_w, needs_b and ctx.has_bias],
+            )  # fmt: skip
+        else:
+            dims, rows = _row_dims(x, gamma.dim())
+            g = grad.to(rstd.dtype)
+            xhat = (x.to(rstd.dtype) - mean) * rstd
+            dx = dgamma = dbeta = None
+            if needs_x:
+                dy = g * gamma.to(rstd.dtype)
+                dx = rstd * (
+                    dy
+                    - dy.mean(dim=dims, keepdim=True)
+                    - xhat * (dy * xhat).mean(dim=dims, keepdim=True)
+                )
+            if needs_w:
+                dgamma = _reduce_rows(g * xhat, rows)
+            if needs_b and ctx.has_bias:
+                dbeta = _reduce_rows(g, rows)
+        weight_dtype, bias_dtype = ctx.dtypes
+        return (
+            None if dx is None else dx.to(x.dtype),
+            None if dgamma is None else dgamma.to(weight_dtype),
+            None if dbeta is None else dbeta.to(bias_dtype),
+            None,
+            None,
+        )
+
+
+def _rmsnorm_forward(x, gamma, eps, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)`` with rstd in the compute dtype, shaped to broadcast against x."""
+    device_type = x.device.type
+    if fused and device_type in _FUSED_RMS_NORM:
+        try:
+            return torch.ops.aten._fused_rms_norm(x, list(gamma.shape), gamma, eps)
+        except (NotImplementedError, RuntimeError):  # a PyTorch build without the kernel
+            _FUSED_RMS_NORM.discard(device_type)
+    dims, _ = _row_dims(x, gamma.dim())
+    x_c = x.to(_compute_dtype(x.dtype))
+    rstd = torch.rsqrt(x_c.square().mean(dim=dims, keepdim=True) + eps)
+    return (x_c * rstd * gamma.to(x_c.dtype)).to(x.dtype), rstd
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, zero_centered_gamma):  # noqa: D102
+        gamma, fused = _gamma(weight, x, zero_centered_gamma)
+        y, rstd = _rmsnorm_forward(x, gamma, eps, fused)
+        ctx.save_for_backward(x, gamma, rstd)
+        ctx.weight_dtype, ctx.fused = weight.dtype, fused
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        x, gamma, rstd = ctx.saved_tensors
+        needs_x, needs_w = ctx.needs_input_grad[:2]
+        if x.is_cuda and ctx.fused and "cuda" in _FUSED_RMS_NORM_BACKWARD:
+            try:
+                dx, dgamma = torch.ops.aten._fused_rms_norm_backward(
+                    grad.contiguous(), x, list(gamma.shape), rstd, gamma, [needs_x, needs_w]
+                )
+                return (
+                    dx,
+                    None if dgamma is None else dgamma.to(ctx.weight_dtype),
+                    None,
+                    None,
+                )
+            except (NotImplementedError, RuntimeError):  # a PyTorch build without the kernel
+                _FUSED_RMS_NORM_BACKWARD.discard("cuda")
+        dims, rows = _row_dims(x, gamma.dim())
+        dtype = rstd.dtype
+        g = grad.to(dtype)
+        xhat = x.to(dtype) * rstd
+        dx = dgamma = None
+        if needs_x:
+            dy = g * gamma.to(dtype)
+            dx = (rstd * (dy - xhat * (dy * xhat).mean(dim=dims, keepdim=True))).to(x.dtype)
+        if needs_w:
+            dgamma = _reduce_rows(g * xhat, rows).to(ctx.weight_dtype)
+        return dx, dgamma, None, None
+
+
+def fused_layernorm(x, weight, bias, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
+    """LayerNorm over ``weight.dim()`` trailing dimensions (operands already checked)."""
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        return _LayerNorm.apply(x, weight, bias, eps, zero_centered_gamma)
+    gamma, fused = _gamma(weight, x, zero_centered_gamma)
+    beta = None if bias is None else bias.to(gamma.dtype)
+    return _layernorm_forward(x, gamma, beta, eps, fused)[0]
+
+
+def fused_rmsnorm(x, weight, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
+    """RMSNorm over ``weight.dim()`` trailing dimensions (operands already checked)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNorm.apply(x, weight, eps, zero_centered_gamma)
+    gamma, fused = _gamma(weight, x, zero_centered_gamma)
+    return _rmsnorm_forward(x, gamma, eps, fused)[0]

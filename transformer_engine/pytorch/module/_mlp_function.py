@@ -1,0 +1,177 @@
+"""``LayerNormMLP``'s FC1 -> activation -> FC2 as one autograd node.
+
+One node instead of three lets the activation hand FP8 straight to its neighbours' GEMMs:
+
+* forward: with a delayed-scaling recipe the activation kernel writes FC2's FP8 input (and the
+  transposed copy FC2's weight gradient reads) in its own pass, with FC2's input scale and amax
+  (``Float8Quantizer.quantize_produced``), instead of writing the activation in high precision
+  for FC2 to read and cast again;
+* backward: the activation's gradient is written in FP8 with FC1's grad-output scale, both
+  layouts, together with FC1's bias gradient, in one pass over FC2's input gradient and FC1's
+  saved output.
+
+What is kept for backward: FC1's saved operands (the norm output, FP8 transposed under FP8),
+FC1's output ``h`` in the activation dtype (the activation's backward reads it), and FC2's
+(the activation output, FP8 transposed under FP8). Quantizers whose scale comes from the
+values (current scaling) cannot be fed before the pass: there the activation writes the
+activation dtype and the linear core casts as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cpp_extensions.activation import activation_backward_fp8, activation_forward_fp8
+from ..device import device_guard
+from ..functional.activation import (
+    ActivationSpec,
+    activation_backward,
+    activation_forward,
+)
+from ..functional.linear import LinearConfig, linear_backward, linear_forward
+from ..quantization import BackwardScaleUpdate
+
+__all__ = ["fc1_activation_fc2"]
+
+
+def _fusable(config: LinearConfig, quantizer) -> bool:
+    """Whether a producer can write this GEMM operand in FP8 itself."""
+    return (
+        config.fp8
+        and config.backward_override is None
+        and getattr(quantizer, "scale_precedes_cast", False)
+    )
+
+
+def _produced(quantizer, produce, shape, dtype, device, *, rowwise: bool, columnwise: bool):
+    """``quantizer.quantize_produced`` as internal storage with the given usages."""
+    quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
+    internal, quantizer.internal = quantizer.internal, True
+    try:
+        return quantizer.quantize_produced(produce, shape, dtype, device)
+    finally:
+        quantizer.internal = internal
+
+
+def _fc2_input(h2, spec, fc2_config, fc2_weight, *, columnwise: bool):
+    """The activation of FC1's output ``h2`` as FC2 takes it: FP8 written by the activation
+    kernel when FC2's input quantizer allows, else in ``h2``'s dtype."""
+    quantizer = fc2_config.input_quantizer
+    if not _fusable(fc2_config, quantizer):
+        return activation_forward(h2, spec)
+
+    def produce(scale, amax, fp8_dtype, with_transpose):
+        res = activation_forward_fp8(
+            h2, spec, scale, fp8_dtype, amax=amax, with_transpose=with_transpose
+        )
+        return res, None
+
+    shape = (h2.shape[0], fc2_weight.shape[-1])
+    act, _ = _produced(
+        quantizer, produce, shape, h2.dtype, h2.device, rowwise=True, columnwise=columnwise
+    )
+    return act
+
+
+class _MLPBody(torch.autograd.Function):
+    @staticmethod
+    def forward(  # noqa: D102
+        ctx, ln_out, fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, fc1_config, fc2_config,
+        backward_update,
+    ):  # fmt: skip
+        fc1_bias_grad = fc1_bias is not None and fc1_bias.requires_grad
+        fc2_bias_grad = fc2_bias is not None and fc2_bias.requires_grad
+        fc1_needed = ln_out.requires_grad or fc1_weight.requires_grad or fc1_bias_grad
+        h, saved1 = linear_forward(
+            fc1_weight, ln_out, fc1_bias, fc1_config,
+            needs_dgrad=ln_out.requires_grad, needs_wgrad=fc1_weight.requires_grad,
+            bias_requires_grad=fc1_bias_grad,
+        )  # fmt: skip
+        h2 = h.reshape(-1, h.shape[-1])
+        act = _fc2_input(h2, spec, fc2_config, fc2_weight, columnwise=fc2_weight.requires_grad)
+        out, saved2 = linear_forward(
+            fc2_weight, act, fc2_bias, fc2_config,
+            needs_dgrad=fc1_needed, needs_wgrad=fc2_weight.requires_grad,
+            bias_requires_grad=fc2_bias_grad,
+        )  # fmt: skip
+        if fc2_weight.requires_grad and not isinstance(act, torch.Tensor):
+            # FC2's weight gradient reads only the transposed copy.
+            act.update_usage(rowwise_usage=False, columnwise_usage=True)
+        tensors1, tensors2 = saved1.pack(), saved2.pack()
+        ctx.save_for_backward(*tensors1, *tensors2, h2 if fc1_needed else None)
+        ctx.split = len(tensors1)
+        ctx.saved = (saved1, saved2)
+        ctx.spec, ctx.fc1_needed, ctx.fc1_bias_grad = spec, fc1_needed, fc1_bias_grad
+        ctx.backward_update = backward_update
+        return out.reshape(*ln_out.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        with device_guard(grad_out.device):
+            saved1, saved2 = ctx.saved
+            tensors = ctx.saved_tensors
+            saved1.unpack(tensors[: ctx.split])
+            saved2.unpack(tensors[ctx.split : -1])
+            h2 = tensors[-1]
+            d_act, dw2, db2 = linear_backward(saved2, grad_out)
+            d_ln = dw1 = db1 = None
+            if ctx.fc1_needed:
+                d_ln, dw1, db1 = _fc1_backward(ctx, saved1, d_act, h2)
+            if ctx.backward_update is not None:
+                ctx.backward_update.complete()
+        return d_ln, dw1, db1, dw2, db2, None, None, None, None
+
+
+def _fc1_backward(ctx, saved1, d_act, h2):
+    """The activation's backward, then FC1's; in FP8 (delayed scaling) the activation's
+    gradient is produced in FP8 with FC1's grad-output quantizer."""
+    spec: ActivationSpec = ctx.spec
+    config = saved1.config
+    quantizer = config.grad_output_quantizer
+    d_act = d_act.reshape(h2.shape[0], -1)
+    if d_act.dtype != h2.dtype:
+        d_act = d_act.to(h2.dtype)
+    gemms_read_grad = saved1.w is not None or saved1.x is not None
+    if gemms_read_grad and not saved1.high_precision_backward and _fusable(config, quantizer):
+
+        def produce(scale, amax, fp8_dtype, with_transpose):
+            return activation_backward_fp8(
+                d_act, h2, spec, scale, fp8_dtype, amax=amax, with_dbias=ctx.fc1_bias_grad
+            )
+
+        dh, dbias = _produced(
+            quantizer, produce, tuple(h2.shape), h2.dtype, h2.device,
+            rowwise=saved1.w is not None, columnwise=saved1.x is not None,
+        )  # fmt: skip
+        return linear_backward(saved1, dh, dbias)
+    return linear_backward(saved1, activation_backward(d_act.contiguous(), h2, spec))
+
+
+def fc1_activation_fc2(
+    ln_out: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
+    fc2_weight: torch.Tensor,
+    fc2_bias: torch.Tensor | None,
+    spec: ActivationSpec,
+    fc1_config: LinearConfig,
+    fc2_config: LinearConfig,
+    backward_update: BackwardScaleUpdate | None = None,
+) -> torch.Tensor:
+    """``fc2(act(fc1(ln_out)))``, differentiable in grad mode (one autograd node).
+
+    ``backward_update``: the region's backward scale update, completed at the end of this
+    node's backward (after FC1's GEMMs, the last of the module).
+    """
+    if torch.is_grad_enabled():
+        return _MLPBody.apply(
+            ln_out, fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, fc1_config, fc2_config,
+            backward_update,
+        )  # fmt: skip
+    h, _ = linear_forward(fc1_weight, ln_out, fc1_bias, fc1_config, needs_dgrad=False,
+                          needs_wgrad=False)  # fmt: skip
+    h2 = h.reshape(-1, h.shape[-1])
+    act = _fc2_input(h2, spec, fc2_config, fc2_weight, columnwise=False)
+    out, _ = linear_forward(fc2_weight, act, fc2_bias, fc2_config, needs_dgrad=False,
+                            needs_wgrad=False)  # fmt: skip
+    return out.reshape(*ln_out.shape[:-1], out.shape[-1])
