@@ -14,6 +14,7 @@ from utils import current_scale, fake_quant, needs_cuda
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import CustomRecipe
+from transformer_engine.pytorch.cpp_extensions.gemm import fp8_gemm_prevalidated
 from transformer_engine.pytorch.custom_recipes.quantizer_factories import (
     current_scaling_factory,
     high_precision_factory,
@@ -21,15 +22,6 @@ from transformer_engine.pytorch.custom_recipes.quantizer_factories import (
 from transformer_engine.pytorch.quantization import QuantizerRole, RecipeState
 from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
 from transformer_engine.pytorch.tensor.identity_tensor import IdentityQuantizer
-
-# The linear core hands every quantized operand to the FP8 GEMM and drops usages on it; a plain
-# tensor has neither (functional/linear.py and cpp_extensions/gemm.py need a high-precision
-# operand branch). Strict: once the core takes plain operands these pass and the marker must go.
-CORE_TAKES_NO_PLAIN_OPERAND = pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason="the linear core does not yet take a high-precision operand from a quantizer",
-)
 
 
 # ------------------------------------------------------------------ the quantizer
@@ -128,14 +120,12 @@ def _check_equals_plain_linear(device, dtype):
     assert torch.equal(m.bias.grad, b.grad)
 
 
-@CORE_TAKES_NO_PLAIN_OPERAND
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_with_high_precision_factory_is_plain_linear(dtype):
     _check_equals_plain_linear("cpu", dtype)
 
 
 @needs_cuda
-@CORE_TAKES_NO_PLAIN_OPERAND
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_with_high_precision_factory_is_plain_linear_gpu(dtype):
     _check_equals_plain_linear(torch.device("cuda", torch.cuda.current_device()), dtype)
@@ -147,7 +137,6 @@ def _input_in_high_precision(role):
     return current_scaling_factory(role)
 
 
-@CORE_TAKES_NO_PLAIN_OPERAND
 def test_mixed_slots_quantize_only_the_weight():
     """Input left in high precision, weight current-scaled: y = x @ fake_quant(W)^T + b."""
     m, x, dy, w, b, y = _train_linear("cpu", torch.float32, _input_in_high_precision)
@@ -155,3 +144,117 @@ def test_mixed_slots_quantize_only_the_weight():
     w_seen = fake_quant(w.detach(), current_scale(w.detach(), e4m3), e4m3)
     expected = x.detach().double() @ w_seen.t() + b.detach().double()
     torch.testing.assert_close(y.detach().double(), expected, rtol=1e-6, atol=1e-5)
+
+
+# ------------------------------------------------------------------ the other modules
+DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+
+
+def _factory_run(module, x, dy, factory):
+    x = x.detach().clone().requires_grad_()
+    with te.autocast(enabled=True, recipe=CustomRecipe(qfactory=factory)):
+        y = module(x)
+    y.backward(dy)
+    return y, x.grad
+
+
+def _plain_run(fn, x, dy):
+    x = x.detach().clone().requires_grad_()
+    y = fn(x)
+    y.backward(dy)
+    return y, x.grad
+
+
+def _check_grads(module, params, got, expected, tol):
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, **tol)
+    for p, ref in zip(module.parameters(), params):
+        torch.testing.assert_close(p.grad, ref.grad, **tol)
+
+
+F32_TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@DEVICES
+def test_layernorm_linear_with_high_precision_factory_is_plain_math(device):
+    torch.manual_seed(1)
+    m = te.LayerNormLinear(32, 48, device=device)
+    x, dy = torch.randn(16, 32, device=device), torch.randn(16, 48, device=device)
+    gamma, beta, w, b = (p.detach().clone().requires_grad_() for p in m.parameters())
+    got = _factory_run(m, x, dy, high_precision_factory)
+    expected = _plain_run(
+        lambda t: F.linear(F.layer_norm(t, (32,), gamma, beta, 1e-5), w, b), x, dy
+    )
+    _check_grads(m, (gamma, beta, w, b), got, expected, F32_TOL)
+
+
+def _plain_mlp(gamma, beta, w1, b1, w2, b2):
+    def mlp(t):
+        h = F.linear(F.layer_norm(t, (32,), gamma, beta, 1e-5), w1, b1)
+        return F.linear(F.gelu(h, approximate="tanh"), w2, b2)
+
+    return mlp
+
+
+@pytest.mark.parametrize("factory", [high_precision_factory, _input_in_high_precision])
+@DEVICES
+def test_layernorm_mlp_with_identity_quantizers(factory, device):
+    """All slots identity: the plain MLP. Inputs identity, weights and grads FP8: every GEMM
+    input (so FC2's, the activation's output) stays in high precision, so the fused
+    activation-to-FP8 path is not taken; the weights are seen through the FP8 cast."""
+    torch.manual_seed(2)
+    m = te.LayerNormMLP(32, 64, device=device)
+    x, dy = torch.randn(16, 32, device=device), torch.randn(16, 32, device=device)
+    params = [p.detach().clone().requires_grad_() for p in m.parameters()]
+    got = _factory_run(m, x, dy, factory)
+    if factory is high_precision_factory:
+        expected = _plain_run(_plain_mlp(*params), x, dy)
+        _check_grads(m, params, got, expected, F32_TOL)
+        return
+    e4m3 = torch.float8_e4m3fn
+    gamma, beta, w1, b1, w2, b2 = (p.detach() for p in params)
+    w1_seen, w2_seen = (fake_quant(w, current_scale(w, e4m3), e4m3).float() for w in (w1, w2))
+    y_ref = _plain_mlp(gamma, beta, w1_seen, b1, w2_seen, b2)(x)
+    torch.testing.assert_close(got[0].detach(), y_ref, **F32_TOL)
+    assert torch.isfinite(got[1]).all() and all(p.grad is not None for p in m.parameters())
+
+
+@DEVICES
+def test_ops_linear_with_high_precision_factory_is_plain_linear(device):
+    torch.manual_seed(3)
+    op = te.ops.Linear(32, 48, device=device)
+    x, dy = torch.randn(16, 32, device=device), torch.randn(16, 48, device=device)
+    w, b = (p.detach().clone().requires_grad_() for p in (op.weight, op.bias))
+    got = _factory_run(op, x, dy, high_precision_factory)
+    expected = _plain_run(lambda t: F.linear(t, w, b), x, dy)
+    _check_grads(op, (w, b), got, expected, F32_TOL)
+
+
+@DEVICES
+def test_cached_weight_across_microbatches(device):
+    """is_first_microbatch caches the weight as the quantizer left it (the plain tensor); the
+    later microbatch reads the cache and still gives plain F.linear."""
+    torch.manual_seed(4)
+    m = te.Linear(32, 48, device=device)
+    x = torch.randn(16, 32, device=device)
+    with te.autocast(enabled=True, recipe=CustomRecipe(qfactory=high_precision_factory)):
+        y1 = m(x, is_first_microbatch=True)
+        y2 = m(x, is_first_microbatch=False)
+    expected = F.linear(x, m.weight.detach(), m.bias.detach())
+    assert torch.equal(y1.detach(), expected) and torch.equal(y2.detach(), expected)
+
+
+# ------------------------------------------------------------------ the GEMM entry
+@pytest.mark.parametrize("layout", ["TN", "NN", "NT"])
+def test_prevalidated_gemm_takes_plain_and_mixed_operands(layout):
+    """The linear core's unvalidated FP8 GEMM sends a plain operand to the general GEMM."""
+    torch.manual_seed(5)
+    a, b = torch.randn(32, 32, dtype=torch.float64), torch.randn(32, 32, dtype=torch.float64)
+    e4m3 = torch.float8_e4m3fn
+    a_seen = fake_quant(a, current_scale(a, e4m3), e4m3)
+    product = {"TN": lambda x, y: y @ x.t(), "NN": lambda x, y: y @ x, "NT": lambda x, y: y.t() @ x}
+    got = fp8_gemm_prevalidated(a.float(), b.float(), torch.float32, layout=layout)
+    torch.testing.assert_close(got.double(), product[layout](a, b), rtol=1e-5, atol=1e-5)
+    a_fp8 = Float8CurrentScalingQuantizer(e4m3).quantize(a.float())
+    got = fp8_gemm_prevalidated(a_fp8, b.float(), torch.float32, layout=layout)
+    torch.testing.assert_close(got.double(), product[layout](a_seen, b), rtol=1e-5, atol=1e-5)

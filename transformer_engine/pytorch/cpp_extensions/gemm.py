@@ -362,16 +362,25 @@ def fp8_gemm_prevalidated(
 
     ``A`` and ``B`` are read only through ``float8_gemm_input`` (one layout each), whose
     implementations keep the typed views, so this path makes no view per call.
+
+    An operand without that method (a plain tensor, e.g. what an ``IdentityQuantizer`` left in
+    high precision) sends the call to :func:`general_gemm`'s high-precision or mixed path.
     """
-    if layout == "TN":
-        x, x_scale_inv = B.float8_gemm_input(False)
-        y, y_scale_inv = A.float8_gemm_input(False)
-    elif layout == "NN":
-        x, x_scale_inv = B.float8_gemm_input(False)
-        y, y_scale_inv = A.float8_gemm_input(True)
-    else:  # "NT"
-        x, x_scale_inv = B.float8_gemm_input(True)
-        y, y_scale_inv = A.float8_gemm_input(True)
+    # try/except rather than a type check: free on the FP8 path (no per-call isinstance or
+    # hasattr). A genuine AttributeError inside float8_gemm_input is not hidden: general_gemm
+    # reads the operand through the same method and raises it again.
+    try:
+        if layout == "TN":
+            x, x_scale_inv = B.float8_gemm_input(False)
+            y, y_scale_inv = A.float8_gemm_input(False)
+        elif layout == "NN":
+            x, x_scale_inv = B.float8_gemm_input(False)
+            y, y_scale_inv = A.float8_gemm_input(True)
+        else:  # "NT"
+            x, x_scale_inv = B.float8_gemm_input(True)
+            y, y_scale_inv = A.float8_gemm_input(True)
+    except AttributeError:
+        x = None  # not both FP8: the validated general path below
     if x is None or y is None or x.dim() != 2 or y.dim() != 2:
         return general_gemm(
             A, B, out_dtype, layout=layout, bias=bias, out=out, accumulate=accumulate,

@@ -191,7 +191,8 @@ def _quantized_weight(weight, config: LinearConfig, columnwise: bool):
     (with the usages this call needs), else a fresh cast (handed to ``cache_weight``)."""
     if isinstance(weight, QuantizedTensor) or config.cached_weight is not None:
         w_q = weight if isinstance(weight, QuantizedTensor) else config.cached_weight
-        if config.backward_override is None:
+        # A plain tensor (an IdentityQuantizer's cached result) has no usages to set.
+        if config.backward_override is None and isinstance(w_q, QuantizedTensorStorage):
             w_q.update_usage(rowwise_usage=True, columnwise_usage=columnwise or None)
         return w_q
     w_q = _quantize(config.weight_quantizer, weight, rowwise=True, columnwise=columnwise)
@@ -249,8 +250,9 @@ def linear_forward(
             bias=bias,
             use_split_accumulator=config.fprop_split_accumulator,
         )
-        # Backward needs only the transposed copies; drop the row-wise input bytes.
-        if needs_wgrad and owns_x_q and not keep_x:
+        # Backward needs only the transposed copies; drop the row-wise input bytes (a plain
+        # tensor an IdentityQuantizer returned serves both layouts and has none to drop).
+        if needs_wgrad and owns_x_q and not keep_x and isinstance(x_q, QuantizedTensorStorage):
             x_q.update_usage(rowwise_usage=False, columnwise_usage=True)
         saved.requantize_x = keep_x
         saved.x = x if keep_x else x_q if needs_wgrad else None
