@@ -50,8 +50,8 @@ UPSTREAM_KEYS = {
         ],
     ),  # fmt: skip
 }
-# te.LayerNorm / te.RMSNorm: upstream's are te.ops basic operations, so their state dict also
-# holds an (empty) "_extra_state"; here they save only their parameters.
+# te.LayerNorm / te.RMSNorm: upstream's are te.ops basic operations without quantizers, so their
+# state dict holds the parameters and an "_extra_state" that is always an empty uint8 tensor.
 NORM_PARAMS = {
     "LayerNorm": (lambda: te.LayerNorm(H, device="cpu"), ["weight", "bias"]),
     "RMSNorm": (lambda: te.RMSNorm(H, device="cpu"), ["weight"]),
@@ -87,9 +87,13 @@ def test_state_dict_keys_are_upstreams(name):
 
 
 @pytest.mark.parametrize("name", list(NORM_PARAMS))
-def test_norm_parameter_keys_are_upstreams(name):
+def test_norm_state_dict_is_upstreams(name):
+    """Upstream's keys, and upstream's empty uint8 extra state (its loader skips it)."""
     make, keys = NORM_PARAMS[name]
-    assert list(make().state_dict()) == keys
+    state = make().state_dict()
+    assert list(state) == [*keys, "_extra_state"]
+    extra = state["_extra_state"]
+    assert isinstance(extra, torch.Tensor) and extra.dtype == torch.uint8 and extra.numel() == 0
 
 
 @pytest.mark.parametrize("name", list(UPSTREAM_KEYS))
@@ -104,29 +108,61 @@ def test_upstream_bf16_state_dict_loads_strictly(name):
             assert torch.equal(value, upstream[key]), key
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="te.LayerNorm / te.RMSNorm have no _extra_state here; upstream's (ops-based) do",
-)
+@pytest.mark.parametrize("extra", [_empty_extra_state(), None], ids=["empty", "none"])
 @pytest.mark.parametrize("name", list(NORM_PARAMS))
-def test_upstream_norm_state_dict_with_extra_state_loads_strictly(name):
+def test_upstream_norm_state_dict_with_extra_state_loads_strictly(name, extra):
     make, keys = NORM_PARAMS[name]
     m = make()
     upstream = {key: torch.randn(H) for key in keys}
-    upstream["_extra_state"] = _empty_extra_state()
-    m.load_state_dict(upstream, strict=True)
-
-
-@pytest.mark.parametrize("name", list(NORM_PARAMS))
-def test_upstream_norm_state_dict_loads_without_its_empty_extra_state(name):
-    make, keys = NORM_PARAMS[name]
-    m = make()
-    upstream = {key: torch.randn(H) for key in keys}
-    result = m.load_state_dict({**upstream, "_extra_state": _empty_extra_state()}, strict=False)
-    assert result.unexpected_keys == ["_extra_state"] and not result.missing_keys
+    result = m.load_state_dict({**upstream, "_extra_state": extra}, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
     for key in keys:
         assert torch.equal(m.state_dict()[key], upstream[key])
+
+
+@pytest.mark.parametrize("name", list(NORM_PARAMS))
+def test_ours_norm_state_dict_has_every_key_upstream_loads_strictly(name):
+    """Upstream's strict load needs exactly its keys: parameters plus _extra_state."""
+    make, keys = NORM_PARAMS[name]
+    assert set(make().state_dict()) == {*keys, "_extra_state"}
+
+
+@pytest.mark.parametrize(
+    "norm, plain",
+    [
+        (lambda: te.LayerNorm(H, device="cpu"), lambda: torch.nn.LayerNorm(H)),
+        (lambda: te.RMSNorm(H, device="cpu"), lambda: torch.nn.RMSNorm(H)),
+    ],
+    ids=["LayerNorm", "RMSNorm"],
+)
+def test_parameter_only_norm_state_dict_still_loads_strictly(norm, plain):
+    """A state dict without _extra_state (torch.nn's norms, earlier versions of ours) loads."""
+    source = plain()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.uniform_()
+    m = norm()
+    result = m.load_state_dict(source.state_dict(), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    for key, value in source.state_dict().items():
+        assert torch.equal(m.state_dict()[key], value)
+
+
+@pytest.mark.parametrize(
+    "extra, held",
+    [
+        (torch.ones(5, dtype=torch.uint8), "torch.uint8 tensor of 5 elements"),
+        ({"format": "transformer_engine/extra_state"}, "a dict"),
+    ],
+    ids=["bytes", "dict"],
+)
+@pytest.mark.parametrize("name", list(NORM_PARAMS))
+def test_norm_refuses_extra_state_it_cannot_hold(name, extra, held):
+    make, keys = NORM_PARAMS[name]
+    m = make()
+    state = {key: torch.randn(H) for key in keys}
+    with pytest.raises(ValueError, match=f"{name}: the checkpoint's _extra_state is .*{held}"):
+        m.load_state_dict({**state, "_extra_state": extra}, strict=True)
 
 
 def _upstream_fp8_linear_state(recipe, length):

@@ -402,6 +402,28 @@ def test_multi_dim_normalized_shape_against_float64(cls, zero_centered_gamma, no
 
 
 # ---------------------------------------------------------------------------------------------
+# checkpoints (upstream's layout: tests/pytorch/test_upstream_checkpoints.py)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", MODULES, ids=MODULE_IDS)
+def test_state_dict_round_trip_through_weights_only_load(cls, tmp_path):
+    """Saved and loaded back with torch.load(weights_only=True) into a meta-built module."""
+    source = cls(8, device="cpu")
+    with torch.no_grad():
+        for p in source.parameters():
+            p.uniform_()
+    torch.save(source.state_dict(), tmp_path / "norm.pt")
+    state = torch.load(tmp_path / "norm.pt", weights_only=True)
+    target = cls(8, device="meta")
+    target.to_empty(device="cpu")
+    result = target.load_state_dict(state, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    x = torch.randn(3, 8)
+    assert torch.equal(target(x), source(x))
+
+
+# ---------------------------------------------------------------------------------------------
 # errors
 # ---------------------------------------------------------------------------------------------
 

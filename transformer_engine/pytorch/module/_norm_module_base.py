@@ -182,6 +182,44 @@ class _NormModule(torch.nn.Module):
             f"zero_centered_gamma={self.zero_centered_gamma}"
         )
 
+    # -- checkpoints ---------------------------------------------------------------------------
+    # Upstream's te.LayerNorm / te.RMSNorm are te.ops operations, whose state dict carries an
+    # "_extra_state" entry; a normalization has no quantizers, so upstream always writes an empty
+    # torch.uint8 tensor there. The same entry is written and read here, so state dicts load
+    # strictly in both directions.
+    def get_extra_state(self) -> torch.Tensor:
+        """Upstream's "no state": an empty ``torch.uint8`` tensor (a norm has no FP8 state)."""
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        """Accept ``None`` or an empty tensor (what upstream's and this package's norms write);
+        anything else is refused, since a normalization has no state it could restore."""
+        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+            return
+        held = (
+            f"a {state.dtype} tensor of {state.numel()} elements"
+            if isinstance(state, torch.Tensor)
+            else f"a {type(state).__name__}"
+        )
+        raise ValueError(
+            f"{type(self).__name__}: the checkpoint's _extra_state is {held}, but a "
+            "normalization has no extra state: expected None or an empty tensor (what upstream's "
+            "te.LayerNorm / te.RMSNorm write); the entry may be another module's FP8 state, "
+            "saved under this module's key"
+        )
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        # The entry is optional on load: state dicts of torch.nn.LayerNorm / torch.nn.RMSNorm
+        # and of earlier versions of these modules (parameters only) still load strictly.
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        key = prefix + torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+        if key not in state_dict and key in missing_keys:
+            missing_keys.remove(key)
+
 
 # --- Construction and forward rules of the norm modules ------------------------------------------
 
