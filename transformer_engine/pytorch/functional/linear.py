@@ -144,7 +144,9 @@ class LinearSaved:
         self._x_storage = None
 
     def pack(self) -> tuple:
-        """The tensors to hand to ``save_for_backward`` (they leave this object)."""
+        """The tensors to hand to ``save_for_backward`` (they leave this object): first those
+        of ``x`` (:meth:`input_tensor_count` of them), then the weight when it is saved as a
+        tensor (an FP8 weight copy stays here by reference)."""
         if self.config.fp8 and not (
             self.high_precision_backward and self.config.backward_override == "high_precision"
         ):
@@ -154,6 +156,10 @@ class LinearSaved:
         tensors = (self.x, self.w)
         self.x = self.w = None
         return tensors
+
+    def input_tensor_count(self, packed: tuple) -> int:
+        """How many of the tensors :meth:`pack` returned belong to ``x``."""
+        return len(packed) if self._x_storage is not None else 1
 
     def unpack(self, saved_tensors) -> None:
         """Put back the tensors :meth:`pack` took out (``ctx.saved_tensors``)."""

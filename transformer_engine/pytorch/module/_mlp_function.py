@@ -82,12 +82,14 @@ class _MLPBody(torch.autograd.Function):
         fc1_bias_grad = fc1_bias is not None and fc1_bias.requires_grad
         fc2_bias_grad = fc2_bias is not None and fc2_bias.requires_grad
         fc1_needed = ln_out.requires_grad or fc1_weight.requires_grad or fc1_bias_grad
-        h, saved1 = linear_forward(
-            fc1_weight, ln_out, fc1_bias, fc1_config,
+        # 2-D operands throughout: FC1's output is then the GEMM's own tensor (not a view),
+        # which backward can release as soon as the activation's gradient is computed.
+        ln2 = ln_out.reshape(-1, ln_out.shape[-1])
+        h2, saved1 = linear_forward(
+            fc1_weight, ln2, fc1_bias, fc1_config,
             needs_dgrad=ln_out.requires_grad, needs_wgrad=fc1_weight.requires_grad,
             bias_requires_grad=fc1_bias_grad,
         )  # fmt: skip
-        h2 = h.reshape(-1, h.shape[-1])
         act = _fc2_input(h2, spec, fc2_config, fc2_weight, columnwise=fc2_weight.requires_grad)
         out, saved2 = linear_forward(
             fc2_weight, act, fc2_bias, fc2_config,
@@ -100,8 +102,11 @@ class _MLPBody(torch.autograd.Function):
         tensors1, tensors2 = saved1.pack(), saved2.pack()
         ctx.save_for_backward(*tensors1, *tensors2, h2 if fc1_needed else None)
         ctx.split = len(tensors1)
+        # The activation output's tensors among FC2's (the weight may follow them).
+        ctx.act_tensors = saved2.input_tensor_count(tensors2)
         ctx.saved = (saved1, saved2)
         ctx.spec, ctx.fc1_needed, ctx.fc1_bias_grad = spec, fc1_needed, fc1_bias_grad
+        ctx.ln_shape = ln_out.shape
         ctx.backward_update = backward_update
         return out.reshape(*ln_out.shape[:-1], out.shape[-1])
 
@@ -114,21 +119,37 @@ class _MLPBody(torch.autograd.Function):
             saved2.unpack(tensors[ctx.split : -1])
             h2 = tensors[-1]
             d_act, dw2, db2 = linear_backward(saved2, grad_out)
+            # Saved tensors live until this node's backward returns; the ones this node made
+            # and no longer needs give their memory back now (FC1's GEMMs run next).
+            if saved2.config.wgrad_store is None:  # else backward_dw() still reads them
+                _release(tensors[ctx.split : ctx.split + ctx.act_tensors])
             d_ln = dw1 = db1 = None
             if ctx.fc1_needed:
-                d_ln, dw1, db1 = _fc1_backward(ctx, saved1, d_act, h2)
+                dh, dbias = _activation_gradient(ctx, saved1, d_act, h2)
+                del d_act
+                _release((h2,))
+                d_ln, dw1, db1 = linear_backward(saved1, dh, dbias)
+                if d_ln is not None:
+                    d_ln = d_ln.reshape(ctx.ln_shape)
             if ctx.backward_update is not None:
                 ctx.backward_update.complete()
         return d_ln, dw1, db1, dw2, db2, None, None, None, None
 
 
-def _fc1_backward(ctx, saved1, d_act, h2):
-    """The activation's backward, then FC1's; in FP8 (delayed scaling) the activation's
-    gradient is produced in FP8 with FC1's grad-output quantizer."""
+def _release(tensors) -> None:
+    """Free the memory of saved tensors this node created (their storage goes, the tensor
+    objects the autograd graph holds become empty)."""
+    for t in tensors:
+        if t is not None:
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+
+def _activation_gradient(ctx, saved1, d_act, h2):
+    """``(dh, dbias)``: the activation's gradient as FC1's backward takes it; in FP8 (delayed
+    scaling) produced in FP8 with FC1's grad-output quantizer, with FC1's bias gradient."""
     spec: ActivationSpec = ctx.spec
     config = saved1.config
     quantizer = config.grad_output_quantizer
-    d_act = d_act.reshape(h2.shape[0], -1)
     if d_act.dtype != h2.dtype:
         d_act = d_act.to(h2.dtype)
     gemms_read_grad = saved1.w is not None or saved1.x is not None
@@ -139,12 +160,11 @@ def _fc1_backward(ctx, saved1, d_act, h2):
                 d_act, h2, spec, scale, fp8_dtype, amax=amax, with_dbias=ctx.fc1_bias_grad
             )
 
-        dh, dbias = _produced(
+        return _produced(
             quantizer, produce, tuple(h2.shape), h2.dtype, h2.device,
             rowwise=saved1.w is not None, columnwise=saved1.x is not None,
         )  # fmt: skip
-        return linear_backward(saved1, dh, dbias)
-    return linear_backward(saved1, activation_backward(d_act.contiguous(), h2, spec))
+    return activation_backward(d_act.contiguous(), h2, spec), None
 
 
 def fc1_activation_fc2(
@@ -168,9 +188,9 @@ def fc1_activation_fc2(
             ln_out, fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, fc1_config, fc2_config,
             backward_update,
         )  # fmt: skip
-    h, _ = linear_forward(fc1_weight, ln_out, fc1_bias, fc1_config, needs_dgrad=False,
-                          needs_wgrad=False)  # fmt: skip
-    h2 = h.reshape(-1, h.shape[-1])
+    ln2 = ln_out.reshape(-1, ln_out.shape[-1])
+    h2, _ = linear_forward(fc1_weight, ln2, fc1_bias, fc1_config, needs_dgrad=False,
+                           needs_wgrad=False)  # fmt: skip
     act = _fc2_input(h2, spec, fc2_config, fc2_weight, columnwise=False)
     out, _ = linear_forward(fc2_weight, act, fc2_bias, fc2_config, needs_dgrad=False,
                             needs_wgrad=False)  # fmt: skip
