@@ -8,12 +8,15 @@ from utils import REFERENCE_ACTIVATIONS, needs_cuda, needs_two_gpus
 
 from transformer_engine.pytorch.cpp_extensions import quantize
 from transformer_engine.pytorch.cpp_extensions.activation import (
+    activation_amax,
     activation_backward,
+    activation_backward_amax,
     activation_backward_fp8,
     activation_forward,
     activation_forward_fp8,
     activation_spec,
 )
+from transformer_engine.pytorch.tensor import Float8CurrentScalingQuantizer
 
 NAMES = sorted(REFERENCE_ACTIVATIONS)
 GATED = {"geglu", "glu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu"}
@@ -184,6 +187,49 @@ def test_fp8_backward_with_bias_gradient(device, name, shape):
     torch.testing.assert_close(
         dbias.double().cpu(), dbias_ref, rtol=2**-7, atol=1e-4 * dbias_ref.abs().max().item()
     )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["gelu", "swiglu", "clamped_swiglu"])
+def test_amax_passes_overwrite_with_the_max_of_the_values(device, name):
+    x = make_input((96, 128), torch.bfloat16, device)
+    grad = make_input(out_shape(name, (96, 128)), torch.bfloat16, device, seed=1)
+    spec = activation_spec(name)
+    y_ref, dx_ref = reference(name, x, grad)
+    amax = torch.full((1,), 1e30, device=device)  # overwritten, not max-accumulated
+    activation_amax(x, spec, amax)
+    torch.testing.assert_close(amax.cpu().double(), y_ref.abs().max().reshape(1), rtol=1e-6, atol=0)
+    activation_backward_amax(grad, x, spec, amax)
+    torch.testing.assert_close(
+        amax.cpu().double(), dx_ref.abs().max().reshape(1), rtol=1e-5, atol=0
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_current_scaling_quantize_produced_equals_the_cast_of_the_values(device):
+    """Current scaling fed by a producer: amax pass, scale, then the fused cast; the result is
+    the current-scaling cast of the float32 activation."""
+    x = make_input((128, 256), torch.bfloat16, device)
+    spec = activation_spec("geglu")
+    quantizer = Float8CurrentScalingQuantizer(torch.float8_e4m3fn, device=x.device)
+
+    def produce(scale, amax, fp8_dtype, with_transpose):
+        assert amax is None  # current scaling keeps no amax state
+        res = activation_forward_fp8(x, spec, scale, fp8_dtype, amax=None,
+                                     with_transpose=with_transpose)  # fmt: skip
+        return res, None
+
+    out, _ = quantizer.quantize_produced(
+        produce, (128, 128), torch.bfloat16, x.device,
+        amax_of=lambda amax: activation_amax(x, spec, amax),
+    )  # fmt: skip
+    y_ref, _ = reference("geglu", x, torch.zeros(128, 128))
+    expected = quantizer.quantize(y_ref.float().to(x.device))
+    torch.testing.assert_close(out._scale_inv.cpu(), expected._scale_inv.cpu(), rtol=1e-6, atol=0)
+    assert_fp8_close(out._data, expected._data)
+    assert torch.equal(out._transpose.cpu(), out._data.cpu().t())
+    with pytest.raises(TypeError, match="amax_of"):
+        quantizer.quantize_produced(produce, (128, 128), torch.bfloat16, x.device)
 
 
 # --- device contract (GPU machine) -------------------------------------------------------------

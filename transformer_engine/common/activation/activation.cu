@@ -61,9 +61,22 @@ struct Fp8Store {
   }
 };
 
+/* Writes nothing: only the amax of the values is wanted (current scaling's first pass). */
+struct AmaxOnlyStore {
+  __device__ __forceinline__ void store_vec(size_t, const float (&v)[kVecElems],
+                                            float& amax) const {
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) amax = amax_step(amax, v[j]);
+  }
+  __device__ __forceinline__ void store(size_t, float v, float& amax) const {
+    amax = amax_step(amax, v);
+  }
+};
+
 /* Result element i = r * cols + c, grid-stride. The vector path needs cols % kVecElems == 0,
- * so a vector never crosses a row. `args` is used by FP8 stores only (scale_inv, amax). */
-template <class Loader, class Store, bool kFp8>
+ * so a vector never crosses a row. kFp8: the store casts with args.scale (and publishes
+ * scale_inv); kAmax: the amax of the values is max-accumulated into args.amax. */
+template <class Loader, class Store, bool kFp8, bool kAmax = kFp8>
 __global__ void __launch_bounds__(kThreads)
     elementwise_kernel(const Loader loader, Store store, size_t rows, size_t cols,
                        bool vectorized, CastArgs args) {
@@ -84,7 +97,7 @@ __global__ void __launch_bounds__(kThreads)
       store.store(i, loader.load(i / cols, i % cols), local_amax);
     }
   }
-  if constexpr (kFp8) {
+  if constexpr (kAmax) {
     if (args.amax != nullptr) block_amax_to_global<kThreads>(local_amax, args.amax);
   }
 }
@@ -92,7 +105,7 @@ __global__ void __launch_bounds__(kThreads)
 /* No element to write: 1/scale is still published, as the casts do. */
 __global__ void publish_scale_inv(CastArgs args) { cast_detail::load_scale(args); }
 
-template <class Loader, class Store, bool kFp8>
+template <class Loader, class Store, bool kFp8, bool kAmax = kFp8>
 void launch_elementwise(CallContext& ctx, const Loader& loader, const Store& store, size_t rows,
                         size_t cols, bool out_aligned, const CastArgs& args) {
   const size_t n = rows * cols;
@@ -107,7 +120,7 @@ void launch_elementwise(CallContext& ctx, const Loader& loader, const Store& sto
   const size_t work = vectorized ? n / kVecElems : n;
   const size_t wanted = std::max<size_t>(1, (work + kThreads - 1) / kThreads);
   const size_t blocks = std::min<size_t>(wanted, static_cast<size_t>(ctx.sm_count()) * 8);
-  elementwise_kernel<Loader, Store, kFp8>
+  elementwise_kernel<Loader, Store, kFp8, kAmax>
       <<<blocks, kThreads, 0, ctx.stream()>>>(loader, store, rows, cols, vectorized, args);
   ctx.check_launch("activation elementwise_kernel launch");
 }
@@ -156,6 +169,16 @@ void launch_result(CallContext& ctx, const Loader& loader, size_t rows, size_t c
                                                                     cols, args, nullptr, ctx);
     }
   });
+}
+
+/* The amax of the loader's [rows, cols] values, overwriting `amax` (zeroed first). */
+template <class Loader>
+void launch_amax_only(CallContext& ctx, const Loader& loader, size_t rows, size_t cols,
+                      float* amax) {
+  check_cuda(ctx.op(), cudaMemsetAsync(amax, 0, sizeof(float), ctx.stream()), "cudaMemsetAsync");
+  const CastArgs args{nullptr, amax, nullptr, nullptr};
+  launch_elementwise<Loader, AmaxOnlyStore, false, true>(ctx, loader, AmaxOnlyStore{}, rows, cols,
+                                                         true, args);
 }
 
 NVTEActivation check_activation(const char* op, const NVTEActivation& act) {
@@ -331,4 +354,59 @@ extern "C" void nvte_dactivation(const NVTEBuffer* grad, const NVTEBuffer* input
     cast_detail::launch_dbias_from_column_sums(ctx, column_sums, *dbias, shape.rows,
                                                shape.in_cols);
   }
+}
+
+extern "C" void nvte_activation_amax(const NVTEBuffer* input, NVTEActivation activation,
+                                     NVTEBuffer* amax, int device, NVTEStream stream) {
+  using namespace transformer_engine;
+  const char* op = "nvte_activation_amax";
+  const NVTEActivation act = check_activation(op, activation);
+  const bool gated = act.gated != 0;
+  const NVTEBuffer& in = require(op, "input", input);
+  const ActivationShape shape = check_input(op, in, gated);
+  check_fp32_scalar(op, "amax", require(op, "amax", amax));
+  CallContext ctx(op, device, stream);
+  ctx.check_on_device("input", in);
+  ctx.check_on_device("amax", *amax);
+  dispatch_high_precision(op, in.dtype, [&](auto itype) {
+    using IType = decltype(itype);
+    dispatch_gated(gated, [&](auto is_gated) {
+      constexpr bool kGated = decltype(is_gated)::value;
+      const ActivationLoad<IType, kGated> loader{static_cast<const IType*>(in.data), shape.cols,
+                                                 act};
+      launch_amax_only(ctx, loader, shape.rows, shape.cols, static_cast<float*>(amax->data));
+    });
+  });
+}
+
+extern "C" void nvte_dactivation_amax(const NVTEBuffer* grad, const NVTEBuffer* input,
+                                      NVTEActivation activation, NVTEBuffer* amax, int device,
+                                      NVTEStream stream) {
+  using namespace transformer_engine;
+  const char* op = "nvte_dactivation_amax";
+  const NVTEActivation act = check_activation(op, activation);
+  const bool gated = act.gated != 0;
+  const NVTEBuffer& in = require(op, "input", input);
+  const ActivationShape shape = check_input(op, in, gated);
+  const NVTEBuffer& g = require(op, "grad", grad);
+  check_extent(op, "grad", g, shape.rows, shape.cols);
+  if (g.dtype != in.dtype) {
+    throw_invalid(op, "grad has dtype ", dtype_name(g.dtype), " but input has ",
+                  dtype_name(in.dtype), "; pass both in the activation dtype");
+  }
+  check_fp32_scalar(op, "amax", require(op, "amax", amax));
+  CallContext ctx(op, device, stream);
+  ctx.check_on_device("grad", g);
+  ctx.check_on_device("input", in);
+  ctx.check_on_device("amax", *amax);
+  dispatch_high_precision(op, in.dtype, [&](auto itype) {
+    using IType = decltype(itype);
+    dispatch_gated(gated, [&](auto is_gated) {
+      constexpr bool kGated = decltype(is_gated)::value;
+      const DActivationLoad<IType, kGated> loader{static_cast<const IType*>(g.data),
+                                                  static_cast<const IType*>(in.data), shape.cols,
+                                                  act};
+      launch_amax_only(ctx, loader, shape.rows, shape.in_cols, static_cast<float*>(amax->data));
+    });
+  });
 }

@@ -179,6 +179,26 @@ void dactivation(const TensorArg& grad, const TensorArg& input, int kind, bool g
                    ws.get(), device, to_stream(stream));
 }
 
+void activation_amax(const TensorArg& input, int kind, bool gated, float limit, float alpha,
+                     float glu_linear_offset, const TensorArg& amax, int device,
+                     std::uintptr_t stream) {
+  const NVTEBuffer in = to_buffer(input);
+  NVTEBuffer am = to_buffer(amax);
+  const NVTEActivation act = to_activation(kind, gated, limit, alpha, glu_linear_offset);
+  py::gil_scoped_release no_gil;
+  nvte_activation_amax(&in, act, &am, device, to_stream(stream));
+}
+
+void dactivation_amax(const TensorArg& grad, const TensorArg& input, int kind, bool gated,
+                      float limit, float alpha, float glu_linear_offset, const TensorArg& amax,
+                      int device, std::uintptr_t stream) {
+  const NVTEBuffer g = to_buffer(grad), in = to_buffer(input);
+  NVTEBuffer am = to_buffer(amax);
+  const NVTEActivation act = to_activation(kind, gated, limit, alpha, glu_linear_offset);
+  py::gil_scoped_release no_gil;
+  nvte_dactivation_amax(&g, &in, act, &am, device, to_stream(stream));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -218,4 +238,10 @@ PYBIND11_MODULE(_native, m) {
         py::arg("dinput"), py::arg("scale"), py::arg("output_t"), py::arg("amax"),
         py::arg("scale_inv"), py::arg("dbias"), py::arg("workspace"), py::arg("device"),
         py::arg("stream"));
+  m.def("activation_amax", &activation_amax, py::arg("input"), py::arg("kind"), py::arg("gated"),
+        py::arg("limit"), py::arg("alpha"), py::arg("glu_linear_offset"), py::arg("amax"),
+        py::arg("device"), py::arg("stream"));
+  m.def("dactivation_amax", &dactivation_amax, py::arg("grad"), py::arg("input"), py::arg("kind"),
+        py::arg("gated"), py::arg("limit"), py::arg("alpha"), py::arg("glu_linear_offset"),
+        py::arg("amax"), py::arg("device"), py::arg("stream"));
 }

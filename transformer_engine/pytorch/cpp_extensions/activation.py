@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import reference
 from ..constants import HIGH_PRECISION_DTYPES
 from ._routing import launch_args, native_for, tensor_arg
 from .cast import (
@@ -35,6 +36,8 @@ __all__ = [
     "activation_backward",
     "activation_forward_fp8",
     "activation_backward_fp8",
+    "activation_amax",
+    "activation_backward_amax",
 ]
 
 # name -> (native kind, gated); the kinds are activation.h's NVTEActivationKind.
@@ -303,3 +306,35 @@ def activation_backward_fp8(
         tensor_arg(dbias), tensor_arg(workspace), *launch_args(device),
     )  # fmt: skip
     return QuantizeResult(out, out_t, scale_inv), dbias
+
+
+def activation_amax(x: torch.Tensor, spec: ActivationSpec, amax: torch.Tensor) -> None:
+    """Overwrite the one-element float32 ``amax`` (on ``x``'s device) with ``max |act(x)|`` of
+    the float32 values :func:`activation_forward_fp8` casts; nothing else is written."""
+    op = "activation_amax"
+    _check_input(op, x)
+    _out_cols(spec, x)
+    native = _native(op, x)
+    if native is None:
+        amax.copy_(reference.amax(_forward_cpu(x, spec).float()).reshape(1))
+        return
+    native.activation_amax(
+        tensor_arg(x.contiguous()), *spec.native_args(), tensor_arg(amax), *launch_args(x.device)
+    )
+
+
+def activation_backward_amax(
+    grad: torch.Tensor, x: torch.Tensor, spec: ActivationSpec, amax: torch.Tensor
+) -> None:
+    """The same for :func:`activation_backward_fp8`'s values: ``max |d loss / d x|``."""
+    op = "activation_backward_amax"
+    _check_input(op, x)
+    _out_cols(spec, x)
+    native = _native(op, x)
+    if native is None:
+        amax.copy_(reference.amax(_backward_cpu(grad, x, spec).float()).reshape(1))
+        return
+    native.dactivation_amax(
+        tensor_arg(grad.contiguous()), tensor_arg(x.contiguous()), *spec.native_args(),
+        tensor_arg(amax), *launch_args(x.device),
+    )  # fmt: skip

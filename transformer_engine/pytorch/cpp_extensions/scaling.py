@@ -190,24 +190,46 @@ def current_scale_prevalidated(
     validated :func:`~.cast.compute_amax` and :func:`compute_scale_from_amax` give the same
     result with more host time per call.
     """
-    device = input.device
     input = input.contiguous()
+
+    def fill_amax(amax: torch.Tensor) -> None:
+        native = native_for("compute_amax", input.device)
+        if native is not None:
+            native.compute_amax(tensor_arg(input), tensor_arg(amax), *launch_args(input.device))
+        else:
+            amax.copy_(reference.amax(input).reshape(1))
+
+    return current_scale_from(
+        fill_amax, input.device, fp8_dtype, epsilon=epsilon,
+        force_pow_2_scales=force_pow_2_scales, reduce_amax=reduce_amax,
+    )  # fmt: skip
+
+
+def current_scale_from(
+    fill_amax,
+    device: torch.device,
+    fp8_dtype: torch.dtype,
+    *,
+    epsilon: float,
+    force_pow_2_scales: bool,
+    reduce_amax=None,
+) -> torch.Tensor:
+    """Current scaling's scale from an amax that ``fill_amax(amax)`` writes into a new
+    one-element float32 buffer on ``device`` (a producer's amax pass, e.g. an activation's):
+    ``reduce_amax(amax)`` (optional) -> :func:`compute_scale_from_amax`, as a new one-element
+    tensor. Same caller contract as :func:`current_scale_prevalidated`."""
     amax = torch.empty(1, dtype=torch.float32, device=device)
     scale = torch.empty(1, dtype=torch.float32, device=device)
-    native = native_for("compute_amax", device)
+    fill_amax(amax)
+    if reduce_amax is not None:
+        reduce_amax(amax)
+    native = native_for("compute_scale_from_amax", device)
     if native is not None:
-        launch = launch_args(device)
-        native.compute_amax(tensor_arg(input), tensor_arg(amax), *launch)
-        if reduce_amax is not None:
-            reduce_amax(amax)
         native.compute_scale_from_amax(
             tensor_arg(amax), tensor_arg(scale), int(_dtype_code(fp8_dtype)), float(epsilon),
-            bool(force_pow_2_scales), *launch,
+            bool(force_pow_2_scales), *launch_args(device),
         )  # fmt: skip
     else:
-        amax.copy_(reference.amax(input).reshape(1))
-        if reduce_amax is not None:
-            reduce_amax(amax)
         computed = reference.compute_scale_from_amax(amax, fp8_dtype, epsilon, force_pow_2_scales)
         scale.copy_(computed.reshape(1))
     return scale

@@ -260,6 +260,16 @@ def linear_forward(
         # tensor an IdentityQuantizer returned serves both layouts and has none to drop).
         if needs_wgrad and owns_x_q and not keep_x and isinstance(x_q, QuantizedTensorStorage):
             x_q.update_usage(rowwise_usage=False, columnwise_usage=True)
+        # Likewise the weight's row-wise bytes when this call cast it (an FP8 parameter or a
+        # cached copy keeps both: later forwards read them).
+        fresh_w = not isinstance(weight, QuantizedTensor) and config.cached_weight is None
+        if (
+            needs_dgrad
+            and fresh_w
+            and config.cache_weight is None
+            and isinstance(w_q, QuantizedTensorStorage)
+        ):
+            w_q.update_usage(rowwise_usage=False, columnwise_usage=True)
         saved.requantize_x = keep_x
         saved.x = x if keep_x else x_q if needs_wgrad else None
         saved.w = w_q if needs_dgrad else None

@@ -2,26 +2,31 @@
 
 One node instead of three lets the activation hand FP8 straight to its neighbours' GEMMs:
 
-* forward: with a delayed-scaling recipe the activation kernel writes FC2's FP8 input (and the
-  transposed copy FC2's weight gradient reads) in its own pass, with FC2's input scale and amax
-  (``Float8Quantizer.quantize_produced``), instead of writing the activation in high precision
-  for FC2 to read and cast again;
+* forward: the activation kernel writes FC2's FP8 input (and the transposed copy FC2's weight
+  gradient reads) in its own pass, with FC2's input scale and amax
+  (``quantize_produced``; current scaling first runs an amax-only pass of the activation for
+  the scale), instead of writing the activation in high precision for FC2 to read and cast
+  again;
 * backward: the activation's gradient is written in FP8 with FC1's grad-output scale, both
   layouts, together with FC1's bias gradient, in one pass over FC2's input gradient and FC1's
   saved output.
 
 What is kept for backward: FC1's saved operands (the norm output, FP8 transposed under FP8),
 FC1's output ``h`` in the activation dtype (the activation's backward reads it), and FC2's
-(the activation output, FP8 transposed under FP8). Quantizers whose scale comes from the
-values (current scaling) cannot be fed before the pass: there the activation writes the
-activation dtype and the linear core casts as usual.
+(the activation output, FP8 transposed under FP8). Other quantizers (custom recipes) get the
+activation in the activation dtype and the linear core casts it as usual.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..cpp_extensions.activation import activation_backward_fp8, activation_forward_fp8
+from ..cpp_extensions.activation import (
+    activation_amax,
+    activation_backward_amax,
+    activation_backward_fp8,
+    activation_forward_fp8,
+)
 from ..device import device_guard
 from ..functional.activation import (
     ActivationSpec,
@@ -35,20 +40,21 @@ __all__ = ["fc1_activation_fc2"]
 
 
 def _fusable(config: LinearConfig, quantizer) -> bool:
-    """Whether a producer can write this GEMM operand in FP8 itself."""
+    """Whether a producer can write this GEMM operand in FP8 itself (the per-tensor FP8
+    quantizers: delayed scaling directly, current scaling after the producer's amax pass)."""
     return (
         config.fp8
         and config.backward_override is None
-        and getattr(quantizer, "scale_precedes_cast", False)
+        and getattr(quantizer, "quantize_produced", None) is not None
     )
 
 
-def _produced(quantizer, produce, shape, dtype, device, *, rowwise: bool, columnwise: bool):
+def _produced(quantizer, produce, amax_of, shape, dtype, device, *, rowwise, columnwise):
     """``quantizer.quantize_produced`` as internal storage with the given usages."""
     quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
     internal, quantizer.internal = quantizer.internal, True
     try:
-        return quantizer.quantize_produced(produce, shape, dtype, device)
+        return quantizer.quantize_produced(produce, shape, dtype, device, amax_of=amax_of)
     finally:
         quantizer.internal = internal
 
@@ -66,10 +72,14 @@ def _fc2_input(h2, spec, fc2_config, fc2_weight, *, columnwise: bool):
         )
         return res, None
 
+    def amax_of(amax):  # current scaling's first pass
+        activation_amax(h2, spec, amax)
+
     shape = (h2.shape[0], fc2_weight.shape[-1])
     act, _ = _produced(
-        quantizer, produce, shape, h2.dtype, h2.device, rowwise=True, columnwise=columnwise
-    )
+        quantizer, produce, amax_of, shape, h2.dtype, h2.device,
+        rowwise=True, columnwise=columnwise,
+    )  # fmt: skip
     return act
 
 
@@ -119,6 +129,7 @@ class _MLPBody(torch.autograd.Function):
             saved2.unpack(tensors[ctx.split : -1])
             h2 = tensors[-1]
             d_act, dw2, db2 = linear_backward(saved2, grad_out)
+            saved2.w = None  # FC2's FP8 weight copy (a cached one lives on in its workspace)
             # Saved tensors live until this node's backward returns; the ones this node made
             # and no longer needs give their memory back now (FC1's GEMMs run next).
             if saved2.config.wgrad_store is None:  # else backward_dw() still reads them
@@ -160,8 +171,11 @@ def _activation_gradient(ctx, saved1, d_act, h2):
                 d_act, h2, spec, scale, fp8_dtype, amax=amax, with_dbias=ctx.fc1_bias_grad
             )
 
+        def amax_of(amax):  # current scaling's first pass
+            activation_backward_amax(d_act, h2, spec, amax)
+
         return _produced(
-            quantizer, produce, tuple(h2.shape), h2.dtype, h2.device,
+            quantizer, produce, amax_of, tuple(h2.shape), h2.dtype, h2.device,
             rowwise=saved1.w is not None, columnwise=saved1.x is not None,
         )  # fmt: skip
     return activation_backward(d_act.contiguous(), h2, spec), None

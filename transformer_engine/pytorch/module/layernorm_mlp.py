@@ -226,7 +226,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 out = linear(fc2_weight, act_out, gemm_bias, fc2_config)
             elif self.activation_fn is self._fused_activation_fn:
                 # One node for FC1, the activation and FC2: the fused activation writes FC2's
-                # FP8 input, and its backward FC1's FP8 output gradient (delayed scaling).
+                # FP8 input, and its backward FC1's FP8 output gradient.
                 out = fc1_activation_fc2(
                     ln_out, fc1_weight, fc1_bias, fc2_weight, gemm_bias,
                     self._activation_spec, fc1_config, fc2_config, update,

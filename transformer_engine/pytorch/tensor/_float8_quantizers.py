@@ -28,7 +28,7 @@ from ..cpp_extensions.cast import (
     quantize_dbias_prevalidated,
     quantize_prevalidated,
 )
-from ..cpp_extensions.scaling import current_scale_prevalidated
+from ..cpp_extensions.scaling import current_scale_from, current_scale_prevalidated
 from ..device import check_same_device
 from ..quantized_tensor import Quantizer, _check_high_precision_dtype
 from ._float8_quantize_into import float8_layouts, high_precision_source, quantize_into
@@ -180,21 +180,28 @@ class _Float8QuantizerBase(Quantizer):
     #: activation kernel) can write the FP8 bytes in its own pass: :meth:`quantize_produced`.
     scale_precedes_cast = False
 
-    def quantize_produced(self, produce, shape, dtype: torch.dtype, device: torch.device):
+    def quantize_produced(self, produce, shape, dtype: torch.dtype, device: torch.device, *,
+                          amax_of=None):  # fmt: skip
         """An FP8 tensor (internal storage when ``internal``) of ``shape`` whose bytes
-        ``produce(scale, amax, fp8_dtype, with_transpose)`` writes with this quantizer's scale
-        and amax, returning ``(QuantizeResult, extra)``; returns ``(tensor, extra)``.
+        ``produce(scale, amax, fp8_dtype, with_transpose)`` writes, returning
+        ``(QuantizeResult, extra)``; returns ``(tensor, extra)``.
 
-        Only for quantizers whose scale precedes the cast (``scale_precedes_cast``); the
-        others compute it from the values, which a producer does not have before its pass.
+        With delayed scaling (``scale_precedes_cast``) ``produce`` gets this quantizer's scale
+        and amax buffer. A quantizer that computes its scale from the values (current
+        scaling) needs ``amax_of(amax)``: the producer's amax pass, writing ``max |values|``
+        into a one-element float32 buffer; the scale follows from it (reduced across the
+        group first when amax reduction is on) and ``produce`` gets that scale and no amax.
         """
-        if not self.scale_precedes_cast:
+        if self.scale_precedes_cast:
+            scale, amax = self._scale_and_amax(None)
+        elif amax_of is not None and hasattr(self, "_scale_from_amax_pass"):
+            scale, amax = self._scale_from_amax_pass(amax_of, device), None
+        else:
             raise TypeError(
-                f"{type(self).__name__} computes its scale from the values; quantize the "
-                "produced tensor with quantize() instead of quantize_produced()"
+                f"{type(self).__name__} computes its scale from the values; pass amax_of "
+                "(the producer's amax pass) or quantize the produced tensor with quantize()"
             )
         need_data, need_transpose = self._layouts(device, shape)
-        scale, amax = self._scale_and_amax(None)
         res, extra = produce(scale, amax, TE_DType_To_Torch[DType(self.dtype)], need_transpose)
         out = self._wrap(
             shape=torch.Size(shape),
@@ -469,14 +476,7 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         return res, dbias
 
     def _scale_and_amax(self, src):
-        reduce_amax = None
-        if self.with_amax_reduction:
-
-            def reduce_amax(amax):
-                torch.distributed.all_reduce(
-                    amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group
-                )
-
+        reduce_amax = self._amax_reduction()
         scale = current_scale_prevalidated(
             src,
             TE_DType_To_Torch[DType(self.dtype)],
@@ -485,6 +485,25 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
             reduce_amax=reduce_amax,
         )
         return scale, None
+
+    def _scale_from_amax_pass(self, amax_of, device: torch.device) -> torch.Tensor:
+        """The scale of values whose amax ``amax_of(buffer)`` writes (see quantize_produced)."""
+        return current_scale_from(
+            amax_of, device, TE_DType_To_Torch[DType(self.dtype)], epsilon=self.amax_epsilon,
+            force_pow_2_scales=self.force_pow_2_scales, reduce_amax=self._amax_reduction(),
+        )  # fmt: skip
+
+    def _amax_reduction(self):
+        """The all-reduce (MAX over the group) of an amax buffer, or None without reduction."""
+        if not self.with_amax_reduction:
+            return None
+
+        def reduce_amax(amax):
+            torch.distributed.all_reduce(
+                amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group
+            )
+
+        return reduce_amax
 
     def _result_quantizer(self) -> Quantizer:
         # A produced tensor re-quantizes locally: the reduction belongs to the producing call.

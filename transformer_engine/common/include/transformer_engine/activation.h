@@ -100,6 +100,18 @@ NVTE_API void nvte_dactivation(const NVTEBuffer* grad, const NVTEBuffer* input,
                                NVTEBuffer* scale_inv, NVTEBuffer* dbias, NVTEBuffer* workspace,
                                int device, NVTEStream stream);
 
+/*! \brief `amax = max |act(input)|` over the float32 values nvte_activation would write,
+ *         overwriting `amax` (one Float32 element); nothing else is written. Current scaling's
+ *         first pass: the scale follows from this amax, then nvte_activation casts with it.
+ */
+NVTE_API void nvte_activation_amax(const NVTEBuffer* input, NVTEActivation activation,
+                                   NVTEBuffer* amax, int device, NVTEStream stream);
+
+/*! \brief The same for nvte_dactivation's values: `amax = max |dinput|`, overwritten. */
+NVTE_API void nvte_dactivation_amax(const NVTEBuffer* grad, const NVTEBuffer* input,
+                                    NVTEActivation activation, NVTEBuffer* amax, int device,
+                                    NVTEStream stream);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif
