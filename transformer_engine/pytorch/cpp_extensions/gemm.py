@@ -43,6 +43,7 @@ import torch
 
 from ..constants import HIGH_PRECISION_DTYPES
 from ..device import check_same_device, reject_meta
+from . import fp8_gemm_cpu
 from ._validation import check_dtype, check_output, check_tensor
 from .float8_gemm_operand import CheckedFloat8Operand, Float8GemmOperand, is_float8_operand
 
@@ -121,6 +122,12 @@ def _fp8_gemm(x, y, x_scale_inv, y_scale_inv, *, out_dtype, bias, alpha, fast_ac
         # Folding alpha into the scale keeps a single output rounding.
         scale_a = scale_a * alpha
     scale_b = y_scale_inv
+    if x.device.type == "cpu" and not fp8_gemm_cpu.SCALED_MM_IS_NATIVE_ON_CPU:
+        # Exact float32 emulation: torch._scaled_mm's CPU kernel is oneDNN's naive reference
+        # except on AMX-FP16 CPUs (see fp8_gemm_cpu). torch.mm handles zero-size shapes.
+        return fp8_gemm_cpu.fp8_gemm_emulated(
+            x, y, scale_a, scale_b, bias=bias, out_dtype=torch.float32 if to_fp32 else out_dtype
+        )
     m, n = x.shape[0], y.shape[0]
     # torch._scaled_mm (CUDA) takes a bias only for FP16/BF16 outputs of the same dtype; any
     # other bias is added here in float32 before the single rounding, as cuBLAS's epilogue does.

@@ -1,0 +1,70 @@
+"""The FP8 x FP8 GEMM on the CPU: an exact float32 emulation of ``torch._scaled_mm``, used
+where ``torch._scaled_mm`` has no compiled CPU kernel.
+
+``torch._scaled_mm`` on the CPU goes to oneDNN. oneDNN 3.12 (torch 2.13) compiles an FP8 matmul
+only for CPUs with AMX-FP16 (e.g. Xeon 6 / Granite Rapids: ``brg_matmul:avx10_1_512_amx_fp16``);
+on every other CPU, including Xeons with AMX-BF16 only, it picks its reference kernel
+(``ref:any``): about 0.5-1.1 s for a 512x128x512 product, which made FP8 training on the CPU
+unusable (issue 14). :data:`SCALED_MM_IS_NATIVE_ON_CPU` says which case this machine is; the GEMM
+runs :func:`fp8_gemm_emulated` whenever it is ``False``.
+
+The emulation needs no special instructions and is exact up to the float32 accumulation:
+
+* every E4M3 and E5M2 value is exactly representable in float32, so the upcast ``x.float()``
+  is exact (nothing is dequantized: the scales stay out of the operands);
+* the product of two FP8 values has at most 8 significant bits, so every product is exact in
+  float32 and the only rounding inside ``torch.mm`` is the float32 accumulation (always full
+  float32: ``use_split_accumulator`` has nothing to select here);
+* the per-tensor scales are multiplied in float32 and applied to the float32 accumulator, the
+  bias is added in float32, and the result is rounded once to the output dtype, as cuBLASLt's
+  epilogue does on a GPU.
+
+It differs from ``torch._scaled_mm`` only by the order of the float32 accumulation
+(``tests/pytorch/kernels/test_fp8_gemm_cpu.py`` pins it against ``torch._scaled_mm`` and a
+float64 oracle). BF16 would hold the operands exactly too, but PyTorch's CPU BF16 GEMM rounds
+its output to BF16 before the scale could be applied, so it cannot give the single rounding.
+On an AMX-FP16 CPU oneDNN's FP8 kernel is faster than the float32 GEMM (1024x256x1024 on one
+core: 1.6 ms against 5.2 ms), so it is kept there.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["fp8_gemm_emulated", "SCALED_MM_IS_NATIVE_ON_CPU"]
+
+
+def _onednn_compiles_fp8() -> bool:
+    """Whether oneDNN has a compiled FP8 matmul on this CPU (see the module docstring)."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        return False  # an ISA cap may exclude AMX-FP16; the emulation is right either way
+    amx_fp16 = getattr(torch.cpu, "_is_amx_fp16_supported", None)  # private: absent -> emulate
+    return bool(amx_fp16 and amx_fp16() and torch.backends.mkldnn.is_available())
+
+
+# Read by gemm._fp8_gemm on every CPU call, so a benchmark or test may set it to pick a path.
+SCALED_MM_IS_NATIVE_ON_CPU = _onednn_compiles_fp8()
+
+
+def fp8_gemm_emulated(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    x_scale_inv: torch.Tensor,
+    y_scale_inv: torch.Tensor,
+    *,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(x * sx) @ (y * sy)^T (+ bias)`` for FP8 ``x [M, K]``, ``y [N, K]``, rounded once.
+
+    ``x_scale_inv`` and ``y_scale_inv`` are one-element float32 tensors (any scalar factor such
+    as ``alpha`` already folded in); ``bias`` is ``[N]`` of any float dtype or ``None``. The
+    arguments are not checked: :func:`general_gemm` and the linear core have done that.
+    """
+    product = torch.mm(x.to(torch.float32), y.to(torch.float32).t())
+    product.mul_(x_scale_inv * y_scale_inv)
+    if bias is not None:
+        product.add_(bias)  # in-place into float32: the bias is upcast exactly, one rounding
+    return product if out_dtype == torch.float32 else product.to(out_dtype)
