@@ -212,7 +212,7 @@ def test_cuda_path_keeps_scaled_mm(layout, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the CPU emulation ran on a CUDA tensor")
 
-    monkeypatch.setattr(gemm, "fp8_gemm_emulated", refuse)
+    monkeypatch.setattr(fp8_gemm_cpu, "fp8_gemm_emulated", refuse)
     calls = []
     real = torch._scaled_mm
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
