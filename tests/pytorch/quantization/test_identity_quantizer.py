@@ -213,7 +213,10 @@ def test_layernorm_mlp_with_identity_quantizers(factory, device):
         return
     e4m3 = torch.float8_e4m3fn
     gamma, beta, w1, b1, w2, b2 = (p.detach() for p in params)
-    w1_seen, w2_seen = (fake_quant(w, current_scale(w, e4m3), e4m3).float() for w in (w1, w2))
+    # fake_quant computes on the CPU: the oracle's weights go back to the module's device.
+    w1_seen, w2_seen = (
+        fake_quant(w, current_scale(w, e4m3), e4m3).float().to(w.device) for w in (w1, w2)
+    )
     y_ref = _plain_mlp(gamma, beta, w1_seen, b1, w2_seen, b2)(x)
     torch.testing.assert_close(got[0].detach(), y_ref, **F32_TOL)
     assert torch.isfinite(got[1]).all() and all(p.grad is not None for p in m.parameters())

@@ -111,33 +111,24 @@ __global__ void __launch_bounds__(kThreads)
   float colsum[kVecElems] = {};
 
   const int lc = (t % (kTile / kVecElems)) * kVecElems;
-  constexpr int kPasses = kTile * kTile / (kThreads * kVecElems);
-  // All of a thread's loads are issued before any of its stores: the stores could alias the
-  // loader's inputs as far as the compiler knows, which would otherwise serialize them (a
-  // loader that computes an activation has little else to hide its load latency behind).
-  float x[kPasses][kVecElems];
 #pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    const size_t r = r0 + pass * kLoadRowsPerPass + t / (kTile / kVecElems);
-    const size_t c = c0 + lc;
-    if (r < rows && vector_rows && c + kVecElems <= cols) loader.load_vec(r, c, x[pass]);
-  }
-#pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
+  for (int pass = 0; pass < kTile * kTile / (kThreads * kVecElems); ++pass) {
     const int lr = pass * kLoadRowsPerPass + t / (kTile / kVecElems);
     const size_t r = r0 + lr;
     const size_t c = c0 + lc;
     if (r >= rows) continue;
     if (vector_rows && c + kVecElems <= cols) {
+      float x[kVecElems];
+      loader.load_vec(r, c, x);
       Vec<uint16_t, kVecElems / 2> q;
-      cast_floats<kE4M3>(x[pass], scale, local_amax, q);
+      cast_floats<kE4M3>(x, scale, local_amax, q);
       *reinterpret_cast<Vec<uint16_t, kVecElems / 2>*>(out + r * cols + c) = q;
       auto* tile_words = reinterpret_cast<uint32_t*>(&tile[lr][lc]);
       tile_words[0] = static_cast<uint32_t>(q.v[0]) | (static_cast<uint32_t>(q.v[1]) << 16);
       tile_words[1] = static_cast<uint32_t>(q.v[2]) | (static_cast<uint32_t>(q.v[3]) << 16);
       if constexpr (kDbias) {
 #pragma unroll
-        for (int j = 0; j < kVecElems; ++j) colsum[j] += x[pass][j];
+        for (int j = 0; j < kVecElems; ++j) colsum[j] += x[j];
       }
     } else {
       for (int j = 0; j < kVecElems && c + j < cols; ++j) {
