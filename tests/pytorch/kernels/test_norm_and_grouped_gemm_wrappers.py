@@ -1,7 +1,8 @@
 """Upstream's norm entry points (layernorm_fwd/bwd, rmsnorm_fwd/bwd) and general_grouped_gemm.
 
 Oracles: torch.nn.functional.layer_norm / rms_norm and torch.autograd in float64 for the norms,
-the FP8 oracle (fake_quant) for the quantized norm output, per-group float64 matmuls for the
+the FP8 oracle (fake_quant) for the quantized norm output, float64 autograd for the backward
+formulas on their own (normalization.*_backward_from_stats), per-group float64 matmuls for the
 grouped GEMM.
 """
 
@@ -15,6 +16,7 @@ from utils import fake_quant, needs_cuda
 
 from transformer_engine.pytorch import cpp_extensions as ce
 from transformer_engine.pytorch.constants import DType
+from transformer_engine.pytorch.cpp_extensions import normalization
 from transformer_engine.pytorch.tensor import Float8Quantizer
 
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
@@ -171,6 +173,73 @@ def test_layernorm_bwd_hand_formula_on_one_row():
     torch.testing.assert_close(dx, expected_dx)
     torch.testing.assert_close(dgamma, (dz * xhat)[0])
     torch.testing.assert_close(dbeta, dz[0])
+
+
+# The backward formulas on their own (normalization.*_backward_from_stats): any normalized
+# shape, the statistics' dtype as the compute dtype, gradients computed only when asked for.
+
+
+def _stats(x, dims, rms=False):
+    """Hand-written statistics, shaped to broadcast against x, in x's dtype."""
+    mean = None if rms else x.mean(dim=dims, keepdim=True)
+    centered = x if rms else x - mean
+    return mean, torch.rsqrt(centered.square().mean(dim=dims, keepdim=True) + EPS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stats_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("normalized", [(16,), (4, 16)])
+def test_backward_from_stats_matches_float64_autograd(device, stats_dtype, normalized):
+    x, w, b, dz = _operands(torch.bfloat16, device, shape=(3, 4, 16))
+    w = (torch.rand(normalized, generator=torch.Generator().manual_seed(3)) + 0.5).to(device)
+    b = torch.randn(normalized, generator=torch.Generator().manual_seed(4)).to(device)
+    dims = tuple(range(-len(normalized), 0))
+    xs = x.to(stats_dtype)
+    mean, rstd = _stats(xs, dims)
+    dx, dgamma, dbeta = normalization.layernorm_backward_from_stats(dz, x, mean, rstd, w)
+    assert {dx.dtype, dgamma.dtype, dbeta.dtype} == {stats_dtype}
+    assert dx.shape == x.shape and dgamma.shape == dbeta.shape == normalized
+    x64 = x.double().requires_grad_()
+    w64, b64 = w.double().requires_grad_(), b.double().requires_grad_()
+    F.layer_norm(x64, normalized, w64, b64, EPS).backward(dz.double())
+    # The inputs are BF16 values, exact in both compute dtypes: only the compute rounds.
+    tol = (
+        {"rtol": 1e-5, "atol": 1e-4}
+        if stats_dtype == torch.float32
+        else {"rtol": 1e-9, "atol": 1e-9}
+    )
+    torch.testing.assert_close(dx.double(), x64.grad, **tol)
+    torch.testing.assert_close(dgamma.double(), w64.grad, **tol)
+    torch.testing.assert_close(dbeta.double(), b64.grad, **tol)
+
+    _, rstd = _stats(xs, dims, rms=True)
+    dx, dgamma = normalization.rmsnorm_backward_from_stats(dz, x, rstd, w)
+    x64.grad = w64.grad = None
+    F.rms_norm(x64, normalized, w64, EPS).backward(dz.double())
+    torch.testing.assert_close(dx.double(), x64.grad, **tol)
+    torch.testing.assert_close(dgamma.double(), w64.grad, **tol)
+
+
+def test_backward_from_stats_computes_only_what_is_asked():
+    x, w, _, dz = _operands(torch.float32, "cpu", shape=(5, 8))
+    mean, rstd = _stats(x, (-1,))
+    dx, dgamma, dbeta = normalization.layernorm_backward_from_stats(
+        dz, x, mean, rstd, w, need_dx=False, need_dbeta=False
+    )
+    assert dx is None and dbeta is None
+    torch.testing.assert_close(dgamma, (dz * (x - mean) * rstd).sum(0))
+    dx, dgamma = normalization.rmsnorm_backward_from_stats(dz, x, rstd, w, need_dgamma=False)
+    assert dgamma is None and dx.shape == x.shape
+    # A single row with no row dimensions: dgamma is the per-feature product itself.
+    _, dgamma, dbeta = normalization.layernorm_backward_from_stats(dz[0], x[0], mean[0], rstd[0], w)
+    torch.testing.assert_close(dbeta, dz[0])
+    torch.testing.assert_close(dgamma, dz[0] * (x[0] - mean[0]) * rstd[0])
+
+
+def test_backward_from_stats_refuses_a_gamma_that_is_not_the_trailing_shape():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"gamma has shape \(4,\)"):
+        normalization.rmsnorm_backward_from_stats(x, x, torch.ones(4, 1), torch.ones(4))
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,11 @@ dimension) and ``M`` the product of the others. With ``g`` the effective scale (
   ``dx = rsigma * (dy - mean(dy) - xhat * mean(dy * xhat))`` for LayerNorm,
   ``dx = rsigma * (dy - xhat * mean(dy * xhat))`` for RMSNorm (row means over ``H``).
 
+The backward formulas are also offered on their own, for any normalized shape and in the
+statistics' dtype: :func:`layernorm_backward_from_stats` and
+:func:`rmsnorm_backward_from_stats` (for the autograd nodes of ``functional``, where no fused
+PyTorch backward applies).
+
 The same math runs on every device as PyTorch operations (there is no native norm kernel in
 this package); ``sm_margin`` (how many SMs upstream's kernels leave free for communication) is
 therefore accepted, checked and has no effect. The normalization modules do not call these:
@@ -33,7 +38,14 @@ import torch
 from ..constants import HIGH_PRECISION_DTYPES, DType, TE_DType_To_Torch
 from ._validation import check_dtype, check_tensor, check_tensors_on
 
-__all__ = ["layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd"]
+__all__ = [
+    "layernorm_fwd",
+    "layernorm_bwd",
+    "rmsnorm_fwd",
+    "rmsnorm_bwd",
+    "layernorm_backward_from_stats",
+    "rmsnorm_backward_from_stats",
+]
 
 _STATS_DTYPE = torch.float32
 
@@ -225,18 +237,64 @@ def _check_backward(op, dz, x, gamma, stats, sm_margin, zero_centered_gamma) -> 
     return hidden
 
 
-def _norm_backward(dz, x, mu, rsigma, gamma, zero_centered_gamma):
-    """``(dx, dgamma, dbeta)`` in float32, ``[M, H]`` / ``[H]``; ``mu`` None for RMSNorm."""
-    hidden = x.shape[-1]
-    dz32 = dz.reshape(-1, hidden).to(_STATS_DTYPE)
-    x32 = x.reshape(-1, hidden).to(_STATS_DTYPE)
-    r = rsigma.reshape(-1, 1)
-    xhat = (x32 - mu.reshape(-1, 1)) * r if mu is not None else x32 * r
-    dy = dz32 * _gamma(gamma, zero_centered_gamma)
-    inner = dy - xhat * (dy * xhat).mean(dim=1, keepdim=True)
-    if mu is not None:
-        inner = inner - dy.mean(dim=1, keepdim=True)
-    return r * inner, (dz32 * xhat).sum(dim=0), dz32.sum(dim=0)
+def _norm_dims(x: torch.Tensor, gamma: torch.Tensor):
+    """``(feature dims, row dims)`` of ``x``: its last ``gamma.dim()`` dimensions, the rest."""
+    if gamma.dim() == 0 or gamma.dim() > x.dim() or x.shape[x.dim() - gamma.dim() :] != gamma.shape:
+        raise ValueError(
+            f"norm backward: gamma has shape {tuple(gamma.shape)}; expected the trailing "
+            f"(normalized) dimensions of x, shape {tuple(x.shape)}"
+        )
+    return tuple(range(-gamma.dim(), 0)), tuple(range(x.dim() - gamma.dim()))
+
+
+def _sum_rows(t: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+    return t.sum(dim=rows) if rows else t
+
+
+def layernorm_backward_from_stats(grad, x, mean, rstd, gamma, need_dx=True, need_dgamma=True,
+                                  need_dbeta=True):  # fmt: skip
+    """LayerNorm backward written out from the forward's statistics: ``(dx, dgamma, dbeta)``.
+
+    The formulas of the module docstring over the last ``gamma.dim()`` dimensions of ``x``
+    (the normalized shape may have several dimensions; every other dimension is a row).
+    ``mean`` and ``rstd`` are shaped to broadcast against ``x`` (e.g. ``[..., 1]``) and set the
+    compute dtype: everything is computed in ``rstd.dtype`` (float32, or float64 for float64
+    statistics) and returned in it, unrounded; the caller casts. ``gamma`` is the effective
+    scale (``1 + weight`` already applied for zero-centered gamma). A gradient not asked for
+    (``need_* = False``) is ``None``. Only ``gamma``'s shape is checked (against ``x``'s
+    trailing dimensions); callers validate the rest.
+    """
+    dims, rows = _norm_dims(x, gamma)
+    dtype = rstd.dtype
+    g = grad.to(dtype)
+    xhat = (x.to(dtype) - mean) * rstd
+    dx = dgamma = dbeta = None
+    if need_dx:
+        dy = g * gamma.to(dtype)
+        dx = rstd * (
+            dy - dy.mean(dim=dims, keepdim=True) - xhat * (dy * xhat).mean(dim=dims, keepdim=True)
+        )
+    if need_dgamma:
+        dgamma = _sum_rows(g * xhat, rows)
+    if need_dbeta:
+        dbeta = _sum_rows(g, rows)
+    return dx, dgamma, dbeta
+
+
+def rmsnorm_backward_from_stats(grad, x, rstd, gamma, need_dx=True, need_dgamma=True):
+    """RMSNorm backward written out from the forward's ``rstd``: ``(dx, dgamma)``, with the
+    conventions of :func:`layernorm_backward_from_stats` (no mean, no ``dbeta``)."""
+    dims, rows = _norm_dims(x, gamma)
+    dtype = rstd.dtype
+    g = grad.to(dtype)
+    xhat = x.to(dtype) * rstd
+    dx = dgamma = None
+    if need_dx:
+        dy = g * gamma.to(dtype)
+        dx = rstd * (dy - xhat * (dy * xhat).mean(dim=dims, keepdim=True))
+    if need_dgamma:
+        dgamma = _sum_rows(g * xhat, rows)
+    return dx, dgamma
 
 
 def layernorm_bwd(dz, x, mu, rsigma, gamma, sm_margin, zero_centered_gamma):
@@ -249,7 +307,11 @@ def layernorm_bwd(dz, x, mu, rsigma, gamma, sm_margin, zero_centered_gamma):
     op = "layernorm_bwd"
     _check_backward(op, dz, x, gamma, {"mu": mu, "rsigma": rsigma}, sm_margin,
                     zero_centered_gamma)  # fmt: skip
-    dx, dgamma, dbeta = _norm_backward(dz, x, mu, rsigma, gamma, zero_centered_gamma)
+    hidden = x.shape[-1]
+    dx, dgamma, dbeta = layernorm_backward_from_stats(
+        dz.reshape(-1, hidden), x.reshape(-1, hidden), mu.reshape(-1, 1), rsigma.reshape(-1, 1),
+        _gamma(gamma, zero_centered_gamma),
+    )  # fmt: skip
     return [dx.reshape(x.shape).to(x.dtype), dgamma.to(gamma.dtype), dbeta.to(gamma.dtype)]
 
 
@@ -258,5 +320,9 @@ def rmsnorm_bwd(dz, x, rsigma, gamma, sm_margin, zero_centered_gamma):
     :func:`layernorm_bwd`)."""
     op = "rmsnorm_bwd"
     _check_backward(op, dz, x, gamma, {"rsigma": rsigma}, sm_margin, zero_centered_gamma)
-    dx, dgamma, _ = _norm_backward(dz, x, None, rsigma, gamma, zero_centered_gamma)
+    hidden = x.shape[-1]
+    dx, dgamma = rmsnorm_backward_from_stats(
+        dz.reshape(-1, hidden), x.reshape(-1, hidden), rsigma.reshape(-1, 1),
+        _gamma(gamma, zero_centered_gamma),
+    )  # fmt: skip
     return [dx.reshape(x.shape).to(x.dtype), dgamma.to(gamma.dtype)]
