@@ -8,8 +8,9 @@ meaning. It is a client of :mod:`transformer_engine.pytorch` and nothing in
 ``transformer_engine`` imports it.
 
 Only what works is here: the enums and ``FP8TensorMeta``, the per-tensor FP8 quantize family,
-``generic_gemm`` (high precision and per-tensor FP8), the fused delayed-scaling update and the
-version queries. docs/build.md lists what each accepts and what it refuses.
+``generic_gemm`` (high precision and per-tensor FP8), the LayerNorm/RMSNorm forward and
+backward (with a quantized forward output), the fused delayed-scaling update and the
+version queries. docs/compatibility.md lists what each accepts and what it refuses.
 """
 
 from transformer_engine.pytorch.cpp_extensions import (
@@ -18,6 +19,7 @@ from transformer_engine.pytorch.cpp_extensions import (
 
 from ._enums import DType, FP8BwdTensors, FP8FwdTensors, FP8TensorMeta
 from ._gemm import generic_gemm
+from ._normalization import layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd
 from ._quantize import (
     bgrad_quantize,
     compute_amax,
@@ -40,6 +42,10 @@ __all__ = [
     "multi_tensor_quantize",
     "compute_amax",
     "generic_gemm",
+    "layernorm_fwd",
+    "layernorm_bwd",
+    "rmsnorm_fwd",
+    "rmsnorm_bwd",
     "fused_amax_and_scale_update_after_reduction",
     "get_cublasLt_version",
     "get_cudnn_version",

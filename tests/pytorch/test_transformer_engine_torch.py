@@ -313,6 +313,144 @@ def test_generic_gemm_refuses_what_is_not_built_naming_the_argument(kwargs, erro
         tex.generic_gemm(**args)
 
 
+# --- norms: layernorm_fwd / layernorm_bwd / rmsnorm_fwd / rmsnorm_bwd --------------------------
+EPS = 1e-5
+
+
+def norm_operands(dtype=torch.float32, device="cpu", shape=(3, 5, 32), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 2 + 0.5).to(dtype).to(device)
+    w = (torch.rand(shape[-1], generator=g) * 0.5 - 0.25).to(dtype).to(device)
+    b = torch.randn(shape[-1], generator=g).to(dtype).to(device)
+    dz = torch.randn(shape, generator=g).to(dtype).to(device)
+    return x, w, b, dz
+
+
+def norm64(x, w, b, zero_centered, rms=False):
+    """LayerNorm (RMSNorm when ``rms``) written out in float64, differentiable:
+    ``g = w (+ 1)``; ``y = (x - mean) / sqrt(var + eps) * g + b`` with the biased variance,
+    or ``y = x / sqrt(mean(x^2) + eps) * g``."""
+    g = w + 1 if zero_centered else w
+    if rms:
+        return x / (x.pow(2).mean(-1, keepdim=True) + EPS).sqrt() * g
+    mean = x.mean(-1, keepdim=True)
+    var = (x - mean).pow(2).mean(-1, keepdim=True)
+    return (x - mean) / (var + EPS).sqrt() * g + b
+
+
+def norm_grads64(x, w, b, dz, zero_centered, rms=False):
+    """``(dx, dw, db)`` by float64 autograd through :func:`norm64`."""
+    x64, w64 = f64(x).requires_grad_(), f64(w).requires_grad_()
+    b64 = None if rms else f64(b).requires_grad_()
+    norm64(x64, w64, b64, zero_centered, rms).backward(f64(dz))
+    return x64.grad, w64.grad, None if rms else b64.grad
+
+
+NORM_TOL = {
+    torch.float32: {"rtol": 2e-5, "atol": 2e-5},
+    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_layernorm_fwd_and_bwd_match_the_float64_formulas(dtype, zero_centered):
+    x, w, b, dz = norm_operands(dtype)
+    out, mu, rsigma = tex.layernorm_fwd(x, w, b, EPS, None, None, tex.DType.cast(dtype), 0,
+                                        zero_centered)  # fmt: skip
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(f64(out), norm64(f64(x), f64(w), f64(b), zero_centered),
+                               **NORM_TOL[dtype])  # fmt: skip
+    rows = f64(x).reshape(15, 32)
+    assert mu.dtype == rsigma.dtype == torch.float32 and mu.shape == rsigma.shape == (15,)
+    torch.testing.assert_close(f64(mu), rows.mean(1), rtol=1e-6, atol=1e-6)
+    var = (rows - rows.mean(1, keepdim=True)).pow(2).mean(1)
+    torch.testing.assert_close(f64(rsigma), 1 / (var + EPS).sqrt(), rtol=1e-6, atol=0)
+
+    dx, dgamma, dbeta = tex.layernorm_bwd(dz, x, mu, rsigma, w, 0, zero_centered)
+    assert (dx.dtype, dgamma.dtype, dbeta.dtype) == (dtype, dtype, dtype)
+    ex, ew, eb = norm_grads64(x, w, b, dz, zero_centered)
+    tol = NORM_TOL[dtype]
+    torch.testing.assert_close(f64(dx), ex, rtol=tol["rtol"], atol=tol["atol"] * 10)
+    torch.testing.assert_close(f64(dgamma), ew, rtol=tol["rtol"], atol=tol["atol"] * 30)
+    torch.testing.assert_close(f64(dbeta), eb, rtol=tol["rtol"], atol=tol["atol"] * 30)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_rmsnorm_fwd_and_bwd_match_the_float64_formulas(dtype, zero_centered):
+    x, w, _, dz = norm_operands(dtype)
+    out, mu, rsigma = tex.rmsnorm_fwd(x, w, EPS, None, None, tex.DType.cast(dtype), 0,
+                                      zero_centered)  # fmt: skip
+    assert mu is None and out.dtype == dtype
+    torch.testing.assert_close(f64(out), norm64(f64(x), f64(w), None, zero_centered, rms=True),
+                               **NORM_TOL[dtype])  # fmt: skip
+    rows = f64(x).reshape(15, 32)
+    torch.testing.assert_close(f64(rsigma), 1 / (rows.pow(2).mean(1) + EPS).sqrt(), rtol=1e-6,
+                               atol=0)  # fmt: skip
+    dx, dgamma = tex.rmsnorm_bwd(dz, x, rsigma, w, 0, zero_centered)
+    assert (dx.dtype, dgamma.dtype) == (dtype, dtype)
+    ex, ew, _ = norm_grads64(x, w, None, dz, zero_centered, rms=True)
+    tol = NORM_TOL[dtype]
+    torch.testing.assert_close(f64(dx), ex, rtol=tol["rtol"], atol=tol["atol"] * 10)
+    torch.testing.assert_close(f64(dgamma), ew, rtol=tol["rtol"], atol=tol["atol"] * 30)
+
+
+def test_norms_record_nothing_on_the_autograd_tape():
+    x, w, b, dz = (t.requires_grad_() for t in norm_operands())
+    results = [*tex.layernorm_fwd(x, w, b, EPS, None, None, FP32, 0, False)]
+    results += tex.rmsnorm_fwd(x, w, EPS, None, None, FP32, 0, True)[::2]
+    _, mu, rsigma = results[:3]
+    results += tex.layernorm_bwd(dz, x, mu, rsigma, w, 0, False)
+    results += tex.rmsnorm_bwd(dz, x, rsigma, w, 0, True)
+    assert all(t.grad_fn is None and not t.requires_grad for t in results)
+
+
+def norm32_from_stats(x, w, b, mu, rsigma):
+    """The float32 LayerNorm output rebuilt from the returned statistics, in the order a
+    norm-then-cast kernel rounds: ``(x - mu) * rsigma * w + b``."""
+    rows = x.float().reshape(-1, x.shape[-1])
+    return ((rows - mu[:, None]) * rsigma[:, None] * w.float() + b.float()).reshape(x.shape)
+
+
+def test_layernorm_fwd_with_a_delayed_scaling_quantizer_gives_fp8_of_the_float32_values():
+    x, w, b, _ = norm_operands(torch.bfloat16)
+    quantizer = delayed_quantizer(16.0)
+    out, mu, rsigma = tex.layernorm_fwd(x, w, b, EPS, None, quantizer, BF16, 0, False)
+    y32 = norm32_from_stats(x, w, b, mu, rsigma)
+    assert isinstance(out, Float8Tensor) and out.dtype == torch.bfloat16  # otype: nominal type
+    assert torch.equal(fp8_bytes(out), oracle.cast_bytes(y32, 16.0, oracle.E4M3))
+    assert float(out._scale_inv) == 1 / 16 and float(quantizer.amax) == float(oracle.amax(y32))
+
+
+def test_rmsnorm_fwd_with_a_current_scaling_quantizer_into_ln_out():
+    x, w, _, _ = norm_operands(torch.float32)
+    quantizer = Float8CurrentScalingQuantizer(E4M3)
+    ln_out = tex.create_empty_quantized_tensor(quantizer, x.shape, torch.float32, "cpu")
+    out, _, rsigma = tex.rmsnorm_fwd(x, w, EPS, ln_out, quantizer, FP32, 0, True)
+    assert out is ln_out
+    y32 = (x.reshape(-1, 32) * rsigma[:, None] * (w + 1)).reshape(x.shape)
+    scale = oracle.scale_from_amax(oracle.amax(y32), oracle.E4M3)
+    assert torch.equal(fp8_bytes(out), oracle.cast_bytes(y32, scale, oracle.E4M3))
+    assert torch.equal(out._scale_inv.reshape(1), oracle.reciprocal(scale))
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda x, w: tex.layernorm_fwd(x, w, None, EPS, None, None, E4M3, 0, False), "otype"),
+        (lambda x, w: tex.rmsnorm_fwd(x, w, EPS, None, "fp8", FP32, 0, False), "quantizer"),
+        (lambda x, w: tex.rmsnorm_fwd(x, w[:4], EPS, None, None, FP32, 0, False), "weight"),
+        (lambda x, w: tex.layernorm_bwd(x, x, torch.ones(4), torch.ones(3), w, 0, False),
+         "rsigma has 3"),
+        (lambda x, w: tex.rmsnorm_bwd(x, x, torch.ones(4), w, 0, None), "zero_centered_gamma"),
+    ],
+)  # fmt: skip
+def test_norm_refusals_name_the_argument(call, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(torch.randn(4, 8), torch.ones(8))
+
+
 # --- version queries ----------------------------------------------------------------------------
 def test_get_cublaslt_version_without_cuda_says_why(monkeypatch):
     tex.get_cublasLt_version.cache_clear()
@@ -376,6 +514,38 @@ def test_cuda_versions_are_upstreams_raw_integers():
     assert tex.get_cudnn_version() == torch.backends.cudnn.version()
 
 
+@needs_cuda
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_cuda_norms_match_the_float64_formulas(zero_centered):
+    x, w, b, dz = norm_operands(torch.bfloat16, "cuda")
+    out, mu, rsigma = tex.layernorm_fwd(x, w, b, EPS, None, None, BF16, 0, zero_centered)
+    assert out.device == x.device
+    tol = NORM_TOL[torch.bfloat16]
+    torch.testing.assert_close(f64(out), norm64(f64(x), f64(w), f64(b), zero_centered), **tol)
+    dx, dgamma, dbeta = tex.layernorm_bwd(dz, x, mu, rsigma, w, 0, zero_centered)
+    ex, ew, eb = norm_grads64(x, w, b, dz, zero_centered)
+    torch.testing.assert_close(f64(dx), ex, rtol=tol["rtol"], atol=tol["atol"] * 10)
+    torch.testing.assert_close(f64(dgamma), ew, rtol=tol["rtol"], atol=tol["atol"] * 30)
+    torch.testing.assert_close(f64(dbeta), eb, rtol=tol["rtol"], atol=tol["atol"] * 30)
+    out, _, rsigma = tex.rmsnorm_fwd(x, w, EPS, None, None, BF16, 0, zero_centered)
+    torch.testing.assert_close(f64(out), norm64(f64(x), f64(w), None, zero_centered, True), **tol)
+    dx, dgamma = tex.rmsnorm_bwd(dz, x, rsigma, w, 0, zero_centered)
+    ex, ew, _ = norm_grads64(x, w, None, dz, zero_centered, rms=True)
+    torch.testing.assert_close(f64(dx), ex, rtol=tol["rtol"], atol=tol["atol"] * 10)
+    torch.testing.assert_close(f64(dgamma), ew, rtol=tol["rtol"], atol=tol["atol"] * 30)
+
+
+@needs_cuda
+def test_cuda_layernorm_fwd_quantized_output():
+    x, w, b, _ = norm_operands(torch.bfloat16, "cuda")
+    quantizer = Float8Quantizer(torch.tensor([16.0], device="cuda"),
+                                torch.zeros(1, device="cuda"), E4M3)  # fmt: skip
+    out, mu, rsigma = tex.layernorm_fwd(x, w, b, EPS, None, quantizer, BF16, 0, False)
+    y32 = norm32_from_stats(x, w, b, mu, rsigma).cpu()
+    assert out.device == x.device
+    assert torch.equal(fp8_bytes(out).cpu(), oracle.cast_bytes(y32, 16.0, oracle.E4M3))
+
+
 # --- packaging ----------------------------------------------------------------------------------
 def test_pure_python_wheel_ships_the_package(tmp_path):
     src = tmp_path / "src"
@@ -393,6 +563,14 @@ def test_pure_python_wheel_ships_the_package(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("__init__", "_enums", "_quantize", "_gemm", "_versions", "_dtype_args"):
+    for module in (
+        "__init__",
+        "_enums",
+        "_quantize",
+        "_gemm",
+        "_versions",
+        "_dtype_args",
+        "_normalization",
+    ):
         assert f"transformer_engine_torch/{module}.py" in names
     assert "transformer_engine/pytorch/__init__.py" in names
