@@ -258,6 +258,45 @@ void check_fp8_on_device(CallContext& ctx, const NVTEBuffer* scale, NVTEBuffer* 
   if (scale_inv != nullptr) ctx.check_on_device("scale_inv", *scale_inv);
 }
 
+/* `grad` [rows, cols] in the input's dtype; throws otherwise. */
+const NVTEBuffer& check_grad(const char* op, const NVTEBuffer* grad, const NVTEBuffer& in,
+                             const ActivationShape& shape) {
+  const NVTEBuffer& g = require(op, "grad", grad);
+  check_extent(op, "grad", g, shape.rows, shape.cols);
+  if (g.dtype != in.dtype) {
+    throw_invalid(op, "grad has dtype ", dtype_name(g.dtype), " but input has ",
+                  dtype_name(in.dtype), "; pass both in the activation dtype");
+  }
+  return g;
+}
+
+/* Calls f(loader) with the forward's loader for the input's dtype and the gating. */
+template <typename F>
+void with_forward_loader(const char* op, const NVTEBuffer& in, const NVTEActivation& act,
+                         const ActivationShape& shape, F&& f) {
+  dispatch_high_precision(op, in.dtype, [&](auto itype) {
+    using IType = decltype(itype);
+    dispatch_gated(act.gated != 0, [&](auto is_gated) {
+      constexpr bool kGated = decltype(is_gated)::value;
+      f(ActivationLoad<IType, kGated>{static_cast<const IType*>(in.data), shape.cols, act});
+    });
+  });
+}
+
+/* Calls f(loader) with the backward's loader for the input's dtype and the gating. */
+template <typename F>
+void with_backward_loader(const char* op, const NVTEBuffer& g, const NVTEBuffer& in,
+                          const NVTEActivation& act, const ActivationShape& shape, F&& f) {
+  dispatch_high_precision(op, in.dtype, [&](auto itype) {
+    using IType = decltype(itype);
+    dispatch_gated(act.gated != 0, [&](auto is_gated) {
+      constexpr bool kGated = decltype(is_gated)::value;
+      f(DActivationLoad<IType, kGated>{static_cast<const IType*>(g.data),
+                                       static_cast<const IType*>(in.data), shape.cols, act});
+    });
+  });
+}
+
 }  // namespace
 }  // namespace transformer_engine
 
@@ -284,14 +323,8 @@ extern "C" void nvte_activation(const NVTEBuffer* input, NVTEActivation activati
   ctx.check_on_device("input", in);
   ctx.check_on_device("output", out);
   check_fp8_on_device(ctx, scale, output_t, amax, scale_inv);
-  dispatch_high_precision(op, in.dtype, [&](auto itype) {
-    using IType = decltype(itype);
-    dispatch_gated(gated, [&](auto is_gated) {
-      constexpr bool kGated = decltype(is_gated)::value;
-      const ActivationLoad<IType, kGated> loader{static_cast<const IType*>(in.data), shape.cols,
-                                                 act};
-      launch_result(ctx, loader, shape.rows, shape.cols, out, output_t, args, nullptr);
-    });
+  with_forward_loader(op, in, act, shape, [&](const auto& loader) {
+    launch_result(ctx, loader, shape.rows, shape.cols, out, output_t, args, nullptr);
   });
 }
 
@@ -306,12 +339,7 @@ extern "C" void nvte_dactivation(const NVTEBuffer* grad, const NVTEBuffer* input
   const bool gated = act.gated != 0;
   const NVTEBuffer& in = require(op, "input", input);
   const ActivationShape shape = check_input(op, in, gated);
-  const NVTEBuffer& g = require(op, "grad", grad);
-  check_extent(op, "grad", g, shape.rows, shape.cols);
-  if (g.dtype != in.dtype) {
-    throw_invalid(op, "grad has dtype ", dtype_name(g.dtype), " but input has ",
-                  dtype_name(in.dtype), "; pass both in the activation dtype");
-  }
+  const NVTEBuffer& g = check_grad(op, grad, in, shape);
   require(op, "dinput", dinput);
   NVTEBuffer& dx = *dinput;
   check_extent(op, "dinput", dx, shape.rows, shape.in_cols);
@@ -340,15 +368,8 @@ extern "C" void nvte_dactivation(const NVTEBuffer* grad, const NVTEBuffer* input
     ctx.check_on_device("workspace", *workspace);
   }
   float* column_sums = workspace == nullptr ? nullptr : static_cast<float*>(workspace->data);
-  dispatch_high_precision(op, in.dtype, [&](auto itype) {
-    using IType = decltype(itype);
-    dispatch_gated(gated, [&](auto is_gated) {
-      constexpr bool kGated = decltype(is_gated)::value;
-      const DActivationLoad<IType, kGated> loader{static_cast<const IType*>(g.data),
-                                                  static_cast<const IType*>(in.data), shape.cols,
-                                                  act};
-      launch_result(ctx, loader, shape.rows, shape.in_cols, dx, output_t, args, column_sums);
-    });
+  with_backward_loader(op, g, in, act, shape, [&](const auto& loader) {
+    launch_result(ctx, loader, shape.rows, shape.in_cols, dx, output_t, args, column_sums);
   });
   if (dbias != nullptr && shape.in_cols > 0) {
     cast_detail::launch_dbias_from_column_sums(ctx, column_sums, *dbias, shape.rows,
@@ -368,14 +389,8 @@ extern "C" void nvte_activation_amax(const NVTEBuffer* input, NVTEActivation act
   CallContext ctx(op, device, stream);
   ctx.check_on_device("input", in);
   ctx.check_on_device("amax", *amax);
-  dispatch_high_precision(op, in.dtype, [&](auto itype) {
-    using IType = decltype(itype);
-    dispatch_gated(gated, [&](auto is_gated) {
-      constexpr bool kGated = decltype(is_gated)::value;
-      const ActivationLoad<IType, kGated> loader{static_cast<const IType*>(in.data), shape.cols,
-                                                 act};
-      launch_amax_only(ctx, loader, shape.rows, shape.cols, static_cast<float*>(amax->data));
-    });
+  with_forward_loader(op, in, act, shape, [&](const auto& loader) {
+    launch_amax_only(ctx, loader, shape.rows, shape.cols, static_cast<float*>(amax->data));
   });
 }
 
@@ -388,25 +403,13 @@ extern "C" void nvte_dactivation_amax(const NVTEBuffer* grad, const NVTEBuffer* 
   const bool gated = act.gated != 0;
   const NVTEBuffer& in = require(op, "input", input);
   const ActivationShape shape = check_input(op, in, gated);
-  const NVTEBuffer& g = require(op, "grad", grad);
-  check_extent(op, "grad", g, shape.rows, shape.cols);
-  if (g.dtype != in.dtype) {
-    throw_invalid(op, "grad has dtype ", dtype_name(g.dtype), " but input has ",
-                  dtype_name(in.dtype), "; pass both in the activation dtype");
-  }
+  const NVTEBuffer& g = check_grad(op, grad, in, shape);
   check_fp32_scalar(op, "amax", require(op, "amax", amax));
   CallContext ctx(op, device, stream);
   ctx.check_on_device("grad", g);
   ctx.check_on_device("input", in);
   ctx.check_on_device("amax", *amax);
-  dispatch_high_precision(op, in.dtype, [&](auto itype) {
-    using IType = decltype(itype);
-    dispatch_gated(gated, [&](auto is_gated) {
-      constexpr bool kGated = decltype(is_gated)::value;
-      const DActivationLoad<IType, kGated> loader{static_cast<const IType*>(g.data),
-                                                  static_cast<const IType*>(in.data), shape.cols,
-                                                  act};
-      launch_amax_only(ctx, loader, shape.rows, shape.in_cols, static_cast<float*>(amax->data));
-    });
+  with_backward_loader(op, g, in, act, shape, [&](const auto& loader) {
+    launch_amax_only(ctx, loader, shape.rows, shape.in_cols, static_cast<float*>(amax->data));
   });
 }
