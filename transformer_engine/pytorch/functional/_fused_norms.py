@@ -8,7 +8,7 @@ reduced-precision input, so ``1 + weight`` never rounds to BF16.
 
 Kernels: PyTorch's ``native_layer_norm`` and ``_fused_rms_norm`` forward; backward through
 ``native_layer_norm_backward`` / ``_fused_rms_norm_backward`` on CUDA. Elsewhere the backward
-is written out in float32 here (PyTorch's CPU LayerNorm backward accumulates the weight
+runs the float32 formulas of ``cpp_extensions.normalization`` (``*_backward_from_stats``) (PyTorch's CPU LayerNorm backward accumulates the weight
 gradient of BF16 input in reduced precision, and its fused RMSNorm backward is CUDA-only), as
 are both directions of zero-centered gamma on CUDA with reduced-precision input (see
 ``_gamma``):
@@ -21,6 +21,11 @@ are both directions of zero-centered gamma on CUDA with reduced-precision input 
 from __future__ import annotations
 
 import torch
+
+from ..cpp_extensions.normalization import (
+    layernorm_backward_from_stats,
+    rmsnorm_backward_from_stats,
+)
 
 __all__ = ["fused_layernorm", "fused_rmsnorm"]
 
@@ -53,20 +58,16 @@ def _gamma(weight: torch.Tensor, x: torch.Tensor, zero_centered_gamma: bool):
     return (gamma + 1 if zero_centered_gamma else gamma), fused
 
 
-def _row_dims(x: torch.Tensor, normalized: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(feature dims, row dims)`` of x for ``normalized`` trailing dimensions."""
-    return tuple(range(-normalized, 0)), tuple(range(x.dim() - normalized))
-
-
-def _reduce_rows(t: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
-    return t.sum(dim=rows) if rows else t
+def _feature_dims(gamma: torch.Tensor) -> tuple[int, ...]:
+    """The normalized (trailing) dimensions: as many as gamma has."""
+    return tuple(range(-gamma.dim(), 0))
 
 
 def _layernorm_forward(x, gamma, beta, eps, fused: bool):
     """``(y, mean, rstd)``; mean and rstd in the compute dtype, shaped to broadcast against x."""
     if fused:
         return torch.native_layer_norm(x, list(gamma.shape), gamma, beta, eps)
-    dims, _ = _row_dims(x, gamma.dim())
+    dims = _feature_dims(gamma)
     x_c = x.to(_compute_dtype(x.dtype))
     mean = x_c.mean(dim=dims, keepdim=True)
     rstd = torch.rsqrt((x_c - mean).square().mean(dim=dims, keepdim=True) + eps)
@@ -98,21 +99,10 @@ class _LayerNorm(torch.autograd.Function):
                 [needs_x, needs_w, needs_b and ctx.has_bias],
             )  # fmt: skip
         else:
-            dims, rows = _row_dims(x, gamma.dim())
-            g = grad.to(rstd.dtype)
-            xhat = (x.to(rstd.dtype) - mean) * rstd
-            dx = dgamma = dbeta = None
-            if needs_x:
-                dy = g * gamma.to(rstd.dtype)
-                dx = rstd * (
-                    dy
-                    - dy.mean(dim=dims, keepdim=True)
-                    - xhat * (dy * xhat).mean(dim=dims, keepdim=True)
-                )
-            if needs_w:
-                dgamma = _reduce_rows(g * xhat, rows)
-            if needs_b and ctx.has_bias:
-                dbeta = _reduce_rows(g, rows)
+            dx, dgamma, dbeta = layernorm_backward_from_stats(
+                grad, x, mean, rstd, gamma, need_dx=needs_x, need_dgamma=needs_w,
+                need_dbeta=needs_b and ctx.has_bias,
+            )  # fmt: skip
         weight_dtype, bias_dtype = ctx.dtypes
         return (
             None if dx is None else dx.to(x.dtype),
@@ -131,7 +121,7 @@ def _rmsnorm_forward(x, gamma, eps, fused: bool) -> tuple[torch.Tensor, torch.Te
             return torch.ops.aten._fused_rms_norm(x, list(gamma.shape), gamma, eps)
         except (NotImplementedError, RuntimeError):  # a PyTorch build without the kernel
             _FUSED_RMS_NORM.discard(device_type)
-    dims, _ = _row_dims(x, gamma.dim())
+    dims = _feature_dims(gamma)
     x_c = x.to(_compute_dtype(x.dtype))
     rstd = torch.rsqrt(x_c.square().mean(dim=dims, keepdim=True) + eps)
     return (x_c * rstd * gamma.to(x_c.dtype)).to(x.dtype), rstd
@@ -163,17 +153,15 @@ class _RMSNorm(torch.autograd.Function):
                 )
             except (NotImplementedError, RuntimeError):  # a PyTorch build without the kernel
                 _FUSED_RMS_NORM_BACKWARD.discard("cuda")
-        dims, rows = _row_dims(x, gamma.dim())
-        dtype = rstd.dtype
-        g = grad.to(dtype)
-        xhat = x.to(dtype) * rstd
-        dx = dgamma = None
-        if needs_x:
-            dy = g * gamma.to(dtype)
-            dx = (rstd * (dy - xhat * (dy * xhat).mean(dim=dims, keepdim=True))).to(x.dtype)
-        if needs_w:
-            dgamma = _reduce_rows(g * xhat, rows).to(ctx.weight_dtype)
-        return dx, dgamma, None, None
+        dx, dgamma = rmsnorm_backward_from_stats(
+            grad, x, rstd, gamma, need_dx=needs_x, need_dgamma=needs_w
+        )
+        return (
+            None if dx is None else dx.to(x.dtype),
+            None if dgamma is None else dgamma.to(ctx.weight_dtype),
+            None,
+            None,
+        )
 
 
 def fused_layernorm(x, weight, bias, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
