@@ -283,12 +283,12 @@ def _run_quantize(input, scale, dtype, amax, scale_inv, out_fp8, out_t_fp8, noop
             *launch_args(input.device),
         )  # fmt: skip
     elif noop_flag is None or float(noop_flag.reshape(())) != 1.0:
-        data = reference.cast_to_fp8(input, scale, dtype)
-        out_fp8.copy_(data)
+        # Written straight into the outputs (no intermediate FP8 tensor or transposed copy).
+        _, input_amax = reference.cast_to_fp8_with_amax(input, scale, dtype, out=out_fp8)
         if out_t_fp8 is not None:
-            out_t_fp8.copy_(reference.transpose_last_dim_first(data))
+            reference.transpose_last_dim_first(out_fp8, out=out_t_fp8)
         if amax is not None:
-            amax.view(1).copy_(torch.maximum(amax.view(1), reference.amax(input)))
+            torch.maximum(amax.view(1), input_amax, out=amax.view(1))
         scale_inv.view(1).copy_(reference.reciprocal(scale))
 
 

@@ -10,14 +10,25 @@ runs :func:`fp8_gemm_emulated` whenever it is ``False``.
 
 The emulation needs no special instructions and is exact up to the float32 accumulation:
 
-* every E4M3 and E5M2 value is exactly representable in float32, so the upcast ``x.float()``
-  is exact (nothing is dequantized: the scales stay out of the operands);
+* every E4M3 and E5M2 value is exactly representable in float32, so the upcast is exact
+  (nothing is dequantized: the scales stay out of the operands); it goes through float16 bit
+  moves (:func:`reference.fp8_to_float32`, bitwise equal to ``x.float()``), since torch's own
+  E4M3 upcast converts element by element and cost more than the GEMM;
 * the product of two FP8 values has at most 8 significant bits, so every product is exact in
   float32 and the only rounding inside ``torch.mm`` is the float32 accumulation (always full
   float32: ``use_split_accumulator`` has nothing to select here);
 * the per-tensor scales are multiplied in float32 and applied to the float32 accumulator, the
   bias is added in float32, and the result is rounded once to the output dtype, as cuBLASLt's
   epilogue does on a GPU.
+
+BF16 operands: the float32 GEMM runs with oneDNN's BF16 math mode
+(``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``, set only around the call), which
+converts the float32 operands to BF16, multiplies on AVX512-BF16/AMX and accumulates and writes
+float32: about 4x faster than the float32 GEMM on an AMX CPU (1024x1024x256 on one core: 0.94
+ms against 3.8 ms), and still exact but for the accumulation order, because every FP8 value is
+a normal BF16 number (the conversion changes nothing) and every product of two, at least
+2**-32 in magnitude, is exact and normal in float32. CPUs without BF16 instructions run the
+plain float32 GEMM.
 
 It differs from ``torch._scaled_mm`` only by the order of the float32 accumulation
 (``tests/pytorch/kernels/test_fp8_gemm_cpu.py`` pins it against ``torch._scaled_mm`` and a
@@ -32,6 +43,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from ..reference import fp8_to_float32
 
 __all__ = ["fp8_gemm_emulated", "SCALED_MM_IS_NATIVE_ON_CPU"]
 
@@ -63,7 +76,14 @@ def fp8_gemm_emulated(
     as ``alpha`` already folded in); ``bias`` is ``[N]`` of any float dtype or ``None``. The
     arguments are not checked: :func:`general_gemm` and the linear core have done that.
     """
-    product = torch.mm(x.to(torch.float32), y.to(torch.float32).t())
+    xf, yf = fp8_to_float32(x), fp8_to_float32(y)
+    mkldnn_matmul = torch.backends.mkldnn.matmul
+    previous = mkldnn_matmul.fp32_precision
+    mkldnn_matmul.fp32_precision = "bf16"  # exact here: see "BF16 operands" above
+    try:
+        product = torch.mm(xf, yf.t())
+    finally:
+        mkldnn_matmul.fp32_precision = previous
     product.mul_(x_scale_inv * y_scale_inv)
     if bias is not None:
         product.add_(bias)  # in-place into float32: the bias is upcast exactly, one rounding

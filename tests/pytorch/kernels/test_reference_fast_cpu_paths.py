@@ -1,0 +1,206 @@
+"""The fast CPU forms of the reference cast, amax, transpose and FP8 upcast against their
+former plain forms, bit for bit.
+
+``transformer_engine.pytorch.reference`` is both the CPU execution path and the specification
+the CUDA kernels are held to, so its faster forms (one reduction deciding whether a clamp and
+a NaN fix-up are needed, writes straight into the outputs, FP8 -> float32 through float16 bit
+moves) must give the very same bits. The oracles below are the previous implementations, kept
+verbatim in meaning: a few whole-tensor torch operations whose semantics are easy to read.
+"""
+
+import pytest
+import torch
+
+from transformer_engine.pytorch import reference
+from transformer_engine.pytorch.cpp_extensions import cast
+from transformer_engine.pytorch.cpp_extensions.fp8_gemm_cpu import fp8_gemm_emulated
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SCALES = (1.0, 0.37, 1000.0, 2.0**-10, 3.0e38, 0.0, float("inf"), float("nan"))
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+# ---- the former implementations (oracles) -------------------------------------------------
+
+
+def old_amax(x):
+    if x.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32)
+    a = x.detach().float().abs()
+    a = torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype), a)
+    return a.amax().reshape(1)
+
+
+def old_cast_to_fp8(x, scale, dtype):
+    limit = FP8_MAX[dtype]
+    v = x.detach().float() * scale.detach().float().reshape(())
+    bits = v.clamp(-limit, limit).to(dtype).view(torch.uint8)
+    nan_bits = torch.full((), 0x7F, dtype=torch.uint8)
+    return torch.where(torch.isnan(v), nan_bits, bits).view(dtype)
+
+
+def old_transpose(data):
+    cols = data.shape[-1]
+    t = data.reshape(-1, cols).view(torch.uint8).t().contiguous().view(data.dtype)
+    return t.reshape(cols, *data.shape[:-1])
+
+
+def old_dequantize(data, scale_inv, out_dtype):
+    return (data.float() * scale_inv.float().reshape(())).to(out_dtype)
+
+
+def old_gemm_emulated(x, y, sx, sy, bias, out_dtype):
+    # The float32 GEMM in the same oneDNN math mode as the emulation (BF16 operands, exact for
+    # FP8 values): the same torch.mm on the same operands, so the same accumulation order.
+    mkldnn_matmul = torch.backends.mkldnn.matmul
+    previous, mkldnn_matmul.fp32_precision = mkldnn_matmul.fp32_precision, "bf16"
+    try:
+        product = torch.mm(x.to(torch.float32), y.to(torch.float32).t())
+    finally:
+        mkldnn_matmul.fp32_precision = previous
+    product.mul_(sx * sy)
+    if bias is not None:
+        product.add_(bias)
+    return product.to(out_dtype)
+
+
+# ---- inputs -------------------------------------------------------------------------------
+
+
+def special_values():
+    """NaN, +-Inf, +-0, float32 and FP8 subnormals, values at and beyond both FP8 maxima, and
+    round-to-nearest-even ties of both formats (normal and subnormal)."""
+    values = [float("nan"), float("inf"), 0.0, 1e-40, 1e-45, 2.0**-126, 65504.0, 3.0e38]
+    values += [448.0, 449.0, 464.0, 465.0, 480.0, 57344.0, 61439.0, 61440.0, 61441.0, 1e6]
+    values += [2.0**-6, 2.0**-7, 2.0**-9, 1.5 * 2.0**-9, 2.5 * 2.0**-9, 0.5 * 2.0**-9]
+    values += [2.0**-14, 2.0**-16, 1.5 * 2.0**-16, 2.5 * 2.0**-16, 2.0**-17, 2.0**-18]
+    values += [1.0625, 1.1875, 1.125, 1.375, 240.0, 232.0, 248.0, 3.0 * 2.0**-10]
+    values += [v * 2.0**-10 for v in (1.0625, 1.1875, 17.0, 19.0)]
+    signed = values + [-v for v in values]
+    return torch.tensor(signed, dtype=torch.float64)
+
+
+def inputs(dtype, seed):
+    """Random tensors of several magnitudes, one mixed with every special value."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for magnitude in (1.0, 300.0, 1e-3, 1e5):
+        out.append((torch.randn(37, 64, generator=g, dtype=torch.float64) * magnitude).to(dtype))
+    mixed = torch.randn(19, 32, generator=g, dtype=torch.float64) * 100
+    specials = special_values()
+    flat = mixed.reshape(-1)
+    flat[torch.randperm(flat.numel(), generator=g)[: specials.numel()]] = specials
+    out.append(mixed.to(dtype))
+    out.append(specials.to(dtype).reshape(-1, 2))
+    out.append(torch.zeros(4, 8, dtype=dtype).neg())  # all -0.0
+    out.append(torch.full((3, 5), float("nan"), dtype=dtype))
+    out.append(torch.randn(6, 7, generator=g, dtype=torch.float64).to(dtype).t())  # strided
+    return out
+
+
+def same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    assert torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+# ---- tests ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", INPUT_DTYPES + (torch.float64,))
+def test_amax_matches_the_nan_ignoring_float32_max(dtype):
+    for seed in range(3):
+        for x in inputs(dtype, seed):
+            same_bits(reference.amax(x), old_amax(x))
+    same_bits(reference.amax(torch.empty(0, 4, dtype=dtype)), old_amax(torch.empty(0, 4)))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", INPUT_DTYPES)
+@pytest.mark.parametrize("scale", SCALES)
+def test_cast_matches_the_clamp_where_cast(fp8_dtype, dtype, scale):
+    s = torch.tensor([scale], dtype=torch.float32)
+    for seed in range(3):
+        for x in inputs(dtype, seed):
+            expected = old_cast_to_fp8(x, s, fp8_dtype)
+            same_bits(reference.cast_to_fp8(x, s, fp8_dtype), expected)
+            out = torch.empty(x.shape, dtype=fp8_dtype)
+            data, amax = reference.cast_to_fp8_with_amax(x, s, fp8_dtype, out=out)
+            assert data is out
+            same_bits(out, expected)
+            same_bits(amax, old_amax(x))
+
+
+def test_cast_leaves_a_float32_input_untouched():
+    x = torch.randn(8, 8) * 1000
+    before = x.clone()
+    reference.cast_to_fp8(x, torch.tensor([0.37]), torch.float8_e4m3fn)
+    same_bits(x, before)
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (2, 3, 4), (1, 9), (6,)])
+def test_transpose_into_out_matches_the_copying_transpose(shape):
+    data = torch.randint(0, 256, shape, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    expected = old_transpose(data)
+    same_bits(reference.transpose_last_dim_first(data), expected)
+    out = torch.empty(expected.shape, dtype=data.dtype)
+    assert reference.transpose_last_dim_first(data, out=out) is out
+    same_bits(out, expected)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_fp8_upcast_matches_torch_on_every_byte(fp8_dtype):
+    every_byte = torch.arange(256, dtype=torch.uint8).view(fp8_dtype)
+    same_bits(reference.fp8_to_float32(every_byte), every_byte.float())  # NaN bits too
+    g = torch.Generator().manual_seed(1)
+    noise = torch.randint(0, 256, (64, 33), dtype=torch.uint8, generator=g).view(fp8_dtype)
+    same_bits(reference.fp8_to_float32(noise), noise.float())
+    no_nan = torch.arange(127, dtype=torch.uint8).view(fp8_dtype)  # the fast exit
+    same_bits(reference.fp8_to_float32(no_nan), no_nan.float())
+    same_bits(reference.fp8_to_float32(every_byte[:0]), every_byte[:0].float())
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("out_dtype", INPUT_DTYPES)
+@pytest.mark.parametrize("scale_inv", (1.0, 0.37, 1000.0, 2.0**-10))
+def test_dequantize_matches_upcast_times_scale(fp8_dtype, out_dtype, scale_inv):
+    data = torch.arange(256, dtype=torch.uint8).view(fp8_dtype).reshape(16, 16)
+    s = torch.tensor([scale_inv])
+    same_bits(reference.dequantize(data, s, out_dtype), old_dequantize(data, s, out_dtype))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", INPUT_DTYPES)
+@pytest.mark.parametrize("scale", (1.0, 0.37, 1000.0, 2.0**-10))
+def test_cpu_quantize_writes_what_the_old_composition_wrote(fp8_dtype, dtype, scale):
+    s = torch.tensor([scale], dtype=torch.float32)
+    for x in inputs(dtype, 5):
+        prior = torch.tensor([3.5])
+        result = cast.quantize(x, s, fp8_dtype, amax=prior, with_transpose=x.dim() > 0)
+        expected = old_cast_to_fp8(x.contiguous(), s, fp8_dtype)
+        same_bits(result.data.view(fp8_dtype), expected)
+        same_bits(result.transpose.view(fp8_dtype), old_transpose(expected))
+        same_bits(prior, torch.maximum(torch.tensor([3.5]), old_amax(x)))
+        same_bits(result.scale_inv.reshape(1), torch.ones(1) / s)
+
+
+@pytest.mark.parametrize("x_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("y_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("out_dtype", INPUT_DTYPES)
+def test_emulated_gemm_matches_the_torch_upcast_gemm(x_dtype, y_dtype, out_dtype):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(0, 256, (24, 40), dtype=torch.uint8, generator=g).view(x_dtype)
+    y = torch.randint(0, 256, (16, 40), dtype=torch.uint8, generator=g).view(y_dtype)
+    x_finite = torch.randn(24, 40, generator=g).to(x_dtype)  # most rows without NaN
+    sx, sy = torch.tensor([0.37]), torch.tensor([2.0**-10])
+    bias = torch.randn(16, generator=g)
+    precision_before = torch.backends.mkldnn.matmul.fp32_precision
+    for a in (x, x_finite):
+        for b in (bias, None):
+            got = fp8_gemm_emulated(a, y, sx, sy, bias=b, out_dtype=out_dtype)
+            assert torch.backends.mkldnn.matmul.fp32_precision == precision_before
+            expected = old_gemm_emulated(a, y, sx, sy, b, out_dtype)
+            # Same float32 operands into the same torch.mm: equal, NaN where NaN.
+            assert torch.equal(got.isnan(), expected.isnan())
+            same_bits(torch.nan_to_num(got, nan=0.0), torch.nan_to_num(expected, nan=0.0))
