@@ -51,14 +51,8 @@ def old_dequantize(data, scale_inv, out_dtype):
 
 
 def old_gemm_emulated(x, y, sx, sy, bias, out_dtype):
-    # The float32 GEMM in the same oneDNN math mode as the emulation (BF16 operands, exact for
-    # FP8 values): the same torch.mm on the same operands, so the same accumulation order.
-    mkldnn_matmul = torch.backends.mkldnn.matmul
-    previous, mkldnn_matmul.fp32_precision = mkldnn_matmul.fp32_precision, "bf16"
-    try:
-        product = torch.mm(x.to(torch.float32), y.to(torch.float32).t())
-    finally:
-        mkldnn_matmul.fp32_precision = previous
+    # The same float32 torch.mm on the same operands, so the same accumulation order.
+    product = torch.mm(x.to(torch.float32), y.to(torch.float32).t())
     product.mul_(sx * sy)
     if bias is not None:
         product.add_(bias)

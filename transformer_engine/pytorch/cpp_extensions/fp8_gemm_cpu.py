@@ -21,14 +21,10 @@ The emulation needs no special instructions and is exact up to the float32 accum
   bias is added in float32, and the result is rounded once to the output dtype, as cuBLASLt's
   epilogue does on a GPU.
 
-BF16 operands: the float32 GEMM runs with oneDNN's BF16 math mode
-(``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``, set only around the call), which
-converts the float32 operands to BF16, multiplies on AVX512-BF16/AMX and accumulates and writes
-float32: about 4x faster than the float32 GEMM on an AMX CPU (1024x1024x256 on one core: 0.94
-ms against 3.8 ms), and still exact but for the accumulation order, because every FP8 value is
-a normal BF16 number (the conversion changes nothing) and every product of two, at least
-2**-32 in magnitude, is exact and normal in float32. CPUs without BF16 instructions run the
-plain float32 GEMM.
+The GEMM stays a plain float32 ``torch.mm``: oneDNN's BF16 math mode would be exact here too
+(every FP8 value is a BF16 number) and about 4x faster on a BF16-capable CPU, but it is a
+process-wide setting, and flipping it around the call would change the precision of another
+thread's float32 matmuls running at the same moment.
 
 It differs from ``torch._scaled_mm`` only by the order of the float32 accumulation
 (``tests/pytorch/kernels/test_fp8_gemm_cpu.py`` pins it against ``torch._scaled_mm`` and a
@@ -77,13 +73,7 @@ def fp8_gemm_emulated(
     arguments are not checked: :func:`general_gemm` and the linear core have done that.
     """
     xf, yf = fp8_to_float32(x), fp8_to_float32(y)
-    mkldnn_matmul = torch.backends.mkldnn.matmul
-    previous = mkldnn_matmul.fp32_precision
-    mkldnn_matmul.fp32_precision = "bf16"  # exact here: see "BF16 operands" above
-    try:
-        product = torch.mm(xf, yf.t())
-    finally:
-        mkldnn_matmul.fp32_precision = previous
+    product = torch.mm(xf, yf.t())
     product.mul_(x_scale_inv * y_scale_inv)
     if bias is not None:
         product.add_(bias)  # in-place into float32: the bias is upcast exactly, one rounding
