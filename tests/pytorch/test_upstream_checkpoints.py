@@ -200,25 +200,51 @@ def test_upstream_fp8_delayed_linear_loads_with_the_opt_in(monkeypatch):
     assert torch.equal(bwd.amax_history, tensors["amax_history_bwd"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="upstream's te.ops extra state ({'forward': ..., 'backward': ...}) is not read here",
-)
 def test_upstream_fp8_delayed_ops_linear_loads_with_the_opt_in(monkeypatch):
+    """Upstream's te.ops extra state: one dict per direction, each with the recipe and that
+    direction's scales and histories (BasicLinear: input and weight forward, grad_output
+    backward)."""
     monkeypatch.setenv(ENV, "1")
     recipe = DelayedScaling(amax_history_len=4)
+    scale_fwd, history_fwd = torch.tensor([2.0, 0.5]), torch.arange(8.0).reshape(4, 2)
+    scale_bwd, history_bwd = torch.tensor([0.25]), torch.arange(4.0).reshape(4, 1) + 10
+    assert history_fwd.amax(0).tolist() == [6.0, 7.0] and history_bwd.max() == 13
     payload = {
-        "forward": {"recipe": recipe, "scale_fwd": torch.ones(1),
-                    "amax_history_fwd": torch.zeros(4, 1), "extra_fp8_variables": {}},
-        "backward": {"recipe": recipe, "scale_bwd": torch.ones(1),
-                     "amax_history_bwd": torch.zeros(4, 1), "extra_fp8_variables": {}},
+        "forward": {"recipe": recipe, "scale_fwd": scale_fwd, "amax_history_fwd": history_fwd,
+                    "extra_fp8_variables": {}},
+        "backward": {"recipe": recipe, "scale_bwd": scale_bwd, "amax_history_bwd": history_bwd,
+                     "extra_fp8_variables": {}},
     }  # fmt: skip
     extra = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)
     m = te.ops.Linear(H, H, device="cpu")
     state = dict(m.state_dict())
     state["basic_ops.0._extra_state"] = extra
     m.load_state_dict(state)
+    with te.autocast(recipe=recipe):
+        m(0.01 * torch.randn(16, H)).sum().backward()
+    # The step's own amaxes (inputs of 0.01 * N(0, 1), weights and grads of order 1) are below
+    # the loaded histories' maxima, so the updated scales are fp8_max / those maxima: the
+    # histories were restored (E4M3 448 forward, E5M2 57344 backward).
+    op = m.basic_ops[0]
+    fwd, bwd = op.recipe_state("forward"), op.recipe_state("backward")
+    torch.testing.assert_close(fwd.scale.cpu(), torch.tensor([448 / 6, 448 / 7]))
+    torch.testing.assert_close(bwd.scale.cpu(), torch.tensor([57344 / 13]))
+
+
+def test_upstream_ops_extra_state_with_two_recipes_is_refused(monkeypatch):
+    monkeypatch.setenv(ENV, "1")
+    payload = {
+        "forward": {"recipe": DelayedScaling(amax_history_len=4), "scale_fwd": torch.ones(2),
+                    "amax_history_fwd": torch.zeros(4, 2)},
+        "backward": {"recipe": DelayedScaling(amax_history_len=8), "scale_bwd": torch.ones(1),
+                     "amax_history_bwd": torch.zeros(8, 1)},
+    }  # fmt: skip
+    extra = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)
+    m = te.ops.Linear(H, H, device="cpu")
+    state = dict(m.state_dict())
+    state["basic_ops.0._extra_state"] = extra
+    with pytest.raises(ValueError, match="different recipes"):
+        m.load_state_dict(state)
 
 
 @pytest.mark.parametrize("recipe", [None, Float8CurrentScaling], ids=["bf16", "current"])

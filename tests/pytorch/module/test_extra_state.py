@@ -635,7 +635,8 @@ def test_upstream_payload_with_unknown_entries_warns(monkeypatch):
     "obj, match",
     [
         ([DelayedScaling()], "unpickled to a list"),
-        ({"forward": {"recipe": DelayedScaling()}, "backward": None}, "fusible operation"),
+        ({"forward": [DelayedScaling()], "backward": None}, "'forward' is a list"),
+        ({"forward": {"recipe": DelayedScaling()}, "stage": 1}, "besides 'forward'"),
         ({"recipe": Format.E4M3}, "recipe is a .*Format"),
         ({"recipe": DelayedScaling(), "scale_fwd": torch.ones(2)}, "only one of 'scale_fwd'"),
         ({"recipe": DelayedScaling(), "extra_fp8_variables": [1]}, "must be a dict"),

@@ -206,18 +206,46 @@ def _recipe_from_upstream(obj: Any) -> Recipe:
 _UPSTREAM_DROPPED = ("scale_inv_fwd", "scale_inv_bwd")
 
 
+def _merge_operation_state(obj: dict) -> dict:
+    """Upstream's fusible-operation extra state, ``{"forward": {...}, "backward": {...}}`` (each
+    a module-style dict with its own copy of the recipe and its direction's tensors), as one
+    module-style dict."""
+    unknown = sorted(repr(key) for key in obj if key not in ("forward", "backward"))
+    if unknown:
+        raise ValueError(
+            f"upstream operation extra state has entries {unknown} besides 'forward' and "
+            "'backward'; it is not the extra state of a Transformer Engine operation"
+        )
+    merged: dict = {}
+    for mode in ("forward", "backward"):
+        part = obj.get(mode) or {}
+        if not isinstance(part, dict):
+            raise ValueError(
+                f"upstream operation extra state {mode!r} is a {type(part).__name__}, not a dict"
+            )
+        for key, value in part.items():
+            if key == "recipe" and "recipe" in merged and merged["recipe"] != value:
+                raise ValueError(
+                    "upstream operation extra state stores different recipes for forward and "
+                    f"backward ({merged['recipe']!r} and {value!r}); one recipe runs both"
+                )
+            if key == "extra_fp8_variables" and key in merged:
+                merged[key] = {**value, **merged[key]} if isinstance(value, dict) else value
+                continue
+            merged.setdefault(key, value)
+    return merged
+
+
 def _translate_upstream(obj: Any, device: torch.device) -> UnpackedExtraState:
-    """Upstream's unpickled dict as ``(recipe, tensors on device, extra)``."""
+    """Upstream's unpickled dict as ``(recipe, tensors on device, extra)``: a module's, or a
+    fusible operation's (``{"forward": ..., "backward": ...}``, merged into one)."""
     if not isinstance(obj, dict):
         raise ValueError(
             f"upstream extra state unpickled to a {type(obj).__name__}, not a dict; it is not "
             f"the extra state of a Transformer Engine module"
         )
     if "recipe" not in obj and ("forward" in obj or "backward" in obj):
-        raise ValueError(
-            "extra state has 'forward'/'backward' entries: it is the extra state of a fusible "
-            "operation (te.ops), not of a module"
-        )
+        obj = _merge_operation_state(obj)
     known = {"recipe", "extra_fp8_variables", *TENSOR_NAMES, *_UPSTREAM_DROPPED}
     ignored = sorted(repr(key) for key in obj if key not in known)
     if ignored:
