@@ -10,7 +10,6 @@ docs/architecture.md, the device contract.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 
@@ -191,7 +190,8 @@ def _cuda_capability(index: int) -> tuple[int, int]:
 
 def device_compute_capability(device: torch.device | str) -> tuple[int, int] | None:
     """Compute capability of a CUDA device, ``None`` for any other device."""
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -204,6 +204,10 @@ def is_non_tn_fp8_gemm_supported(device: torch.device | str) -> bool:
     Where they do not (Ada, Hopper, sm_120 and the CPU reference path), column-wise FP8 usage
     needs a physically transposed copy of the data.
     """
+    # Asked for every FP8 cast and GEMM operand: a CPU (or meta) device answers without
+    # building a torch.device or a capability lookup.
+    if getattr(device, "type", None) not in (None, "cuda"):
+        return False
     cc = device_compute_capability(device)
     if cc is None:
         return False
@@ -252,11 +256,19 @@ def guard_depth() -> int:
     return len(_stack())
 
 
-@contextlib.contextmanager
-def device_guard(device: torch.device):
-    """``with device_guard(t.device):`` runs the body with ``t``'s device current."""
-    enter_device(device)
-    try:
-        yield
-    finally:
+class device_guard:  # noqa: N801 (used like a function: ``with device_guard(d):``)
+    """``with device_guard(t.device):`` runs the body with ``t``'s device current.
+
+    A class rather than a generator context manager: every backward enters one, and the
+    generator machinery cost more host time than the guard itself."""
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __enter__(self) -> None:
+        enter_device(self.device)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
         exit_device()

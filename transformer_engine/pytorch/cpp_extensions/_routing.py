@@ -32,11 +32,16 @@ def native_for(op: str, device: torch.device):
     return module
 
 
+# The binding's dtype codes as plain ints: the per-tensor lookup runs for every argument of
+# every native call, and int(DType member) each time was a measurable part of the host cost.
+_DTYPE_CODES = {dtype: int(code) for dtype, code in TE_DType.items()}
+
+
 def tensor_arg(t: torch.Tensor | None):
     """A tensor as the binding takes it: ``(data_ptr, shape, dtype code)``; ``None`` stays ``None``."""
     if t is None:
         return None
-    return (t.data_ptr(), list(t.shape), int(TE_DType[t.dtype]))
+    return (t.data_ptr(), list(t.shape), _DTYPE_CODES[t.dtype])
 
 
 def launch_args(device: torch.device) -> tuple[int, int]:

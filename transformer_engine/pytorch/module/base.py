@@ -350,20 +350,11 @@ class TransformerEngineBaseModule(torch.nn.Module):
             if not FP8GlobalStateManager.fp8_graph_capturing():
                 FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(self.fp8_meta)
 
-    @contextlib.contextmanager
     def prepare_forward_ctx(self, inp, num_gemms: int = 1, allow_non_contiguous=False):
-        first_flag = FP8GlobalStateManager.quantization_state.is_first_fp8_module
-        inp = self.prepare_forward(inp, num_gemms, allow_non_contiguous)
-        try:
-            yield inp
-        except BaseException:
-            # leave the region as it was: the first-module flag is handed back
-            FP8GlobalStateManager.quantization_state.is_first_fp8_module = first_flag
-            raise
-        else:
-            self._register_fp8_state()
-        finally:
-            self.end_forward()
+        """``with module.prepare_forward_ctx(inp) as inp:`` runs a forward between
+        :meth:`prepare_forward` and :meth:`end_forward`; after a forward that completes, the
+        module's delayed-scaling state joins the amax registry."""
+        return _ForwardRegion(self, inp, num_gemms, allow_non_contiguous)
 
     # -- weight workspaces (is_first_microbatch) -----------------------------------------------
     def _cached_weight(self, key: str, is_first_microbatch: bool | None):
@@ -467,3 +458,32 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if self.primary_weights_in_fp8 and key in state_dict:
             self.set_extra_state(state_dict[key])
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, *args, **kwargs)
+
+
+class _ForwardRegion:
+    """The context manager of :meth:`TransformerEngineBaseModule.prepare_forward_ctx` (a class:
+    every forward enters one, and a generator context manager cost several times more host
+    time)."""
+
+    __slots__ = ("module", "inp", "num_gemms", "allow_non_contiguous", "first_flag")
+
+    def __init__(self, module, inp, num_gemms: int, allow_non_contiguous) -> None:
+        self.module, self.inp = module, inp
+        self.num_gemms, self.allow_non_contiguous = num_gemms, allow_non_contiguous
+
+    def __enter__(self):
+        self.first_flag = FP8GlobalStateManager.quantization_state.is_first_fp8_module
+        inp = self.module.prepare_forward(self.inp, self.num_gemms, self.allow_non_contiguous)
+        self.inp = None  # not kept alive by the region
+        return inp
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        module = self.module
+        try:
+            if exc_type is None:
+                module._register_fp8_state()
+            else:
+                # leave the region as it was: the first-module flag is handed back
+                FP8GlobalStateManager.quantization_state.is_first_fp8_module = self.first_flag
+        finally:
+            module.end_forward()

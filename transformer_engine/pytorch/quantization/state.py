@@ -10,6 +10,7 @@ them.
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,7 @@ _AUTOCAST_FIELDS = (
     "is_first_fp8_module",
     "fp8_graph_capturing",
 )
+_read_autocast_fields = operator.attrgetter(*_AUTOCAST_FIELDS)
 
 
 class FP8GlobalStateManager:
@@ -111,13 +113,22 @@ class FP8GlobalStateManager:
 
     @classmethod
     def get_autocast_state(cls) -> tuple:
-        s = cls.quantization_state
-        return tuple(getattr(s, name) for name in _AUTOCAST_FIELDS)
+        return _read_autocast_fields(cls.quantization_state)
 
     @classmethod
     def set_autocast_state(cls, autocast_state: tuple) -> None:
-        for name, value in zip(_AUTOCAST_FIELDS, autocast_state, strict=True):
-            setattr(cls.quantization_state, name, value)
+        # Every autocast enter and exit runs these two: one attrgetter and one unpacking (in
+        # _AUTOCAST_FIELDS order; a tuple of another length raises ValueError before anything
+        # is assigned) instead of a generator and a setattr per field.
+        s = cls.quantization_state
+        (
+            s.fp8_enabled,
+            s.fp8_calibration,
+            s.fp8_recipe,
+            s.fp8_distributed_group,
+            s.is_first_fp8_module,
+            s.fp8_graph_capturing,
+        ) = autocast_state
 
     @staticmethod
     def is_fp8_available() -> tuple[bool, str]:
@@ -194,15 +205,20 @@ class FP8GlobalStateManager:
                 continue
             # a CustomRecipe state's delayed part is updated by the DelayedScaling rules its
             # requests named (state.recipe), not by the CustomRecipe
-            key = AmaxKey(forward, recipe if owner is state else state.recipe, group)
+            key_recipe = recipe if owner is state else state.recipe
             old = registered.get(forward)
-            if old is not None and old[0] != key:
-                # the recipe or group changed: the pair must be updated under the new key only
-                registry.unregister(*old)
-                old = None
-            if old is None:
-                registered[forward] = (key, registry.register(key, state.amax_history, state.scale))
-                continue
+            # Every forward comes here: with the recipe and group objects it registered under
+            # (the usual case) no key is built and no recipe compared by value.
+            if old is None or old[0].recipe is not key_recipe or old[0].group is not group:
+                key = AmaxKey(forward, key_recipe, group)
+                if old is not None and old[0] != key:
+                    # the recipe or group changed: the pair is updated under the new key only
+                    registry.unregister(*old)
+                    old = None
+                if old is None:
+                    position = registry.register(key, state.amax_history, state.scale)
+                    registered[forward] = (key, position)
+                    continue
             history, scale = registry.entry(*old)
             if history is not state.amax_history or scale is not state.scale:
                 registry.replace(old[0], old[1], state.amax_history, state.scale)
