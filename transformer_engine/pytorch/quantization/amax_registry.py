@@ -59,8 +59,21 @@ class AmaxKey:
             and (self.recipe is other.recipe or self.recipe == other.recipe)
         )
 
+    def __post_init__(self) -> None:
+        # Computed once: every update step looks keys up in the registry's dicts.
+        object.__setattr__(self, "_hash", hash((self.forward, type(self.recipe), id(self.group))))
+
     def __hash__(self) -> int:
-        return hash((self.forward, type(self.recipe), id(self.group)))
+        return self._hash
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_hash"]  # a copy's group is another object: its hash is computed anew
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
 
 
 class _Entry:

@@ -52,6 +52,16 @@ def _check_state_tensor(owner: str, name: str, t) -> None:
         )
 
 
+def _torch_fp8_dtype(dtype) -> torch.dtype:
+    """The torch FP8 dtype of a quantizer's ``dtype`` (a ``DType``): a dict lookup on every
+    cast, the ``DType(...)`` conversion (and its error for a bad value) only for other kinds
+    of value."""
+    try:
+        return TE_DType_To_Torch[dtype]
+    except (KeyError, TypeError):
+        return TE_DType_To_Torch[DType(dtype)]
+
+
 class _Float8QuantizerBase(Quantizer):
     """What both per-tensor FP8 quantizers share: layouts, wrapping, in-place updates."""
 
@@ -170,7 +180,7 @@ class _Float8QuantizerBase(Quantizer):
         None)``; the bias gradient comes from the cast's own pass when the transposed copy is
         made too."""
         scale, amax = self._scale_and_amax(src)
-        fp8_dtype = TE_DType_To_Torch[DType(self.dtype)]
+        fp8_dtype = _torch_fp8_dtype(self.dtype)
         if with_dbias and with_transpose:
             return quantize_dbias_prevalidated(src, scale, fp8_dtype, amax=amax)
         res = quantize_prevalidated(src, scale, fp8_dtype, amax=amax, with_transpose=with_transpose)
@@ -202,7 +212,7 @@ class _Float8QuantizerBase(Quantizer):
                 "(the producer's amax pass) or quantize the produced tensor with quantize()"
             )
         need_data, need_transpose = self._layouts(device, shape)
-        res, extra = produce(scale, amax, TE_DType_To_Torch[DType(self.dtype)], need_transpose)
+        res, extra = produce(scale, amax, _torch_fp8_dtype(self.dtype), need_transpose)
         out = self._wrap(
             shape=torch.Size(shape),
             dtype=dtype,
@@ -465,7 +475,7 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
             return super()._cast(src, with_transpose, with_dbias)
         res, dbias = quantize_current_scaling_prevalidated(
             src,
-            TE_DType_To_Torch[DType(self.dtype)],
+            _torch_fp8_dtype(self.dtype),
             epsilon=self.amax_epsilon,
             force_pow_2_scales=self.force_pow_2_scales,
             with_transpose=with_transpose,
@@ -479,7 +489,7 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         reduce_amax = self._amax_reduction()
         scale = current_scale_prevalidated(
             src,
-            TE_DType_To_Torch[DType(self.dtype)],
+            _torch_fp8_dtype(self.dtype),
             epsilon=self.amax_epsilon,
             force_pow_2_scales=self.force_pow_2_scales,
             reduce_amax=reduce_amax,
@@ -489,7 +499,7 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
     def _scale_from_amax_pass(self, amax_of, device: torch.device) -> torch.Tensor:
         """The scale of values whose amax ``amax_of(buffer)`` writes (see quantize_produced)."""
         return current_scale_from(
-            amax_of, device, TE_DType_To_Torch[DType(self.dtype)], epsilon=self.amax_epsilon,
+            amax_of, device, _torch_fp8_dtype(self.dtype), epsilon=self.amax_epsilon,
             force_pow_2_scales=self.force_pow_2_scales, reduce_amax=self._amax_reduction(),
         )  # fmt: skip
 

@@ -405,15 +405,22 @@ class Float8TensorStorage(QuantizedTensorStorage):
             The result would hold no layout at all.
         """
         owner = type(self).__name__
-        current = self.get_usages()
-        rowwise = current["rowwise"] if rowwise_usage is None else bool(rowwise_usage)
-        columnwise = current["columnwise"] if columnwise_usage is None else bool(columnwise_usage)
+        # The usages present now (get_usages, inlined: the linear layers call this per GEMM
+        # operand), with the device's layout rule asked once.
+        data = self._data
+        non_tn = data is not None and is_non_tn_fp8_gemm_supported(data.device)
+        rowwise = data is not None if rowwise_usage is None else bool(rowwise_usage)
+        if columnwise_usage is None:
+            columnwise = self._transpose is not None or non_tn
+        else:
+            columnwise = bool(columnwise_usage)
         if not rowwise and not columnwise:
             raise ValueError(
                 f"{owner}.update_usage: rowwise_usage and columnwise_usage would both be False, "
                 "leaving no data; keep at least one (or call clear())"
             )
-        non_tn = is_non_tn_fp8_gemm_supported(self.device)
+        if data is None:
+            non_tn = is_non_tn_fp8_gemm_supported(self.device)
         need_data = rowwise or (columnwise and non_tn)
         need_transpose = columnwise and not non_tn
         if need_data and self._data is None:
