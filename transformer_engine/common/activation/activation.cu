@@ -250,6 +250,19 @@ CastArgs check_fp8_args(const char* op, const NVTEBuffer& output, const char* ou
                   cast_detail::optional_data(scale_inv), nullptr};
 }
 
+/* A result buffer: [rows, cols], the input's dtype when high precision, and the FP8 arguments
+ * present exactly when it is FP8 (check_fp8_args); returns the kernels' pointers. */
+CastArgs check_result(const char* op, const char* name, const NVTEBuffer& out,
+                      const NVTEBuffer& in, size_t rows, size_t cols, const NVTEBuffer* scale,
+                      NVTEBuffer* output_t, NVTEBuffer* amax, NVTEBuffer* scale_inv) {
+  check_extent(op, name, out, rows, cols);
+  if (!is_fp8(out.dtype) && out.dtype != in.dtype) {
+    throw_invalid(op, name, " has dtype ", dtype_name(out.dtype), " but input has ",
+                  dtype_name(in.dtype), "; a high-precision ", name, " keeps the input's dtype");
+  }
+  return check_fp8_args(op, out, name, scale, output_t, amax, scale_inv, rows, cols);
+}
+
 void check_fp8_on_device(CallContext& ctx, const NVTEBuffer* scale, NVTEBuffer* output_t,
                          NVTEBuffer* amax, NVTEBuffer* scale_inv) {
   if (scale != nullptr) ctx.check_on_device("scale", *scale);
@@ -312,13 +325,8 @@ extern "C" void nvte_activation(const NVTEBuffer* input, NVTEActivation activati
   const ActivationShape shape = check_input(op, in, gated);
   require(op, "output", output);
   NVTEBuffer& out = *output;
-  check_extent(op, "output", out, shape.rows, shape.cols);
-  if (!is_fp8(out.dtype) && out.dtype != in.dtype) {
-    throw_invalid(op, "output has dtype ", dtype_name(out.dtype), " but input has ",
-                  dtype_name(in.dtype), "; a high-precision output keeps the input's dtype");
-  }
-  const CastArgs args = check_fp8_args(op, out, "output", scale, output_t, amax, scale_inv,
-                                       shape.rows, shape.cols);
+  const CastArgs args = check_result(op, "output", out, in, shape.rows, shape.cols, scale,
+                                     output_t, amax, scale_inv);
   CallContext ctx(op, device, stream);
   ctx.check_on_device("input", in);
   ctx.check_on_device("output", out);
@@ -342,13 +350,8 @@ extern "C" void nvte_dactivation(const NVTEBuffer* grad, const NVTEBuffer* input
   const NVTEBuffer& g = check_grad(op, grad, in, shape);
   require(op, "dinput", dinput);
   NVTEBuffer& dx = *dinput;
-  check_extent(op, "dinput", dx, shape.rows, shape.in_cols);
-  if (!is_fp8(dx.dtype) && dx.dtype != in.dtype) {
-    throw_invalid(op, "dinput has dtype ", dtype_name(dx.dtype), " but input has ",
-                  dtype_name(in.dtype), "; a high-precision dinput keeps the input's dtype");
-  }
-  const CastArgs args = check_fp8_args(op, dx, "dinput", scale, output_t, amax, scale_inv,
-                                       shape.rows, shape.in_cols);
+  const CastArgs args = check_result(op, "dinput", dx, in, shape.rows, shape.in_cols, scale,
+                                     output_t, amax, scale_inv);
   if (dbias != nullptr || workspace != nullptr) {
     if (output_t == nullptr) {
       throw_invalid(op, "dbias comes with the transposed FP8 copy: pass output_t (and an FP8 "

@@ -22,9 +22,9 @@ from .. import reference
 from ..constants import HIGH_PRECISION_DTYPES
 from ._routing import launch_args, native_for, tensor_arg
 from .cast import (
-    DBIAS_TILE_ROWS,
     QuantizeResult,
     column_sum,
+    dbias_workspace_elements,
     quantize_prevalidated,
     transposed_shape,
 )
@@ -295,11 +295,9 @@ def activation_backward_fp8(
     scale_inv = torch.empty(1, dtype=torch.float32, device=device)
     dbias = workspace = None
     if with_dbias:
-        in_cols = x.shape[-1]
-        rows = x.numel() // in_cols if in_cols else 0
-        tiles = (rows + DBIAS_TILE_ROWS - 1) // DBIAS_TILE_ROWS
-        dbias = torch.empty(in_cols, dtype=grad.dtype, device=device)
-        workspace = torch.empty(max(tiles * in_cols, 1), dtype=torch.float32, device=device)
+        elements = dbias_workspace_elements(x) if x.shape[-1] else 0
+        dbias = torch.empty(x.shape[-1], dtype=grad.dtype, device=device)
+        workspace = torch.empty(max(elements, 1), dtype=torch.float32, device=device)
     native.dactivation(
         tensor_arg(grad), tensor_arg(x), *spec.native_args(), tensor_arg(out),
         tensor_arg(scale), tensor_arg(out_t), tensor_arg(amax), tensor_arg(scale_inv),

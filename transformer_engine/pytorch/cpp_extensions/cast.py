@@ -33,6 +33,7 @@ __all__ = [
     "quantize_current_scaling_prevalidated",
     "column_sum",
     "DBIAS_TILE_ROWS",
+    "dbias_workspace_elements",
     "dequantize",
     "compute_amax",
     "transposed_shape",
@@ -162,7 +163,7 @@ def _empty_outputs(input, fp8_dtype, with_transpose: bool):
 DBIAS_TILE_ROWS = 64
 
 
-def _dbias_workspace_elements(input: torch.Tensor) -> int:
+def dbias_workspace_elements(input: torch.Tensor) -> int:
     """Float32 elements of the native dbias workspace: one column sum per tile of rows."""
     cols = input.shape[-1]
     tiles = (input.numel() // cols + DBIAS_TILE_ROWS - 1) // DBIAS_TILE_ROWS
@@ -188,9 +189,7 @@ def quantize_dbias_prevalidated(
     dbias = torch.empty(input.shape[-1], dtype=input.dtype, device=device)
     native = native_for("quantize", device)
     if native is not None:
-        workspace = torch.empty(
-            _dbias_workspace_elements(input), dtype=torch.float32, device=device
-        )
+        workspace = torch.empty(dbias_workspace_elements(input), dtype=torch.float32, device=device)
         native.quantize_dbias(
             tensor_arg(input), tensor_arg(scale), tensor_arg(result.data),
             tensor_arg(result.transpose), tensor_arg(amax), tensor_arg(result.scale_inv),
@@ -238,7 +237,7 @@ def quantize_current_scaling_prevalidated(
     dbias = dbias_arg = workspace_arg = None
     workspace_elements = 0
     if with_dbias:
-        workspace_elements = _dbias_workspace_elements(input)
+        workspace_elements = dbias_workspace_elements(input)
         dbias = torch.empty(input.shape[-1], dtype=input.dtype, device=device)
         dbias_arg = tensor_arg(dbias)
     # One float32 allocation for the dbias workspace (first, so it keeps the allocator's

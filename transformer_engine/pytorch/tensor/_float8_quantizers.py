@@ -157,23 +157,29 @@ class _Float8QuantizerBase(Quantizer):
         # The cast kernels write no 0-d transpose; a 0-d tensor's is a copy of its one byte.
         zero_dim = src.dim() == 0
         res, dbias = self._cast(src, need_transpose and not zero_dim, with_dbias)
+        out = self._wrap_result(res, src.shape, fake_dtype, need_data, need_transpose)
+        return (out, dbias) if with_dbias else out
+
+    def _wrap_result(self, res, shape, dtype, need_data: bool, need_transpose: bool):
+        """A cast's ``QuantizeResult`` as this quantizer's tensor or storage, holding the layouts
+        its usages ask for. The cast kernels write no 0-d transpose: a 0-d tensor's transposed
+        copy is a copy of its one byte."""
         data = res.data.view(torch.uint8) if need_data else None
         transpose = transpose_fp8 = None
-        if need_transpose and zero_dim:
+        if need_transpose and len(shape) == 0:
             transpose_fp8 = res.data.clone() if need_data else res.data
             transpose = transpose_fp8.view(torch.uint8)
         elif need_transpose:
             transpose, transpose_fp8 = res.transpose.view(torch.uint8), res.transpose
-        out = self._wrap(
-            shape=src.shape,
-            dtype=fake_dtype,
+        return self._wrap(
+            shape=shape,
+            dtype=dtype,
             data=data,
             transpose=transpose,
             scale_inv=res.scale_inv,
             data_fp8=res.data if need_data else None,
             transpose_fp8=transpose_fp8,
         )
-        return (out, dbias) if with_dbias else out
 
     def _cast(self, src, with_transpose: bool, with_dbias: bool):
         """The native (or reference) cast of a checked ``src``: ``(QuantizeResult, dbias or
@@ -213,15 +219,7 @@ class _Float8QuantizerBase(Quantizer):
             )
         need_data, need_transpose = self._layouts(device, shape)
         res, extra = produce(scale, amax, _torch_fp8_dtype(self.dtype), need_transpose)
-        out = self._wrap(
-            shape=torch.Size(shape),
-            dtype=dtype,
-            data=res.data.view(torch.uint8) if need_data else None,
-            transpose=res.transpose.view(torch.uint8) if need_transpose else None,
-            scale_inv=res.scale_inv,
-            data_fp8=res.data if need_data else None,
-            transpose_fp8=res.transpose if need_transpose else None,
-        )
+        out = self._wrap_result(res, torch.Size(shape), dtype, need_data, need_transpose)
         return out, extra
 
     def update_quantized(self, src: torch.Tensor, dst, *, noop_flag: torch.Tensor | None = None):
