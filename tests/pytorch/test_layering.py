@@ -73,7 +73,13 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.pytorch.ops",
         "transformer_engine.pytorch.ops.*",
     )),
-    (9, "the public package and the compat shim", (
+    (9, "attention and the composed layers, CUDA graphs (clients of the modules)", (
+        "transformer_engine.pytorch.attention",
+        "transformer_engine.pytorch.attention.*",
+        "transformer_engine.pytorch.transformer",
+        "transformer_engine.pytorch.graph",
+    )),
+    (10, "the public package and the compat shim", (
         "transformer_engine.pytorch",
         "transformer_engine.pytorch.fp8",
     )),
@@ -509,10 +515,10 @@ def test_find_cycles_on_plain_graphs():
 
 
 def test_checker_fails_loudly_on_a_module_missing_from_the_table(tmp_path):
-    make_tree(tmp_path, {f"{TE}/attention/core.py": "", f"{TE}/device.py": ""})
+    make_tree(tmp_path, {f"{TE}/unplaced/core.py": "", f"{TE}/device.py": ""})
     layering, _ = check_tree(tmp_path)
     assert any(
-        "transformer_engine.pytorch.attention.core" in p and "add it to the layer table" in p
+        "transformer_engine.pytorch.unplaced.core" in p and "add it to the layer table" in p
         for p in layering
     )
 
