@@ -1,0 +1,222 @@
+"""The attention backends: an explicit (unfused) implementation, and PyTorch's
+``scaled_dot_product_attention`` kernels pinned one at a time.
+
+* :class:`UnfusedDotProductAttention`: ``Q K^T``, scale, bias, mask, softmax (with the softmax
+  type's offset), dropout, ``P V``, in float32 whatever the input dtype. It handles every
+  option, is the CPU path, and is what the fused kernels are tested against.
+* :class:`FlashAttention`: SDPA's FLASH_ATTENTION kernel (causal flag or no mask only).
+* :class:`FusedAttention`: SDPA's CUDNN_ATTENTION or EFFICIENT_ATTENTION kernel; the
+  memory-efficient one also takes materialized masks, additive biases and (through an extra
+  key column, below) the off-by-one and learnable softmax offsets.
+
+None of them has parameters. Which one runs is decided by ``utils.get_attention_backend``;
+:func:`sdpa_supports` asks PyTorch whether a kernel accepts the actual tensors of a call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from .problem import AttentionProblem, causal_keep
+
+__all__ = [
+    "UnfusedDotProductAttention",
+    "FlashAttention",
+    "FusedAttention",
+    "SDPBackend",
+    "sdpa_supports",
+    "sdpa_inputs",
+]
+
+try:  # torch >= 2.3
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # pragma: no cover - older torch: no SDPA backends, unfused only
+    SDPBackend, sdpa_kernel = None, None
+
+
+def _float_softmax_with_offset(scores: torch.Tensor, offset: torch.Tensor | None):
+    """``exp(s_j) / (exp(offset) + sum_j exp(s_j))`` over the last dim (offset ``None``: the
+    vanilla softmax). Rows whose scores are all ``-inf`` give zeros, never NaN."""
+    row_max = scores.amax(dim=-1, keepdim=True)
+    if offset is not None:
+        row_max = torch.maximum(row_max, offset)
+    # Softmax does not depend on the shift: a constant for autograd, and 0 for empty rows.
+    shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
+    exps = torch.exp(scores - shift)
+    denominator = exps.sum(dim=-1, keepdim=True)
+    if offset is not None:
+        denominator = denominator + torch.exp(offset - shift)
+    denominator = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+    return exps / denominator
+
+
+def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+class UnfusedDotProductAttention(torch.nn.Module):
+    """Attention written out in PyTorch operations, computed in float32 (the CPU path).
+
+    ``forward(problem, dropout_p, dropout_ctx)`` returns ``(out [b, hq, sq, dv] in the input
+    dtype, max_logit [hq] float32 or None)``.
+    """
+
+    def forward(
+        self,
+        problem: AttentionProblem,
+        dropout_p: float = 0.0,
+        dropout_ctx=contextlib.nullcontext,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q, k, v = problem.q, problem.k, problem.v
+        groups = q.shape[1] // k.shape[1]
+        q32 = q.float()
+        k32 = _repeat_kv(k.float(), groups)
+        v32 = _repeat_kv(v.float(), groups)
+        scores = torch.matmul(q32, k32.transpose(-2, -1)) * problem.scale
+        if problem.bias is not None:
+            scores = scores + problem.bias.float()
+        keep = problem.keep
+        if keep is None and problem.implicit_causal:
+            keep = causal_keep(q.shape[2], k.shape[2], q.device)
+        if keep is not None:
+            scores = scores.masked_fill(~keep, float("-inf"))
+        max_logit = None
+        if problem.return_max_logit:
+            with torch.no_grad():
+                max_logit = scores.amax(dim=(0, 2, 3)).float()
+        offset = None
+        if problem.softmax_type != "vanilla":
+            heads = q.shape[1]
+            if problem.softmax_offset is None:  # off-by-one: exp(0) in the denominator
+                offset = scores.new_zeros(1, heads, 1, 1)
+            else:
+                offset = problem.softmax_offset.float().view(1, heads, 1, 1)
+        probs = _float_softmax_with_offset(scores, offset)
+        if dropout_p > 0.0:
+            with dropout_ctx():
+                probs = F.dropout(probs, p=dropout_p, training=True)
+        out = torch.matmul(probs, v32)
+        return out.to(q.dtype), max_logit
+
+
+# -- PyTorch's SDPA kernels ---------------------------------------------------------------------
+def sdpa_inputs(problem: AttentionProblem, repeat_kv: bool):
+    """``(q, k, v, attn_mask, is_causal, enable_gqa)`` for ``F.scaled_dot_product_attention``.
+
+    Rows without any key attend to every key instead (their output is zeroed afterwards by
+    the caller), so no kernel sees a row of ``-inf`` only. A softmax offset becomes one more
+    key: a zero key and a zero value whose score is the offset itself.
+    """
+    q, k, v = problem.q, problem.k, problem.v
+    b, hq, sq, _ = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    sink = problem.softmax_type != "vanilla"
+    keep = problem.keep
+    if keep is not None and problem.row_valid is not None:
+        keep = keep | ~problem.row_valid
+    is_causal = problem.implicit_causal
+    if is_causal and (sink or problem.bias is not None):
+        keep, is_causal = causal_keep(sq, skv, q.device), False
+    if problem.bias is None and not sink:
+        attn_mask = keep
+    else:
+        if problem.bias is not None:
+            attn_mask = problem.bias.to(q.dtype)
+        else:
+            attn_mask = q.new_zeros(1, 1, sq, skv)
+        if keep is not None:
+            attn_mask = attn_mask.masked_fill(~keep, float("-inf"))
+        if sink:
+            batch = attn_mask.shape[0]
+            attn_mask = attn_mask.expand(batch, hq, sq, skv)
+            if problem.softmax_offset is None:
+                column = q.new_zeros(1, 1, 1, 1).expand(batch, hq, sq, 1)
+            else:
+                offset = problem.softmax_offset.to(q.dtype).view(1, hq, 1, 1)
+                column = offset.expand(batch, hq, sq, 1)
+            attn_mask = torch.cat([attn_mask, column], dim=-1)
+            k = torch.cat([k, k.new_zeros(b, hkv, 1, k.shape[3])], dim=2)
+            v = torch.cat([v, v.new_zeros(b, hkv, 1, v.shape[3])], dim=2)
+    enable_gqa = hq != hkv
+    if enable_gqa and repeat_kv:
+        k, v = _repeat_kv(k, hq // hkv), _repeat_kv(v, hq // hkv)
+        enable_gqa = False
+    return q, k, v, attn_mask, is_causal, enable_gqa
+
+
+def _run_sdpa(problem: AttentionProblem, backend, dropout_p, dropout_ctx, repeat_kv):
+    q, k, v, attn_mask, is_causal, enable_gqa = sdpa_inputs(problem, repeat_kv)
+    kwargs = {"enable_gqa": True} if enable_gqa else {}  # older torch lacks the keyword
+    with sdpa_kernel(backend), dropout_ctx():
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+            scale=problem.scale, **kwargs,
+        )  # fmt: skip
+    if problem.row_valid is not None:
+        out = out.masked_fill(~problem.row_valid, 0)
+    return out
+
+
+class FlashAttention(torch.nn.Module):
+    """PyTorch's flash-attention SDPA kernel (no mask or a top-left causal flag, no bias)."""
+
+    sdp_backend = None if SDPBackend is None else SDPBackend.FLASH_ATTENTION
+
+    def forward(self, problem, dropout_p=0.0, dropout_ctx=contextlib.nullcontext, *,
+                repeat_kv=False):  # fmt: skip
+        return _run_sdpa(problem, self.sdp_backend, dropout_p, dropout_ctx, repeat_kv)
+
+
+class FusedAttention(torch.nn.Module):
+    """PyTorch's cuDNN or memory-efficient SDPA kernel, chosen per call (``sdp_backend``)."""
+
+    def forward(self, problem, dropout_p=0.0, dropout_ctx=contextlib.nullcontext, *,
+                sdp_backend=None, repeat_kv=False):  # fmt: skip
+        return _run_sdpa(problem, sdp_backend, dropout_p, dropout_ctx, repeat_kv)
+
+
+_CAN_USE = {
+    "FLASH_ATTENTION": "can_use_flash_attention",
+    "EFFICIENT_ATTENTION": "can_use_efficient_attention",
+    "CUDNN_ATTENTION": "can_use_cudnn_attention",
+}
+
+
+def _sdpa_params(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa):
+    params_type = torch.backends.cuda.SDPAParams
+    try:
+        return params_type(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
+    except TypeError:  # torch < 2.5: no enable_gqa
+        return params_type(q, k, v, attn_mask, dropout_p, is_causal)
+
+
+def _ask_pytorch(backend, problem, dropout_p, repeat_kv) -> tuple[bool, str]:
+    check = getattr(torch.backends.cuda, _CAN_USE[backend.name], None)
+    if check is None or not hasattr(torch.backends.cuda, "SDPAParams"):
+        return True, ""  # this torch cannot say; the static filters decided
+    q, k, v, attn_mask, is_causal, enable_gqa = sdpa_inputs(problem, repeat_kv)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # SDPA turns a bool mask into an additive one before choosing; probe what it sees
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
+    params = _sdpa_params(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
+    if check(params, False):
+        return True, ""
+    with warnings.catch_warnings(record=True) as caught:  # the reasons come as warnings
+        warnings.simplefilter("always")
+        check(params, True)
+    return False, "; ".join(str(w.message) for w in caught) or "refused by PyTorch"
+
+
+def sdpa_supports(backend, problem: AttentionProblem, dropout_p: float):
+    """``(ok, repeat_kv, reason)``: whether PyTorch's SDPA ``backend`` accepts this call's
+    tensors, first with grouped-query attention passed natively (``enable_gqa``), then with
+    K/V repeated to the query heads."""
+    ok, reason = _ask_pytorch(backend, problem, dropout_p, repeat_kv=False)
+    if ok or problem.q.shape[1] == problem.k.shape[1]:
+        return ok, False, reason
+    ok_repeated, reason_repeated = _ask_pytorch(backend, problem, dropout_p, repeat_kv=True)
+    return ok_repeated, ok_repeated, reason if ok_repeated else reason_repeated
