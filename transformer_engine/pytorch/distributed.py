@@ -8,7 +8,12 @@ have been updated in between (at the autocast exit). So, inside a checkpointed r
   (a FIFO per module, for regions that call a module several times);
 * the recompute swaps the stashed values in, runs, and then puts the up-to-date values back,
   which also discards the amaxes the recompute accumulated (no amax is registered twice);
-* the recompute runs under the autocast state captured when the region first ran.
+* the recompute runs under the autocast state captured when the region first ran;
+* with ``get_rng_state_tracker``, the recompute forks the tracker's states as they were when
+  the region first ran (dropout inside ``tracker.fork()`` draws the same masks again).
+
+Also ``CudaRNGStatesTracker``: named RNG streams, each forked in for a region (Megatron-style
+model-parallel RNG).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from .quantization import FP8GlobalStateManager
 
 __all__ = [
     "checkpoint",
+    "CudaRNGStatesTracker",
     "is_fp8_activation_recompute_enabled",
     "in_fp8_activation_recompute_phase",
 ]
@@ -74,7 +80,9 @@ def checkpoint(
     distribute_saved_activations : bool, default False
         Not implemented yet (tensor parallelism); True raises ``NotImplementedError``.
     get_rng_state_tracker : callable, optional
-        Not used yet; the CPU and CUDA RNG states are preserved by torch's checkpoint.
+        Returns a :class:`CudaRNGStatesTracker`: the recompute runs with the tracker's states
+        of the original forward, which are put back afterwards. The default CPU and CUDA RNG
+        states are preserved by torch's checkpoint either way.
     tp_group : ProcessGroup, optional
         Not used (single process).
     use_reentrant : bool, default True
@@ -87,18 +95,161 @@ def checkpoint(
         )
     calls = {"count": 0}
     autocast_state = FP8GlobalStateManager.get_autocast_state()
+    tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else None
+    forward_rng_states = {}
 
     def run(*inner_args):
         calls["count"] += 1
         if calls["count"] == 1:
+            if tracker is not None:
+                forward_rng_states.update(_copy_rng_states(tracker.get_states()))
             with _in_phase("forward"):
                 return function(*inner_args, **kwargs)
         saved = FP8GlobalStateManager.get_autocast_state()
         FP8GlobalStateManager.set_autocast_state(autocast_state)
+        if tracker is not None:
+            rng_states_now = tracker.get_states()
+            tracker.set_states(_copy_rng_states(forward_rng_states))
         try:
             with _in_phase("recompute"):
                 return function(*inner_args, **kwargs)
         finally:
             FP8GlobalStateManager.set_autocast_state(saved)
+            if tracker is not None:
+                tracker.set_states(rng_states_now)
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=use_reentrant)
+
+
+# ---------------------------------------------------------------------------------------------
+# Named RNG streams.
+#
+# The tracked generator is the default generator of the current CUDA device when CUDA is
+# available, else the CPU's default generator (so the tracker works, and tests run, on CPU-only
+# machines). A state is a generator-state object where torch supports graph-safe generator
+# states on CUDA (it advances in place and CUDA graphs can register it), else a ByteTensor from
+# ``Generator.get_state()``; fork accepts either kind, e.g. states restored by set_states.
+
+_ALL_ACTIVE_RNG_STATES: dict = {}
+
+
+def graph_safe_rng_available() -> bool:
+    """Whether torch has graph-safe generator states (CUDA graphs can capture forked RNG)."""
+    return (
+        hasattr(torch.cuda.CUDAGraph, "register_generator_state")
+        and hasattr(torch.Generator, "graphsafe_set_state")
+        and hasattr(torch.Generator, "graphsafe_get_state")
+        and hasattr(torch.Generator, "clone_state")
+    )
+
+
+def get_all_rng_states() -> dict:
+    """The states of the last tracker that added one (what CUDA graph capture registers)."""
+    return _ALL_ACTIVE_RNG_STATES
+
+
+def set_all_rng_states(states: dict) -> None:
+    global _ALL_ACTIVE_RNG_STATES
+    _ALL_ACTIVE_RNG_STATES = states
+
+
+def _tracked_generator() -> torch.Generator:
+    if torch.cuda.is_available():
+        torch.cuda.init()  # fills torch.cuda.default_generators
+        return torch.cuda.default_generators[torch.cuda.current_device()]
+    return torch.default_generator
+
+
+def _uses_state_objects(generator: torch.Generator) -> bool:
+    return generator.device.type == "cuda" and graph_safe_rng_available()
+
+
+def _get_state(generator: torch.Generator, like):
+    if isinstance(like, torch.Generator):
+        return generator.graphsafe_get_state()
+    return generator.get_state()
+
+
+def _set_state(generator: torch.Generator, state) -> None:
+    if isinstance(state, torch.Generator):
+        generator.graphsafe_set_state(state)
+    else:
+        generator.set_state(state)
+
+
+def _copy_rng_states(states: dict) -> dict:
+    """Independent copies: a state object advances in place while it is forked in."""
+    return {
+        name: state.clone_state() if isinstance(state, torch.Generator) else state.clone()
+        for name, state in states.items()
+    }
+
+
+class CudaRNGStatesTracker:
+    """Named RNG states, each seeded once and forked in for a region.
+
+    ``add(name, seed)`` creates a state seeded with ``seed`` without touching the current RNG;
+    ``with tracker.fork(name):`` runs the region with that state (it continues where the last
+    fork of ``name`` left off) and restores the previous state on exit. Model-parallel code
+    forks a per-rank stream for weight initialization and dropout, so tensor-parallel shards
+    differ while everything else stays in step.
+
+    The states belong to the default generator of the CUDA device that is current when
+    ``add``/``fork`` run (wrap them in ``torch.cuda.device(i)`` for another GPU); without CUDA,
+    to the CPU's default generator.
+    """
+
+    def __init__(self) -> None:
+        self.states_: dict = {}
+        self.seeds_: set = set()
+
+    def reset(self) -> None:
+        """Forget every state and seed."""
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self) -> dict:
+        """A new dict of the current states, to hand to :meth:`set_states` later.
+
+        State objects (graph-safe CUDA states) advance in place while forked in, so they are
+        copied; ByteTensor states are replaced, never modified, and are shared."""
+        return {
+            name: state.clone_state() if isinstance(state, torch.Generator) else state
+            for name, state in self.states_.items()
+        }
+
+    def set_states(self, states: dict) -> None:
+        """Replace the states (e.g. with a dict from :meth:`get_states`); not checked."""
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        """Add state ``name`` seeded with ``seed``; a seed or name used before is refused
+        (``RuntimeError``)."""
+        if seed in self.seeds_:
+            raise RuntimeError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise RuntimeError(f"cuda rng state {name} already exists")
+        self.seeds_.add(seed)
+        generator = _tracked_generator()
+        if _uses_state_objects(generator):
+            state = generator.clone_state()
+            state.manual_seed(seed)
+        else:
+            state = torch.Generator(device=generator.device).manual_seed(seed).get_state()
+        self.states_[name] = state
+        set_all_rng_states(self.states_)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        """Run the region with state ``name`` (``KeyError`` if it was never added)."""
+        if name not in self.states_:
+            raise KeyError(f"cuda rng state {name} is not added")
+        generator = _tracked_generator()
+        state = self.states_[name]
+        original = _get_state(generator, state)
+        _set_state(generator, state)
+        try:
+            yield
+        finally:
+            self.states_[name] = _get_state(generator, state)
+            _set_state(generator, original)
