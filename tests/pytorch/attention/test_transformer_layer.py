@@ -23,6 +23,7 @@ from test_multi_head_attention import (
 )
 from utils import REFERENCE_ACTIVATIONS, autocast_by_name, needs_cuda, needs_two_gpus
 
+from transformer_engine.pytorch.attention.inference import InferenceParams
 from transformer_engine.pytorch.transformer import DropPath, TransformerLayer
 
 HIDDEN, FFN, HEADS, SEQ, BATCH = 32, 64, 4, 8, 2
@@ -128,6 +129,72 @@ def test_rotary_embedding_and_mask_override():
     layer = randomize(make(rotary_pos_interleaved=True))
     freqs = rotary_freqs(SEQ, HIDDEN // HEADS, interleaved=True)
     check_against_oracle(layer, inputs(), F32, rotary_pos_emb=freqs, self_attn_mask_type="no_mask")
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize(
+    "paged",
+    [
+        False,
+        pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
+            "DotProductAttention reads the paged cache ([pages, page_size, h, d]) returned by "
+            "InferenceParams.step as if it were bshd, without cache_manager.page_table"
+        ))),
+    ],
+)  # fmt: skip
+def test_kv_cache_decoding_equals_the_full_forward(fmt, paged):
+    """A prompt of 3 tokens, then one token per step: each step's output equals the full causal
+    forward's at that position (rotary positions continue from the cached length)."""
+    total, prompt, groups, d = 7, 3, 2, HIDDEN // HEADS
+    layer = randomize(make(attn_input_format=fmt, num_gqa_groups=groups, layer_number=2))
+    x = inputs(fmt, seq=total).detach()
+    freqs = rotary_freqs(total, d)
+    full = layer(x, rotary_pos_emb=freqs)
+    paging = dict(is_paged=True, page_size=4, total_num_pages=BATCH * 2) if paged else {}
+    params = InferenceParams(
+        BATCH, 8, groups, d, torch.float32, qkv_format=fmt, device="cpu", **paging
+    )
+    seq_dim = 0 if fmt == "sbhd" else 1
+    steps = [(0, prompt)] + [(t, 1) for t in range(prompt, total)]
+    outputs = []
+    for start, count in steps:
+        params.pre_step({seq: count for seq in range(BATCH)})
+        chunk = x.narrow(seq_dim, start, count)
+        outputs.append(
+            layer(chunk, self_attn_mask_type="padding_causal", inference_params=params,
+                  rotary_pos_emb=freqs)
+        )  # fmt: skip
+    assert 2 in params.cache_manager.cache  # allocated by the layer, keyed by layer_number
+    torch.testing.assert_close(torch.cat(outputs, seq_dim), full, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_thd_equals_each_sequence_alone():
+    """Two sequences of 5 and 3 tokens packed as thd (padding_causal with cu_seqlens) give, per
+    sequence, what the layer gives on that sequence alone (bshd, causal)."""
+    lengths = (5, 3)
+    layer = randomize(make(attn_input_format="thd", self_attn_mask_type="padding_causal"))
+    alone = randomize(make(attn_input_format="bshd"))  # the same weights (same seed)
+    x = torch.randn(sum(lengths), HIDDEN, generator=torch.Generator().manual_seed(3))
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    freqs = rotary_freqs(8, HIDDEN // HEADS)
+    out = layer(x, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5,
+                rotary_pos_emb=freqs)  # fmt: skip
+    assert out.shape == x.shape
+    for start, length in zip((0, 5), lengths):
+        ref = alone(x[None, start : start + length], rotary_pos_emb=freqs)[0]
+        torch.testing.assert_close(out[start : start + length], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_mask_matches_oracle_on_the_real_tokens():
+    """Self attention with a [b, 1, 1, s] padding mask (True = padded key/query): the real
+    tokens match the oracle run with the padded keys hidden."""
+    layer = randomize(make(self_attn_mask_type="padding"))
+    mask = torch.zeros(BATCH, 1, 1, SEQ, dtype=torch.bool)
+    mask[1, ..., 5:] = True  # the second sequence has 5 real tokens
+    x = inputs()
+    out = layer(x, attention_mask=mask)
+    ref = oracle.transformer_layer(layer, x, mask=mask, mask_type="no_mask")
+    assert rel_rms(out[:, 0], ref[:, 0]) < F32 and rel_rms(out[:5, 1], ref[:5, 1]) < F32
 
 
 def test_eval_is_deterministic_and_training_drops():
