@@ -18,6 +18,7 @@ from .inputs import (
     QKV_FORMATS,
     build_problem,
     check_qkv,
+    check_thd_arguments,
     normalize_mask_type,
     resolve_packed_inputs,
     side_lengths,
@@ -196,6 +197,8 @@ class DotProductAttention(TransformerEngineBaseModule):
         self.qkv_format = qkv_format
         self.attn_mask_type = normalize_mask_type(attn_mask_type)
         self.window_size = check_set_window_size(self.attn_mask_type, window_size)
+        # None: each call's mask type picks its own default window (no coercion warnings)
+        self._constructor_window = None if window_size is None else tuple(window_size)
         self.bottom_right_diagonal = bottom_right_diagonal
         self.get_rng_state_tracker = get_rng_state_tracker
         self.layer_number = 1 if layer_number is None else layer_number
@@ -238,11 +241,10 @@ class DotProductAttention(TransformerEngineBaseModule):
     def _mask_settings(self, attn_mask_type, window_size, bottom_right_diagonal):
         """``(mask_type, window, bottom_right)`` of one call, cached per distinct arguments."""
         attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        if window_size is None:
-            window_size = self.window_size
+        window_size = self._constructor_window if window_size is None else tuple(window_size)
         if bottom_right_diagonal is None:
             bottom_right_diagonal = self.bottom_right_diagonal
-        key = (attn_mask_type, tuple(window_size), bottom_right_diagonal)
+        key = (attn_mask_type, window_size, bottom_right_diagonal)
         settings = self._mask_settings_cache.get(key)
         if settings is None:
             mask_type = normalize_mask_type(attn_mask_type)
@@ -398,6 +400,8 @@ class DotProductAttention(TransformerEngineBaseModule):
         bottom_right, cu_q, cu_kv, cu_q_padded, cu_kv_padded, max_seqlen_q, max_seqlen_kv,
         checkpoint_core_attention, bias_type, bias, alibi_slopes, kv_cache, pad_between_seqs,
     ):  # fmt: skip
+        if q_format == "thd" or kv_format == "thd":
+            check_thd_arguments(mask_type, q_format, kv_format, cu_q, cu_kv)
         batch = cu_q.shape[0] - 1 if q_format == "thd" else q.shape[1 if q_format == "sbhd" else 0]
         if kv_cache and kv_format == "bshd" and k.shape[0] > batch:
             k, v = k[:batch], v[:batch]  # the cache holds more sequences than this step runs

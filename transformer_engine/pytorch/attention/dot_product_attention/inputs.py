@@ -19,6 +19,7 @@ __all__ = [
     "normalize_mask_type",
     "resolve_packed_inputs",
     "check_qkv",
+    "check_thd_arguments",
     "to_bhsd",
     "SideLengths",
     "side_lengths",
@@ -119,6 +120,23 @@ def check_qkv(q, k, v, q_format, kv_format, heads, groups, dk, dv) -> None:
         raise ValueError(
             f"DotProductAttention: head dims (q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}) "
             f"do not match kv_channels=({dk}, {dv})"
+        )
+
+
+def check_thd_arguments(mask_type, q_format, kv_format, cu_q, cu_kv) -> None:
+    """``thd`` needs a padding mask type and the ``cu_seqlens`` of its sides."""
+    if not mask_type.startswith("padding"):
+        raise ValueError(
+            f"DotProductAttention: qkv_format='thd' needs a padding attn_mask_type (padding, "
+            f"padding_causal, padding_causal_bottom_right), got {mask_type!r}"
+        )
+    missing = [name for name, fmt, cu in (("cu_seqlens_q", q_format, cu_q),
+                                          ("cu_seqlens_kv", kv_format, cu_kv))
+               if fmt == "thd" and cu is None]  # fmt: skip
+    if missing:
+        raise ValueError(
+            f"DotProductAttention: qkv_format='thd' needs {' and '.join(missing)} (int32 "
+            "[b + 1], the running sum of the sequence lengths)"
         )
 
 
