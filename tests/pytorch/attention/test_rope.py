@@ -14,6 +14,8 @@ import torch
 from utils import needs_cuda, needs_two_gpus
 
 from transformer_engine.pytorch.attention.rope import (
+    FusedQKVRoPEFunc,
+    FusedRoPEFunc,
     RotaryPositionEmbedding,
     apply_fused_qkv_rotary_pos_emb,
     apply_rotary_pos_emb,
@@ -302,6 +304,19 @@ def test_fused_qkv_matches_separate_rotations(tensor_format, interleaved):
     torch.autograd.backward([q, k, v], grads)
     torch.autograd.backward(list(expected), [g.double() for g in grads])
     torch.testing.assert_close(qkv.grad.double(), x64.grad, **FP32_TOL)
+
+
+def test_autograd_functions_take_upstreams_positional_arguments():
+    t = random_input("bshd", seq=3).requires_grad_()
+    starts = torch.tensor([1, 0, 4])
+    out = FusedRoPEFunc.apply(t, angle_table(8, 12, True), starts, "bshd", True, None, 1, 0)
+    expected = oracle_batched(t.detach(), "bshd", 12, True, starts=starts)
+    torch.testing.assert_close(out.double(), expected, **FP32_TOL)
+    qkv = random_input("sbhd", dim=3 * 8).requires_grad_()
+    table = angle_table(9, 8, False)
+    q, k, v = FusedQKVRoPEFunc.apply(qkv, table, table, [8, 8, 8], None, "sbhd", False, 1, 0)
+    q.sum().backward()  # k and v unused: their gradients are zero
+    assert qkv.grad[..., 8:].eq(0).all() and qkv.grad[..., :8].ne(0).any()
 
 
 # --- refusals -----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ then differ only in arithmetic:
 
 * ``fused=False`` is upstream's composition: cos/sin computed in float32, cast to ``t``'s dtype,
   and the products and sum taken in that dtype (plain autograd).
-* ``fused=True`` is one autograd node (:class:`_RotaryFunction`) that computes in float32 and
+* ``fused=True`` is one autograd node (:class:`FusedRoPEFunc`) that computes in float32 and
   rounds once to ``t``'s dtype; it saves only the angles its backward needs. No native kernel:
   PyTorch operations on whatever device ``t`` lives on. Both paths agree within ``t``'s
   rounding (bit for bit in float32).
@@ -33,7 +33,13 @@ import torch
 from ..device import construction_device, materialization_device, reject_meta
 from ..quantized_tensor import QuantizedTensor
 
-__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_fused_qkv_rotary_pos_emb"]
+__all__ = [
+    "RotaryPositionEmbedding",
+    "apply_rotary_pos_emb",
+    "apply_fused_qkv_rotary_pos_emb",
+    "FusedRoPEFunc",
+    "FusedQKVRoPEFunc",
+]
 
 _FORMATS = ("sbhd", "bshd", "thd")
 
@@ -259,39 +265,82 @@ def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def _rotate_half_transposed(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    # rotate_half is a signed permutation R with R^T = -R.
-    return -_rotate_half(x, interleaved)
+def _rotate_float32(t: torch.Tensor, angles: torch.Tensor, interleaved: bool, transposed: bool):
+    """``t[..., :r] * cos + rotate_half(t[..., :r]) * sin`` in float32 with one rounding to
+    ``t``'s dtype; the channels past ``r`` are copied. ``transposed`` applies the transpose of
+    that linear map (the backward): ``t * cos - rotate_half(t * sin)``, as rotate_half is a
+    signed permutation ``R`` with ``R^T = -R``."""
+    rot_dim = angles.shape[-1]
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    x = t[..., :rot_dim].float()
+    if transposed:
+        rotated = -_rotate_half(x * sin, interleaved)
+    else:
+        rotated = _rotate_half(x, interleaved) * sin
+    out = torch.empty_like(t)
+    out[..., :rot_dim] = x * cos + rotated
+    out[..., rot_dim:] = t[..., rot_dim:]
+    return out
 
 
-class _RotaryFunction(torch.autograd.Function):
-    """``t[..., :r] * cos + rotate_half(t[..., :r]) * sin`` in float32, one autograd node.
-
-    Saves the token angles only; backward computes ``g * cos + R^T(g * sin)`` from them."""
+class FusedRoPEFunc(torch.autograd.Function):
+    """The ``fused=True`` path of :func:`apply_rotary_pos_emb` as one autograd node, with
+    upstream's ``apply`` signature ``(t, freqs, start_positions, tensor_format, interleaved,
+    cu_seqlens, cp_size, cp_rank)``. It computes in float32 and saves only the per-token
+    angles; backward is ``g * cos - rotate_half(g * sin)``. No gradient reaches ``freqs``."""
 
     @staticmethod
-    def forward(ctx, t, angles, interleaved):
-        rot_dim = angles.shape[-1]
-        cos, sin = torch.cos(angles), torch.sin(angles)
-        x = t[..., :rot_dim].float()
-        out = torch.empty_like(t)
-        out[..., :rot_dim] = x * cos + _rotate_half(x, interleaved) * sin
-        out[..., rot_dim:] = t[..., rot_dim:]
+    def forward(
+        ctx, t, freqs, start_positions=None, tensor_format="sbhd", interleaved=False,
+        cu_seqlens=None, cp_size=1, cp_rank=0,
+    ):  # fmt: skip
+        _check_arguments(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+        angles = _token_angles(
+            t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank
+        ).float()
         ctx.save_for_backward(angles)
         ctx.interleaved = interleaved
-        return out
+        return _rotate_float32(t, angles, interleaved, False)
 
     @staticmethod
     def backward(ctx, grad):
         (angles,) = ctx.saved_tensors
-        rot_dim = angles.shape[-1]
-        g = grad[..., :rot_dim].float()
-        grad_t = torch.empty_like(grad)
-        grad_t[..., :rot_dim] = g * torch.cos(angles) + _rotate_half_transposed(
-            g * torch.sin(angles), ctx.interleaved
-        )
-        grad_t[..., rot_dim:] = grad[..., rot_dim:]
-        return grad_t, None, None
+        return (_rotate_float32(grad, angles, ctx.interleaved, True),) + (None,) * 7
+
+
+class FusedQKVRoPEFunc(torch.autograd.Function):
+    """:func:`apply_fused_qkv_rotary_pos_emb` as one autograd node, with upstream's ``apply``
+    signature ``(qkv, q_freqs, k_freqs, qkv_split_arg_list, start_positions, tensor_format,
+    interleaved, cp_size, cp_rank)``; returns new ``(q, k, v)`` tensors."""
+
+    @staticmethod
+    def forward(
+        ctx, qkv, q_freqs, k_freqs, qkv_split_arg_list, start_positions=None,
+        tensor_format="sbhd", interleaved=False, cp_size=1, cp_rank=0,
+    ):  # fmt: skip
+        sizes = _check_qkv_split(qkv, qkv_split_arg_list, tensor_format)
+        query, key, value = qkv.split(sizes, dim=-1)
+        query = query.reshape(*query.shape[:-2], query.shape[-2] * (sizes[0] // sizes[1]), sizes[1])
+        where = (tensor_format, start_positions, None, cp_size, cp_rank)
+        outputs, saved = [], []
+        for part, freqs in ((query, q_freqs), (key, k_freqs)):
+            _check_arguments(part, freqs, *where)
+            angles = _token_angles(part, freqs, *where).float()
+            outputs.append(_rotate_float32(part, angles, interleaved, False))
+            saved.append(angles)
+        ctx.save_for_backward(*saved)
+        ctx.interleaved, ctx.qkv_shape = interleaved, qkv.shape
+        return outputs[0], outputs[1], value.contiguous()
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k, grad_v):
+        q_angles, k_angles = ctx.saved_tensors
+        grads = []
+        for grad, angles in ((grad_q, q_angles), (grad_k, k_angles)):
+            grad_in = _rotate_float32(grad, angles, ctx.interleaved, True)
+            grads.append(grad_in.reshape(*ctx.qkv_shape[:-1], -1))
+        grads.append(grad_v)
+        return (torch.cat(grads, dim=-1),) + (None,) * 8
 
 
 def _unfused_rotary(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -384,10 +433,12 @@ def apply_rotary_pos_emb(
         Context parallelism: the local tokens are this rank's two zig-zag chunks (chunks
         ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` of the full sequence).
     """
+    if fused:
+        return FusedRoPEFunc.apply(
+            t, freqs, start_positions, tensor_format, interleaved, cu_seqlens, cp_size, cp_rank
+        )
     _check_arguments(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
     angles = _token_angles(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
-    if fused:
-        return _RotaryFunction.apply(t, angles.float().detach(), interleaved)
     return _unfused_rotary(t, angles, interleaved)
 
 
@@ -411,7 +462,8 @@ def apply_fused_qkv_rotary_pos_emb(
     (several query heads per K/V head). Returns ``(q, k, v)``: ``q`` ``[..., h * dq // dk, dk]``
     rotated by ``q_freqs``, ``k`` ``[..., h, dk]`` rotated by ``k_freqs``, ``v`` ``[..., h, dv]``
     as is. thd is not supported (as upstream): split and call :func:`apply_rotary_pos_emb`.
-    ``cu_seqlens`` is accepted for upstream's signature and unused.
+    ``cu_seqlens`` is accepted for upstream's signature and unused. One autograd node
+    (:class:`FusedQKVRoPEFunc`).
     """
     del cu_seqlens  # sbhd/bshd only
     if cp_size > 1 and start_positions is not None:
@@ -422,6 +474,18 @@ def apply_fused_qkv_rotary_pos_emb(
         raise AssertionError(
             "apply_fused_qkv_rotary_pos_emb: tensor_format='thd' is not supported; split the "
             "packed tensor and call apply_rotary_pos_emb on q and k"
+        )
+    return FusedQKVRoPEFunc.apply(
+        qkv, q_freqs, k_freqs, qkv_split_arg_list, start_positions, tensor_format, interleaved,
+        cp_size, cp_rank,
+    )  # fmt: skip
+
+
+def _check_qkv_split(qkv: torch.Tensor, qkv_split_arg_list, tensor_format: str):
+    if tensor_format not in ("sbhd", "bshd"):
+        raise ValueError(
+            f"apply_fused_qkv_rotary_pos_emb: tensor_format={tensor_format!r} must be 'sbhd' or "
+            "'bshd'"
         )
     if len(qkv_split_arg_list) != 3 or sum(qkv_split_arg_list) != qkv.shape[-1]:
         raise ValueError(
@@ -434,12 +498,4 @@ def apply_fused_qkv_rotary_pos_emb(
             f"apply_fused_qkv_rotary_pos_emb: dq={q_size} must be a multiple of the head "
             f"dimension dk={k_size}"
         )
-    query, key, value = qkv.split((q_size, k_size, v_size), dim=-1)
-    query = query.reshape(*query.shape[:-2], query.shape[-2] * (q_size // k_size), k_size)
-    rotate = dict(
-        tensor_format=tensor_format, start_positions=start_positions, interleaved=interleaved,
-        fused=True, cp_size=cp_size, cp_rank=cp_rank,
-    )  # fmt: skip
-    query = apply_rotary_pos_emb(query, q_freqs, **rotate)
-    key = apply_rotary_pos_emb(key, k_freqs, **rotate)
-    return query, key, value
+    return q_size, k_size, v_size
