@@ -187,7 +187,8 @@ CUDA = torch.device("cuda", 0)
     "changes,expected",
     [
         ({"attn_mask_type": "causal", "window_size": (-1, 0)}, "flash"),
-        ({"attn_mask_type": "causal", "max_seqlen_q": 64}, "CUDNN_ATTENTION"),
+        ({"attn_mask_type": "causal", "max_seqlen_q": 64}, "EFFICIENT_ATTENTION"),
+        ({"attn_mask_type": "no_mask", "max_seqlen_q": 64}, "flash"),
         (
             {
                 "attn_mask_type": "causal_bottom_right",

@@ -258,6 +258,9 @@ def _filters(params: AttentionParams, env) -> dict[str, list[str]]:
     top_left_causal = "causal" in params.attn_mask_type and not params.bottom_right_diagonal
     if top_left_causal and params.max_seqlen_q != params.max_seqlen_kv:
         flash.append("SDPA's flash kernel refuses a top-left causal mask with sq != skv")
+        # the memory-efficient kernel's causal flag is top-left by definition; leave the case
+        # to it rather than depend on which corner a cuDNN version aligns to
+        cudnn.append("a causal mask with sq != skv is left to the memory-efficient kernel")
     if params.attention_dropout > 0.0:
         cudnn.append("attention dropout is left to the flash and memory-efficient kernels")
     efficient = _common_sdpa_filters(params, (torch.float16, torch.bfloat16, torch.float32))
