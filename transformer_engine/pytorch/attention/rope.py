@@ -226,12 +226,16 @@ def _token_positions(t, tensor_format, start_positions, cu_seqlens, cp_size, cp_
     return torch.where(inside, positions, 0), inside
 
 
-def _check_positions(positions: torch.Tensor, table_length: int, exact_max: int | None) -> None:
-    """Every position must have a row in the table. Checked from shapes where they decide it,
-    else with one device sync, skipped while a CUDA graph is being captured (torch's own
-    indexing still refuses an out-of-range row there)."""
+def _check_positions(
+    positions: torch.Tensor, table_length: int, exact_max: int | None, may_sync: bool
+) -> None:
+    """Every position must have a row in the table. Checked from shapes where they decide it
+    (sbhd/bshd without start positions), else with one device sync where ``may_sync`` and no
+    CUDA graph is being captured. Where it is skipped (the fused path on a GPU stays free of
+    host syncs, like upstream's kernel), torch's indexing still refuses an out-of-range row, as
+    a device-side assertion."""
     if exact_max is None:
-        if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+        if not may_sync or (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
             return
         exact_max = int(positions.max()) if positions.numel() else -1
     if exact_max >= table_length:
@@ -241,7 +245,9 @@ def _check_positions(positions: torch.Tensor, table_length: int, exact_max: int 
         )
 
 
-def _token_angles(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank):
+def _token_angles(
+    t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, may_sync=True
+):
     """The angles of every token, shaped to broadcast against ``t[..., :rot_dim]``."""
     positions, inside = _token_positions(
         t, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank
@@ -250,7 +256,7 @@ def _token_angles(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size,
     exact_max = None
     if tensor_format != "thd" and start_positions is None:
         exact_max = cp_size * positions.numel() - 1 if cp_size > 1 else positions.numel() - 1
-    _check_positions(positions, table.shape[0], exact_max)
+    _check_positions(positions, table.shape[0], exact_max, may_sync)
     angles = table[positions]  # [..., rot_dim]
     if inside is not None:
         angles = angles * inside[:, None]  # angle 0: cos 1, sin 0, the token passes through
@@ -295,9 +301,8 @@ class FusedRoPEFunc(torch.autograd.Function):
         cu_seqlens=None, cp_size=1, cp_rank=0,
     ):  # fmt: skip
         _check_arguments(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
-        angles = _token_angles(
-            t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank
-        ).float()
+        where = (tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+        angles = _token_angles(t, freqs, *where, may_sync=not t.is_cuda).float()
         ctx.save_for_backward(angles)
         ctx.interleaved = interleaved
         return _rotate_float32(t, angles, interleaved, False)
@@ -325,7 +330,7 @@ class FusedQKVRoPEFunc(torch.autograd.Function):
         outputs, saved = [], []
         for part, freqs in ((query, q_freqs), (key, k_freqs)):
             _check_arguments(part, freqs, *where)
-            angles = _token_angles(part, freqs, *where).float()
+            angles = _token_angles(part, freqs, *where, may_sync=not qkv.is_cuda).float()
             outputs.append(_rotate_float32(part, angles, interleaved, False))
             saved.append(angles)
         ctx.save_for_backward(*saved)
