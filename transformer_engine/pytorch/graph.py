@@ -257,7 +257,6 @@ class _Graphed:
     """What :func:`make_graphed_callables` keeps for one callable, and its replacing forward."""
 
     def __init__(self, index: int, module, args, kwargs, hooks, options: _Options) -> None:
-        _check_module(index, module, hooks)
         if not isinstance(args, (tuple, list)):
             raise TypeError(
                 f"{_WHO}: sample_args[{index}] must be a tuple of tensors, got "
@@ -534,8 +533,9 @@ def make_graphed_callables(
             f"{_WHO}: torch.autocast's weight cache must be off during capture; use "
             "torch.autocast(..., cache_enabled=False)"
         )
-    training = {m.training for m in modules if isinstance(m, torch.nn.Module)}
-    if len(training) > 1:
+    for i, (module, h) in enumerate(zip(modules, hooks)):
+        _check_module(i, module, h)
+    if len({m.training for m in modules}) > 1:
         raise RuntimeError(
             f"{_WHO}: the callables are in different training modes; call .train() or .eval() "
             "on all of them before capture"
