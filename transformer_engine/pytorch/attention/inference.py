@@ -395,6 +395,7 @@ class InferenceParams:
         self._set_input_format(qkv_format)
         self.cu_seqlens_q = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=self.device)
         self.cu_seqlens_kv = torch.zeros_like(self.cu_seqlens_q)
+        self._lengths_pre_step = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
         self.reset()
 
     def _set_input_format(self, qkv_format: str) -> None:
@@ -412,6 +413,7 @@ class InferenceParams:
         self.cache_manager.reset()
         self.cu_seqlens_q.zero_()
         self.cu_seqlens_kv.zero_()
+        self._lengths_pre_step.zero_()
 
     def allocate_memory(self, layer_number: int) -> None:
         """Allocate ``layer_number``'s K and V caches (zeroed)."""
@@ -456,13 +458,15 @@ class InferenceParams:
         # In place: a captured graph keeps reading these tensors.
         self.cu_seqlens_q.copy_(cumulative[0])
         self.cu_seqlens_kv.copy_(cumulative[1])
+        before = list(self.sequences_pre_step.values()) + padding
+        self._lengths_pre_step.copy_(torch.tensor(before, dtype=torch.int32))
         self._lengths_by_device = {}
 
     def get_seqlens_pre_step(self) -> torch.Tensor:
         """int32 ``[batch_size]`` on the cache's device: each live sequence's length before
-        this iteration's tokens (the rotary ``start_positions`` of its new tokens)."""
-        values = list(self.sequences_pre_step.values())
-        return torch.tensor(values, dtype=torch.int32, device=self.device)
+        this iteration's tokens (the rotary ``start_positions`` of its new tokens). A view of a
+        persistent tensor that ``pre_step`` updates in place (graph capture keeps reading it)."""
+        return self._lengths_pre_step[: self.batch_size]
 
     def _lengths_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device == self.cu_seqlens_q.device:
