@@ -361,6 +361,8 @@ class DotProductAttention(TransformerEngineBaseModule):
                 self._kv_cache_step(inference_params, k, v, fmt, mask_type)
             )
             kv_format, attention_mask = "bshd", None
+            if q_format == "thd" and max_seqlen_q is None:  # known without a host sync
+                max_seqlen_q = getattr(inference_params, "max_ctx_len", None)
             cu_seqlens_q_padded = cu_seqlens_kv_padded = None
             bottom_right = mask_type.endswith("bottom_right")
         check_qkv(q, k, v, q_format, kv_format, self.num_attention_heads, self.num_gqa_groups,
@@ -392,6 +394,9 @@ class DotProductAttention(TransformerEngineBaseModule):
         k_cache, v_cache, cu_q, cu_kv, _, out_format = inference_params.step(
             self.layer_number, k, v, fmt
         )
+        if getattr(inference_params, "is_paged", False):
+            # pages gathered into [max_batch_size, max_sequence_length, h, d] (a copy)
+            k_cache, v_cache = inference_params.convert_paged_to_nonpaged(self.layer_number)
         q_format = out_format.split("_2")[0]
         return k_cache, v_cache, cu_q, cu_kv, None, q_format, mask_type
 
