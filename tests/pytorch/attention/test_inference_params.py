@@ -20,7 +20,8 @@ from transformer_engine.pytorch.attention.inference import (
     NonPagedKVCacheManager,
     PagedKVCacheManager,
 )
-from transformer_engine.pytorch.device import DevicePlacementError
+from transformer_engine.pytorch.attention.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
+from transformer_engine.pytorch.device import DevicePlacementError, default_device
 
 HEADS, DK, DV = 2, 4, 3
 MAX_BATCH, MAX_SEQ, PAGE = 3, 8, 2
@@ -165,6 +166,18 @@ def test_cache_dtype_and_reset():
     assert params.cu_seqlens_kv.tolist()[:2] == [0, 2]
 
 
+def test_default_device_and_persistent_lengths():
+    params = InferenceParams(2, 8, HEADS, DK, torch.float32)  # upstream's call, no device
+    assert params.cu_seqlens_q.device == default_device()
+    params.pre_step(OrderedDict(a=3))
+    first = params.get_seqlens_pre_step()
+    params.pre_step(OrderedDict(a=1, b=2))
+    second = params.get_seqlens_pre_step()
+    # One persistent buffer, updated in place (a captured graph reads the same memory).
+    assert second.data_ptr() == first.data_ptr() and second.tolist() == [3, 0]
+    assert params.cu_seqlens_q.tolist() == [0, 1, 3] and params.cu_seqlens_kv.tolist() == [0, 4, 6]
+
+
 def test_paged_pages_are_recycled():
     params = make_params(True)
     manager = params.cache_manager
@@ -277,15 +290,23 @@ def test_cuda_graph_captures_a_decoding_step(paged):
                 torch.randn(2, 2, HEADS, DV, device="cuda"), "bshd")  # fmt: skip
     static_k = torch.zeros(2, 1, HEADS, DK, device="cuda")
     static_v = torch.zeros(2, 1, HEADS, DV, device="cuda")
+    freqs = RotaryPositionEmbedding(DK, device="cuda")(MAX_SEQ)
     params.pre_step(OrderedDict(a=1, b=1))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         params.step(1, static_k, static_v, "bshd")
+        rotated = apply_rotary_pos_emb(
+            static_k, freqs, "bshd", start_positions=params.get_seqlens_pre_step(), fused=True
+        )
     for _ in range(3):  # each replay writes the tokens announced by the latest pre_step
         params.pre_step(OrderedDict(a=1, b=1))
         static_k.copy_(torch.randn_like(static_k))
         static_v.copy_(torch.randn_like(static_v))
         graph.replay()
+        eager = apply_rotary_pos_emb(
+            static_k, freqs, "bshd", start_positions=params.get_seqlens_pre_step(), fused=True
+        )
+        torch.testing.assert_close(rotated, eager, rtol=0, atol=0)  # positions moved on
         for row in range(2):
             length = int(params.cu_seqlens_kv[row + 1] - params.cu_seqlens_kv[row])
             k, v = cached_tokens(params, 1, row, length)
