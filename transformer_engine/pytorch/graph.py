@@ -171,7 +171,8 @@ class _Variant:
             _call_hooks(owner.hooks, "backward_hooks", owner.module)
         else:  # an inference graph: the replay's outputs do not require grad
             self.output_requires_grad = (False,) * len(self.outputs)
-        self.outputs = tuple(t.detach() for t in self.outputs)  # drops the capture's autograd
+        if not owner.options.retain_graph_in_backward:  # else its saved tensors stay alive
+            self.outputs = tuple(t.detach() for t in self.outputs)
         deferred = [m for m in owner.te_modules if m.need_backward_dw() and m.wgrad_store]
         if deferred:
             self._capture_deferred_wgrads(deferred, pool, stream)
