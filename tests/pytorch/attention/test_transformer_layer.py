@@ -132,16 +132,7 @@ def test_rotary_embedding_and_mask_override():
 
 
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
-@pytest.mark.parametrize(
-    "paged",
-    [
-        False,
-        pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-            "DotProductAttention reads the paged cache ([pages, page_size, h, d]) returned by "
-            "InferenceParams.step as if it were bshd, without cache_manager.page_table"
-        ))),
-    ],
-)  # fmt: skip
+@pytest.mark.parametrize("paged", [False, True])
 def test_kv_cache_decoding_equals_the_full_forward(fmt, paged):
     """A prompt of 3 tokens, then one token per step: each step's output equals the full causal
     forward's at that position (rotary positions continue from the cached length)."""
