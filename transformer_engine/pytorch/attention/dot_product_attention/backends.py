@@ -148,10 +148,58 @@ def sdpa_inputs(problem: AttentionProblem, repeat_kv: bool):
     return q, k, v, attn_mask, is_causal, enable_gqa
 
 
+_FLAG_NAMES = ("flash", "mem_efficient", "math", "cudnn")
+_KERNEL_FLAGS = {  # the one process-wide SDPA flag each kernel needs on (the others off)
+    "FLASH_ATTENTION": (True, False, False, False),
+    "EFFICIENT_ATTENTION": (False, True, False, False),
+    "MATH": (False, False, True, False),
+    "CUDNN_ATTENTION": (False, False, False, True),
+}
+_cuda_backends = torch.backends.cuda
+_FLAG_ACCESSORS = tuple(
+    (
+        getattr(_cuda_backends, f"{n}_sdp_enabled", None),
+        getattr(_cuda_backends, f"enable_{n}_sdp", None),
+    )
+    for n in _FLAG_NAMES
+)
+_HAVE_FLAGS = all(a is not None for pair in _FLAG_ACCESSORS for a in pair)
+
+
+class _PinnedKernel:
+    """``with _PinnedKernel(backend):`` lets SDPA run ``backend`` only, flipping just the
+    process-wide flags that differ and restoring them on exit. Same effect as
+    ``torch.nn.attention.sdpa_kernel``, for a fraction of its host time (it runs every call)."""
+
+    __slots__ = ("wanted", "flipped")
+
+    def __init__(self, backend) -> None:
+        self.wanted = _KERNEL_FLAGS[backend.name]
+        self.flipped = ()
+
+    def __enter__(self) -> None:
+        flipped = []
+        for (enabled, enable), want in zip(_FLAG_ACCESSORS, self.wanted):
+            if enabled() != want:
+                enable(want)
+                flipped.append((enable, not want))
+        self.flipped = flipped
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for enable, previous in self.flipped:
+            enable(previous)
+
+
+def _pinned(backend):
+    if _HAVE_FLAGS and backend.name in _KERNEL_FLAGS:
+        return _PinnedKernel(backend)
+    return sdpa_kernel(backend)  # a kernel without a public flag (or an older torch)
+
+
 def _run_sdpa(problem: AttentionProblem, backend, dropout_p, dropout_ctx, repeat_kv):
     q, k, v, attn_mask, is_causal, enable_gqa = sdpa_inputs(problem, repeat_kv)
     kwargs = {"enable_gqa": True} if enable_gqa else {}  # older torch lacks the keyword
-    with sdpa_kernel(backend), dropout_ctx():
+    with _pinned(backend), dropout_ctx():
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=problem.scale, **kwargs,

@@ -206,6 +206,8 @@ class DotProductAttention(TransformerEngineBaseModule):
         self.softmax_scale = dk**-0.5 if softmax_scale is None else float(softmax_scale)
         self.softmax_type = softmax_type
         self.return_max_logit = return_max_logit
+        # upstream reads the variable once, here; torch's deterministic mode is read per call
+        self.deterministic = os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1") == "0"
         self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         self.flash_attention = FlashAttention()
         self.fused_attention = FusedAttention()
@@ -497,10 +499,7 @@ class DotProductAttention(TransformerEngineBaseModule):
                 alibi_slopes, kv_cache, pad_between_seqs, dropout_p) -> AttentionParams:  # fmt: skip
         q, k, v = problem.q, problem.k, problem.v
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        deterministic = (
-            os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1") == "0"
-            or torch.are_deterministic_algorithms_enabled()
-        )
+        deterministic = self.deterministic or torch.are_deterministic_algorithms_enabled()
         bias_shape = None
         if bias is not None and bias_type in ("pre_scale_bias", "post_scale_bias"):
             bias_shape = "".join("1" if n == 1 else c for n, c in zip(bias.shape, "bhss"))
