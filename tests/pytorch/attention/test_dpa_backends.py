@@ -287,3 +287,45 @@ def test_debug_logging(monkeypatch, caplog):
         assert "Running with Unfused backend" in text
     finally:
         logger.setLevel(level)
+
+
+# --- the kernel pin ------------------------------------------------------------------------------
+def sdp_flags():
+    cuda = torch.backends.cuda
+    return (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
+            cuda.cudnn_sdp_enabled())  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kernel,inside",
+    [("MATH", (False, False, True, False)), ("FLASH_ATTENTION", (True, False, False, False))],
+)
+def test_kernel_pinned_during_the_call_only(sdpa_math, monkeypatch, kernel, inside):
+    sdpa_math()
+    choice = AttentionBackends(
+        False, None, True, SDPAKernel(getattr(SDPBackend, kernel)), False, []
+    )
+    monkeypatch.setattr(dpa_module, "get_attention_backend", lambda *a, **k: choice)
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(sdp_flags())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    before = sdp_flags()
+    torch.backends.cuda.enable_cudnn_sdp(False)  # a user's own setting survives the call
+    try:
+        dpa = DotProductAttention(2, 8, qkv_format="bshd")
+        q = torch.randn(1, 4, 2, 8)
+        dpa(q, q, q)
+        assert seen == [inside]
+        assert sdp_flags() == (*before[:3], False)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                            lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))  # fmt: skip
+        with pytest.raises(RuntimeError, match="boom"):
+            dpa(q, q, q)
+        assert sdp_flags() == (*before[:3], False), "restored after an exception too"
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before[3])
