@@ -41,6 +41,8 @@ def test_host_overhead_tool_runs_a_few_steps_without_a_gpu():
         ("benchmarks/linear/benchmark_linear.py", "needs a CUDA GPU"),
         ("benchmarks/multi_device/benchmark_split_model.py", "needs two CUDA GPUs"),
         ("benchmarks/mlp/benchmark_mlp.py", "needs a CUDA GPU"),
+        ("benchmarks/mlp/benchmark_kernels.py", "needs a CUDA GPU"),
+        ("benchmarks/linear/benchmark_graphed.py", "needs a CUDA GPU"),
     ],
 )
 def test_gpu_benchmarks_refuse_without_gpus(script, message):

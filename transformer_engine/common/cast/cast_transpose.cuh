@@ -77,7 +77,7 @@ struct PlainLoad {
 
   bool vectorizable() const { return aligned_to(in, sizeof(IType) * kVecElems); }
   __device__ __forceinline__ void load_vec(size_t r, size_t c, float (&v)[kVecElems]) const {
-    const auto x = *reinterpret_cast<const Vec<IType, kVecElems>*>(in + r * cols + c);
+    const Vec<IType, kVecElems> x = load_readonly<IType, kVecElems>(in + r * cols + c);
 #pragma unroll
     for (int j = 0; j < kVecElems; ++j) v[j] = to_float(x.v[j]);
   }

@@ -109,6 +109,22 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
+/* A Vec read through the read-only (non-coherent) path: the kernels never write what they
+ * read, and marking the loads so lets the compiler issue a thread's loads ahead of its
+ * stores instead of after them (plain loads may alias the outputs). */
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_readonly(const T* p) {
+  static_assert(sizeof(Vec<T, N>) % sizeof(uint4) == 0, "whole 16-byte chunks");
+  Vec<T, N> x;
+  const uint4* src = reinterpret_cast<const uint4*>(p);
+  uint4* dst = reinterpret_cast<uint4*>(&x);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(Vec<T, N>) / sizeof(uint4)); ++i) {
+    dst[i] = __ldg(src + i);
+  }
+  return x;
+}
+
 }  // namespace transformer_engine
 
 #endif  // TRANSFORMER_ENGINE_COMMON_UTIL_FP8_MATH_CUH_

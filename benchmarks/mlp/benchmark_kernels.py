@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""Bandwidth of the MLP block's elementwise kernels on one CUDA GPU, against a device copy.
+
+For each activation (forward and backward, high precision and FP8 with the transposed copy),
+the activation's amax pass (current scaling), the plain FP8 cast+transpose, and LayerNorm /
+RMSNorm forward and backward, it reports the bytes a kernel must move (inputs read once plus
+outputs written once), its time (CUDA events, median over batches) and that bandwidth as a
+fraction of a device-to-device copy's, measured in the same run. Target (issue: the MLP
+block): 80% of the copy for every fused activation and norm kernel.
+
+    python benchmarks/mlp/benchmark_kernels.py                      # 8192 x 16384 bf16
+    python benchmarks/mlp/benchmark_kernels.py --rows 16384 --cols 4096 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from transformer_engine.pytorch.cpp_extensions import quantize
+from transformer_engine.pytorch.cpp_extensions.activation import (
+    activation_amax,
+    activation_backward,
+    activation_backward_fp8,
+    activation_forward,
+    activation_forward_fp8,
+    activation_spec,
+)
+
+ACTIVATIONS = ["gelu", "swiglu", "relu", "silu", "qgelu", "srelu", "geglu", "clamped_swiglu"]
+TARGET = 0.80
+
+
+def time_ms(fn, warmup: int, iters: int, batch: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(batch):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / batch)
+    return statistics.median(times)
+
+
+def activation_cases(name, rows, cols, dtype, device, scale, amax):
+    """(name, function, bytes moved) for one activation's five kernels."""
+    e = torch.tensor([], dtype=dtype).element_size()
+    spec = activation_spec(name)
+    in_cols = 2 * cols if name in ("swiglu", "geglu", "clamped_swiglu") else cols
+    x = torch.randn(rows, in_cols, dtype=dtype, device=device)
+    g = torch.randn(rows, cols, dtype=dtype, device=device)
+    n_in, n_out = rows * in_cols, rows * cols
+    short = str(dtype).removeprefix("torch.")
+    return [
+        (f"{name} fwd {short}", lambda: activation_forward(x, spec), (n_in + n_out) * e),
+        (f"{name} fwd fp8+T", lambda: activation_forward_fp8(
+            x, spec, scale, torch.float8_e4m3fn, amax=amax, with_transpose=True),
+         n_in * e + 2 * n_out),
+        (f"{name} fwd amax", lambda: activation_amax(x, spec, amax), n_in * e),
+        (f"{name} bwd {short}", lambda: activation_backward(g, x, spec), (n_out + 2 * n_in) * e),
+        (f"{name} bwd fp8+T+dbias", lambda: activation_backward_fp8(
+            g, x, spec, scale, torch.float8_e5m2, amax=amax, with_dbias=True),
+         (n_out + n_in) * e + 2 * n_in),
+    ]  # fmt: skip
+
+
+def other_cases(rows, cols, dtype, device, scale, amax):
+    """The plain FP8 cast+transpose, and the norms over a [rows, cols / 4] input (the MLP's
+    hidden size is a quarter of its FFN size)."""
+    e = torch.tensor([], dtype=dtype).element_size()
+    x = torch.randn(rows, cols, dtype=dtype, device=device)
+    hidden = cols // 4
+    h = torch.randn(rows, hidden, dtype=dtype, device=device)
+    w = torch.ones(hidden, dtype=dtype, device=device)
+    b = torch.zeros(hidden, dtype=dtype, device=device)
+    out, mean, rstd = torch.native_layer_norm(h, (hidden,), w, b, 1e-5)
+    dy = torch.randn_like(out)
+    n = h.numel()
+    return [
+        (f"cast+T {rows}x{cols}", lambda: quantize(
+            x, scale, torch.float8_e4m3fn, amax=amax, with_transpose=True), x.numel() * (e + 2)),
+        (f"layer_norm fwd {rows}x{hidden}",
+         lambda: torch.native_layer_norm(h, (hidden,), w, b, 1e-5), 2 * n * e),
+        ("layer_norm bwd", lambda: torch.ops.aten.native_layer_norm_backward(
+            dy, h, (hidden,), mean, rstd, w, b, [True, True, True]), 3 * n * e),
+        ("rms_norm fwd", lambda: F.rms_norm(h, (hidden,), w, 1e-5), 2 * n * e),
+    ]  # fmt: skip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--rows", type=int, default=8192)
+    p.add_argument("--cols", type=int, default=16384, help="the activation's output width")
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmark_kernels: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    device = torch.device("cuda")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    src = torch.randn(args.rows, 2 * args.cols, dtype=dtype, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(lambda: dst.copy_(src), 5, args.iters, 5)
+    copy_gbs = 2 * src.numel() * src.element_size() / copy_ms / 1e6
+    print(f"device copy: {copy_gbs:.0f} GB/s")
+    print(f"{'kernel':>32} {'ms':>8} {'GB/s':>7} {'of copy':>8}")
+    rows = []
+    scale = torch.ones(1, device=device)
+    amax = torch.zeros(1, device=device)
+    cases = [
+        case
+        for name in ACTIVATIONS
+        for case in activation_cases(name, args.rows, args.cols, dtype, device, scale, amax)
+    ]
+    cases += other_cases(args.rows, args.cols, dtype, device, scale, amax)
+    for name, fn, nbytes in cases:
+        ms = time_ms(fn, 3, args.iters, 3)
+        gbs = nbytes / ms / 1e6
+        frac = gbs / copy_gbs
+        flag = "" if frac >= TARGET else "  < target"
+        print(f"{name:>32} {ms:8.3f} {gbs:7.0f} {frac:8.2f}{flag}")
+        rows.append({"kernel": name, "ms": ms, "GBps": gbs, "fraction_of_copy": frac})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_GBps": copy_gbs, "kernels": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
