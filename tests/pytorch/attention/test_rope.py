@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from utils import needs_cuda, needs_two_gpus
+from utils import materialization_device, needs_cuda, needs_two_gpus
 
 from transformer_engine.pytorch.attention.rope import (
     FusedQKVRoPEFunc,
@@ -77,7 +77,9 @@ def random_input(tensor_format: str, dtype=torch.float32, seq=7, batch=3, heads=
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary_percent", [1.0, 0.5])
 def test_table_matches_formula(interleaved, rotary_percent):
-    module = RotaryPositionEmbedding(16, rotary_percent=rotary_percent, interleaved=interleaved)
+    module = RotaryPositionEmbedding(
+        16, rotary_percent=rotary_percent, interleaved=interleaved, device="cpu"
+    )
     rot = int(16 * rotary_percent)
     j = torch.arange(rot // 2, dtype=torch.float64)
     torch.testing.assert_close(
@@ -97,7 +99,7 @@ def test_table_matches_formula(interleaved, rotary_percent):
 def test_interpolation_fixed_and_dynamic(max_seq_len, divisor):
     # pretrained 8 * factor 2 = 16: 12 positions interpolate by the factor, 32 dynamically.
     module = RotaryPositionEmbedding(
-        8, seq_len_interpolation_factor=2.0, pretrained_max_position_embeddings=8
+        8, seq_len_interpolation_factor=2.0, pretrained_max_position_embeddings=8, device="cpu"
     )
     table = module(max_seq_len)[:, 0, 0, :4].double()
     expected = theta([p / divisor for p in range(max_seq_len)], 8)
@@ -106,7 +108,7 @@ def test_interpolation_fixed_and_dynamic(max_seq_len, divisor):
 
 def test_interpolation_factor_alone_warns_and_changes_nothing():
     with pytest.warns(UserWarning, match="pretrained_max_position_embeddings"):
-        module = RotaryPositionEmbedding(8, seq_len_interpolation_factor=4.0)
+        module = RotaryPositionEmbedding(8, seq_len_interpolation_factor=4.0, device="cpu")
     torch.testing.assert_close(module(6), angle_table(6, 8, False), rtol=1e-6, atol=1e-6)
 
 
@@ -122,9 +124,12 @@ def test_meta_construction_and_materialization():
     under_context.reset_parameters()
     explicit.to_empty(device="cpu")  # storage without values ...
     explicit.reset_parameters()  # ... filled in place
+    # Without a device, reset_parameters() materializes where the package's rule says (the
+    # current CUDA device, else the CPU); to_empty's device is kept.
+    assert under_context.inv_freq.device == materialization_device()
+    assert explicit.inv_freq.device.type == "cpu"
     for module in (under_context, explicit):
-        assert module.inv_freq.device.type == "cpu"
-        torch.testing.assert_close(module(5), reference(5), rtol=0, atol=0)
+        torch.testing.assert_close(module(5).cpu(), reference(5), rtol=0, atol=0)
 
 
 def test_bad_rotary_dimension():
