@@ -23,7 +23,11 @@ from test_dpa_numerics import (
 )
 from torch.nn.attention import SDPBackend
 
-from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention, utils
+from transformer_engine.pytorch.attention.dot_product_attention import (
+    DotProductAttention,
+    backends,
+    utils,
+)
 from transformer_engine.pytorch.attention.dot_product_attention import (
     dot_product_attention as dpa_module,
 )
@@ -196,6 +200,15 @@ CUDA = torch.device("cuda", 0)
                 "bottom_right_diagonal": True,
                 "max_seqlen_q": 1,
             },
+            "flash",
+        ),
+        (
+            {
+                "attn_mask_type": "causal_bottom_right",
+                "window_size": (-1, 0),
+                "bottom_right_diagonal": True,
+                "max_seqlen_q": 200,
+            },
             "EFFICIENT_ATTENTION",
         ),
         ({"attn_mask_type": "padding"}, "EFFICIENT_ATTENTION"),
@@ -329,3 +342,35 @@ def test_kernel_pinned_during_the_call_only(sdpa_math, monkeypatch, kernel, insi
         assert sdp_flags() == (*before[:3], False), "restored after an exception too"
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before[3])
+
+
+@pytest.mark.parametrize("groups", [4, 2])
+def test_bottom_right_causal_through_causal_lower_right(monkeypatch, groups):
+    """The flash kernel takes a bottom-right causal mask (sq < skv) as ``causal_lower_right``
+    (on the CPU, PyTorch's CPU flash kernel or its materialized fallback runs it)."""
+    kernel = SDPAKernel(SDPBackend.FLASH_ATTENTION)
+    choice = AttentionBackends(True, kernel, False, None, False, [True, False, True])
+    monkeypatch.setattr(dpa_module, "get_attention_backend", lambda *a, **k: choice)
+    seen = []
+    real = backends.sdpa_inputs
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        seen.append(type(result[3]).__name__)
+        return result
+
+    monkeypatch.setattr(backends, "sdpa_inputs", spy)
+    b, sq, skv, h, d = 2, 3, 7, 4, 8
+    q, k, v = random_qkv(b, sq, skv, h, groups, d, seed=34)
+    dpa = DotProductAttention(h, d, num_gqa_groups=groups, qkv_format="bshd",
+                              attn_mask_type="causal_bottom_right")  # fmt: skip
+    out = dpa(q, k, v)
+    assert seen[0] == "CausalBias"
+    keep = oracle_keep(b, sq, skv, mask_type="causal_bottom_right")
+    k_ref = k.detach().double().requires_grad_()
+    expected = oracle_output(oracle_attention(bhsd(q), bhsd(k_ref), bhsd(v), keep=keep), "bshd")
+    torch.testing.assert_close(out.double(), expected, **FP32_TOL)
+    grad = torch.randn_like(expected)
+    out.backward(grad.float())
+    expected.backward(grad)
+    torch.testing.assert_close(k.grad.double(), k_ref.grad, rtol=1e-4, atol=1e-5)

@@ -36,6 +36,10 @@ try:  # torch >= 2.3
     from torch.nn.attention import SDPBackend, sdpa_kernel
 except ImportError:  # pragma: no cover - older torch: no SDPA backends, unfused only
     SDPBackend, sdpa_kernel = None, None
+try:
+    from torch.nn.attention.bias import CausalBias, causal_lower_right
+except ImportError:  # pragma: no cover - bottom-right causal masks are then materialized
+    CausalBias, causal_lower_right = None, None
 
 
 def _float_softmax_with_offset(scores: torch.Tensor, offset: torch.Tensor | None):
@@ -81,7 +85,7 @@ class UnfusedDotProductAttention(torch.nn.Module):
             scores = scores + problem.bias.float()
         keep = problem.keep
         if keep is None and problem.implicit_causal:
-            keep = causal_keep(q.shape[2], k.shape[2], q.device)
+            keep = causal_keep(q.shape[2], k.shape[2], q.device, problem.implicit_causal)
         if keep is not None:
             scores = scores.masked_fill(~keep, float("-inf"))
         max_logit = None
@@ -104,12 +108,15 @@ class UnfusedDotProductAttention(torch.nn.Module):
 
 
 # -- PyTorch's SDPA kernels ---------------------------------------------------------------------
-def sdpa_inputs(problem: AttentionProblem, repeat_kv: bool):
+def sdpa_inputs(problem: AttentionProblem, repeat_kv: bool, flash: bool = False):
     """``(q, k, v, attn_mask, is_causal, enable_gqa)`` for ``F.scaled_dot_product_attention``.
 
-    Rows without any key attend to every key instead (their output is zeroed afterwards by
-    the caller), so no kernel sees a row of ``-inf`` only. A softmax offset becomes one more
-    key: a zero key and a zero value whose score is the offset itself.
+    A top-left causal mask is SDPA's ``is_causal``; a bottom-right one is
+    ``causal_lower_right`` for the flash kernel (which aligns causal masks to the bottom-right
+    corner itself) and a mask tensor for the others. Rows without any key attend to every key
+    instead (their output is zeroed afterwards by the caller), so no kernel sees a row of
+    ``-inf`` only. A softmax offset becomes one more key: a zero key and a zero value whose
+    score is the offset itself.
     """
     q, k, v = problem.q, problem.k, problem.v
     b, hq, sq, _ = q.shape
@@ -118,10 +125,17 @@ def sdpa_inputs(problem: AttentionProblem, repeat_kv: bool):
     keep = problem.keep
     if keep is not None and problem.row_valid is not None:
         keep = keep | ~problem.row_valid
-    is_causal = problem.implicit_causal
-    if is_causal and (sink or problem.bias is not None):
-        keep, is_causal = causal_keep(sq, skv, q.device), False
-    if problem.bias is None and not sink:
+    corner = problem.implicit_causal
+    plain = not sink and problem.bias is None
+    is_causal, lower_right = corner == "top_left" and plain, None
+    if corner == "bottom_right" and plain and flash and causal_lower_right is not None:
+        lower_right = causal_lower_right(sq, skv)
+        repeat_kv = True  # its flash call bypasses SDPA's GQA handling: equal heads only
+    elif corner is not None and not is_causal:
+        keep = causal_keep(sq, skv, q.device, corner)
+    if lower_right is not None:
+        attn_mask = lower_right
+    elif plain:
         attn_mask = keep
     else:
         if problem.bias is not None:
@@ -197,7 +211,8 @@ def _pinned(backend):
 
 
 def _run_sdpa(problem: AttentionProblem, backend, dropout_p, dropout_ctx, repeat_kv):
-    q, k, v, attn_mask, is_causal, enable_gqa = sdpa_inputs(problem, repeat_kv)
+    flash = backend.name == "FLASH_ATTENTION"
+    q, k, v, attn_mask, is_causal, enable_gqa = sdpa_inputs(problem, repeat_kv, flash)
     kwargs = {"enable_gqa": True} if enable_gqa else {}  # older torch lacks the keyword
     with _pinned(backend), dropout_ctx():
         out = F.scaled_dot_product_attention(
@@ -246,8 +261,11 @@ def _ask_pytorch(backend, problem, dropout_p, repeat_kv) -> tuple[bool, str]:
     check = getattr(torch.backends.cuda, _CAN_USE[backend.name], None)
     if check is None or not hasattr(torch.backends.cuda, "SDPAParams"):
         return True, ""  # this torch cannot say; the static filters decided
-    q, k, v, attn_mask, is_causal, enable_gqa = sdpa_inputs(problem, repeat_kv)
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
+    flash = backend.name == "FLASH_ATTENTION"
+    q, k, v, attn_mask, is_causal, enable_gqa = sdpa_inputs(problem, repeat_kv, flash)
+    if CausalBias is not None and isinstance(attn_mask, CausalBias):
+        attn_mask = None  # what CausalBias itself asks before its flash call
+    elif attn_mask is not None and attn_mask.dtype == torch.bool:
         # SDPA turns a bool mask into an additive one before choosing; probe what it sees
         attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
     params = _sdpa_params(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)

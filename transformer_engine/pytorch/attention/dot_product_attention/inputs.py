@@ -261,16 +261,18 @@ def build_problem(
     b, heads, sq, _ = q.shape
     skv = k.shape[2]
     lq, lkv = q_side.lengths, kv_side.lengths
-    implicit_causal = False
+    implicit_causal = None
     padded = q_side.padding is not None or kv_side.padding is not None
     if arbitrary_mask is not None and arbitrary_mask.dtype != torch.bool:
         raise TypeError(
             f"DotProductAttention: an arbitrary attention_mask must be bool (True = masked), "
             f"got {arbitrary_mask.dtype}"
         )
-    plain_causal = window == (-1, 0) and (not bottom_right or sq == skv)
-    if plain_causal and not padded and arbitrary_mask is None:
-        keep, implicit_causal = None, True
+    plain = not padded and arbitrary_mask is None
+    if plain and window == (-1, 0) and (not bottom_right or sq == skv):
+        keep, implicit_causal = None, "top_left"
+    elif plain and window == (-1, 0) and sq < skv:  # bottom-right: every query sees a key
+        keep, implicit_causal = None, "bottom_right"
     elif window == (-1, -1) and not padded and arbitrary_mask is None:
         keep = None
     else:

@@ -26,9 +26,11 @@ class AttentionProblem:
         ``hq // hkv`` query heads).
     keep : torch.Tensor or None
         Bool ``[B, 1 or hq, sq, skv]`` (True = may attend), ``None`` for no materialized mask.
-    implicit_causal : bool
-        A top-left causal mask over the whole ``sq x skv`` matrix that is not materialized
-        (``keep`` is ``None`` then); the kernels apply it themselves.
+    implicit_causal : {None, "top_left", "bottom_right"}
+        A causal mask over the whole ``sq x skv`` matrix that is not materialized (``keep`` is
+        ``None`` then): key ``j`` visible from query ``i`` when ``j <= i`` (top-left) or
+        ``j <= i + skv - sq`` (bottom-right, only with ``sq <= skv`` so that every query sees
+        a key). The kernels apply it themselves.
     bias : torch.Tensor or None
         Float32 additive bias after scaling (pre-scale biases arrive multiplied by the scale),
         broadcastable to ``[b, hq, sq, skv]``; ALiBi is one.
@@ -56,7 +58,7 @@ class AttentionProblem:
         v: torch.Tensor,
         *,
         keep: torch.Tensor | None = None,
-        implicit_causal: bool = False,
+        implicit_causal: str | None = None,
         bias: torch.Tensor | None = None,
         row_valid: torch.Tensor | None = None,
         scale: float = 1.0,
@@ -77,8 +79,9 @@ class AttentionProblem:
         return self.keep is not None or self.bias is not None or self.softmax_type != "vanilla"
 
 
-def causal_keep(sq: int, skv: int, device: torch.device) -> torch.Tensor:
-    """The top-left causal keep-mask ``j <= i``, ``[1, 1, sq, skv]``."""
+def causal_keep(sq: int, skv: int, device: torch.device, corner: str = "top_left") -> torch.Tensor:
+    """The causal keep-mask ``[1, 1, sq, skv]``: ``j <= i`` (``corner="top_left"``) or
+    ``j <= i + skv - sq`` (``"bottom_right"``)."""
     i = torch.arange(sq, device=device).view(1, 1, sq, 1)
     j = torch.arange(skv, device=device).view(1, 1, 1, skv)
-    return j <= i
+    return j <= i + (skv - sq if corner == "bottom_right" else 0)

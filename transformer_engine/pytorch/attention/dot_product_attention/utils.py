@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...device import device_compute_capability
-from .backends import SDPBackend, sdpa_supports
+from .backends import SDPBackend, causal_lower_right, sdpa_supports
 
 __all__ = [
     "AttentionParams",
@@ -203,10 +203,15 @@ def needs_materialized_mask(params: AttentionParams) -> str | None:
     causal = "causal" in params.attn_mask_type
     if left >= 0 or (right >= 0 and not causal):
         return f"window_size={params.window_size} needs a mask tensor"
-    bottom_right = params.bottom_right_diagonal or params.attn_mask_type.endswith("bottom_right")
-    if causal and bottom_right and params.max_seqlen_q != params.max_seqlen_kv:
-        return "a bottom-right causal diagonal with max_seqlen_q != max_seqlen_kv needs a mask"
+    if _bottom_right_causal(params) and params.max_seqlen_q > params.max_seqlen_kv:
+        return "a bottom-right causal diagonal with max_seqlen_q > max_seqlen_kv needs a mask"
     return None
+
+
+def _bottom_right_causal(params: AttentionParams) -> bool:
+    if "causal" not in params.attn_mask_type:
+        return False
+    return params.bottom_right_diagonal or params.attn_mask_type.endswith("bottom_right")
 
 
 def _common_sdpa_filters(params: AttentionParams, dtypes) -> list[str]:
@@ -255,11 +260,13 @@ def _filters(params: AttentionParams, env) -> dict[str, list[str]]:
     flash_env, fused_env, unfused_env = env
     flash = _flash_and_cudnn_filters(params)
     cudnn = list(flash)
-    top_left_causal = "causal" in params.attn_mask_type and not params.bottom_right_diagonal
-    if top_left_causal and params.max_seqlen_q != params.max_seqlen_kv:
-        flash.append("SDPA's flash kernel refuses a top-left causal mask with sq != skv")
-        # the memory-efficient kernel's causal flag is top-left by definition; leave the case
-        # to it rather than depend on which corner a cuDNN version aligns to
+    if "causal" in params.attn_mask_type and params.max_seqlen_q != params.max_seqlen_kv:
+        if not _bottom_right_causal(params):
+            flash.append("SDPA's flash kernel refuses a top-left causal mask with sq != skv")
+        elif causal_lower_right is None:
+            flash.append("this torch has no torch.nn.attention.bias.causal_lower_right")
+        # SDPA's causal flag is top-left by definition, but which corner a cuDNN version
+        # aligns to is not: leave both cases to the memory-efficient kernel
         cudnn.append("a causal mask with sq != skv is left to the memory-efficient kernel")
     if params.attention_dropout > 0.0:
         cudnn.append("attention dropout is left to the flash and memory-efficient kernels")
