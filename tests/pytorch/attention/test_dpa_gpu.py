@@ -313,3 +313,30 @@ def test_on_cuda1_with_cuda0_current():
     meta.reset_parameters()
     assert meta.softmax_offset.device == torch.device("cuda", 1)
     assert meta(q, k, v).device == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("mask_type", ["causal", "padding_causal"])
+def test_forward_captures_in_a_cuda_graph(mask_type):
+    """After a first (eager) call has chosen the backend, a forward issues no host-side work a
+    CUDA graph cannot hold: it captures, and replays with new inputs like the eager call."""
+    b, s, h, d = 2, 128, 4, 64
+    q, k, v = (t.detach() for t in make_inputs(b, s, s, h, h, d, torch.bfloat16, seed=12))
+    pad = torch.zeros(b, 1, 1, s, dtype=torch.bool, device="cuda")
+    pad[1, ..., 90:] = True
+    kwargs = {"attention_mask": pad} if mask_type.startswith("padding") else {}
+    dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type=mask_type)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(2):
+            dpa(q, k, v, **kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        out = dpa(q, k, v, **kwargs)
+    new_q = torch.randn_like(q)
+    q.copy_(new_q)
+    graph.replay()
+    with torch.no_grad():
+        eager = dpa(new_q, k, v, **kwargs)
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
