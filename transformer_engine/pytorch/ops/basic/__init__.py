@@ -24,6 +24,7 @@ from .grouped_linear import GroupedLinear
 from .l2_normalization import L2Normalization
 from .normalization import LayerNorm, RMSNorm
 from .quantize import Quantize
+from .scaled_activation import ScaledSwiGLU
 from .simple import ConstantScale, Dropout, Identity, Reshape
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "Reshape",
     "SReGLU",
     "SReLU",
+    "ScaledSwiGLU",
     "SiLU",
     "SwiGLU",
 ]
