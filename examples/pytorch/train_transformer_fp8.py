@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Train a small decoder-only transformer built from ``te`` modules in FP8, and compare with BF16.
 
-The model (per block: ``te.LayerNormLinear`` for the fused QKV projection, causal attention with
-``torch.nn.functional.scaled_dot_product_attention``, ``te.Linear`` for the output projection,
-``te.LayerNormMLP`` for the MLP; a final ``te.LayerNorm``; token/position embeddings and the LM
-head in plain PyTorch) learns a synthetic next-token task generated here, with no downloads:
+The model (per block a pre-LN ``te.TransformerLayer``: its ``te.LayerNormLinear`` fused QKV
+projection, causal ``te.DotProductAttention``, ``te.Linear`` output projection and
+``te.LayerNormMLP``; a final ``te.LayerNorm``; token/position embeddings and the LM head in plain
+PyTorch) learns a synthetic next-token task generated here, with no downloads:
 each sequence is a segment of a fixed random Markov chain (every token has a few likely
 successors) followed by a repeat of that segment. The loss falls from ln(vocab) in two drops:
 first the chain's statistics, then, once attention learns to copy, the repeated half (the task's
@@ -59,6 +59,7 @@ except ImportError:  # run from a source checkout that is not installed
     import transformer_engine
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Format
+from transformer_engine.pytorch.transformer import TransformerLayer
 
 try:
     from tqdm.auto import tqdm
@@ -188,23 +189,20 @@ def make_task(steps: int, batch: int, seq: int, vocab: int, seed: int, successor
 # ------------------------------------------------------------------ model
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block from te modules; attention itself is plain PyTorch."""
+def make_block(hidden: int, heads: int, ffn: int, device: torch.device, dtype) -> nn.Module:
+    """A pre-LN transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``, causal, with
+    no dropout (the task is small and the two runs should differ by FP8 only)."""
+    return TransformerLayer(
+        hidden, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0, fuse_qkv_params=True,
+        self_attn_mask_type="causal", attn_input_format="bshd", params_dtype=dtype,
+        device=device,
+    )  # fmt: skip
 
-    def __init__(self, hidden: int, heads: int, ffn: int, device: torch.device, dtype):
-        super().__init__()
-        self.heads = heads
-        self.qkv = te.LayerNormLinear(hidden, 3 * hidden, params_dtype=dtype, device=device)
-        self.proj = te.Linear(hidden, hidden, params_dtype=dtype, device=device)
-        self.mlp = te.LayerNormMLP(hidden, ffn, params_dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        qkv = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # each (b, heads, s, head_dim)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, h))
-        return x + self.mlp(x)
+def gemm_modules(block: nn.Module) -> list[nn.Module]:
+    """The block's te GEMM modules: QKV (LayerNormLinear), output projection, MLP."""
+    attention = block.self_attention
+    return [attention.layernorm_qkv, attention.proj, block.layernorm_mlp]
 
 
 class TinyGPT(nn.Module):
@@ -218,7 +216,7 @@ class TinyGPT(nn.Module):
         self.tok_emb = nn.Embedding(args.vocab, args.hidden, device=self.first, dtype=dtype)
         self.pos_emb = nn.Embedding(args.seq_len, args.hidden, device=self.first, dtype=dtype)
         self.blocks = nn.ModuleList(
-            Block(args.hidden, args.heads, args.ffn, dev, dtype) for dev in self.block_devices
+            make_block(args.hidden, args.heads, args.ffn, dev, dtype) for dev in self.block_devices
         )
         self.norm = te.LayerNorm(args.hidden, dtype=dtype, device=self.last)
         self.head = nn.Linear(args.hidden, args.vocab, bias=False, device=self.last, dtype=dtype)
@@ -246,7 +244,10 @@ def check_fp8_state_placement(model: nn.Module) -> str:
     """Every te module's delayed-scaling state must be on the device of its parameters."""
     checked, wrong = 0, []
     for name, m in te_modules(model):
-        param_dev = next(m.parameters()).device
+        param = next(m.parameters(), None)
+        if param is None:  # DotProductAttention: no parameters, no FP8 state (high precision)
+            continue
+        param_dev = param.device
         for key in ("scaling_fwd", "scaling_bwd"):
             state = m.fp8_meta.get(key)
             if state is None:
@@ -492,11 +493,11 @@ def main(argv=None) -> int:
     )
     placement = [("token + position embeddings (torch)", model_fp8.first)]
     for i, (dev, block) in enumerate(zip(model_fp8.block_devices, model_fp8.blocks)):
-        parts = ", ".join(type(m).__name__ for m in (block.qkv, block.proj, block.mlp))
+        parts = ", ".join(type(m).__name__ for m in gemm_modules(block))
         placement.append((f"block {i} ({parts})", dev))
     placement.append(("final LayerNorm (te) + LM head (torch)", model_fp8.last))
     width = max(len(name) for name, _ in placement)
-    print("placement:")
+    print("placement (each block a te.TransformerLayer; its GEMM modules in parentheses):")
     for name, dev in placement:
         print(f"  {name:<{width}} -> {dev}")
     sys.stdout.flush()
