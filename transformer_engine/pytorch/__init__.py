@@ -1,14 +1,23 @@
 """PyTorch API of transformer_engine (``import transformer_engine.pytorch as te``).
 
 The modules (``te.Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``,
-``LayerNorm``, ``RMSNorm``), the fusible operations (``te.ops``), autocast and the quantization
+``LayerNorm``, ``RMSNorm``), attention and the composed layers (``te.DotProductAttention``,
+``MultiheadAttention``, ``TransformerLayer``, RoPE, the KV cache), CUDA graphs
+(``make_graphed_callables``), the fusible operations (``te.ops``), autocast and the quantization
 state, quantized tensors, the FP8 cast kernels and GEMM (``cpp_extensions``), their pure-PyTorch
 reference (``reference``) and upstream's helper names. docs/architecture.md describes the layers.
 """
 
-from . import cpp_extensions, distributed, ops, reference
+from . import attention, cpp_extensions, distributed, ops, reference
+from .attention import (
+    DotProductAttention,
+    InferenceParams,
+    MultiheadAttention,
+    RotaryPositionEmbedding,
+)
 from .constants import DType
-from .distributed import checkpoint
+from .distributed import CudaRNGStatesTracker, checkpoint
+from .graph import make_graphed_callables
 from .module import (
     Fp8Padding,
     Fp8Unpadding,
@@ -49,6 +58,7 @@ from .tensor import (
     Float8Tensor,
     Float8TensorStorage,
 )
+from .transformer import TransformerLayer
 from .utils import (
     deinterleave_glu_tensor,
     get_cudnn_version,
@@ -68,6 +78,14 @@ __all__ = [
     "Fp8Padding",
     "Fp8Unpadding",
     "TransformerEngineBaseModule",
+    "DotProductAttention",
+    "MultiheadAttention",
+    "TransformerLayer",
+    "InferenceParams",
+    "RotaryPositionEmbedding",
+    "CudaRNGStatesTracker",
+    "make_graphed_callables",
+    "attention",
     "DType",
     "cpp_extensions",
     "reference",
