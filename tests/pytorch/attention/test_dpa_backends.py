@@ -96,7 +96,8 @@ def test_sdpa_path_against_oracle(sdpa_math, repeat_kv, mask_type, window, softm
         i, j = torch.arange(sq).view(-1, 1), torch.arange(skv).view(1, -1)
         bias = -torch.tensor([0.5, 0.25, 0.1, 1.0]).view(1, h, 1, 1) * (j - i - (skv - sq)).abs()
     dpa = DotProductAttention(h, d, num_gqa_groups=g, qkv_format="bshd", attn_mask_type=mask_type,
-                              window_size=window, softmax_type=softmax_type)  # fmt: skip
+                              window_size=window, softmax_type=softmax_type,
+                              device=q.device)  # fmt: skip
     offset = None
     if softmax_type == "learnable":
         with torch.no_grad():
@@ -240,7 +241,7 @@ def test_filters(pretend_hopper, changes, expected):
     "env,expected",
     [
         ({}, "flash"),
-        ({"NVTE_FLASH_ATTN": "0"}, "CUDNN_ATTENTION"),
+        ({"NVTE_FLASH_ATTN": "0"}, "EFFICIENT_ATTENTION"),
         ({"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "0"}, "unfused"),
         ({"NVTE_FUSED_ATTN": "0"}, "flash"),
     ],
@@ -250,6 +251,19 @@ def test_environment_excludes_backends(pretend_hopper, monkeypatch, env, expecte
         monkeypatch.setenv(name, value)
     params = AttentionParams(device=CUDA, attn_mask_type="causal", window_size=(-1, 0))
     assert chosen(params) == expected
+
+
+def test_cudnn_kernel_never_chosen_automatically(pretend_hopper, monkeypatch, caplog):
+    """Even where every other filter lets it through (flash excluded, causal, sq == skv), the
+    automatic choice skips the cuDNN kernel and says why in the debug log."""
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
+    params = AttentionParams(device=CUDA, attn_mask_type="causal", window_size=(-1, 0))
+    with caplog.at_level(logging.DEBUG, logger="transformer_engine.pytorch.attention"):
+        result = get_attention_backend(params)
+    assert result.use_fused_attention
+    assert result.fused_attention_backend.sdp_backend == SDPBackend.EFFICIENT_ATTENTION
+    assert "Disabling cudnn attention: " + utils.CUDNN_NOT_AUTOMATIC in caplog.text
+    assert "wrong dq" in utils.CUDNN_NOT_AUTOMATIC
 
 
 def test_no_backend_names_the_reasons(monkeypatch):

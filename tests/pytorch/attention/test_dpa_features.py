@@ -177,7 +177,7 @@ def test_softmax_types(softmax_type, mask_type):
     b, s, h, d = 2, 5, 3, 4
     q, k, v = random_qkv(b, s, s, h, h, d, seed=15)
     dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type=mask_type,
-                              softmax_type=softmax_type)  # fmt: skip
+                              softmax_type=softmax_type, device=q.device)  # fmt: skip
     lens = torch.tensor([5, 2])
     pad = (torch.arange(s)[None, :] >= lens[:, None]).view(b, 1, 1, s)
     kwargs = {"attention_mask": pad} if mask_type == "padding" else {}

@@ -102,7 +102,25 @@ def check_against_oracle(dpa, q, k, v, keep, fmt, what, **kwargs):
 
 
 # --- each kernel against the oracle ------------------------------------------------------------
-@pytest.mark.parametrize("kernel", ["FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"])
+# Measured on an H200 (torch 2.11, CUDA 13): SDPA's cuDNN backward gave dq max errors of 2.02 and
+# 4.03 (allowed 0.021-0.037) for bshd inputs (causal with GQA in bf16 and fp16, no mask in bf16);
+# forward, dk and dv passed. The automatic choice skips the kernel for this reason. Not strict:
+# a torch that fixes it shows up as XPASS.
+CUDNN_DQ_XFAIL = pytest.mark.xfail(
+    strict=False,
+    reason="SDPA CUDNN_ATTENTION backward: dq max error up to 4.03 against an allowed 0.037 "
+    "(bshd, H200, torch 2.11); not chosen automatically",
+)
+
+
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        "FLASH_ATTENTION",
+        pytest.param("CUDNN_ATTENTION", marks=CUDNN_DQ_XFAIL),
+        "EFFICIENT_ATTENTION",
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
 @pytest.mark.parametrize("mask_type,groups", [("causal", 4), ("no_mask", 4), ("causal", 2)])
@@ -146,9 +164,8 @@ def test_environment_selects_backend(monkeypatch, env, expected):
     dpa = DotProductAttention(h, d, qkv_format="bshd")
     check_against_oracle(dpa, q, k, v, oracle_keep(b, s, s, mask_type="causal"), "bshd", str(env))
     got = chosen()
-    assert got == expected or (
-        expected == "fused" and got in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
-    )
+    # the cuDNN kernel is never chosen automatically (see CUDNN_DQ_XFAIL)
+    assert got == ("EFFICIENT_ATTENTION" if expected == "fused" else expected)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from test_dpa_numerics import (
     oracle_output,
     random_qkv,
 )
+from utils import materialization_device
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
@@ -222,9 +223,9 @@ def test_fp8_attention_flags_refused(flag):
 def test_meta_init_and_state_dict():
     dpa = DotProductAttention(3, 4, softmax_type="learnable", device="meta")
     assert dpa.softmax_offset.is_meta
-    dpa.reset_parameters()
-    assert dpa.softmax_offset.device == torch.device("cpu")
-    assert torch.equal(dpa.softmax_offset.detach(), torch.zeros(3))
+    dpa.reset_parameters()  # materializes where a module without device= would be built
+    assert dpa.softmax_offset.device == materialization_device()
+    assert torch.equal(dpa.softmax_offset.detach().cpu(), torch.zeros(3))
     keys = list(dpa.state_dict().keys())
     assert keys == ["softmax_offset", "_extra_state"]
     with torch.device("meta"):

@@ -5,8 +5,9 @@
   type's offset), dropout, ``P V``, in float32 whatever the input dtype. It handles every
   option, is the CPU path, and is what the fused kernels are tested against.
 * :class:`FlashAttention`: SDPA's FLASH_ATTENTION kernel (causal flag or no mask only).
-* :class:`FusedAttention`: SDPA's CUDNN_ATTENTION or EFFICIENT_ATTENTION kernel; the
-  memory-efficient one also takes materialized masks, additive biases and (through an extra
+* :class:`FusedAttention`: SDPA's CUDNN_ATTENTION or EFFICIENT_ATTENTION kernel, whichever
+  the caller passes (the automatic choice passes the memory-efficient one only, see
+  ``utils.CUDNN_NOT_AUTOMATIC``); the memory-efficient one also takes materialized masks, additive biases and (through an extra
   key column, below) the off-by-one and learnable softmax offsets.
 
 None of them has parameters. Which one runs is decided by ``utils.get_attention_backend``;

@@ -124,9 +124,10 @@ class DotProductAttention(TransformerEngineBaseModule):
         ``meta`` inside ``with torch.device("meta")``; ``"meta"`` defers to
         ``reset_parameters()``.
 
-    Backends: PyTorch SDPA's flash, cuDNN or memory-efficient kernels on CUDA when the call
-    allows them, else an explicit float32 implementation (always on CPU); see
-    docs/attention.md for how they are chosen and ``NVTE_*_ATTN`` to exclude them.
+    Backends: PyTorch SDPA's flash or memory-efficient kernels on CUDA when the call allows
+    them (its cuDNN kernel is not chosen automatically: a wrong dq was measured on torch
+    2.11), else an explicit float32 implementation (always on CPU); see docs/attention.md for
+    how they are chosen and ``NVTE_*_ATTN`` to exclude them.
     """
 
     def __init__(
