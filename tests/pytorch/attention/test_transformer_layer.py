@@ -21,9 +21,11 @@ from test_multi_head_attention import (
     rms,
     rotary_freqs,
 )
-from utils import REFERENCE_ACTIVATIONS, autocast_by_name, needs_cuda, needs_two_gpus
+from utils import REFERENCE_ACTIVATIONS, autocast_by_name, make_recipe, needs_cuda, needs_two_gpus
 
+import transformer_engine.pytorch as te
 from transformer_engine.pytorch.attention.inference import InferenceParams
+from transformer_engine.pytorch.distributed import checkpoint
 from transformer_engine.pytorch.transformer import DropPath, TransformerLayer
 
 HIDDEN, FFN, HEADS, SEQ, BATCH = 32, 64, 4, 8, 2
@@ -333,6 +335,36 @@ def test_default_initialization_and_init_methods():
     assert torch.all(layer.layernorm_mlp.fc2_weight == 2)
 
 
+def test_recompute_gives_the_same_output_and_gradients():
+    """checkpoint_core_attention (attention recomputed in backward) and te.checkpoint (the whole
+    layer recomputed) change nothing in the results."""
+    layer = randomize(make())
+    results = []
+    for run in ("plain", "core_attention", "te.checkpoint"):
+        x = inputs()
+        if run == "te.checkpoint":
+            out = checkpoint(layer, x)
+        else:
+            out = layer(x, checkpoint_core_attention=run == "core_attention")
+        out.backward(output_grad(out))
+        results.append((out.detach(), x.grad, layer.layernorm_mlp.fc1_weight.grad.clone()))
+        layer.zero_grad()
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_fp8_parameters_with_fused_qkv():
+    with te.quantized_model_init(recipe=make_recipe("delayed")):
+        layer = make(fuse_qkv_params=True, hidden_size=64, ffn_hidden_size=128)
+    assert type(layer.self_attention.layernorm_qkv.weight).__name__ == "Float8Tensor"
+    assert type(layer.layernorm_mlp.fc2_weight).__name__ == "Float8Tensor"
+    x = inputs(seq=16, hidden=64)
+    with autocast_by_name("delayed"):
+        out = layer(x)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+
+
 # --- errors --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs, error, match",
@@ -479,9 +511,17 @@ def test_second_gpu_while_first_is_current():
     meta.reset_parameters()
     assert {p.device for p in meta.parameters()} == {torch.device("cuda:1")}
     assert torch.cuda.current_device() == 0
-    state = layer.state_dict()
+    # a checkpoint read onto the CPU restores onto the module's device (cuda:1)
+    buffer = io.BytesIO()
+    torch.save(layer.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, map_location="cpu", weights_only=True)
     restored = make(
         params_dtype=torch.bfloat16, device="cuda:1", hidden_size=64, ffn_hidden_size=128
     )
     restored.load_state_dict(state)
+    assert torch.cuda.current_device() == 0
     assert torch.equal(restored(x), layer(x))
+    with autocast_by_name("delayed"):
+        restored(x).sum().backward()
+    assert restored.layernorm_mlp.fp8_meta["scaling_fwd"].scale.device == torch.device("cuda:1")
