@@ -37,10 +37,21 @@ try:  # torch >= 2.3
     from torch.nn.attention import SDPBackend, sdpa_kernel
 except ImportError:  # pragma: no cover - older torch: no SDPA backends, unfused only
     SDPBackend, sdpa_kernel = None, None
-try:
-    from torch.nn.attention.bias import CausalBias, causal_lower_right
-except ImportError:  # pragma: no cover - bottom-right causal masks are then materialized
-    CausalBias, causal_lower_right = None, None
+_CAUSAL_BIAS: list = []
+
+
+def causal_bias_api():
+    """``(CausalBias, causal_lower_right)`` from ``torch.nn.attention.bias``, or ``(None, None)``
+    on a torch without them (bottom-right causal masks are then materialized). Imported on first
+    use: that module imports torch._dynamo, which would add over a second to importing this
+    package."""
+    if not _CAUSAL_BIAS:
+        try:
+            from torch.nn.attention.bias import CausalBias, causal_lower_right
+        except ImportError:  # pragma: no cover
+            CausalBias, causal_lower_right = None, None
+        _CAUSAL_BIAS.extend((CausalBias, causal_lower_right))
+    return _CAUSAL_BIAS[0], _CAUSAL_BIAS[1]
 
 
 def _float_softmax_with_offset(scores: torch.Tensor, offset: torch.Tensor | None):
@@ -129,6 +140,7 @@ def sdpa_inputs(problem: AttentionProblem, repeat_kv: bool, flash: bool = False)
     corner = problem.implicit_causal
     plain = not sink and problem.bias is None
     is_causal, lower_right = corner == "top_left" and plain, None
+    causal_lower_right = causal_bias_api()[1] if corner == "bottom_right" and flash else None
     if corner == "bottom_right" and plain and flash and causal_lower_right is not None:
         lower_right = causal_lower_right(sq, skv)
         repeat_kv = True  # its flash call bypasses SDPA's GQA handling: equal heads only
@@ -264,7 +276,8 @@ def _ask_pytorch(backend, problem, dropout_p, repeat_kv) -> tuple[bool, str]:
         return True, ""  # this torch cannot say; the static filters decided
     flash = backend.name == "FLASH_ATTENTION"
     q, k, v, attn_mask, is_causal, enable_gqa = sdpa_inputs(problem, repeat_kv, flash)
-    if CausalBias is not None and isinstance(attn_mask, CausalBias):
+    causal_bias_type = causal_bias_api()[0] if flash else None
+    if causal_bias_type is not None and isinstance(attn_mask, causal_bias_type):
         attn_mask = None  # what CausalBias itself asks before its flash call
     elif attn_mask is not None and attn_mask.dtype == torch.bool:
         # SDPA turns a bool mask into an additive one before choosing; probe what it sees

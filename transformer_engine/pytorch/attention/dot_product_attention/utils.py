@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...device import device_compute_capability
-from .backends import SDPBackend, causal_lower_right, sdpa_supports
+from .backends import SDPBackend, causal_bias_api, sdpa_supports
 
 __all__ = [
     "AttentionParams",
@@ -276,7 +276,7 @@ def _filters(params: AttentionParams, env) -> dict[str, list[str]]:
     if "causal" in params.attn_mask_type and params.max_seqlen_q != params.max_seqlen_kv:
         if not _bottom_right_causal(params):
             flash.append("SDPA's flash kernel refuses a top-left causal mask with sq != skv")
-        elif causal_lower_right is None:
+        elif causal_bias_api()[1] is None:
             flash.append("this torch has no torch.nn.attention.bias.causal_lower_right")
         # SDPA's causal flag is top-left by definition, but which corner a cuDNN version
         # aligns to is not: leave both cases to the memory-efficient kernel
