@@ -314,8 +314,9 @@ def test_state_dict_variants():
         "inter_attention.proj.weight": (h, h), "inter_attention.proj.bias": (h,),
     }  # fmt: skip
     assert "inter_attention.core_attention._extra_state" in make(layer_type="decoder").state_dict()
-    learnable = shapes(make(softmax_type="learnable", device="meta"))
-    assert learnable["self_attention.core_attention.softmax_offset"] == (HEADS,)
+    learnable = make(softmax_type="learnable", device="meta")
+    assert shapes(learnable)["self_attention.core_attention.softmax_offset"] == (HEADS,)
+    assert learnable.self_attention.core_attention.softmax_offset.is_meta  # built with the rest
     glu = shapes(make(activation="swiglu"))
     assert glu["layernorm_mlp.fc1_weight"] == (2 * f, h) and glu["layernorm_mlp.fc1_bias"] == (
         2 * f,

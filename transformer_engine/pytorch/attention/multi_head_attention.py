@@ -316,7 +316,7 @@ class MultiheadAttention(torch.nn.Module):
             qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size,
             bottom_right_diagonal=bottom_right_diagonal, get_rng_state_tracker=get_rng_state_tracker,
             layer_number=layer_number, attention_type=attention_type,
-            softmax_type=softmax_type, name=child_name("core_attention"),
+            softmax_type=softmax_type, name=child_name("core_attention"), device=device,
         )  # fmt: skip
         self.proj = Linear(
             self.hidden_size_q, hidden_size, init_method=output_layer_init_method,
