@@ -218,8 +218,11 @@ def test_return_bias_and_layernorm_output():
 
 # --- parameters ----------------------------------------------------------------------------------
 def shapes(module):
+    """Parameter shapes by state-dict key (the ``_extra_state`` entries are checked apart)."""
     return {
-        k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)
+        k: tuple(v.shape)
+        for k, v in module.state_dict().items()
+        if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
     }
 
 

@@ -251,8 +251,11 @@ def test_torch_autocast_casts_the_input():
 
 # --- parameters ----------------------------------------------------------------------------------
 def shapes(module):
+    """Parameter shapes by state-dict key (the ``_extra_state`` entries are checked apart)."""
     return {
-        k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)
+        k: tuple(v.shape)
+        for k, v in module.state_dict().items()
+        if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
     }
 
 
