@@ -10,14 +10,15 @@ the fix. Modules and operations compare the recipe they run with against a copy 
 state was built from, so a recipe changed between steps refreshes that state exactly as an equal
 new recipe would. ``MMParams`` and ``QParams`` are frozen (hashable), as upstream's are.
 
-Three recipes are available:
+Four recipes are available:
 
 * :class:`DelayedScaling`: per-tensor scales computed from a history of amaxes seen in earlier
   steps.
 * :class:`Float8CurrentScaling`: per-tensor scales computed from the tensor being cast.
+* :class:`Float8BlockScaling`: one scale per 1x128 tile or 128x128 block of the tensor being cast.
 * :class:`CustomRecipe`: every quantizer chosen by a user factory, per role.
 
-The scaling math of the first two is described in ``docs/recipes.md``.
+The scaling math of the first three is described in ``docs/recipes.md``.
 
 Environment variables (each read at construction time, by one helper in this module):
 
@@ -28,6 +29,9 @@ Environment variables (each read at construction time, by one helper in this mod
 ``NVTE_BACKWARD_OVERRIDE``
     Default of ``Float8CurrentScaling.backward_override``: unset or empty means None, else
     ``"high_precision"`` or ``"dequantized"``. ``DelayedScaling`` does not read it.
+``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``
+    ``"1"`` makes ``Float8BlockScaling.use_f32_scales`` default to True; the class-level
+    ``Float8BlockScaling.fp8_quant_*`` parameters read it once, at import.
 """
 
 from __future__ import annotations
@@ -52,6 +56,20 @@ from ._field_checks import (
     power_2_scales_from_env,
     type_name,
 )
+from ._formats import (
+    Format,
+    MMParams,
+    QParams,
+    _check_block_scaling_dim,
+    _check_false,
+    _check_fp8_format,
+    _check_mm_params,
+    _check_split_accumulator,
+    _FormatMaxima,
+    _import_time_block_qparams,
+    _import_time_role_qparams,
+    fp32_scales_from_env,
+)
 
 __all__ = [
     "Format",
@@ -60,141 +78,14 @@ __all__ = [
     "Recipe",
     "DelayedScaling",
     "Float8CurrentScaling",
+    "Float8BlockScaling",
     "CustomRecipe",
 ]
 
-
-# ------------------------------------------------------------------ formats and parameters
-
-
-class _FormatMaxima(NamedTuple):
-    """Largest finite magnitudes of a :class:`Format`: forward tensors and gradients."""
-
-    max_fwd: int
-    max_bwd: int
-
-
-class Format(Enum):
-    """Low-precision number formats a recipe can cast to.
-
-    Each member's ``value`` is a named tuple ``(max_fwd, max_bwd)``: the largest finite
-    magnitude of the format used for forward tensors (activations, weights) and for backward
-    tensors (gradients). Read them as ``fmt.value.max_fwd`` and ``fmt.value.max_bwd``.
-
-    Attributes
-    ----------
-    E2M1
-        FP4 (largest value 6) everywhere. Only for FP4 recipes; FP8 recipes reject it.
-    E4M3
-        FP8 E4M3 (largest value 448) everywhere.
-    E5M2
-        FP8 E5M2 (largest value 57344) everywhere. FP8 recipes reject it: pure E5M2 training is
-        not supported.
-    HYBRID
-        E4M3 for forward tensors, E5M2 for gradients (448 / 57344).
-    """
-
-    E2M1 = _FormatMaxima(max_fwd=6, max_bwd=6)
-    E4M3 = _FormatMaxima(max_fwd=448, max_bwd=448)
-    E5M2 = _FormatMaxima(max_fwd=57344, max_bwd=57344)
-    HYBRID = _FormatMaxima(max_fwd=448, max_bwd=57344)
-
-
-@dataclasses.dataclass(frozen=True)
-class MMParams:
-    """Options of one FP8 matrix multiplication (GEMM).
-
-    Parameters
-    ----------
-    use_split_accumulator : bool, default True
-        Accumulate in higher precision by periodically promoting the partial sums (cuBLASLt's
-        split accumulation) instead of the faster FP8 fast-accumulation mode.
-    """
-
-    use_split_accumulator: bool = True
-
-    def __post_init__(self) -> None:
-        check_bool("MMParams", "use_split_accumulator", self.use_split_accumulator)
-
-
-@dataclasses.dataclass(frozen=True)
-class QParams:
-    """Options of one quantization role (input, weight or gradient).
-
-    Parameters
-    ----------
-    power_2_scale : bool, default False
-        Round each scale down to a power of 2, so scaling is exact in binary.
-    amax_epsilon : float, default 0.0
-        Lower bound applied to the amax before the scale is computed; keeps near-zero tensors
-        from producing huge scales. Must be finite and >= 0.
-    random_hadamard_transform : bool, default False
-        Apply a random Hadamard transform before quantizing (FP4 recipes only).
-    stochastic_rounding : bool, default False
-        Round stochastically instead of to nearest (FP4 recipes only).
-    fp4_2d_quantization : bool, default False
-        Use 2D blocks for FP4 quantization (FP4 recipes only).
-    """
-
-    power_2_scale: bool = False
-    amax_epsilon: float = 0.0
-    random_hadamard_transform: bool = False
-    stochastic_rounding: bool = False
-    fp4_2d_quantization: bool = False
-
-    def __post_init__(self) -> None:
-        for name in (
-            "power_2_scale",
-            "random_hadamard_transform",
-            "stochastic_rounding",
-            "fp4_2d_quantization",
-        ):
-            check_bool("QParams", name, getattr(self, name))
-        eps = self.amax_epsilon
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-            raise TypeError(
-                f"QParams: amax_epsilon must be a float, got {eps!r} ({type_name(eps)}); "
-                f"pass a finite number >= 0.0"
-            )
-        if not (math.isfinite(eps) and eps >= 0):
-            raise ValueError(
-                f"QParams: amax_epsilon must be finite and >= 0.0, got {eps!r}; pass e.g. 0.0"
-            )
-        # Normalise ints (and numpy scalars) so equal epsilons compare and print alike.
-        object.__setattr__(self, "amax_epsilon", float(eps))
-
-
-def _check_fp8_format(owner: str, name: str, value: Any) -> Format:
-    if not isinstance(value, Format):
-        raise TypeError(
-            f"{owner}: {name} must be a Format, got {value!r} ({type_name(value)}); "
-            f"pass Format.HYBRID or Format.E4M3"
-        )
-    if value is Format.E5M2:
-        raise ValueError(
-            f"{owner}: {name}=Format.E5M2: pure E5M2 training is not supported; use "
-            f"Format.HYBRID (E4M3 forward, E5M2 gradients) or Format.E4M3"
-        )
-    if value is Format.E2M1:
-        raise ValueError(
-            f"{owner}: {name}=Format.E2M1 is an FP4 format, not an FP8 one; use "
-            f"Format.HYBRID or Format.E4M3"
-        )
-    return value
-
-
-def _check_mm_params(owner: str, name: str, value: Any) -> MMParams:
-    if not isinstance(value, MMParams):
-        raise TypeError(
-            f"{owner}: {name} must be an MMParams, got {value!r} ({type_name(value)}); "
-            f"pass e.g. MMParams(use_split_accumulator=True)"
-        )
-    return value
-
-
-def _import_time_role_qparams() -> QParams:
-    """Per-role ``QParams`` of ``Float8CurrentScaling``, made once when this module is imported."""
-    return QParams(power_2_scale=power_2_scales_from_env(), amax_epsilon=0.0)
+# The public path, for reprs and pickles (the classes are defined in _formats.py).
+for _cls in (Format, MMParams, QParams, _FormatMaxima):
+    _cls.__module__ = __name__
+del _cls
 
 
 # ------------------------------------------------------------------ recipes
@@ -270,8 +161,8 @@ class Recipe:
 
     @classmethod
     def float8_block_scaling(cls) -> bool:
-        """Whether this is an FP8 block-scaling recipe (not implemented here: always False)."""
-        return False
+        """Whether this is a :class:`Float8BlockScaling` recipe."""
+        return issubclass(cls, Float8BlockScaling)
 
     @classmethod
     def custom(cls) -> bool:
@@ -480,6 +371,120 @@ class Float8CurrentScaling(Recipe):
             f"recipe_type={type(self).__name__}, "
             f"format={self.fp8_format.name}, "
             f"use_power_2_scales={self.use_power_2_scales}, "
+            f"fp8_gemm_fprop={self.fp8_gemm_fprop}, "
+            f"fp8_gemm_dgrad={self.fp8_gemm_dgrad}, "
+            f"fp8_gemm_wgrad={self.fp8_gemm_wgrad}, "
+            f"fp8_dpa={self.fp8_dpa}, "
+            f"fp8_mha={self.fp8_mha}, "
+            f"backward_override={self.backward_override}"
+        )
+
+
+_BLOCK_DIM_FIELDS = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
+
+
+@dataclasses.dataclass(repr=False)
+class Float8BlockScaling(Recipe):
+    """FP8 training with block scaling: one FP32 scale per 1x128 tile or 128x128 block.
+
+    Each cast splits the tensor (viewed as ``[M, K]``, ``K`` the last dimension) into blocks
+    and computes every block's scale from its own amax, ``fp8_max / max(amax, amax_epsilon)``
+    (rounded down to a power of 2 unless ``use_f32_scales``), so one large value only coarsens
+    its own block. Activations and gradients use 1x128 tiles along ``K`` (their column-wise
+    copies 1x128 tiles along ``M``); weights use 128x128 blocks. Nothing is kept between steps:
+    there is no amax history and no amax reduction across ranks. See ``docs/recipes.md``.
+
+    Parameters
+    ----------
+    use_f32_scales : bool, default from ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``
+        Keep each block's scale as computed (any FP32 value) instead of rounding it down to a
+        power of 2. Defaults to True exactly when the environment variable is ``"1"`` at
+        construction time.
+    fp8_format : Format, default Format.E4M3
+        ``Format.E4M3`` everywhere, or ``Format.HYBRID`` (E5M2 gradients).
+    x_block_scaling_dim, w_block_scaling_dim, grad_block_scaling_dim : int, default 1, 2, 1
+        Block shape of activations, weights and gradients: 1 (1x128) or 2 (128x128). At most
+        one of them may be 2: a GEMM of two 128x128-scaled operands is not supported.
+    fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad : MMParams, default MMParams(True)
+        Must keep ``use_split_accumulator=True``.
+    fp8_dpa, fp8_mha : bool, default False
+        Must be False: no FP8 attention with this recipe.
+    backward_override : {None, "high_precision", "dequantized"}, default from env
+        As :class:`Float8CurrentScaling`'s; defaults to ``NVTE_BACKWARD_OVERRIDE``.
+
+    Attributes
+    ----------
+    fp8_quant_fwd_inp, fp8_quant_fwd_weight, fp8_quant_bwd_grad : QParams
+        Class attributes fixed at import: ``QParams(power_2_scale=not <env "1">,
+        amax_epsilon=0.0)``. The quantizers take ``amax_epsilon`` from them; whether scales
+        are powers of 2 follows the instance's ``use_f32_scales`` (upstream reads the class
+        attribute, so there ``use_f32_scales=True`` without the environment variable still
+        gives power-of-2 scales).
+
+    Raises
+    ------
+    TypeError
+        A field has the wrong type, or an unknown keyword argument was given.
+    ValueError
+        A field has an unsupported value, or two block dims are 2.
+    """
+
+    use_f32_scales: bool = dataclasses.field(default_factory=fp32_scales_from_env)
+    fp8_format: Format = Format.E4M3
+    fp8_quant_fwd_inp: ClassVar[QParams] = _import_time_block_qparams()
+    fp8_quant_fwd_weight: ClassVar[QParams] = _import_time_block_qparams()
+    fp8_quant_bwd_grad: ClassVar[QParams] = _import_time_block_qparams()
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = dataclasses.field(default_factory=backward_override_from_env)
+
+    _field_checks = {
+        "use_f32_scales": check_bool,
+        "fp8_format": _check_fp8_format,
+        "x_block_scaling_dim": _check_block_scaling_dim,
+        "w_block_scaling_dim": _check_block_scaling_dim,
+        "grad_block_scaling_dim": _check_block_scaling_dim,
+        "fp8_gemm_fprop": _check_split_accumulator,
+        "fp8_gemm_dgrad": _check_split_accumulator,
+        "fp8_gemm_wgrad": _check_split_accumulator,
+        "fp8_dpa": _check_false,
+        "fp8_mha": _check_false,
+        "backward_override": check_backward_override,
+    }
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The block dims are checked together: every GEMM pairs two of the three roles, and
+        # no GEMM takes two 128x128-scaled operands. An assignment that would break that is
+        # refused and leaves the recipe as it was.
+        old = self.__dict__.get(name, dataclasses.MISSING)
+        super().__setattr__(name, value)
+        if name in _BLOCK_DIM_FIELDS and all(f in self.__dict__ for f in _BLOCK_DIM_FIELDS):
+            two_d = [f for f in _BLOCK_DIM_FIELDS if self.__dict__[f] == 2]
+            if len(two_d) > 1:
+                if old is dataclasses.MISSING:
+                    object.__delattr__(self, name)
+                else:
+                    object.__setattr__(self, name, old)
+                raise ValueError(
+                    f"Float8BlockScaling: {' and '.join(f'{f}=2' for f in two_d)}: 2D by 2D "
+                    f"block gemm not supported (a GEMM of two 128x128-scaled operands); set at "
+                    f"most one block dim to 2 (default: w_block_scaling_dim=2, the others 1)"
+                )
+
+    def __repr__(self) -> str:
+        return (
+            f"recipe_type={type(self).__name__}, "
+            f"format={self.fp8_format.name}, "
+            f"use_f32_scales={self.use_f32_scales}, "
+            f"x_block_scaling_dim={self.x_block_scaling_dim}, "
+            f"w_block_scaling_dim={self.w_block_scaling_dim}, "
+            f"grad_block_scaling_dim={self.grad_block_scaling_dim}, "
             f"fp8_gemm_fprop={self.fp8_gemm_fprop}, "
             f"fp8_gemm_dgrad={self.fp8_gemm_dgrad}, "
             f"fp8_gemm_wgrad={self.fp8_gemm_wgrad}, "
