@@ -43,6 +43,8 @@ def test_host_overhead_tool_runs_a_few_steps_without_a_gpu():
         ("benchmarks/mlp/benchmark_mlp.py", "needs a CUDA GPU"),
         ("benchmarks/mlp/benchmark_kernels.py", "needs a CUDA GPU"),
         ("benchmarks/linear/benchmark_graphed.py", "needs a CUDA GPU"),
+        ("benchmarks/attention/benchmark_attention.py", "needs a CUDA GPU"),
+        ("benchmarks/transformer/benchmark_transformer_layer.py", "needs a CUDA GPU"),
     ],
 )
 def test_gpu_benchmarks_refuse_without_gpus(script, message):
@@ -64,3 +66,15 @@ def test_mlp_benchmark_smoke_run_on_cpu(tmp_path):
         (config, impl) for config in ("gelu", "swiglu", "ln_linear") for impl in impls
     ]
     assert all(r["step_ms"] > 0 and r["forward_ms"] > 0 for r in rows)
+
+
+def test_transformer_layer_benchmark_smoke_run_on_cpu(tmp_path):
+    """Every configuration and recipe of the TransformerLayer benchmark at tiny shapes."""
+    out = tmp_path / "tl.json"
+    result = run(
+        "benchmarks/transformer/benchmark_transformer_layer.py", "--device", "cpu", "--seq", "16",
+        "--batch", "2", "--hidden", "64", "--ffn", "128", "--heads", "4", "--steps", "1",
+        "--warmup", "0", "--rounds", "1", "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert out.read_text().strip()
