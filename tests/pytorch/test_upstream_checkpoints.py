@@ -249,22 +249,34 @@ def test_upstream_ops_extra_state_with_two_recipes_is_refused(monkeypatch):
 
 @pytest.mark.parametrize("recipe", [None, Float8CurrentScaling], ids=["bf16", "current"])
 @pytest.mark.parametrize("name", ["Linear", "LayerNormLinear", "LayerNormMLP", "ops.Linear"])
-def test_ours_without_delayed_state_saves_no_extra_state(name, recipe):
-    """What upstream's reader skips (None is a no-op there): ours then holds weights only, under
-    upstream's key names."""
+def test_ours_without_delayed_state_writes_upstreams_empty_extra_state(name, recipe):
+    """Upstream's "no state" (an empty uint8 tensor, which its reader skips): ours then holds
+    exactly upstream's BF16 layout under upstream's key names."""
     make, keys = UPSTREAM_KEYS[name]
     m = make()
     with te.autocast(enabled=recipe is not None, recipe=recipe() if recipe else None):
         m(torch.randn(16, H)).sum().backward()
     state = m.state_dict()
     assert list(state) == keys
-    assert all(state[k] is None for k in keys if k.endswith("_extra_state"))
+    for key in keys:
+        if key.endswith("_extra_state"):
+            assert state[key].dtype == torch.uint8 and state[key].shape == (0,), key
 
 
-def test_ours_with_delayed_state_is_a_plain_dict_upstream_cannot_read():
+def test_ours_with_delayed_state_is_bytes_upstreams_reader_refuses_without_running_them():
+    """Our delayed-scaling state is a uint8 tensor like upstream's, but holds no pickle:
+    upstream's policy check (ported in transformer_engine.pytorch._extra_state) cannot
+    classify it and asks for the opt-in, and unpickling it fails at the first byte."""
+    from transformer_engine.pytorch._extra_state import should_load_extra_state_pickle
+
     m = te.Linear(H, H, device="cpu")
     with te.autocast(enabled=True, recipe=DelayedScaling()):
         m(torch.randn(16, H)).sum().backward()
     extra = m.state_dict()["_extra_state"]
-    # Not a uint8 tensor or io.BytesIO, the only forms upstream's set_extra_state reads.
-    assert isinstance(extra, dict) and extra["format"] == "transformer_engine/extra_state"
+    assert extra.dtype == torch.uint8 and extra.dim() == 1 and extra.numel() > 0
+    data = bytes(extra.tolist())
+    assert data[0] == 0xFF  # not a pickle opcode
+    with pytest.raises(RuntimeError, match=ENV):
+        should_load_extra_state_pickle(data, "Linear")
+    with pytest.raises(pickle.UnpicklingError, match="invalid load key"):
+        pickle.loads(data)

@@ -16,6 +16,7 @@ import torch
 from ...common.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
 __all__ = [
+    "FORMAT_NAME",
     "TENSOR_NAMES",
     "RECIPE_CLASSES",
     "PLAIN_SCALARS",
@@ -26,6 +27,9 @@ __all__ = [
     "cpu_copy",
     "to_module_device",
 ]
+
+# The name both versions of our format carry (the v1 dict's "format", the v2 header's).
+FORMAT_NAME = "transformer_engine/extra_state"
 
 TENSOR_NAMES = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
 

@@ -1,4 +1,5 @@
-"""Our checkpoint format of a module's FP8 state: what ``get_extra_state`` returns.
+"""Our checkpoint format of a module's FP8 state: what ``get_extra_state`` returns and
+``set_extra_state`` reads.
 
 Why a format of our own
 -----------------------
@@ -6,31 +7,26 @@ NVIDIA Transformer Engine stores a module's FP8 state (recipe, scales, amax hist
 ``pickle.dumps(dict)`` bytes inside a ``torch.uint8`` tensor. Reading such a checkpoint means
 unpickling those bytes, and unpickling calls whatever importable callables the bytes name: a
 tampered checkpoint runs arbitrary code, and ``torch.load(..., weights_only=True)`` cannot
-stop it because the pickle hides inside an ordinary tensor. Here the extra state is instead a
-dict of tensors and plain values, which ``torch.load(..., weights_only=True)`` reads without
-running any code::
+stop it because the pickle hides inside an ordinary tensor.
 
-    {
-        "format": "transformer_engine/extra_state",
-        "version": 1,
-        "recipe": {"type": "DelayedScaling", "margin": 0, "fp8_format": "HYBRID", ...},
-        "tensors": {
-            "scale_fwd": float32 [N_fwd], "amax_history_fwd": float32 [L, N_fwd],
-            "scale_bwd": float32 [N_bwd], "amax_history_bwd": float32 [L, N_bwd],
-        },
-        "extra": {...},  # str, int, float, bool, None, and lists/tuples/str-keyed dicts of those
-    }
+What is written (version 2)
+---------------------------
+Like upstream, the extra state is a 1-D ``torch.uint8`` CPU tensor, so safetensors, Hugging
+Face ``save_pretrained``, accelerate and ``torch.distributed.checkpoint`` carry it as they carry
+any tensor: :func:`empty_extra_state` (no elements) when there is no FP8 state, else
+:func:`pack_extra_state`'s bytes: a magic prefix, a JSON header (recipe, extra values, tensor
+table) and the raw tensor bytes, laid out in :mod:`.bytes_format`. Nothing in it is a pickle.
 
-The tensors are CPU copies, whatever device the module was on when it was saved, and
-:func:`unpack_extra_state` puts them on the device the *loading* module lives on
-(docs/architecture.md, section "device contract"): a checkpoint written on ``cuda:3`` loads
-into a module on ``cuda:0`` or on CPU. ``"tensors"`` holds a subset of the four names (current
-scaling keeps none). ``"recipe"`` is :func:`.recipe_dict.recipe_to_dict`'s plain-data form of
-the recipe.
+What is read
+------------
+:func:`unpack_extra_state` takes, in this order: ``None`` or an empty tensor (no state);
+version 2 bytes (recognized by their magic); the version 1 dict earlier versions of this
+package wrote (:mod:`.dict_format`); and upstream's pickle bytes or ``io.BytesIO``
+(:mod:`.upstream_pickle`, refused unless ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``).
 
-:func:`unpack_extra_state` also reads upstream's pickle-based formats, through
-:mod:`.upstream_pickle`, which refuses to unpickle them unless
-``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``.
+Saved tensors are CPU copies, whatever device the module was on; loading puts them on the
+device the *loading* module lives on (docs/architecture.md, section "device contract"): a
+checkpoint written on ``cuda:3`` loads into a module on ``cuda:0`` or on CPU.
 """
 
 from __future__ import annotations
@@ -42,9 +38,9 @@ from typing import Any
 import torch
 
 from ...common.recipe import Recipe
-from . import upstream_pickle
+from . import bytes_format, dict_format, upstream_pickle
 from .contents import (
-    ANOTHER_LAYOUT,
+    FORMAT_NAME,
     UnpackedExtraState,
     check_tensor_set,
     copy_plain,
@@ -53,12 +49,17 @@ from .contents import (
 )
 from .recipe_dict import recipe_from_dict, recipe_to_dict
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "pack_extra_state", "unpack_extra_state"]
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "READABLE_VERSIONS",
+    "empty_extra_state",
+    "pack_extra_state",
+    "unpack_extra_state",
+]
 
-FORMAT_NAME = "transformer_engine/extra_state"
-FORMAT_VERSION = 1
-
-_STATE_KEYS = ("format", "version", "recipe", "tensors", "extra")
+FORMAT_VERSION = bytes_format.VERSION  # what pack_extra_state writes
+READABLE_VERSIONS = (dict_format.VERSION, bytes_format.VERSION)
 
 
 def _target_device(device: Any) -> torch.device:
@@ -77,13 +78,16 @@ def _target_device(device: Any) -> torch.device:
     return device
 
 
-# ------------------------------------------------------------------ our format
+def empty_extra_state() -> torch.Tensor:
+    """The extra state of a module or operation with no FP8 state to save: an empty
+    ``torch.uint8`` CPU tensor (upstream's convention, which its loaders skip)."""
+    return torch.empty(0, dtype=torch.uint8)
 
 
 def pack_extra_state(
     recipe: Recipe, fp8_meta_tensors: dict[str, torch.Tensor], extra: dict
-) -> dict[str, Any]:
-    """Build the object a module returns from ``get_extra_state()``.
+) -> torch.Tensor:
+    """Build what a module with FP8 state returns from ``get_extra_state()``.
 
     Parameters
     ----------
@@ -92,17 +96,19 @@ def pack_extra_state(
     fp8_meta_tensors : dict of str to torch.Tensor
         The live state, a subset of ``"scale_fwd"``, ``"amax_history_fwd"``, ``"scale_bwd"``,
         ``"amax_history_bwd"`` (each scale ``[N]`` float32 paired with its history ``[L, N]``
-        float32), on any device; they are copied, never referenced.
+        float32), on any device; their values are copied.
     extra : dict
-        Other module state to keep (e.g. ``fp8_meta`` flags): str keys; values str, int, float,
-        bool, None, or lists, tuples and str-keyed dicts of those. Copied.
+        Other module state to keep (e.g. ``num_gemms``): str keys; values str, int, float
+        (non-finite ones included), bool, None, or lists, tuples and str-keyed dicts of those.
+        Tuples are read back as lists.
 
     Returns
     -------
-    dict
-        ``{"format": "transformer_engine/extra_state", "version": 1, "recipe":
-        recipe_to_dict(recipe), "tensors": {name: CPU float32 copy}, "extra": copy of extra}``,
-        readable by ``torch.load(..., weights_only=True)``.
+    torch.Tensor
+        A fresh 1-D ``torch.uint8`` CPU tensor holding version 2 of the format
+        (:mod:`.bytes_format`): magic, JSON header with ``recipe_to_dict(recipe)``, ``extra``
+        and the tensor table, then the tensors' little-endian bytes. Readable by
+        ``torch.load(..., weights_only=True)`` and safetensors; contains no pickle.
 
     Raises
     ------
@@ -121,45 +127,38 @@ def pack_extra_state(
             f"fp8_meta_tensors must be a dict of tensors, got {type(fp8_meta_tensors).__name__}"
         )
     check_tensor_set(fp8_meta_tensors, "fp8_meta_tensors", TypeError)
-    return {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "recipe": recipe_to_dict(recipe),
-        "tensors": {name: cpu_copy(t, name) for name, t in fp8_meta_tensors.items()},
-        "extra": extra_copy,
-    }
+    tensors = {name: cpu_copy(t, name) for name, t in fp8_meta_tensors.items()}
+    return bytes_format.encode(recipe_to_dict(recipe), tensors, extra_copy)
 
 
-def _unpack_ours(state: dict, device: torch.device) -> UnpackedExtraState:
-    found_format = state.get("format")
-    if found_format != FORMAT_NAME:
-        keys = sorted(map(repr, state))
-        raise ValueError(
-            f"extra state is a dict with format={found_format!r} and keys {keys}, not "
-            f"{FORMAT_NAME!r}; {ANOTHER_LAYOUT}"
-        )
-    version = state.get("version")
-    if type(version) is not int or version != FORMAT_VERSION:
-        raise ValueError(
-            f"extra state has version={version!r}; this build reads {FORMAT_NAME!r} version "
-            f"{FORMAT_VERSION}; {ANOTHER_LAYOUT}"
-        )
-    unknown = sorted(map(repr, set(state) - set(_STATE_KEYS)))
-    missing = sorted(set(_STATE_KEYS) - set(state))
-    if unknown or missing:
-        raise ValueError(
-            f"extra state has unknown entries {unknown} and lacks {missing}; {ANOTHER_LAYOUT}"
-        )
-    recipe = recipe_from_dict(state["recipe"])
-    tensors = state["tensors"]
-    if not isinstance(tensors, dict):
-        raise ValueError(f"extra state 'tensors' must be a dict, got {type(tensors).__name__}")
+def _finish(recipe: Any, tensors: Any, extra: Any, device: torch.device) -> UnpackedExtraState:
+    """Validate the pieces either version of our format stored; tensors to ``device``."""
+    recipe = recipe_from_dict(recipe)
     check_tensor_set(tensors, "extra state 'tensors'", ValueError)
-    if not isinstance(state["extra"], dict):
-        raise ValueError(f"extra state 'extra' must be a dict, got {type(state['extra']).__name__}")
-    extra = copy_plain(state["extra"], "extra state 'extra'", ValueError, exact=False)
+    if not isinstance(extra, dict):
+        raise ValueError(f"extra state 'extra' must be a dict, got {type(extra).__name__}")
+    extra = copy_plain(extra, "extra state 'extra'", ValueError, exact=False)
     moved = {name: to_module_device(t, device) for name, t in tensors.items()}
     return UnpackedExtraState(recipe, moved, extra)
+
+
+def _unpack_tensor(state: torch.Tensor, device: torch.device) -> UnpackedExtraState | None:
+    if state.numel() == 0:
+        return None
+    if state.dtype != torch.uint8:
+        raise ValueError(
+            f"extra state is a {state.dtype} tensor of shape {tuple(state.shape)}; extra state "
+            f"tensors are torch.uint8 bytes (this format's version 2, or upstream's pickle)"
+        )
+    if state.is_meta:
+        raise ValueError(
+            "extra state is a torch.uint8 tensor on the meta device: it holds no bytes; load "
+            "the checkpoint onto a real device (e.g. map_location='cpu')"
+        )
+    flat = state.detach().reshape(-1).cpu().contiguous()
+    if bytes_format.has_magic(flat):
+        return _finish(*bytes_format.decode(flat), device)
+    return upstream_pickle.unpack_pickled_tensor(flat, device)
 
 
 def unpack_extra_state(state: Any, *, device: Any) -> UnpackedExtraState | None:
@@ -167,10 +166,12 @@ def unpack_extra_state(state: Any, *, device: Any) -> UnpackedExtraState | None:
 
     Parameters
     ----------
-    state : dict, torch.Tensor, io.BytesIO or None
-        :func:`pack_extra_state`'s dict (possibly after ``torch.save``/``torch.load``), or
-        upstream's formats: a ``torch.uint8`` tensor of pickle bytes, or an ``io.BytesIO``
-        holding a ``torch.save`` archive. ``None`` or an empty tensor mean "no FP8 state".
+    state : torch.Tensor, dict, io.BytesIO or None
+        Tried in this order: ``None`` or an empty tensor mean "no FP8 state";
+        :func:`pack_extra_state`'s ``torch.uint8`` bytes (version 2, on any device, e.g.
+        after ``torch.load`` or ``safetensors.torch.load_file``); the version 1 dict earlier
+        versions of this package wrote; upstream's formats, a ``torch.uint8`` tensor of pickle
+        bytes or an ``io.BytesIO`` holding a ``torch.save`` archive.
     device : torch.device or str
         The loading module's device (where its parameters live); every returned tensor is a
         fresh copy there, whatever device wrote the checkpoint. ``"meta"`` is accepted.
@@ -182,7 +183,8 @@ def unpack_extra_state(state: Any, *, device: Any) -> UnpackedExtraState | None:
         ``"scale_fwd"``, ``"amax_history_fwd"``, ``"scale_bwd"``, ``"amax_history_bwd"``
         (float32, ``[N]`` and ``[L, N]``, on ``device``); and the stored extra values (for
         upstream payloads, their ``"extra_fp8_variables"`` as stored). ``None`` when there is
-        no FP8 state to restore: ``None``, an empty tensor, or a pickle without globals.
+        no FP8 state to restore: ``None``, an empty tensor, or an upstream pickle without
+        globals or with only stateless recipes.
 
     Raises
     ------
@@ -190,8 +192,10 @@ def unpack_extra_state(state: Any, *, device: Any) -> UnpackedExtraState | None:
         An upstream pickle payload while ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE`` is not
         ``"1"``; nothing is unpickled.
     ValueError
-        A dict of another layout or version, invalid content, a payload that is not a
-        Transformer Engine module's extra state, or a missing/ambiguous ``device``.
+        Malformed version 2 bytes (truncated, bad header, wrong sizes), a dict of another
+        layout or version, invalid content, a payload that is not a Transformer Engine
+        module's extra state, or a missing/ambiguous ``device``. Nothing is returned half
+        read, so a caller that raises before changing itself stays unchanged.
     TypeError
         ``state`` is of none of the accepted types.
 
@@ -203,20 +207,14 @@ def unpack_extra_state(state: Any, *, device: Any) -> UnpackedExtraState | None:
     device = _target_device(device)
     if state is None:
         return None
-    if isinstance(state, dict):
-        return _unpack_ours(state, device)
     if isinstance(state, torch.Tensor):
-        if state.numel() == 0:
-            return None
-        if state.dtype != torch.uint8:
-            raise ValueError(
-                f"extra state is a {state.dtype} tensor of shape {tuple(state.shape)}; a "
-                f"tensor is only read as upstream's pickle bytes, which are torch.uint8"
-            )
-        return upstream_pickle.unpack_pickled_tensor(state, device)
+        return _unpack_tensor(state, device)
+    if isinstance(state, dict):
+        return _finish(*dict_format.read(state), device)
     if isinstance(state, io.BytesIO):
         return upstream_pickle.unpack_bytesio(state, device)
     raise TypeError(
-        f"extra state of type {type(state).__name__} is not understood; expected the dict of "
-        f"pack_extra_state, a torch.uint8 tensor, an io.BytesIO, or None"
+        f"extra state of type {type(state).__name__} is not understood; expected a "
+        f"torch.uint8 tensor (pack_extra_state's bytes, or upstream's), the version 1 dict of "
+        f"earlier versions of this package, an io.BytesIO, or None"
     )

@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 
 from ..device import construction_device, first_storage_device, materialization_device
+from ..extra_state import empty_extra_state
 from ..functional.normalization import check_eps, normalized_dims
 
 __all__ = ["_NormModule", "gamma_initial_value", "zero_initial_value"]
@@ -189,7 +190,7 @@ class _NormModule(torch.nn.Module):
     # strictly in both directions.
     def get_extra_state(self) -> torch.Tensor:
         """Upstream's "no state": an empty ``torch.uint8`` tensor (a norm has no FP8 state)."""
-        return torch.empty(0, dtype=torch.uint8)
+        return empty_extra_state()
 
     def set_extra_state(self, state) -> None:
         """Accept ``None`` or an empty tensor (what upstream's and this package's norms write);

@@ -23,7 +23,7 @@ import torch
 
 from ..device import construction_device, enter_device, exit_device, materialization_device
 from ..distributed import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
-from ..extra_state import pack_extra_state, unpack_extra_state
+from ..extra_state import empty_extra_state, pack_extra_state, unpack_extra_state
 from ..functional.linear import run_deferred_wgrads
 from ..quantization import (
     CustomRecipeState,
@@ -402,13 +402,15 @@ class TransformerEngineBaseModule(torch.nn.Module):
         run_deferred_wgrads(getattr(self, "wgrad_store", None))
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def get_extra_state(self):
+    def get_extra_state(self) -> torch.Tensor:
+        """The module's delayed-scaling state as a ``torch.uint8`` tensor of bytes
+        (``extra_state.pack_extra_state``; no pickle); an empty one without such state."""
         state = self.fp8_meta.get("scaling_fwd")
         if not (self.fp8_meta.get("fp8_checkpoint") or self.primary_weights_in_fp8):
-            return None
+            return empty_extra_state()
         if isinstance(state, CustomRecipeState):
             if state.delayed_scaling_state() is None:
-                return None  # every quantizer came from the factory: nothing to restore
+                return empty_extra_state()  # every quantizer came from the factory
             raise NotImplementedError(
                 f"{type(self).__name__}: saving a checkpoint of a module run under a "
                 "CustomRecipe whose factory returned DelayedScalingRequests is not supported "
@@ -416,7 +418,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 "the module out of FP8 (autocast(enabled=False)) before state_dict()"
             )
         if not isinstance(state, DelayedScalingRecipeState):
-            return None
+            return empty_extra_state()
         tensors = {
             "scale_fwd": state.scale,
             "amax_history_fwd": state.amax_history,
@@ -435,6 +437,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
             return
         recipe, tensors, extra = unpacked
         num_gemms = int(extra.get("num_gemms", self._num_gemms))
+        self._check_extra_state_layout(num_gemms, tensors)
         if device.type == "meta":
             return  # nothing to hold the values yet; they arrive with the next load
         self._build_recipe_states(recipe, num_gemms, device)
@@ -451,6 +454,24 @@ class TransformerEngineBaseModule(torch.nn.Module):
                         st.amax_history.copy_(history)
         self.fp8_meta["fp8_checkpoint"] = True
         self._rebind_fp8_parameter_quantizers()
+
+    def _check_extra_state_layout(self, num_gemms: int, tensors: dict) -> None:
+        """Refuse, before anything changes, state saved by a module with another GEMM count
+        (3 forward and 2 backward quantizers per GEMM)."""
+        counts = {f"scale_{d}": k * num_gemms for d, k in (("fwd", 3), ("bwd", 2))}
+        found = {name: tensors[name].shape[0] for name in counts if name in tensors}
+        if any(found[name] != counts[name] for name in found):
+            raise ValueError(
+                f"{type(self).__name__}: the checkpoint's extra state says num_gemms="
+                f"{num_gemms} but holds {found} quantizer scales (expected {counts}: 3 forward "
+                f"and 2 backward per GEMM); the checkpoint is inconsistent"
+            )
+        if num_gemms != self._num_gemms:
+            raise ValueError(
+                f"{type(self).__name__}: the checkpoint's extra state was saved by a module "
+                f"with {num_gemms} GEMM(s), but this module has {self._num_gemms}; load it into "
+                f"a module of the same layout (e.g. the same num_gemms of a GroupedLinear)"
+            )
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, *args, **kwargs):
         # FP8 weights must be re-quantized with the checkpoint's scales: load them first.

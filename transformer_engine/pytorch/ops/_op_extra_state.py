@@ -1,8 +1,8 @@
 """A basic operation's extra state (``get_extra_state`` / ``set_extra_state``): its
 delayed-scaling scales and histories, in the checkpoint format the modules use
-(``transformer_engine.pytorch.extra_state``: plain data, readable by
-``torch.load(weights_only=True)``; upstream pickles only behind
-``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``).
+(``transformer_engine.pytorch.extra_state``: a ``torch.uint8`` tensor of bytes, no pickle,
+carried by ``torch.load(weights_only=True)`` and safetensors; an empty one without such state;
+upstream pickles are read only behind ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``).
 
 Loading puts the state on the operation's device whatever device wrote it. An operation whose
 parameters are still on ``meta`` keeps the loaded state on the CPU; the first forward moves it
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..extra_state import pack_extra_state, unpack_extra_state
+from ..extra_state import empty_extra_state, pack_extra_state, unpack_extra_state
 from ..quantization import CustomRecipeState, DelayedScalingRecipeState
 
 __all__ = ["get_op_extra_state", "set_op_extra_state"]
@@ -23,8 +23,9 @@ __all__ = ["get_op_extra_state", "set_op_extra_state"]
 _SUFFIX = {"forward": "fwd", "backward": "bwd"}
 
 
-def get_op_extra_state(op) -> dict[str, Any] | None:
-    """The op's delayed-scaling scales and histories (``None`` when it has none)."""
+def get_op_extra_state(op) -> torch.Tensor:
+    """The op's delayed-scaling scales and histories as ``pack_extra_state`` bytes (an empty
+    ``torch.uint8`` tensor when it has none)."""
     tensors, recipe = {}, None
     for mode, suffix in _SUFFIX.items():
         state = op.recipe_state(mode)
@@ -39,7 +40,7 @@ def get_op_extra_state(op) -> dict[str, Any] | None:
             tensors[f"amax_history_{suffix}"] = state.amax_history
             recipe = op._fp8_metas[mode]["recipe"]
     if recipe is None:
-        return None
+        return empty_extra_state()
     return pack_extra_state(recipe, tensors, {})
 
 

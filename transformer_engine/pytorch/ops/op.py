@@ -301,7 +301,8 @@ class BasicOperation(FusibleOperation):
 
     # -- checkpoints ---------------------------------------------------------------------------
     def get_extra_state(self):
-        """Delayed-scaling scales and histories as plain data (``None`` without such state)."""
+        """Delayed-scaling scales and histories as a ``torch.uint8`` tensor of bytes (no
+        pickle; an empty tensor without such state)."""
         return get_op_extra_state(self)
 
     def set_extra_state(self, state) -> None:
