@@ -41,6 +41,12 @@ __all__ = [
     "scaled_fp8_max",
     "compute_scale_from_amax",
     "delayed_scaling_update",
+    "BLOCK_SCALING_BLOCK_LEN",
+    "block_scale_from_amax",
+    "block_cast_1d",
+    "block_cast_2d",
+    "block_dequantize_1d",
+    "block_dequantize_2d",
 ]
 
 FP8_CANONICAL_NAN = 0x7F
@@ -294,3 +300,162 @@ def delayed_scaling_update(
             torch.isposinf(new_scale), torch.full_like(new_scale, FLOAT32_MAX), new_scale
         )
         scale.copy_(torch.where(good, new_scale, scale.float()).to(scale.dtype))
+
+
+# ------------------------------------------------------------------ block scaling (Float8BlockScaling)
+#
+# A tensor is cast as a matrix ``[R, C]`` cut into blocks: 1-D blocks are 1x128 tiles along C
+# (one scale per row and 128 columns), 2-D blocks 128x128 squares. Partial blocks at the edges
+# are zero-padded, which changes no amax. Each block's float32 scale comes from its own amax
+# (:func:`block_scale_from_amax`); the cast multiplies in float32, saturates and rounds to
+# nearest even, exactly as the per-tensor cast does. The scale-inverses are stored in the
+# "GEMM_READY" layout the block-scaled GEMMs read (zeros in the padding):
+#
+# * 1-D: ``[ceil(C/128), roundup(R, 4)]``, entry ``[j, i]`` for tile (row i, tile j): already
+#   transposed, so each tile column's scales are contiguous;
+# * 2-D: ``[ceil(R/128), roundup(ceil(C/128), 4)]``, entry ``[i, j]`` for block (i, j).
+
+BLOCK_SCALING_BLOCK_LEN = 128
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def block_scale_from_amax(
+    block_amax: torch.Tensor,
+    fp8_dtype,
+    *,
+    epsilon: float = 0.0,
+    force_pow_2_scales: bool = True,
+    value_for_inf: float = FLOAT32_MAX,
+) -> torch.Tensor:
+    """Float32 scales of blocks from their amaxes (any shape; NaN-free amaxes).
+
+    ``a = max(amax, epsilon)``; ``scale = fp8_max / a``; an infinite quotient (``a`` zero or
+    tiny) becomes ``value_for_inf`` (the largest value of the input's dtype); with
+    ``force_pow_2_scales`` the mantissa is cleared (rounded down to a power of 2); finally
+    ``a == 0`` (an all-zero block, no epsilon) gives scale 1. An infinite amax gives scale 0.
+    """
+    a = block_amax.float()
+    a = torch.clamp_min(a, float(epsilon)) if epsilon > 0 else a
+    scale = _fp8_max(fp8_dtype) / a
+    scale = torch.where(torch.isposinf(scale), torch.full_like(scale, value_for_inf), scale)
+    if force_pow_2_scales:
+        scale = (scale.view(torch.int32) & _SIGN_AND_EXPONENT_MASK).view(torch.float32)
+    return torch.where(a == 0, torch.ones_like(scale), scale)
+
+
+def _saturating_cast(v: torch.Tensor, fp8_dtype) -> torch.Tensor:
+    """``v`` (float32, already scaled) clamped to the format's range and rounded; NaN bytes
+    canonical."""
+    dtype = to_torch_fp8_dtype(fp8_dtype)
+    limit = _fp8_max(dtype)
+    nan = torch.isnan(v)
+    out = v.clamp(-limit, limit).to(dtype)
+    if bool(nan.any()):
+        bits = out.view(torch.uint8)
+        bits.copy_(torch.where(nan, torch.full_like(bits, FP8_CANONICAL_NAN), bits))
+    return out
+
+
+def _padded_blocks(a: torch.Tensor, rows: int) -> torch.Tensor:
+    """``a [R, C]`` as float32, zero-padded to ``[roundup(R, rows), roundup(C, 128)]``."""
+    r, c = a.shape
+    n = BLOCK_SCALING_BLOCK_LEN
+    v = a.detach().float()
+    pad_r, pad_c = _round_up(r, rows) - r, _round_up(c, n) - c
+    return torch.nn.functional.pad(v, (0, pad_c, 0, pad_r)) if pad_r or pad_c else v
+
+
+def _block_amax(blocks: torch.Tensor, dims) -> torch.Tensor:
+    """``max |x|`` over ``dims``, NaN ignored (like ``fmaxf``), +-Inf counted."""
+    mag = blocks.abs()
+    mag = torch.where(torch.isnan(mag), torch.zeros_like(mag), mag)
+    return mag.amax(dim=dims) if mag.numel() else mag.sum(dim=dims)
+
+
+def block_cast_1d(
+    a: torch.Tensor,
+    fp8_dtype,
+    *,
+    epsilon: float = 0.0,
+    force_pow_2_scales: bool = True,
+    value_for_inf: float = FLOAT32_MAX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128-tile cast of the matrix ``a [R, C]``: ``(data [R, C] FP8, scale_inv)`` with
+    ``scale_inv`` of shape ``[ceil(C/128), roundup(R, 4)]`` (see the section comment)."""
+    r, c = a.shape
+    n = BLOCK_SCALING_BLOCK_LEN
+    v = _padded_blocks(a, 1)
+    cb = v.shape[1] // n
+    v = v.reshape(r, cb, n)
+    scale = block_scale_from_amax(
+        _block_amax(v, 2), fp8_dtype, epsilon=epsilon,
+        force_pow_2_scales=force_pow_2_scales, value_for_inf=value_for_inf,
+    )  # fmt: skip
+    data = _saturating_cast(v * scale.unsqueeze(-1), fp8_dtype).reshape(r, cb * n)[:, :c]
+    scale_inv = torch.zeros(cb, _round_up(r, 4), dtype=torch.float32, device=a.device)
+    scale_inv[:, :r] = reciprocal_elementwise(scale).t()
+    return data.contiguous(), scale_inv
+
+
+def block_cast_2d(
+    a: torch.Tensor,
+    fp8_dtype,
+    *,
+    epsilon: float = 0.0,
+    force_pow_2_scales: bool = True,
+    value_for_inf: float = FLOAT32_MAX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128-block cast of the matrix ``a [R, C]``: ``(data [R, C] FP8, scale_inv)`` with
+    ``scale_inv`` of shape ``[ceil(R/128), roundup(ceil(C/128), 4)]``."""
+    r, c = a.shape
+    n = BLOCK_SCALING_BLOCK_LEN
+    v = _padded_blocks(a, n)
+    rb, cb = v.shape[0] // n, v.shape[1] // n
+    blocks = v.reshape(rb, n, cb, n)
+    scale = block_scale_from_amax(
+        _block_amax(blocks, (1, 3)), fp8_dtype, epsilon=epsilon,
+        force_pow_2_scales=force_pow_2_scales, value_for_inf=value_for_inf,
+    )  # fmt: skip
+    scaled = blocks * scale.reshape(rb, 1, cb, 1)
+    data = _saturating_cast(scaled, fp8_dtype).reshape(rb * n, cb * n)[:r, :c]
+    scale_inv = torch.zeros(rb, _round_up(cb, 4), dtype=torch.float32, device=a.device)
+    scale_inv[:, :cb] = reciprocal_elementwise(scale)
+    return data.contiguous(), scale_inv
+
+
+def reciprocal_elementwise(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` per element in float32 (IEEE division: scale 0 gives +Inf)."""
+    return torch.ones_like(scale) / scale
+
+
+def block_dequantize_1d(
+    data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Inverse of :func:`block_cast_1d`: ``fp8 * scale_inv`` per tile in float32, rounded once
+    to ``out_dtype``; ``data`` is ``[R, C]``."""
+    r, c = data.shape
+    n = BLOCK_SCALING_BLOCK_LEN
+    cb = -(-c // n)
+    s = scale_inv[:cb, :r].t().float()  # [R, Cb]
+    v = fp8_to_float32(data)
+    if cb * n != c:
+        v = torch.nn.functional.pad(v, (0, cb * n - c))
+    value = (v.reshape(r, cb, n) * s.unsqueeze(-1)).reshape(r, cb * n)[:, :c]
+    return value.contiguous() if out_dtype == torch.float32 else value.to(out_dtype)
+
+
+def block_dequantize_2d(
+    data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Inverse of :func:`block_cast_2d` (``data`` is ``[R, C]``)."""
+    r, c = data.shape
+    n = BLOCK_SCALING_BLOCK_LEN
+    rb, cb = -(-r // n), -(-c // n)
+    s = scale_inv[:rb, :cb].float()
+    v = torch.nn.functional.pad(fp8_to_float32(data), (0, cb * n - c, 0, rb * n - r))
+    value = (v.reshape(rb, n, cb, n) * s.reshape(rb, 1, cb, 1)).reshape(rb * n, cb * n)
+    value = value[:r, :c]
+    return value.contiguous() if out_dtype == torch.float32 else value.to(out_dtype)

@@ -45,6 +45,7 @@ from ..constants import HIGH_PRECISION_DTYPES
 from ..device import check_same_device, reject_meta
 from . import fp8_gemm_cpu
 from ._validation import check_dtype, check_output, check_tensor
+from .block_gemm import block_general_gemm, is_block_float8_operand
 from .float8_gemm_operand import CheckedFloat8Operand, Float8GemmOperand, is_float8_operand
 
 __all__ = ["general_gemm", "fp8_gemm_prevalidated", "FP8_GEMM_DIM_MULTIPLE", "Float8GemmOperand"]
@@ -244,6 +245,13 @@ def general_gemm(
             "implemented; compute the bias gradient separately (grad_output summed over rows) "
             "and call without bias"
         )
+
+    if is_block_float8_operand(A) or is_block_float8_operand(B):
+        # Block-scaled FP8 (Float8BlockScaling): its own GEMM (block_gemm.py).
+        return block_general_gemm(
+            A, B, out_dtype, layout=layout, out=out, bias=bias, accumulate=accumulate,
+            use_split_accumulator=use_split_accumulator, alpha=alpha,
+        )  # fmt: skip
 
     operands = {}
     tensors = {}

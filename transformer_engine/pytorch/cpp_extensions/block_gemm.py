@@ -1,0 +1,215 @@
+"""The block-scaled FP8 GEMM (``Float8BlockScaling``): ``torch._scaled_mm`` with blockwise
+scales on Hopper, an exact emulation everywhere else.
+
+Operands are read through one method, ``block_float8_gemm_input(columnwise)``, returning
+``(values, scale_inv, is_2D_scaled)``: the FP8 matrix of one layout (``[rows, K]`` with the
+reduction dimension innermost; row-wise ``[M, K]``, column-wise ``[K_last, leading]``), its
+scale-inverses in the GEMM_READY layout (1x128 tiles: ``[ceil(K/128), roundup(rows, 4)]``;
+128x128 blocks: ``[ceil(rows/128), roundup(ceil(K/128), 4)]``) and which of the two it is.
+The layouts follow :mod:`.gemm` (TN fprop, NN dgrad, NT wgrad; ``X [M, K]`` from B and
+``Y [N, K]`` from A, product ``X @ Y^T``): fprop takes x (1x128) by w (128x128), dgrad dy
+(1x128) by w's column-wise copy (128x128), wgrad the column-wise copies of dy and x (both 1x128
+along the tokens).
+
+Paths:
+
+* **native**: CUDA devices of compute capability 9.x, K a multiple of 128, not both operands
+  128x128: ``torch._scaled_mm`` with float32 scale tensors whose shapes select the blockwise
+  modes (1x128 operand: ``[rows, ceil(K/128)]``, outer-dim-major; 128x128 operand:
+  ``[ceil(rows/128), ceil(K/128)]``; the second operand's transposed), which needs CUDA 12.9+
+  in PyTorch's build. The first call of each kind that torch refuses (older torch or CUDA)
+  is remembered per device and that kind takes the emulation from then on.
+* **emulated**: each operand dequantized to float32 (FP8 values times FP32 scales are exact
+  in float32) and multiplied by ``torch.mm`` in float32; bias and ``alpha`` applied in float32
+  and the result rounded once. It differs from the native kernel by the accumulation order.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .. import reference
+from ..device import device_compute_capability
+
+__all__ = ["is_block_float8_operand", "block_general_gemm", "native_block_gemm_refusals"]
+
+_OP = "general_gemm"
+_BLOCK = reference.BLOCK_SCALING_BLOCK_LEN
+
+# (device index, x 2-D, y 2-D, out dtype) kinds torch._scaled_mm refused: emulated from then on.
+_refused: set = set()
+_refused_lock = threading.Lock()
+
+
+def native_block_gemm_refusals() -> frozenset:
+    """The kinds of block GEMM ``torch._scaled_mm`` refused in this process (for tests and
+    diagnostics): ``(device index, x is 128x128, y is 128x128, out dtype)``."""
+    return frozenset(_refused)
+
+
+def is_block_float8_operand(operand) -> bool:
+    """Whether ``operand`` is a block-scaled FP8 operand (has ``block_float8_gemm_input``)."""
+    return hasattr(operand, "block_float8_gemm_input")
+
+
+def _dequantize(values, scale_inv, is_2d) -> torch.Tensor:
+    if is_2d:
+        return reference.block_dequantize_2d(values, scale_inv, torch.float32)
+    return reference.block_dequantize_1d(values, scale_inv, torch.float32)
+
+
+def _scaled_mm_scales(x, xs, x2d, y, ys, y2d):
+    """The float32 scale tensors ``torch._scaled_mm`` reads for blockwise ``x @ y^T``."""
+    m, k = x.shape
+    n = y.shape[0]
+    kb = k // _BLOCK
+    if x2d:
+        scale_a = xs[: -(-m // _BLOCK), :kb].contiguous()
+    else:  # [M, kb], M contiguous (outer-dim-major)
+        scale_a = xs[:kb, :m].contiguous().t()
+    if y2d:  # [kb, ceil(N/128)], the transpose of y's [ceil(N/128), kb]
+        scale_b = ys[: -(-n // _BLOCK), :kb].contiguous().t()
+    else:  # [kb, N] row-major
+        scale_b = ys[:kb, :n].contiguous()
+    return scale_a, scale_b
+
+
+def _native_product(x, xs, x2d, y, ys, y2d, mm_dtype):
+    """``torch._scaled_mm`` blockwise, or ``None`` when this kind is not run natively here."""
+    device = x.device
+    if device.type != "cuda" or x2d and y2d or x.shape[1] % _BLOCK or x.shape[1] == 0:
+        return None
+    cc = device_compute_capability(device)
+    if cc is None or cc[0] != 9:
+        return None
+    key = (device.index, x2d, y2d, mm_dtype)
+    if key in _refused or x.shape[0] == 0 or y.shape[0] == 0:
+        return None
+    scale_a, scale_b = _scaled_mm_scales(x, xs, x2d, y, ys, y2d)
+    try:
+        return torch._scaled_mm(
+            x.contiguous(), y.contiguous().t(), scale_a=scale_a, scale_b=scale_b,
+            out_dtype=mm_dtype, use_fast_accum=False,
+        )  # fmt: skip
+    except (RuntimeError, NotImplementedError, TypeError):
+        # This torch build (or its CUDA) has no blockwise FP8 GEMM of this kind.
+        with _refused_lock:
+            _refused.add(key)
+        return None
+
+
+def _block_product(x_op, y_op, *, out_dtype, bias, alpha, to_fp32):
+    """``alpha * X @ Y^T (+ bias)`` from two ``(values, scale_inv, is_2d)`` triples."""
+    x, xs, x2d = x_op
+    y, ys, y2d = y_op
+    fused = bias is None and alpha == 1.0 and not to_fp32
+    product = _native_product(x, xs, x2d, y, ys, y2d, out_dtype if fused else torch.float32)
+    if product is not None and fused:
+        return product
+    if product is None:
+        product = _dequantize(x, xs, x2d) @ _dequantize(y, ys, y2d).t()
+    if alpha != 1.0:
+        product = product * alpha
+    if bias is not None:
+        product = product + bias.float()
+    return product if to_fp32 else product.to(out_dtype)
+
+
+def _layout_operand(name: str, operand, columnwise: bool, layout: str):
+    got = operand.block_float8_gemm_input(columnwise)
+    if got[0] is None:
+        which = "columnwise" if columnwise else "rowwise"
+        raise ValueError(
+            f"{_OP}: layout {layout!r} reads {name} {which}, but {name} holds no {which} "
+            f"block-scaled FP8 data (usages {operand.get_usages()}); quantize it with "
+            f"{which} usage"
+        )
+    return got
+
+
+def _logical(operand) -> torch.Tensor:
+    """A plain or block-scaled operand as a float32 tensor of its logical shape."""
+    if is_block_float8_operand(operand):
+        return operand.dequantize(dtype=torch.float32)
+    if hasattr(operand, "dequantize") and not isinstance(operand, torch.Tensor):
+        return operand.dequantize(dtype=torch.float32)
+    if hasattr(operand, "_dequantize_plain"):
+        return operand._dequantize_plain(torch.float32)
+    return operand.float()
+
+
+def _out_shape(layout: str, a_shape, b_shape):
+    if layout == "TN":
+        return (*b_shape[:-1], a_shape[0])
+    if layout == "NN":
+        return (*b_shape[:-1], a_shape[1])
+    return (b_shape[-1], a_shape[-1])
+
+
+def block_general_gemm(
+    A, B, out_dtype, *, layout, out, bias, accumulate, use_split_accumulator, alpha
+):
+    """:func:`.gemm.general_gemm` when at least one operand is block-scaled FP8.
+
+    Both block-scaled: the block GEMM of the module docstring. One block-scaled and one plain
+    (or per-tensor FP8) operand: both as float32 tensors and a float32 ``torch.mm``. Returns
+    ``(out, None, None, None)`` like ``general_gemm``.
+    """
+    del use_split_accumulator  # block-scaled GEMMs always accumulate in full float32
+    if layout not in ("TN", "NN", "NT"):
+        raise ValueError(f"{_OP}: layout={layout!r} is not supported; use 'TN', 'NN' or 'NT'")
+    if accumulate and out is None:
+        raise ValueError(f"{_OP}: accumulate=True adds into out, so out must be given")
+    a_shape, b_shape = tuple(A.shape), tuple(B.shape)
+    if layout in ("TN", "NN") and len(a_shape) != 2:
+        raise ValueError(f"{_OP}: layout {layout!r} needs a 2-D A (the weight), got {a_shape}")
+    out_shape = _out_shape(layout, a_shape, b_shape)
+    if out_dtype is None:
+        out_dtype = out.dtype if out is not None else torch.bfloat16
+    alpha = float(alpha)
+    if is_block_float8_operand(A) and is_block_float8_operand(B):
+        x_op = _layout_operand("B", B, layout == "NT", layout)
+        y_op = _layout_operand("A", A, layout != "TN", layout)
+        if x_op[0].shape[1] != y_op[0].shape[1]:
+            raise ValueError(
+                f"{_OP}: K mismatch for layout {layout!r}: A shape {a_shape}, B shape {b_shape}"
+            )
+        if x_op[0].device != y_op[0].device:
+            raise ValueError(
+                f"{_OP}: A is on {y_op[0].device} but B on {x_op[0].device}; move them to one "
+                "device"
+            )
+        if x_op[2] and y_op[2]:
+            raise ValueError(
+                f"{_OP}: both operands are 128x128-block-scaled; a block-scaled GEMM takes at "
+                "most one (quantize one of them with block_scaling_dim=1)"
+            )
+        result = _block_product(
+            x_op, y_op, out_dtype=out_dtype, bias=bias, alpha=alpha, to_fp32=accumulate
+        )
+    else:
+        a, b = _logical(A), _logical(B)
+        if layout == "TN":
+            x, y = b.reshape(-1, a.shape[1]), a
+        elif layout == "NN":
+            x, y = b.reshape(-1, a.shape[0]), a.t()
+        else:
+            x, y = b.reshape(-1, b.shape[-1]).t(), a.reshape(-1, a.shape[-1]).t()
+        result = alpha * (x @ y.t()) if alpha != 1.0 else x @ y.t()
+        if bias is not None:
+            result = result + bias.float()
+        if not accumulate:
+            result = result.to(out_dtype)
+    result = result.reshape(out_shape)
+    if accumulate:
+        if out.dtype == torch.float32:
+            out.add_(result)
+        else:
+            out.copy_(out.float() + result)
+        return out, None, None, None
+    if out is not None:
+        out.copy_(result)
+        return out, None, None, None
+    return result, None, None, None

@@ -1,0 +1,257 @@
+"""``Float8BlockQuantizer``: casts high-precision tensors to block-scaled FP8
+(:class:`Float8BlockwiseQTensor`), the quantizer of the ``Float8BlockScaling`` recipe.
+
+The cast is the pure-PyTorch block cast of :mod:`transformer_engine.pytorch.reference`
+(``block_cast_1d`` / ``block_cast_2d``) on every device: native CUDA cast kernels (one pass
+writing both layouts and their scales) are a later step. Row-wise and column-wise copies are
+each quantized from the high-precision input.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...common.recipe import Float8BlockScaling
+from .. import reference
+from ..constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
+from ..quantized_tensor import Quantizer, _check_high_precision_dtype
+from ._float8_blockwise_tensor_class import Float8BlockwiseQTensor
+from ._float8_quantize_into import high_precision_source
+from .storage.float8_blockwise_tensor_storage import (
+    Float8BlockwiseQTensorStorage,
+    block_matrix_dims,
+    columnwise_shape,
+)
+
+__all__ = ["Float8BlockQuantizer"]
+
+_BLOCK = reference.BLOCK_SCALING_BLOCK_LEN
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _ceil_div(a, b) * b
+
+
+class Float8BlockQuantizer(Quantizer):
+    """Quantizer to FP8 with one float32 scale per 1x128 tile or 128x128 block.
+
+    Parameters
+    ----------
+    fp8_dtype : DType or torch.dtype
+        E4M3 or E5M2.
+    rowwise, columnwise : bool, keyword-only, required
+        Which layouts :meth:`quantize` produces.
+    amax_epsilon : float, default 0.0
+        Lower bound of every block's amax before its scale is computed.
+    force_pow_2_scales : bool, default True
+        Round every block scale down to a power of 2.
+    block_scaling_dim : int, default 2
+        1: 1x128 tiles (along the last dim row-wise, along the leading dims column-wise);
+        2: 128x128 blocks (shared by both layouts).
+    """
+
+    block_len = _BLOCK
+
+    def __init__(
+        self,
+        fp8_dtype,
+        *,
+        rowwise: bool,
+        columnwise: bool,
+        amax_epsilon: float = 0.0,
+        force_pow_2_scales: bool = True,
+        block_scaling_dim: int = 2,
+    ) -> None:
+        super().__init__(rowwise=rowwise, columnwise=columnwise)
+        self.dtype = DType.cast(to_torch_fp8_dtype(fp8_dtype))
+        if isinstance(block_scaling_dim, bool) or block_scaling_dim not in (1, 2):
+            raise ValueError(
+                f"Float8BlockQuantizer: block_scaling_dim={block_scaling_dim!r} is not "
+                "supported; pass 1 (1x128 tiles) or 2 (128x128 blocks)"
+            )
+        epsilon = float(amax_epsilon)
+        if not epsilon >= 0 or epsilon == float("inf"):
+            raise ValueError(
+                f"Float8BlockQuantizer: amax_epsilon={amax_epsilon!r} must be finite and >= 0"
+            )
+        self.block_scaling_dim = int(block_scaling_dim)
+        self.amax_epsilon = epsilon
+        self.force_pow_2_scales = bool(force_pow_2_scales)
+
+    # ------------------------------------------------------------------ shapes
+
+    def get_scale_shape(self, shape, columnwise: bool) -> tuple[int, int]:
+        """Shape of the GEMM_READY scale-inverse tensor of one layout of a tensor of
+        ``shape`` (see the storage module's layout contract)."""
+        m, k = block_matrix_dims(shape)
+        rows, cols = (k, m) if columnwise else (m, k)
+        if self.block_scaling_dim == 2:
+            return _ceil_div(rows, _BLOCK), _round_up(_ceil_div(cols, _BLOCK), 4)
+        return _ceil_div(cols, _BLOCK), _round_up(rows, 4)
+
+    def get_columnwise_shape(self, shape) -> tuple:
+        """Shape of the column-wise bytes: ``(last, *leading)``."""
+        return columnwise_shape(shape)
+
+    def is_quantizable(self, inp: torch.Tensor) -> bool:
+        """Whether ``inp`` is whole blocks (ndim >= 2, both matrix dims multiples of 128): the
+        condition of upstream's FP8 all-gather. Any shape can be quantized."""
+        if inp.dim() < 2:
+            return False
+        m, k = block_matrix_dims(inp.shape)
+        return m % _BLOCK == 0 and k % _BLOCK == 0
+
+    # ------------------------------------------------------------------ casting
+
+    def _cast(self, src: torch.Tensor) -> dict:
+        """The buffers of ``src`` for the usages set now (uint8 bytes, float32 scales)."""
+        if not (self.rowwise_usage or self.columnwise_usage):
+            raise ValueError(
+                "Float8BlockQuantizer: rowwise and columnwise usage are both False; set at "
+                "least one with set_usage(...)"
+            )
+        if src.dtype not in HIGH_PRECISION_DTYPES:
+            raise TypeError(
+                f"Float8BlockQuantizer: input dtype {src.dtype} is not supported; quantize a "
+                "float32, float16 or bfloat16 tensor"
+            )
+        shape = tuple(src.shape)
+        m, k = block_matrix_dims(shape)
+        matrix = src.reshape(m, k)
+        options = {
+            "epsilon": self.amax_epsilon,
+            "force_pow_2_scales": self.force_pow_2_scales,
+            # A scale too large for float32 becomes the input dtype's largest value.
+            "value_for_inf": torch.finfo(src.dtype).max,
+        }
+        fp8 = to_torch_fp8_dtype(self.dtype)
+        out = dict.fromkeys(
+            ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+        )
+        if self.block_scaling_dim == 2:
+            data, scale = reference.block_cast_2d(matrix, fp8, **options)
+            if self.rowwise_usage:
+                out["rowwise_data"] = data.view(torch.uint8).reshape(shape)
+                out["rowwise_scale_inv"] = scale
+            if self.columnwise_usage:
+                # Symmetric blocks: the transposed bytes and scales are the column-wise cast.
+                mb, kb = _ceil_div(m, _BLOCK), _ceil_div(k, _BLOCK)
+                col_scale = torch.zeros(
+                    kb, _round_up(mb, 4), dtype=torch.float32, device=src.device
+                )
+                col_scale[:, :mb] = scale[:mb, :kb].t()
+                col = data.view(torch.uint8).t().contiguous().reshape(columnwise_shape(shape))
+                out["columnwise_data"], out["columnwise_scale_inv"] = col, col_scale
+            return out
+        if self.rowwise_usage:
+            data, scale = reference.block_cast_1d(matrix, fp8, **options)
+            out["rowwise_data"] = data.view(torch.uint8).reshape(shape)
+            out["rowwise_scale_inv"] = scale
+        if self.columnwise_usage:
+            data, scale = reference.block_cast_1d(matrix.t(), fp8, **options)
+            out["columnwise_data"] = data.view(torch.uint8).reshape(columnwise_shape(shape))
+            out["columnwise_scale_inv"] = scale
+        return out
+
+    def quantize_impl(self, tensor: torch.Tensor, *, dtype: torch.dtype | None = None):
+        """Cast ``tensor`` (a quantized input is dequantized first) to a new block-scaled
+        tensor: a :class:`Float8BlockwiseQTensor`, or its storage when ``internal``."""
+        src = high_precision_source(tensor)
+        dtype = src.dtype if dtype is None else dtype
+        _check_high_precision_dtype("Float8BlockQuantizer.quantize", dtype)
+        buffers = self._cast(src)
+        if self.internal:
+            return Float8BlockwiseQTensorStorage(
+                *buffers.values(), self.dtype, self.copy(), self.block_scaling_dim == 2,
+                fake_dtype=dtype,
+            )  # fmt: skip
+        return Float8BlockwiseQTensor(
+            src.shape, dtype, fp8_dtype=self.dtype, quantizer=self.copy(),
+            is_2D_scaled=self.block_scaling_dim == 2, **buffers,
+        )  # fmt: skip
+
+    def update_quantized(self, src, dst, *, noop_flag: torch.Tensor | None = None):
+        """Quantize ``src`` into ``dst``'s buffers in place (the layouts ``dst`` holds)."""
+        if not isinstance(dst, Float8BlockwiseQTensorStorage):
+            raise TypeError(
+                f"Float8BlockQuantizer.update_quantized: dst must be a Float8BlockwiseQTensor "
+                f"or its storage, got {type(dst).__name__}"
+            )
+        if dst._is_2D_scaled != (self.block_scaling_dim == 2):
+            raise ValueError(
+                f"Float8BlockQuantizer.update_quantized: dst is "
+                f"{'2D' if dst._is_2D_scaled else '1D'}-scaled but this quantizer casts "
+                f"block_scaling_dim={self.block_scaling_dim}; use dst's own quantizer"
+            )
+        if noop_flag is not None and float(noop_flag.reshape(-1)[0]) == 1.0:
+            return dst
+        src = high_precision_source(src)
+        if tuple(src.shape) != tuple(dst.size()):
+            raise ValueError(
+                f"Float8BlockQuantizer.update_quantized: src has shape {tuple(src.shape)} but "
+                f"dst has shape {tuple(dst.size())}"
+            )
+        usages = dst.get_usages()
+        saved = self.rowwise_usage, self.columnwise_usage
+        self.set_usage(rowwise=usages["rowwise"], columnwise=usages["columnwise"])
+        try:
+            buffers = self._cast(src.to(dst.device))
+        finally:
+            self.set_usage(rowwise=saved[0], columnwise=saved[1])
+        for name, value in buffers.items():
+            if value is not None:
+                getattr(dst, "_" + name).copy_(value)
+        dst._fp8_dtype = self.dtype
+        return dst
+
+    def make_empty(
+        self,
+        shape,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        requires_grad: bool = False,
+        pin_memory: bool = False,
+    ) -> Float8BlockwiseQTensor:
+        """An uninitialised block-scaled tensor with this quantizer's usages."""
+        device = self._resolve_device(device)
+        shape = tuple(shape)
+
+        def alloc(size, kind):
+            return torch.empty(size, dtype=kind, device=device, pin_memory=pin_memory)
+
+        buffers = {}
+        if self.rowwise_usage:
+            buffers["rowwise_data"] = alloc(shape, torch.uint8)
+            buffers["rowwise_scale_inv"] = alloc(self.get_scale_shape(shape, False), torch.float32)
+        if self.columnwise_usage:
+            buffers["columnwise_data"] = alloc(columnwise_shape(shape), torch.uint8)
+            buffers["columnwise_scale_inv"] = alloc(
+                self.get_scale_shape(shape, True), torch.float32
+            )
+        return Float8BlockwiseQTensor(
+            shape, dtype, fp8_dtype=self.dtype, quantizer=self.copy(),
+            is_2D_scaled=self.block_scaling_dim == 2, requires_grad=requires_grad, **buffers,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ misc
+
+    def is_requantization_safe(self) -> bool:
+        """Dequantizing and quantizing again reproduces the bytes only with pow-2 scales."""
+        return self.force_pow_2_scales
+
+    def _get_compatible_recipe(self):
+        return Float8BlockScaling
+
+    def __repr__(self) -> str:
+        return (
+            f"Float8BlockQuantizer(fp8_dtype={self.dtype.name}, "
+            f"block_scaling_dim={self.block_scaling_dim}, "
+            f"force_pow_2_scales={self.force_pow_2_scales}, amax_epsilon={self.amax_epsilon}, "
+            f"rowwise_usage={self.rowwise_usage}, columnwise_usage={self.columnwise_usage}, "
+            f"internal={self.internal})"
+        )
