@@ -26,7 +26,6 @@ from transformer_engine.pytorch.quantization.recipe_state import DelayedScalingR
     "method, recipe_name",
     [
         ("is_mxfp8_available", "MXFP8BlockScaling"),
-        ("is_fp8_block_scaling_available", "Float8BlockScaling"),
         ("is_nvfp4_available", "NVFP4BlockScaling"),
     ],
 )

@@ -246,7 +246,6 @@ def test_registry_key_stays_findable_when_a_registered_recipe_is_mutated():
     "is_available, check, recipe_name",
     [
         ("is_mxfp8_available", "check_mxfp8_support", "MXFP8BlockScaling"),
-        ("is_fp8_block_scaling_available", "check_fp8_block_scaling_support", "Float8BlockScaling"),
         ("is_nvfp4_available", "check_nvfp4_support", "NVFP4BlockScaling"),
     ],
 )

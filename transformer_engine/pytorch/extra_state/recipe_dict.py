@@ -13,14 +13,33 @@ import dataclasses
 import warnings
 from typing import Any
 
-from ...common.recipe import Float8CurrentScaling, Format, MMParams, QParams, Recipe
-from .contents import ANOTHER_LAYOUT, PLAIN_SCALARS, RECIPE_CLASSES
+from ...common.recipe import (
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MMParams,
+    QParams,
+    Recipe,
+)
+from .contents import ANOTHER_LAYOUT, PLAIN_SCALARS
+from .contents import RECIPE_CLASSES as _STATE_RECIPE_CLASSES
 
 __all__ = ["CALLABLE_PLACEHOLDER", "recipe_to_dict", "recipe_from_dict"]
 
 CALLABLE_PLACEHOLDER = "<callable>"
 
-# Float8CurrentScaling's per-role QParams are class attributes, not constructor fields.
+# The recipes a checkpoint can name: those of the extra-state contents, and Float8BlockScaling
+# (stateless like Float8CurrentScaling: only the recipe itself is stored).
+RECIPE_CLASSES = {**_STATE_RECIPE_CLASSES, "Float8BlockScaling": Float8BlockScaling}
+
+# The environment variable each recipe's class-level QParams are read from, at import.
+_QPARAMS_ENV = {
+    Float8CurrentScaling: "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES",
+    Float8BlockScaling: "NVTE_FP8_BLOCK_SCALING_FP32_SCALES",
+}
+
+# Float8CurrentScaling's and Float8BlockScaling's per-role QParams are class attributes, not
+# constructor fields.
 _QPARAMS_ATTRS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
 _MMPARAMS_FIELDS = ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad")
 _CALLABLE_FIELDS = ("amax_compute_algo", "scaling_factor_compute_algo")
@@ -44,7 +63,7 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
 
     Parameters
     ----------
-    recipe : DelayedScaling or Float8CurrentScaling
+    recipe : DelayedScaling, Float8CurrentScaling or Float8BlockScaling
         The recipe to store (exactly these classes, not subclasses, so that the stored
         ``"type"`` rebuilds the same class).
 
@@ -53,7 +72,8 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     dict
         Every constructor field: ``Format`` as its member name (``"HYBRID"``), ``MMParams`` as
         ``{"use_split_accumulator": bool}``, a callable algorithm as ``"<callable>"``. For
-        :class:`Float8CurrentScaling` also its class-level ``fp8_quant_*`` ``QParams`` as dicts,
+        :class:`Float8CurrentScaling` and :class:`Float8BlockScaling` also their class-level
+        ``fp8_quant_*`` ``QParams`` as dicts,
         so a loader can tell when its own differ.
 
     Raises
@@ -72,7 +92,7 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
         stored[field.name] = _encode_recipe_value(
             cls.__name__, field.name, getattr(recipe, field.name)
         )
-    if cls is Float8CurrentScaling:
+    if cls in _QPARAMS_ENV:
         for attr in _QPARAMS_ATTRS:
             stored[attr] = dataclasses.asdict(getattr(recipe, attr))
     return stored
@@ -132,7 +152,8 @@ def recipe_from_dict(stored: dict[str, Any]) -> Recipe:
     Parameters
     ----------
     stored : dict
-        ``{"type": "DelayedScaling" | "Float8CurrentScaling", <every field>}``.
+        ``{"type": "DelayedScaling" | "Float8CurrentScaling" | "Float8BlockScaling", <every
+        field>}``.
 
     Returns
     -------
@@ -163,7 +184,7 @@ def recipe_from_dict(stored: dict[str, Any]) -> Recipe:
             f"{', '.join(RECIPE_CLASSES)}); {ANOTHER_LAYOUT}"
         )
     field_names = [f.name for f in dataclasses.fields(cls)]
-    expected = set(field_names) | (set(_QPARAMS_ATTRS) if cls is Float8CurrentScaling else set())
+    expected = set(field_names) | (set(_QPARAMS_ATTRS) if cls in _QPARAMS_ENV else set())
     unknown = sorted(map(str, set(stored) - expected - {"type"}))
     if unknown:
         raise ValueError(
@@ -177,7 +198,7 @@ def recipe_from_dict(stored: dict[str, Any]) -> Recipe:
         recipe = cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"checkpoint recipe {type_name} is invalid: {exc}") from exc
-    if cls is Float8CurrentScaling:
+    if cls in _QPARAMS_ENV:
         for attr in _QPARAMS_ATTRS:
             saved = _params_from_dict(
                 QParams, stored[attr], f"checkpoint recipe {type_name}.{attr}"
@@ -185,10 +206,10 @@ def recipe_from_dict(stored: dict[str, Any]) -> Recipe:
             current = getattr(cls, attr)
             if saved != current:
                 warnings.warn(
-                    f"checkpoint recipe Float8CurrentScaling.{attr} was {saved}, this process "
+                    f"checkpoint recipe {type_name}.{attr} was {saved}, this process "
                     f"uses {current}: it is a class attribute fixed when "
                     f"transformer_engine.common.recipe is imported, from "
-                    f"NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES; set that variable as in the run "
+                    f"{_QPARAMS_ENV[cls]}; set that variable as in the run "
                     f"that wrote the checkpoint to quantize the same way",
                     UserWarning,
                     stacklevel=2,

@@ -46,6 +46,7 @@ from .quantizer_roles import DelayedScalingRequest, QuantizerRequest, QuantizerR
 from .recipe_state import (
     CustomRecipeState,
     DelayedScalingRecipeState,
+    Float8BlockScalingRecipeState,
     Float8CurrentScalingRecipeState,
     RecipeState,
     get_fp8_max,
@@ -90,6 +91,7 @@ __all__ = [
     "RecipeState",
     "DelayedScalingRecipeState",
     "Float8CurrentScalingRecipeState",
+    "Float8BlockScalingRecipeState",
     "CustomRecipeState",
     "QuantizerRole",
     "QuantizerRequest",

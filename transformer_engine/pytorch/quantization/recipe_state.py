@@ -13,9 +13,16 @@ from typing import Any
 
 import torch
 
-from ...common.recipe import CustomRecipe, DelayedScaling, Float8CurrentScaling, Format
+from ...common.recipe import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+)
 from ..constants import TE_DType
 from ..quantized_tensor import Quantizer
+from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer
 from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
 from .quantizer_roles import DelayedScalingRequest, QuantizerRequest, QuantizerRole
 
@@ -23,6 +30,7 @@ __all__ = [
     "RecipeState",
     "DelayedScalingRecipeState",
     "Float8CurrentScalingRecipeState",
+    "Float8BlockScalingRecipeState",
     "CustomRecipeState",
     "get_fp8_torch_dtype",
     "get_fp8_te_dtype",
@@ -89,12 +97,14 @@ class RecipeState:
             cls = DelayedScalingRecipeState
         elif isinstance(recipe, Float8CurrentScaling):
             cls = Float8CurrentScalingRecipeState
+        elif isinstance(recipe, Float8BlockScaling):
+            cls = Float8BlockScalingRecipeState
         elif isinstance(recipe, CustomRecipe):
             cls = CustomRecipeState
         else:
             raise NotImplementedError(
                 f"recipe {type(recipe).__name__} is not implemented; use DelayedScaling, "
-                "Float8CurrentScaling or CustomRecipe"
+                "Float8CurrentScaling, Float8BlockScaling or CustomRecipe"
             )
         return cls(recipe, mode=mode, num_quantizers=num_quantizers, device=device, roles=roles)
 
@@ -201,6 +211,57 @@ class Float8CurrentScalingRecipeState(RecipeState):
             )
             for _ in range(self.num_quantizers)
         ]
+
+
+class Float8BlockScalingRecipeState(RecipeState):
+    """Block scaling keeps no tensors between steps (no amax history, nothing to reduce across
+    ranks); it only configures its quantizers.
+
+    Every slot gets a :class:`Float8BlockQuantizer` with both usages. Forward weight slots
+    (role ``tensor_type == "weight"``; without roles, upstream's positional rule: slot
+    ``i % 3 == 1``) use ``w_block_scaling_dim`` and the weight ``QParams``; other forward slots
+    ``x_block_scaling_dim`` and the input ``QParams``; backward slots
+    ``grad_block_scaling_dim``, the gradient ``QParams`` and E5M2 under ``Format.HYBRID``.
+    Scales are powers of 2 unless the recipe's ``use_f32_scales`` is set.
+    """
+
+    def __init__(self, recipe, *, mode: str, num_quantizers: int = 1, device=None, roles=None):
+        self.recipe = recipe
+        self.mode = mode
+        self.num_quantizers = num_quantizers
+        self.roles = roles
+        self.device = _concrete_device(device)
+        self.dtype = get_fp8_te_dtype(recipe, mode == "forward")
+
+    def _is_weight_slot(self, index: int) -> bool:
+        if self.mode != "forward":
+            return False
+        if self.roles is not None:
+            role = self.roles[index]
+            return role is not None and role.tensor_type == "weight"
+        return index % 3 == 1
+
+    def make_quantizers(self) -> list:
+        recipe = self.recipe
+        quantizers = []
+        for i in range(self.num_quantizers):
+            if self.mode == "backward":
+                dim, qparams = recipe.grad_block_scaling_dim, recipe.fp8_quant_bwd_grad
+            elif self._is_weight_slot(i):
+                dim, qparams = recipe.w_block_scaling_dim, recipe.fp8_quant_fwd_weight
+            else:
+                dim, qparams = recipe.x_block_scaling_dim, recipe.fp8_quant_fwd_inp
+            quantizers.append(
+                Float8BlockQuantizer(
+                    self.dtype,
+                    rowwise=True,
+                    columnwise=True,
+                    amax_epsilon=qparams.amax_epsilon,
+                    force_pow_2_scales=not recipe.use_f32_scales,
+                    block_scaling_dim=dim,
+                )
+            )
+        return quantizers
 
 
 class CustomRecipeState(RecipeState):

@@ -11,7 +11,13 @@ import functools
 
 import torch
 
-from ...common.recipe import CustomRecipe, DelayedScaling, Float8CurrentScaling, Recipe
+from ...common.recipe import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Recipe,
+)
 from ..device import device_compute_capability, visible_cuda_devices
 
 __all__ = [
@@ -69,13 +75,13 @@ def is_fp8_available(return_reason: bool = False, device=None):
 
 
 # Upstream answers these from the GPU generation alone. Here they answer whether this package
-# can run the recipe at all: the block-scaled recipes are not implemented yet, so they are never
+# can run the recipe at all: MXFP8 and NVFP4 are not implemented yet, so they are never
 # available, whatever the hardware (claiming support would send callers such as Hugging Face
 # accelerate's `use_mxfp8_block_scaling` into a recipe this package cannot build).
 def _unimplemented_recipe_support(recipe_name: str, description: str, device) -> tuple[bool, str]:
     reason = (
         f"{recipe_name} ({description}) is not implemented in this package yet; the recipes it "
-        "implements are DelayedScaling and Float8CurrentScaling"
+        "implements are DelayedScaling, Float8CurrentScaling and Float8BlockScaling"
     )
     fp8_ok, fp8_reason = check_fp8_support(device)
     if not fp8_ok:
@@ -88,9 +94,37 @@ def check_mxfp8_support(device=None) -> tuple[bool, str]:
     return _unimplemented_recipe_support("MXFP8BlockScaling", "MXFP8 block scaling", device)
 
 
+@functools.cache
+def _cuda_block_scaling_support(index: int) -> tuple[bool, str]:
+    cc = device_compute_capability(torch.device("cuda", index))
+    if cc >= (9, 0):
+        return True, ""
+    return False, (
+        f"cuda:{index} has compute capability {cc[0]}.{cc[1]}; FP8 block scaling needs 9.0 "
+        "(Hopper) or newer"
+    )
+
+
 def check_fp8_block_scaling_support(device=None) -> tuple[bool, str]:
-    """``(False, reason)``: ``Float8BlockScaling`` is not implemented in this package yet."""
-    return _unimplemented_recipe_support("Float8BlockScaling", "FP8 block scaling", device)
+    """``(available, reason)`` for ``Float8BlockScaling`` on ``device``.
+
+    GPUs of compute capability 9.0 or newer, as upstream (on 9.x the GEMM runs on
+    ``torch._scaled_mm``'s blockwise FP8 kernels where the torch build has them; elsewhere, and
+    on 10.x and newer, on an exact emulation); the CPU reference path always. ``device=None``
+    checks every visible GPU, or the CPU without CUDA.
+    """
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda":
+            if device.index is None:
+                raise ValueError(f"device={device} names no CUDA index; pass e.g. cuda:0")
+            return _cuda_block_scaling_support(device.index)
+        if device.type == "meta":
+            return False, "meta tensors hold no data; FP8 needs a real device"
+        return True, ""
+    gpus = visible_cuda_devices()
+    reasons = [r for ok, r in (_cuda_block_scaling_support(d.index) for d in gpus) if not ok]
+    return (not reasons, "; ".join(reasons))
 
 
 def check_nvfp4_support(device=None) -> tuple[bool, str]:
@@ -105,8 +139,7 @@ def is_mxfp8_available(return_reason: bool = False, device=None):
 
 
 def is_fp8_block_scaling_available(return_reason: bool = False, device=None):
-    """Whether ``Float8BlockScaling`` can run: never yet (see
-    :func:`check_fp8_block_scaling_support`)."""
+    """Whether ``Float8BlockScaling`` runs (see :func:`check_fp8_block_scaling_support`)."""
     available, reason = check_fp8_block_scaling_support(device)
     return (available, reason) if return_reason else available
 
@@ -134,10 +167,12 @@ def check_recipe_support(recipe: Recipe) -> None:
     """
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe={recipe!r} is not a transformer_engine Recipe")
-    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling, CustomRecipe)):
+    if not isinstance(
+        recipe, (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, CustomRecipe)
+    ):
         raise NotImplementedError(
             f"recipe {type(recipe).__name__} is not implemented; use DelayedScaling, "
-            "Float8CurrentScaling or CustomRecipe"
+            "Float8CurrentScaling, Float8BlockScaling or CustomRecipe"
         )
     if isinstance(recipe, DelayedScaling) and torch.compiler.is_compiling():
         raise RuntimeError(
