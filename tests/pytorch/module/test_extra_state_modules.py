@@ -238,3 +238,13 @@ def test_state_saved_on_cuda0_lands_on_cuda1_while_cuda0_is_current():
         y_dst = _step(dst, forward, x.to("cuda:1"), recipe)[0]
     assert torch.equal(y_dst.cpu(), y_src.cpu())
     _assert_same_state(fp8_state(dst), fp8_state(src))
+
+
+def test_an_operation_refuses_state_of_another_quantizer_count_before_changing():
+    src, _, _ = _trained("ops.Sequential", "delayed")
+    linear = src[0].basic_ops[0]  # BasicLinear: input and weight forward, grad_output backward
+    op = te.ops.GroupedLinear(2, H, H, device="cpu")
+    before = fp8_state(op)
+    with pytest.raises(ValueError, match="checkpoint has 2 forward quantizers but the op"):
+        op.set_extra_state(linear.get_extra_state())
+    assert fp8_state(op) == before and op.recipe_state("forward") is None

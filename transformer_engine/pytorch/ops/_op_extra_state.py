@@ -54,6 +54,13 @@ def set_op_extra_state(op, state: Any) -> None:
     if unpacked is None:
         return
     recipe, tensors, _ = unpacked
+    for mode, suffix in _SUFFIX.items():  # refuse another layout before anything changes
+        scale = tensors.get(f"scale_{suffix}")
+        if scale is not None and scale.shape[0] != op.num_quantizers(mode):
+            raise ValueError(
+                f"{type(op).__name__}: the checkpoint has {scale.shape[0]} {mode} "
+                f"quantizers but the operation uses {op.num_quantizers(mode)}"
+            )
     active = op._quantizers is not None
     op.reset_recipe_state(recipe=recipe, device=device)
     rebuilt = False
@@ -63,12 +70,7 @@ def set_op_extra_state(op, state: Any) -> None:
             if f"scale_{suffix}" not in tensors or not isinstance(st, DelayedScalingRecipeState):
                 continue
             scale, history = tensors[f"scale_{suffix}"], tensors[f"amax_history_{suffix}"]
-            if scale.shape != st.scale.shape:
-                raise ValueError(
-                    f"{type(op).__name__}: the checkpoint has {scale.shape[0]} {mode} "
-                    f"quantizers but the operation uses {st.scale.shape[0]}"
-                )
-            st.scale.copy_(scale)
+            st.scale.copy_(scale)  # same length: checked above
             if history.shape != st.amax_history.shape:
                 st.amax_history = history.clone()
                 rebuilt = True
