@@ -339,7 +339,9 @@ def block_scale_from_amax(
     """
     a = block_amax.float()
     a = torch.clamp_min(a, float(epsilon)) if epsilon > 0 else a
-    scale = _fp8_max(fp8_dtype) / a
+    # A tensor divided by a tensor: IEEE float32 division (``scalar / tensor`` would be
+    # computed as ``reciprocal(tensor) * scalar``, one rounding more).
+    scale = torch.full_like(a, _fp8_max(fp8_dtype)) / a
     scale = torch.where(torch.isposinf(scale), torch.full_like(scale, value_for_inf), scale)
     if force_pow_2_scales:
         scale = (scale.view(torch.int32) & _SIGN_AND_EXPONENT_MASK).view(torch.float32)
