@@ -1,5 +1,6 @@
-"""Upstream's public names for attention, the composed layers, CUDA graphs and the RNG tracker
-(the rows of upstream's surface owned by those issues), each resolved from upstream's import path,
+"""Upstream's public names for attention, the composed layers, CUDA graphs, the RNG tracker and
+Float8BlockScaling (rows of upstream's surface owned by those issues; MXFP8 and NVFP4 are not
+built yet and not listed), each resolved from upstream's import path,
 plus the deeper module paths that upstream code and tests import. Whether each works is tested in
 tests/pytorch/attention/ and tests/pytorch/graphs/."""
 
@@ -29,6 +30,14 @@ COMPOSED_NAMES = [
     "transformer_engine.pytorch.transformer.TransformerLayer",
     "transformer_engine.pytorch.graph.make_graphed_callables",
     "transformer_engine.pytorch.distributed.CudaRNGStatesTracker",
+    # Float8BlockScaling
+    "transformer_engine.common.recipe.Float8BlockScaling",
+    "transformer_engine.pytorch.Float8BlockQuantizer",
+    "transformer_engine.pytorch.Float8BlockwiseQTensor",
+    "transformer_engine.pytorch.Float8BlockwiseQTensorStorage",
+    "transformer_engine.pytorch.is_fp8_block_scaling_available",
+    "transformer_engine.pytorch.quantization.Float8BlockScalingRecipeState",
+    "transformer_engine.pytorch.tensor.float8_blockwise_tensor.Float8BlockQuantizer",
 ]
 
 

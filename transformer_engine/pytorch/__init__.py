@@ -53,6 +53,9 @@ from .quantized_tensor import (
     restore_from_saved,
 )
 from .tensor import (
+    Float8BlockQuantizer,
+    Float8BlockwiseQTensor,
+    Float8BlockwiseQTensorStorage,
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
     Float8Tensor,
@@ -111,6 +114,9 @@ __all__ = [
     "Float8CurrentScalingQuantizer",
     "Float8Tensor",
     "Float8TensorStorage",
+    "Float8BlockQuantizer",
+    "Float8BlockwiseQTensor",
+    "Float8BlockwiseQTensorStorage",
     "QuantizedTensorStorage",
     "prepare_for_saving",
     "restore_from_saved",

@@ -1,7 +1,9 @@
 """Quantized tensor types: quantizers and the tensors they produce."""
 
 from ..quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer
+from .float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
 from .float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
+from .storage.float8_blockwise_tensor_storage import Float8BlockwiseQTensorStorage
 from .storage.float8_tensor_storage import Float8TensorStorage
 
 __all__ = [
@@ -12,4 +14,7 @@ __all__ = [
     "Float8CurrentScalingQuantizer",
     "Float8Tensor",
     "Float8TensorStorage",
+    "Float8BlockQuantizer",
+    "Float8BlockwiseQTensor",
+    "Float8BlockwiseQTensorStorage",
 ]
