@@ -10,7 +10,7 @@ import io
 import pytest
 import torch
 import transformer_oracle as oracle
-from utils import autocast_by_name, needs_cuda, needs_two_gpus
+from utils import autocast_by_name, materialization_device, needs_cuda, needs_two_gpus
 
 from transformer_engine.pytorch.attention.multi_head_attention import MultiheadAttention
 
@@ -345,7 +345,9 @@ def test_meta_init_then_reset_parameters(attention_type):
     m = make(device="meta", **kwargs)
     assert all(p.is_meta for p in m.parameters())
     m.reset_parameters()
-    assert all(p.device.type == "cpu" for p in m.parameters())
+    # without a device, meta modules materialize on the current CUDA device, else the CPU
+    device = materialization_device()
+    assert all(p.device == device for p in m.parameters())
     for name, p in m.named_parameters():
         if name.endswith(("layer_norm_weight", "norm.weight")):
             assert torch.all(p == 1), name
@@ -353,7 +355,7 @@ def test_meta_init_then_reset_parameters(attention_type):
             assert torch.all(p == 0), name
         else:
             assert abs(p.std().item() - 0.023) < 0.01, name
-    x = inputs()
+    x = inputs().to(device)
     out = m(x, encoder_output=x if attention_type == "cross" else None)
     assert torch.isfinite(out).all()
 

@@ -21,7 +21,14 @@ from test_multi_head_attention import (
     rms,
     rotary_freqs,
 )
-from utils import REFERENCE_ACTIVATIONS, autocast_by_name, make_recipe, needs_cuda, needs_two_gpus
+from utils import (
+    REFERENCE_ACTIVATIONS,
+    autocast_by_name,
+    make_recipe,
+    materialization_device,
+    needs_cuda,
+    needs_two_gpus,
+)
 
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch.attention.inference import InferenceParams
@@ -440,7 +447,9 @@ def test_meta_init_then_reset_parameters(layer_type):
     layer = make(device="meta", **kwargs)
     assert all(p.is_meta for p in layer.parameters())
     layer.reset_parameters()
-    assert all(p.device.type == "cpu" for p in layer.parameters())
+    # without a device, meta modules materialize on the current CUDA device, else the CPU
+    device = materialization_device()
+    assert all(p.device == device for p in layer.parameters())
     for name, p in layer.named_parameters():
         if name.endswith(("layer_norm_weight", "norm.weight")) or name == "layernorm.weight":
             assert torch.all(p == 1), name
@@ -448,7 +457,7 @@ def test_meta_init_then_reset_parameters(layer_type):
             assert torch.all(p == 0), name
         else:
             assert abs(p.std().item() - 0.023) < 0.01, name
-    x = inputs()
+    x = inputs().to(device)
     assert torch.isfinite(layer(x, encoder_output=x if layer_type == "decoder" else None)).all()
 
 

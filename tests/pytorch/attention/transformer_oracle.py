@@ -36,7 +36,8 @@ def differentiable(module):
     """Inside the block the oracle reads ``module``'s parameters as float64 leaves that require
     grad; yields ``{parameter name: leaf}`` so a test can compare their gradients."""
     named = dict(module.named_parameters())
-    leaves = {name: p.detach().double().requires_grad_() for name, p in named.items()}
+    # CPU float64 leaves, wherever the module lives (the oracle runs on the CPU)
+    leaves = {name: p.detach().double().cpu().requires_grad_() for name, p in named.items()}
     ids = {id(p): leaves[name] for name, p in named.items()}
     _LEAVES.update(ids)
     try:

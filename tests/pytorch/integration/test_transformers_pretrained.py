@@ -81,7 +81,9 @@ def test_save_pretrained_then_from_pretrained(tmp_path, device, fp8_state):
             model(x).sum().backward()
     expected = model(x)
     model.save_pretrained(tmp_path)
-    loaded = model_class.from_pretrained(tmp_path).eval()
+    # from_pretrained builds on the CPU (placement is the caller's: .to() or device_map);
+    # the FP8 state follows the module there
+    loaded = model_class.from_pretrained(tmp_path).to(device).eval()
     assert isinstance(loaded.layer, TransformerLayer)
     original, restored = model.state_dict(), loaded.state_dict()
     for name, value in original.items():

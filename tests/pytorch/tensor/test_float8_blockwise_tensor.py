@@ -259,8 +259,9 @@ def test_cuda_cast_equals_cpu(dim):
 @needs_cuda
 @pytest.mark.parametrize("layout", ["TN", "NN", "NT"])
 def test_native_gemm_equals_emulation(layout):
-    # On sm_90 this runs torch._scaled_mm's blockwise kernels; it must match the emulation
-    # (the float64 product of the dequantized operands) within float32 accumulation error.
+    # On sm_90, NT (1x128 by 1x128) runs torch._scaled_mm's blockwise kernel and TN/NN (a
+    # 128x128 weight) the emulation; either must match the float64 product of the dequantized
+    # operands within float32 accumulation error.
     x, w, dy = (t.to("cuda:0") for t in _gemm_operands())
     x, w, dy = x[:, :256], torch.cat([w, w[:96]]), torch.cat([dy, dy[:, :96]], 1)  # N = 256
     xq, wq, dyq = quantizer(1)(x), quantizer(2)(w), quantizer(1)(dy)

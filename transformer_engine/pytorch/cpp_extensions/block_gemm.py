@@ -13,8 +13,9 @@ along the tokens).
 
 Paths:
 
-* **native**: CUDA devices of compute capability 9.x, K a multiple of 128, not both operands
-  128x128: ``torch._scaled_mm`` with float32 scale tensors whose shapes select the blockwise
+* **native**: CUDA devices of compute capability 9.x, K a multiple of 128, both operands 1x128
+  (wgrad; with a 128x128 operand the native products did not match on the H200, see
+  ``_native_product``): ``torch._scaled_mm`` with float32 scale tensors whose shapes select the blockwise
   modes (1x128 operand: ``[rows, ceil(K/128)]``, outer-dim-major; 128x128 operand:
   ``[ceil(rows/128), ceil(K/128)]``; the second operand's transposed), which needs CUDA 12.9+
   in PyTorch's build. The first call of each kind that torch refuses (older torch or CUDA)
@@ -79,7 +80,11 @@ def _scaled_mm_scales(x, xs, x2d, y, ys, y2d):
 def _native_product(x, xs, x2d, y, ys, y2d, mm_dtype):
     """``torch._scaled_mm`` blockwise, or ``None`` when this kind is not run natively here."""
     device = x.device
-    if device.type != "cuda" or x2d and y2d or x.shape[1] % _BLOCK or x.shape[1] == 0:
+    # Only 1x128 by 1x128 (wgrad) runs natively: with a 128x128 operand (fprop, dgrad) the
+    # products torch._scaled_mm returned on an H200 with torch 2.11 did not match the
+    # dequantized operands' product (the scale layout it expects for that operand is not the
+    # one passed here), so those kinds take the exact emulation until it is worked out.
+    if device.type != "cuda" or x2d or y2d or x.shape[1] % _BLOCK or x.shape[1] == 0:
         return None
     cc = device_compute_capability(device)
     if cc is None or cc[0] != 9:

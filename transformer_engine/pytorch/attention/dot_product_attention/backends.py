@@ -225,7 +225,10 @@ def _pinned(backend):
 
 def _run_sdpa(problem: AttentionProblem, backend, dropout_p, dropout_ctx, repeat_kv):
     flash = backend.name == "FLASH_ATTENTION"
-    q, k, v, attn_mask, is_causal, enable_gqa = sdpa_inputs(problem, repeat_kv, flash)
+    # Only the flash kernel takes enable_gqa: with a GQA problem the memory-efficient kernel,
+    # pinned alone, raised "Invalid backend" on an H200 (torch 2.11), so K/V heads are repeated
+    # for every other kernel.
+    q, k, v, attn_mask, is_causal, enable_gqa = sdpa_inputs(problem, repeat_kv or not flash, flash)
     kwargs = {"enable_gqa": True} if enable_gqa else {}  # older torch lacks the keyword
     with _pinned(backend), dropout_ctx():
         out = F.scaled_dot_product_attention(
