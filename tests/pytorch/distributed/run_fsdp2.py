@@ -1,0 +1,259 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) over a model of te modules.
+
+Each rank trains the same small model (te.Linear, LayerNormMLP, LayerNormLinear and a
+TransformerLayer), every te module and the root wrapped with ``fully_shard``, on its own slice
+of a global batch, for a few optimizer steps; it saves its losses, the full parameters
+(``DTensor.full_tensor()``) and the FP8 scaling state. :func:`reference_run` is the oracle:
+one process, no sharding, no process group, the same model fed each rank's slice in turn
+(gradient accumulation), the gradients divided by the world size as FSDP2's reduce-scatter
+does. Run under torchrun (NCCL on GPUs, gloo on CPU):
+
+    torchrun --standalone --nproc_per_node=2 tests/pytorch/distributed/run_fsdp2.py \
+        --backend nccl --recipe delayed --out /tmp/fsdp2_out
+
+or through :func:`worker` (used by test_fsdp2_gloo.py).
+
+Why the two runs agree bit for bit (the reduction order is the same):
+
+* per rank, every GEMM and norm sees exactly the rows the reference gives it for that slice;
+* FSDP2 divides each rank's gradient by 2 before summing (exact for 2 ranks: a power of two)
+  and a two-term sum is commutative, so ``a/2 + b/2 == (b + a)/2`` bitwise;
+* delayed scaling: the amaxes max-accumulate over the two slices in the reference, and are
+  all-reduced (MAX, exact) across the ranks under FSDP2; the reference runs both slices'
+  forwards in one autocast region and the backward of the first slice last, so each scale
+  update sees both slices' amaxes, as the ranks' reduced update does;
+* current scaling: each tensor's scale comes from its own slice in both runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.pytorch.transformer import TransformerLayer
+
+SEQ, BATCH_PER_RANK, HIDDEN, FFN, HEADS = 8, 2, 32, 64, 2
+STEPS = 3
+RECIPES = {"high_precision": None, "delayed": DelayedScaling, "current": Float8CurrentScaling}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class Model(torch.nn.Module):
+    """``[seq, batch, hidden]`` in and out: Linear, LayerNormMLP, TransformerLayer,
+    LayerNormLinear."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw = {"params_dtype": dtype, "device": device}
+        self.proj = te.Linear(HIDDEN, HIDDEN, **kw)
+        self.mlp = te.LayerNormMLP(HIDDEN, FFN, **kw)
+        self.layer = TransformerLayer(
+            HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0, **kw
+        )
+        self.head = te.LayerNormLinear(HIDDEN, HIDDEN, **kw)
+
+    def te_modules(self) -> dict[str, torch.nn.Module]:
+        """Every module with FP8 state (``fp8_meta``), by qualified name."""
+        return {n: m for n, m in self.named_modules() if hasattr(m, "fp8_meta")}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        x = x + self.mlp(x)
+        x = self.layer(x)
+        return self.head(x)
+
+
+def make_model(dtype: torch.dtype, device: torch.device) -> Model:
+    torch.manual_seed(1234)  # every rank and the reference build the same initial weights
+    return Model(dtype, device)
+
+
+def global_batch(dtype: torch.dtype, world_size: int) -> list[torch.Tensor]:
+    """One ``[SEQ, BATCH_PER_RANK * world_size, HIDDEN]`` batch per step (CPU)."""
+    gen = torch.Generator().manual_seed(99)
+    shape = (SEQ, BATCH_PER_RANK * world_size, HIDDEN)
+    return [torch.randn(shape, generator=gen).to(dtype) for _ in range(STEPS)]
+
+
+def rank_slice(batch: torch.Tensor, rank: int) -> torch.Tensor:
+    return batch[:, rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK].contiguous()
+
+
+def loss_of(out: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    # foreach=False: the same per-parameter elementwise kernels on shards and on full tensors
+    return torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+
+
+def fp8_state(model: Model) -> dict[str, torch.Tensor]:
+    """Delayed-scaling scales and amax histories of every te module (CPU copies)."""
+    out = {}
+    for name, module in model.te_modules().items():
+        for key in ("scaling_fwd", "scaling_bwd"):
+            state = module.fp8_meta.get(key)
+            delayed = state.delayed_scaling_state() if state is not None else None
+            if delayed is not None:
+                out[f"{name}.{key}.scale"] = delayed.scale.detach().cpu().clone()
+                out[f"{name}.{key}.amax_history"] = delayed.amax_history.detach().cpu().clone()
+    return out
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        out[name] = full.detach().cpu().clone()
+    return out
+
+
+def shard(model: Model, mesh) -> None:
+    """``fully_shard`` each top-level block (the TransformerLayer as one unit, as training
+    scripts wrap one per layer), then the root.
+
+    Not each module inside the TransformerLayer: its attention projection returns its bias
+    parameter itself (``return_bias=True``) for a later fused add, and FSDP2 frees a module's
+    unsharded parameters as soon as that module's forward returns.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for module in (model.proj, model.mlp, model.layer, model.head):
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def autocast_for(recipe_name: str):
+    recipe_class = RECIPES[recipe_name]
+    return te.autocast(enabled=recipe_class is not None, recipe=recipe_class and recipe_class())
+
+
+def reference_run(
+    recipe_name: str, dtype_name: str, world_size: int, device="cpu", slices=None
+) -> dict:
+    """The unsharded single-process oracle (see the module docstring); ``slices``: which
+    ranks' slices to feed (default all)."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    FP8GlobalStateManager.reset()
+    dtype, device = DTYPES[dtype_name], torch.device(device)
+    model = make_model(dtype, device)
+    optimizer = make_optimizer(model)
+    losses = []
+    for batch in global_batch(dtype, world_size):
+        with autocast_for(recipe_name):
+            outs = [model(rank_slice(batch, r).to(device)) for r in slices or range(world_size)]
+        step_losses = [loss_of(out) for out in outs]
+        for loss in reversed(step_losses):  # slice 0's backward last: it completes the update
+            loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad.div_(world_size)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(torch.stack([loss.detach().cpu() for loss in step_losses]))
+    return {"losses": torch.stack(losses), "params": full_parameters(model), **_fp8(model)}
+
+
+def _fp8(model: Model) -> dict:
+    return {"fp8_state": fp8_state(model)}
+
+
+def _device_for(backend: str, rank: int) -> torch.device:
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)  # NCCL's process device; the library never asks
+        return device
+    return torch.device("cpu")
+
+
+def train_sharded(recipe_name: str, dtype_name: str, rank: int, world_size: int, device, mesh):
+    """This rank's FSDP2 run: ``(model, result dict)``."""
+    dtype = DTYPES[dtype_name]
+    model = make_model(dtype, device)
+    shard(model, mesh)
+    optimizer = make_optimizer(model)
+    losses = []
+    for batch in global_batch(dtype, world_size):
+        with autocast_for(recipe_name):
+            out = model(rank_slice(batch, rank).to(device))
+        loss = loss_of(out)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        local = loss.detach().reshape(1)
+        gathered = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(gathered, local)
+        losses.append(torch.cat(gathered).cpu())
+    result = {"losses": torch.stack(losses), "params": full_parameters(model), **_fp8(model)}
+    return model, optimizer, result
+
+
+def worker(
+    rank: int,
+    world_size: int,
+    backend: str,
+    out_dir: str,
+    runs: list[tuple[str, str]],
+    init_method: str = "env://",
+) -> None:
+    """Train one FSDP2 model per ``(recipe, dtype)`` in ``runs``; save ``rank{r}.pt``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = _device_for(backend, rank)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        mesh = init_device_mesh(device.type, (world_size,))
+        results = {}
+        for recipe_name, dtype_name in runs:
+            _, _, result = train_sharded(recipe_name, dtype_name, rank, world_size, device, mesh)
+            result["device"] = str(next(iter(result["params"].values())).device)
+            results[f"{recipe_name}-{dtype_name}"] = result
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def compare(got: dict, expected: dict, label: str) -> None:
+    """Bitwise equality of losses, parameters and FP8 state, naming the first difference."""
+    for part in ("losses", "params", "fp8_state"):
+        a, b = got[part], expected[part]
+        if isinstance(a, torch.Tensor):
+            a, b = {"": a}, {"": b}
+        if a.keys() != b.keys():
+            raise AssertionError(f"{label} {part}: keys {sorted(a)} != {sorted(b)}")
+        for key in a:
+            if not torch.equal(a[key], b[key]):
+                diff = (a[key].double() - b[key].double()).abs().max().item()
+                raise AssertionError(f"{label} {part} {key}: differs (max abs diff {diff:.3g})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
+    parser.add_argument("--recipe", default="delayed", choices=sorted(RECIPES))
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    worker(rank, world_size, args.backend, args.out, [(args.recipe, args.dtype)])
+    if rank == 0:
+        device = "cuda:0" if args.backend == "nccl" else "cpu"
+        expected = reference_run(args.recipe, args.dtype, world_size, device)
+        for r in range(world_size):
+            got = torch.load(os.path.join(args.out, f"rank{r}.pt"))
+            compare(got[f"{args.recipe}-{args.dtype}"], expected, f"rank {r}")
+        print(f"fsdp2 {args.recipe} {args.dtype}: {world_size} ranks equal the reference")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
