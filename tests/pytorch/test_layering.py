@@ -66,7 +66,10 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.pytorch.functional",
         "transformer_engine.pytorch.functional.*",
     )),
-    (7, "distributed", ("transformer_engine.pytorch.distributed",)),
+    (7, "distributed", (
+        "transformer_engine.pytorch.distributed",
+        "transformer_engine.pytorch._tensor_parallel",
+    )),
     (8, "modules and fusible operations", (
         "transformer_engine.pytorch.module",
         "transformer_engine.pytorch.module.*",

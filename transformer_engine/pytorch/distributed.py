@@ -26,6 +26,14 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from ._tensor_parallel import (  # noqa: F401  (upstream's te.distributed helpers)
+    allreduce,
+    gather_along_first_dim,
+    get_distributed_rank,
+    get_distributed_world_size,
+    reduce_scatter_along_first_dim,
+    set_tensor_model_parallel_attributes,
+)
 from .quantization import FP8GlobalStateManager
 
 __all__ = [

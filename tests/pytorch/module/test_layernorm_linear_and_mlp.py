@@ -511,10 +511,12 @@ def test_errors():
         LayerNormMLP(32, 32, activation="tanh", device="cpu")
     with pytest.raises(ValueError, match="activation_params"):
         LayerNormMLP(32, 32, activation="gelu", activation_params={"limit": 1.0}, device="cpu")
-    with pytest.raises(NotImplementedError, match="tp_size"):
-        LayerNormLinear(32, 32, tp_size=2, device="cpu")
-    with pytest.raises(NotImplementedError, match="set_parallel_mode"):
-        LayerNormMLP(32, 32, set_parallel_mode=True, device="cpu")
+    with pytest.raises(NotImplementedError, match="parallel_mode='row'"):
+        LayerNormLinear(32, 32, parallel_mode="row", device="cpu")
+    with pytest.raises(RuntimeError, match="set_tensor_parallel_group"):  # no group yet
+        LayerNormLinear(32, 32, tp_size=2, parallel_mode="column", device="cpu")(torch.randn(4, 32))
+    with pytest.raises(ValueError, match="ffn_hidden_size=33 is not divisible by tp_size=2"):
+        LayerNormMLP(32, 33, tp_size=2, set_parallel_mode=True, device="cpu")
     with pytest.raises(NotImplementedError, match="ub_overlap_ag"):
         LayerNormMLP(32, 32, ub_overlap_ag=True, device="cpu")
     with pytest.raises(ValueError, match="in_features=32"):

@@ -420,15 +420,16 @@ def test_materialized_input_to_a_meta_module():
             m(torch.randn(32, IN))
 
 
-def test_tensor_parallel_size_is_not_implemented():
-    with pytest.raises(NotImplementedError, match="tp_size=2"):
-        Linear(IN, OUT, tp_size=2, device="cpu")
+def test_tensor_parallel_size_without_a_group_refuses_the_forward():
+    m = Linear(IN, OUT, tp_size=2, parallel_mode="row", device="cpu")
+    assert m.weight.shape == (OUT, IN // 2) and m.weight.partition_dim == 1
+    with pytest.raises(RuntimeError, match="set_tensor_parallel_group"):
+        m(torch.randn(4, IN // 2))
 
 
 @pytest.mark.parametrize(
     "kwargs, name",
     [
-        ({"sequence_parallel": True}, "sequence_parallel"),
         ({"ub_overlap_ag": True}, "ub_overlap_ag"),
     ],
 )

@@ -5,12 +5,18 @@ This is where the module side adds what the core leaves to its callers: which gr
 needed (read from the tensors' ``requires_grad``), saving through autograd, the gradient's device
 current during backward, and, for the autocast region's first FP8 module, the backward scale
 update once its backward is done.
+
+Under sequence parallelism a column-parallel GEMM's input arrives split along dimension 0: the
+node all-gathers it before the GEMM, reduce-scatters the input gradient, and, when the weight
+gradient reads the input in high precision, saves only the local shard and gathers it again in
+backward (an FP8 input is saved gathered, as the transposed FP8 copy).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .._tensor_parallel import gather_along_first_dim, reduce_scatter_along_first_dim
 from ..device import device_guard
 from ..functional.linear import LinearConfig, linear_backward, linear_forward
 from ..quantization import BackwardScaleUpdate
@@ -20,19 +26,30 @@ __all__ = ["linear"]
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, inp, bias, config, backward_update):  # noqa: D102
+    def forward(ctx, weight, inp, bias, config, backward_update, sp_group):  # noqa: D102
+        full = inp if sp_group is None else gather_along_first_dim(inp, sp_group)[0]
         out, saved = linear_forward(
             weight,
-            inp,
+            full,
             bias,
             config,
             needs_dgrad=inp.requires_grad,
             needs_wgrad=weight.requires_grad,
             bias_requires_grad=bias is not None and bias.requires_grad,
         )
+        # Keep the local shard instead of the gathered input when backward reads it as it is.
+        ctx.regather = (
+            sp_group is not None
+            and type(saved.x) is torch.Tensor
+            and full is not inp
+            and saved.x.data_ptr() == full.data_ptr()
+        )
+        if ctx.regather:
+            saved.x = inp.reshape(-1, inp.shape[-1])
         ctx.save_for_backward(*saved.pack())
         ctx.saved = saved
         ctx.backward_update = backward_update
+        ctx.sp_group = sp_group
         return out
 
     @staticmethod
@@ -40,10 +57,14 @@ class _LinearFunction(torch.autograd.Function):
         with device_guard(grad_out.device):
             saved = ctx.saved
             saved.unpack(ctx.saved_tensors)
+            if ctx.regather:
+                saved.x = gather_along_first_dim(saved.x, ctx.sp_group)[0]
             dx, dw, dbias = linear_backward(saved, grad_out)
+            if dx is not None and ctx.sp_group is not None:
+                dx = reduce_scatter_along_first_dim(dx, ctx.sp_group)[0]
             if ctx.backward_update is not None:
                 ctx.backward_update.complete()
-        return dw, dx, dbias, None, None
+        return dw, dx, dbias, None, None, None
 
 
 def linear(
@@ -52,13 +73,20 @@ def linear(
     bias: torch.Tensor | None,
     config: LinearConfig,
     backward_update: BackwardScaleUpdate | None = None,
+    sequence_parallel_group=None,
 ) -> torch.Tensor:
     """``inp @ weight^T + bias`` through the linear core, differentiable in grad mode.
 
     ``backward_update``: the region's backward scale update, completed at the end of this GEMM's
     backward (given to the GEMM of the region's first FP8 module whose backward runs last).
+    ``sequence_parallel_group``: ``inp`` is this rank's slice (along dimension 0) of the input,
+    all-gathered over the group before the GEMM; the input gradient is reduce-scattered back.
     """
     if torch.is_grad_enabled():
-        return _LinearFunction.apply(weight, inp, bias, config, backward_update)
+        return _LinearFunction.apply(
+            weight, inp, bias, config, backward_update, sequence_parallel_group
+        )
+    if sequence_parallel_group is not None:
+        inp = gather_along_first_dim(inp, sequence_parallel_group)[0]
     out, _ = linear_forward(weight, inp, bias, config, needs_dgrad=False, needs_wgrad=False)
     return out

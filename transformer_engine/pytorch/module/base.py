@@ -73,7 +73,11 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.quantizers: dict[str, list] = {"scaling_fwd": [], "scaling_bwd": []}
         self.tp_group = None
         self.tp_size = 1
+        self.tp_group_initialized = True  # tp_size 1 needs no group
         self.sequence_parallel = False
+        # Attributes of parameters (tensor-parallel partitioning, sequence_parallel) that must
+        # survive the Parameter objects being replaced (reset_parameters, to_empty).
+        self._param_attributes: dict[str, dict[str, Any]] = {}
         self.fp8_parameters = FP8GlobalStateManager.with_fp8_parameters()
         self.primary_weights_in_fp8 = self.fp8_parameters
         self.preserve_high_precision_init_val = FP8GlobalStateManager.with_high_precision_init_val()
@@ -237,9 +241,20 @@ class TransformerEngineBaseModule(torch.nn.Module):
             if isinstance(param, QuantizedTensor) and index is not None:
                 param._quantizer = self.quantizers["scaling_fwd"][index].copy()
 
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Set the tensor-parallel process group (needed before the forward when the module was
+        built with ``tp_size > 1`` and no ``tp_group``)."""
+        self.tp_group = tp_group
+        self.tp_group_initialized = True
+
     def _apply(self, fn, *args, **kwargs):
         """Device moves carry the FP8 state along (values copied, never left behind)."""
         result = super()._apply(fn, *args, **kwargs)
+        for name, attributes in self._param_attributes.items():
+            param = self._parameters.get(name)
+            if param is not None:  # a move may have made new Parameter objects
+                for attr, value in attributes.items():
+                    setattr(param, attr, value)
         device = self.parameters_device()
         state = self.fp8_meta.get("scaling_fwd")
         if state is not None and device is not None and state.device != device:
@@ -295,9 +310,34 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 f"are on {device}; move the input to {device}"
             )
 
+    def _check_fp8_parameters(self) -> None:
+        """Under ``quantized_model_init`` the weights must still be FP8 tensors. FSDP2's
+        ``fully_shard`` turns them into DTensor shards and all-gathers plain high-precision
+        copies for the forward (it has no FP8 all-gather for them here): the communication
+        would carry 2-4x the bytes and the optimizer would update shards that no longer share
+        the module's scaling state. Refused rather than trained silently."""
+        for name, (_, index) in self.param_init_meta.items():
+            param = self._parameters.get(name)
+            if index is None or param is None or isinstance(param, QuantizedTensor):
+                continue
+            kind = type(param).__name__
+            local = getattr(param, "_local_tensor", None)  # a DTensor shard
+            if local is not None:
+                kind = f"a {kind} shard of {type(local).__name__}"
+            raise NotImplementedError(
+                f"{type(self).__name__}: parameter {name!r} was created as an FP8 tensor by "
+                f"te.quantized_model_init but is now {kind} ({param.dtype}): it was replaced, "
+                "typically by FSDP2's fully_shard, which shards FP8 parameters as high-precision "
+                "values (FP8 all-gather of quantized_model_init weights is not supported yet). "
+                "Build the model without quantized_model_init (FP8 compute still comes from "
+                "te.autocast) when sharding it with fully_shard"
+            )
+
     def prepare_forward(self, inp: torch.Tensor, num_gemms: int = 1, allow_non_contiguous=False):
         """Enter the input's device and initialize FP8 metadata; pair with :meth:`end_forward`."""
         self._check_input(inp)
+        if self.primary_weights_in_fp8:
+            self._check_fp8_parameters()
         enter_device(inp.device)
         try:
             self.set_activation_dtype(inp)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._tensor_parallel import divide, gather_from_sequence_parallel_region
 from ..device import construction_device
 from ..functional.linear import check_input_features
 from ._fused_norm import apply_norm, check_normalization, register_norm_parameters
@@ -21,7 +22,6 @@ from ._gemm_setup import (
     make_linear_config,
     quantize_output,
 )
-from ._linear_function import linear
 from ._linear_parameters import (
     check_features,
     check_single_process_arguments,
@@ -30,6 +30,15 @@ from ._linear_parameters import (
     register_linear_parameters,
 )
 from ._quantizer_roles import gemm_quantizer_roles
+from ._tensor_parallel_setup import (
+    check_tensor_parallel_ready,
+    configure_tensor_parallel,
+    local_parameters_split,
+    mark_partitioned,
+    mark_sequence_parallel,
+    parallel_gemm,
+    reduce_split_amaxes,
+)
 from .base import TransformerEngineBaseModule, default_init_method
 
 __all__ = ["LayerNormLinear"]
@@ -54,7 +63,8 @@ class LayerNormLinear(TransformerEngineBaseModule):
     return_layernorm_output : bool, default False
         Also return the norm's output (``(out, ln_out)`` or ``(out, bias, ln_out)``).
     return_layernorm_output_gathered : bool, default False
-        Ignored without tensor parallelism.
+        Under sequence parallelism, return the norm's output gathered over the tensor-parallel
+        ranks instead of this rank's slice.
     params_dtype : torch.dtype, optional
         Default ``torch.get_default_dtype()``.
     zero_centered_gamma : bool, default False
@@ -68,9 +78,16 @@ class LayerNormLinear(TransformerEngineBaseModule):
     fuse_wgrad_accumulation : bool, default False
         Accumulate the weight gradient into ``weight.main_grad`` (float32).
     name : str, optional
+    tp_group, tp_size, parallel_mode, sequence_parallel
+        Tensor parallelism, as ``Linear``'s (docs/modules.md), with ``parallel_mode`` None or
+        ``"column"`` (``"row"`` raises ``NotImplementedError``, as upstream). Under sequence
+        parallelism the norm runs on this rank's slice of the tokens and its output is
+        all-gathered for the GEMM; the norm's parameters carry ``sequence_parallel=True``.
+    get_rng_state_tracker
+        The weight is initialized inside ``get_rng_state_tracker().fork()``.
 
-    Tensor-parallel and comm-overlap arguments are accepted for compatibility; values other
-    than the single-process defaults raise ``NotImplementedError`` naming the argument.
+    Comm-overlap arguments (``ub_*``, ``symmetric_ar_type``) are accepted for compatibility;
+    values other than the defaults raise ``NotImplementedError`` naming the argument.
     """
 
     def __init__(
@@ -105,16 +122,29 @@ class LayerNormLinear(TransformerEngineBaseModule):
         name: str | None = None,
     ) -> None:
         super().__init__(name=name)
-        if parallel_mode not in (None, "column", "row"):
-            raise ValueError(f"parallel_mode={parallel_mode!r} must be None, 'column' or 'row'")
+        configure_tensor_parallel(
+            self, tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode,
+            sequence_parallel=sequence_parallel,
+        )  # fmt: skip
+        if parallel_mode == "row":
+            raise NotImplementedError(
+                "LayerNormLinear: parallel_mode='row' is not supported (as upstream): a "
+                "row-parallel GEMM needs its input split along the features, which a norm over "
+                "the whole hidden size cannot produce; use LayerNorm followed by a row-parallel "
+                "Linear"
+            )
         check_normalization("LayerNormLinear", normalization)
         check_single_process_arguments(
-            "LayerNormLinear", tp_size=tp_size, sequence_parallel=sequence_parallel,
-            ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+            "LayerNormLinear", ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
             ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
             ub_bulk_wgrad=ub_bulk_wgrad, symmetric_ar_type=symmetric_ar_type,
         )  # fmt: skip
         check_features(in_features=in_features, out_features=out_features)
+        if self.parallel_mode == "column":
+            out_features = divide(out_features, self.tp_size, "out_features")
+            parameters_split = local_parameters_split(
+                "LayerNormLinear", parameters_split, self.tp_size
+            )
         if not float(eps) >= 0:
             raise ValueError(f"eps={eps!r} must be non-negative")
         self.in_features, self.out_features = in_features, out_features
@@ -125,8 +155,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         self.return_layernorm_output_gathered = return_layernorm_output_gathered
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self._init_wgrad_store(delay_wgrad_compute, parameters_split)
-        self.parallel_mode = parallel_mode
-        self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
+        self.get_rng_state_tracker = get_rng_state_tracker
         params_dtype = params_dtype or torch.get_default_dtype()
         device = construction_device(type(self).__name__, device)
         register_norm_parameters(
@@ -138,6 +167,12 @@ class LayerNormLinear(TransformerEngineBaseModule):
             device=device, init_method=init_method or default_init_method,
             fp8_meta_index=GEMM1_WEIGHT,
         )  # fmt: skip
+        for prefix in (f"{n}_" if n else "" for n in self.sizes):
+            mark_partitioned(self, f"{prefix}weight", 0)
+            if bias and self.parallel_mode == "column":
+                mark_partitioned(self, f"{prefix}bias", 0)
+        for name in ("layer_norm_weight", "layer_norm_bias"):
+            mark_sequence_parallel(self, name, self.sequence_parallel)
         self.reset_parameters(defer_init=device.type == "meta")
 
     # -- forward -------------------------------------------------------------------------------
@@ -161,6 +196,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         """
         check_input_features("LayerNormLinear", inp, self.in_features, "in_features")
         with self.prepare_forward_ctx(inp, num_gemms=1) as inp:
+            check_tensor_parallel_ready(self)
             dtype, fp8 = self.activation_dtype, self.fp8
             if fp8 and fp8_grad:
                 inp = fp8_input_gradient(inp, self.quantizers["scaling_bwd"][GRAD_INPUT1])
@@ -178,12 +214,19 @@ class LayerNormLinear(TransformerEngineBaseModule):
                 main_grad_param=self.weight if "" in self.sizes else None,
             )  # fmt: skip
             config.wgrad_store = self.wgrad_store
-            out = linear(weight, ln_out, gemm_bias, config, claim_module_backward_update(config))
+            reduce_split_amaxes(
+                self, config, input_split=False, grad_output_split=self.parallel_mode == "column"
+            )
+            out = parallel_gemm(
+                self, weight, ln_out, gemm_bias, config, claim_module_backward_update(config)
+            )
             if fp8 and fp8_output:
                 out = quantize_output(self.quantizers["scaling_fwd"][GEMM1_OUTPUT], out)
         outputs = (out,)
         if self.return_bias:
             outputs += (bias.to(dtype) if bias is not None else None,)
         if self.return_layernorm_output:
+            if self.return_layernorm_output_gathered and self.sequence_parallel:
+                ln_out = gather_from_sequence_parallel_region(ln_out, self.tp_group)
             outputs += (ln_out,)
         return outputs[0] if len(outputs) == 1 else outputs

@@ -16,6 +16,13 @@ from collections.abc import Callable
 import torch
 import torch.utils.checkpoint
 
+from .._tensor_parallel import (
+    copy_to_tensor_parallel_region,
+    divide,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from ..device import construction_device
 from ..functional.activation import get_activation, get_activation_spec
 from ..functional.linear import check_input_features
@@ -25,6 +32,13 @@ from ._linear_function import linear
 from ._linear_parameters import check_features, check_single_process_arguments
 from ._mlp_function import fc1_activation_fc2
 from ._quantizer_roles import gemm_quantizer_roles
+from ._tensor_parallel_setup import (
+    check_tensor_parallel_ready,
+    configure_tensor_parallel,
+    mark_partitioned,
+    mark_sequence_parallel,
+    reduce_split_amaxes,
+)
 from .base import (
     TransformerEngineBaseModule,
     default_init_method,
@@ -78,9 +92,17 @@ class LayerNormMLP(TransformerEngineBaseModule):
     delay_wgrad_compute : bool, default False
         Backward leaves both weight-gradient GEMMs to :meth:`backward_dw`.
     name : str, optional
+    tp_group, tp_size, set_parallel_mode, sequence_parallel
+        Tensor parallelism (docs/modules.md): ``ffn_hidden_size`` is always divided by
+        ``tp_size`` (as upstream); with ``set_parallel_mode=True`` FC1 is column-parallel and
+        FC2 row-parallel (FC2's output all-reduced, or reduce-scattered along dim 0 under
+        ``sequence_parallel``, where the norm runs on this rank's tokens and its output is
+        all-gathered for FC1). Without ``set_parallel_mode`` no communication runs.
+    get_rng_state_tracker
+        The weights are initialized inside ``get_rng_state_tracker().fork()``.
 
-    Tensor-parallel and comm-overlap arguments are accepted for compatibility; values other
-    than the single-process defaults raise ``NotImplementedError`` naming the argument.
+    Comm-overlap arguments (``ub_*``, ``symmetric_ar_type``) are accepted for compatibility;
+    values other than the defaults raise ``NotImplementedError`` naming the argument.
     ``seq_length`` and ``micro_batch_size`` only size comm-overlap buffers and are ignored.
     """
 
@@ -128,14 +150,19 @@ class LayerNormMLP(TransformerEngineBaseModule):
         )
         self._activation_spec = get_activation_spec("LayerNormMLP", activation, activation_params)
         self._fused_activation_fn = self.activation_fn  # replaced by a user: no fused node
+        configure_tensor_parallel(
+            self, tp_group=tp_group, tp_size=tp_size,
+            parallel_mode="column" if set_parallel_mode else None,
+            sequence_parallel=sequence_parallel,
+        )  # fmt: skip
         check_single_process_arguments(
-            "LayerNormMLP", tp_size=tp_size, sequence_parallel=sequence_parallel,
-            set_parallel_mode=set_parallel_mode, ub_overlap_ag=ub_overlap_ag,
+            "LayerNormMLP", ub_overlap_ag=ub_overlap_ag,
             ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
             ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad,
             symmetric_ar_type=symmetric_ar_type,
         )  # fmt: skip
         check_features(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        ffn_hidden_size = divide(ffn_hidden_size, self.tp_size, "ffn_hidden_size")
         if not float(eps) >= 0:
             raise ValueError(f"eps={eps!r} must be non-negative")
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
@@ -150,7 +177,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self._init_wgrad_store(delay_wgrad_compute)
         self.set_parallel_mode, self.checkpoint = set_parallel_mode, checkpoint
         self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
-        self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
+        self.get_rng_state_tracker = get_rng_state_tracker
         params_dtype = params_dtype or torch.get_default_dtype()
         device = construction_device(type(self).__name__, device)
 
@@ -171,6 +198,11 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 self.register_parameter(f"{layer}_bias", torch.nn.Parameter(b), init_fn=None)
             else:
                 setattr(self, f"{layer}_bias", None)
+        mark_partitioned(self, "fc1_weight", 0)
+        mark_partitioned(self, "fc1_bias", 0)
+        mark_partitioned(self, "fc2_weight", 1)
+        for name in ("layer_norm_weight", "layer_norm_bias", "fc2_bias"):
+            mark_sequence_parallel(self, name, self.sequence_parallel)
         self.reset_parameters(defer_init=device.type == "meta")
 
     # -- forward -------------------------------------------------------------------------------
@@ -191,10 +223,19 @@ class LayerNormMLP(TransformerEngineBaseModule):
         """
         check_input_features("LayerNormMLP", inp, self.hidden_size, "hidden_size")
         with self.prepare_forward_ctx(inp, num_gemms=2) as inp:
+            check_tensor_parallel_ready(self)
             dtype, fp8 = self.activation_dtype, self.fp8
             if inp.dtype != dtype:
                 inp = inp.to(dtype)
             ln_out = apply_norm(self, inp)
+            parallel = self.set_parallel_mode and self.tp_size > 1
+            gemm_in = ln_out
+            if parallel:  # FC1 is column-parallel: its input is whole on every rank
+                gemm_in = (
+                    gather_from_sequence_parallel_region(ln_out, self.tp_group)
+                    if self.sequence_parallel
+                    else copy_to_tensor_parallel_region(ln_out, self.tp_group)
+                )
             fc1_weight = gemm_weight("LayerNormMLP", self.fc1_weight, dtype, fp8)
             fc2_weight = gemm_weight("LayerNormMLP", self.fc2_weight, dtype, fp8)
             fc1_bias = self.fc1_bias.to(dtype) if self.fc1_bias is not None else None
@@ -202,14 +243,14 @@ class LayerNormMLP(TransformerEngineBaseModule):
             # Both configs before any GEMM: shape errors surface before work is done. FC2 sees
             # as many tokens as FC1.
             fc1_config = make_linear_config(
-                self, ln_out, fc1_weight, is_first_microbatch,
+                self, gemm_in, fc1_weight, is_first_microbatch,
                 input_slot=GEMM1_INPUT, weight_slot=GEMM1_WEIGHT, grad_output_slot=GRAD_OUTPUT1,
                 workspace_key="fc1_weight", in_features=self.hidden_size,
                 out_features=self.fc1_out_features,
                 main_grad_param=self.fc1_weight,
             )  # fmt: skip
             fc2_config = make_linear_config(
-                self, ln_out, fc2_weight, is_first_microbatch,
+                self, gemm_in, fc2_weight, is_first_microbatch,
                 input_slot=GEMM2_INPUT, weight_slot=GEMM2_WEIGHT, grad_output_slot=GRAD_OUTPUT2,
                 workspace_key="fc2_weight", in_features=self.ffn_hidden_size,
                 out_features=self.hidden_size,
@@ -218,24 +259,35 @@ class LayerNormMLP(TransformerEngineBaseModule):
             fc1_config.wgrad_store = fc2_config.wgrad_store = self.wgrad_store
             # FC1's backward runs after FC2's: it completes the region's backward update.
             update = claim_module_backward_update(fc1_config)
-            gemm_bias = None if self.return_bias else fc2_bias
+            reduce_split_amaxes(self, fc1_config, input_split=False, grad_output_split=parallel)
+            reduce_split_amaxes(self, fc2_config, input_split=parallel, grad_output_split=False)
+            # Row-parallel FC2: its bias is added after the reduction, so it counts once.
+            gemm_bias = None if (self.return_bias or parallel) else fc2_bias
             if self.checkpoint and torch.is_grad_enabled():
                 act_out = self._fc1_and_activation_recomputed(
-                    ln_out, fc1_weight, fc1_bias, fc1_config, update
+                    gemm_in, fc1_weight, fc1_bias, fc1_config, update
                 )
                 out = linear(fc2_weight, act_out, gemm_bias, fc2_config)
             elif self.activation_fn is self._fused_activation_fn:
                 # One node for FC1, the activation and FC2: the fused activation writes FC2's
                 # FP8 input, and its backward FC1's FP8 output gradient.
                 out = fc1_activation_fc2(
-                    ln_out, fc1_weight, fc1_bias, fc2_weight, gemm_bias,
+                    gemm_in, fc1_weight, fc1_bias, fc2_weight, gemm_bias,
                     self._activation_spec, fc1_config, fc2_config, update,
                 )  # fmt: skip
             else:  # activation_fn replaced by the user: call it
                 act_out = self.activation_fn(
-                    linear(fc1_weight, ln_out, fc1_bias, fc1_config, update)
+                    linear(fc1_weight, gemm_in, fc1_bias, fc1_config, update)
                 )
                 out = linear(fc2_weight, act_out, gemm_bias, fc2_config)
+            if parallel:
+                out = (
+                    reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+                    if self.sequence_parallel
+                    else reduce_from_tensor_parallel_region(out, self.tp_group)
+                )
+                if fc2_bias is not None and not self.return_bias:
+                    out = out + fc2_bias
         outputs = (out,)
         if self.return_bias:
             outputs += (fc2_bias,)

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._tensor_parallel import divide
 from ..device import construction_device
 from ..functional.linear import check_input_features
 from ._gemm_setup import (
@@ -24,6 +25,15 @@ from ._linear_parameters import (
     register_linear_parameters,
 )
 from ._quantizer_roles import gemm_quantizer_roles
+from ._tensor_parallel_setup import (
+    check_tensor_parallel_ready,
+    configure_tensor_parallel,
+    local_parameters_split,
+    mark_partitioned,
+    mark_sequence_parallel,
+    parallel_gemm,
+    reduce_split_amaxes,
+)
 from .base import TransformerEngineBaseModule, default_init_method
 
 __all__ = ["Linear"]
@@ -58,13 +68,23 @@ class Linear(TransformerEngineBaseModule):
         Keep the input in high precision for backward and quantize it again there (stateless
         recipes only; refused under ``DelayedScaling``).
     name : str, optional
+    tp_group, tp_size, parallel_mode, sequence_parallel
+        Tensor parallelism (docs/modules.md, "Tensor parallelism"): ``parallel_mode="column"``
+        keeps ``out_features / tp_size`` rows of the weight (and of the bias) on each rank,
+        ``"row"`` keeps ``in_features / tp_size`` columns (the bias is whole);
+        ``in_features`` / ``out_features`` then hold the local sizes. ``tp_size`` comes from
+        ``tp_group`` when one is given; without one, call :meth:`set_tensor_parallel_group`
+        before the forward. ``sequence_parallel`` (only with ``tp_size > 1``): the input of a
+        column-parallel layer and the output of a row-parallel one are split along dimension 0.
+    get_rng_state_tracker, rng_tracker_name
+        The weight is initialized inside ``get_rng_state_tracker().fork(rng_tracker_name)``.
 
     ``forward(inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False)``: in FP8,
     ``fp8_output`` returns the output as a differentiable ``Float8Tensor`` and ``fp8_grad``
     hands the input's gradient back as a ``Float8Tensor`` (see docs/modules.md).
 
-    Tensor-parallel and comm-overlap arguments are accepted for compatibility; values other
-    than the single-process defaults raise ``NotImplementedError`` naming the argument.
+    Comm-overlap arguments (``ub_*``, ``symmetric_ar_type``) are accepted for compatibility;
+    values other than the defaults raise ``NotImplementedError`` naming the argument.
     """
 
     def __init__(
@@ -96,22 +116,27 @@ class Linear(TransformerEngineBaseModule):
         name: str | None = None,
     ) -> None:
         super().__init__(name=name)
-        if parallel_mode not in (None, "column", "row"):
-            raise ValueError(f"parallel_mode={parallel_mode!r} must be None, 'column' or 'row'")
+        configure_tensor_parallel(
+            self, tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode,
+            sequence_parallel=sequence_parallel,
+        )  # fmt: skip
         check_single_process_arguments(
-            "Linear", tp_size=tp_size, sequence_parallel=sequence_parallel,
-            ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+            "Linear", ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
             ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
             ub_bulk_wgrad=ub_bulk_wgrad, symmetric_ar_type=symmetric_ar_type,
         )  # fmt: skip
         check_features(in_features=in_features, out_features=out_features)
+        if self.parallel_mode == "column":
+            out_features = divide(out_features, self.tp_size, "out_features")
+            parameters_split = local_parameters_split("Linear", parameters_split, self.tp_size)
+        elif self.parallel_mode == "row":
+            in_features = divide(in_features, self.tp_size, "in_features")
         self.in_features, self.out_features = in_features, out_features
         self.return_bias = return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.save_original_input = save_original_input
         self._init_wgrad_store(delay_wgrad_compute, parameters_split)
-        self.parallel_mode = parallel_mode
-        self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
+        self.get_rng_state_tracker = get_rng_state_tracker
         self.rng_tracker_name = rng_tracker_name
         device = construction_device(type(self).__name__, device)
         register_linear_parameters(
@@ -120,7 +145,22 @@ class Linear(TransformerEngineBaseModule):
             params_dtype=params_dtype or torch.get_default_dtype(), device=device,
             init_method=init_method or default_init_method, fp8_meta_index=GEMM1_WEIGHT,
         )  # fmt: skip
+        self._mark_parallel_parameters()
         self.reset_parameters(defer_init=device.type == "meta")
+
+    def _mark_parallel_parameters(self) -> None:
+        """Upstream's attributes: every weight is partitioned along dim 0 (column, None) or 1
+        (row); a column-parallel bias along dim 0; a row-parallel bias carries
+        ``sequence_parallel`` (its gradient is a partial sum under sequence parallelism)."""
+        prefixes = [f"{n}_" if n else "" for n in self.sizes]
+        for prefix in prefixes:
+            mark_partitioned(self, f"{prefix}weight", 1 if self.parallel_mode == "row" else 0)
+            if not self.use_bias:
+                continue
+            if self.parallel_mode == "column":
+                mark_partitioned(self, f"{prefix}bias", 0)
+            elif self.parallel_mode == "row":
+                mark_sequence_parallel(self, f"{prefix}bias", self.sequence_parallel)
 
     # -- forward -------------------------------------------------------------------------------
     def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int) -> list:
@@ -138,6 +178,7 @@ class Linear(TransformerEngineBaseModule):
     ):
         check_input_features("Linear", inp, self.in_features, "in_features")
         with self.prepare_forward_ctx(inp, num_gemms=1) as inp:
+            check_tensor_parallel_ready(self)
             bias = linear_bias(self)
             dtype = self.activation_dtype
             fp8 = self.fp8
@@ -158,7 +199,12 @@ class Linear(TransformerEngineBaseModule):
             if self.save_original_input and fp8:
                 self._check_save_original_input()
                 config.save_original_input = True
-            out = linear(weight, inp, gemm_bias, config, claim_module_backward_update(config))
+            reduce_split_amaxes(
+                self, config, input_split=self.parallel_mode == "row",
+                grad_output_split=self.parallel_mode == "column",
+            )  # fmt: skip
+            update = claim_module_backward_update(config)
+            out = parallel_gemm(self, weight, inp, gemm_bias, config, update, gemm=linear)
             if fp8 and fp8_output:
                 out = quantize_output(self.quantizers["scaling_fwd"][GEMM1_OUTPUT], out)
         if self.return_bias:

@@ -1,0 +1,173 @@
+"""How the linear-family modules take part in tensor (and sequence) parallelism: their
+tensor-parallel arguments, the local shard sizes, the parameters' partition attributes, the
+check before a forward, and the FP8 rules that keep every rank's scales consistent.
+
+The communication itself is in :mod:`transformer_engine.pytorch._tensor_parallel`; where each
+module puts it is described in docs/modules.md ("Tensor parallelism").
+"""
+
+from __future__ import annotations
+
+from .._tensor_parallel import (
+    copy_to_tensor_parallel_region,
+    get_distributed_world_size,
+    group_contains,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    set_tensor_model_parallel_attributes,
+)
+from ..quantization import FP8GlobalStateManager
+from ._linear_function import linear
+
+__all__ = [
+    "configure_tensor_parallel",
+    "local_parameters_split",
+    "mark_partitioned",
+    "mark_sequence_parallel",
+    "check_tensor_parallel_ready",
+    "reduce_split_amaxes",
+    "parallel_gemm",
+]
+
+
+def configure_tensor_parallel(
+    module, *, tp_group, tp_size: int, parallel_mode, sequence_parallel: bool
+) -> None:
+    """Set ``tp_group``, ``tp_size``, ``parallel_mode``, ``sequence_parallel`` and
+    ``tp_group_initialized`` on ``module`` as upstream does: the group's size wins over
+    ``tp_size``; ``tp_size > 1`` without a group waits for ``set_tensor_parallel_group``;
+    sequence parallelism only takes effect with more than one rank."""
+    owner = type(module).__name__
+    if parallel_mode not in (None, "column", "row"):
+        raise ValueError(
+            f"{owner}: parallel_mode={parallel_mode!r} must be None, 'column' or 'row'"
+        )
+    if tp_group is None:
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"{owner}: tp_size={tp_size!r} must be a positive int")
+        module.tp_size = tp_size
+        module.tp_group_initialized = tp_size == 1
+    else:
+        module.tp_size = get_distributed_world_size(tp_group)
+        module.tp_group_initialized = True
+    module.tp_group = tp_group
+    module.parallel_mode = parallel_mode
+    module.sequence_parallel = module.tp_size > 1 and bool(sequence_parallel)
+
+
+def local_parameters_split(owner: str, parameters_split, tp_size: int):
+    """Column-parallel ``parameters_split``: every named size divided by ``tp_size``
+    (``RuntimeError`` when one does not divide, as upstream)."""
+    if tp_size == 1 or not isinstance(parameters_split, dict):
+        return parameters_split
+    local = {}
+    for name, size in parameters_split.items():
+        if size % tp_size:
+            raise RuntimeError(
+                f"{owner}: parameters_split[{name!r}]={size} is not divisible by "
+                f"tp_size={tp_size}; column parallelism splits every part over the ranks"
+            )
+        local[name] = size // tp_size
+    return local
+
+
+def mark_partitioned(module, name: str, dim: int, is_parallel: bool = True) -> None:
+    """Upstream's partition attributes on parameter ``name`` (kept through
+    ``reset_parameters`` and ``to_empty``: the base module re-applies them)."""
+    param = getattr(module, name)
+    if param is None:
+        return
+    set_tensor_model_parallel_attributes(param, is_parallel, dim, 1)
+    module._param_attributes.setdefault(name, {}).update(
+        tensor_model_parallel=is_parallel, partition_dim=dim, partition_stride=1
+    )
+
+
+def mark_sequence_parallel(module, name: str, value: bool) -> None:
+    """``param.sequence_parallel``: its gradient is a partial sum over this rank's tokens, which
+    the training framework all-reduces over the tensor-parallel group."""
+    param = getattr(module, name)
+    if param is None:
+        return
+    param.sequence_parallel = value
+    module._param_attributes.setdefault(name, {})["sequence_parallel"] = value
+
+
+def check_tensor_parallel_ready(module) -> None:
+    """Before a forward with ``tp_size > 1``: a group must be set and have ``tp_size`` ranks;
+    under delayed scaling with sequence parallelism the amaxes must be reduced over a group that
+    contains the tensor-parallel group (every rank casts the gathered input with one scale)."""
+    if module.tp_size == 1:
+        return
+    owner = type(module).__name__
+    if not module.tp_group_initialized:
+        raise RuntimeError(
+            f"{owner}: tp_size={module.tp_size} but no tensor-parallel group is set; pass "
+            "tp_group=... or call set_tensor_parallel_group(group) before the forward"
+        )
+    size = get_distributed_world_size(module.tp_group)
+    if size != module.tp_size:
+        raise RuntimeError(
+            f"{owner}: tp_size={module.tp_size} but the tensor-parallel group has {size} "
+            "rank(s); initialize torch.distributed and pass a group of tp_size ranks"
+        )
+    if module.fp8 and module.sequence_parallel:
+        recipe = module.fp8_meta.get("recipe")
+        if recipe is not None and recipe.delayed():
+            if not recipe.reduce_amax:
+                raise RuntimeError(
+                    f"{owner}: sequence_parallel=True under DelayedScaling needs "
+                    "recipe.reduce_amax=True, so that every tensor-parallel rank casts with the "
+                    "same scale"
+                )
+            group = FP8GlobalStateManager.get_fp8_group()
+            if not group_contains(group, module.tp_group):
+                raise RuntimeError(
+                    f"{owner}: sequence_parallel=True under DelayedScaling needs the autocast's "
+                    "amax_reduction_group to contain the tensor-parallel group (normally the "
+                    "data x tensor parallel group); pass te.autocast(..., "
+                    "amax_reduction_group=...) accordingly"
+                )
+
+
+def reduce_split_amaxes(module, config, *, input_split: bool, grad_output_split: bool) -> None:
+    """Current scaling: a GEMM operand split over the ranks along its features (a row-parallel
+    input, a column-parallel output gradient) gets its amax all-reduced (MAX) over the
+    tensor-parallel group, so every rank casts with the scale the whole tensor has."""
+    if not (config.fp8 and module.tp_size > 1):
+        return
+    for quantizer, split in (
+        (config.input_quantizer, input_split),
+        (config.grad_output_quantizer, grad_output_split),
+    ):
+        if split and hasattr(quantizer, "with_amax_reduction"):
+            quantizer.with_amax_reduction = True
+            quantizer.amax_reduction_group = module.tp_group
+
+
+def parallel_gemm(module, weight, inp, bias, config, backward_update, gemm=linear):
+    """One GEMM of ``module`` with the collectives of its ``parallel_mode``:
+
+    * column: the input gradient is all-reduced; under sequence parallelism the input is
+      all-gathered along dim 0 first and its gradient reduce-scattered;
+    * row: the output is all-reduced (reduce-scattered along dim 0 under sequence parallelism)
+      and the bias added after the reduction, so it counts once;
+    * ``None`` or one rank: no communication.
+
+    ``gemm``: the differentiable GEMM (``_linear_function.linear``'s signature).
+    """
+    mode = module.parallel_mode if module.tp_size > 1 else None
+    group = module.tp_group
+    if mode == "column":
+        if module.sequence_parallel:
+            return gemm(weight, inp, bias, config, backward_update, group)
+        inp = copy_to_tensor_parallel_region(inp, group)
+        return gemm(weight, inp, bias, config, backward_update)
+    if mode == "row":
+        out = gemm(weight, inp, None, config, backward_update)
+        if module.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(out, group)
+        else:
+            out = reduce_from_tensor_parallel_region(out, group)
+        return out if bias is None else out + bias
+    return gemm(weight, inp, bias, config, backward_update)
