@@ -20,7 +20,9 @@ RUNS = [(r, d) for r in ("high_precision", "delayed", "current") for d in ("floa
 
 
 def _spawned(rank, world_size, out_dir, init_file):
-    harness.worker(rank, world_size, "gloo", out_dir, RUNS, init_method=f"file://{init_file}")
+    harness.worker(
+        rank, world_size, "gloo", out_dir, RUNS, init_method=f"file://{init_file}", extras=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +54,18 @@ def test_amax_reduction_across_ranks_mattered():
     both = harness.reference_run("delayed", "float32", WORLD_SIZE)["fp8_state"]
     alone = harness.reference_run("delayed", "float32", WORLD_SIZE, slices=[0])["fp8_state"]
     assert any(not torch.equal(both[k], alone[k]) for k in both)
+
+
+def test_fp8_parameters_from_quantized_model_init_are_refused(sharded_results):
+    for results in sharded_results:
+        message = results["fp8_parameter_refusal"]
+        assert "'weight'" in message and "quantized_model_init" in message
+        assert "fully_shard" in message
+
+
+def test_dcp_checkpoint_restores_fp8_state_and_training(sharded_results):
+    """DCP save/load of the sharded model and optimizer: FP8 state back on each rank's device,
+    and the next step bitwise equal to the original's."""
+    for results in sharded_results:
+        harness.check_extras(results, "cpu")
+        assert results["checkpoint"]["restored_devices"] == ["cpu"]
