@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from utils import needs_two_gpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -69,3 +70,26 @@ def test_dcp_checkpoint_restores_fp8_state_and_training(sharded_results):
     for results in sharded_results:
         harness.check_extras(results, "cpu")
         assert results["checkpoint"]["restored_devices"] == ["cpu"]
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("recipe_name", ["high_precision", "delayed", "current"])
+def test_fsdp2_nccl_two_processes_one_gpu_each(tmp_path, recipe_name):
+    """The same harness under torchrun on NCCL (2 processes x 1 GPU, BF16): every rank equals
+    the single-GPU reference, the refusal and the DCP round trip onto cuda:<rank>."""
+    import os
+    import subprocess
+
+    import transformer_engine
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    te_root = str(Path(transformer_engine.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (te_root, env.get("PYTHONPATH")) if p)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(Path(harness.__file__)), "--backend", "nccl", "--recipe", recipe_name,
+        "--dtype", "bfloat16", "--out", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "2 ranks equal the reference" in proc.stdout
