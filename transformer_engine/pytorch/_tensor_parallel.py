@@ -39,6 +39,10 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
 ]
 
+# torch 2.13 renamed the dim-0 collectives (the old names warn); older versions have only those.
+_all_gather_dim0 = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_dim0 = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _MODEL_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
 
@@ -120,7 +124,7 @@ def gather_along_first_dim(
             )
         out = output_tensor
     asynchronous = async_op and quantizer is None
-    handle = dist.all_gather_into_tensor(out, src, group=process_group, async_op=asynchronous)
+    handle = _all_gather_dim0(out, src, group=process_group, async_op=asynchronous)
     if quantizer is not None:
         out = quantizer.quantize(out)
     return out, handle
@@ -153,7 +157,7 @@ def reduce_scatter_along_first_dim(
             f"reduce_scatter_along_first_dim: output has shape {tuple(output.shape)} but the "
             f"reduce-scatter produces {shape}"
         )
-    handle = dist.reduce_scatter_tensor(output, src, group=tp_group, async_op=async_op)
+    handle = _reduce_scatter_dim0(output, src, group=tp_group, async_op=async_op)
     return output, handle
 
 

@@ -1,0 +1,240 @@
+"""Tensor / sequence parallelism over real processes, held to the single-process model.
+
+Every rank builds the same full model (a column -> row ``te.Linear`` pair, or a
+``te.LayerNormMLP``) from one seed, then the tensor-parallel model with ``tp_size`` ranks whose
+parameters are this rank's shards of the full ones. Both run the same steps (float32,
+DelayedScaling or Float8CurrentScaling), with and without sequence parallelism, and every
+rank checks: the output, the input gradient, every weight / bias / norm gradient (shards
+gathered, partial sums of ``sequence_parallel`` parameters all-reduced as a framework does) and,
+under DelayedScaling, the forward and backward scales. Run under torchrun (NCCL on GPUs):
+
+    torchrun --standalone --nproc_per_node=2 tests/pytorch/distributed/run_tensor_parallel.py \
+        --backend nccl
+
+or through ``worker(rank, world_size, backend, out_dir, init_method)`` (the gloo test).
+
+Tolerances. float32: the tensor-parallel GEMMs add the same products in another order (a row
+layer sums two partial products, then all-reduces), so results agree to a few float32 ulps of
+the largest term: ``rtol=1e-5``, ``atol=1e-5 * max|reference|``. FP8: the weights are built so
+that every shard holds the full tensor's largest magnitude, and split operands have their amax
+reduced over the group, so every rank quantizes with the single-process scales; the only
+differences are float32 summation order, which can move a value across an FP8 rounding
+boundary (one E4M3 step, at most 2^-3 relative, on a single element). Hence: every element
+within ``2^-3 * max|reference|`` and 98% of them within the float32 tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+
+SEQ, BATCH, HIDDEN, FFN = 32, 2, 32, 64
+STEPS = 3
+CASES = [
+    (model, sp, recipe)
+    for model in ("pair", "mlp")
+    for sp in (False, True)
+    for recipe in (None, "delayed", "current")
+]
+
+
+def make_recipe(name):
+    if name == "delayed":
+        return DelayedScaling(amax_history_len=4, reduce_amax=True)
+    if name == "current":
+        return Float8CurrentScaling()
+    return None
+
+
+def spread_maxima(w: torch.Tensor) -> None:
+    """Put the tensor's largest magnitude in every half along each dimension, so every
+    tensor-parallel shard has the same amax as the whole tensor."""
+    with torch.no_grad():
+        idx = [[0, s // 2] if s > 1 else [0] for s in w.shape]
+        if w.dim() == 1:
+            for i in idx[0]:
+                w[i] = 0.5
+        else:
+            for i in idx[0]:
+                for j in idx[1]:
+                    w[i, j] = 0.5
+
+
+def build_full(model, device):
+    torch.manual_seed(1234)
+    if model == "pair":
+        modules = [te.Linear(HIDDEN, FFN, device=device), te.Linear(FFN, HIDDEN, device=device)]
+    else:
+        modules = [te.LayerNormMLP(HIDDEN, FFN, device=device)]
+    for m in modules:
+        for p in m.parameters():
+            with torch.no_grad():
+                p.normal_(0, 0.1)
+            spread_maxima(p)
+    return modules
+
+
+def shard(t, dim, rank, world):
+    return t.chunk(world, dim=dim)[rank].clone()
+
+
+def build_parallel(model, full, sp, group, device):
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if model == "pair":
+        col = te.Linear(HIDDEN, FFN, parallel_mode="column", sequence_parallel=sp,
+                        tp_group=group, device=device)  # fmt: skip
+        row = te.Linear(FFN, HIDDEN, parallel_mode="row", sequence_parallel=sp,
+                        tp_group=group, device=device)  # fmt: skip
+        with torch.no_grad():
+            col.weight.copy_(shard(full[0].weight, 0, rank, world))
+            col.bias.copy_(shard(full[0].bias, 0, rank, world))
+            row.weight.copy_(shard(full[1].weight, 1, rank, world))
+            row.bias.copy_(full[1].bias)
+        return [col, row]
+    mlp = te.LayerNormMLP(HIDDEN, FFN, sequence_parallel=sp, set_parallel_mode=True,
+                          tp_group=group, tp_size=world, device=device)  # fmt: skip
+    ref = full[0]
+    with torch.no_grad():
+        mlp.layer_norm_weight.copy_(ref.layer_norm_weight)
+        mlp.layer_norm_bias.copy_(ref.layer_norm_bias)
+        mlp.fc1_weight.copy_(shard(ref.fc1_weight, 0, rank, world))
+        mlp.fc1_bias.copy_(shard(ref.fc1_bias, 0, rank, world))
+        mlp.fc2_weight.copy_(shard(ref.fc2_weight, 1, rank, world))
+        mlp.fc2_bias.copy_(ref.fc2_bias)
+    return [mlp]
+
+
+def run(modules, x, grad, recipe):
+    x = x.detach().clone().requires_grad_(True)
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        out = x
+        for m in modules:
+            out = m(out)
+    out.backward(grad)
+    return out.detach(), x.grad
+
+
+def gather(t, dim, group):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def summed(t, group):
+    t = t.clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def compare(name, got, ref, fp8, failures):
+    got, ref = got.double().cpu(), ref.double().cpu()
+    if got.shape != ref.shape:
+        failures.append(f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}")
+        return
+    scale = ref.abs().max().item() or 1.0
+    err = (got - ref).abs()
+    tight = err <= 1e-5 * scale + 1e-5 * ref.abs()
+    if fp8:
+        ok = bool((err <= 2**-3 * scale).all()) and tight.double().mean().item() >= 0.98
+    else:
+        ok = bool(tight.all())
+    if not ok:
+        failures.append(
+            f"{name}: max err {err.max().item():.3e} (scale {scale:.3e}), "
+            f"{100 * tight.double().mean().item():.1f}% within float32 tolerance"
+        )
+
+
+def parallel_grads(model, par, sp, group):
+    """The tensor-parallel gradients as whole tensors, named as in the full model."""
+    if model == "pair":
+        col, row = par
+        return {
+            "0.weight": gather(col.weight.grad, 0, group),
+            "0.bias": gather(col.bias.grad, 0, group),
+            "1.weight": gather(row.weight.grad, 1, group),
+            "1.bias": summed(row.bias.grad, group) if sp else row.bias.grad,
+        }
+    (m,) = par
+    maybe_sum = (lambda t: summed(t, group)) if sp else (lambda t: t)
+    return {
+        "0.layer_norm_weight": maybe_sum(m.layer_norm_weight.grad),
+        "0.layer_norm_bias": maybe_sum(m.layer_norm_bias.grad),
+        "0.fc1_weight": gather(m.fc1_weight.grad, 0, group),
+        "0.fc1_bias": gather(m.fc1_bias.grad, 0, group),
+        "0.fc2_weight": gather(m.fc2_weight.grad, 1, group),
+        "0.fc2_bias": maybe_sum(m.fc2_bias.grad),
+    }
+
+
+def check_case(model, sp, recipe_name, group, device) -> list[str]:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    full = build_full(model, device)
+    par = build_parallel(model, full, sp, group, device)
+    fp8 = recipe_name is not None
+    failures: list[str] = []
+    label = f"{model} sp={sp} recipe={recipe_name}"
+    for step in range(STEPS):
+        torch.manual_seed(100 + step)
+        x = torch.randn(SEQ, BATCH, HIDDEN, device=device)
+        grad = torch.randn(SEQ, BATCH, HIDDEN, device=device)
+        for m in full + par:
+            m.zero_grad(set_to_none=True)
+        ref_out, ref_dx = run(full, x, grad, make_recipe(recipe_name))
+        x_in = shard(x, 0, rank, world) if sp else x
+        g_in = shard(grad, 0, rank, world) if sp else grad
+        out, dx = run(par, x_in, g_in, make_recipe(recipe_name))
+        if sp:
+            out, dx = gather(out, 0, group), gather(dx, 0, group)
+        tag = f"{label} step {step}"
+        compare(f"{tag} output", out, ref_out, fp8, failures)
+        compare(f"{tag} input grad", dx, ref_dx, fp8, failures)
+        ref_grads = {n: p.grad for n, p in torch.nn.ModuleList(full).named_parameters()}
+        for name, g in parallel_grads(model, par, sp, group).items():
+            compare(f"{tag} {name} grad", g, ref_grads[name], fp8, failures)
+        if recipe_name == "delayed":
+            for i, (p, f) in enumerate(zip(par, full)):
+                for key in ("scaling_fwd", "scaling_bwd"):
+                    got, want = p.fp8_meta[key].scale, f.fp8_meta[key].scale
+                    if not torch.allclose(got, want, rtol=0, atol=0):
+                        failures.append(f"{tag} module {i} {key} scales {got} != {want}")
+    return failures
+
+
+def worker(rank, world_size, backend, out_dir=None, init_method="env://"):
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)  # NCCL's process device; the library never asks
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        group = dist.new_group(list(range(world_size)))
+        failures = []
+        for model, sp, recipe_name in CASES:
+            failures += check_case(model, sp, recipe_name, group, device)
+        if out_dir is not None:
+            with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+                json.dump({"failures": failures, "cases": len(CASES)}, f)
+        print(f"TP_RESULT rank={rank} cases={len(CASES)} failures={len(failures)}")
+        for line in failures[:20]:
+            print(f"TP_FAILURE rank={rank} {line}")
+        return failures
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", default="nccl")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    failed = worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.backend, args.out)
+    raise SystemExit(1 if failed else 0)
