@@ -10,12 +10,13 @@ the fix. Modules and operations compare the recipe they run with against a copy 
 state was built from, so a recipe changed between steps refreshes that state exactly as an equal
 new recipe would. ``MMParams`` and ``QParams`` are frozen (hashable), as upstream's are.
 
-Four recipes are available:
+Five recipes are available:
 
 * :class:`DelayedScaling`: per-tensor scales computed from a history of amaxes seen in earlier
   steps.
 * :class:`Float8CurrentScaling`: per-tensor scales computed from the tensor being cast.
 * :class:`Float8BlockScaling`: one scale per 1x128 tile or 128x128 block of the tensor being cast.
+* :class:`MXFP8BlockScaling`: one power-of-2 (E8M0) scale per 32 elements of the tensor.
 * :class:`CustomRecipe`: every quantizer chosen by a user factory, per role.
 
 The scaling math of the first three is described in ``docs/recipes.md``.
@@ -39,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 from collections.abc import Callable
 from enum import Enum
 from typing import Any, ClassVar, NamedTuple
@@ -47,12 +47,15 @@ from typing import Any, ClassVar, NamedTuple
 from ._compat_arguments import check_interval, check_override_linear_precision
 from ._field_checks import (
     backward_override_from_env,
+    check_alignment,
     check_amax_compute_algo,
     check_backward_override,
     check_bool,
     check_delayed_backward_override,
     check_int_at_least,
     check_optional_callable,
+    check_qfactory,
+    not_a_field_message,
     power_2_scales_from_env,
     type_name,
 )
@@ -79,6 +82,7 @@ __all__ = [
     "DelayedScaling",
     "Float8CurrentScaling",
     "Float8BlockScaling",
+    "MXFP8BlockScaling",
     "CustomRecipe",
 ]
 
@@ -120,7 +124,7 @@ class Recipe:
         cls = type(self)
         if dataclasses.is_dataclass(cls):
             if name not in _field_names(cls):
-                raise AttributeError(_not_a_field_message(cls, name))
+                raise AttributeError(not_a_field_message(cls, name))
             check = cls._field_checks.get(name)
             if check is not None:
                 value = check(cls.__name__, name, value)
@@ -141,8 +145,8 @@ class Recipe:
 
     @classmethod
     def mxfp8(cls) -> bool:
-        """Whether this is an MXFP8 block-scaling recipe (not implemented here: always False)."""
-        return False
+        """Whether this is an :class:`MXFP8BlockScaling` recipe."""
+        return issubclass(cls, MXFP8BlockScaling)
 
     @classmethod
     def delayed(cls) -> bool:
@@ -168,17 +172,6 @@ class Recipe:
     def custom(cls) -> bool:
         """Whether this is a :class:`CustomRecipe` (quantizers chosen by a user factory)."""
         return issubclass(cls, CustomRecipe)
-
-
-def _not_a_field_message(cls: type, name: str) -> str:
-    fields = ", ".join(f.name for f in dataclasses.fields(cls))
-    if hasattr(cls, name):
-        return (
-            f"{cls.__name__}.{name} is a class attribute shared by every {cls.__name__}, not a "
-            f"field of one recipe, and cannot be assigned on an instance; the fields are: "
-            f"{fields}"
-        )
-    return f"{cls.__name__} has no field {name!r}; its fields are: {fields}"
 
 
 # Which modules share one set of amax buffers (reduced and updated together) is decided by recipe
@@ -494,30 +487,56 @@ class Float8BlockScaling(Recipe):
         )
 
 
+@dataclasses.dataclass(repr=False)
+class MXFP8BlockScaling(Recipe):
+    """MXFP8 training: one E8M0 (power-of-2) scale per 32 consecutive elements.
+
+    Row-wise copies use blocks of 32 along the last dimension, column-wise copies blocks of 32
+    along the leading (flattened) dimensions; each block's scale is ``2^(e-127)`` with ``e``
+    the exponent of ``amax / fp8_max`` rounded up (see ``docs/recipes.md``). Nothing is kept
+    between steps: no amax history and no amax reduction across ranks. GEMMs are emulated
+    (dequantize and multiply in float32) on every device: native MXFP8 GEMMs need Blackwell.
+
+    Parameters
+    ----------
+    margin : int, default 0
+        Kept for upstream compatibility; block scales do not use it. Must be >= 0.
+    fp8_format : Format, default Format.E4M3
+        ``Format.E4M3`` everywhere, or ``Format.HYBRID`` (E5M2 gradients); E5M2 is refused.
+    fp8_dpa, fp8_mha : bool, default False
+        Must be False: no FP8 attention with this recipe.
+    backward_override : {None, "high_precision", "dequantized"}, default from env
+        As :class:`Float8CurrentScaling`'s; defaults to ``NVTE_BACKWARD_OVERRIDE``.
+    enable_2d_quantization : bool, default False
+        Weights use one scale per 32x32 block, shared by both copies.
+    """
+
+    margin: int = 0
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: str | None = dataclasses.field(default_factory=backward_override_from_env)
+    enable_2d_quantization: bool = False
+
+    _field_checks = {
+        "margin": functools.partial(check_int_at_least, minimum=0),
+        "fp8_format": _check_fp8_format,
+        "fp8_dpa": _check_false,
+        "fp8_mha": _check_false,
+        "backward_override": check_backward_override,
+        "enable_2d_quantization": check_bool,
+    }
+
+    def __repr__(self) -> str:
+        return (
+            f"recipe_type={type(self).__name__}, margin={self.margin}, "
+            f"format={self.fp8_format.name}, fp8_dpa={self.fp8_dpa}, fp8_mha={self.fp8_mha}, "
+            f"backward_override={self.backward_override}, "
+            f"enable_2d_quantization={self.enable_2d_quantization}"
+        )
+
+
 # ------------------------------------------------------------------ custom recipe
-
-
-def _check_qfactory(owner: str, name: str, value: Any) -> Callable[..., Any]:
-    if not callable(value):
-        raise TypeError(
-            f"{owner}: {name} must be a callable taking a QuantizerRole (or None) and returning "
-            f"a Quantizer or a QuantizerRequest, got {value!r} ({type_name(value)}); pass e.g. "
-            f"transformer_engine.pytorch.custom_recipes.quantizer_factories.current_scaling_factory"
-        )
-    return value
-
-
-def _check_alignment(owner: str, name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{owner}: {name} must be an int, got {value!r} ({type_name(value)}); pass a "
-            f"positive integer such as 128"
-        )
-    if value <= 0:
-        raise ValueError(
-            f"{owner}: {name} must be positive, got {value}; pass a positive integer such as 128"
-        )
-    return int(value)
 
 
 @dataclasses.dataclass(repr=False)
@@ -557,12 +576,12 @@ class CustomRecipe(Recipe):
     quantization_alignment: int = 128
 
     _field_checks = {
-        "qfactory": _check_qfactory,
+        "qfactory": check_qfactory,
         "fp8_format": _check_fp8_format,
         "fp8_dpa": check_bool,
         "fp8_mha": check_bool,
         "backward_override": check_backward_override,
-        "quantization_alignment": _check_alignment,
+        "quantization_alignment": check_alignment,
     }
 
     def __repr__(self) -> str:

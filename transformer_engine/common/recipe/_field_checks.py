@@ -8,8 +8,10 @@ recipe types themselves (``Format``, ``MMParams``) live beside those types.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import os
+from collections.abc import Callable
 from typing import Any
 
 BACKWARD_OVERRIDE_ENV = "NVTE_BACKWARD_OVERRIDE"
@@ -111,3 +113,37 @@ def check_optional_callable(owner: str, name: str, value: Any) -> Any:
             f"scale, got {value!r} ({type_name(value)})"
         )
     return value
+
+
+def check_qfactory(owner: str, name: str, value: Any) -> Callable[..., Any]:
+    if not callable(value):
+        raise TypeError(
+            f"{owner}: {name} must be a callable taking a QuantizerRole (or None) and returning "
+            f"a Quantizer or a QuantizerRequest, got {value!r} ({type_name(value)}); pass e.g. "
+            f"transformer_engine.pytorch.custom_recipes.quantizer_factories.current_scaling_factory"
+        )
+    return value
+
+
+def check_alignment(owner: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{owner}: {name} must be an int, got {value!r} ({type_name(value)}); pass a "
+            f"positive integer such as 128"
+        )
+    if value <= 0:
+        raise ValueError(
+            f"{owner}: {name} must be positive, got {value}; pass a positive integer such as 128"
+        )
+    return int(value)
+
+
+def not_a_field_message(cls: type, name: str) -> str:
+    fields = ", ".join(f.name for f in dataclasses.fields(cls))
+    if hasattr(cls, name):
+        return (
+            f"{cls.__name__}.{name} is a class attribute shared by every {cls.__name__}, not a "
+            f"field of one recipe, and cannot be assigned on an instance; the fields are: "
+            f"{fields}"
+        )
+    return f"{cls.__name__} has no field {name!r}; its fields are: {fields}"
