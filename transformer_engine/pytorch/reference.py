@@ -47,6 +47,10 @@ __all__ = [
     "block_cast_2d",
     "block_dequantize_1d",
     "block_dequantize_2d",
+    "MXFP8_BLOCK_LEN",
+    "mxfp8_scale_exponent",
+    "mxfp8_cast",
+    "mxfp8_dequantize",
 ]
 
 FP8_CANONICAL_NAN = 0x7F
@@ -460,4 +464,87 @@ def block_dequantize_2d(
     v = torch.nn.functional.pad(fp8_to_float32(data), (0, cb * n - c, 0, rb * n - r))
     value = (v.reshape(rb, n, cb, n) * s.reshape(rb, 1, cb, 1)).reshape(rb * n, cb * n)
     value = value[:r, :c]
+    return value.contiguous() if out_dtype == torch.float32 else value.to(out_dtype)
+
+
+# ------------------------------------------------------------------ MXFP8 (32-element blocks)
+#
+# One E8M0 byte ``e`` per 32 consecutive elements of a row of ``a [R, C]`` (the row-wise copy;
+# the column-wise copy is this cast of the transpose). The rule is upstream's
+# ``float_to_e8m0(amax * (1 / fp8_max))``: the float32 quotient's exponent field, plus one when
+# its mantissa is non-zero (round up, so ``amax / 2^(e-127) <= fp8_max``), except that exponent
+# 254 is not bumped (saturate) and a denormal quotient ``<= 2^-127`` keeps exponent 0; amax 0 ->
+# 0, an infinite quotient -> 254, NaN -> 255. Values are multiplied by ``2^(127-e)`` (1 when
+# ``e == 0``; upstream's ``exp2f_rcp``) in float32 and rounded to FP8; the scale-inverse read
+# back is ``2^(e-127)``.
+
+MXFP8_BLOCK_LEN = 32
+
+
+def mxfp8_scale_exponent(block_amax: torch.Tensor, fp8_dtype) -> torch.Tensor:
+    """E8M0 bytes (``torch.uint8``) of blocks from their float32 amaxes (NaN-free)."""
+    one = torch.ones((), dtype=torch.float32, device=block_amax.device)
+    rcp = one / torch.full_like(one, _fp8_max(fp8_dtype))  # float32 1 / fp8_max, as upstream
+    q = block_amax.float() * rcp
+    bits = q.view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    bump = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+    e = exponent + bump.to(torch.int32)
+    e = torch.where(torch.isposinf(q), torch.full_like(e, 0xFE), e)
+    e = torch.where(torch.isnan(q), torch.full_like(e, 0xFF), e)
+    return torch.where(q == 0, torch.zeros_like(e), e).to(torch.uint8)
+
+
+def _e8m0_multiplier(e: torch.Tensor) -> torch.Tensor:
+    """``2^(127-e)`` in float32 by its bits (``e == 0`` -> 1), as upstream's ``exp2f_rcp``."""
+    e = e.to(torch.int32)
+    m = ((254 - e) << 23).view(torch.float32)
+    return torch.where(e == 0, torch.ones_like(m), m)
+
+
+def _e8m0_value(e: torch.Tensor) -> torch.Tensor:
+    """``2^(e-127)`` in float32 (``e == 0`` -> the denormal ``2^-127``, 255 -> NaN)."""
+    e = e.to(torch.int32)
+    v = (e << 23).view(torch.float32)
+    v = torch.where(e == 0, torch.full_like(v, 2.0**-127), v)
+    return torch.where(e == 0xFF, torch.full_like(v, float("nan")), v)
+
+
+def mxfp8_cast(
+    a: torch.Tensor, fp8_dtype, *, two_d: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 cast of the matrix ``a [R, C]``: ``(data [R, C] FP8, exponents)``.
+
+    1x32 blocks along ``C`` (``exponents [R, ceil(C/32)]``), or with ``two_d`` 32x32 blocks
+    (``exponents [ceil(R/32), ceil(C/32)]``). Partial blocks are zero-padded for the amax.
+    """
+    r, c = a.shape
+    n = MXFP8_BLOCK_LEN
+    rows = n if two_d else 1
+    v = a.detach().float()
+    pad_r, pad_c = _round_up(r, rows) - r, _round_up(c, n) - c
+    if pad_r or pad_c:
+        v = torch.nn.functional.pad(v, (0, pad_c, 0, pad_r))
+    rb, cb = v.shape[0] // rows, v.shape[1] // n
+    blocks = v.reshape(rb, rows, cb, n)
+    e = mxfp8_scale_exponent(_block_amax(blocks, (1, 3)), fp8_dtype)
+    scaled = blocks * _e8m0_multiplier(e).reshape(rb, 1, cb, 1)
+    data = _saturating_cast(scaled, fp8_dtype).reshape(rb * rows, cb * n)[:r, :c]
+    return data.contiguous(), e
+
+
+def mxfp8_dequantize(
+    data: torch.Tensor, exponents: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Inverse of :func:`mxfp8_cast` with 1x32 blocks: ``fp8 * 2^(e-127)`` in float32, rounded
+    once to ``out_dtype``; ``data`` is ``[R, C]``, ``exponents`` at least ``[R, ceil(C/32)]``."""
+    r, c = data.shape
+    n = MXFP8_BLOCK_LEN
+    cb = -(-c // n)
+    s = _e8m0_value(exponents[:r, :cb])
+    v = fp8_to_float32(data)
+    if cb * n != c:
+        v = torch.nn.functional.pad(v, (0, cb * n - c))
+    value = (v.reshape(r, cb, n) * s.unsqueeze(-1)).reshape(r, cb * n)[:, :c]
     return value.contiguous() if out_dtype == torch.float32 else value.to(out_dtype)

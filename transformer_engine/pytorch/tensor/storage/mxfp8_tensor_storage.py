@@ -1,0 +1,312 @@
+"""Buffers of an MXFP8 tensor (``MXFP8BlockScaling``), without a ``torch.Tensor`` wrapper.
+
+Layout contract. The tensor of logical shape ``(d0, ..., dn)`` is cast as the matrix ``[M, K]``
+with ``K = dn`` and ``M = d0 * ... * d(n-1)``. Both copies keep the logical shape (neither is
+transposed):
+
+``_rowwise_data`` / ``_rowwise_scale_inv``
+    ``torch.uint8`` FP8 bytes, one E8M0 byte per 32 elements along ``K``; scales
+    ``(roundup(M, 128), roundup(ceil(K/32), 4))``, entry ``[i, j]`` for row ``i``, block ``j``.
+``_columnwise_data`` / ``_columnwise_scale_inv``
+    FP8 bytes quantized on their own with 32-element blocks along ``M``; scales
+    ``(roundup(ceil(M/32), 4), roundup(K, 128))``, entry ``[j, k]`` for block ``j``, column ``k``.
+
+Scales are compact (row-major, not GEMM-swizzled: ``_with_gemm_swizzled_scales`` is False);
+padding entries are 0. Real value = FP8 value * ``2^(e-127)``. Shapes need not be multiples of
+32 (partial blocks are zero-padded for the amax), unlike upstream's allocator.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ... import reference
+from ...constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
+from ...quantized_tensor import QuantizedTensorStorage
+from .float8_blockwise_tensor_storage import block_matrix_dims
+
+__all__ = ["MXFP8TensorStorage", "mxfp8_scale_shape", "check_mxfp8_view"]
+
+_BUFFERS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv")
+_N = reference.MXFP8_BLOCK_LEN
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def mxfp8_scale_shape(shape, columnwise: bool) -> tuple[int, int]:
+    """Shape of the (padded, compact) E8M0 scale tensor of one copy of a tensor of ``shape``."""
+    m, k = block_matrix_dims(shape)
+    if columnwise:
+        return _round_up(-(-m // _N), 4), _round_up(k, 128)
+    return _round_up(m, 128), _round_up(-(-k // _N), 4)
+
+
+def _as_uint8(name: str, t):
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8)
+    if t.dtype != torch.uint8:
+        raise TypeError(f"{name} has dtype {t.dtype}; MXFP8 buffers must be torch.uint8")
+    return t
+
+
+class MXFP8TensorStorage(QuantizedTensorStorage):
+    """MXFP8 buffers: row-wise and column-wise bytes with their E8M0 block scales.
+
+    Parameters (positional, as upstream's)
+    ----------
+    rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv : torch.Tensor or None
+        See the module's layout contract (``uint8``).
+    fp8_dtype : DType or torch.dtype
+    quantizer : MXFP8Quantizer or None
+    with_gemm_swizzled_scales : bool, default False
+        Only False: scales are kept compact (no native MXFP8 GEMM reads swizzled ones here).
+    fake_dtype : torch.dtype, keyword, default torch.float32
+    """
+
+    def __init__(
+        self, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv,
+        fp8_dtype, quantizer=None, with_gemm_swizzled_scales: bool = False, *,
+        fake_dtype: torch.dtype = torch.float32,
+    ) -> None:  # fmt: skip
+        self._set_mxfp8_buffers(
+            rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv,
+            fp8_dtype, quantizer, with_gemm_swizzled_scales, fake_dtype,
+        )  # fmt: skip
+
+    def _set_mxfp8_buffers(
+        self, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv,
+        fp8_dtype, quantizer, with_gemm_swizzled_scales, fake_dtype,
+    ) -> None:  # fmt: skip
+        owner = type(self).__name__
+        if fake_dtype not in HIGH_PRECISION_DTYPES:
+            raise TypeError(
+                f"{owner}: nominal dtype {fake_dtype!r} is not supported; use torch.float32, "
+                "torch.float16 or torch.bfloat16"
+            )
+        if with_gemm_swizzled_scales:
+            raise NotImplementedError(
+                f"{owner}: with_gemm_swizzled_scales=True is not supported: scales are kept "
+                "compact because GEMMs here are emulated (swizzled scales are cuBLAS's layout "
+                "for native Blackwell MXFP8 GEMMs); pass compact scales"
+            )
+        bufs = [_as_uint8(n, t) for n, t in zip(_BUFFERS, (
+            rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv))]  # fmt: skip
+        for name, data, scale in (("rowwise", bufs[0], bufs[1]), ("columnwise", bufs[2], bufs[3])):
+            if (data is None) != (scale is None):
+                raise ValueError(
+                    f"{owner}: {name}_data and {name}_scale_inv must be given together"
+                )
+        if bufs[0] is not None and bufs[2] is not None and bufs[0].shape != bufs[2].shape:
+            raise ValueError(
+                f"{owner}: rowwise_data {tuple(bufs[0].shape)} and columnwise_data "
+                f"{tuple(bufs[2].shape)} must both have the logical shape"
+            )
+        for name, t in zip(_BUFFERS, bufs):
+            setattr(self, name, t)
+        self._fp8_dtype = DType.cast(to_torch_fp8_dtype(fp8_dtype))
+        self._quantizer = quantizer
+        self._with_gemm_swizzled_scales = False
+        self._dtype = fake_dtype
+
+    # ------------------------------------------------------------------ geometry
+
+    def size(self, *args, **kwargs):
+        """Logical shape (``torch.Size``), or one dimension of it."""
+        data = self._rowwise_data if self._rowwise_data is not None else self._columnwise_data
+        if data is None:
+            raise RuntimeError(f"{type(self).__name__} holds no buffers (cleared or saved)")
+        shape = data.shape
+        return shape[args[0]] if args else shape[kwargs["dim"]] if "dim" in kwargs else shape
+
+    @property
+    def shape(self) -> torch.Size:
+        """Logical shape."""
+        return self.size()
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the buffers."""
+        for name in _BUFFERS:
+            t = getattr(self, name)
+            if t is not None:
+                return t.device
+        raise RuntimeError(f"{type(self).__name__} holds no buffers (cleared or saved)")
+
+    # ------------------------------------------------------------------ values
+
+    def mxfp8_gemm_input(self, columnwise: bool = False, dtype=torch.float32):
+        """The ``[M, K]`` matrix of one copy dequantized (``None`` when that copy is absent):
+        what the emulated MXFP8 GEMM multiplies."""
+        fp8 = to_torch_fp8_dtype(self._fp8_dtype)
+        m, k = block_matrix_dims(self.size())
+        if columnwise:
+            if self._columnwise_data is None:
+                return None
+            data = self._columnwise_data.view(fp8).reshape(m, k).t()
+            scale = self._columnwise_scale_inv.t()
+            return reference.mxfp8_dequantize(data, scale, dtype).t()
+        if self._rowwise_data is None:
+            return None
+        data = self._rowwise_data.view(fp8).reshape(m, k)
+        return reference.mxfp8_dequantize(data, self._rowwise_scale_inv, dtype)
+
+    def _dequantize_plain(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = self._dtype if dtype is None else dtype
+        shape = self.size()
+        if self.device.type == "meta":
+            return torch.empty(shape, dtype=dtype, device="meta")
+        values = self.mxfp8_gemm_input(self._rowwise_data is None, dtype)
+        return values.contiguous().reshape(shape)
+
+    def dequantize(self, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Values as a plain tensor (row-wise copy preferred), in ``dtype`` (default nominal)."""
+        return self._dequantize_plain(dtype)
+
+    # ------------------------------------------------------------------ usages
+
+    def get_usages(self) -> dict[str, bool]:
+        """``{"rowwise": ..., "columnwise": ...}`` for the copies present now."""
+        return {
+            "rowwise": self._rowwise_data is not None,
+            "columnwise": self._columnwise_data is not None,
+        }
+
+    def update_usage(
+        self, rowwise_usage: bool | None = None, columnwise_usage: bool | None = None
+    ) -> None:
+        """Drop the copies that are not required. A missing copy cannot be made from the other
+        (each is its own quantization of the high-precision input): asking for one raises."""
+        for name, want in (("rowwise", rowwise_usage), ("columnwise", columnwise_usage)):
+            if want and getattr(self, f"_{name}_data") is None:
+                raise RuntimeError(
+                    f"{type(self).__name__}: {name} data was requested but only the other "
+                    "copy exists; an MXFP8 copy is its own quantization of the high-precision "
+                    f"tensor, so quantize it again with {name} usage"
+                )
+        rowwise = self._rowwise_data is not None if rowwise_usage is None else rowwise_usage
+        columnwise = (
+            self._columnwise_data is not None if columnwise_usage is None else columnwise_usage
+        )
+        if not rowwise and not columnwise:
+            raise ValueError(
+                f"{type(self).__name__}.update_usage: rowwise_usage and columnwise_usage would "
+                "both be False, leaving no data; keep at least one (or call clear())"
+            )
+        if not rowwise:
+            self._rowwise_data = self._rowwise_scale_inv = None
+        if not columnwise:
+            self._columnwise_data = self._columnwise_scale_inv = None
+
+    def get_data_tensors(self, rowwise_data: bool = True, columnwise_data: bool = True):
+        """``(_rowwise_data, _columnwise_data)``, or one of them."""
+        if rowwise_data and columnwise_data:
+            return self._rowwise_data, self._columnwise_data
+        if rowwise_data:
+            return self._rowwise_data
+        if columnwise_data:
+            return self._columnwise_data
+        raise ValueError("get_data_tensors: request rowwise_data and/or columnwise_data")
+
+    def get_metadata(self) -> dict:
+        """Keyword arguments that rebuild this object (shares the buffers)."""
+        return {
+            "rowwise_data": self._rowwise_data,
+            "rowwise_scale_inv": self._rowwise_scale_inv,
+            "columnwise_data": self._columnwise_data,
+            "columnwise_scale_inv": self._columnwise_scale_inv,
+            "fp8_dtype": self._fp8_dtype,
+            "quantizer": self._quantizer,
+        }
+
+    # ------------------------------------------------------------------ saving, copying
+
+    def prepare_for_saving(self):
+        """Hand out the four buffers (``_BUFFERS`` order) and drop them here."""
+        tensors = [getattr(self, name) for name in _BUFFERS]
+        for name in _BUFFERS:
+            setattr(self, name, None)
+        return tensors, self
+
+    def restore_from_saved(self, tensors):
+        """Take the four buffers from the front of ``tensors``; return the rest."""
+        if len(tensors) < 4:
+            raise ValueError(
+                f"{type(self).__name__}.restore_from_saved: expected at least 4 tensors, got "
+                f"{len(tensors)}"
+            )
+        for name, t in zip(_BUFFERS, tensors):
+            setattr(self, name, t)
+        return list(tensors[4:])
+
+    def copy_from_storage(self, src: MXFP8TensorStorage) -> None:
+        """Copy ``src``'s bytes and scales into this object's buffers (same shape and dtype)."""
+        if not isinstance(src, MXFP8TensorStorage):
+            raise TypeError(
+                f"copy_from_storage: src must be an MXFP8TensorStorage, got {type(src).__name__}"
+            )
+        if src._fp8_dtype != self._fp8_dtype or tuple(src.size()) != tuple(self.size()):
+            raise ValueError(
+                f"copy_from_storage: src is {src._fp8_dtype.name} {tuple(src.size())}, this "
+                f"tensor {self._fp8_dtype.name} {tuple(self.size())}; both must match"
+            )
+        for name in _BUFFERS:
+            mine, theirs = getattr(self, name), getattr(src, name)
+            if mine is None:
+                continue
+            if theirs is None:
+                raise ValueError(
+                    f"copy_from_storage: src has no {name} (its usages are {src.get_usages()})"
+                )
+            mine.copy_(theirs)
+
+    def clear(self) -> None:
+        """Release the bytes and scales."""
+        for name in _BUFFERS:
+            setattr(self, name, None)
+
+    def view(self, shape) -> MXFP8TensorStorage:
+        """Storage sharing the buffers with new leading dims (see :func:`check_mxfp8_view`)."""
+        shape = check_mxfp8_view(self, shape)
+        row, col = self._rowwise_data, self._columnwise_data
+        return MXFP8TensorStorage(
+            None if row is None else row.view(shape), self._rowwise_scale_inv,
+            None if col is None else col.view(shape), self._columnwise_scale_inv,
+            self._fp8_dtype, self._quantizer, fake_dtype=self._dtype,
+        )  # fmt: skip
+
+    def __repr__(self) -> str:
+        try:
+            shape = tuple(self.size())
+        except RuntimeError:
+            shape = "cleared"
+        return (
+            f"{type(self).__name__}(shape={shape}, fp8_dtype={self._fp8_dtype.name}, "
+            f"dtype={self._dtype}, usages={self.get_usages()})"
+        )
+
+
+def check_mxfp8_view(tensor, shape) -> torch.Size:
+    """The target shape of a view after checking that the blocks survive it: only the leading
+    dims may change (the last dim, along which row-wise blocks run, is kept)."""
+    old = tuple(tensor.size())
+    shape = list(shape)
+    if shape.count(-1) == 1:
+        known = math.prod(s for s in shape if s != -1)
+        shape[shape.index(-1)] = math.prod(old) // known if known else 0
+    shape = torch.Size(shape)
+    if math.prod(shape) != math.prod(old):
+        raise RuntimeError(f"shape {tuple(shape)} is invalid for a tensor of shape {old}")
+    if not old or not shape or shape[-1] != old[-1]:
+        raise RuntimeError(
+            f"{type(tensor).__name__}: view {old} -> {tuple(shape)} changes the last dim; an "
+            "MXFP8 tensor can only change its leading dims (dequantize first for other shapes)"
+        )
+    return shape
