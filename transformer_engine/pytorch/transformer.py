@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from .attention.multi_head_attention import (
     MultiheadAttention,
     check_attention_mask,
-    refuse_tensor_parallelism,
+    refuse_comm_overlap,
+    tensor_parallel_size,
 )
 from .device import construction_device, device_guard
 from .module.layernorm import LayerNorm
@@ -127,8 +128,19 @@ class TransformerLayer(torch.nn.Module):
     layer_type : {"encoder", "decoder"}, default "encoder"
     drop_path_rate : float, default 0.0
         Stochastic depth of the attention and MLP branches (``drop_path``).
+    tp_group, tp_size : optional
+        Tensor parallelism over ``tp_size`` ranks (the group's size when a group is given;
+        without one, call :meth:`set_tensor_parallel_group` before the forward), handed to
+        every child: heads and K/V groups are divided by ``tp_size`` and so is
+        ``ffn_hidden_size``. ``tp_size > 1`` needs ``set_parallel_mode=True``.
+    sequence_parallel : bool, default False
+        With ``tp_size > 1``: the layer's input and output are split along the sequence
+        dimension (dim 0 of sbhd; ``seq_length``, when given, is checked against it); norms,
+        dropout and residual adds run on the local part, the column-parallel GEMMs gather it
+        and the row-parallel ones reduce-scatter their outputs back.
     set_parallel_mode : bool, default False
-        Without tensor parallelism it changes nothing.
+        Makes the attention's QKV projection and FC1 column-parallel, its ``proj`` and FC2
+        row-parallel; without tensor parallelism it changes nothing.
     fuse_qkv_params, rotary_pos_interleaved, zero_centered_gamma, qkv_weight_interleaved,
     bias, normalization, qk_norm_type, qk_norm_eps, qk_norm_before_rope, softmax_type
         As :class:`MultiheadAttention` (``bias`` and ``normalization`` also for the MLP).
@@ -143,9 +155,8 @@ class TransformerLayer(torch.nn.Module):
         ``[s, b, hidden]``, ``[b, s, hidden]`` or packed ``[tokens, hidden]``.
     name : str, optional
 
-    ``tp_size > 1``, ``sequence_parallel`` and ``ub_tp_comm_overlap`` (the ``ub_*`` options
-    only act with it) raise ``NotImplementedError`` naming the argument: tensor parallelism is
-    not built yet.
+    ``ub_tp_comm_overlap`` (the ``ub_*`` options only act with it) raises
+    ``NotImplementedError``: userbuffers communication overlap is not built.
     """
 
     def __init__(
@@ -206,10 +217,8 @@ class TransformerLayer(torch.nn.Module):
         super().__init__()
         owner = "TransformerLayer"
         # Every ub_* option only acts together with ub_tp_comm_overlap (upstream ANDs them).
-        refuse_tensor_parallelism(
-            owner, tp_group, tp_size, sequence_parallel=sequence_parallel,
-            ub_tp_comm_overlap=ub_tp_comm_overlap,
-        )  # fmt: skip
+        refuse_comm_overlap(owner, ub_tp_comm_overlap=ub_tp_comm_overlap)
+        tp_size = tensor_parallel_size(owner, tp_group, tp_size)
         if layer_type not in LAYER_TYPES:
             raise ValueError(f"{owner}: layer_type={layer_type!r} must be one of {LAYER_TYPES}")
         if fuse_wgrad_accumulation and not fuse_qkv_params:
@@ -250,7 +259,8 @@ class TransformerLayer(torch.nn.Module):
         self.attn_input_format, self.name = attn_input_format, name
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.set_parallel_mode, self.seq_length = set_parallel_mode, seq_length
-        self.tp_group, self.tp_size, self.sequence_parallel = tp_group, 1, False
+        self.tp_group, self.tp_size = tp_group, tp_size
+        self.sequence_parallel = tp_size > 1 and bool(sequence_parallel)
         self.get_rng_state_tracker = get_rng_state_tracker
         params_dtype = params_dtype or torch.get_default_dtype()
         device = construction_device(owner, device)  # pinned once: every child agrees
@@ -266,6 +276,7 @@ class TransformerLayer(torch.nn.Module):
             layernorm_epsilon=layernorm_epsilon, init_method=init_method,
             output_layer_init_method=output_layer_init_method, layer_number=layer_number,
             tp_group=tp_group, tp_size=tp_size, num_gqa_groups=num_gqa_groups,
+            sequence_parallel=self.sequence_parallel,
             fuse_wgrad_accumulation=fuse_wgrad_accumulation,
             get_rng_state_tracker=get_rng_state_tracker, params_dtype=params_dtype,
             return_layernorm_output=apply_residual_connection_post_layernorm,
@@ -291,10 +302,10 @@ class TransformerLayer(torch.nn.Module):
                 bottom_right_diagonal=enc_dec_bottom_right_diagonal, return_bias=True,
                 name=child_name("inter_attention"),
             )  # fmt: skip
-        # set_parallel_mode only splits the MLP's GEMMs across a tensor-parallel group; with
-        # one rank the MLP is the same, so it is not handed on (LayerNormMLP refuses it).
         self.layernorm_mlp = LayerNormMLP(
-            hidden_size, ffn_hidden_size, eps=layernorm_epsilon,
+            hidden_size, ffn_hidden_size, eps=layernorm_epsilon, tp_group=tp_group,
+            tp_size=tp_size, sequence_parallel=self.sequence_parallel,
+            set_parallel_mode=set_parallel_mode,
             get_rng_state_tracker=get_rng_state_tracker, init_method=init_method,
             output_layer_init_method=output_layer_init_method, bias=bias,
             return_bias=not parallel_attention_mlp, params_dtype=params_dtype,
@@ -324,9 +335,8 @@ class TransformerLayer(torch.nn.Module):
                 child.reset_parameters()
 
     def set_tensor_parallel_group(self, tp_group) -> None:
-        """Record ``tp_group`` on every child; a group of more than one rank is refused
-        (tensor parallelism is not built yet)."""
-        refuse_tensor_parallelism(type(self).__name__, tp_group, 1)
+        """Set the tensor-parallel group on every child (needed before the forward when built
+        with ``tp_size > 1`` and no ``tp_group``)."""
         self.tp_group = tp_group
         for child in self.children():
             if hasattr(child, "set_tensor_parallel_group"):
@@ -406,6 +416,14 @@ class TransformerLayer(torch.nn.Module):
             window_size = self.window_size
         if enc_dec_window_size is None:
             enc_dec_window_size = self.enc_dec_window_size
+        if self.sequence_parallel and self.seq_length is not None:
+            local = self.seq_length // self.tp_size
+            if hidden_states.shape[0] != local:
+                raise ValueError(
+                    f"{owner}: under sequence parallelism hidden_states must hold this rank's "
+                    f"seq_length // tp_size = {self.seq_length} // {self.tp_size} = {local} "
+                    f"positions along dim 0, got shape {tuple(hidden_states.shape)}"
+                )
         device_type = hidden_states.device.type
         if torch.is_autocast_enabled(device_type):
             hidden_states = hidden_states.to(torch.get_autocast_dtype(device_type))

@@ -57,8 +57,10 @@ def test_constructor_errors():
         DotProductAttention(2, 4, qkv_format="hsbd")
     with pytest.raises(ValueError, match="softmax_type"):
         DotProductAttention(2, 4, softmax_type="sparse")
-    with pytest.raises(NotImplementedError, match="tp_size=2"):
-        DotProductAttention(2, 4, tp_size=2)
+    with pytest.raises(ValueError, match="num_attention_heads=2 is not divisible by tp_size=4"):
+        DotProductAttention(2, 4, tp_size=4)
+    with pytest.raises(ValueError, match="num_gqa_groups=1 is not divisible by tp_size=2"):
+        DotProductAttention(2, 4, num_gqa_groups=1, tp_size=2)
     with pytest.raises(ValueError, match="attention_type"):
         DotProductAttention(2, 4, attention_type="both")
 

@@ -394,8 +394,8 @@ def test_fp8_parameters_with_fused_qkv():
         ({"enc_dec_attn_mask_type": "full"}, ValueError, "enc_dec_attn_mask_type='full'"),
         ({"activation": "tanh"}, ValueError, "tanh"),
         ({"hidden_dropout": 1.0}, ValueError, "hidden_dropout=1.0"),
-        ({"tp_size": 2}, NotImplementedError, "tp_size=2"),
-        ({"sequence_parallel": True}, NotImplementedError, "sequence_parallel=True"),
+        ({"tp_size": 2}, ValueError, "tp_size=2 needs set_parallel_mode=True"),
+        ({"tp_size": 3, "set_parallel_mode": True}, ValueError, "not divisible by tp_size=3"),
         ({"ub_tp_comm_overlap": True}, NotImplementedError, "ub_tp_comm_overlap=True"),
     ],
 )  # fmt: skip

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._tensor_parallel import get_distributed_world_size
 from ..device import construction_device, device_guard
 from ..module._fused_norm import check_normalization
 from ..module.layernorm import LayerNorm
@@ -36,22 +37,33 @@ def positive_int(owner: str, label: str, value) -> int:
     return value
 
 
-def refuse_tensor_parallelism(owner: str, tp_group, tp_size: int, **flags) -> None:
-    """Tensor/sequence parallelism and comm overlap are another issue: refuse them by name here,
+def refuse_comm_overlap(owner: str, **flags) -> None:
+    """Userbuffers communication overlap is not built: refuse each ``ub_*`` flag by name here,
     before any child is built (the children would refuse them too, less clearly)."""
-    if tp_group is not None and torch.distributed.is_available():
-        if torch.distributed.is_initialized():
-            tp_size = torch.distributed.get_world_size(tp_group)
-    if tp_size != 1:
-        raise NotImplementedError(
-            f"{owner}: tp_size={tp_size} is not implemented (tensor parallelism is not built "
-            "yet); use tp_size=1 and no tensor-parallel group of more than one rank"
-        )
     for name, value in flags.items():
         if value:
             raise NotImplementedError(
-                f"{owner}: {name}={value!r} is not implemented (it needs tensor parallelism, "
-                f"which is not built yet); leave {name} at False"
+                f"{owner}: {name}={value!r} is not implemented (userbuffers communication "
+                f"overlap is not built; the collectives run unoverlapped); leave {name} at False"
+            )
+
+
+def tensor_parallel_size(owner: str, tp_group, tp_size) -> int:
+    """The group's size when a group is given (upstream's rule), else ``tp_size`` checked."""
+    if tp_group is not None:
+        return get_distributed_world_size(tp_group)
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"{owner}: tp_size={tp_size!r} must be a positive int")
+    return tp_size
+
+
+def check_heads_divisible(owner: str, heads: int, groups: int, tp_size: int) -> None:
+    """Every rank holds whole heads and whole K/V groups."""
+    for label, count in (("num_attention_heads", heads), ("num_gqa_groups", groups)):
+        if count % tp_size:
+            raise ValueError(
+                f"{owner}: {label}={count} is not divisible by tp_size={tp_size}; tensor "
+                "parallelism splits the heads and K/V groups evenly over the ranks"
             )
 
 
@@ -109,9 +121,18 @@ class MultiheadAttention(torch.nn.Module):
     input_layernorm : bool, default False
         Normalize the input in front of the Q (and for self attention K, V) projection.
     attention_type : {"self", "cross"}, default "self"
+    tp_group, tp_size : optional
+        Tensor parallelism over ``tp_size`` ranks (the group's size when a group is given;
+        without one, call :meth:`set_tensor_parallel_group` before the forward). Heads and
+        K/V groups are divided by ``tp_size`` (``ValueError`` when they do not divide) and
+        ``tp_size > 1`` needs ``set_parallel_mode=True``.
+    sequence_parallel : bool, default False
+        With ``tp_size > 1``: ``hidden_states`` and the output are split along the sequence
+        dimension (dim 0 of sbhd, packed thd); the QKV projection all-gathers its input and
+        ``proj`` reduce-scatters its output.
     set_parallel_mode : bool, default False
-        Marks the projections column/row parallel; without tensor parallelism it changes
-        nothing.
+        Makes the QKV projection column- and ``proj`` row-parallel over the tensor-parallel
+        group; without tensor parallelism it changes nothing.
     fuse_qkv_params : bool, default False
         ``False``: the QKV weight is held as ``query_weight`` / ``key_weight`` /
         ``value_weight`` (and ``*_bias``); ``True``: as one ``weight`` / ``bias``.
@@ -140,9 +161,8 @@ class MultiheadAttention(torch.nn.Module):
     softmax_type : str, default "vanilla"
         Passed to ``DotProductAttention``.
 
-    ``tp_size > 1`` (or a ``tp_group`` of more than one rank), ``sequence_parallel`` and the
-    ``ub_*`` overlaps raise ``NotImplementedError`` naming the argument: tensor parallelism is
-    not built yet.
+    The ``ub_*`` overlaps raise ``NotImplementedError`` naming the argument (userbuffers are
+    not built).
     """
 
     def __init__(
@@ -193,12 +213,12 @@ class MultiheadAttention(torch.nn.Module):
     ) -> None:
         super().__init__()
         owner = "MultiheadAttention"
-        refuse_tensor_parallelism(
-            owner, tp_group, tp_size, sequence_parallel=sequence_parallel,
-            ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+        refuse_comm_overlap(
+            owner, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
             ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
             ub_bulk_wgrad=ub_bulk_wgrad,
         )  # fmt: skip
+        tp_size = tensor_parallel_size(owner, tp_group, tp_size)
         positive_int(owner, "hidden_size", hidden_size)
         heads = positive_int(owner, "num_attention_heads", num_attention_heads)
         if kv_channels is None:
@@ -229,6 +249,12 @@ class MultiheadAttention(torch.nn.Module):
                 f"{QK_NORM_TYPES}"
             )
         check_normalization(owner, normalization)
+        check_heads_divisible(owner, heads, groups, tp_size)
+        if tp_size > 1 and not set_parallel_mode:
+            raise ValueError(
+                f"{owner}: tp_size={tp_size} needs set_parallel_mode=True: the heads are split "
+                "over the ranks, so the QKV projection must be column- and proj row-parallel"
+            )
         if fuse_wgrad_accumulation and not fuse_qkv_params:
             raise ValueError(
                 f"{owner}: fuse_wgrad_accumulation=True requires fuse_qkv_params=True (the "
@@ -237,8 +263,10 @@ class MultiheadAttention(torch.nn.Module):
 
         self.hidden_size, self.num_attention_heads = hidden_size, heads
         self.hidden_size_per_attention_head = self.kv_channels = head_dim
-        self.num_gqa_groups = self.num_gqa_groups_per_partition = groups
-        self.num_attention_heads_per_partition = heads
+        self.num_gqa_groups = groups
+        self.num_attention_heads_per_partition = heads // tp_size
+        self.num_gqa_groups_per_partition = groups // tp_size
+        # Full widths (the projections' constructor sizes; column parallelism divides them).
         self.hidden_size_q, self.hidden_size_kv = heads * head_dim, groups * head_dim
         self.layer_number = layer_number
         self.attn_mask_type, self.window_size = attn_mask_type, window_size
@@ -252,7 +280,8 @@ class MultiheadAttention(torch.nn.Module):
         self.rotary_pos_interleaved = rotary_pos_interleaved
         self.qk_norm_type, self.qk_norm_before_rope = qk_norm_type, qk_norm_before_rope
         self.set_parallel_mode, self.name = set_parallel_mode, name
-        self.tp_group, self.tp_size, self.sequence_parallel = tp_group, 1, False
+        self.tp_group, self.tp_size = tp_group, tp_size
+        self.sequence_parallel = tp_size > 1 and bool(sequence_parallel)
         self.get_rng_state_tracker = get_rng_state_tracker
         params_dtype = params_dtype or torch.get_default_dtype()
         device = construction_device(owner, device)  # pinned once: every child agrees
@@ -263,7 +292,8 @@ class MultiheadAttention(torch.nn.Module):
         common = dict(
             fuse_wgrad_accumulation=fuse_wgrad_accumulation,
             get_rng_state_tracker=get_rng_state_tracker,
-            bias=bias, params_dtype=params_dtype, device=device,
+            bias=bias, params_dtype=params_dtype, device=device, tp_group=tp_group,
+            tp_size=tp_size, sequence_parallel=self.sequence_parallel,
         )  # fmt: skip
         norm = dict(
             eps=layernorm_epsilon, normalization=normalization,
@@ -313,6 +343,7 @@ class MultiheadAttention(torch.nn.Module):
         )
         self.core_attention = DotProductAttention(
             heads, head_dim, num_gqa_groups=groups, attention_dropout=attention_dropout,
+            tp_size=tp_size, tp_group=tp_group, sequence_parallel=self.sequence_parallel,
             qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size,
             bottom_right_diagonal=bottom_right_diagonal, get_rng_state_tracker=get_rng_state_tracker,
             layer_number=layer_number, attention_type=attention_type,
@@ -347,13 +378,14 @@ class MultiheadAttention(torch.nn.Module):
                 child.reset_parameters()
 
     def set_tensor_parallel_group(self, tp_group) -> None:
-        """Record ``tp_group`` here and on the children; a group of more than one rank is
-        refused (tensor parallelism is not built yet)."""
-        refuse_tensor_parallelism(type(self).__name__, tp_group, 1)
+        """Set the tensor-parallel group here and on every child (needed before the forward
+        when built with ``tp_size > 1`` and no ``tp_group``; each projection checks the
+        group's size against ``tp_size`` at its forward)."""
+        self.tp_group = tp_group
         for module in self.modules():
             if module is not self and hasattr(module, "set_tensor_parallel_group"):
                 module.set_tensor_parallel_group(tp_group)
-            elif hasattr(module, "tp_group"):
+            elif module is not self and hasattr(module, "tp_group"):
                 module.tp_group = tp_group
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type="p2p"):
@@ -479,7 +511,8 @@ class MultiheadAttention(torch.nn.Module):
                 mixed, layernorm_output = mixed
         else:
             mixed = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch)
-        heads, groups = self.num_attention_heads, self.num_gqa_groups
+        # This rank's heads and groups: the column-parallel projection produced only those.
+        heads, groups = self.num_attention_heads_per_partition, self.num_gqa_groups_per_partition
         per_group, d = heads // groups, self.hidden_size_per_attention_head
         lead = mixed.shape[:-1]
         if self.qkv_weight_interleaved:
@@ -490,9 +523,7 @@ class MultiheadAttention(torch.nn.Module):
             key, value = key.squeeze(-2), value.squeeze(-2)
         else:
             # All Q rows, then all K rows, then all V rows.
-            query, key, value = mixed.split(
-                (self.hidden_size_q, self.hidden_size_kv, self.hidden_size_kv), dim=-1
-            )
+            query, key, value = mixed.split((heads * d, groups * d, groups * d), dim=-1)
             query, key, value = (
                 self._heads(query, heads),
                 self._heads(key, groups),
@@ -510,7 +541,7 @@ class MultiheadAttention(torch.nn.Module):
         else:
             query = self.query_layer(hidden_states, is_first_microbatch=is_first_microbatch)
         mixed = self.key_value(encoder_output, is_first_microbatch=is_first_microbatch)
-        groups, d = self.num_gqa_groups, self.hidden_size_per_attention_head
+        groups, d = self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head
         lead = mixed.shape[:-1]
         if self.qkv_weight_interleaved:
             # Per group: [k, v].
@@ -518,7 +549,8 @@ class MultiheadAttention(torch.nn.Module):
         else:
             # All K rows, then all V rows.
             key, value = mixed.view(*lead, 2 * groups, d).split((groups, groups), dim=-2)
-        return self._heads(query, self.num_attention_heads), key, value, layernorm_output
+        heads = self.num_attention_heads_per_partition
+        return self._heads(query, heads), key, value, layernorm_output
 
     def _rotary(self, query, key, rotary_pos_emb, inference_params, pad_between_seqs, cu_q, cu_kv):
         """Q and K rotated by their frequencies (``[s, 1, 1, rot_dim]``, fp32)."""

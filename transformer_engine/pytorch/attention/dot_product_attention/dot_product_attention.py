@@ -99,9 +99,11 @@ class DotProductAttention(TransformerEngineBaseModule):
         Align the window (and ALiBi) with the bottom-right corner of the score matrix. Forced
         False for ``causal``/``padding_causal``, True for ``*_bottom_right``, default True
         otherwise.
-    sequence_parallel, tp_size, tp_group : single-process values only
-        Tensor parallelism is not implemented (``NotImplementedError`` for a group of more
-        than one rank).
+    sequence_parallel, tp_size, tp_group
+        Tensor parallelism: ``num_attention_heads`` and ``num_gqa_groups`` are the full counts
+        and must both be divisible by ``tp_size`` (the group's size when a group is given);
+        each rank's inputs hold its ``heads // tp_size`` query and ``groups // tp_size`` K/V
+        heads. ``sequence_parallel`` only stops the dropout from forking the RNG tracker.
     get_rng_state_tracker : callable, optional
         Returns a tracker whose ``fork()`` runs the attention dropout (unless
         ``sequence_parallel``); without it dropout uses the default generator.
@@ -159,11 +161,10 @@ class DotProductAttention(TransformerEngineBaseModule):
         super().__init__(name=name)
         if tp_group is not None:
             tp_size = _group_size(tp_group)
-        if tp_size != 1:
-            raise NotImplementedError(
-                f"DotProductAttention: tp_size={tp_size}: tensor parallelism is not implemented "
-                "yet; use tp_size=1"
-            )
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"DotProductAttention: tp_size={tp_size!r} must be a positive int")
+        # The core has no collectives: each rank attends over its own heads (the projections
+        # around it split them); the group only matters to set_tensor_parallel_group callers.
         self.tp_group, self.tp_size, self.sequence_parallel = tp_group, tp_size, sequence_parallel
         if isinstance(kv_channels, int):
             kv_channels = (kv_channels, kv_channels)
@@ -179,6 +180,15 @@ class DotProductAttention(TransformerEngineBaseModule):
                 f"num_gqa_groups={num_gqa_groups} must be positive and divide "
                 f"num_attention_heads={num_attention_heads}"
             )
+        for label, count in (
+            ("num_attention_heads", num_attention_heads),
+            ("num_gqa_groups", groups),
+        ):
+            if count % tp_size:
+                raise ValueError(
+                    f"DotProductAttention: {label}={count} is not divisible by tp_size={tp_size}; "
+                    "tensor parallelism gives every rank the same number of heads and groups"
+                )
         if qkv_format not in QKV_FORMATS:
             raise ValueError(f"qkv_format={qkv_format!r} is not one of {', '.join(QKV_FORMATS)}")
         if attention_type not in ("self", "cross"):
@@ -193,7 +203,10 @@ class DotProductAttention(TransformerEngineBaseModule):
         self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v = dk, dv
         self.kv_channels = (dk, dv)
         self.num_gqa_groups = groups
-        self.num_gqa_groups_per_partition = groups
+        # Full counts are the constructor's; each rank sees heads // tp_size query heads and
+        # groups // tp_size K/V heads.
+        self.num_attention_heads_per_partition = num_attention_heads // tp_size
+        self.num_gqa_groups_per_partition = groups // tp_size
         self.attention_dropout = attention_dropout
         self.qkv_format = qkv_format
         self.attn_mask_type = normalize_mask_type(attn_mask_type)
@@ -218,7 +231,9 @@ class DotProductAttention(TransformerEngineBaseModule):
             device = "meta"
         device = construction_device(type(self).__name__, device)
         if softmax_type == "learnable":
-            offset = torch.empty(num_attention_heads, dtype=torch.float32, device=device)
+            offset = torch.empty(
+                self.num_attention_heads_per_partition, dtype=torch.float32, device=device
+            )
             self.register_parameter(
                 "softmax_offset", torch.nn.Parameter(offset), init_fn=torch.nn.init.zeros_
             )
@@ -368,8 +383,8 @@ class DotProductAttention(TransformerEngineBaseModule):
                 max_seqlen_q = getattr(inference_params, "max_ctx_len", None)
             cu_seqlens_q_padded = cu_seqlens_kv_padded = None
             bottom_right = mask_type.endswith("bottom_right")
-        check_qkv(q, k, v, q_format, kv_format, self.num_attention_heads, self.num_gqa_groups,
-                  *self.kv_channels)  # fmt: skip
+        check_qkv(q, k, v, q_format, kv_format, self.num_attention_heads_per_partition,
+                  self.num_gqa_groups_per_partition, *self.kv_channels)  # fmt: skip
         layout = packed_layout or f"{q_format}_{kv_format}_{kv_format}"
         enter_device(q.device)
         try:
