@@ -47,6 +47,7 @@ from . import fp8_gemm_cpu
 from ._validation import check_dtype, check_output, check_tensor
 from .block_gemm import block_general_gemm, is_block_float8_operand
 from .float8_gemm_operand import CheckedFloat8Operand, Float8GemmOperand, is_float8_operand
+from .mxfp8_gemm import is_mxfp8_operand, mxfp8_general_gemm
 
 __all__ = ["general_gemm", "fp8_gemm_prevalidated", "FP8_GEMM_DIM_MULTIPLE", "Float8GemmOperand"]
 
@@ -246,6 +247,11 @@ def general_gemm(
             "and call without bias"
         )
 
+    if is_mxfp8_operand(A) or is_mxfp8_operand(B):
+        # MXFP8 (MXFP8BlockScaling): emulated on every device (mxfp8_gemm.py).
+        return mxfp8_general_gemm(
+            A, B, out_dtype, layout=layout, out=out, bias=bias, accumulate=accumulate, alpha=alpha
+        )
     if is_block_float8_operand(A) or is_block_float8_operand(B):
         # Block-scaled FP8 (Float8BlockScaling): its own GEMM (block_gemm.py).
         return block_general_gemm(

@@ -19,11 +19,13 @@ from ...common.recipe import (
     Float8BlockScaling,
     Float8CurrentScaling,
     Format,
+    MXFP8BlockScaling,
 )
 from ..constants import TE_DType
 from ..quantized_tensor import Quantizer
 from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer
 from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
+from ..tensor.mxfp8_tensor import MXFP8Quantizer
 from .quantizer_roles import DelayedScalingRequest, QuantizerRequest, QuantizerRole
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "DelayedScalingRecipeState",
     "Float8CurrentScalingRecipeState",
     "Float8BlockScalingRecipeState",
+    "MXFP8BlockScalingRecipeState",
     "CustomRecipeState",
     "get_fp8_torch_dtype",
     "get_fp8_te_dtype",
@@ -99,12 +102,14 @@ class RecipeState:
             cls = Float8CurrentScalingRecipeState
         elif isinstance(recipe, Float8BlockScaling):
             cls = Float8BlockScalingRecipeState
+        elif isinstance(recipe, MXFP8BlockScaling):
+            cls = MXFP8BlockScalingRecipeState
         elif isinstance(recipe, CustomRecipe):
             cls = CustomRecipeState
         else:
             raise NotImplementedError(
                 f"recipe {type(recipe).__name__} is not implemented; use DelayedScaling, "
-                "Float8CurrentScaling, Float8BlockScaling or CustomRecipe"
+                "Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling or CustomRecipe"
             )
         return cls(recipe, mode=mode, num_quantizers=num_quantizers, device=device, roles=roles)
 
@@ -262,6 +267,24 @@ class Float8BlockScalingRecipeState(RecipeState):
                 )
             )
         return quantizers
+
+
+class MXFP8BlockScalingRecipeState(Float8BlockScalingRecipeState):
+    """MXFP8 keeps no tensors between steps either. Every slot gets an :class:`MXFP8Quantizer`
+    with both usages (E5M2 for backward slots under ``Format.HYBRID``); forward weight slots
+    use 32x32 blocks when the recipe's ``enable_2d_quantization`` is set."""
+
+    def make_quantizers(self) -> list:
+        two_d = self.recipe.enable_2d_quantization
+        return [
+            MXFP8Quantizer(
+                self.dtype,
+                rowwise=True,
+                columnwise=True,
+                with_2d_quantization=two_d and self._is_weight_slot(i),
+            )  # fmt: skip
+            for i in range(self.num_quantizers)
+        ]
 
 
 class CustomRecipeState(RecipeState):

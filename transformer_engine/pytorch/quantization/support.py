@@ -8,6 +8,7 @@ are quantized, not when an autocast region is entered.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -16,6 +17,7 @@ from ...common.recipe import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
+    MXFP8BlockScaling,
     Recipe,
 )
 from ..device import device_compute_capability, visible_cuda_devices
@@ -75,7 +77,7 @@ def is_fp8_available(return_reason: bool = False, device=None):
 
 
 # Upstream answers these from the GPU generation alone. Here they answer whether this package
-# can run the recipe at all: MXFP8 and NVFP4 are not implemented yet, so they are never
+# can run the recipe at all: NVFP4 is not implemented yet, so it is never
 # available, whatever the hardware (claiming support would send callers such as Hugging Face
 # accelerate's `use_mxfp8_block_scaling` into a recipe this package cannot build).
 def _unimplemented_recipe_support(recipe_name: str, description: str, device) -> tuple[bool, str]:
@@ -89,9 +91,40 @@ def _unimplemented_recipe_support(recipe_name: str, description: str, device) ->
     return False, reason
 
 
+def _cuda_mxfp8_support(index: int) -> tuple[bool, str]:
+    cc = device_compute_capability(torch.device("cuda", index))
+    if (10, 0) <= cc < (12, 0):
+        return True, ""
+    why = (
+        "12.x has no MXFP8 for every GEMM layout" if cc >= (12, 0) else "it needs 10.x (Blackwell)"
+    )
+    return False, (
+        f"MXFP8BlockScaling: cuda:{index} (compute capability {cc[0]}.{cc[1]}) has no native "
+        f"MXFP8 GEMM: {why}; under autocast the GEMMs run by exact emulation instead"
+    )
+
+
 def check_mxfp8_support(device=None) -> tuple[bool, str]:
-    """``(False, reason)``: ``MXFP8BlockScaling`` is not implemented in this package yet."""
-    return _unimplemented_recipe_support("MXFP8BlockScaling", "MXFP8 block scaling", device)
+    """``(available, reason)``: native MXFP8 support, upstream's meaning (compute capability
+    10.x or 11.x). Elsewhere (Hopper, CPU) it is False, but ``MXFP8BlockScaling`` still runs:
+    its GEMMs are emulated on every device (see ``docs/recipes.md``). ``device=None`` checks
+    every visible GPU, or the CPU without CUDA."""
+    fp8_ok, fp8_reason = check_fp8_support(device)
+    if not fp8_ok:
+        return False, (
+            "MXFP8BlockScaling (MXFP8 block scaling) has no native support here; FP8 itself is "
+            f"not available here either: {fp8_reason}"
+        )
+    if device is not None and torch.device(device).type == "cuda":
+        return _cuda_mxfp8_support(torch.device(device).index)
+    gpus = [] if device is not None else visible_cuda_devices()
+    if not gpus:
+        return False, (
+            "MXFP8BlockScaling: the CPU has no native MXFP8 GEMM; under autocast the GEMMs run "
+            "by exact emulation (dequantize to float32 and multiply)"
+        )
+    reasons = [r for ok, r in (_cuda_mxfp8_support(d.index) for d in gpus) if not ok]
+    return (not reasons, "; ".join(reasons))
 
 
 @functools.cache
@@ -168,16 +201,38 @@ def check_recipe_support(recipe: Recipe) -> None:
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe={recipe!r} is not a transformer_engine Recipe")
     if not isinstance(
-        recipe, (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, CustomRecipe)
+        recipe,
+        (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, CustomRecipe),
     ):
         raise NotImplementedError(
             f"recipe {type(recipe).__name__} is not implemented; use DelayedScaling, "
-            "Float8CurrentScaling, Float8BlockScaling or CustomRecipe"
+            "Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling or CustomRecipe"
         )
+    if isinstance(recipe, MXFP8BlockScaling):
+        _announce_mxfp8_emulation()
     if isinstance(recipe, DelayedScaling) and torch.compiler.is_compiling():
         raise RuntimeError(
             "DelayedScaling keeps state across steps and cannot run under torch.compile; use "
             "Float8CurrentScaling"
+        )
+
+
+_mxfp8_announced = False
+
+
+def _announce_mxfp8_emulation() -> None:
+    """Say once per process that MXFP8 GEMMs are emulated: a user who picked MXFP8 for speed
+    must learn that it runs slower than BF16 here, while a user studying its numerics (the
+    reason to run it off Blackwell) gets exactly MXFP8's values."""
+    global _mxfp8_announced
+    if not _mxfp8_announced:
+        _mxfp8_announced = True
+        warnings.warn(
+            "MXFP8BlockScaling: GEMMs run by exact emulation (MXFP8 operands dequantized to "
+            "float32 and multiplied); the numerics are MXFP8's, the speed is not (native MXFP8 "
+            "GEMMs are not built in this package)",
+            UserWarning,
+            stacklevel=3,
         )
 
 
@@ -186,4 +241,4 @@ def get_align_size_for_quantization(recipe: Recipe) -> int:
     ``CustomRecipe`` states its own (``quantization_alignment``; the factory is not called)."""
     if isinstance(recipe, CustomRecipe):
         return recipe.quantization_alignment
-    return 16
+    return 32 if isinstance(recipe, MXFP8BlockScaling) else 16

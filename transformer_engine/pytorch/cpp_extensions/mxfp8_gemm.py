@@ -1,0 +1,87 @@
+"""The MXFP8 GEMM (``MXFP8BlockScaling``) by exact emulation, on every device.
+
+Native MXFP8 GEMMs exist only on Blackwell (compute capability 10.x/11.x) and are not built
+here. Each MXFP8 operand is read through ``mxfp8_gemm_input(columnwise)``: the copy the layout
+needs, dequantized to a float32 ``[M, K]`` matrix of its logical shape (FP8 values times
+power-of-2 scales are exact in float32). Which copy (upstream's rule, as in
+:mod:`.block_gemm`): TN (fprop) reads both row-wise copies; NN (dgrad) A's (the weight's)
+column-wise copy, whose blocks run along the reduced dim, and B's row-wise; NT (wgrad) both
+column-wise copies. The product is a float32 ``torch.mm``; bias and ``alpha`` are applied in
+float32 and the result rounded once. A non-MXFP8 operand enters as its float32 values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["is_mxfp8_operand", "mxfp8_general_gemm"]
+
+_OP = "general_gemm"
+
+
+def is_mxfp8_operand(operand) -> bool:
+    """Whether ``operand`` is an MXFP8 tensor or storage (has ``mxfp8_gemm_input``)."""
+    return hasattr(operand, "mxfp8_gemm_input")
+
+
+def _values(name: str, operand, columnwise: bool, layout: str) -> torch.Tensor:
+    """``operand`` as float32 of its logical shape, from the copy ``layout`` reads."""
+    if is_mxfp8_operand(operand):
+        values = operand.mxfp8_gemm_input(columnwise)
+        if values is None:
+            which = "columnwise" if columnwise else "rowwise"
+            raise ValueError(
+                f"{_OP}: layout {layout!r} reads {name} {which}, but {name} holds no {which} "
+                f"MXFP8 data (usages {operand.get_usages()}); quantize it with {which} usage"
+            )
+        return values.reshape(operand.size())
+    if hasattr(operand, "_dequantize_plain"):
+        return operand._dequantize_plain(torch.float32)
+    if hasattr(operand, "dequantize") and not isinstance(operand, torch.Tensor):
+        return operand.dequantize(dtype=torch.float32)
+    return operand.float()
+
+
+def mxfp8_general_gemm(A, B, out_dtype, *, layout, out, bias, accumulate, alpha):
+    """:func:`.gemm.general_gemm` when at least one operand is MXFP8 (see the module
+    docstring). Returns ``(out, None, None, None)`` like ``general_gemm``."""
+    if accumulate and out is None:
+        raise ValueError(f"{_OP}: accumulate=True adds into out, so out must be given")
+    a = _values("A", A, layout != "TN", layout)
+    b = _values("B", B, layout == "NT", layout)
+    if layout in ("TN", "NN") and a.dim() != 2:
+        raise ValueError(f"{_OP}: layout {layout!r} needs a 2-D A (the weight), got {a.shape}")
+    if a.device != b.device:
+        raise ValueError(f"{_OP}: A is on {a.device} but B on {b.device}; move them to one device")
+    if layout == "TN":
+        x, y, out_shape = b.reshape(-1, a.shape[1]), a, (*b.shape[:-1], a.shape[0])
+    elif layout == "NN":
+        x, y, out_shape = b.reshape(-1, a.shape[0]), a.t(), (*b.shape[:-1], a.shape[1])
+    else:
+        x = b.reshape(-1, b.shape[-1]).t()
+        y = a.reshape(-1, a.shape[-1]).t()
+        out_shape = (b.shape[-1], a.shape[-1])
+    if x.shape[1] != y.shape[1]:
+        raise ValueError(
+            f"{_OP}: K mismatch for layout {layout!r}: A shape {tuple(A.shape)}, B shape "
+            f"{tuple(B.shape)}"
+        )
+    if out_dtype is None:
+        out_dtype = out.dtype if out is not None else torch.bfloat16
+    result = x @ y.t()
+    if alpha != 1.0:
+        result = result * alpha
+    if bias is not None:
+        result = result + bias.float()
+    result = result.reshape(out_shape)
+    if accumulate:
+        if out.dtype == torch.float32:
+            out.add_(result)
+        else:
+            out.copy_(out.float() + result)
+        return out, None, None, None
+    result = result.to(out_dtype)
+    if out is not None:
+        out.copy_(result)
+        return out, None, None, None
+    return result, None, None, None
