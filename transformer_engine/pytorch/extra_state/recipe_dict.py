@@ -18,6 +18,7 @@ from ...common.recipe import (
     Float8CurrentScaling,
     Format,
     MMParams,
+    MXFP8BlockScaling,
     QParams,
     Recipe,
 )
@@ -28,9 +29,13 @@ __all__ = ["CALLABLE_PLACEHOLDER", "recipe_to_dict", "recipe_from_dict"]
 
 CALLABLE_PLACEHOLDER = "<callable>"
 
-# The recipes a checkpoint can name: those of the extra-state contents, and Float8BlockScaling
-# (stateless like Float8CurrentScaling: only the recipe itself is stored).
-RECIPE_CLASSES = {**_STATE_RECIPE_CLASSES, "Float8BlockScaling": Float8BlockScaling}
+# The recipes a checkpoint can name: those of the extra-state contents, Float8BlockScaling and
+# MXFP8BlockScaling (stateless like Float8CurrentScaling: only the recipe itself is stored).
+RECIPE_CLASSES = {
+    **_STATE_RECIPE_CLASSES,
+    "Float8BlockScaling": Float8BlockScaling,
+    "MXFP8BlockScaling": MXFP8BlockScaling,
+}
 
 # The environment variable each recipe's class-level QParams are read from, at import.
 _QPARAMS_ENV = {
