@@ -25,9 +25,12 @@ so results agree to a few float32 ulps of the largest term: every element within
 that are zero in exact arithmetic (a key bias shifts every score of a query row equally, so
 the softmax ignores it): both modules compute them as cancellation noise of about 1e-7. FP8 (current scaling): the weights are built so
 that every shard holds the full tensor's largest magnitude and split operands have their amax
-reduced over the group, so every rank quantizes with the single-process scales; summation
+reduced over the group (DelayedScaling: ``reduce_amax=True``), so every rank quantizes with
+the single-process scales; summation
 order can still move a value across an FP8 rounding boundary (one E4M3 step, 2^-3 relative),
 hence every element within ``2^-3 * max|reference|`` and 95% within the float32 tolerance.
+Under DelayedScaling every module's forward and backward scales must also equal the
+single-process module's exactly.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import Float8CurrentScaling
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch.attention.multi_head_attention import MultiheadAttention
 from transformer_engine.pytorch.transformer import TransformerLayer
 
@@ -52,12 +55,19 @@ CASES = [
     ("layer", True, None, {}),
     ("layer", True, None, {"num_gqa_groups": 2, "fuse_qkv_params": True}),
     ("layer", True, "current", {}),
+    ("layer", True, "delayed", {}),
     ("mha", False, None, {"input_layernorm": True}),
     ("mha", True, None, {"input_layernorm": True, "num_gqa_groups": 2}),
     ("mha", True, None, {"fuse_qkv_params": True}),
     ("mha", False, None, {"attention_type": "cross", "input_layernorm": True}),
     ("mha", True, None, {"attention_type": "cross"}),
 ]
+
+
+def make_recipe(name):
+    if name == "delayed":  # sequence parallelism needs the amaxes reduced (over the world here)
+        return DelayedScaling(amax_history_len=4, reduce_amax=True)
+    return Float8CurrentScaling() if name == "current" else None
 
 
 def spread_maxima(w: torch.Tensor) -> None:
@@ -156,6 +166,20 @@ def compare(name, got, ref, fp8, failures):
         )
 
 
+def compare_scales(tag, full, par) -> list[str]:
+    failures = []
+    reference = dict(full.named_modules())
+    for name, module in par.named_modules():
+        meta = getattr(module, "fp8_meta", None)
+        if not isinstance(meta, dict) or "scaling_fwd" not in meta:
+            continue
+        for key in ("scaling_fwd", "scaling_bwd"):
+            got, want = meta[key].scale, reference[name].fp8_meta[key].scale
+            if not torch.equal(got, want):
+                failures.append(f"{tag} {name or 'module'} {key} scales {got} != {want}")
+    return failures
+
+
 def parallel_grads(par, sp, group):
     """The tensor-parallel gradients as whole tensors, named as in the full module."""
     grads = {}
@@ -183,7 +207,7 @@ def check_case(kind, sp, recipe_name, extra, group, device) -> list[str]:
             encoder = torch.randn(SEQ // 2, BATCH, HIDDEN, device=device)
         for m in (full, par):
             m.zero_grad(set_to_none=True)
-        recipe = Float8CurrentScaling() if recipe_name == "current" else None
+        recipe = make_recipe(recipe_name)
         ref_out, ref_dx = run(full, x, grad, recipe, encoder)
         x_in = chunk(x, 0, rank, world) if sp else x
         g_in = chunk(grad, 0, rank, world) if sp else grad
@@ -201,6 +225,8 @@ def check_case(kind, sp, recipe_name, extra, group, device) -> list[str]:
         for name, g in got_grads.items():
             if name in ref_grads:
                 compare(f"{tag} {name} grad", g, ref_grads[name], fp8, failures)
+        if recipe_name == "delayed":
+            failures += compare_scales(tag, full, par)
     return failures
 
 
