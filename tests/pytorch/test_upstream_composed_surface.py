@@ -1,6 +1,6 @@
 """Upstream's public names for attention, the composed layers, CUDA graphs, the RNG tracker and
-Float8BlockScaling (rows of upstream's surface owned by those issues; MXFP8 and NVFP4 are not
-built yet and not listed), each resolved from upstream's import path,
+the block-scaled recipes built so far (Float8BlockScaling, MXFP8BlockScaling; NVFP4 is not built
+yet and not listed) (rows of upstream's surface owned by those issues), each resolved from upstream's import path,
 plus the deeper module paths that upstream code and tests import. Whether each works is tested in
 tests/pytorch/attention/ and tests/pytorch/graphs/."""
 
@@ -38,6 +38,13 @@ COMPOSED_NAMES = [
     "transformer_engine.pytorch.is_fp8_block_scaling_available",
     "transformer_engine.pytorch.quantization.Float8BlockScalingRecipeState",
     "transformer_engine.pytorch.tensor.float8_blockwise_tensor.Float8BlockQuantizer",
+    # MXFP8BlockScaling
+    "transformer_engine.common.recipe.MXFP8BlockScaling",
+    "transformer_engine.pytorch.MXFP8Quantizer",
+    "transformer_engine.pytorch.MXFP8Tensor",
+    "transformer_engine.pytorch.MXFP8TensorStorage",
+    "transformer_engine.pytorch.is_mxfp8_available",
+    "transformer_engine.pytorch.tensor.mxfp8_tensor.MXFP8Quantizer",
 ]
 
 

@@ -60,6 +60,9 @@ from .tensor import (
     Float8Quantizer,
     Float8Tensor,
     Float8TensorStorage,
+    MXFP8Quantizer,
+    MXFP8Tensor,
+    MXFP8TensorStorage,
 )
 from .transformer import TransformerLayer
 from .utils import (
@@ -117,6 +120,9 @@ __all__ = [
     "Float8BlockQuantizer",
     "Float8BlockwiseQTensor",
     "Float8BlockwiseQTensorStorage",
+    "MXFP8Quantizer",
+    "MXFP8Tensor",
+    "MXFP8TensorStorage",
     "QuantizedTensorStorage",
     "prepare_for_saving",
     "restore_from_saved",

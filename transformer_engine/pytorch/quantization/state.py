@@ -136,12 +136,14 @@ class FP8GlobalStateManager:
 
     @staticmethod
     def is_mxfp8_available() -> tuple[bool, str]:
-        """``(False, reason)``: MXFP8 block scaling is not implemented in this package yet."""
+        """``(available, reason)`` for native MXFP8 (compute capability 10.x/11.x); elsewhere the
+        recipe runs on an emulated GEMM (see ``check_mxfp8_support``)."""
         return check_mxfp8_support()
 
     @staticmethod
     def is_fp8_block_scaling_available() -> tuple[bool, str]:
-        """``(False, reason)``: FP8 block scaling is not implemented in this package yet."""
+        """``(available, reason)`` for ``Float8BlockScaling`` (see
+        ``check_fp8_block_scaling_support``)."""
         return check_fp8_block_scaling_support()
 
     @staticmethod

@@ -3,8 +3,10 @@
 from ..quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer
 from .float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
 from .float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
+from .mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor
 from .storage.float8_blockwise_tensor_storage import Float8BlockwiseQTensorStorage
 from .storage.float8_tensor_storage import Float8TensorStorage
+from .storage.mxfp8_tensor_storage import MXFP8TensorStorage
 
 __all__ = [
     "Quantizer",
@@ -17,4 +19,7 @@ __all__ = [
     "Float8BlockQuantizer",
     "Float8BlockwiseQTensor",
     "Float8BlockwiseQTensorStorage",
+    "MXFP8Quantizer",
+    "MXFP8Tensor",
+    "MXFP8TensorStorage",
 ]
