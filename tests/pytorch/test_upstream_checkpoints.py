@@ -2,7 +2,7 @@
 names, upstream-written state dicts (BF16 and FP8 delayed scaling) loading here, and what this
 package writes for upstream to read (docs/compatibility.md, "Checkpoints").
 
-Upstream's layouts are written out here from its documented format (shared/reference facts): the
+Upstream's layouts are written out here from its documented format: the
 parameter names, and extra state as an empty ``torch.uint8`` tensor (no FP8 state) or the pickled
 dict ``{"recipe", "scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd",
 "extra_fp8_variables"}`` as bytes in a ``torch.uint8`` tensor.

@@ -1,7 +1,7 @@
 """Upstream's public names that issue 13 ("drop-in surface") owns, one test per name: the name
 resolves from upstream's import path (the longest importable module prefix, then attributes).
 
-The list is data taken from shared/reference/api_surface.md (the rows whose area is "drop-in
+The list is data taken from the list of upstream's public names (the rows whose area is "drop-in
 surface"); names owned by other issues (attention, block-scaled recipes, parallelism, CUDA graphs)
 are not here. A name that is not built yet is a strict xfail that says what is missing, so this
 file stays green, the gaps are listed in one place, and a name that appears turns its xfail into a
