@@ -366,6 +366,21 @@ def _mutated_arguments(func, args, kwargs) -> list[Any]:
     return values
 
 
+class _DequantizeFunc(torch.autograd.Function):
+    """Dequantize in forward; pass the gradient through unchanged (straight-through)."""
+
+    @staticmethod
+    def forward(ctx, tensor, dtype):  # noqa: D102
+        ctx.input_dtype = tensor.dtype
+        return tensor._dequantize_plain(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        if grad.dtype != ctx.input_dtype:
+            grad = grad.to(ctx.input_dtype)
+        return grad, None
+
+
 class QuantizedTensor(torch.Tensor):
     """Base of quantized ``torch.Tensor`` subclasses (wrapper subclasses, no real storage).
 
@@ -403,8 +418,15 @@ class QuantizedTensor(torch.Tensor):
     # Subclass hooks ------------------------------------------------------------------
 
     def dequantize(self, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The high-precision values (autograd-aware in subclasses)."""
-        raise NotImplementedError
+        """High-precision values (``dtype`` defaults to the nominal one).
+
+        Autograd-aware: the gradient passes through to this tensor unchanged. Subclasses whose
+        storage base also defines ``dequantize`` (plain, no autograd) re-bind this one
+        (``dequantize = QuantizedTensor.dequantize``), since the storage comes first in their MRO.
+        """
+        if torch.is_grad_enabled() and self.requires_grad:
+            return _DequantizeFunc.apply(self, dtype)
+        return self._dequantize_plain(dtype)
 
     def _dequantize_plain(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -415,6 +437,17 @@ class QuantizedTensor(torch.Tensor):
 
     def _to_device(self, device: torch.device, *, non_blocking: bool, pin_memory: bool):
         raise NotImplementedError
+
+    def __deepcopy__(self, memo):
+        # Deep copies of the bytes; the quantizer is shared (it aliases recipe state).
+        with torch.no_grad():
+            out = self._to_device(self.device, non_blocking=False, pin_memory=False)
+        if isinstance(self, torch.nn.Parameter):
+            out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
+        else:
+            out.requires_grad_(self.requires_grad)
+        memo[id(self)] = out
+        return out
 
     # Conversions (Python methods: they bypass dispatch) --------------------------------
 

@@ -26,21 +26,6 @@ from .storage.float8_tensor_storage import Float8TensorStorage, check_float8_buf
 __all__ = ["Float8Tensor", "_make_float8_tensor_in_reduce_ex"]
 
 
-class _DequantizeFunc(torch.autograd.Function):
-    """Dequantize in forward; pass the gradient through unchanged (straight-through)."""
-
-    @staticmethod
-    def forward(ctx, tensor, dtype):  # noqa: D102
-        ctx.input_dtype = tensor.dtype
-        return tensor._dequantize_plain(dtype)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        if grad.dtype != ctx.input_dtype:
-            grad = grad.to(ctx.input_dtype)
-        return grad, None
-
-
 def _contiguous_strides(shape) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(tuple(shape)):
@@ -174,14 +159,8 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
 
     # ------------------------------------------------------------------ values
 
-    def dequantize(self, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """High-precision values (``dtype`` defaults to the nominal one).
-
-        Autograd-aware: the gradient passes through to this tensor unchanged.
-        """
-        if torch.is_grad_enabled() and self.requires_grad:
-            return _DequantizeFunc.apply(self, dtype)
-        return self._dequantize_plain(dtype)
+    # autograd-aware (the storage's dequantize, first in the MRO, is the plain one)
+    dequantize = QuantizedTensor.dequantize
 
     def quantize_(self, tensor: torch.Tensor, *, noop_flag: torch.Tensor | None = None):
         """Re-quantize ``tensor`` into this tensor's buffers in place; returns ``self``.
@@ -320,17 +299,6 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
                 self._transpose,
             ),
         )
-
-    def __deepcopy__(self, memo):
-        # Deep copies of the bytes; the quantizer is shared (it aliases recipe state).
-        with torch.no_grad():
-            out = self._to_device(self.device, non_blocking=False, pin_memory=False)
-        if isinstance(self, torch.nn.Parameter):
-            out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
-        else:
-            out.requires_grad_(self.requires_grad)
-        memo[id(self)] = out
-        return out
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

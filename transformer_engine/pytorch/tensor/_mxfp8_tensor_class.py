@@ -21,19 +21,6 @@ __all__ = ["MXFP8Tensor"]
 aten = torch.ops.aten
 
 
-class _DequantizeFunc(torch.autograd.Function):
-    """Dequantize in forward; pass the gradient through unchanged (straight-through)."""
-
-    @staticmethod
-    def forward(ctx, tensor, dtype):  # noqa: D102
-        ctx.input_dtype = tensor.dtype
-        return tensor._dequantize_plain(dtype)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        return (grad if grad.dtype == ctx.input_dtype else grad.to(ctx.input_dtype)), None
-
-
 class MXFP8Tensor(MXFP8TensorStorage, QuantizedTensor):
     """MXFP8 tensor (32-element blocks, E8M0 scales) as a ``torch.Tensor``.
 
@@ -109,11 +96,8 @@ class MXFP8Tensor(MXFP8TensorStorage, QuantizedTensor):
 
     # ------------------------------------------------------------------ values
 
-    def dequantize(self, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """High-precision values; autograd-aware (the gradient passes through unchanged)."""
-        if torch.is_grad_enabled() and self.requires_grad:
-            return _DequantizeFunc.apply(self, dtype)
-        return self._dequantize_plain(dtype)
+    # autograd-aware (the storage's dequantize, first in the MRO, is the plain one)
+    dequantize = QuantizedTensor.dequantize
 
     def quantize_(self, tensor: torch.Tensor, *, noop_flag: torch.Tensor | None = None):
         """Re-quantize ``tensor`` into this tensor's buffers in place; returns ``self``."""
@@ -169,16 +153,6 @@ class MXFP8Tensor(MXFP8TensorStorage, QuantizedTensor):
         )
 
     __str__ = __repr__
-
-    def __deepcopy__(self, memo):
-        with torch.no_grad():
-            out = self._to_device(self.device, non_blocking=False, pin_memory=False)
-        if isinstance(self, torch.nn.Parameter):
-            out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
-        else:
-            out.requires_grad_(self.requires_grad)
-        memo[id(self)] = out
-        return out
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
