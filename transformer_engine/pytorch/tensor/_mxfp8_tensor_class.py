@@ -14,14 +14,13 @@ from __future__ import annotations
 import torch
 
 from ..quantized_tensor import QuantizedTensor
+from ._block_scaled_tensor import BlockScaledTensorMixin
 from .storage.mxfp8_tensor_storage import _BUFFERS, MXFP8TensorStorage, check_mxfp8_view
 
 __all__ = ["MXFP8Tensor"]
 
-aten = torch.ops.aten
 
-
-class MXFP8Tensor(MXFP8TensorStorage, QuantizedTensor):
+class MXFP8Tensor(BlockScaledTensorMixin, MXFP8TensorStorage, QuantizedTensor):
     """MXFP8 tensor (32-element blocks, E8M0 scales) as a ``torch.Tensor``.
 
     Parameters
@@ -44,6 +43,11 @@ class MXFP8Tensor(MXFP8TensorStorage, QuantizedTensor):
     shape = torch.Tensor.shape
     device = torch.Tensor.device
     view = torch.Tensor.view
+
+    _buffer_names = _BUFFERS
+    _quantizer_phrase = "an MXFP8Quantizer"
+    _check_view = staticmethod(check_mxfp8_view)
+    _columnwise_view_shape = staticmethod(tuple)
 
     def __new__(
         cls,
@@ -94,51 +98,15 @@ class MXFP8Tensor(MXFP8TensorStorage, QuantizedTensor):
             **{name.lstrip("_"): t for name, t in buffers.items()},
         )  # fmt: skip
 
-    # ------------------------------------------------------------------ values
-
-    # autograd-aware (the storage's dequantize, first in the MRO, is the plain one)
-    dequantize = QuantizedTensor.dequantize
-
-    def quantize_(self, tensor: torch.Tensor, *, noop_flag: torch.Tensor | None = None):
-        """Re-quantize ``tensor`` into this tensor's buffers in place; returns ``self``."""
-        if self._quantizer is None:
-            raise RuntimeError(
-                "MXFP8Tensor.quantize_: this tensor has no quantizer (block scales come from "
-                "the values, so one is needed); set tensor._quantizer to an MXFP8Quantizer"
-            )
-        if isinstance(tensor, torch.Tensor) and tuple(tensor.shape) != tuple(self.shape):
-            tensor = tensor.expand(self.shape)
-        self._quantizer.update_quantized(tensor, self, noop_flag=noop_flag)
-        return self
-
-    def _quantized_buffers(self) -> list:
-        return [getattr(self, name) for name in _BUFFERS]
-
-    def _to_device(self, device: torch.device, *, non_blocking: bool, pin_memory: bool):
-        def move(t):
-            if t is None:
-                return None
-            t = t.to(device, non_blocking=non_blocking, copy=True)
-            return t.pin_memory() if pin_memory else t
-
-        return self._with_buffers(self.shape, {n: move(getattr(self, n)) for n in _BUFFERS})
-
     # ------------------------------------------------------------------ Python protocol
 
-    @property
-    def data(self) -> torch.Tensor:
-        """Detached alias sharing the buffers."""
-        return self.detach()
-
-    @data.setter
-    def data(self, value: torch.Tensor) -> None:
-        if isinstance(value, MXFP8Tensor):
-            torch._C.TensorBase.data.__set__(self, value)
-            meta = value.get_metadata()
-            self._set_mxfp8_buffers(*meta.values(), False, value.dtype)
-            return
-        with torch.no_grad():
-            self.quantize_(value)
+    def _adopt_buffers(self, value) -> bool:
+        if not isinstance(value, MXFP8Tensor):
+            return False
+        torch._C.TensorBase.data.__set__(self, value)
+        meta = value.get_metadata()
+        self._set_mxfp8_buffers(*meta.values(), False, value.dtype)
+        return True
 
     def __repr__(self, *, tensor_contents=None) -> str:
         if self.is_meta:
@@ -153,39 +121,3 @@ class MXFP8Tensor(MXFP8TensorStorage, QuantizedTensor):
         )
 
     __str__ = __repr__
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        tensor = args[0] if args else None
-        if isinstance(tensor, MXFP8Tensor):
-            if func in (aten.detach.default, aten.alias.default):
-                buffers = {n: getattr(tensor, n) for n in _BUFFERS}
-                return tensor._with_buffers(tensor.shape, buffers)
-            if func is aten.clone.default:
-                buffers = {
-                    n: (None if getattr(tensor, n) is None else getattr(tensor, n).clone())
-                    for n in _BUFFERS
-                }
-                return tensor._with_buffers(tensor.shape, buffers)
-            if func in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
-                try:
-                    shape = check_mxfp8_view(tensor, args[1])
-                except RuntimeError:
-                    if func is aten.reshape.default:
-                        return _high_precision_reshape(cls, func, types, args, kwargs)
-                    raise
-                row, col = tensor._rowwise_data, tensor._columnwise_data
-                buffers = {
-                    "_rowwise_data": None if row is None else row.view(shape),
-                    "_rowwise_scale_inv": tensor._rowwise_scale_inv,
-                    "_columnwise_data": None if col is None else col.view(shape),
-                    "_columnwise_scale_inv": tensor._columnwise_scale_inv,
-                }
-                return tensor._with_buffers(shape, buffers)
-        return QuantizedTensor.__torch_dispatch__.__func__(cls, func, types, args, kwargs)
-
-
-def _high_precision_reshape(cls, func, types, args, kwargs):
-    """A reshape the blocks cannot follow runs in high precision (like any other op)."""
-    return QuantizedTensor.__torch_dispatch__.__func__(cls, func, types, args, kwargs)

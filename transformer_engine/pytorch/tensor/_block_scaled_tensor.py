@@ -1,0 +1,119 @@
+"""What the block-scaled tensor classes (``Float8BlockwiseQTensor``, ``MXFP8Tensor``) share.
+
+Both hold four buffers (row-wise and column-wise data and scale-inverses) whose block scales come
+from the values, so both re-quantize through their quantizer, move and clone buffer by buffer,
+adopt another tensor's buffers on ``.data = ...``, and keep aten views of the leading dims
+quantized. A class supplies its buffer names, the phrase naming its quantizer, its view check,
+the shape its column-wise bytes take for a logical shape, and how it adopts another tensor's
+buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quantized_tensor import QuantizedTensor
+
+__all__ = ["BlockScaledTensorMixin"]
+
+aten = torch.ops.aten
+
+
+class BlockScaledTensorMixin:
+    """Methods of a block-scaled ``QuantizedTensor`` subclass (listed first in its bases)."""
+
+    #: the buffer attributes, row-wise data and scales then column-wise data and scales
+    _buffer_names: tuple[str, ...] = ()
+    #: how the quantize_ error names the quantizer to set ("a Float8BlockQuantizer")
+    _quantizer_phrase: str = ""
+
+    # autograd-aware (the storage's dequantize, earlier in the MRO, is the plain one)
+    dequantize = QuantizedTensor.dequantize
+
+    @staticmethod
+    def _check_view(tensor, shape) -> torch.Size:
+        """The checked target shape of a view, or RuntimeError when the blocks cannot follow."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _columnwise_view_shape(shape) -> tuple:
+        """The shape of the column-wise bytes of a tensor of logical ``shape``."""
+        raise NotImplementedError
+
+    def _adopt_buffers(self, value) -> bool:
+        """``self.data = value``: take ``value``'s buffers when it is of this kind (True)."""
+        raise NotImplementedError
+
+    def quantize_(self, tensor: torch.Tensor, *, noop_flag: torch.Tensor | None = None):
+        """Re-quantize ``tensor`` into this tensor's buffers in place; returns ``self``."""
+        if self._quantizer is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.quantize_: this tensor has no quantizer (block scales "
+                "come from the values, so one is needed); set tensor._quantizer to "
+                f"{self._quantizer_phrase}"
+            )
+        if isinstance(tensor, torch.Tensor) and tuple(tensor.shape) != tuple(self.shape):
+            tensor = tensor.expand(self.shape)
+        self._quantizer.update_quantized(tensor, self, noop_flag=noop_flag)
+        return self
+
+    def _quantized_buffers(self) -> list:
+        return [getattr(self, name) for name in self._buffer_names]
+
+    def _to_device(self, device: torch.device, *, non_blocking: bool, pin_memory: bool):
+        def move(t):
+            if t is None:
+                return None
+            t = t.to(device, non_blocking=non_blocking, copy=True)
+            return t.pin_memory() if pin_memory else t
+
+        buffers = {n: move(getattr(self, n)) for n in self._buffer_names}
+        return self._with_buffers(self.shape, buffers)
+
+    @property
+    def data(self) -> torch.Tensor:
+        """Detached alias sharing the buffers."""
+        return self.detach()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        if self._adopt_buffers(value):
+            return
+        with torch.no_grad():
+            self.quantize_(value)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensor = args[0] if args else None
+        if isinstance(tensor, cls):
+            names = cls._buffer_names
+            if func in (aten.detach.default, aten.alias.default):
+                return tensor._with_buffers(tensor.shape, {n: getattr(tensor, n) for n in names})
+            if func is aten.clone.default:
+                buffers = {
+                    n: (None if getattr(tensor, n) is None else getattr(tensor, n).clone())
+                    for n in names
+                }
+                return tensor._with_buffers(tensor.shape, buffers)
+            if func in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+                try:
+                    shape = cls._check_view(tensor, args[1])
+                except RuntimeError:
+                    if func is not aten.reshape.default:
+                        raise
+                    # a reshape the blocks cannot follow runs in high precision, like any op
+                    return QuantizedTensor.__torch_dispatch__.__func__(
+                        cls, func, types, args, kwargs
+                    )
+                row, col = tensor._rowwise_data, tensor._columnwise_data
+                buffers = {
+                    "_rowwise_data": None if row is None else row.view(shape),
+                    "_rowwise_scale_inv": tensor._rowwise_scale_inv,
+                    "_columnwise_data": (
+                        None if col is None else col.view(cls._columnwise_view_shape(shape))
+                    ),
+                    "_columnwise_scale_inv": tensor._columnwise_scale_inv,
+                }
+                return tensor._with_buffers(shape, buffers)
+        return QuantizedTensor.__torch_dispatch__.__func__(cls, func, types, args, kwargs)
