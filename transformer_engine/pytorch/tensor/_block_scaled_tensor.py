@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from ..quantized_tensor import QuantizedTensor
+from ._float8_quantize_into import high_precision_source
 
-__all__ = ["BlockScaledTensorMixin"]
+__all__ = ["BlockScaledTensorMixin", "requantize_into"]
 
 aten = torch.ops.aten
 
@@ -117,3 +118,30 @@ class BlockScaledTensorMixin:
                 }
                 return tensor._with_buffers(shape, buffers)
         return QuantizedTensor.__torch_dispatch__.__func__(cls, func, types, args, kwargs)
+
+
+def requantize_into(quantizer, owner: str, src, dst, noop_flag: torch.Tensor | None):
+    """A block-scaled quantizer's ``update_quantized`` once ``dst``'s kind is checked: cast
+    ``src`` with ``quantizer`` into the layouts ``dst`` holds and copy the bytes and scales into
+    its buffers in place (``noop_flag`` 1.0: leave ``dst`` as it is). ``owner`` names the
+    quantizer class in errors."""
+    if noop_flag is not None and float(noop_flag.reshape(-1)[0]) == 1.0:
+        return dst
+    src = high_precision_source(src)
+    if tuple(src.shape) != tuple(dst.size()):
+        raise ValueError(
+            f"{owner}.update_quantized: src has shape {tuple(src.shape)} but dst has shape "
+            f"{tuple(dst.size())}"
+        )
+    usages = dst.get_usages()
+    saved = quantizer.rowwise_usage, quantizer.columnwise_usage
+    quantizer.set_usage(rowwise=usages["rowwise"], columnwise=usages["columnwise"])
+    try:
+        buffers = quantizer._cast(src.to(dst.device))
+    finally:
+        quantizer.set_usage(rowwise=saved[0], columnwise=saved[1])
+    for name, value in buffers.items():
+        if value is not None:
+            getattr(dst, "_" + name).copy_(value)
+    dst._fp8_dtype = quantizer.dtype
+    return dst

@@ -15,6 +15,7 @@ from ...common.recipe import Float8BlockScaling
 from .. import reference
 from ..constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
 from ..quantized_tensor import Quantizer, _check_high_precision_dtype
+from ._block_scaled_tensor import requantize_into
 from ._float8_blockwise_tensor_class import Float8BlockwiseQTensor
 from ._float8_quantize_into import high_precision_source
 from .storage.float8_blockwise_tensor_storage import (
@@ -187,26 +188,7 @@ class Float8BlockQuantizer(Quantizer):
                 f"{'2D' if dst._is_2D_scaled else '1D'}-scaled but this quantizer casts "
                 f"block_scaling_dim={self.block_scaling_dim}; use dst's own quantizer"
             )
-        if noop_flag is not None and float(noop_flag.reshape(-1)[0]) == 1.0:
-            return dst
-        src = high_precision_source(src)
-        if tuple(src.shape) != tuple(dst.size()):
-            raise ValueError(
-                f"Float8BlockQuantizer.update_quantized: src has shape {tuple(src.shape)} but "
-                f"dst has shape {tuple(dst.size())}"
-            )
-        usages = dst.get_usages()
-        saved = self.rowwise_usage, self.columnwise_usage
-        self.set_usage(rowwise=usages["rowwise"], columnwise=usages["columnwise"])
-        try:
-            buffers = self._cast(src.to(dst.device))
-        finally:
-            self.set_usage(rowwise=saved[0], columnwise=saved[1])
-        for name, value in buffers.items():
-            if value is not None:
-                getattr(dst, "_" + name).copy_(value)
-        dst._fp8_dtype = self.dtype
-        return dst
+        return requantize_into(self, "Float8BlockQuantizer", src, dst, noop_flag)
 
     def make_empty(
         self,

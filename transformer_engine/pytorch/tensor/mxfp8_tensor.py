@@ -16,6 +16,7 @@ from ...common.recipe import MXFP8BlockScaling
 from .. import reference
 from ..constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
 from ..quantized_tensor import Quantizer, _check_high_precision_dtype
+from ._block_scaled_tensor import requantize_into
 from ._float8_quantize_into import high_precision_source
 from ._mxfp8_tensor_class import MXFP8Tensor
 from .storage.float8_blockwise_tensor_storage import block_matrix_dims
@@ -133,26 +134,7 @@ class MXFP8Quantizer(Quantizer):
                 f"MXFP8Quantizer.update_quantized: dst must be an MXFP8Tensor or its storage, "
                 f"got {type(dst).__name__}"
             )
-        if noop_flag is not None and float(noop_flag.reshape(-1)[0]) == 1.0:
-            return dst
-        src = high_precision_source(src)
-        if tuple(src.shape) != tuple(dst.size()):
-            raise ValueError(
-                f"MXFP8Quantizer.update_quantized: src has shape {tuple(src.shape)} but dst "
-                f"has shape {tuple(dst.size())}"
-            )
-        usages = dst.get_usages()
-        saved = self.rowwise_usage, self.columnwise_usage
-        self.set_usage(rowwise=usages["rowwise"], columnwise=usages["columnwise"])
-        try:
-            buffers = self._cast(src.to(dst.device))
-        finally:
-            self.set_usage(rowwise=saved[0], columnwise=saved[1])
-        for name, value in buffers.items():
-            if value is not None:
-                getattr(dst, "_" + name).copy_(value)
-        dst._fp8_dtype = self.dtype
-        return dst
+        return requantize_into(self, "MXFP8Quantizer", src, dst, noop_flag)
 
     def make_empty(
         self, shape, *, dtype: torch.dtype = torch.float32, device=None,
