@@ -33,11 +33,11 @@ import torch
 
 from ... import reference
 from ...constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
-from ...quantized_tensor import QuantizedTensorStorage
+from ._block_scaled_storage import BUFFERS, BlockScaledTensorStorage
 
 __all__ = ["Float8BlockwiseQTensorStorage", "block_matrix_dims", "columnwise_shape"]
 
-_BUFFERS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv")
+_BUFFERS = BUFFERS  # the buffers in saving order (importers read this name)
 
 
 def block_matrix_dims(shape) -> tuple[int, int]:
@@ -66,7 +66,7 @@ def _as_uint8(name: str, t):
     return t
 
 
-class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
+class Float8BlockwiseQTensorStorage(BlockScaledTensorStorage):
     """Block-scaled FP8 buffers: row-wise and column-wise bytes with their block scales.
 
     Parameters (positional, as upstream's)
@@ -276,47 +276,11 @@ class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
         if not columnwise:
             self._columnwise_data = self._columnwise_scale_inv = None
 
-    def get_data_tensors(self, rowwise_data: bool = True, columnwise_data: bool = True):
-        """``(_rowwise_data, _columnwise_data)``, or one of them."""
-        if rowwise_data and columnwise_data:
-            return self._rowwise_data, self._columnwise_data
-        if rowwise_data:
-            return self._rowwise_data
-        if columnwise_data:
-            return self._columnwise_data
-        raise ValueError("get_data_tensors: request rowwise_data and/or columnwise_data")
-
     def get_metadata(self) -> dict:
         """Keyword arguments that rebuild this object (shares the buffers)."""
-        return {
-            "rowwise_data": self._rowwise_data,
-            "rowwise_scale_inv": self._rowwise_scale_inv,
-            "columnwise_data": self._columnwise_data,
-            "columnwise_scale_inv": self._columnwise_scale_inv,
-            "fp8_dtype": self._fp8_dtype,
-            "quantizer": self._quantizer,
-            "is_2D_scaled": self._is_2D_scaled,
-        }
+        return {**super().get_metadata(), "is_2D_scaled": self._is_2D_scaled}
 
     # ------------------------------------------------------------------ saving, copying
-
-    def prepare_for_saving(self):
-        """Hand out the four buffers (``_BUFFERS`` order) and drop them here."""
-        tensors = [getattr(self, name) for name in _BUFFERS]
-        for name in _BUFFERS:
-            setattr(self, name, None)
-        return tensors, self
-
-    def restore_from_saved(self, tensors):
-        """Take the four buffers from the front of ``tensors``; return the rest."""
-        if len(tensors) < 4:
-            raise ValueError(
-                f"{type(self).__name__}.restore_from_saved: expected at least 4 tensors, got "
-                f"{len(tensors)}"
-            )
-        for name, t in zip(_BUFFERS, tensors):
-            setattr(self, name, t)
-        return list(tensors[4:])
 
     def copy_from_storage(self, src: Float8BlockwiseQTensorStorage) -> None:
         """Copy ``src``'s bytes and scales into this object's buffers (same shape, dtype and

@@ -24,12 +24,12 @@ import torch
 
 from ... import reference
 from ...constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
-from ...quantized_tensor import QuantizedTensorStorage
+from ._block_scaled_storage import BUFFERS, BlockScaledTensorStorage
 from .float8_blockwise_tensor_storage import block_matrix_dims
 
 __all__ = ["MXFP8TensorStorage", "mxfp8_scale_shape", "check_mxfp8_view"]
 
-_BUFFERS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv")
+_BUFFERS = BUFFERS  # the buffers in saving order (importers read this name)
 _N = reference.MXFP8_BLOCK_LEN
 
 
@@ -57,7 +57,7 @@ def _as_uint8(name: str, t):
     return t
 
 
-class MXFP8TensorStorage(QuantizedTensorStorage):
+class MXFP8TensorStorage(BlockScaledTensorStorage):
     """MXFP8 buffers: row-wise and column-wise bytes with their E8M0 block scales.
 
     Parameters (positional, as upstream's)
@@ -205,46 +205,7 @@ class MXFP8TensorStorage(QuantizedTensorStorage):
         if not columnwise:
             self._columnwise_data = self._columnwise_scale_inv = None
 
-    def get_data_tensors(self, rowwise_data: bool = True, columnwise_data: bool = True):
-        """``(_rowwise_data, _columnwise_data)``, or one of them."""
-        if rowwise_data and columnwise_data:
-            return self._rowwise_data, self._columnwise_data
-        if rowwise_data:
-            return self._rowwise_data
-        if columnwise_data:
-            return self._columnwise_data
-        raise ValueError("get_data_tensors: request rowwise_data and/or columnwise_data")
-
-    def get_metadata(self) -> dict:
-        """Keyword arguments that rebuild this object (shares the buffers)."""
-        return {
-            "rowwise_data": self._rowwise_data,
-            "rowwise_scale_inv": self._rowwise_scale_inv,
-            "columnwise_data": self._columnwise_data,
-            "columnwise_scale_inv": self._columnwise_scale_inv,
-            "fp8_dtype": self._fp8_dtype,
-            "quantizer": self._quantizer,
-        }
-
     # ------------------------------------------------------------------ saving, copying
-
-    def prepare_for_saving(self):
-        """Hand out the four buffers (``_BUFFERS`` order) and drop them here."""
-        tensors = [getattr(self, name) for name in _BUFFERS]
-        for name in _BUFFERS:
-            setattr(self, name, None)
-        return tensors, self
-
-    def restore_from_saved(self, tensors):
-        """Take the four buffers from the front of ``tensors``; return the rest."""
-        if len(tensors) < 4:
-            raise ValueError(
-                f"{type(self).__name__}.restore_from_saved: expected at least 4 tensors, got "
-                f"{len(tensors)}"
-            )
-        for name, t in zip(_BUFFERS, tensors):
-            setattr(self, name, t)
-        return list(tensors[4:])
 
     def copy_from_storage(self, src: MXFP8TensorStorage) -> None:
         """Copy ``src``'s bytes and scales into this object's buffers (same shape and dtype)."""
