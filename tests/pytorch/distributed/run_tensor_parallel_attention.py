@@ -42,8 +42,12 @@ import os
 import torch
 import torch.distributed as dist
 
+# The helpers the Linear/LayerNormMLP worker already has: its recipes (delayed with the amaxes
+# reduced, as sequence parallelism needs), the shard-equal amax placement, gather and sum over
+# the group. This file's directory is on sys.path both under torchrun and from its test.
+from run_tensor_parallel import gather, make_recipe, spread_maxima, summed  # noqa: E402
+
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch.attention.multi_head_attention import MultiheadAttention
 from transformer_engine.pytorch.transformer import TransformerLayer
 
@@ -62,26 +66,6 @@ CASES = [
     ("mha", False, None, {"attention_type": "cross", "input_layernorm": True}),
     ("mha", True, None, {"attention_type": "cross"}),
 ]
-
-
-def make_recipe(name):
-    if name == "delayed":  # sequence parallelism needs the amaxes reduced (over the world here)
-        return DelayedScaling(amax_history_len=4, reduce_amax=True)
-    return Float8CurrentScaling() if name == "current" else None
-
-
-def spread_maxima(w: torch.Tensor) -> None:
-    """Put the tensor's largest magnitude in every half along each dimension, so every
-    tensor-parallel shard has the amax of the whole tensor (FP8 scales agree)."""
-    with torch.no_grad():
-        idx = [[0, s // 2] if s > 1 else [0] for s in w.shape]
-        if w.dim() == 1:
-            for i in idx[0]:
-                w[i] = 0.5
-        else:
-            for i in idx[0]:
-                for j in idx[1]:
-                    w[i, j] = 0.5
 
 
 def build(kind, extra, device, **parallel):
@@ -133,18 +117,6 @@ def run(module, x, grad, recipe, encoder):
         out = module(x, **kwargs)
     out.backward(grad)
     return out.detach(), x.grad
-
-
-def gather(t, dim, group):
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
-def summed(t, group):
-    t = t.clone()
-    dist.all_reduce(t, group=group)
-    return t
 
 
 def compare(name, got, ref, fp8, failures):
