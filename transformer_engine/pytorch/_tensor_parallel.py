@@ -13,8 +13,13 @@ The regions (each an autograd function whose backward is the forward's adjoint):
 * :func:`reduce_scatter_to_sequence_parallel_region`: reduce-scatter along dim 0 forward,
   all-gather of the gradient (the output of a row-parallel GEMM under sequence parallelism).
 
-Everything here works on tensors in high precision: a quantized input is dequantized before it
-is communicated (FP8 all-gathers are not built).
+FP8 all-gather: :func:`gather_along_first_dim` with a per-tensor FP8 quantizer (delayed or
+current scaling) casts this rank's rows first and all-gathers the FP8 bytes (one byte per value
+instead of two in BF16) with the shared ``scale_inv``; every rank must cast with the same scale
+(delayed scaling: amaxes reduced over a group containing this one; current scaling: the local
+amax is all-reduced (MAX) over the group before the scale is computed, done here). Other
+quantizers (block-scaled FP8, MXFP8) and other quantized inputs are gathered in high precision
+and quantized afterwards. The reduce-scatters and all-reduces always run in high precision.
 """
 
 from __future__ import annotations
@@ -23,11 +28,15 @@ import torch
 import torch.distributed as dist
 
 from .quantized_tensor import QuantizedTensorStorage
+from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
+from .tensor.storage.float8_tensor_storage import Float8TensorStorage
 
 __all__ = [
     "get_distributed_world_size",
     "get_distributed_rank",
     "gather_along_first_dim",
+    "gathers_fp8",
+    "sequence_parallel_gemm_input",
     "reduce_scatter_along_first_dim",
     "allreduce",
     "set_tensor_model_parallel_attributes",
@@ -86,6 +95,75 @@ def _high_precision(t):
     return t
 
 
+def gathers_fp8(quantizer) -> bool:
+    """Whether :func:`gather_along_first_dim` moves FP8 bytes for ``quantizer``: the per-tensor
+    FP8 quantizers (delayed and current scaling). Block-scaled quantizers are gathered in high
+    precision and quantized afterwards."""
+    return isinstance(quantizer, (Float8Quantizer, Float8CurrentScalingQuantizer))
+
+
+def _output_buffer(shape, like: torch.Tensor, output_tensor):
+    if output_tensor is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if tuple(output_tensor.shape) != tuple(shape) or output_tensor.dtype != like.dtype:
+        raise ValueError(
+            f"gather_along_first_dim: output_tensor is {output_tensor.dtype} of shape "
+            f"{tuple(output_tensor.shape)} but the gather produces {like.dtype} of shape "
+            f"{tuple(shape)}"
+        )
+    return output_tensor
+
+
+def _cast_rows(quantizer, src: torch.Tensor, group):
+    """This rank's rows in FP8, row-wise bytes only, with the scale every rank of ``group``
+    computes: a current-scaling quantizer that does not reduce its amax already reduces it
+    (MAX) over ``group`` for this cast. The quantizer's usages and reduction are restored."""
+    usages = (quantizer.rowwise_usage, quantizer.columnwise_usage)
+    reduction = getattr(quantizer, "with_amax_reduction", None)
+    group_before = getattr(quantizer, "amax_reduction_group", None)
+    quantizer.set_usage(rowwise=True, columnwise=False)
+    if reduction is False:
+        quantizer.with_amax_reduction, quantizer.amax_reduction_group = True, group
+    try:
+        return quantizer.quantize_impl(src)
+    finally:
+        quantizer.set_usage(rowwise=usages[0], columnwise=usages[1])
+        if reduction is False:
+            quantizer.with_amax_reduction, quantizer.amax_reduction_group = False, group_before
+
+
+def _gather_fp8(inp, group, world, quantizer, async_op, output_tensor):
+    """All-gather of FP8 bytes: ``inp`` cast here (or already a per-tensor FP8 tensor with
+    row-wise bytes), its ``_data`` gathered, the result wrapped with the shared ``scale_inv``
+    as ``quantizer`` would return it (storage when ``internal``), with its usages."""
+    if isinstance(inp, Float8TensorStorage):
+        local = inp
+    else:
+        src = inp if inp.is_contiguous() else inp.contiguous()
+        local = _cast_rows(quantizer, src, group)
+    data = local._data if local._data.is_contiguous() else local._data.contiguous()
+    shape = (data.shape[0] * world, *data.shape[1:])
+    out = _output_buffer(shape, data, output_tensor)
+    rowwise, columnwise = quantizer.rowwise_usage, quantizer.columnwise_usage
+    # The transposed copy is built from the gathered bytes: only a row-wise result can be
+    # handed back before the gather completes.
+    asynchronous = async_op and not columnwise
+    handle = _all_gather_dim0(out, data, group=group, async_op=asynchronous)
+    if quantizer.internal:
+        result = Float8TensorStorage._from_cast(
+            data=out, transpose=None, scale_inv=local._scale_inv, fp8_dtype=local._fp8_dtype,
+            quantizer=local._quantizer, fake_dtype=local._dtype,
+        )  # fmt: skip
+    else:
+        result = Float8Tensor(
+            shape, local._dtype, data=out, fp8_scale_inv=local._scale_inv,
+            fp8_dtype=local._fp8_dtype, quantizer=local._quantizer,
+        )  # fmt: skip
+    if columnwise or not rowwise:
+        result.update_usage(rowwise_usage=rowwise, columnwise_usage=columnwise)
+    return result, handle
+
+
 def gather_along_first_dim(
     inp: torch.Tensor,
     process_group,
@@ -98,10 +176,18 @@ def gather_along_first_dim(
 
     ``out`` has ``world_size * inp.shape[0]`` rows, rank ``r``'s rows at ``r * inp.shape[0]``.
     ``handle`` is the ``torch.distributed`` work object with ``async_op=True`` (wait on it before
-    reading ``out``), else ``None``. With one rank the input comes back as it is. With a
-    ``quantizer`` the gathered values come back quantized by it; they are gathered in high
-    precision and quantized afterwards (FP8 all-gathers are not built), so the call is then
-    synchronous. ``output_tensor`` receives the gathered values when given.
+    reading ``out``), else ``None``. With one rank the input comes back as it is (quantized
+    when a ``quantizer`` is given).
+
+    With a per-tensor FP8 ``quantizer`` (:func:`gathers_fp8`) the FP8 bytes are gathered: this
+    rank's rows are cast (row-wise; a current-scaling quantizer reduces the amax over the group
+    first so every rank casts with one scale; delayed scaling relies on amaxes reduced over a
+    group containing this one), the ``uint8`` data is all-gathered and wrapped with the shared
+    ``scale_inv``; the transposed copy, when the quantizer's usages ask for it, is built from
+    the gathered bytes (the call is then synchronous). An input that already is a per-tensor
+    FP8 tensor with row-wise bytes is gathered as it is. Other quantizers: the values are
+    gathered in high precision and quantized afterwards (synchronous). ``output_tensor``
+    receives the gathered values (the ``uint8`` bytes on the FP8 path) when given.
     ``external_coalescing`` only matters to NVFP4 (not built) and is accepted.
     """
     del external_coalescing
@@ -110,24 +196,58 @@ def gather_along_first_dim(
         if quantizer is not None and not isinstance(inp, QuantizedTensorStorage):
             inp = quantizer.quantize(inp)
         return inp, None
+    if gathers_fp8(quantizer) and (
+        not isinstance(inp, QuantizedTensorStorage)
+        or (isinstance(inp, Float8TensorStorage) and inp._data is not None)
+    ):
+        return _gather_fp8(inp, process_group, world, quantizer, async_op, output_tensor)
     src = _high_precision(inp)
     if not src.is_contiguous():
         src = src.contiguous()
     shape = (src.shape[0] * world, *src.shape[1:])
-    if output_tensor is None:
-        out = torch.empty(shape, dtype=src.dtype, device=src.device)
-    else:
-        if tuple(output_tensor.shape) != shape:
-            raise ValueError(
-                f"gather_along_first_dim: output_tensor has shape {tuple(output_tensor.shape)} "
-                f"but the gather produces {shape}"
-            )
-        out = output_tensor
+    out = _output_buffer(shape, src, output_tensor)
     asynchronous = async_op and quantizer is None
     handle = _all_gather_dim0(out, src, group=process_group, async_op=asynchronous)
     if quantizer is not None:
         out = quantizer.quantize(out)
     return out, handle
+
+
+def sequence_parallel_gemm_input(inp: torch.Tensor, group, config, *, columnwise: bool):
+    """A column-parallel GEMM's input under sequence parallelism, all-gathered over ``group``:
+    ``(gemm_input, leading_shape)``, ``leading_shape`` being the gathered input's leading
+    dimensions (the GEMM output's, before its features).
+
+    When the GEMM runs in FP8 on a per-tensor FP8 input quantizer (``config.fp8``, no
+    ``backward_override``, no ``save_original_input``), the gather moves FP8 bytes and
+    ``gemm_input`` is a 2-D FP8 storage with row-wise bytes (and the transposed copy with
+    ``columnwise``, for the weight gradient), cast with the scale of the whole gathered tensor;
+    the GEMM takes it as it is. Otherwise ``gemm_input`` is the gathered high-precision tensor.
+    """
+    world = get_distributed_world_size(group)
+    leading = (inp.shape[0] * world, *inp.shape[1:-1]) if inp.dim() else ()
+    quantizer = config.input_quantizer
+    fp8_gather = (
+        config.fp8
+        and config.backward_override is None
+        and not config.save_original_input
+        and world > 1
+        and gathers_fp8(quantizer)
+        and not isinstance(inp, QuantizedTensorStorage)
+    )
+    if not fp8_gather:
+        return gather_along_first_dim(inp, group)[0], leading
+    usages, internal = (quantizer.rowwise_usage, quantizer.columnwise_usage), quantizer.internal
+    quantizer.set_usage(rowwise=True, columnwise=columnwise)
+    quantizer.internal = True
+    try:
+        gathered, _ = gather_along_first_dim(
+            inp.reshape(-1, inp.shape[-1]), group, quantizer=quantizer
+        )
+    finally:
+        quantizer.set_usage(rowwise=usages[0], columnwise=usages[1])
+        quantizer.internal = internal
+    return gathered, leading
 
 
 def reduce_scatter_along_first_dim(

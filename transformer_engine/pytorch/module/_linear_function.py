@@ -9,14 +9,19 @@ update once its backward is done.
 Under sequence parallelism a column-parallel GEMM's input arrives split along dimension 0: the
 node all-gathers it before the GEMM, reduce-scatters the input gradient, and, when the weight
 gradient reads the input in high precision, saves only the local shard and gathers it again in
-backward (an FP8 input is saved gathered, as the transposed FP8 copy).
+backward. In FP8 with a per-tensor FP8 input quantizer the gather moves FP8 bytes
+(``sequence_parallel_gemm_input``) and the gathered input is saved as its transposed FP8 copy.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._tensor_parallel import gather_along_first_dim, reduce_scatter_along_first_dim
+from .._tensor_parallel import (
+    gather_along_first_dim,
+    reduce_scatter_along_first_dim,
+    sequence_parallel_gemm_input,
+)
 from ..device import device_guard
 from ..functional.linear import LinearConfig, linear_backward, linear_forward
 from ..quantization import BackwardScaleUpdate
@@ -27,7 +32,11 @@ __all__ = ["linear"]
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, inp, bias, config, backward_update, sp_group):  # noqa: D102
-        full = inp if sp_group is None else gather_along_first_dim(inp, sp_group)[0]
+        full = inp
+        if sp_group is not None:
+            full, leading = sequence_parallel_gemm_input(
+                inp, sp_group, config, columnwise=weight.requires_grad
+            )
         out, saved = linear_forward(
             weight,
             full,
@@ -37,6 +46,10 @@ class _LinearFunction(torch.autograd.Function):
             needs_wgrad=weight.requires_grad,
             bias_requires_grad=bias is not None and bias.requires_grad,
         )
+        if sp_group is not None:
+            out = out.reshape(*leading, out.shape[-1])
+            if saved.x is full and not isinstance(full, torch.Tensor):  # gathered in FP8
+                full.update_usage(rowwise_usage=False, columnwise_usage=True)
         # Keep the local shard instead of the gathered input when backward reads it as it is.
         ctx.regather = (
             sp_group is not None
@@ -49,7 +62,7 @@ class _LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(*saved.pack())
         ctx.saved = saved
         ctx.backward_update = backward_update
-        ctx.sp_group = sp_group
+        ctx.sp_group, ctx.inp_shape = sp_group, inp.shape
         return out
 
     @staticmethod
@@ -61,7 +74,7 @@ class _LinearFunction(torch.autograd.Function):
                 saved.x = gather_along_first_dim(saved.x, ctx.sp_group)[0]
             dx, dw, dbias = linear_backward(saved, grad_out)
             if dx is not None and ctx.sp_group is not None:
-                dx = reduce_scatter_along_first_dim(dx, ctx.sp_group)[0]
+                dx = reduce_scatter_along_first_dim(dx, ctx.sp_group)[0].view(ctx.inp_shape)
             if ctx.backward_update is not None:
                 ctx.backward_update.complete()
         return dw, dx, dbias, None, None, None
@@ -86,7 +99,11 @@ def linear(
         return _LinearFunction.apply(
             weight, inp, bias, config, backward_update, sequence_parallel_group
         )
-    if sequence_parallel_group is not None:
-        inp = gather_along_first_dim(inp, sequence_parallel_group)[0]
-    out, _ = linear_forward(weight, inp, bias, config, needs_dgrad=False, needs_wgrad=False)
-    return out
+    if sequence_parallel_group is None:
+        out, _ = linear_forward(weight, inp, bias, config, needs_dgrad=False, needs_wgrad=False)
+        return out
+    full, leading = sequence_parallel_gemm_input(
+        inp, sequence_parallel_group, config, columnwise=False
+    )
+    out, _ = linear_forward(weight, full, bias, config, needs_dgrad=False, needs_wgrad=False)
+    return out.reshape(*leading, out.shape[-1])

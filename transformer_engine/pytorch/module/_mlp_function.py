@@ -15,12 +15,17 @@ What is kept for backward: FC1's saved operands (the norm output, FP8 transposed
 FC1's output ``h`` in the activation dtype (the activation's backward reads it), and FC2's
 (the activation output, FP8 transposed under FP8). Other quantizers (custom recipes) get the
 activation in the activation dtype and the linear core casts it as usual.
+
+Under sequence parallelism (``sp_group``) FC1's input arrives split along dimension 0: the node
+all-gathers it (``sequence_parallel_gemm_input``: FP8 bytes under a per-tensor FP8 recipe) and
+reduce-scatters its gradient.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .._tensor_parallel import reduce_scatter_along_first_dim, sequence_parallel_gemm_input
 from ..cpp_extensions.activation import (
     activation_amax,
     activation_backward_amax,
@@ -87,14 +92,19 @@ class _MLPBody(torch.autograd.Function):
     @staticmethod
     def forward(  # noqa: D102
         ctx, ln_out, fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, fc1_config, fc2_config,
-        backward_update,
+        backward_update, sp_group,
     ):  # fmt: skip
         fc1_bias_grad = fc1_bias is not None and fc1_bias.requires_grad
         fc2_bias_grad = fc2_bias is not None and fc2_bias.requires_grad
         fc1_needed = ln_out.requires_grad or fc1_weight.requires_grad or fc1_bias_grad
         # 2-D operands throughout: FC1's output is then the GEMM's own tensor (not a view),
         # which backward can release as soon as the activation's gradient is computed.
-        ln2 = ln_out.reshape(-1, ln_out.shape[-1])
+        ln2, leading = ln_out.reshape(-1, ln_out.shape[-1]), ln_out.shape[:-1]
+        if sp_group is not None:
+            ln2, _ = sequence_parallel_gemm_input(
+                ln2, sp_group, fc1_config, columnwise=fc1_weight.requires_grad
+            )
+            leading = (-1, *ln_out.shape[1:-1])
         h2, saved1 = linear_forward(
             fc1_weight, ln2, fc1_bias, fc1_config,
             needs_dgrad=ln_out.requires_grad, needs_wgrad=fc1_weight.requires_grad,
@@ -116,9 +126,11 @@ class _MLPBody(torch.autograd.Function):
         ctx.act_tensors = saved2.input_tensor_count(tensors2)
         ctx.saved = (saved1, saved2)
         ctx.spec, ctx.fc1_needed, ctx.fc1_bias_grad = spec, fc1_needed, fc1_bias_grad
-        ctx.ln_shape = ln_out.shape
+        if sp_group is not None and saved1.x is ln2 and not isinstance(ln2, torch.Tensor):
+            ln2.update_usage(rowwise_usage=False, columnwise_usage=True)  # gathered in FP8
+        ctx.ln_shape, ctx.sp_group = ln_out.shape, sp_group
         ctx.backward_update = backward_update
-        return out.reshape(*ln_out.shape[:-1], out.shape[-1])
+        return out.reshape(*leading, out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
@@ -140,11 +152,13 @@ class _MLPBody(torch.autograd.Function):
                 del d_act
                 _release((h2,))
                 d_ln, dw1, db1 = linear_backward(saved1, dh, dbias)
+                if d_ln is not None and ctx.sp_group is not None:
+                    d_ln = reduce_scatter_along_first_dim(d_ln, ctx.sp_group)[0]
                 if d_ln is not None:
                     d_ln = d_ln.reshape(ctx.ln_shape)
             if ctx.backward_update is not None:
                 ctx.backward_update.complete()
-        return d_ln, dw1, db1, dw2, db2, None, None, None, None
+        return d_ln, dw1, db1, dw2, db2, None, None, None, None, None
 
 
 def _release(tensors) -> None:
@@ -191,21 +205,27 @@ def fc1_activation_fc2(
     fc1_config: LinearConfig,
     fc2_config: LinearConfig,
     backward_update: BackwardScaleUpdate | None = None,
+    sp_group=None,
 ) -> torch.Tensor:
     """``fc2(act(fc1(ln_out)))``, differentiable in grad mode (one autograd node).
 
     ``backward_update``: the region's backward scale update, completed at the end of this
     node's backward (after FC1's GEMMs, the last of the module).
+    ``sp_group``: ``ln_out`` is this rank's slice along dimension 0 (sequence parallelism),
+    all-gathered before FC1; its gradient is reduce-scattered back.
     """
     if torch.is_grad_enabled():
         return _MLPBody.apply(
             ln_out, fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, fc1_config, fc2_config,
-            backward_update,
+            backward_update, sp_group,
         )  # fmt: skip
-    ln2 = ln_out.reshape(-1, ln_out.shape[-1])
+    ln2, leading = ln_out.reshape(-1, ln_out.shape[-1]), ln_out.shape[:-1]
+    if sp_group is not None:
+        ln2, _ = sequence_parallel_gemm_input(ln2, sp_group, fc1_config, columnwise=False)
+        leading = (-1, *ln_out.shape[1:-1])
     h2, _ = linear_forward(fc1_weight, ln2, fc1_bias, fc1_config, needs_dgrad=False,
                            needs_wgrad=False)  # fmt: skip
     act = _fc2_input(h2, spec, fc2_config, fc2_weight, columnwise=False)
     out, _ = linear_forward(fc2_weight, act, fc2_bias, fc2_config, needs_dgrad=False,
                             needs_wgrad=False)  # fmt: skip
-    return out.reshape(*ln_out.shape[:-1], out.shape[-1])
+    return out.reshape(*leading, out.shape[-1])

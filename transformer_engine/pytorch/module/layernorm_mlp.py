@@ -229,8 +229,15 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 inp = inp.to(dtype)
             ln_out = apply_norm(self, inp)
             parallel = self.set_parallel_mode and self.tp_size > 1
+            # The fused body all-gathers the norm output itself (in FP8 where the recipe allows).
+            body_gathers = (
+                parallel
+                and self.sequence_parallel
+                and self.activation_fn is self._fused_activation_fn
+                and not (self.checkpoint and torch.is_grad_enabled())
+            )
             gemm_in = ln_out
-            if parallel:  # FC1 is column-parallel: its input is whole on every rank
+            if parallel and not body_gathers:  # FC1 is column-parallel: its input is whole
                 gemm_in = (
                     gather_from_sequence_parallel_region(ln_out, self.tp_group)
                     if self.sequence_parallel
@@ -274,6 +281,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 out = fc1_activation_fc2(
                     gemm_in, fc1_weight, fc1_bias, fc2_weight, gemm_bias,
                     self._activation_spec, fc1_config, fc2_config, update,
+                    self.tp_group if body_gathers else None,
                 )  # fmt: skip
             else:  # activation_fn replaced by the user: call it
                 act_out = self.activation_fn(
