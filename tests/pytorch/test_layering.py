@@ -81,6 +81,7 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.pytorch.attention.*",
         "transformer_engine.pytorch.transformer",
         "transformer_engine.pytorch.graph",
+        "transformer_engine.pytorch._graph_arguments",
     )),
     (10, "the public package and the compat shim", (
         "transformer_engine.pytorch",

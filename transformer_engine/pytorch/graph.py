@@ -17,10 +17,17 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ._graph_arguments import (
+    Options,
+    call_hooks,
+    check_module,
+    device_of,
+    same_constant,
+    sorted_kwargs,
+)
 from .module.base import TransformerEngineBaseModule
 from .quantization import FP8GlobalStateManager
 from .quantization.graph_state import (
-    CaptureAutocast,
     DelayedScalingSnapshot,
     GraphedFP8State,
     graph_capture_backward,
@@ -30,105 +37,12 @@ __all__ = ["make_graphed_callables", "is_graph_capturing"]
 
 _IS_GRAPH_CAPTURING = False
 _TENSOR = object()  # marks where a flattened argument or output holds a tensor
-_HOOK_KINDS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
 _WHO = "make_graphed_callables"
 
 
 def is_graph_capturing() -> bool:
     """Whether :func:`make_graphed_callables` is warming up or capturing right now."""
     return _IS_GRAPH_CAPTURING
-
-
-class _Options:
-    """The resolved arguments of one :func:`make_graphed_callables` call."""
-
-    def __init__(self, n: int, args: dict) -> None:
-        if args["_order"] is not None:
-            raise NotImplementedError(
-                f"{_WHO}: _order (Megatron's interleaved pipeline schedule: several graphs per "
-                "callable, for microbatches in flight) is not supported yet; capture without it"
-            )
-        if args["_num_layers_per_chunk"] is not None or args["_reuse_graph_input_output_buffers"]:
-            raise ValueError(
-                f"{_WHO}: _num_layers_per_chunk and _reuse_graph_input_output_buffers belong to "
-                "the _order schedule; they need _order"
-            )
-        self.autocast = CaptureAutocast(n, {k: args[k] for k in CaptureAutocast.ARGUMENTS})
-        self.cache_quantized_params = self.autocast.cache_quantized_params
-        warmup = args["num_warmup_iters"]
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(
-                f"{_WHO}: num_warmup_iters={warmup!r} must be an int >= 1 (the first forward "
-                "creates FP8 state and workspaces, which must not happen inside a capture)"
-            )
-        self.num_warmup_iters = warmup
-        self.allow_unused_input = bool(args["allow_unused_input"])
-        self.clone_param_grads = bool(args["clone_param_grads_on_return"])
-        self.retain_graph_in_backward = bool(args["retain_graph_in_backward"])
-        self.pool = args["pool"]
-        self.variants = (True, False) if self.cache_quantized_params else (None,)
-
-
-def _call_hooks(hooks: dict | None, kind: str, module) -> None:
-    for hook_id, fn in ((hooks or {}).get(kind) or {}).items():
-        if fn(module) is not None:
-            raise RuntimeError(
-                f"{_WHO}: capture_time_hooks {kind}[{hook_id!r}] returned a value; capture-time "
-                "hooks run outside the graphs and must return None"
-            )
-
-
-def _check_module(index: int, module, hooks) -> None:
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(
-            f"{_WHO}: callable {index} is a {type(module).__name__}; only torch.nn.Module "
-            "callables can be graphed (wrap a function in a Module; pass modules as a tuple)"
-        )
-    for m in module.modules():
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-            raise RuntimeError(
-                f"{_WHO}: callable {index} has module hooks registered on {type(m).__name__}; "
-                "graphs replay none of them: remove them or pass them as capture_time_hooks"
-            )
-    for name, buffer in module.named_buffers():
-        if buffer.requires_grad:
-            raise ValueError(f"{_WHO}: buffer {name!r} of callable {index} requires grad")
-    if "forward" in module.__dict__:
-        raise ValueError(
-            f"{_WHO}: callable {index} is already graphed (or has its own forward attribute); "
-            "call its reset() first"
-        )
-    if hooks is not None and (not isinstance(hooks, dict) or set(hooks) - set(_HOOK_KINDS)):
-        raise ValueError(
-            f"{_WHO}: capture_time_hooks[{index}] must be a dict with keys among {_HOOK_KINDS}, "
-            f"each {{id: fn(module)}}; got {hooks!r}"
-        )
-
-
-def _device_of(index: int, module, tensors) -> torch.device:
-    """The CUDA device of a callable: every sample tensor and parameter must be on it."""
-    named = [(f"parameter {n!r}", p) for n, p in module.named_parameters()]
-    named += [(f"sample input {i}", t) for i, t in enumerate(tensors)]
-    for what, t in named:
-        if t.device.type != "cuda" or t.device != named[0][1].device:
-            raise ValueError(
-                f"{_WHO}: callable {index} ({type(module).__name__}): {what} is on {t.device}; "
-                "CUDA graphs need CUDA tensors, all of a callable's on one device: move the "
-                "module and its sample arguments there"
-            )
-    if not named:
-        raise ValueError(f"{_WHO}: callable {index} has no parameters or sample tensors")
-    return named[0][1].device
-
-
-def _sorted(kwargs: dict) -> dict:
-    # pytree dict specs compare their keys in order: flatten kwargs in one order
-    return {k: kwargs[k] for k in sorted(kwargs)}
-
-
-def _same_constant(got, want) -> bool:
-    # a tensor never equals a captured constant (its == would compare elementwise)
-    return got is want or (not isinstance(got, torch.Tensor) and bool(got == want))
 
 
 class _Variant:
@@ -146,10 +60,10 @@ class _Variant:
 
     def capture_forward(self, pool, stream) -> None:
         owner = self.owner
-        _call_hooks(owner.hooks, "forward_pre_hooks", owner.module)
+        call_hooks(owner.hooks, "forward_pre_hooks", owner.module)
         with torch.cuda.graph(self.fwd_graph, pool=pool, stream=stream):
             out = owner.run_forward(self.is_first_microbatch)
-        _call_hooks(owner.hooks, "forward_hooks", owner.module)
+        call_hooks(owner.hooks, "forward_hooks", owner.module)
         self.keep_alive += [dict(m._fp8_workspaces) for m in owner.te_modules]
         leaves, self.out_spec = tree_flatten(out)
         self.out_leaves = [_TENSOR if isinstance(t, torch.Tensor) else t for t in leaves]
@@ -165,10 +79,10 @@ class _Variant:
                 for t, rg in zip(self.outputs, self.output_requires_grad)
             )
             self.bwd_graph = torch.cuda.CUDAGraph()
-            _call_hooks(owner.hooks, "backward_pre_hooks", owner.module)
+            call_hooks(owner.hooks, "backward_pre_hooks", owner.module)
             with graph_capture_backward(), torch.cuda.graph(self.bwd_graph, pool, stream=stream):
                 self.grad_inputs = owner.run_backward(self.outputs, self.grad_outputs, wanted)
-            _call_hooks(owner.hooks, "backward_hooks", owner.module)
+            call_hooks(owner.hooks, "backward_hooks", owner.module)
         else:  # an inference graph: the replay's outputs do not require grad
             self.output_requires_grad = (False,) * len(self.outputs)
         if not owner.options.retain_graph_in_backward:  # else its saved tensors stay alive
@@ -257,7 +171,7 @@ class _GraphReplay(torch.autograd.Function):
 class _Graphed:
     """What :func:`make_graphed_callables` keeps for one callable, and its replacing forward."""
 
-    def __init__(self, index: int, module, args, kwargs, hooks, options: _Options) -> None:
+    def __init__(self, index: int, module, args, kwargs, hooks, options: Options) -> None:
         if not isinstance(args, (tuple, list)):
             raise TypeError(
                 f"{_WHO}: sample_args[{index}] must be a tuple of tensors, got "
@@ -284,10 +198,16 @@ class _Graphed:
                     "none; graph the TE modules themselves, or give the container that argument"
                 ) from None
         # one flattening of (args, kwargs): tensors are static inputs, the rest is captured
-        leaves, self.spec = tree_flatten((tuple(args), _sorted(kwargs)))
+        leaves, self.spec = tree_flatten((tuple(args), sorted_kwargs(kwargs)))
+        # the common call, module(x, y, ...) with tensors only, skips the flattening per replay
+        self.flat_positional = (
+            not kwargs
+            and len(leaves) == len(args)
+            and all(isinstance(t, torch.Tensor) for t in args)
+        )
         self.leaves = [_TENSOR if isinstance(t, torch.Tensor) else t for t in leaves]
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        self.device = _device_of(index, module, tensors)
+        self.device = device_of(index, module, tensors)
         # detached aliases of the sample tensors: the graphs read them, replays write them
         self.static_inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
         self.index, self.module, self.hooks, self.options = index, module, hooks, options
@@ -334,15 +254,15 @@ class _Graphed:
         wanted = [i for i, t in enumerate(self.surface()) if t.requires_grad]
         for is_first in self.options.variants:
             for _ in range(self.options.num_warmup_iters):
-                _call_hooks(self.hooks, "forward_pre_hooks", self.module)
+                call_hooks(self.hooks, "forward_pre_hooks", self.module)
                 out = tree_flatten(self.run_forward(is_first))[0]
-                _call_hooks(self.hooks, "forward_hooks", self.module)
+                call_hooks(self.hooks, "forward_hooks", self.module)
                 out = [t for t in out if isinstance(t, torch.Tensor) and t.requires_grad]
                 if out and wanted:
-                    _call_hooks(self.hooks, "backward_pre_hooks", self.module)
+                    call_hooks(self.hooks, "backward_pre_hooks", self.module)
                     with graph_capture_backward():
                         self.run_backward(out, [torch.zeros_like(t) for t in out], wanted)
-                    _call_hooks(self.hooks, "backward_hooks", self.module)
+                    call_hooks(self.hooks, "backward_hooks", self.module)
                 del out
         for m in self.te_modules:
             if m.need_backward_dw():
@@ -395,16 +315,25 @@ class _Graphed:
 
     def _match_inputs(self, args: tuple, kwargs: dict) -> list:
         """The replay's tensors in the order of the static inputs, checked against them."""
-        leaves, spec = tree_flatten((tuple(args), _sorted(kwargs)))
-        if spec != self.spec:
-            raise TypeError(
-                f"{self.name}: called with arguments {spec}, captured with {self.spec}; the "
-                "positional and keyword arguments (names, nesting) must be the captured ones"
-            )
+        if self.flat_positional and not kwargs and len(args) == len(self.leaves):
+            leaves = args  # a non-tensor among them fails the checks below as in the general case
+        else:
+            leaves, spec = tree_flatten((tuple(args), sorted_kwargs(kwargs)))
+            if spec != self.spec:
+                self._wrong_structure(spec)
+        return self._checked(leaves)
+
+    def _wrong_structure(self, spec) -> None:
+        raise TypeError(
+            f"{self.name}: called with arguments {spec}, captured with {self.spec}; the "
+            "positional and keyword arguments (names, nesting) must be the captured ones"
+        )
+
+    def _checked(self, leaves) -> list:
         tensors, grad = [], torch.is_grad_enabled()
         for x, want in zip(leaves, self.leaves):
             if want is not _TENSOR:
-                if not _same_constant(x, want):
+                if not same_constant(x, want):
                     raise ValueError(
                         f"{self.name}: an argument is {x!r}, captured as {want!r}; non-tensor "
                         "arguments are part of the graph (capture again to change them)"
@@ -516,7 +445,7 @@ def make_graphed_callables(
     differs from the capture's), plus ``backward_dw()`` and ``reset()``. Replay inside
     ``te.autocast`` with the capture's recipe.
     """
-    options = _Options(len(modules) if isinstance(modules, tuple) else 1, dict(locals()))
+    options = Options(len(modules) if isinstance(modules, tuple) else 1, dict(locals()))
     single = not isinstance(modules, tuple)
     if single:
         modules, sample_args, sample_kwargs = (modules,), (sample_args,), (sample_kwargs,)
@@ -535,7 +464,7 @@ def make_graphed_callables(
             "torch.autocast(..., cache_enabled=False)"
         )
     for i, (module, h) in enumerate(zip(modules, hooks)):
-        _check_module(i, module, h)
+        check_module(i, module, h)
     if len({m.training for m in modules}) > 1:
         raise RuntimeError(
             f"{_WHO}: the callables are in different training modes; call .train() or .eval() "
@@ -551,7 +480,7 @@ def make_graphed_callables(
     return modules[0] if single else modules
 
 
-def _capture_all(entries, options: _Options, pre_warmup_hook, post_warmup_hook) -> None:
+def _capture_all(entries, options: Options, pre_warmup_hook, post_warmup_hook) -> None:
     """Warm up, then capture forward graphs in order and backward graphs in reverse: the order
     of a replayed step, which is what lets all graphs share one memory pool. FP8 state,
     ``main_grad`` buffers and RNG states are written back afterwards."""
