@@ -42,7 +42,10 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.pytorch.device",
         "transformer_engine.pytorch.utils",
     )),
-    (2, "pure-PyTorch kernel specification", ("transformer_engine.pytorch.reference",)),
+    (2, "pure-PyTorch kernel specification", (
+        "transformer_engine.pytorch.reference",
+        "transformer_engine.pytorch.reference_fp4",
+    )),
     (3, "kernel wrappers", (
         "transformer_engine.pytorch.cpp_extensions",
         "transformer_engine.pytorch.cpp_extensions.*",

@@ -10,29 +10,21 @@ the fix. Modules and operations compare the recipe they run with against a copy 
 state was built from, so a recipe changed between steps refreshes that state exactly as an equal
 new recipe would. ``MMParams`` and ``QParams`` are frozen (hashable), as upstream's are.
 
-Five recipes are available:
+Six recipes: :class:`DelayedScaling` (per-tensor scales from a history of earlier amaxes),
+:class:`Float8CurrentScaling` (per-tensor scales from the tensor being cast),
+:class:`Float8BlockScaling` (one scale per 1x128 tile or 128x128 block), :class:`MXFP8BlockScaling`
+(one E8M0 scale per 32 elements), :class:`NVFP4BlockScaling` (FP4 with one E4M3 scale per 16
+elements and a tensor scale) and :class:`CustomRecipe` (quantizers from a user factory). Their
+scaling math is described in ``docs/recipes.md`` and ``docs/numerics.md``.
 
-* :class:`DelayedScaling`: per-tensor scales computed from a history of amaxes seen in earlier
-  steps.
-* :class:`Float8CurrentScaling`: per-tensor scales computed from the tensor being cast.
-* :class:`Float8BlockScaling`: one scale per 1x128 tile or 128x128 block of the tensor being cast.
-* :class:`MXFP8BlockScaling`: one power-of-2 (E8M0) scale per 32 elements of the tensor.
-* :class:`CustomRecipe`: every quantizer chosen by a user factory, per role.
-
-The scaling math of the first three is described in ``docs/recipes.md``.
-
-Environment variables (each read at construction time, by one helper in this module):
-
-``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES``
-    ``"1"`` makes ``Float8CurrentScaling.use_power_2_scales`` default to True; any other value,
-    or unset, to False. The class-level ``Float8CurrentScaling.fp8_quant_*`` parameters read it
-    once, when this module is imported.
-``NVTE_BACKWARD_OVERRIDE``
-    Default of ``Float8CurrentScaling.backward_override``: unset or empty means None, else
-    ``"high_precision"`` or ``"dequantized"``. ``DelayedScaling`` does not read it.
-``NVTE_FP8_BLOCK_SCALING_FP32_SCALES``
-    ``"1"`` makes ``Float8BlockScaling.use_f32_scales`` default to True; the class-level
-    ``Float8BlockScaling.fp8_quant_*`` parameters read it once, at import.
+Environment variables (each read at construction time):
+``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES`` (``"1"``: ``Float8CurrentScaling.use_power_2_scales``
+defaults to True; its class-level ``fp8_quant_*`` read it once, at import);
+``NVTE_BACKWARD_OVERRIDE`` (default ``backward_override`` of every recipe but ``DelayedScaling``:
+unset or empty means None, else ``"high_precision"`` or ``"dequantized"``);
+``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` (``"1"``: ``Float8BlockScaling.use_f32_scales`` defaults to
+True; its class-level ``fp8_quant_*`` read it once, at import); the ``NVTE_NVFP4_*`` variables of
+``NVFP4BlockScaling`` (see ``_nvfp4_fields.py``).
 """
 
 from __future__ import annotations
@@ -73,6 +65,7 @@ from ._formats import (
     _import_time_role_qparams,
     fp32_scales_from_env,
 )
+from ._nvfp4_fields import _NVFP4Fields
 
 __all__ = [
     "Format",
@@ -83,6 +76,7 @@ __all__ = [
     "Float8CurrentScaling",
     "Float8BlockScaling",
     "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
     "CustomRecipe",
 ]
 
@@ -140,8 +134,8 @@ class Recipe:
 
     @classmethod
     def nvfp4(cls) -> bool:
-        """Whether this is an NVFP4 block-scaling recipe (not implemented here: always False)."""
-        return False
+        """Whether this is an :class:`NVFP4BlockScaling` recipe."""
+        return issubclass(cls, NVFP4BlockScaling)
 
     @classmethod
     def mxfp8(cls) -> bool:
@@ -534,6 +528,14 @@ class MXFP8BlockScaling(Recipe):
             f"backward_override={self.backward_override}, "
             f"enable_2d_quantization={self.enable_2d_quantization}"
         )
+
+
+@dataclasses.dataclass(repr=False)
+class NVFP4BlockScaling(_NVFP4Fields, Recipe):
+    """NVFP4 training: E2M1 values, one E4M3 scale per 16 elements, an FP32 tensor scale.
+    RHT on the inputs' and gradients' column-wise copies, 16x16 weight blocks, stochastic
+    rounding of gradients, each unless its ``disable_*`` field is set; GEMMs are emulated.
+    Options not built raise ``NotImplementedError`` when used. See ``docs/recipes.md``."""
 
 
 # ------------------------------------------------------------------ custom recipe

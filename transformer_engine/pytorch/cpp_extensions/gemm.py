@@ -48,6 +48,7 @@ from ._validation import check_dtype, check_output, check_tensor
 from .block_gemm import block_general_gemm, is_block_float8_operand
 from .float8_gemm_operand import CheckedFloat8Operand, Float8GemmOperand, is_float8_operand
 from .mxfp8_gemm import is_mxfp8_operand, mxfp8_general_gemm
+from .nvfp4_gemm import is_nvfp4_operand, nvfp4_general_gemm
 
 __all__ = ["general_gemm", "fp8_gemm_prevalidated", "FP8_GEMM_DIM_MULTIPLE", "Float8GemmOperand"]
 
@@ -247,6 +248,11 @@ def general_gemm(
             "and call without bias"
         )
 
+    if is_nvfp4_operand(A) or is_nvfp4_operand(B):
+        # NVFP4 (NVFP4BlockScaling): emulated on every device (nvfp4_gemm.py).
+        return nvfp4_general_gemm(
+            A, B, out_dtype, layout=layout, out=out, bias=bias, accumulate=accumulate, alpha=alpha
+        )
     if is_mxfp8_operand(A) or is_mxfp8_operand(B):
         # MXFP8 (MXFP8BlockScaling): emulated on every device (mxfp8_gemm.py).
         return mxfp8_general_gemm(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["is_mxfp8_operand", "mxfp8_general_gemm"]
+__all__ = ["is_mxfp8_operand", "mxfp8_general_gemm", "emulated_product"]
 
 _OP = "general_gemm"
 
@@ -49,6 +49,13 @@ def mxfp8_general_gemm(A, B, out_dtype, *, layout, out, bias, accumulate, alpha)
         raise ValueError(f"{_OP}: accumulate=True adds into out, so out must be given")
     a = _values("A", A, layout != "TN", layout)
     b = _values("B", B, layout == "NT", layout)
+    return emulated_product(a, b, A, B, out_dtype, layout, out, bias, accumulate, alpha)
+
+
+def emulated_product(a, b, A, B, out_dtype, layout, out, bias, accumulate, alpha):
+    """The float32 product of the operands' values ``a`` and ``b`` (logical shapes) for
+    ``layout``, with ``alpha``, bias and accumulation, rounded once; shared by the emulated
+    block-scaled GEMMs. ``A`` and ``B`` are the operands as given (for messages)."""
     if layout in ("TN", "NN") and a.dim() != 2:
         raise ValueError(f"{_OP}: layout {layout!r} needs a 2-D A (the weight), got {a.shape}")
     if a.device != b.device:

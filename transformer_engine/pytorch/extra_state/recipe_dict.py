@@ -19,6 +19,7 @@ from ...common.recipe import (
     Format,
     MMParams,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     QParams,
     Recipe,
 )
@@ -29,12 +30,13 @@ __all__ = ["CALLABLE_PLACEHOLDER", "recipe_to_dict", "recipe_from_dict"]
 
 CALLABLE_PLACEHOLDER = "<callable>"
 
-# The recipes a checkpoint can name: those of the extra-state contents, Float8BlockScaling and
-# MXFP8BlockScaling (stateless like Float8CurrentScaling: only the recipe itself is stored).
+# The recipes a checkpoint can name: those of the extra-state contents and the block-scaled
+# ones (stateless like Float8CurrentScaling: only the recipe itself is stored).
 RECIPE_CLASSES = {
     **_STATE_RECIPE_CLASSES,
     "Float8BlockScaling": Float8BlockScaling,
     "MXFP8BlockScaling": MXFP8BlockScaling,
+    "NVFP4BlockScaling": NVFP4BlockScaling,
 }
 
 # The environment variable each recipe's class-level QParams are read from, at import.
@@ -48,6 +50,9 @@ _QPARAMS_ENV = {
 _QPARAMS_ATTRS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
 _MMPARAMS_FIELDS = ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad")
 _CALLABLE_FIELDS = ("amax_compute_algo", "scaling_factor_compute_algo")
+# NVFP4BlockScaling's per-role QParams: fields derived at construction (init=False), stored and
+# assigned back after it.
+_FP4_QPARAMS_FIELDS = ("fp4_quant_fwd_inp", "fp4_quant_fwd_weight", "fp4_quant_bwd_grad")
 
 
 def _encode_recipe_value(owner: str, name: str, value: Any) -> Any:
@@ -129,7 +134,7 @@ def _field_defaults(cls: type) -> dict[str, Any]:
 
 def _decode_recipe_field(cls: type, name: str, value: Any) -> Any:
     where = f"checkpoint recipe {cls.__name__}.{name}"
-    if name == "fp8_format":
+    if name in ("fp8_format", "fp4_format"):
         if type(value) is not str or value not in Format.__members__:
             raise ValueError(
                 f"{where}={value!r} is not a Format name ({', '.join(Format.__members__)}); "
@@ -138,6 +143,8 @@ def _decode_recipe_field(cls: type, name: str, value: Any) -> Any:
         return Format[value]
     if name in _MMPARAMS_FIELDS:
         return _params_from_dict(MMParams, value, where)
+    if name in _FP4_QPARAMS_FIELDS:
+        return _params_from_dict(QParams, value, where)
     if name in _CALLABLE_FIELDS and isinstance(value, str) and value == CALLABLE_PLACEHOLDER:
         default = _field_defaults(cls)[name]
         warnings.warn(
@@ -198,9 +205,12 @@ def recipe_from_dict(stored: dict[str, Any]) -> Recipe:
     missing = sorted(expected - set(stored))
     if missing:
         raise ValueError(f"checkpoint recipe {type_name} lacks fields {missing}; {ANOTHER_LAYOUT}")
-    kwargs = {name: _decode_recipe_field(cls, name, stored[name]) for name in field_names}
+    values = {name: _decode_recipe_field(cls, name, stored[name]) for name in field_names}
+    derived = {f.name for f in dataclasses.fields(cls) if not f.init}
     try:
-        recipe = cls(**kwargs)
+        recipe = cls(**{n: v for n, v in values.items() if n not in derived})
+        for name in derived:
+            setattr(recipe, name, values[name])
     except (TypeError, ValueError) as exc:
         raise ValueError(f"checkpoint recipe {type_name} is invalid: {exc}") from exc
     if cls in _QPARAMS_ENV:

@@ -20,12 +20,14 @@ from ...common.recipe import (
     Float8CurrentScaling,
     Format,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
 )
 from ..constants import TE_DType
 from ..quantized_tensor import Quantizer
 from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer
 from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
 from ..tensor.mxfp8_tensor import MXFP8Quantizer
+from ..tensor.nvfp4_tensor import NVFP4Quantizer
 from .quantizer_roles import DelayedScalingRequest, QuantizerRequest, QuantizerRole
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "Float8CurrentScalingRecipeState",
     "Float8BlockScalingRecipeState",
     "MXFP8BlockScalingRecipeState",
+    "NVFP4BlockScalingRecipeState",
     "CustomRecipeState",
     "get_fp8_torch_dtype",
     "get_fp8_te_dtype",
@@ -104,12 +107,15 @@ class RecipeState:
             cls = Float8BlockScalingRecipeState
         elif isinstance(recipe, MXFP8BlockScaling):
             cls = MXFP8BlockScalingRecipeState
+        elif isinstance(recipe, NVFP4BlockScaling):
+            cls = NVFP4BlockScalingRecipeState
         elif isinstance(recipe, CustomRecipe):
             cls = CustomRecipeState
         else:
             raise NotImplementedError(
                 f"recipe {type(recipe).__name__} is not implemented; use DelayedScaling, "
-                "Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling or CustomRecipe"
+                "Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling or "
+                "CustomRecipe"
             )
         return cls(recipe, mode=mode, num_quantizers=num_quantizers, device=device, roles=roles)
 
@@ -285,6 +291,36 @@ class MXFP8BlockScalingRecipeState(Float8BlockScalingRecipeState):
             )  # fmt: skip
             for i in range(self.num_quantizers)
         ]
+
+
+class NVFP4BlockScalingRecipeState(Float8BlockScalingRecipeState):
+    """NVFP4 keeps no tensors between steps. Every slot gets an :class:`NVFP4Quantizer` with
+    both usages, configured from the recipe's QParams: backward slots from
+    ``fp4_quant_bwd_grad``, forward weight slots from ``fp4_quant_fwd_weight``, other forward
+    slots from ``fp4_quant_fwd_inp`` (RHT with post-RHT amax, stochastic rounding and 2-D
+    blocks as each asks)."""
+
+    def make_quantizers(self) -> list:
+        recipe = self.recipe
+        quantizers = []
+        for i in range(self.num_quantizers):
+            if self.mode == "backward":
+                qparams = recipe.fp4_quant_bwd_grad
+            elif self._is_weight_slot(i):
+                qparams = recipe.fp4_quant_fwd_weight
+            else:
+                qparams = recipe.fp4_quant_fwd_inp
+            quantizers.append(
+                NVFP4Quantizer(
+                    rowwise=True,
+                    columnwise=True,
+                    with_rht=qparams.random_hadamard_transform,
+                    with_post_rht_amax=qparams.random_hadamard_transform,
+                    with_2d_quantization=qparams.fp4_2d_quantization,
+                    stochastic_rounding=qparams.stochastic_rounding,
+                )
+            )
+        return quantizers
 
 
 class CustomRecipeState(RecipeState):

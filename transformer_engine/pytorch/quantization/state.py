@@ -148,7 +148,8 @@ class FP8GlobalStateManager:
 
     @staticmethod
     def is_nvfp4_available() -> tuple[bool, str]:
-        """``(False, reason)``: NVFP4 block scaling is not implemented in this package yet."""
+        """``(available, reason)`` for native NVFP4 (compute capability 10.0+); elsewhere the
+        recipe runs on an emulated GEMM (see ``check_nvfp4_support``)."""
         return check_nvfp4_support()
 
     # -- registry keys ------------------------------------------------------------------------

@@ -18,8 +18,10 @@ from ...common.recipe import (
     Float8BlockScaling,
     Float8CurrentScaling,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     Recipe,
 )
+from ...common.recipe._nvfp4_fields import unbuilt_nvfp4_options
 from ..device import device_compute_capability, visible_cuda_devices
 
 __all__ = [
@@ -74,21 +76,6 @@ def is_fp8_available(return_reason: bool = False, device=None):
     """Whether FP8 works (on ``device``, or on every visible GPU, or on CPU without CUDA)."""
     available, reason = check_fp8_support(device)
     return (available, reason) if return_reason else available
-
-
-# Upstream answers these from the GPU generation alone. Here they answer whether this package
-# can run the recipe at all: NVFP4 is not implemented yet, so it is never
-# available, whatever the hardware (claiming support would send callers such as Hugging Face
-# accelerate's `use_mxfp8_block_scaling` into a recipe this package cannot build).
-def _unimplemented_recipe_support(recipe_name: str, description: str, device) -> tuple[bool, str]:
-    reason = (
-        f"{recipe_name} ({description}) is not implemented in this package yet; the recipes it "
-        "implements are DelayedScaling, Float8CurrentScaling and Float8BlockScaling"
-    )
-    fp8_ok, fp8_reason = check_fp8_support(device)
-    if not fp8_ok:
-        reason += f"; FP8 itself is not available here either: {fp8_reason}"
-    return False, reason
 
 
 def _cuda_mxfp8_support(index: int) -> tuple[bool, str]:
@@ -160,9 +147,38 @@ def check_fp8_block_scaling_support(device=None) -> tuple[bool, str]:
     return (not reasons, "; ".join(reasons))
 
 
+def _cuda_nvfp4_support(index: int) -> tuple[bool, str]:
+    cc = device_compute_capability(torch.device("cuda", index))
+    if cc >= (10, 0):
+        return True, ""
+    return False, (
+        f"NVFP4BlockScaling: cuda:{index} (compute capability {cc[0]}.{cc[1]}) has no native "
+        "NVFP4 GEMM: it needs 10.0 (Blackwell) or newer; under autocast the GEMMs run by exact "
+        "emulation instead"
+    )
+
+
 def check_nvfp4_support(device=None) -> tuple[bool, str]:
-    """``(False, reason)``: ``NVFP4BlockScaling`` is not implemented in this package yet."""
-    return _unimplemented_recipe_support("NVFP4BlockScaling", "NVFP4 block scaling", device)
+    """``(available, reason)``: native NVFP4 support, upstream's meaning (compute capability
+    10.0 or newer). Elsewhere (Hopper, CPU) it is False, but ``NVFP4BlockScaling`` still runs:
+    its casts are the reference's and its GEMMs are emulated on every device (see
+    ``docs/recipes.md``). ``device=None`` checks every visible GPU, or the CPU without CUDA."""
+    fp8_ok, fp8_reason = check_fp8_support(device)
+    if not fp8_ok:
+        return False, (
+            "NVFP4BlockScaling (NVFP4 block scaling) has no native support here; FP8 itself is "
+            f"not available here either: {fp8_reason}"
+        )
+    if device is not None and torch.device(device).type == "cuda":
+        return _cuda_nvfp4_support(torch.device(device).index)
+    gpus = [] if device is not None else visible_cuda_devices()
+    if not gpus:
+        return False, (
+            "NVFP4BlockScaling: the CPU has no native NVFP4 GEMM; under autocast the GEMMs run "
+            "by exact emulation (dequantize to float32 and multiply)"
+        )
+    reasons = [r for ok, r in (_cuda_nvfp4_support(d.index) for d in gpus) if not ok]
+    return (not reasons, "; ".join(reasons))
 
 
 def is_mxfp8_available(return_reason: bool = False, device=None):
@@ -178,7 +194,7 @@ def is_fp8_block_scaling_available(return_reason: bool = False, device=None):
 
 
 def is_nvfp4_available(return_reason: bool = False, device=None):
-    """Whether ``NVFP4BlockScaling`` can run: never yet (see :func:`check_nvfp4_support`)."""
+    """Whether NVFP4 is natively supported (see :func:`check_nvfp4_support`)."""
     available, reason = check_nvfp4_support(device)
     return (available, reason) if return_reason else available
 
@@ -202,14 +218,26 @@ def check_recipe_support(recipe: Recipe) -> None:
         raise TypeError(f"recipe={recipe!r} is not a transformer_engine Recipe")
     if not isinstance(
         recipe,
-        (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, CustomRecipe),
-    ):
+        (
+            DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling,
+            NVFP4BlockScaling, CustomRecipe,
+        ),
+    ):  # fmt: skip
         raise NotImplementedError(
             f"recipe {type(recipe).__name__} is not implemented; use DelayedScaling, "
-            "Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling or CustomRecipe"
+            "Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling or "
+            "CustomRecipe"
         )
     if isinstance(recipe, MXFP8BlockScaling):
-        _announce_mxfp8_emulation()
+        _announce_emulation("MXFP8BlockScaling", "MXFP8")
+    if isinstance(recipe, NVFP4BlockScaling):
+        unbuilt = unbuilt_nvfp4_options(recipe)
+        if unbuilt:
+            raise NotImplementedError(
+                f"NVFP4BlockScaling: {'; '.join(unbuilt)} not built in this package; leave "
+                "these options at their defaults"
+            )
+        _announce_emulation("NVFP4BlockScaling", "NVFP4")
     if isinstance(recipe, DelayedScaling) and torch.compiler.is_compiling():
         raise RuntimeError(
             "DelayedScaling keeps state across steps and cannot run under torch.compile; use "
@@ -217,19 +245,21 @@ def check_recipe_support(recipe: Recipe) -> None:
         )
 
 
+# Whether each emulated recipe has been announced in this process.
 _mxfp8_announced = False
+_nvfp4_announced = False
 
 
-def _announce_mxfp8_emulation() -> None:
-    """Say once per process that MXFP8 GEMMs are emulated: a user who picked MXFP8 for speed
-    must learn that it runs slower than BF16 here, while a user studying its numerics (the
-    reason to run it off Blackwell) gets exactly MXFP8's values."""
-    global _mxfp8_announced
-    if not _mxfp8_announced:
-        _mxfp8_announced = True
+def _announce_emulation(recipe_name: str, fmt: str) -> None:
+    """Say once per process and recipe that its GEMMs are emulated: a user who picked it for
+    speed must learn that it runs slower than BF16 here, while a user studying its numerics
+    (the reason to run it off Blackwell) gets exactly the format's values."""
+    flag = f"_{fmt.lower()}_announced"
+    if not globals()[flag]:
+        globals()[flag] = True
         warnings.warn(
-            "MXFP8BlockScaling: GEMMs run by exact emulation (MXFP8 operands dequantized to "
-            "float32 and multiplied); the numerics are MXFP8's, the speed is not (native MXFP8 "
+            f"{recipe_name}: GEMMs run by exact emulation ({fmt} operands dequantized to "
+            f"float32 and multiplied); the numerics are {fmt}'s, the speed is not (native {fmt} "
             "GEMMs are not built in this package)",
             UserWarning,
             stacklevel=3,
@@ -237,8 +267,11 @@ def _announce_mxfp8_emulation() -> None:
 
 
 def get_align_size_for_quantization(recipe: Recipe) -> int:
-    """Alignment FP8 GEMMs need for this recipe's tensors: 16 for per-tensor FP8; a
-    ``CustomRecipe`` states its own (``quantization_alignment``; the factory is not called)."""
+    """Alignment FP8 GEMMs need for this recipe's tensors: 16 for per-tensor FP8, 32 for
+    MXFP8, 128 for NVFP4 (upstream's grouped padding); a ``CustomRecipe`` states its own
+    (``quantization_alignment``; the factory is not called)."""
     if isinstance(recipe, CustomRecipe):
         return recipe.quantization_alignment
+    if isinstance(recipe, NVFP4BlockScaling):
+        return 128
     return 32 if isinstance(recipe, MXFP8BlockScaling) else 16

@@ -1,0 +1,210 @@
+"""Pure-PyTorch NVFP4 cast (``NVFP4BlockScaling``): the exact arithmetic, on every device.
+
+NVFP4 scales twice. A float32 *global* encode scale comes from the amax of the whole tensor,
+``S_enc = (448 * 6) / amax`` (E4M3's and E2M1's largest values; clamped to the float32 maximum;
+1 when ``amax`` is 0 or ``S_enc`` would be 0, i.e. an infinite amax). Each block of 16 elements
+then has an E4M3 *decode* scale
+
+    ``s_b = e4m3(min((block_amax / 6) * S_enc, 448))``   (round to nearest even)
+
+and its values are ``e2m1(x * (S_enc / s_b))`` (0 when ``s_b`` is 0), E2M1 being the eight
+magnitudes ``0, 0.5, 1, 1.5, 2, 3, 4, 6`` with a sign bit, saturating at 6. A value decodes
+to ``e2m1 * s_b / S_enc``. All arithmetic is float32, each operation rounded in the order
+written. NaN inputs make their block's amax (and so its scale) NaN: the block decodes to NaN.
+
+Rounding is to nearest, ties to the even code (``0.25 -> 0``, ``0.75 -> 1``, ``1.25 -> 1``,
+``2.5 -> 2``, ``5 -> 4``), or stochastic: up to the next E2M1 magnitude with probability
+``(v - lo) / (hi - lo)``, so the expectation is ``v`` (draws from ``torch.rand`` with the
+caller's generator, or the device's default one).
+
+Codes are 4 bits, ``sign << 3 | magnitude index`` (``-0`` keeps its sign bit), packed two per
+byte along the last dim: element ``2i`` in the low nibble, ``2i + 1`` in the high nibble; an
+odd length leaves the last high nibble 0.
+
+The random Hadamard transform (RHT) multiplies every full 16-element block ``v`` by
+``R = H16 * diag(signs) / 4`` (Sylvester's Hadamard matrix, :data:`RHT_SIGNS`), an orthogonal
+matrix, so ``R.T @ (R @ v) = v``; a trailing partial block is left as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "NVFP4_BLOCK_LEN",
+    "E2M1_MAX",
+    "E4M3_MAX",
+    "E2M1_VALUES",
+    "RHT_SIGNS",
+    "global_amax",
+    "nvfp4_global_scale",
+    "e2m1_encode",
+    "e2m1_decode",
+    "pack_fp4",
+    "unpack_fp4",
+    "rht_matrix",
+    "apply_rht",
+    "nvfp4_cast",
+    "nvfp4_dequantize",
+]
+
+NVFP4_BLOCK_LEN = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+#: the E2M1 magnitudes, indexed by the low three bits of a code
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: the fixed sign vector of the RHT (``with_random_sign_mask``; all +1 without it)
+RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def global_amax(a: torch.Tensor) -> torch.Tensor:
+    """float32 ``(1,)`` amax of ``a``: ``max |x|`` with NaN elements ignored (0 when empty), so
+    one NaN poisons only its own block (whose block amax is NaN), not the global scale."""
+    v = a.detach().float().abs()
+    v = torch.where(torch.isnan(v), torch.zeros_like(v), v)
+    return v.amax().reshape(1) if v.numel() else torch.zeros(1, device=a.device)
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``S_enc`` (float32) from a float32 amax tensor (any shape): ``448 * 6 / amax``,
+    clamped to the float32 maximum, 1 where ``amax`` is 0 or the quotient is 0."""
+    amax = amax.float()
+    s = torch.full_like(amax, E4M3_MAX * E2M1_MAX) / amax
+    s = torch.clamp(s, max=_FLOAT32_MAX)
+    return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
+
+
+def e2m1_encode(v: torch.Tensor, *, stochastic: bool = False, generator=None) -> torch.Tensor:
+    """4-bit codes (``torch.uint8``, values 0..15) of float32 ``v`` (already scaled)."""
+    v = v.float()
+    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=v.device)
+    mag = torch.nan_to_num(v.abs(), nan=0.0).clamp(max=E2M1_MAX).contiguous()
+    lo = (torch.bucketize(mag, grid, right=True) - 1).clamp(0, 7)
+    hi = (lo + 1).clamp(max=7)
+    below, above = mag - grid[lo], grid[hi] - mag
+    if stochastic:
+        gap = grid[hi] - grid[lo]
+        p = torch.where(gap > 0, below / torch.where(gap > 0, gap, 1.0), 0.0)
+        u = torch.rand(mag.shape, generator=generator, device=v.device, dtype=torch.float32)
+        up = u < p
+    else:
+        up = (above < below) | ((above == below) & (hi % 2 == 0) & (hi != lo))
+    code = torch.where(up, hi, lo).to(torch.uint8)
+    sign = torch.signbit(v) & ~torch.isnan(v)
+    return code | (sign.to(torch.uint8) << 3)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of 4-bit codes."""
+    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    mag = grid[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack codes ``[..., C]`` two per byte: ``[..., ceil(C/2)]`` (even index in the low
+    nibble)."""
+    c = codes.shape[-1]
+    if c % 2:
+        codes = torch.nn.functional.pad(codes, (0, 1))
+    codes = codes.to(torch.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+
+
+def unpack_fp4(packed: torch.Tensor, length: int) -> torch.Tensor:
+    """Codes ``[..., length]`` of bytes packed by :func:`pack_fp4`."""
+    low, high = packed & 0xF, packed >> 4
+    codes = torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    return codes[..., :length]
+
+
+def rht_matrix(with_random_sign_mask: bool = True, device=None) -> torch.Tensor:
+    """``R = H16 @ diag(signs) / 4`` (float32, ``[16, 16]``): entry ``[i, j]`` is
+    ``(-1)^popcount(i & j) * signs[j] / 4``."""
+    idx = torch.arange(NVFP4_BLOCK_LEN, device=device)
+    bits = idx.reshape(-1, 1) & idx.reshape(1, -1)
+    parity = torch.zeros_like(bits)
+    for shift in range(4):
+        parity ^= (bits >> shift) & 1
+    h = 1.0 - 2.0 * parity.float()
+    if with_random_sign_mask:
+        h = h * torch.tensor(RHT_SIGNS, dtype=torch.float32, device=device)
+    return h * 0.25
+
+
+def apply_rht(
+    a: torch.Tensor, *, inverse: bool = False, with_random_sign_mask: bool = True
+) -> torch.Tensor:
+    """RHT of the rows of float32 ``a [R, C]``: each full 16-block ``v`` of a row becomes
+    ``R @ v`` (``R.T @ v`` with ``inverse``); a trailing partial block is unchanged."""
+    r, c = a.shape
+    full = (c // NVFP4_BLOCK_LEN) * NVFP4_BLOCK_LEN
+    mat = rht_matrix(with_random_sign_mask, a.device)
+    if not inverse:
+        mat = mat.t()  # row-vector form: v @ R.T == (R @ v).T
+    out = a.float().clone()
+    blocks = out[:, :full].reshape(r, full // NVFP4_BLOCK_LEN, NVFP4_BLOCK_LEN)
+    out[:, :full] = (blocks @ mat).reshape(r, full)
+    return out
+
+
+def _block_view(v: torch.Tensor, rows: int) -> tuple[torch.Tensor, int, int]:
+    r, c = v.shape
+    n = NVFP4_BLOCK_LEN
+    pad_r, pad_c = _round_up(r, rows) - r, _round_up(c, n) - c
+    if pad_r or pad_c:
+        v = torch.nn.functional.pad(v, (0, pad_c, 0, pad_r))
+    rb, cb = v.shape[0] // rows, v.shape[1] // n
+    return v.reshape(rb, rows, cb, n), rb, cb
+
+
+def nvfp4_cast(
+    a: torch.Tensor,
+    amax: torch.Tensor,
+    *,
+    two_d: bool = False,
+    stochastic: bool = False,
+    generator=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 cast of float32 ``a [R, C]`` with global amax ``amax`` (one-element float32).
+
+    Returns ``(codes [R, C] uint8 unpacked, scales)``: E4M3 scale bytes ``[R, ceil(C/16)]``
+    for 1x16 blocks along ``C``, or ``[ceil(R/16), ceil(C/16)]`` for 16x16 blocks
+    (``two_d``). Partial blocks are zero-padded for the block amax.
+    """
+    r, c = a.shape
+    rows = NVFP4_BLOCK_LEN if two_d else 1
+    v = a.detach().float()
+    blocks, rb, cb = _block_view(v, rows)
+    s_enc = nvfp4_global_scale(amax.reshape(()).to(v.device))
+    block_amax = blocks.abs().amax(dim=(1, 3)) if blocks.numel() else blocks.new_zeros(rb, cb)
+    decode = torch.clamp((block_amax / E2M1_MAX) * s_enc, max=E4M3_MAX)
+    scale_e4m3 = decode.to(torch.float8_e4m3fn)
+    s = scale_e4m3.float()
+    encode = torch.where(s == 0, torch.zeros_like(s), s_enc / torch.where(s == 0, 1.0, s))
+    encode = torch.clamp(encode, max=_FLOAT32_MAX)
+    scaled = (blocks * encode.reshape(rb, 1, cb, 1)).reshape(rb * rows, cb * NVFP4_BLOCK_LEN)
+    codes = e2m1_encode(scaled[:r, :c], stochastic=stochastic, generator=generator)
+    return codes.contiguous(), scale_e4m3.view(torch.uint8)
+
+
+def nvfp4_dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, out_dtype=torch.float32
+) -> torch.Tensor:
+    """Values of unpacked codes ``[R, C]`` with 1x16 E4M3 scale bytes (at least
+    ``[R, ceil(C/16)]``): ``e2m1 * s_b / S_enc`` in float32, rounded once to ``out_dtype``."""
+    r, c = codes.shape
+    n = NVFP4_BLOCK_LEN
+    cb = -(-c // n)
+    s = scales[:r, :cb].contiguous().view(torch.float8_e4m3fn).float()
+    v = e2m1_decode(codes)
+    if cb * n != c:
+        v = torch.nn.functional.pad(v, (0, cb * n - c))
+    s_enc = nvfp4_global_scale(amax.reshape(()).to(codes.device))
+    value = ((v.reshape(r, cb, n) * s.unsqueeze(-1)) / s_enc).reshape(r, cb * n)[:, :c]
+    return value.contiguous() if out_dtype == torch.float32 else value.to(out_dtype)
