@@ -61,16 +61,27 @@ class ActivationOperation(BasicOperation):
         """Apply the activation and save what :meth:`op_backward` needs into ``ctx``."""
         x = plain(input_)
         output = activation_forward(x, self._spec())
-        if ctx.requires_grad:
-            saved = x
-            if self.cache_quantized_input and FP8GlobalStateManager.is_fp8_enabled():
-                quantizer = Float8CurrentScalingQuantizer(
-                    torch.float8_e4m3fn, device=x.device, rowwise=True, columnwise=False
-                )
-                quantizer.internal = True
-                saved = quantizer.quantize_impl(x)
-            ctx.save_for_backward(saved)
+        self.save_input(ctx, x)
         return output
+
+    def save_input(self, ctx: OperationContext, x: torch.Tensor) -> None:
+        """Keep the (plain) input ``x`` for :meth:`op_backward` when ``ctx`` needs a backward:
+        as it is, or in FP8 with ``cache_quantized_input`` inside ``te.autocast``."""
+        if not ctx.requires_grad:
+            return
+        saved = x
+        if self.cache_quantized_input and FP8GlobalStateManager.is_fp8_enabled():
+            quantizer = Float8CurrentScalingQuantizer(
+                torch.float8_e4m3fn, device=x.device, rowwise=True, columnwise=False
+            )
+            quantizer.internal = True
+            saved = quantizer.quantize_impl(x)
+        ctx.save_for_backward(saved)
+
+    def saved_input(self, ctx: OperationContext) -> torch.Tensor:
+        """The input :meth:`save_input` kept, as a plain tensor (in backward)."""
+        (saved,) = ctx.saved_tensors
+        return plain(saved)
 
     def op_forward(
         self,
@@ -83,8 +94,7 @@ class ActivationOperation(BasicOperation):
         return self.activation_forward(ctx, input_)
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
-        (saved,) = ctx.saved_tensors
-        x = plain(saved)
+        x = self.saved_input(ctx)
         grad = plain(grad_output)
         return activation_backward(grad.to(x.dtype), x, self._spec()), []
 

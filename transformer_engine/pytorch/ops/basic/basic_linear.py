@@ -22,7 +22,7 @@ from ...functional.linear import (
     linear_forward,
 )
 from ...quantization import FP8GlobalStateManager, QuantizerRole
-from ...quantized_tensor import QuantizedTensor
+from ...quantized_tensor import QuantizedTensor, QuantizedTensorStorage
 from ..op import BasicOperation, OperationContext
 from ._common import (
     activation_dtype,
@@ -31,7 +31,7 @@ from ._common import (
     quantize_weight_in_slot,
 )
 
-__all__ = ["BasicLinear"]
+__all__ = ["BasicLinear", "is_produced_input"]
 
 # quantizer slots (upstream's layout): forward [input, weight], backward [grad_output]
 _INPUT, _WEIGHT, _GRAD_OUTPUT = 0, 1, 0
@@ -209,16 +209,35 @@ class BasicLinear(BasicOperation):
     ) -> torch.Tensor:
         """``input_ W^T (+ bias)`` through the linear core; fills ``ctx`` for
         :meth:`op_backward`. A ``bias`` (used by fusions) gets no gradient here: its own
-        operation computes that."""
-        check_input_features("BasicLinear", input_, self.in_features, "in_features")
+        operation computes that.
+
+        ``input_`` may also be an FP8 storage (``Float8TensorStorage``) that a fused producer
+        (``ForwardActivationCast``, ``ForwardNormCast``) wrote for this operation with its
+        input quantizer, under FP8 only. The producer hands it over: after the GEMM its
+        row-wise bytes are dropped when only the weight gradient reads it, as the core does
+        with the inputs it casts itself."""
+        produced = is_produced_input(input_)
+        if produced:
+            input_ = _check_produced_input(input_, self.in_features)
+        else:
+            check_input_features("BasicLinear", input_, self.in_features, "in_features")
+        input_shape = input_.shape
         weight = self.weight
         fp8 = FP8GlobalStateManager.is_fp8_enabled()
+        if produced and not fp8:
+            raise RuntimeError(
+                "BasicLinear: an FP8 input written by a fused producer reached it outside "
+                "te.autocast; producers write FP8 only under an FP8 recipe"
+            )
         dtype = activation_dtype(input_, weight)
-        ctx.input_dtype = input_.dtype
+        ctx.input_dtype = input_._dtype if produced else input_.dtype
         ctx.weight_dtype = weight.dtype
-        if isinstance(input_, QuantizedTensor) and not fp8:
+        if produced:
+            # the core takes a producer's FP8 input as a 2-D storage
+            input_ = input_ if len(input_shape) == 2 else input_.view((-1, self.in_features))
+        elif isinstance(input_, QuantizedTensor) and not fp8:
             input_ = input_.dequantize()
-        if not isinstance(input_, QuantizedTensor) and input_.dtype != dtype:
+        if not produced and not isinstance(input_, QuantizedTensor) and input_.dtype != dtype:
             input_ = input_.to(dtype)
 
         gemm_weight = weight
@@ -234,7 +253,7 @@ class BasicLinear(BasicOperation):
         quantizers = (None, None, None)
         recipe = None
         if fp8:
-            tokens = input_.numel() // self.in_features
+            tokens = math.prod(input_shape) // self.in_features
             check_fp8_gemm_shapes(tokens, self.in_features, self.out_features, needs_wgrad)
             quantizers = (
                 self.get_quantizer("forward", _INPUT),
@@ -260,23 +279,68 @@ class BasicLinear(BasicOperation):
                 needs_dgrad=ctx.input_requires_grad,
                 needs_wgrad=needs_wgrad,
             )
+        if produced:
+            if needs_wgrad:
+                input_.update_usage(rowwise_usage=False, columnwise_usage=True)
+            saved.inp_shape = input_shape  # the input gradient takes the producer's shape
+            if len(input_shape) != 2:
+                out = out.reshape(*input_shape[:-1], self.out_features)
         if ctx.requires_grad:
             ctx.save_for_backward(*saved.pack())
             ctx.linear_saved = saved
         return out
 
-    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+    def saved_state(self, ctx: OperationContext):
+        """The forward's ``LinearSaved`` with its tensors back in place (unpacked once)."""
         saved = ctx.linear_saved
-        grad_output = plain(grad_output)
-        if grad_output.dtype != saved.config.activation_dtype:
-            grad_output = grad_output.to(saved.config.activation_dtype)
-        saved.unpack(ctx.saved_tensors)
+        if not getattr(ctx, "linear_unpacked", False):
+            saved.unpack(ctx.saved_tensors)
+            ctx.linear_unpacked = True
+        return saved
+
+    def grad_output_layouts(self, ctx: OperationContext) -> tuple[bool, bool] | None:
+        """``(rowwise, columnwise)``: the layouts of the FP8 output gradient this backward's
+        GEMMs read (row-wise for dgrad, transposed for wgrad), or ``None`` when it takes no
+        FP8 gradient (high precision, ``backward_override``, or neither GEMM runs). A fused
+        producer (``BackwardActivationCast``) writes exactly these."""
+        saved = self.saved_state(ctx)
+        if not saved.config.fp8 or saved.high_precision_backward:
+            return None
+        if saved.w is None and saved.x is None:
+            return None
+        return saved.w is not None, saved.x is not None
+
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+        """Also takes, as ``grad_output``, an FP8 storage a fused producer wrote with the
+        forward's grad-output quantizer in :meth:`grad_output_layouts`, shaped
+        ``[tokens, out_features]``."""
+        saved = self.saved_state(ctx)
+        if not is_produced_input(grad_output):
+            grad_output = plain(grad_output)
+            if grad_output.dtype != saved.config.activation_dtype:
+                grad_output = grad_output.to(saved.config.activation_dtype)
         grad_input, grad_weight, _ = linear_backward(saved, grad_output)
         if grad_input is not None and grad_input.dtype != ctx.input_dtype:
             grad_input = grad_input.to(ctx.input_dtype)
         if grad_weight is not None and grad_weight.dtype != ctx.weight_dtype:
             grad_weight = grad_weight.to(ctx.weight_dtype)
         return grad_input, [grad_weight]
+
+
+def is_produced_input(tensor) -> bool:
+    """Whether ``tensor`` is an FP8 storage (no ``torch.Tensor`` wrapper): what fused producers
+    hand a ``BasicLinear``; user tensors are plain or ``Float8Tensor``s."""
+    return isinstance(tensor, QuantizedTensorStorage) and not isinstance(tensor, torch.Tensor)
+
+
+def _check_produced_input(storage, in_features: int):
+    shape = storage.shape
+    if len(shape) == 0 or shape[-1] != in_features:
+        raise ValueError(
+            f"BasicLinear: the FP8 input a fused producer wrote has shape {tuple(shape)}; its "
+            f"last dimension must be in_features={in_features}"
+        )
+    return storage
 
 
 def _attach_high_precision_init_val(param: torch.nn.Parameter, values: torch.Tensor) -> None:

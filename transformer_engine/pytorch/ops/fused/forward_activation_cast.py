@@ -1,0 +1,134 @@
+"""Forward fusion: an activation that writes the next ``BasicLinear``'s FP8 input itself.
+
+Under delayed or current scaling the activation kernel reads its input once and writes the
+linear's FP8 operand (and the transposed copy the weight gradient reads) in its own pass, with
+the linear's input quantizer: delayed scaling with its scale and amax buffer, current scaling
+after an amax-only pass of the activation for the scale. The activation's output never exists
+in high precision, and the linear does not cast it again. ``te.LayerNormMLP`` feeds FC2 the
+same way.
+"""
+
+from __future__ import annotations
+
+from ...cpp_extensions.activation import activation_amax, activation_forward_fp8
+from ...functional.linear import check_fp8_gemm_shapes
+from ...quantization import FP8GlobalStateManager
+from ..basic._common import activation_dtype, plain
+from ..basic.activation import ActivationOperation
+from ..basic.basic_linear import BasicLinear
+from ..op import FusedOperation
+from ._produced import can_produce, per_tensor_fp8_recipe, produce_fp8
+from ._rewrite import op_at, replace_matching_runs
+
+__all__ = ["ForwardActivationCast", "fuse_forward_activation_cast"]
+
+
+class ForwardActivationCast(FusedOperation):
+    """Forward of an activation whose output goes straight into a ``BasicLinear`` in FP8.
+
+    Parameters
+    ----------
+    activation : ActivationOperation
+        The operation this fused operation covers.
+    linear : BasicLinear
+        The operation right after it (the next entry of the plan: alone, or the first
+        operation of a fused linear such as ``ForwardLinearBiasActivation``); read, not
+        covered: its input quantizer is the cast's, its weight decides whether the transposed
+        copy is written.
+
+    The activation's context is filled as its own forward fills it (its input, kept for the
+    backward), so any backward runs on it.
+
+    What differs from the chain: the chain rounds the activation to its dtype (BF16, FP16)
+    and casts those values; here the float32 values are cast directly (one rounding, as
+    ``te.LayerNormMLP`` and upstream do), so in BF16/FP16 the FP8 bytes, the amax and what
+    follows can differ in the last bit of the activation. With float32 activations the bits
+    are the chain's. Where the linear's input quantizer cannot take a produced tensor, or
+    the activation's dtype differs from the linear's compute dtype, or FP8 is off, it runs
+    the activation alone, as the chain does.
+    """
+
+    def __init__(self, *, activation: ActivationOperation, linear: BasicLinear) -> None:
+        if not isinstance(activation, ActivationOperation) or type(linear) is not BasicLinear:
+            raise TypeError(
+                "ForwardActivationCast: needs an ActivationOperation and a BasicLinear, got "
+                f"{type(activation).__name__} and {type(linear).__name__}"
+            )
+        super().__init__([activation])
+        self._linear = (linear,)  # a tuple: the linear is no submodule of this operation
+
+    def fuser_forward(
+        self,
+        basic_op_ctxs,
+        input_,
+        *,
+        basic_op_extra_inputs,
+        prev_op_grad_output_quantizer,
+        next_op_input_quantizer,
+        basic_op_kwargs,
+    ):
+        if any(basic_op_kwargs):
+            raise ValueError(
+                f"ForwardActivationCast takes no per-operation kwargs, got {basic_op_kwargs}"
+            )
+        (activation,) = self.basic_ops
+        (ctx,) = basic_op_ctxs
+        (linear,) = self._linear
+        x = plain(input_)
+        quantizer = next_op_input_quantizer
+        if not (
+            FP8GlobalStateManager.is_fp8_enabled()
+            and per_tensor_fp8_recipe(FP8GlobalStateManager.get_fp8_recipe())
+            and quantizer is linear.get_input_quantizer()
+            and can_produce(quantizer, x.dtype, activation_dtype(x, linear.weight))
+        ):
+            return activation.activation_forward(ctx, x), [()]
+        spec = activation._spec()
+        cols = x.shape[-1] // 2 if spec.gated else x.shape[-1]
+        if (spec.gated and x.shape[-1] % 2) or cols != linear.in_features:
+            # the chain's errors: the activation's (odd gated width) or the linear's
+            return activation.activation_forward(ctx, x), [()]
+        # the linear's checks before anything is written (no amax recorded for a refused call)
+        needs_wgrad = ctx.requires_grad and linear.weight.requires_grad
+        shape = (*x.shape[:-1], cols)
+        check_fp8_gemm_shapes(
+            x.numel() // max(x.shape[-1], 1), linear.in_features, linear.out_features, needs_wgrad
+        )
+
+        def produce(scale, amax, fp8_dtype, with_transpose):
+            res = activation_forward_fp8(
+                x, spec, scale, fp8_dtype, amax=amax, with_transpose=with_transpose
+            )
+            return res, None
+
+        def amax_of(amax):  # current scaling's first pass
+            activation_amax(x, spec, amax)
+
+        out, _ = produce_fp8(
+            quantizer, produce, amax_of, shape, x.dtype, x.device,
+            rowwise=True, columnwise=needs_wgrad,
+        )  # fmt: skip
+        activation.save_input(ctx, x)
+        return out, [()]
+
+
+def fuse_forward_activation_cast(ops, *, recipe=None):
+    """Replace each activation directly followed by a ``BasicLinear`` by a
+    :class:`ForwardActivationCast` (under delayed or current scaling only; the linear stays
+    in the list for the fusions that follow).
+
+    Parameters
+    ----------
+    ops : list of FusibleOperation
+    recipe : Recipe or None
+    """
+    if not per_tensor_fp8_recipe(recipe):
+        return list(ops)
+    return replace_matching_runs(ops, _match_forward_activation_cast)
+
+
+def _match_forward_activation_cast(ops, i):
+    op, linear = ops[i], op_at(ops, i + 1)
+    if isinstance(op, ActivationOperation) and type(linear) is BasicLinear:
+        return ForwardActivationCast(activation=op, linear=linear), 1
+    return None

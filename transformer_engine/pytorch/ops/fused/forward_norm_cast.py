@@ -1,0 +1,110 @@
+"""Forward fusion: ``LayerNorm`` / ``RMSNorm`` whose output is cast once for the next
+``BasicLinear``.
+
+The norm's output is cast to FP8 with the linear's input quantizer right after the norm
+kernel (there is no native norm kernel that writes FP8), in the layouts the linear reads, and
+the high-precision output is released before the GEMM runs instead of living until the
+linear returns. The linear takes the FP8 tensor as it is (no second cast) and keeps only the
+transposed copy for its weight gradient; the norm keeps its input, as it does alone. This is
+what ``te.LayerNormLinear`` does.
+"""
+
+from __future__ import annotations
+
+from ...functional.linear import check_fp8_gemm_shapes
+from ...quantization import FP8GlobalStateManager
+from ..basic._common import activation_dtype
+from ..basic.basic_linear import BasicLinear
+from ..basic.normalization import LayerNorm, RMSNorm
+from ..op import FusedOperation
+from ._produced import can_produce, cast_for_linear, per_tensor_fp8_recipe
+from ._rewrite import op_at, replace_matching_runs
+
+__all__ = ["ForwardNormCast", "fuse_forward_norm_cast"]
+
+_NORMS = (LayerNorm, RMSNorm)
+
+
+class ForwardNormCast(FusedOperation):
+    """Forward of a ``LayerNorm`` or ``RMSNorm`` whose output goes into a ``BasicLinear`` in FP8.
+
+    Parameters
+    ----------
+    norm : LayerNorm or RMSNorm
+        The operation this fused operation covers.
+    linear : BasicLinear
+        The operation right after it (alone or first in a fused linear); read, not covered:
+        its input quantizer casts the norm's output, its weight decides whether the transposed
+        copy is made.
+
+    Same bits as the chain in every dtype: the norm runs as it does alone and the cast is the
+    one the linear would run on its output. Where the linear's input quantizer is not a
+    per-tensor FP8 one, the norm's dtype differs from the linear's compute dtype, or FP8 is
+    off, the norm runs alone.
+    """
+
+    def __init__(self, *, norm, linear: BasicLinear) -> None:
+        if type(norm) not in _NORMS or type(linear) is not BasicLinear:
+            raise TypeError(
+                "ForwardNormCast: needs a LayerNorm or RMSNorm and a BasicLinear, got "
+                f"{type(norm).__name__} and {type(linear).__name__}"
+            )
+        super().__init__([norm])
+        self._linear = (linear,)  # a tuple: the linear is no submodule of this operation
+
+    def fuser_forward(
+        self,
+        basic_op_ctxs,
+        input_,
+        *,
+        basic_op_extra_inputs,
+        prev_op_grad_output_quantizer,
+        next_op_input_quantizer,
+        basic_op_kwargs,
+    ):
+        if any(basic_op_kwargs):
+            raise ValueError(
+                f"ForwardNormCast takes no per-operation kwargs, got {basic_op_kwargs}"
+            )
+        (norm,) = self.basic_ops
+        (ctx,) = basic_op_ctxs
+        (linear,) = self._linear
+        y = norm.op_forward(ctx, input_)
+        quantizer = next_op_input_quantizer
+        if not (
+            FP8GlobalStateManager.is_fp8_enabled()
+            and per_tensor_fp8_recipe(FP8GlobalStateManager.get_fp8_recipe())
+            and quantizer is linear.get_input_quantizer()
+            and can_produce(quantizer, y.dtype, activation_dtype(y, linear.weight))
+            and y.dim() > 0
+            and y.shape[-1] == linear.in_features
+        ):
+            return y, [()]
+        needs_wgrad = ctx.requires_grad and linear.weight.requires_grad
+        tokens = y.numel() // max(y.shape[-1], 1)
+        check_fp8_gemm_shapes(tokens, linear.in_features, linear.out_features, needs_wgrad)
+        out = cast_for_linear(quantizer, y, rowwise=True, columnwise=needs_wgrad)
+        del y  # the high-precision output goes before the GEMM
+        return out, [()]
+
+
+def fuse_forward_norm_cast(ops, *, recipe=None):
+    """Replace each ``LayerNorm`` / ``RMSNorm`` directly followed by a ``BasicLinear`` by a
+    :class:`ForwardNormCast` (under delayed or current scaling only; the linear stays in the
+    list for the fusions that follow).
+
+    Parameters
+    ----------
+    ops : list of FusibleOperation
+    recipe : Recipe or None
+    """
+    if not per_tensor_fp8_recipe(recipe):
+        return list(ops)
+    return replace_matching_runs(ops, _match_forward_norm_cast)
+
+
+def _match_forward_norm_cast(ops, i):
+    op, linear = ops[i], op_at(ops, i + 1)
+    if type(op) in _NORMS and type(linear) is BasicLinear:
+        return ForwardNormCast(norm=op, linear=linear), 1
+    return None
