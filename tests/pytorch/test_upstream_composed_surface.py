@@ -1,6 +1,6 @@
 """Upstream's public names for attention, the composed layers, CUDA graphs, the RNG tracker and
-the block-scaled recipes built so far (Float8BlockScaling, MXFP8BlockScaling; NVFP4 is not built
-yet and not listed) (rows of upstream's surface owned by those issues), each resolved from upstream's import path,
+the block-scaled recipes (Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling) (rows of
+upstream's surface owned by those issues), each resolved from upstream's import path,
 plus the deeper module paths that upstream code and tests import. Whether each works is tested in
 tests/pytorch/attention/ and tests/pytorch/graphs/."""
 
@@ -45,6 +45,13 @@ COMPOSED_NAMES = [
     "transformer_engine.pytorch.MXFP8TensorStorage",
     "transformer_engine.pytorch.is_mxfp8_available",
     "transformer_engine.pytorch.tensor.mxfp8_tensor.MXFP8Quantizer",
+    # NVFP4BlockScaling
+    "transformer_engine.common.recipe.NVFP4BlockScaling",
+    "transformer_engine.pytorch.is_nvfp4_available",
+    "transformer_engine.pytorch.quantization.NVFP4BlockScalingRecipeState",
+    "transformer_engine.pytorch.tensor.nvfp4_tensor.NVFP4Quantizer",
+    "transformer_engine.pytorch.tensor.nvfp4_tensor.NVFP4Tensor",
+    "transformer_engine.pytorch.tensor.storage.nvfp4_tensor_storage.NVFP4TensorStorage",
 ]
 
 

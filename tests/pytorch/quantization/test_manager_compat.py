@@ -30,9 +30,9 @@ from transformer_engine.pytorch.quantization.recipe_state import DelayedScalingR
     ],
 )
 def test_block_scaled_availability_is_a_tuple_naming_the_recipe(method, recipe_name):
-    # NVFP4 is not implemented, whatever the GPU; MXFP8 is natively supported only on
-    # Blackwell (these runs: CPU or Hopper), and its reason says the GEMMs are emulated.
-    expected = "emulation" if recipe_name == "MXFP8BlockScaling" else "not implemented"
+    # MXFP8 and NVFP4 are natively supported only on Blackwell (these runs: CPU or Hopper), and
+    # their reasons say the GEMMs are emulated.
+    expected = "emulation"
     for manager in (FP8GlobalStateManager, ShimManager):
         available, reason = getattr(manager, method)()
         assert available is False

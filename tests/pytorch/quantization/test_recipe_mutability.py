@@ -249,7 +249,7 @@ def test_registry_key_stays_findable_when_a_registered_recipe_is_mutated():
         ("is_nvfp4_available", "check_nvfp4_support", "NVFP4BlockScaling"),
     ],
 )
-def test_block_scaled_recipes_report_not_implemented(is_available, check, recipe_name):
+def test_block_scaled_recipes_report_emulation_off_blackwell(is_available, check, recipe_name):
     from transformer_engine.pytorch import quantization
 
     with warnings.catch_warnings():
@@ -262,9 +262,8 @@ def test_block_scaled_recipes_report_not_implemented(is_available, check, recipe
     assert top(return_reason=False) is False
     available, reason = top(return_reason=True)
     assert available is False
-    # MXFP8 runs (emulated GEMMs) but has no native support off Blackwell; NVFP4 is not built.
-    expected = "emulation" if recipe_name == "MXFP8BlockScaling" else "not implemented in this"
-    assert recipe_name in reason and expected in reason
+    # MXFP8 and NVFP4 run (emulated GEMMs) but have no native support off Blackwell.
+    assert recipe_name in reason and "emulation" in reason
     for module in (quantization, fp8):
         assert getattr(module, check)() == (False, reason)
     if not te.is_fp8_available():
@@ -301,6 +300,8 @@ def test_block_scaled_recipe_availability_on_every_gpu():
         available, reason = te.is_mxfp8_available(return_reason=True, device=device)
         assert available is ((10, 0) <= cc < (12, 0))
         assert available or ("MXFP8BlockScaling" in reason and "emulation" in reason)
+        # NVFP4: native from 10.0 (upstream's meaning); emulated elsewhere.
         available, reason = te.is_nvfp4_available(return_reason=True, device=device)
-        assert available is False and "not implemented in this package yet" in reason
+        assert available is (fp8_ok and cc >= (10, 0))
+        assert available or ("NVFP4BlockScaling" in reason and "emulation" in reason)
         assert ("FP8 itself is not available" in reason) is (not fp8_ok)
