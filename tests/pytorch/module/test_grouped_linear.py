@@ -316,7 +316,6 @@ def test_errors():
     for kwargs, name in (
         ({"single_grouped_weight": True}, "single_grouped_weight"),
         ({"single_grouped_bias": True}, "single_grouped_bias"),
-        ({"tp_size": 2}, "tp_size"),
         ({"ub_overlap_rs": True}, "ub_overlap_rs"),
     ):
         with pytest.raises(NotImplementedError, match=name):

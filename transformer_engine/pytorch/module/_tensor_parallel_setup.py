@@ -93,10 +93,12 @@ def mark_sequence_parallel(module, name: str, value: bool) -> None:
     module._param_attributes.setdefault(name, {})["sequence_parallel"] = value
 
 
-def check_tensor_parallel_ready(module) -> None:
+def check_tensor_parallel_ready(module, *, gathers_input: bool = True) -> None:
     """Before a forward with ``tp_size > 1``: a group must be set and have ``tp_size`` ranks;
     under delayed scaling with sequence parallelism the amaxes must be reduced over a group that
-    contains the tensor-parallel group (every rank casts the gathered input with one scale)."""
+    contains the tensor-parallel group (every rank casts the gathered input with one scale).
+    ``gathers_input=False``: the module gathers nothing (GroupedLinear), so the last rule does
+    not apply."""
     if module.tp_size == 1:
         return
     owner = type(module).__name__
@@ -111,7 +113,7 @@ def check_tensor_parallel_ready(module) -> None:
             f"{owner}: tp_size={module.tp_size} but the tensor-parallel group has {size} "
             "rank(s); initialize torch.distributed and pass a group of tp_size ranks"
         )
-    if module.fp8 and module.sequence_parallel:
+    if gathers_input and module.fp8 and module.sequence_parallel:
         recipe = module.fp8_meta.get("recipe")
         if recipe is not None and recipe.delayed():
             if not recipe.reduce_amax:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._tensor_parallel import divide
 from ..device import construction_device, device_guard
 from ..functional.linear import check_input_features
 from ..quantization import BackwardScaleUpdate, claim_backward_update
@@ -27,6 +28,13 @@ from ._gemm_setup import gemm_weight, make_linear_config
 from ._linear_function import linear
 from ._linear_parameters import check_features, check_single_process_arguments
 from ._quantizer_roles import gemm_quantizer_roles
+from ._tensor_parallel_setup import (
+    check_tensor_parallel_ready,
+    configure_tensor_parallel,
+    mark_partitioned,
+    mark_sequence_parallel,
+    reduce_split_amaxes,
+)
 from .base import TransformerEngineBaseModule, default_init_method
 
 __all__ = ["GroupedLinear"]
@@ -128,10 +136,21 @@ class GroupedLinear(TransformerEngineBaseModule):
         memory when the FP8 transpose is larger than the input is worth keeping); only for
         stateless recipes (current scaling), refused under ``DelayedScaling``.
     name : str, optional
+    tp_group, tp_size, parallel_mode, sequence_parallel
+        Tensor parallelism as upstream has it for GroupedLinear (docs/modules.md, "Tensor
+        parallelism"): ``parallel_mode="column"`` keeps ``out_features / tp_size`` rows of every
+        weight on each rank, ``"row"`` keeps ``in_features / tp_size`` columns;
+        ``in_features`` / ``out_features`` then hold the local sizes. The module runs no
+        collective on the activations: the caller (a mixture-of-experts token dispatcher)
+        gathers the tokens and reduces the row-parallel outputs, so ``sequence_parallel`` is
+        only recorded. ``bias=True`` with ``tp_size > 1`` is refused (as upstream). Under
+        current scaling the operands split over the ranks (a row-parallel input, a
+        column-parallel output gradient) get their amax reduced over ``tp_group``.
+    get_rng_state_tracker, rng_tracker_name
+        Each weight is initialized inside ``get_rng_state_tracker().fork(rng_tracker_name)``.
 
-    Tensor-parallel, comm-overlap and grouped-parameter arguments are accepted for
-    compatibility; values other than the single-process defaults raise
-    ``NotImplementedError`` naming the argument.
+    Comm-overlap and grouped-parameter arguments are accepted for compatibility; values other
+    than the defaults raise ``NotImplementedError`` naming the argument.
     """
 
     def __init__(
@@ -162,15 +181,26 @@ class GroupedLinear(TransformerEngineBaseModule):
         use_grouped_tensor: bool | None = None,
     ) -> None:
         super().__init__(name=name)
-        if parallel_mode not in (None, "column", "row"):
-            raise ValueError(f"parallel_mode={parallel_mode!r} must be None, 'column' or 'row'")
+        configure_tensor_parallel(
+            self, tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode,
+            sequence_parallel=sequence_parallel,
+        )  # fmt: skip
         check_single_process_arguments(
-            "GroupedLinear", tp_size=tp_size, sequence_parallel=sequence_parallel,
-            ub_overlap_rs=ub_overlap_rs, ub_overlap_ag=ub_overlap_ag,
+            "GroupedLinear", ub_overlap_rs=ub_overlap_rs, ub_overlap_ag=ub_overlap_ag,
             single_grouped_weight=single_grouped_weight, single_grouped_bias=single_grouped_bias,
             use_grouped_tensor=use_grouped_tensor,
         )  # fmt: skip
         check_features(num_gemms=num_gemms, in_features=in_features, out_features=out_features)
+        if bias and self.tp_size > 1:
+            raise ValueError(
+                f"GroupedLinear: bias=True with tp_size={self.tp_size} is not supported (as "
+                "upstream): the tensor-parallel communication happens outside this module, so "
+                "it cannot add a bias once; pass bias=False and add the bias after the reduction"
+            )
+        if self.parallel_mode == "column":
+            out_features = divide(out_features, self.tp_size, "out_features")
+        elif self.parallel_mode == "row":
+            in_features = divide(in_features, self.tp_size, "in_features")
         # FP8 parameters are quantized during construction: the state needs every GEMM's slots.
         self._num_gemms = num_gemms
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
@@ -178,8 +208,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.save_original_input = save_original_input
         self._init_wgrad_store(delay_wgrad_compute)
-        self.parallel_mode = parallel_mode
-        self.tp_group, self.get_rng_state_tracker = tp_group, get_rng_state_tracker
+        self.get_rng_state_tracker = get_rng_state_tracker
         self.rng_tracker_name = rng_tracker_name
         params_dtype = params_dtype or torch.get_default_dtype()
         device = construction_device(type(self).__name__, device)
@@ -196,6 +225,12 @@ class GroupedLinear(TransformerEngineBaseModule):
                 self.register_parameter(f"bias{i}", torch.nn.Parameter(b), init_fn=None)
             else:
                 setattr(self, f"bias{i}", None)
+        for i in range(num_gemms):  # upstream's partition attributes
+            mark_partitioned(self, f"weight{i}", 1 if self.parallel_mode == "row" else 0)
+            if bias and self.parallel_mode == "column":
+                mark_partitioned(self, f"bias{i}", 0)
+            elif bias and self.parallel_mode == "row":
+                mark_sequence_parallel(self, f"bias{i}", self.sequence_parallel)
         self.reset_parameters(defer_init=device.type == "meta")
 
     # -- forward -------------------------------------------------------------------------------
@@ -259,6 +294,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         if dgrad_out is not None and inp.requires_grad and torch.is_grad_enabled():
             inp = _GradientInto.apply(inp, dgrad_out)
         with self.prepare_forward_ctx(inp, num_gemms=self.num_gemms) as inp:
+            check_tensor_parallel_ready(self, gathers_input=False)
             dtype, fp8 = self.activation_dtype, self.fp8
             if inp.dtype != dtype:
                 inp = inp.to(dtype)
@@ -289,6 +325,10 @@ class GroupedLinear(TransformerEngineBaseModule):
             ]
             for config in configs:
                 config.wgrad_store = self.wgrad_store
+                reduce_split_amaxes(
+                    self, config, input_split=self.parallel_mode == "row",
+                    grad_output_split=self.parallel_mode == "column",
+                )  # fmt: skip
             if self.save_original_input and fp8:
                 self._check_save_original_input()
                 for config in configs:
