@@ -205,7 +205,7 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
             return values.t(), self._rht_key()
         if self._rowwise_data is None:
             return None, None
-        codes = fp4.unpack_fp4(self._rowwise_data.reshape(m, -1), k)
+        codes = fp4.unpack_fp4(self._rowwise_data.reshape(m, -(-k // 2)), k)
         return fp4.nvfp4_dequantize(codes, self._rowwise_scale_inv, self._amax_rowwise), None
 
     def _dequantize_plain(self, dtype: torch.dtype | None = None) -> torch.Tensor:
