@@ -1,0 +1,186 @@
+"""te.ops FP8 producer fusion of the norms: ``ForwardNormCast`` (``LayerNorm`` / ``RMSNorm``
+output cast once with the next ``BasicLinear``'s input quantizer, handed over in FP8).
+
+Checked for both norms (with and without zero-centered gamma), delayed and current scaling,
+float32 and BF16, CPU and CUDA: the plan holds the fused operation under FP8 and not without
+it; the fused ``Sequential`` has the bits of the same operations with this fusion switched off
+(outputs, input and parameter gradients over two steps, the delayed-scaling scales and amax
+histories); the linear receives the FP8 tensor (it does not cast again); the bytes kept for
+backward are no more than the unfused chain's, with no high-precision copy of the norm output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from utils import autocast_by_name, bitwise_equal, needs_cuda
+
+from transformer_engine.pytorch import ops
+from transformer_engine.pytorch.ops.basic.basic_linear import BasicLinear, is_produced_input
+from transformer_engine.pytorch.ops.fused import ForwardNormCast, fuse_forward_norm_cast
+from transformer_engine.pytorch.ops.fuser import OperationFuser
+
+HIDDEN, FFN, OUT, TOKENS = 64, 96, 48, 32
+NORMS = {"layernorm": ops.LayerNorm, "rmsnorm": ops.RMSNorm}
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+RECIPES = ["delayed", "current"]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def build(norm, device, dtype, *, zero_centered_gamma=False, mlp=False, seed=7):
+    """``norm -> Linear(HIDDEN, FFN)`` (``-> GELU -> Linear(FFN, OUT)`` with ``mlp``), with
+    norm parameters away from their initial values."""
+    torch.manual_seed(seed)
+    modules = [
+        NORMS[norm](HIDDEN, device=device, dtype=dtype, zero_centered_gamma=zero_centered_gamma),
+        ops.Linear(HIDDEN, FFN, device=device, dtype=dtype),
+    ]
+    if mlp:
+        modules += [ops.GELU(), ops.Linear(FFN, OUT, device=device, dtype=dtype)]
+    model = ops.Sequential(*modules)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def unfused_forward_list():
+    functions = list(OperationFuser.forward_fusion_functions)
+    functions.remove(fuse_forward_norm_cast)
+    return functions
+
+
+def run(model, x, dy, recipe, steps=2):
+    results = []
+    for _ in range(steps):
+        xs = x.detach().clone().requires_grad_(True)
+        for p in model.parameters():
+            p.grad = None
+        with autocast_by_name(recipe):
+            y = model(xs)
+        y.backward(dy)
+        results += [("out", y.detach().clone()), ("dx", xs.grad)]
+        results += [(name, p.grad) for name, p in model.named_parameters()]
+        for i, op in enumerate(o for o in model.modules() if type(o) is BasicLinear):
+            for mode in ("forward", "backward"):
+                state = op.recipe_state(mode)
+                if state is not None and hasattr(state, "amax_history"):
+                    results.append((f"scale{i}{mode}", state.scale.clone()))
+                    results.append((f"amax{i}{mode}", state.amax_history.clone()))
+    return results
+
+
+def fuser_of(model):
+    (fuser,) = model._get_module_groups()
+    return fuser
+
+
+def plan(fuser, which):
+    return [(type(op).__name__, idxs) for op, idxs in getattr(fuser, f"_{which}_ops")]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_plan_holds_the_fused_norm_under_fp8(norm, recipe):
+    model = build(norm, "cpu", torch.float32, mlp=True)
+    with autocast_by_name(recipe):
+        model(torch.randn(TOKENS, HIDDEN, requires_grad=True)).sum().backward()
+    # basic ops: 0 norm, 1 BasicLinear, 2 Bias, 3 GELU, 4 BasicLinear, 5 Bias
+    assert plan(fuser_of(model), "forward") == [
+        ("ForwardNormCast", [0]),
+        ("ForwardLinearBiasActivation", [1, 2]),
+        ("ForwardActivationCast", [3]),
+        ("ForwardLinearBiasActivation", [4, 5]),
+    ]
+
+
+def test_plan_without_fp8_is_unchanged():
+    model = build("layernorm", "cpu", torch.float32)
+    model(torch.randn(TOKENS, HIDDEN, requires_grad=True)).sum().backward()
+    assert plan(fuser_of(model), "forward") == [
+        ("LayerNorm", [0]),
+        ("ForwardLinearBiasActivation", [1, 2]),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("zero_centered_gamma", [False, True], ids=["gamma", "zc_gamma"])
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_bits_equal_the_unfused_chain(
+    monkeypatch, norm, zero_centered_gamma, recipe, dtype, device
+):
+    torch.manual_seed(13)
+    x = torch.randn(2, TOKENS // 2, HIDDEN, device=device, dtype=dtype)
+    dy = torch.randn(2, TOKENS // 2, FFN, device=device, dtype=dtype)
+    fused_model = build(norm, device, dtype, zero_centered_gamma=zero_centered_gamma)
+    fused = run(fused_model, x, dy, recipe)
+    assert ("ForwardNormCast", [0]) in plan(fuser_of(fused_model), "forward")
+    with monkeypatch.context() as patch:
+        patch.setattr(OperationFuser, "forward_fusion_functions", unfused_forward_list())
+        unfused_model = build(norm, device, dtype, zero_centered_gamma=zero_centered_gamma)
+        unfused = run(unfused_model, x, dy, recipe)
+        assert all(
+            type(op) is not ForwardNormCast for op, _ in fuser_of(unfused_model)._forward_ops
+        )
+    assert [n for n, _ in fused] == [n for n, _ in unfused]
+    for (name, a), (_, b) in zip(fused, unfused):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert bitwise_equal(a, b), f"{name}: {(a.double() - b.double()).abs().max()}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_linear_takes_the_fp8_norm_output(monkeypatch, recipe, device):
+    seen = []
+    original = BasicLinear.linear_forward
+
+    def spy(self, ctx, input_, bias=None):
+        seen.append(is_produced_input(input_))
+        return original(self, ctx, input_, bias)
+
+    monkeypatch.setattr(BasicLinear, "linear_forward", spy)
+    model = build("rmsnorm", device, torch.bfloat16)
+    x = torch.randn(TOKENS, HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
+    with autocast_by_name(recipe):
+        model(x).float().sum().backward()
+    assert seen == [True]
+    seen.clear()
+    model(x).float().sum().backward()  # without FP8 the norm output stays high precision
+    assert seen == [False]
+
+
+def _saved(model, x, recipe):
+    excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    sizes, kinds = {}, []
+
+    def pack(tensor):
+        inner = [getattr(tensor, n, None) for n in ("_data", "_transpose", "_scale_inv")]
+        for buffer in [t for t in inner if isinstance(t, torch.Tensor)] or [tensor]:
+            address = buffer.untyped_storage().data_ptr()
+            if address and address not in excluded:
+                sizes[address] = buffer.untyped_storage().nbytes()
+                kinds.append((tuple(buffer.shape), buffer.dtype))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast_by_name(recipe):
+        out = model(x)
+    del out
+    return sum(sizes.values()), kinds
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_saved_bytes_are_no_more_than_unfused(monkeypatch, norm, recipe):
+    x = torch.randn(TOKENS, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    fused_bytes, kinds = _saved(build(norm, "cpu", torch.bfloat16), x, recipe)
+    with monkeypatch.context() as patch:
+        patch.setattr(OperationFuser, "forward_fusion_functions", unfused_forward_list())
+        unfused_bytes, _ = _saved(build(norm, "cpu", torch.bfloat16), x, recipe)
+    assert fused_bytes <= unfused_bytes
+    # kept: the norm's input (BF16) and the linear's FP8 input, transposed; no BF16 norm output
+    assert [s for s, d in kinds if d == torch.bfloat16] == [(TOKENS, HIDDEN)]
+    assert (HIDDEN, TOKENS) in [s for s, d in kinds if d == torch.uint8]
