@@ -13,7 +13,7 @@ import pytest
 import torch
 from nvfp4_oracle import (
     E2M1,
-    hadamard16 as oracle_hadamard_matrix,
+    hadamard16,
     oracle_cast,
     oracle_dequantize,
     oracle_pack,
@@ -136,7 +136,7 @@ def test_rht_only_on_columnwise_and_matches_oracle():
     t.update_usage(rowwise_usage=False)
     assert torch.allclose(t.dequantize(), x, atol=0.25 * float(x.abs().max()))
     # ... exactly: the oracle's values with the inverse (transposed) matrix applied per block
-    inv = (oracle_hadamard_matrix() * torch.tensor(SIGNS, dtype=torch.float64) / 4).t()
+    inv = (hadamard16() * torch.tensor(SIGNS, dtype=torch.float64) / 4).t()
     back = torch.stack([torch.cat([inv @ row[i : i + 16] for i in range(0, 48, 16)])
                         for row in oracle_values(codes, scales, amax)])  # fmt: skip
     assert torch.allclose(t.dequantize().double(), back.t(), atol=1e-5)
