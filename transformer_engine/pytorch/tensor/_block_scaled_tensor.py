@@ -15,7 +15,7 @@ import torch
 from ..quantized_tensor import QuantizedTensor
 from ._float8_quantize_into import high_precision_source
 
-__all__ = ["BlockScaledTensorMixin", "requantize_into"]
+__all__ = ["BlockScaledTensorMixin", "requantize_into", "storage_buffers"]
 
 aten = torch.ops.aten
 
@@ -120,28 +120,39 @@ class BlockScaledTensorMixin:
         return QuantizedTensor.__torch_dispatch__.__func__(cls, func, types, args, kwargs)
 
 
+def storage_buffers(dst, rowwise: bool, columnwise: bool) -> tuple:
+    """``dst``'s buffers for the given usages, in the order row-wise data and scales,
+    column-wise data and scales (``None`` for a usage not asked for)."""
+    row = (dst._rowwise_data, dst._rowwise_scale_inv) if rowwise else (None, None)
+    col = (dst._columnwise_data, dst._columnwise_scale_inv) if columnwise else (None, None)
+    return (*row, *col)
+
+
 def requantize_into(quantizer, owner: str, src, dst, noop_flag: torch.Tensor | None):
     """A block-scaled quantizer's ``update_quantized`` once ``dst``'s kind is checked: cast
-    ``src`` with ``quantizer`` into the layouts ``dst`` holds and copy the bytes and scales into
-    its buffers in place (``noop_flag`` 1.0: leave ``dst`` as it is). ``owner`` names the
-    quantizer class in errors."""
-    if noop_flag is not None and float(noop_flag.reshape(-1)[0]) == 1.0:
-        return dst
+    ``src`` with ``quantizer`` straight into the buffers of the layouts ``dst`` holds
+    (``quantizer._cast(src, dst=dst, noop_flag=...)``). ``noop_flag`` 1.0 leaves ``dst`` as it
+    is; the cast reads it on the device for CUDA tensors (no host synchronisation), except when
+    the quantizer's FP8 format differs from ``dst``'s, whose recorded format then depends on
+    the flag. ``owner`` names the quantizer class in errors."""
     src = high_precision_source(src)
     if tuple(src.shape) != tuple(dst.size()):
         raise ValueError(
             f"{owner}.update_quantized: src has shape {tuple(src.shape)} but dst has shape "
             f"{tuple(dst.size())}"
         )
+    if (
+        noop_flag is not None
+        and quantizer.dtype != dst._fp8_dtype
+        and float(noop_flag.reshape(-1)[0]) == 1.0
+    ):
+        return dst
     usages = dst.get_usages()
     saved = quantizer.rowwise_usage, quantizer.columnwise_usage
     quantizer.set_usage(rowwise=usages["rowwise"], columnwise=usages["columnwise"])
     try:
-        buffers = quantizer._cast(src.to(dst.device))
+        quantizer._cast(src.to(dst.device), dst=dst, noop_flag=noop_flag)
     finally:
         quantizer.set_usage(rowwise=saved[0], columnwise=saved[1])
-    for name, value in buffers.items():
-        if value is not None:
-            getattr(dst, "_" + name).copy_(value)
     dst._fp8_dtype = quantizer.dtype
     return dst

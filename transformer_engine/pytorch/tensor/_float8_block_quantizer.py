@@ -1,10 +1,11 @@
 """``Float8BlockQuantizer``: casts high-precision tensors to block-scaled FP8
 (:class:`Float8BlockwiseQTensor`), the quantizer of the ``Float8BlockScaling`` recipe.
 
-The cast is the pure-PyTorch block cast of :mod:`transformer_engine.pytorch.reference`
-(``block_cast_1d`` / ``block_cast_2d``) on every device: native CUDA cast kernels (one pass
-writing both layouts and their scales) are a later step. Row-wise and column-wise copies are
-each quantized from the high-precision input.
+The cast is :func:`transformer_engine.pytorch.cpp_extensions.block_cast.float8_block_cast`: the
+native kernel on CUDA (one pass writing both layouts and their scales; a no-op flag is read on
+the device, so the cast can be captured in a CUDA graph), the reference's ``block_cast_1d`` /
+``block_cast_2d`` elsewhere, bit for bit the same. Row-wise and column-wise copies are each
+quantized from the high-precision input.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import torch
 from ...common.recipe import Float8BlockScaling
 from .. import reference
 from ..constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
+from ..cpp_extensions.block_cast import float8_block_cast, float8_block_scale_shape
 from ..quantized_tensor import Quantizer, _check_high_precision_dtype
-from ._block_scaled_tensor import requantize_into
+from ._block_scaled_tensor import requantize_into, storage_buffers
 from ._float8_blockwise_tensor_class import Float8BlockwiseQTensor
 from ._float8_quantize_into import high_precision_source
 from .storage.float8_blockwise_tensor_storage import (
@@ -27,14 +29,6 @@ from .storage.float8_blockwise_tensor_storage import (
 __all__ = ["Float8BlockQuantizer"]
 
 _BLOCK = reference.BLOCK_SCALING_BLOCK_LEN
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _round_up(a: int, b: int) -> int:
-    return _ceil_div(a, b) * b
 
 
 class Float8BlockQuantizer(Quantizer):
@@ -88,11 +82,7 @@ class Float8BlockQuantizer(Quantizer):
     def get_scale_shape(self, shape, columnwise: bool) -> tuple[int, int]:
         """Shape of the GEMM_READY scale-inverse tensor of one layout of a tensor of
         ``shape`` (see the storage module's layout contract)."""
-        m, k = block_matrix_dims(shape)
-        rows, cols = (k, m) if columnwise else (m, k)
-        if self.block_scaling_dim == 2:
-            return _ceil_div(rows, _BLOCK), _round_up(_ceil_div(cols, _BLOCK), 4)
-        return _ceil_div(cols, _BLOCK), _round_up(rows, 4)
+        return float8_block_scale_shape(shape, self.block_scaling_dim, columnwise)
 
     def get_columnwise_shape(self, shape) -> tuple:
         """Shape of the column-wise bytes: ``(last, *leading)``."""
@@ -108,8 +98,11 @@ class Float8BlockQuantizer(Quantizer):
 
     # ------------------------------------------------------------------ casting
 
-    def _cast(self, src: torch.Tensor) -> dict:
-        """The buffers of ``src`` for the usages set now (uint8 bytes, float32 scales)."""
+    def _cast(self, src: torch.Tensor, *, dst=None, noop_flag=None) -> dict:
+        """The buffers of ``src`` for the usages set now (uint8 bytes, float32 scales), from
+        :func:`cpp_extensions.block_cast.float8_block_cast` (native on CUDA). With ``dst`` (a
+        storage holding those usages) the cast writes into its buffers in place, skipped on
+        the device when ``noop_flag`` holds 1.0."""
         if not (self.rowwise_usage or self.columnwise_usage):
             raise ValueError(
                 "Float8BlockQuantizer: rowwise and columnwise usage are both False; set at "
@@ -120,43 +113,15 @@ class Float8BlockQuantizer(Quantizer):
                 f"Float8BlockQuantizer: input dtype {src.dtype} is not supported; quantize a "
                 "float32, float16 or bfloat16 tensor"
             )
-        shape = tuple(src.shape)
-        m, k = block_matrix_dims(shape)
-        matrix = src.reshape(m, k)
-        options = {
-            "epsilon": self.amax_epsilon,
-            "force_pow_2_scales": self.force_pow_2_scales,
-            # A scale too large for float32 becomes the input dtype's largest value.
-            "value_for_inf": torch.finfo(src.dtype).max,
-        }
-        fp8 = to_torch_fp8_dtype(self.dtype)
-        out = dict.fromkeys(
-            ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
-        )
-        if self.block_scaling_dim == 2:
-            data, scale = reference.block_cast_2d(matrix, fp8, **options)
-            if self.rowwise_usage:
-                out["rowwise_data"] = data.view(torch.uint8).reshape(shape)
-                out["rowwise_scale_inv"] = scale
-            if self.columnwise_usage:
-                # Symmetric blocks: the transposed bytes and scales are the column-wise cast.
-                mb, kb = _ceil_div(m, _BLOCK), _ceil_div(k, _BLOCK)
-                col_scale = torch.zeros(
-                    kb, _round_up(mb, 4), dtype=torch.float32, device=src.device
-                )
-                col_scale[:, :mb] = scale[:mb, :kb].t()
-                col = data.view(torch.uint8).t().contiguous().reshape(columnwise_shape(shape))
-                out["columnwise_data"], out["columnwise_scale_inv"] = col, col_scale
-            return out
-        if self.rowwise_usage:
-            data, scale = reference.block_cast_1d(matrix, fp8, **options)
-            out["rowwise_data"] = data.view(torch.uint8).reshape(shape)
-            out["rowwise_scale_inv"] = scale
-        if self.columnwise_usage:
-            data, scale = reference.block_cast_1d(matrix.t(), fp8, **options)
-            out["columnwise_data"] = data.view(torch.uint8).reshape(columnwise_shape(shape))
-            out["columnwise_scale_inv"] = scale
-        return out
+        result = float8_block_cast(
+            src, to_torch_fp8_dtype(self.dtype), block_scaling_dim=self.block_scaling_dim,
+            rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
+            epsilon=self.amax_epsilon, force_pow_2_scales=self.force_pow_2_scales,
+            out=None if dst is None else storage_buffers(dst, self.rowwise_usage,
+                                                         self.columnwise_usage),
+            noop_flag=noop_flag,
+        )  # fmt: skip
+        return result._asdict()
 
     def quantize_impl(self, tensor: torch.Tensor, *, dtype: torch.dtype | None = None):
         """Cast ``tensor`` (a quantized input is dequantized first) to a new block-scaled

@@ -3,7 +3,9 @@
 * :class:`MXFP8Quantizer` casts a high-precision tensor with one E8M0 (power-of-2) scale per 32
   elements: along the last dim for the row-wise copy, along the leading dims for the
   column-wise copy, each quantized from the input (the cast is
-  :func:`transformer_engine.pytorch.reference.mxfp8_cast` on every device);
+  :func:`transformer_engine.pytorch.cpp_extensions.block_cast.mxfp8_block_cast`: the native
+  kernel on CUDA, :func:`transformer_engine.pytorch.reference.mxfp8_cast` elsewhere, bit for
+  bit the same);
 * :class:`MXFP8Tensor` (in :mod:`._mxfp8_tensor_class`) is the result;
 * its buffers are described in :mod:`transformer_engine.pytorch.tensor.storage.mxfp8_tensor_storage`.
 """
@@ -15,8 +17,9 @@ import torch
 from ...common.recipe import MXFP8BlockScaling
 from .. import reference
 from ..constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
+from ..cpp_extensions.block_cast import mxfp8_block_cast
 from ..quantized_tensor import Quantizer, _check_high_precision_dtype
-from ._block_scaled_tensor import requantize_into
+from ._block_scaled_tensor import requantize_into, storage_buffers
 from ._float8_quantize_into import high_precision_source
 from ._mxfp8_tensor_class import MXFP8Tensor
 from .storage.float8_blockwise_tensor_storage import block_matrix_dims
@@ -64,8 +67,11 @@ class MXFP8Quantizer(Quantizer):
         m, k = block_matrix_dims(inp.shape)
         return inp.dim() >= 2 and m % _N == 0 and k % _N == 0
 
-    def _cast(self, src: torch.Tensor) -> dict:
-        """The buffers of ``src`` for the usages set now (uint8 bytes and E8M0 scales)."""
+    def _cast(self, src: torch.Tensor, *, dst=None, noop_flag=None) -> dict:
+        """The buffers of ``src`` for the usages set now (uint8 bytes and E8M0 scales), from
+        :func:`cpp_extensions.block_cast.mxfp8_block_cast` (native on CUDA). With ``dst`` (a
+        storage holding those usages) the cast writes into its buffers in place, skipped on
+        the device when ``noop_flag`` holds 1.0."""
         if not (self.rowwise_usage or self.columnwise_usage):
             raise ValueError(
                 "MXFP8Quantizer: rowwise and columnwise usage are both False; set at least one "
@@ -76,45 +82,14 @@ class MXFP8Quantizer(Quantizer):
                 f"MXFP8Quantizer: input dtype {src.dtype} is not supported; quantize a float32, "
                 "float16 or bfloat16 tensor"
             )
-        shape = tuple(src.shape)
-        m, k = block_matrix_dims(shape)
-        matrix = src.reshape(m, k)
-        fp8 = to_torch_fp8_dtype(self.dtype)
-        mb, kb = -(-m // _N), -(-k // _N)
-        out = dict.fromkeys(
-            ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
-        )
-
-        def scales(columnwise):
-            return torch.zeros(
-                mxfp8_scale_shape(shape, columnwise), dtype=torch.uint8, device=src.device
-            )
-
-        if self.with_2d_quantization:
-            data, e = reference.mxfp8_cast(matrix, fp8, two_d=True)  # e: [mb, kb]
-            data = data.view(torch.uint8).reshape(shape)
-            if self.rowwise_usage:
-                s = scales(False)
-                s[:m, :kb] = e.repeat_interleave(_N, dim=0)[:m]
-                out["rowwise_data"], out["rowwise_scale_inv"] = data, s
-            if self.columnwise_usage:
-                s = scales(True)
-                s[:mb, :k] = e.repeat_interleave(_N, dim=1)[:, :k]
-                out["columnwise_data"], out["columnwise_scale_inv"] = data.clone(), s
-            return out
-        if self.rowwise_usage:
-            data, e = reference.mxfp8_cast(matrix, fp8)
-            s = scales(False)
-            s[:m, :kb] = e
-            out["rowwise_data"] = data.view(torch.uint8).reshape(shape)
-            out["rowwise_scale_inv"] = s
-        if self.columnwise_usage:
-            data, e = reference.mxfp8_cast(matrix.t(), fp8)  # [k, m], blocks along m
-            s = scales(True)
-            s[:mb, :k] = e.t()
-            out["columnwise_data"] = data.t().contiguous().view(torch.uint8).reshape(shape)
-            out["columnwise_scale_inv"] = s
-        return out
+        result = mxfp8_block_cast(
+            src, to_torch_fp8_dtype(self.dtype), rowwise=self.rowwise_usage,
+            columnwise=self.columnwise_usage, two_d=self.with_2d_quantization,
+            out=None if dst is None else storage_buffers(dst, self.rowwise_usage,
+                                                         self.columnwise_usage),
+            noop_flag=noop_flag,
+        )  # fmt: skip
+        return result._asdict()
 
     def quantize_impl(self, tensor: torch.Tensor, *, dtype: torch.dtype | None = None):
         """Cast ``tensor`` (a quantized input is dequantized first) to a new

@@ -1,0 +1,341 @@
+/* nvte_block_scaled_quantize: Float8BlockScaling's cast (1x128 tiles or 128x128 blocks, float32
+ * scales), both copies and their scales in one pass. One thread block per 128x128 tile of the
+ * input (block_tile.cuh): the row-wise bytes go straight from registers to memory; the
+ * column-wise bytes (the transposed matrix [K, M]) are staged in shared memory and written as
+ * whole rows of the transposed output. The arithmetic is reference.block_cast_1d/_2d's. */
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <cmath>
+#include <type_traits>
+
+#include "cast/block_tile.cuh"
+#include "cast/dispatch.cuh"
+#include "transformer_engine/block_cast.h"
+#include "util/buffer.h"
+#include "util/device.h"
+#include "util/errors.h"
+#include "util/fp8_math.cuh"
+
+namespace transformer_engine {
+namespace {
+
+using namespace block_cast_detail;
+
+struct BlockCastParams {
+  TileGeometry g;
+  uint8_t* row_data;   // [M, K] or null
+  float* row_si;       // its scale_inv
+  uint8_t* col_data;   // [K, M] or null
+  float* col_si;       // its scale_inv
+  size_t row_si_cols;  // the scale tensors' row lengths (padded)
+  size_t col_si_cols;
+  size_t tiles_m;
+  float epsilon;
+  bool pow2;
+  bool vec_col_out;  // the [K, M] output takes 16-byte row chunks (M % 16 == 0, aligned base)
+  const float* noop;
+};
+
+/* The largest finite value of the input's dtype: what an infinite scale becomes. */
+template <typename IType>
+__device__ __forceinline__ float input_max_finite();
+template <>
+__device__ __forceinline__ float input_max_finite<float>() {
+  return FLT_MAX;
+}
+template <>
+__device__ __forceinline__ float input_max_finite<__half>() {
+  return 65504.0f;
+}
+template <>
+__device__ __forceinline__ float input_max_finite<__nv_bfloat16>() {
+  return __uint_as_float(0x7F7F0000u);
+}
+
+/* reference.block_scale_from_amax, one block. */
+template <typename IType, bool kE4M3>
+__device__ __forceinline__ float block_scale(float amax, float epsilon, bool pow2) {
+  const float a = epsilon > 0.0f ? fmaxf(amax, epsilon) : amax;
+  float scale = __fdiv_rn(Fp8Format<kE4M3>::kMax, a);
+  if (isinf(scale) && scale > 0.0f) scale = input_max_finite<IType>();
+  if (pow2) scale = __uint_as_float(__float_as_uint(scale) & 0xFF800000u);
+  if (a == 0.0f) scale = 1.0f;
+  return scale;
+}
+
+/* The column-wise staging tile: column `cl` of the input tile is row `cl` of the transposed
+ * tile, 128 bytes. The 8-byte chunk of rows rg*8..rg*8+7 sits at slot `rg ^ (cl / 8)`: the 16
+ * threads of a half-warp (same rg, cc = 0..15) then hit 16 different slots, so a warp's
+ * 8-byte stores spread over all banks. */
+__device__ __forceinline__ int stage_offset(int cl, int rl) {
+  return cl * kTile + ((((rl / kSub) ^ (cl / kSub)) * kSub) | (rl % kSub));
+}
+
+/* Writes the staged transposed tile to out_t [K, M]: rows c0..c0+127 of it, bytes r0..r0+127. */
+__device__ __forceinline__ void write_transposed(const uint8_t* stage, const BlockCastParams& P,
+                                                 const TilePos& p) {
+  const size_t M = P.g.M, K = P.g.K;
+  const size_t rows_here = M - p.r0 < kTile ? M - p.r0 : kTile;
+  const size_t cols_here = K - p.c0 < kTile ? K - p.c0 : kTile;
+  if (P.vec_col_out) {
+    // 16-byte chunks: 8 per transposed row; rows_here is a multiple of 16 (M % 16 == 0).
+    for (int q = threadIdx.x; q < kTile * (kTile / 16); q += kThreads) {
+      const int cl = q / (kTile / 16);
+      const int part = q % (kTile / 16);
+      if (cl >= static_cast<int>(cols_here) || part * 16 >= static_cast<int>(rows_here)) continue;
+      const uint2 lo = *reinterpret_cast<const uint2*>(stage + stage_offset(cl, part * 16));
+      const uint2 hi = *reinterpret_cast<const uint2*>(stage + stage_offset(cl, part * 16 + 8));
+      *reinterpret_cast<uint4*>(P.col_data + (p.c0 + cl) * M + p.r0 + part * 16) =
+          make_uint4(lo.x, lo.y, hi.x, hi.y);
+    }
+  } else {
+    for (int q = threadIdx.x; q < kTile * kTile; q += kThreads) {
+      const int cl = q / kTile;
+      const int rl = q % kTile;
+      if (cl < static_cast<int>(cols_here) && rl < static_cast<int>(rows_here)) {
+        P.col_data[(p.c0 + cl) * M + p.r0 + rl] = stage[stage_offset(cl, rl)];
+      }
+    }
+  }
+}
+
+template <typename IType, bool kE4M3, bool kTwoD>
+__global__ void __launch_bounds__(kThreads, 2)
+    block_quantize_kernel(const IType* __restrict__ in, const BlockCastParams P) {
+  if (skip_requested(P.noop)) return;
+  __shared__ alignas(16) uint8_t stage[kTile * kTile];
+  __shared__ float colmax[kThreads / 32][kTile];
+  __shared__ float warpmax[kThreads / 32];
+
+  const TileGeometry& g = P.g;
+  const TilePos p = tile_position(g);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  SubTile<IType> x;
+  load_sub_tile(in, g, p, x);
+
+  if constexpr (kTwoD) {
+    // One scale for the whole 128x128 block.
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kSub; ++i) {
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) m = amax_step(m, x.at(i, j));
+    }
+    m = half_warp_max(m);
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+    if (lane == 0) warpmax[warp] = m;
+    __syncthreads();
+    m = warpmax[0];
+#pragma unroll
+    for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, warpmax[w]);
+    const float scale = block_scale<IType, kE4M3>(m, P.epsilon, P.pow2);
+    Vec<uint16_t, kSub / 2> q[kSub];
+#pragma unroll
+    for (int i = 0; i < kSub; ++i) {
+#pragma unroll
+      for (int k = 0; k < kSub / 2; ++k) {
+        q[i].v[k] =
+            Fp8Format<kE4M3>::cast_pair(x.at(i, 2 * k) * scale, x.at(i, 2 * k + 1) * scale);
+      }
+      if (P.row_data != nullptr) store_row(P.row_data, g, p, i, q[i]);
+    }
+    if (P.col_data != nullptr) {
+      // The same bytes, transposed: column j of the sub-tile is 8 consecutive staged bytes.
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        uint32_t word[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          word[h] = static_cast<uint32_t>(byte_of(q[4 * h], j)) |
+                    (static_cast<uint32_t>(byte_of(q[4 * h + 1], j)) << 8) |
+                    (static_cast<uint32_t>(byte_of(q[4 * h + 2], j)) << 16) |
+                    (static_cast<uint32_t>(byte_of(q[4 * h + 3], j)) << 24);
+        }
+        *reinterpret_cast<uint2*>(stage + stage_offset(p.cc * kSub + j, p.rg * kSub)) =
+            make_uint2(word[0], word[1]);
+      }
+    }
+    if (threadIdx.x == 0) {
+      const float scale_inv = __fdiv_rn(1.0f, scale);
+      if (P.row_si != nullptr) {
+        float* row = P.row_si + p.tr * P.row_si_cols;
+        row[p.tc] = scale_inv;
+        if (p.tc + 1 == g.tiles_k) {
+          for (size_t k = p.tc + 1; k < P.row_si_cols; ++k) row[k] = 0.0f;
+        }
+      }
+      if (P.col_si != nullptr) {
+        float* row = P.col_si + p.tc * P.col_si_cols;
+        row[p.tr] = scale_inv;
+        if (p.tr + 1 == P.tiles_m) {
+          for (size_t k = p.tr + 1; k < P.col_si_cols; ++k) row[k] = 0.0f;
+        }
+      }
+    }
+  } else {
+    if (P.row_data != nullptr) {
+      // 1x128 tiles along K: a tile row is one half-warp's 16 x 8 elements.
+#pragma unroll
+      for (int i = 0; i < kSub; ++i) {
+        float m = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) m = amax_step(m, x.at(i, j));
+        m = half_warp_max(m);
+        const float scale = block_scale<IType, kE4M3>(m, P.epsilon, P.pow2);
+        Vec<uint16_t, kSub / 2> q;
+#pragma unroll
+        for (int k = 0; k < kSub / 2; ++k) {
+          q.v[k] =
+              Fp8Format<kE4M3>::cast_pair(x.at(i, 2 * k) * scale, x.at(i, 2 * k + 1) * scale);
+        }
+        store_row(P.row_data, g, p, i, q);
+        const size_t r = p.r0 + p.rg * kSub + i;
+        if (p.cc == 0 && r < P.row_si_cols) {
+          // scale_inv [KB, roundup(M, 4)], entry [tile, row]; rows past M are padding.
+          P.row_si[p.tc * P.row_si_cols + r] = r < g.M ? __fdiv_rn(1.0f, scale) : 0.0f;
+        }
+      }
+    }
+    if (P.col_data != nullptr) {
+      // 1x128 tiles along M: a tile column spans all 16 row groups (2 per warp, 8 warps).
+      float m[kSub];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        m[j] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kSub; ++i) m[j] = amax_step(m[j], x.at(i, j));
+        m[j] = fmaxf(m[j], __shfl_xor_sync(0xffffffffu, m[j], 16));
+        if (lane < 16) colmax[warp][p.cc * kSub + j] = m[j];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        const int cl = p.cc * kSub + j;
+        float a = colmax[0][cl];
+#pragma unroll
+        for (int w = 1; w < kThreads / 32; ++w) a = fmaxf(a, colmax[w][cl]);
+        const float scale = block_scale<IType, kE4M3>(a, P.epsilon, P.pow2);
+        // Rows rg*8..rg*8+7 of column cl: 8 consecutive bytes of the transposed row.
+        uint32_t word[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t lo = Fp8Format<kE4M3>::cast_pair(x.at(4 * h, j) * scale,
+                                                          x.at(4 * h + 1, j) * scale);
+          const uint32_t hi = Fp8Format<kE4M3>::cast_pair(x.at(4 * h + 2, j) * scale,
+                                                          x.at(4 * h + 3, j) * scale);
+          word[h] = lo | (hi << 16);
+        }
+        *reinterpret_cast<uint2*>(stage + stage_offset(cl, p.rg * kSub)) =
+            make_uint2(word[0], word[1]);
+        const size_t c = p.c0 + cl;
+        if (p.rg == 0 && c < P.col_si_cols) {
+          // scale_inv [MB, roundup(K, 4)], entry [tile, column]; columns past K are padding.
+          P.col_si[p.tr * P.col_si_cols + c] = c < g.K ? __fdiv_rn(1.0f, scale) : 0.0f;
+        }
+      }
+    }
+  }
+  if (P.col_data != nullptr) {
+    __syncthreads();
+    write_transposed(stage, P, p);
+  }
+}
+
+}  // namespace
+}  // namespace transformer_engine
+
+extern "C" void nvte_block_scaled_quantize(const NVTEBuffer* input, NVTEBuffer* rowwise_data,
+                                           NVTEBuffer* rowwise_scale_inv,
+                                           NVTEBuffer* columnwise_data,
+                                           NVTEBuffer* columnwise_scale_inv, int block_scaling_dim,
+                                           float epsilon, int force_pow_2_scales,
+                                           const NVTEBuffer* noop, int device, NVTEStream stream) {
+  using namespace transformer_engine;
+  using namespace transformer_engine::block_cast_detail;
+  const char* op = "nvte_block_scaled_quantize";
+  const NVTEBuffer& in = require(op, "input", input);
+  check_dtype(op, "input", in, {kNVTEFloat32, kNVTEFloat16, kNVTEBFloat16});
+  if (block_scaling_dim != 1 && block_scaling_dim != 2) {
+    throw_invalid(op, "block_scaling_dim=", block_scaling_dim,
+                  " is not supported; pass 1 (1x128 tiles) or 2 (128x128 blocks)");
+  }
+  if (!(epsilon >= 0.0f) || std::isinf(epsilon)) {
+    throw_invalid(op, "epsilon=", static_cast<double>(epsilon), " must be finite and >= 0");
+  }
+  if (rowwise_data == nullptr && columnwise_data == nullptr) {
+    throw_invalid(op, "rowwise_data and columnwise_data are both null; request at least one copy");
+  }
+  const size_t M = leading_rows(in), K = last_dim(in), n = numel(in);
+  const size_t MB = ceil_div(M, kTile), KB = ceil_div(K, kTile);
+  const bool two_d = block_scaling_dim == 2;
+  const size_t row_si_rows = two_d ? MB : KB, row_si_cols = two_d ? round_up(KB, 4) : round_up(M, 4);
+  const size_t col_si_rows = two_d ? KB : MB, col_si_cols = two_d ? round_up(MB, 4) : round_up(K, 4);
+  if (rowwise_data != nullptr) {
+    check_fp8_data(op, "rowwise_data", *rowwise_data, n);
+    check_scale_buffer(op, "rowwise_scale_inv", require(op, "rowwise_scale_inv", rowwise_scale_inv),
+                       {kNVTEFloat32}, row_si_rows, row_si_cols);
+  }
+  if (columnwise_data != nullptr) {
+    check_fp8_data(op, "columnwise_data", *columnwise_data, n);
+    if (columnwise_data->ndim > 0 && columnwise_data->shape[0] != K) {
+      throw_invalid(op, "columnwise_data must have the input's last extent (", K,
+                    ") as its first extent (it holds the transposed matrix)");
+    }
+    check_scale_buffer(op, "columnwise_scale_inv",
+                       require(op, "columnwise_scale_inv", columnwise_scale_inv), {kNVTEFloat32},
+                       col_si_rows, col_si_cols);
+    if (rowwise_data != nullptr && rowwise_data->dtype != columnwise_data->dtype) {
+      throw_invalid(op, "rowwise_data is ", dtype_name(rowwise_data->dtype),
+                    " but columnwise_data is ", dtype_name(columnwise_data->dtype),
+                    "; both copies use one FP8 format");
+    }
+  }
+  if (noop != nullptr) check_fp32_scalar(op, "noop", *noop);
+  const unsigned int tiles = tile_count(op, M, K);
+
+  CallContext ctx(op, device, stream);
+  ctx.check_on_device("input", in);
+  if (rowwise_data != nullptr) {
+    ctx.check_on_device("rowwise_data", *rowwise_data);
+    ctx.check_on_device("rowwise_scale_inv", *rowwise_scale_inv);
+  }
+  if (columnwise_data != nullptr) {
+    ctx.check_on_device("columnwise_data", *columnwise_data);
+    ctx.check_on_device("columnwise_scale_inv", *columnwise_scale_inv);
+  }
+  if (noop != nullptr) ctx.check_on_device("noop", *noop);
+  if (tiles == 0) return;  // an empty input has empty scale tensors: nothing to write
+
+  BlockCastParams P{};
+  P.g = make_geometry(in, M, K, {rowwise_data});
+  P.row_data = rowwise_data == nullptr ? nullptr : static_cast<uint8_t*>(rowwise_data->data);
+  P.row_si = rowwise_data == nullptr ? nullptr : static_cast<float*>(rowwise_scale_inv->data);
+  P.col_data = columnwise_data == nullptr ? nullptr : static_cast<uint8_t*>(columnwise_data->data);
+  P.col_si = columnwise_data == nullptr ? nullptr : static_cast<float*>(columnwise_scale_inv->data);
+  P.row_si_cols = row_si_cols;
+  P.col_si_cols = col_si_cols;
+  P.tiles_m = MB;
+  P.epsilon = epsilon;
+  P.pow2 = force_pow_2_scales != 0;
+  P.vec_col_out = M % 16 == 0 && P.col_data != nullptr && aligned_to(P.col_data, 16);
+  P.noop = noop == nullptr ? nullptr : static_cast<const float*>(noop->data);
+  const NVTEDType fp8 = rowwise_data != nullptr ? rowwise_data->dtype : columnwise_data->dtype;
+
+  dispatch_high_precision(op, in.dtype, [&](auto itype) {
+    using IType = decltype(itype);
+    const auto* in_data = static_cast<const IType*>(in.data);
+    dispatch_fp8(op, fp8, [&](auto is_e4m3) {
+      constexpr bool kE4M3 = decltype(is_e4m3)::value;
+      if (two_d) {
+        block_quantize_kernel<IType, kE4M3, true>
+            <<<tiles, kThreads, 0, ctx.stream()>>>(in_data, P);
+      } else {
+        block_quantize_kernel<IType, kE4M3, false>
+            <<<tiles, kThreads, 0, ctx.stream()>>>(in_data, P);
+      }
+      ctx.check_launch("block_quantize_kernel launch");
+    });
+  });
+}

@@ -1,0 +1,173 @@
+/* What the block-scaled cast kernels (block_quantize.cu, mxfp8_quantize.cu) share: one thread
+ * block per 128x128 tile of the input matrix [M, K], held in registers, and the host-side
+ * checks of their buffers.
+ *
+ * Thread layout: 256 threads; thread t owns the 8x8 sub-tile of rows `r0 + rg*8 + i` and
+ * columns `c0 + cc*8 + j` (i, j in 0..7) with `cc = t % 16` and `rg = t / 16`. The 16 threads
+ * of one row group are one half-warp, so a row of the tile is one half-warp's 16 x 8 elements
+ * (shuffles reduce along rows), and a warp load reads two whole tile rows. Elements outside the
+ * matrix load as zero (they change no amax) and are never stored. */
+#ifndef TRANSFORMER_ENGINE_COMMON_CAST_BLOCK_TILE_CUH_
+#define TRANSFORMER_ENGINE_COMMON_CAST_BLOCK_TILE_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "transformer_engine/transformer_engine.h"
+#include "util/buffer.h"
+#include "util/errors.h"
+#include "util/fp8_math.cuh"
+
+namespace transformer_engine {
+namespace block_cast_detail {
+
+constexpr int kThreads = 256;
+constexpr int kTile = 128;
+constexpr int kSub = 8;  // each thread: kSub x kSub elements
+constexpr int kGroups = kTile / kSub;  // 16 column groups (cc) and 16 row groups (rg)
+static_assert(kGroups * kGroups == kThreads, "one thread per 8x8 sub-tile");
+
+/* A thread's 8x8 sub-tile in the input's own type (half the registers of float32 for 16-bit
+ * inputs); values are converted to float32 where they are used. */
+template <typename IType>
+struct SubTile {
+  Vec<IType, kSub> row[kSub];
+  __device__ __forceinline__ float at(int i, int j) const { return to_float(row[i].v[j]); }
+};
+
+/* Where the tile is and whether whole 8-element row chunks may move as vectors. */
+struct TileGeometry {
+  size_t M, K;    // the matrix
+  size_t tiles_k; // tiles along K
+  bool vec_in;    // input row chunks are 16-byte aligned (K * sizeof(IType) % 16 == 0)
+  bool vec_out;   // [M, K] FP8 outputs take 8-byte row chunks (K % 8 == 0, aligned bases)
+};
+
+struct TilePos {
+  size_t r0, c0, tr, tc;
+  int cc, rg;
+};
+
+__device__ __forceinline__ TilePos tile_position(const TileGeometry& g) {
+  TilePos p;
+  p.tr = blockIdx.x / g.tiles_k;
+  p.tc = blockIdx.x % g.tiles_k;
+  p.r0 = p.tr * kTile;
+  p.c0 = p.tc * kTile;
+  p.cc = threadIdx.x % kGroups;
+  p.rg = threadIdx.x / kGroups;
+  return p;
+}
+
+template <typename IType>
+__device__ __forceinline__ void load_sub_tile(const IType* __restrict__ in, const TileGeometry& g,
+                                              const TilePos& p, SubTile<IType>& x) {
+  const size_t c = p.c0 + p.cc * kSub;
+#pragma unroll
+  for (int i = 0; i < kSub; ++i) {
+    const size_t r = p.r0 + p.rg * kSub + i;
+    if (r < g.M && g.vec_in && c + kSub <= g.K) {
+      x.row[i] = load_readonly<IType, kSub>(in + r * g.K + c);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        x.row[i].v[j] = (r < g.M && c + j < g.K) ? in[r * g.K + c + j] : from_float<IType>(0.0f);
+      }
+    }
+  }
+}
+
+/* Byte j of a row of 8 cast values packed as 4 pairs. */
+__device__ __forceinline__ uint8_t byte_of(const Vec<uint16_t, kSub / 2>& q, int j) {
+  return static_cast<uint8_t>((q.v[j / 2] >> ((j % 2) * 8)) & 0xFFu);
+}
+
+/* Stores the 8 bytes of row i of the thread's sub-tile into an [M, K] FP8 output. */
+__device__ __forceinline__ void store_row(uint8_t* __restrict__ out, const TileGeometry& g,
+                                          const TilePos& p, int i,
+                                          const Vec<uint16_t, kSub / 2>& q) {
+  const size_t r = p.r0 + p.rg * kSub + i;
+  const size_t c = p.c0 + p.cc * kSub;
+  if (r >= g.M) return;
+  if (g.vec_out && c + kSub <= g.K) {
+    *reinterpret_cast<Vec<uint16_t, kSub / 2>*>(out + r * g.K + c) = q;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      if (c + j < g.K) out[r * g.K + c + j] = byte_of(q, j);
+    }
+  }
+}
+
+/* Max over the 16 lanes of a half-warp (one tile row); every lane gets the result. */
+__device__ __forceinline__ float half_warp_max(float value) {
+#pragma unroll
+  for (int offset = kGroups / 2; offset > 0; offset /= 2) {
+    value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  }
+  return value;
+}
+
+/* ---- host side ---------------------------------------------------------------------------- */
+
+inline size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+inline size_t round_up(size_t a, size_t b) { return ceil_div(a, b) * b; }
+
+/* Throws unless `buffer` is a 2-D tensor of exactly `rows x cols` with one of `dtypes`. */
+inline void check_scale_buffer(const char* op, const char* name, const NVTEBuffer& buffer,
+                               std::initializer_list<NVTEDType> dtypes, size_t rows,
+                               size_t cols) {
+  check_well_formed(op, name, buffer);
+  check_dtype(op, name, buffer, dtypes);
+  if (buffer.ndim != 2 || buffer.shape[0] != rows || buffer.shape[1] != cols) {
+    std::string got;
+    for (size_t d = 0; d < buffer.ndim; ++d) {
+      got += (d == 0 ? "" : ", ") + std::to_string(buffer.shape[d]);
+    }
+    throw_invalid(op, name, " has shape (", got, ") but this cast needs (", rows, ", ", cols,
+                  ")");
+  }
+}
+
+/* Throws unless `data` is an FP8 tensor with `numel` elements. */
+inline void check_fp8_data(const char* op, const char* name, const NVTEBuffer& data,
+                           size_t numel_expected) {
+  check_well_formed(op, name, data);
+  check_dtype(op, name, data, {kNVTEFloat8E4M3, kNVTEFloat8E5M2});
+  if (numel(data) != numel_expected) {
+    throw_invalid(op, name, " has ", numel(data), " elements but the input has ",
+                  numel_expected);
+  }
+}
+
+/* The geometry of a launch over `input` (M * K > 0) with FP8 outputs `outs` ([M, K] layout). */
+inline TileGeometry make_geometry(const NVTEBuffer& input, size_t M, size_t K,
+                                  std::initializer_list<const NVTEBuffer*> outs) {
+  TileGeometry g{};
+  g.M = M;
+  g.K = K;
+  g.tiles_k = ceil_div(K, kTile);
+  g.vec_in = aligned_to(input.data, 16) && (K * element_size(input.dtype)) % 16 == 0;
+  g.vec_out = K % kSub == 0;
+  for (const NVTEBuffer* out : outs) {
+    if (out != nullptr && !aligned_to(out->data, kSub)) g.vec_out = false;
+  }
+  return g;
+}
+
+/* Number of tiles of an [M, K] launch, checked against the grid limit. */
+inline unsigned int tile_count(const char* op, size_t M, size_t K) {
+  const size_t tiles = ceil_div(M, kTile) * ceil_div(K, kTile);
+  if (tiles > 0x7FFFFFFFull) {
+    throw_invalid(op, "the input [", M, ", ", K, "] needs ", tiles,
+                  " 128x128 tiles, more than one launch can hold (2^31 - 1)");
+  }
+  return static_cast<unsigned int>(tiles);
+}
+
+}  // namespace block_cast_detail
+}  // namespace transformer_engine
+
+#endif  // TRANSFORMER_ENGINE_COMMON_CAST_BLOCK_TILE_CUH_

@@ -1,0 +1,288 @@
+/* nvte_mxfp8_quantize: MXFP8's cast (32-element blocks, E8M0 scales), row-wise and column-wise
+ * copies (both [M, K]) and their scales in one pass. One thread block per 128x128 tile of the
+ * input (block_tile.cuh); a thread's 8x8 sub-tile is a quarter of a 32-element row block (the
+ * 4 threads of a row block are adjacent lanes) and an eighth of a column block (4 row groups,
+ * reduced through shared memory). The arithmetic is reference.mxfp8_cast's. */
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include "cast/block_tile.cuh"
+#include "cast/dispatch.cuh"
+#include "transformer_engine/block_cast.h"
+#include "util/buffer.h"
+#include "util/device.h"
+#include "util/errors.h"
+#include "util/fp8_math.cuh"
+
+namespace transformer_engine {
+namespace {
+
+using namespace block_cast_detail;
+
+constexpr int kMxBlock = 32;
+constexpr int kSubsPerBlock = kMxBlock / kSub;  // 4 sub-tiles along a block
+constexpr int kBlocksPerTile = kTile / kMxBlock;  // 4
+
+struct MxParams {
+  TileGeometry g;
+  uint8_t* row_data;   // [M, K] or null
+  uint8_t* row_scale;  // [roundup(M, 128), roundup(ceil(K/32), 4)]
+  uint8_t* col_data;   // [M, K] or null
+  uint8_t* col_scale;  // [roundup(ceil(M/32), 4), roundup(K, 128)]
+  size_t row_scale_cols;
+  size_t col_scale_cols;
+  const float* noop;
+};
+
+/* reference.mxfp8_scale_exponent, one block (amax is NaN-free and >= 0). */
+template <bool kE4M3>
+__device__ __forceinline__ uint32_t e8m0_exponent(float amax) {
+  const float rcp = __fdiv_rn(1.0f, Fp8Format<kE4M3>::kMax);
+  const float q = __fmul_rn(amax, rcp);
+  const uint32_t bits = __float_as_uint(q);
+  const uint32_t exponent = (bits >> 23) & 0xFFu;
+  const uint32_t mantissa = bits & 0x7FFFFFu;
+  const bool bump =
+      mantissa > 0u && exponent != 0xFEu && !(exponent == 0u && mantissa <= 0x400000u);
+  uint32_t e = exponent + (bump ? 1u : 0u);
+  if (isinf(q) && q > 0.0f) e = 0xFEu;
+  if (isnan(q)) e = 0xFFu;
+  if (q == 0.0f) e = 0u;
+  return e;
+}
+
+/* 2^(127 - e) by its bits (1 for e == 0), as reference._e8m0_multiplier. */
+__device__ __forceinline__ float e8m0_multiplier(uint32_t e) {
+  return e == 0u ? 1.0f : __uint_as_float((254u - e) << 23);
+}
+
+template <bool kE4M3>
+__device__ __forceinline__ Vec<uint16_t, kSub / 2> cast_row(const float (&v)[kSub],
+                                                            const float (&mult)[kSub]) {
+  Vec<uint16_t, kSub / 2> q;
+#pragma unroll
+  for (int k = 0; k < kSub / 2; ++k) {
+    q.v[k] = Fp8Format<kE4M3>::cast_pair(v[2 * k] * mult[2 * k], v[2 * k + 1] * mult[2 * k + 1]);
+  }
+  return q;
+}
+
+template <typename IType, bool kE4M3, bool kTwoD>
+__global__ void __launch_bounds__(kThreads, 2)
+    mxfp8_quantize_kernel(const IType* __restrict__ in, const MxParams P) {
+  if (skip_requested(P.noop)) return;
+  // Per-sub-tile partial maxima: [row group][column] (column blocks), [row group][cc] (2-D).
+  __shared__ float part[kGroups][kTile];
+
+  const TileGeometry& g = P.g;
+  const TilePos p = tile_position(g);
+  SubTile<IType> x;
+  load_sub_tile(in, g, p, x);
+  const size_t c_first = p.c0 + p.cc * kSub;  // the thread's first column
+  const size_t r_first = p.r0 + p.rg * kSub;  // and first row
+  // The 32-element blocks the thread's sub-tile lies in: column block along K, row block
+  // along M, and whether each starts inside the matrix (else its scale entries are padding).
+  const size_t kblock = p.c0 / kMxBlock + p.cc / kSubsPerBlock;
+  const size_t mblock = p.r0 / kMxBlock + p.rg / kSubsPerBlock;
+  const bool kblock_in = p.c0 + (p.cc / kSubsPerBlock) * kMxBlock < g.K;
+  const bool mblock_in = p.r0 + (p.rg / kSubsPerBlock) * kMxBlock < g.M;
+
+  if constexpr (kTwoD) {
+    // 32x32 blocks: 4x4 sub-tiles.
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kSub; ++i) {
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) m = amax_step(m, x.at(i, j));
+    }
+    part[p.rg][p.cc] = m;
+    __syncthreads();
+    const int rg0 = p.rg / kSubsPerBlock * kSubsPerBlock;
+    const int cc0 = p.cc / kSubsPerBlock * kSubsPerBlock;
+    float a = 0.0f;
+#pragma unroll
+    for (int u = 0; u < kSubsPerBlock; ++u) {
+#pragma unroll
+      for (int w = 0; w < kSubsPerBlock; ++w) a = fmaxf(a, part[rg0 + u][cc0 + w]);
+    }
+    const uint32_t e = e8m0_exponent<kE4M3>(a);
+    float mult[kSub];
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) mult[j] = e8m0_multiplier(e);
+#pragma unroll
+    for (int i = 0; i < kSub; ++i) {
+      float v[kSub];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) v[j] = x.at(i, j);
+      const Vec<uint16_t, kSub / 2> q = cast_row<kE4M3>(v, mult);
+      if (P.row_data != nullptr) store_row(P.row_data, g, p, i, q);
+      if (P.col_data != nullptr) store_row(P.col_data, g, p, i, q);
+    }
+    // Row-wise scales: the block's byte at each of its rows; column-wise: at each column.
+    if (P.row_data != nullptr && p.cc % kSubsPerBlock == 0) {
+#pragma unroll
+      for (int i = 0; i < kSub; ++i) {
+        const size_t r = r_first + i;
+        P.row_scale[r * P.row_scale_cols + kblock] =
+            static_cast<uint8_t>(r < g.M && kblock_in ? e : 0u);
+      }
+    }
+    if (P.col_data != nullptr && p.rg % kSubsPerBlock == 0) {
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        const size_t c = c_first + j;
+        P.col_scale[mblock * P.col_scale_cols + c] =
+            static_cast<uint8_t>(c < g.K && mblock_in ? e : 0u);
+      }
+    }
+  } else {
+    if (P.row_data != nullptr) {
+      // 1x32 blocks along K: 4 adjacent lanes (cc = 4b..4b+3) per block.
+#pragma unroll
+      for (int i = 0; i < kSub; ++i) {
+        float v[kSub];
+        float m = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) {
+          v[j] = x.at(i, j);
+          m = amax_step(m, v[j]);
+        }
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        const uint32_t e = e8m0_exponent<kE4M3>(m);
+        float mult[kSub];
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) mult[j] = e8m0_multiplier(e);
+        store_row(P.row_data, g, p, i, cast_row<kE4M3>(v, mult));
+        if (p.cc % kSubsPerBlock == 0) {
+          const size_t r = r_first + i;
+          P.row_scale[r * P.row_scale_cols + kblock] =
+              static_cast<uint8_t>(r < g.M && kblock_in ? e : 0u);
+        }
+      }
+    }
+    if (P.col_data != nullptr) {
+      // 32x1 blocks along M: 4 row groups per block, reduced through shared memory.
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        float m = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kSub; ++i) m = amax_step(m, x.at(i, j));
+        part[p.rg][p.cc * kSub + j] = m;
+      }
+      __syncthreads();
+      const int rg0 = p.rg / kSubsPerBlock * kSubsPerBlock;
+      float mult[kSub];
+      uint32_t e[kSub];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        float a = 0.0f;
+#pragma unroll
+        for (int u = 0; u < kSubsPerBlock; ++u) a = fmaxf(a, part[rg0 + u][p.cc * kSub + j]);
+        e[j] = e8m0_exponent<kE4M3>(a);
+        mult[j] = e8m0_multiplier(e[j]);
+      }
+#pragma unroll
+      for (int i = 0; i < kSub; ++i) {
+        float v[kSub];
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) v[j] = x.at(i, j);
+        store_row(P.col_data, g, p, i, cast_row<kE4M3>(v, mult));
+      }
+      if (p.rg % kSubsPerBlock == 0) {
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) {
+          const size_t c = c_first + j;
+          P.col_scale[mblock * P.col_scale_cols + c] =
+              static_cast<uint8_t>(c < g.K && mblock_in ? e[j] : 0u);
+        }
+      }
+    }
+  }
+}
+
+static_assert(kBlocksPerTile * kSubsPerBlock == kGroups, "a tile is whole 32-element blocks");
+
+}  // namespace
+}  // namespace transformer_engine
+
+extern "C" void nvte_mxfp8_quantize(const NVTEBuffer* input, NVTEBuffer* rowwise_data,
+                                    NVTEBuffer* rowwise_scale_inv, NVTEBuffer* columnwise_data,
+                                    NVTEBuffer* columnwise_scale_inv, int two_d,
+                                    const NVTEBuffer* noop, int device, NVTEStream stream) {
+  using namespace transformer_engine;
+  using namespace transformer_engine::block_cast_detail;
+  const char* op = "nvte_mxfp8_quantize";
+  const NVTEBuffer& in = require(op, "input", input);
+  check_dtype(op, "input", in, {kNVTEFloat32, kNVTEFloat16, kNVTEBFloat16});
+  if (rowwise_data == nullptr && columnwise_data == nullptr) {
+    throw_invalid(op, "rowwise_data and columnwise_data are both null; request at least one copy");
+  }
+  const size_t M = leading_rows(in), K = last_dim(in), n = numel(in);
+  const size_t MB = ceil_div(M, kMxBlock), KB = ceil_div(K, kMxBlock);
+  const size_t row_scale_cols = round_up(KB, 4), col_scale_cols = round_up(K, kTile);
+  if (rowwise_data != nullptr) {
+    check_fp8_data(op, "rowwise_data", *rowwise_data, n);
+    check_scale_buffer(op, "rowwise_scale_inv", require(op, "rowwise_scale_inv", rowwise_scale_inv),
+                       {kNVTEByte, kNVTEFloat8E8M0}, round_up(M, kTile), row_scale_cols);
+  }
+  if (columnwise_data != nullptr) {
+    check_fp8_data(op, "columnwise_data", *columnwise_data, n);
+    check_scale_buffer(op, "columnwise_scale_inv",
+                       require(op, "columnwise_scale_inv", columnwise_scale_inv),
+                       {kNVTEByte, kNVTEFloat8E8M0}, round_up(MB, 4), col_scale_cols);
+    if (rowwise_data != nullptr && rowwise_data->dtype != columnwise_data->dtype) {
+      throw_invalid(op, "rowwise_data is ", dtype_name(rowwise_data->dtype),
+                    " but columnwise_data is ", dtype_name(columnwise_data->dtype),
+                    "; both copies use one FP8 format");
+    }
+  }
+  if (noop != nullptr) check_fp32_scalar(op, "noop", *noop);
+  const unsigned int tiles = tile_count(op, M, K);
+
+  CallContext ctx(op, device, stream);
+  ctx.check_on_device("input", in);
+  if (rowwise_data != nullptr) {
+    ctx.check_on_device("rowwise_data", *rowwise_data);
+    ctx.check_on_device("rowwise_scale_inv", *rowwise_scale_inv);
+  }
+  if (columnwise_data != nullptr) {
+    ctx.check_on_device("columnwise_data", *columnwise_data);
+    ctx.check_on_device("columnwise_scale_inv", *columnwise_scale_inv);
+  }
+  if (noop != nullptr) ctx.check_on_device("noop", *noop);
+  // An empty input has empty scale tensors (roundup(0, n) == 0): nothing to write. Otherwise
+  // the tiles cover every scale entry, padding included (ceil(M/128) * 128 rows and
+  // ceil(K/128) * 4 column blocks, and the same column-wise).
+  if (tiles == 0) return;
+
+  MxParams P{};
+  P.g = make_geometry(in, M, K, {rowwise_data, columnwise_data});
+  P.row_data = rowwise_data == nullptr ? nullptr : static_cast<uint8_t*>(rowwise_data->data);
+  P.row_scale =
+      rowwise_data == nullptr ? nullptr : static_cast<uint8_t*>(rowwise_scale_inv->data);
+  P.col_data = columnwise_data == nullptr ? nullptr : static_cast<uint8_t*>(columnwise_data->data);
+  P.col_scale =
+      columnwise_data == nullptr ? nullptr : static_cast<uint8_t*>(columnwise_scale_inv->data);
+  P.row_scale_cols = row_scale_cols;
+  P.col_scale_cols = col_scale_cols;
+  P.noop = noop == nullptr ? nullptr : static_cast<const float*>(noop->data);
+  const NVTEDType fp8 = rowwise_data != nullptr ? rowwise_data->dtype : columnwise_data->dtype;
+
+  dispatch_high_precision(op, in.dtype, [&](auto itype) {
+    using IType = decltype(itype);
+    const auto* in_data = static_cast<const IType*>(in.data);
+    dispatch_fp8(op, fp8, [&](auto is_e4m3) {
+      constexpr bool kE4M3 = decltype(is_e4m3)::value;
+      if (two_d != 0) {
+        mxfp8_quantize_kernel<IType, kE4M3, true>
+            <<<tiles, kThreads, 0, ctx.stream()>>>(in_data, P);
+      } else {
+        mxfp8_quantize_kernel<IType, kE4M3, false>
+            <<<tiles, kThreads, 0, ctx.stream()>>>(in_data, P);
+      }
+      ctx.check_launch("mxfp8_quantize_kernel launch");
+    });
+  });
+}
