@@ -95,19 +95,24 @@ class ForwardActivationCast(FusedOperation):
             x.numel() // max(x.shape[-1], 1), linear.in_features, linear.out_features, needs_wgrad
         )
 
+        # the kernels take the rows as a 2-D tensor (as LayerNormMLP's FC1 output)
+        x2 = x.reshape(-1, x.shape[-1])
+
         def produce(scale, amax, fp8_dtype, with_transpose):
             res = activation_forward_fp8(
-                x, spec, scale, fp8_dtype, amax=amax, with_transpose=with_transpose
+                x2, spec, scale, fp8_dtype, amax=amax, with_transpose=with_transpose
             )
             return res, None
 
         def amax_of(amax):  # current scaling's first pass
-            activation_amax(x, spec, amax)
+            activation_amax(x2, spec, amax)
 
         out, _ = produce_fp8(
-            quantizer, produce, amax_of, shape, x.dtype, x.device,
+            quantizer, produce, amax_of, (x2.shape[0], cols), x.dtype, x.device,
             rowwise=True, columnwise=needs_wgrad,
         )  # fmt: skip
+        if len(shape) != 2:
+            out = out.view(shape)  # the activation's output shape, which its gradient takes
         activation.save_input(ctx, x)
         return out, [()]
 
