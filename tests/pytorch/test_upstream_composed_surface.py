@@ -47,6 +47,9 @@ COMPOSED_NAMES = [
     "transformer_engine.pytorch.tensor.mxfp8_tensor.MXFP8Quantizer",
     # NVFP4BlockScaling
     "transformer_engine.common.recipe.NVFP4BlockScaling",
+    "transformer_engine.pytorch.NVFP4Quantizer",
+    "transformer_engine.pytorch.NVFP4Tensor",
+    "transformer_engine.pytorch.NVFP4TensorStorage",
     "transformer_engine.pytorch.is_nvfp4_available",
     "transformer_engine.pytorch.quantization.NVFP4BlockScalingRecipeState",
     "transformer_engine.pytorch.tensor.nvfp4_tensor.NVFP4Quantizer",

@@ -63,6 +63,9 @@ from .tensor import (
     MXFP8Quantizer,
     MXFP8Tensor,
     MXFP8TensorStorage,
+    NVFP4Quantizer,
+    NVFP4Tensor,
+    NVFP4TensorStorage,
 )
 from .transformer import TransformerLayer
 from .utils import (
@@ -123,6 +126,9 @@ __all__ = [
     "MXFP8Quantizer",
     "MXFP8Tensor",
     "MXFP8TensorStorage",
+    "NVFP4Quantizer",
+    "NVFP4Tensor",
+    "NVFP4TensorStorage",
     "QuantizedTensorStorage",
     "prepare_for_saving",
     "restore_from_saved",
