@@ -232,6 +232,55 @@ def test_current_scaling_quantize_produced_equals_the_cast_of_the_values(device)
         quantizer.quantize_produced(produce, (128, 128), torch.bfloat16, x.device)
 
 
+# --- the kernels' tiling and grid-stride paths (GPU machine) -------------------------------------
+# Shapes for the native kernels' walks: (3001, 2000) gives each thread of the element-wise
+# kernel several vectors (its unrolled loop and the remainder) and the tiled kernel more tiles
+# than blocks, several bias-gradient chunks and a last tile row of 57 rows; (2100, 528) a
+# partial tile column (a gated activation's 264 columns) and rows that are not a multiple of
+# 16 (element-wise transposed stores); (1030, 74) widths that are not a multiple of 8 (the
+# element-wise loads everywhere).
+@needs_cuda
+@pytest.mark.parametrize("name", ["gelu", "swiglu", "clamped_swiglu", "srelu"])
+@pytest.mark.parametrize("shape", [(3001, 2000), (2100, 528), (1030, 74)])
+def test_large_and_odd_shapes_against_float64(name, shape):
+    x = make_input(shape, torch.bfloat16, "cuda")
+    grad = make_input(out_shape(name, shape), torch.bfloat16, "cuda", seed=1)
+    spec = activation_spec(name)
+    y_ref, dx_ref = reference(name, x, grad)
+    assert_close(activation_forward(x, spec), y_ref, torch.bfloat16, y_ref.abs().max().item())
+    dx = activation_backward(grad, x, spec)
+    assert_close(dx, dx_ref, torch.bfloat16, dx_ref.abs().max().item())
+
+    scale = torch.tensor([0.5], device="cuda")
+    amax = torch.zeros(1, device="cuda")
+    res = activation_forward_fp8(
+        x, spec, scale, torch.float8_e4m3fn, amax=amax, with_transpose=True
+    )
+    expected, amax_ref = fp8_reference(y_ref, 0.5, torch.float8_e4m3fn)
+    assert_fp8_close(res.data, expected.data)
+    assert torch.equal(res.transpose.view(torch.uint8).cpu(), res.data.view(torch.uint8).cpu().t())
+    torch.testing.assert_close(amax.cpu(), amax_ref, rtol=1e-5, atol=0)
+
+    amax.zero_()
+    res, dbias = activation_backward_fp8(
+        grad, x, spec, scale, torch.float8_e5m2, amax=amax, with_dbias=True
+    )
+    expected, amax_ref = fp8_reference(dx_ref, 0.5, torch.float8_e5m2)
+    assert_fp8_close(res.data, expected.data)
+    assert torch.equal(res.transpose.view(torch.uint8).cpu(), res.data.view(torch.uint8).cpu().t())
+    torch.testing.assert_close(amax.cpu(), amax_ref, rtol=1e-5, atol=0)
+    # float32 sums of float32 values (not of the bf16-rounded dx), one rounding to bf16
+    dbias_ref = dx_ref.sum(0)
+    torch.testing.assert_close(
+        dbias.double().cpu(), dbias_ref, rtol=2**-7, atol=1e-4 * dbias_ref.abs().max().item()
+    )
+    # deterministic: the same bits again
+    _, again = activation_backward_fp8(
+        grad, x, spec, scale, torch.float8_e5m2, amax=None, with_dbias=True
+    )
+    assert torch.equal(again, dbias)
+
+
 # --- device contract (GPU machine) -------------------------------------------------------------
 @needs_two_gpus
 def test_runs_on_the_tensors_device_not_the_current_one():

@@ -1,11 +1,14 @@
 /* nvte_activation / nvte_dactivation: an activation's forward or backward in one pass over its
  * operands, writing the result in high precision or in FP8.
  *
- * Two kernel shapes, both fed by the loaders of activation_math.cuh:
- * - a flat, vectorised element-wise kernel writing one [rows, cols] result (high precision, or
- *   FP8 with its amax, row-wise only);
+ * Two kernel shapes, both fed by the loaders of activation_math.cuh (one compiled kernel per
+ * element type, gating and activation kind; the kind is switched on once, at launch):
+ * - a grid-stride, vectorised element-wise kernel writing one result (high precision, or FP8
+ *   with its amax, row-wise only, or the amax alone), sized to the SM count;
  * - the 64x64-tiled cast+transpose kernel of the casts (cast/cast_transpose.cuh), for FP8 with
- *   the transposed copy a GEMM's wgrad needs, and in backward the bias gradient's column sums. */
+ *   the transposed copy a GEMM's wgrad needs, and in backward the bias gradient's column sums.
+ * Both walk the output gradient's [rows, cols] positions in backward: a gated activation's
+ * thread reads grad, u and v once and writes both halves' gradients. */
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -33,6 +36,7 @@ using cast_detail::kThreads;
 template <typename OType>
 struct HighPrecisionStore {
   OType* out;
+  bool aligned() const { return aligned_to(out, sizeof(OType) * kVecElems); }
   __device__ __forceinline__ void store_vec(size_t i, const float (&v)[kVecElems], float&) const {
     Vec<OType, kVecElems> y;
 #pragma unroll
@@ -49,6 +53,7 @@ template <bool kE4M3>
 struct Fp8Store {
   uint8_t* out;
   float scale;
+  bool aligned() const { return aligned_to(out, kVecElems); }
   __device__ __forceinline__ void store_vec(size_t i, const float (&v)[kVecElems],
                                             float& amax) const {
     Vec<uint16_t, kVecElems / 2> q;
@@ -63,6 +68,7 @@ struct Fp8Store {
 
 /* Writes nothing: only the amax of the values is wanted (current scaling's first pass). */
 struct AmaxOnlyStore {
+  bool aligned() const { return true; }
   __device__ __forceinline__ void store_vec(size_t, const float (&v)[kVecElems],
                                             float& amax) const {
 #pragma unroll
@@ -73,28 +79,91 @@ struct AmaxOnlyStore {
   }
 };
 
-/* Result element i = r * cols + c, grid-stride. The vector path needs cols % kVecElems == 0,
- * so a vector never crosses a row. kFp8: the store casts with args.scale (and publishes
- * scale_inv); kAmax: the amax of the values is max-accumulated into args.amax. */
+/* Resident blocks per SM the element-wise kernel is compiled for (at most 64 registers a
+ * thread); its grid is sm_count * kBlocksPerSm blocks (fewer for small tensors). */
+constexpr int kBlocksPerSm = 4;
+
+/* Vectors a thread loads before it computes the first: about 64 bytes of operands in flight
+ * per thread (4 vectors of one 16-bit operand, 1 of a gated backward's three). */
+template <class Loader>
+constexpr int kUnroll = sizeof(typename Loader::Raw) >= 64   ? 1
+                        : sizeof(typename Loader::Raw) >= 32 ? 2
+                                                             : 4;
+
+/* Where a vector position v = r * vecs_per_row + c lies, stepped through the grid-stride
+ * sequence without a division per step: `step` is the grid's thread count as (rows, vectors). */
+struct RowCursor {
+  size_t r, c;
+  __device__ __forceinline__ void advance(size_t step_r, size_t step_c, size_t vecs_per_row) {
+    r += step_r;
+    c += step_c;
+    if (c >= vecs_per_row) {
+      c -= vecs_per_row;
+      ++r;
+    }
+  }
+};
+
+struct ElementwiseShape {
+  size_t rows, cols;              // the loader's positions
+  size_t vecs_per_row;            // cols / kVecElems (vectorized launches)
+  size_t step_r, step_c;          // the grid's thread count as rows and vectors of a row
+};
+
+/* The loader's [rows, cols] positions, result element r * kParts * cols + p * cols + c
+ * (part p), grid-stride. Vectorized (cols % kVecElems == 0, aligned buffers): each thread
+ * issues kUnroll vectors' loads, then computes and stores them. kFp8: the store casts with
+ * args.scale (and publishes scale_inv); kAmax: the amax of the values is max-accumulated into
+ * args.amax. */
 template <class Loader, class Store, bool kFp8, bool kAmax = kFp8>
-__global__ void __launch_bounds__(kThreads)
-    elementwise_kernel(const Loader loader, Store store, size_t rows, size_t cols,
-                       bool vectorized, CastArgs args) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    elementwise_kernel(const Loader loader, Store store, ElementwiseShape shape, bool vectorized,
+                       CastArgs args) {
+  constexpr int kParts = Loader::kParts;
+  constexpr int kU = kUnroll<Loader>;
   float local_amax = 0.0f;
   if constexpr (kFp8) store.scale = cast_detail::load_scale(args);
-  const size_t n = rows * cols;
+  const size_t cols = shape.cols, out_cols = kParts * cols;
   const size_t first = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x;
   const size_t stride = static_cast<size_t>(gridDim.x) * kThreads;
   if (vectorized) {
-    for (size_t vi = first; vi < n / kVecElems; vi += stride) {
-      const size_t i = vi * kVecElems;
-      float v[kVecElems];
-      loader.load_vec(i / cols, i % cols, v);
-      store.store_vec(i, v, local_amax);
+    const size_t vpr = shape.vecs_per_row;
+    const size_t n = shape.rows * vpr;
+    RowCursor at{first / vpr, first % vpr};
+    size_t v = first;
+    auto put = [&](const RowCursor& p, const typename Loader::Raw& raw) {
+      float x[kParts][kVecElems];
+      loader.compute(raw, x);
+#pragma unroll
+      for (int part = 0; part < kParts; ++part) {
+        store.store_vec(p.r * out_cols + part * cols + p.c * kVecElems, x[part], local_amax);
+      }
+    };
+    for (; v + (kU - 1) * stride < n; v += kU * stride) {
+      RowCursor pos[kU];
+      typename Loader::Raw raw[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        pos[u] = at;
+        raw[u] = loader.fetch(at.r, at.c * kVecElems);
+        at.advance(shape.step_r, shape.step_c, vpr);
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) put(pos[u], raw[u]);
+    }
+    for (; v < n; v += stride) {
+      put(at, loader.fetch(at.r, at.c * kVecElems));
+      at.advance(shape.step_r, shape.step_c, vpr);
     }
   } else {
-    for (size_t i = first; i < n; i += stride) {
-      store.store(i, loader.load(i / cols, i % cols), local_amax);
+    for (size_t i = first; i < shape.rows * cols; i += stride) {
+      const size_t r = i / cols, c = i % cols;
+      float x[kParts];
+      loader.load(r, c, x);
+#pragma unroll
+      for (int part = 0; part < kParts; ++part) {
+        store.store(r * out_cols + part * cols + c, x[part], local_amax);
+      }
     }
   }
   if constexpr (kAmax) {
@@ -107,68 +176,64 @@ __global__ void publish_scale_inv(CastArgs args) { cast_detail::load_scale(args)
 
 template <class Loader, class Store, bool kFp8, bool kAmax = kFp8>
 void launch_elementwise(CallContext& ctx, const Loader& loader, const Store& store, size_t rows,
-                        size_t cols, bool out_aligned, const CastArgs& args) {
-  const size_t n = rows * cols;
-  if (n == 0) {
+                        size_t cols, const CastArgs& args) {
+  if (rows * cols == 0) {
     if (kFp8 && args.scale_inv != nullptr) {
       publish_scale_inv<<<1, 1, 0, ctx.stream()>>>(args);
       ctx.check_launch("publish_scale_inv launch");
     }
     return;
   }
-  const bool vectorized = cols % kVecElems == 0 && loader.vectorizable() && out_aligned;
-  const size_t work = vectorized ? n / kVecElems : n;
-  const size_t wanted = std::max<size_t>(1, (work + kThreads - 1) / kThreads);
-  const size_t blocks = std::min<size_t>(wanted, static_cast<size_t>(ctx.sm_count()) * 8);
+  const bool vectorized = cols % kVecElems == 0 && loader.vectorizable() && store.aligned();
+  const size_t work = vectorized ? rows * (cols / kVecElems) : rows * cols;
+  const size_t wanted = (work + kThreads - 1) / kThreads;
+  const size_t blocks =
+      std::min<size_t>(wanted, static_cast<size_t>(ctx.sm_count()) * kBlocksPerSm);
+  const size_t threads = blocks * kThreads;
+  ElementwiseShape shape{rows, cols, cols / kVecElems, 0, 0};
+  if (vectorized) {
+    shape.step_r = threads / shape.vecs_per_row;
+    shape.step_c = threads % shape.vecs_per_row;
+  }
   elementwise_kernel<Loader, Store, kFp8, kAmax>
-      <<<blocks, kThreads, 0, ctx.stream()>>>(loader, store, rows, cols, vectorized, args);
+      <<<blocks, kThreads, 0, ctx.stream()>>>(loader, store, shape, vectorized, args);
   ctx.check_launch("activation elementwise_kernel launch");
 }
 
-/* Calls f(std::integral_constant<bool, gated>). */
-template <typename F>
-void dispatch_gated(bool gated, F&& f) {
-  if (gated) {
-    f(std::true_type{});
-  } else {
-    f(std::false_type{});
-  }
-}
-
-/* The loader's [rows, cols] values to `output` (+ `output_t`, + dbias column sums). */
-template <class Loader>
-void launch_result(CallContext& ctx, const Loader& loader, size_t rows, size_t cols,
-                   NVTEBuffer& output, NVTEBuffer* output_t, const CastArgs& args,
-                   float* column_sums) {
-  const char* op = ctx.op();
-  if (!is_fp8(output.dtype)) {
-    dispatch_high_precision(op, output.dtype, [&](auto otype) {
-      using OType = decltype(otype);
-      auto* out = static_cast<OType*>(output.data);
-      launch_elementwise<Loader, HighPrecisionStore<OType>, false>(
-          ctx, loader, HighPrecisionStore<OType>{out}, rows, cols,
-          aligned_to(out, sizeof(OType) * kVecElems), args);
-    });
-    return;
+/* The loader's results ([rows, kParts * cols]) to `output` (+ `output_t`, + dbias partial
+ * column sums, whose row count is returned). */
+template <bool kBackward, class Loader>
+size_t launch_result(CallContext& ctx, const Loader& loader, size_t rows, size_t cols,
+                     NVTEBuffer& output, NVTEBuffer* output_t, const CastArgs& args,
+                     float* column_sums) {
+  using IType = typename Loader::InputType;
+  if (!is_fp8(output.dtype)) {  // check_result: a high-precision output has the input's dtype
+    launch_elementwise<Loader, HighPrecisionStore<IType>, false>(
+        ctx, loader, HighPrecisionStore<IType>{static_cast<IType*>(output.data)}, rows, cols,
+        args);
+    return 0;
   }
   auto* out = static_cast<uint8_t*>(output.data);
-  dispatch_fp8(op, output.dtype, [&](auto is_e4m3) {
+  size_t partial_rows = 0;
+  dispatch_fp8(ctx.op(), output.dtype, [&](auto is_e4m3) {
     constexpr bool kE4M3 = decltype(is_e4m3)::value;
     if (output_t == nullptr || rows * cols == 0) {
       launch_elementwise<Loader, Fp8Store<kE4M3>, true>(ctx, loader, Fp8Store<kE4M3>{out, 1.0f},
-                                                        rows, cols, aligned_to(out, kVecElems),
-                                                        args);
+                                                        rows, cols, args);
       return;
     }
     auto* out_t = static_cast<uint8_t*>(output_t->data);
-    if (column_sums != nullptr) {
-      cast_detail::launch_cast_transpose_from<Loader, kE4M3, true>(loader, out, out_t, rows, cols,
-                                                                   args, column_sums, ctx);
-    } else {
-      cast_detail::launch_cast_transpose_from<Loader, kE4M3, false>(loader, out, out_t, rows,
-                                                                    cols, args, nullptr, ctx);
+    if constexpr (kBackward) {  // dbias: backward only
+      if (column_sums != nullptr) {
+        partial_rows = cast_detail::launch_cast_transpose_from<Loader, kE4M3, true>(
+            loader, out, out_t, rows, cols, args, column_sums, ctx);
+        return;
+      }
     }
+    cast_detail::launch_cast_transpose_from<Loader, kE4M3, false>(loader, out, out_t, rows, cols,
+                                                                  args, nullptr, ctx);
   });
+  return partial_rows;
 }
 
 /* The amax of the loader's [rows, cols] values, overwriting `amax` (zeroed first). */
@@ -178,7 +243,7 @@ void launch_amax_only(CallContext& ctx, const Loader& loader, size_t rows, size_
   check_cuda(ctx.op(), cudaMemsetAsync(amax, 0, sizeof(float), ctx.stream()), "cudaMemsetAsync");
   const CastArgs args{nullptr, amax, nullptr, nullptr};
   launch_elementwise<Loader, AmaxOnlyStore, false, true>(ctx, loader, AmaxOnlyStore{}, rows, cols,
-                                                         true, args);
+                                                         args);
 }
 
 NVTEActivation check_activation(const char* op, const NVTEActivation& act) {
@@ -283,7 +348,49 @@ const NVTEBuffer& check_grad(const char* op, const NVTEBuffer* grad, const NVTEB
   return g;
 }
 
-/* Calls f(loader) with the forward's loader for the input's dtype and the gating. */
+/* Calls f(std::integral_constant<int, kind>) for the checked kind: the one switch on the kind,
+ * at launch (sigmoid and clamped SwiGLU exist gated only, see check_activation). */
+template <bool kGated, typename F>
+void dispatch_kind(int kind, F&& f) {
+  switch (kind) {
+    case kNVTEActGelu:
+      f(std::integral_constant<int, kNVTEActGelu>{});
+      return;
+    case kNVTEActQGelu:
+      f(std::integral_constant<int, kNVTEActQGelu>{});
+      return;
+    case kNVTEActRelu:
+      f(std::integral_constant<int, kNVTEActRelu>{});
+      return;
+    case kNVTEActSRelu:
+      f(std::integral_constant<int, kNVTEActSRelu>{});
+      return;
+    case kNVTEActSilu:
+      f(std::integral_constant<int, kNVTEActSilu>{});
+      return;
+    default:
+      if constexpr (kGated) {
+        if (kind == kNVTEActSigmoid) {
+          f(std::integral_constant<int, kNVTEActSigmoid>{});
+        } else {
+          f(std::integral_constant<int, kNVTEActClampedSilu>{});
+        }
+      }
+      return;
+  }
+}
+
+/* Calls f(std::integral_constant<bool, gated>). */
+template <typename F>
+void dispatch_gated(bool gated, F&& f) {
+  if (gated) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+/* Calls f(loader) with the forward's loader for the input's dtype, the gating and the kind. */
 template <typename F>
 void with_forward_loader(const char* op, const NVTEBuffer& in, const NVTEActivation& act,
                          const ActivationShape& shape, F&& f) {
@@ -291,12 +398,16 @@ void with_forward_loader(const char* op, const NVTEBuffer& in, const NVTEActivat
     using IType = decltype(itype);
     dispatch_gated(act.gated != 0, [&](auto is_gated) {
       constexpr bool kGated = decltype(is_gated)::value;
-      f(ActivationLoad<IType, kGated>{static_cast<const IType*>(in.data), shape.cols, act});
+      dispatch_kind<kGated>(act.kind, [&](auto kind) {
+        constexpr int kKind = decltype(kind)::value;
+        f(ActivationLoad<IType, kKind, kGated>{static_cast<const IType*>(in.data), shape.cols,
+                                               act});
+      });
     });
   });
 }
 
-/* Calls f(loader) with the backward's loader for the input's dtype and the gating. */
+/* Calls f(loader) with the backward's loader for the input's dtype, the gating and the kind. */
 template <typename F>
 void with_backward_loader(const char* op, const NVTEBuffer& g, const NVTEBuffer& in,
                           const NVTEActivation& act, const ActivationShape& shape, F&& f) {
@@ -304,8 +415,12 @@ void with_backward_loader(const char* op, const NVTEBuffer& g, const NVTEBuffer&
     using IType = decltype(itype);
     dispatch_gated(act.gated != 0, [&](auto is_gated) {
       constexpr bool kGated = decltype(is_gated)::value;
-      f(DActivationLoad<IType, kGated>{static_cast<const IType*>(g.data),
-                                       static_cast<const IType*>(in.data), shape.cols, act});
+      dispatch_kind<kGated>(act.kind, [&](auto kind) {
+        constexpr int kKind = decltype(kind)::value;
+        f(DActivationLoad<IType, kKind, kGated>{static_cast<const IType*>(g.data),
+                                                static_cast<const IType*>(in.data), shape.cols,
+                                                act});
+      });
     });
   });
 }
@@ -332,7 +447,7 @@ extern "C" void nvte_activation(const NVTEBuffer* input, NVTEActivation activati
   ctx.check_on_device("output", out);
   check_fp8_on_device(ctx, scale, output_t, amax, scale_inv);
   with_forward_loader(op, in, act, shape, [&](const auto& loader) {
-    launch_result(ctx, loader, shape.rows, shape.cols, out, output_t, args, nullptr);
+    launch_result<false>(ctx, loader, shape.rows, shape.cols, out, output_t, args, nullptr);
   });
 }
 
@@ -371,11 +486,15 @@ extern "C" void nvte_dactivation(const NVTEBuffer* grad, const NVTEBuffer* input
     ctx.check_on_device("workspace", *workspace);
   }
   float* column_sums = workspace == nullptr ? nullptr : static_cast<float*>(workspace->data);
+  size_t partial_rows = 0;
+  // The loaders' positions are the output gradient's [rows, cols]; a gated loader gives both
+  // halves of dinput's row at each.
   with_backward_loader(op, g, in, act, shape, [&](const auto& loader) {
-    launch_result(ctx, loader, shape.rows, shape.in_cols, dx, output_t, args, column_sums);
+    partial_rows =
+        launch_result<true>(ctx, loader, shape.rows, shape.cols, dx, output_t, args, column_sums);
   });
   if (dbias != nullptr && shape.in_cols > 0) {
-    cast_detail::launch_dbias_from_column_sums(ctx, column_sums, *dbias, shape.rows,
+    cast_detail::launch_dbias_from_column_sums(ctx, column_sums, *dbias, partial_rows,
                                                shape.in_cols);
   }
 }
@@ -413,6 +532,6 @@ extern "C" void nvte_dactivation_amax(const NVTEBuffer* grad, const NVTEBuffer* 
   ctx.check_on_device("input", in);
   ctx.check_on_device("amax", *amax);
   with_backward_loader(op, g, in, act, shape, [&](const auto& loader) {
-    launch_amax_only(ctx, loader, shape.rows, shape.in_cols, static_cast<float*>(amax->data));
+    launch_amax_only(ctx, loader, shape.rows, shape.cols, static_cast<float*>(amax->data));
   });
 }
