@@ -1,10 +1,10 @@
 /* The activation functions and their derivatives in float32, and the loaders that compute an
  * activation (or its gradient) of a row of FC1's output on the fly for the kernels of
- * activation.cu and cast/cast_transpose.cuh.
+ * activation_launch.cuh and cast/cast_transpose.cuh.
  *
  * Everything is fixed at compile time: each loader is a template over the element type, the
  * activation kind and the gating, so a kernel holds one function's straight-line arithmetic
- * and nothing branches on the kind per element or per vector (activation.cu switches on it
+ * and nothing branches on the kind per element or per vector (activation_launch.cuh switches on it
  * once, at launch). Only clamped SwiGLU's parameters stay run-time values. */
 #ifndef TRANSFORMER_ENGINE_COMMON_ACTIVATION_ACTIVATION_MATH_CUH_
 #define TRANSFORMER_ENGINE_COMMON_ACTIVATION_ACTIVATION_MATH_CUH_

@@ -1,4 +1,8 @@
-/* nvte_activation / nvte_dactivation: an activation's forward or backward in one pass over its
+/* The launch code shared by the activation entry points (activation_forward.cu,
+ * activation_backward.cu, activation_backward_amax.cu): split over three translation units
+ * so that the many kernel instantiations compile in parallel.
+ *
+ * nvte_activation / nvte_dactivation: an activation's forward or backward in one pass over its
  * operands, writing the result in high precision or in FP8.
  *
  * Two kernel shapes, both fed by the loaders of activation_math.cuh (one compiled kernel per
@@ -9,6 +13,8 @@
  *   the transposed copy a GEMM's wgrad needs, and in backward the bias gradient's column sums.
  * Both walk the output gradient's [rows, cols] positions in backward: a gated activation's
  * thread reads grad, u and v once and writes both halves' gradients. */
+#pragma once
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -246,7 +252,7 @@ void launch_amax_only(CallContext& ctx, const Loader& loader, size_t rows, size_
                                                          args);
 }
 
-NVTEActivation check_activation(const char* op, const NVTEActivation& act) {
+inline NVTEActivation check_activation(const char* op, const NVTEActivation& act) {
   if (act.kind < 0 || act.kind >= kNVTENumActivations) {
     throw_invalid(op, "unknown activation kind ", act.kind);
   }
@@ -266,7 +272,7 @@ struct ActivationShape {
 };
 
 /* `input` [rows, in_cols] and the activation's output width; throws on a bad shape. */
-ActivationShape check_input(const char* op, const NVTEBuffer& in, bool gated) {
+inline ActivationShape check_input(const char* op, const NVTEBuffer& in, bool gated) {
   check_dtype(op, "input", in, {kNVTEFloat32, kNVTEFloat16, kNVTEBFloat16});
   if (in.ndim == 0) throw_invalid(op, "input must have at least one dimension (the features)");
   const size_t in_cols = last_dim(in);
@@ -278,7 +284,7 @@ ActivationShape check_input(const char* op, const NVTEBuffer& in, bool gated) {
   return {rows, in_cols, gated ? in_cols / 2 : in_cols};
 }
 
-void check_extent(const char* op, const char* name, const NVTEBuffer& buffer, size_t rows,
+inline void check_extent(const char* op, const char* name, const NVTEBuffer& buffer, size_t rows,
                   size_t cols) {
   check_well_formed(op, name, buffer);
   if (buffer.ndim == 0 || last_dim(buffer) != cols || numel(buffer) != rows * cols) {
@@ -288,7 +294,7 @@ void check_extent(const char* op, const char* name, const NVTEBuffer& buffer, si
 }
 
 /* The FP8 arguments: present exactly when `output` is FP8; returns the kernels' pointers. */
-CastArgs check_fp8_args(const char* op, const NVTEBuffer& output, const char* output_name,
+inline CastArgs check_fp8_args(const char* op, const NVTEBuffer& output, const char* output_name,
                         const NVTEBuffer* scale, NVTEBuffer* output_t, NVTEBuffer* amax,
                         NVTEBuffer* scale_inv, size_t rows, size_t cols) {
   if (!is_fp8(output.dtype)) {
@@ -317,7 +323,7 @@ CastArgs check_fp8_args(const char* op, const NVTEBuffer& output, const char* ou
 
 /* A result buffer: [rows, cols], the input's dtype when high precision, and the FP8 arguments
  * present exactly when it is FP8 (check_fp8_args); returns the kernels' pointers. */
-CastArgs check_result(const char* op, const char* name, const NVTEBuffer& out,
+inline CastArgs check_result(const char* op, const char* name, const NVTEBuffer& out,
                       const NVTEBuffer& in, size_t rows, size_t cols, const NVTEBuffer* scale,
                       NVTEBuffer* output_t, NVTEBuffer* amax, NVTEBuffer* scale_inv) {
   check_extent(op, name, out, rows, cols);
@@ -328,7 +334,7 @@ CastArgs check_result(const char* op, const char* name, const NVTEBuffer& out,
   return check_fp8_args(op, out, name, scale, output_t, amax, scale_inv, rows, cols);
 }
 
-void check_fp8_on_device(CallContext& ctx, const NVTEBuffer* scale, NVTEBuffer* output_t,
+inline void check_fp8_on_device(CallContext& ctx, const NVTEBuffer* scale, NVTEBuffer* output_t,
                          NVTEBuffer* amax, NVTEBuffer* scale_inv) {
   if (scale != nullptr) ctx.check_on_device("scale", *scale);
   if (output_t != nullptr) ctx.check_on_device("output_t", *output_t);
@@ -337,7 +343,7 @@ void check_fp8_on_device(CallContext& ctx, const NVTEBuffer* scale, NVTEBuffer* 
 }
 
 /* `grad` [rows, cols] in the input's dtype; throws otherwise. */
-const NVTEBuffer& check_grad(const char* op, const NVTEBuffer* grad, const NVTEBuffer& in,
+inline const NVTEBuffer& check_grad(const char* op, const NVTEBuffer* grad, const NVTEBuffer& in,
                              const ActivationShape& shape) {
   const NVTEBuffer& g = require(op, "grad", grad);
   check_extent(op, "grad", g, shape.rows, shape.cols);
@@ -428,110 +434,3 @@ void with_backward_loader(const char* op, const NVTEBuffer& g, const NVTEBuffer&
 }  // namespace
 }  // namespace transformer_engine
 
-extern "C" void nvte_activation(const NVTEBuffer* input, NVTEActivation activation,
-                                NVTEBuffer* output, const NVTEBuffer* scale, NVTEBuffer* output_t,
-                                NVTEBuffer* amax, NVTEBuffer* scale_inv, int device,
-                                NVTEStream stream) {
-  using namespace transformer_engine;
-  const char* op = "nvte_activation";
-  const NVTEActivation act = check_activation(op, activation);
-  const bool gated = act.gated != 0;
-  const NVTEBuffer& in = require(op, "input", input);
-  const ActivationShape shape = check_input(op, in, gated);
-  require(op, "output", output);
-  NVTEBuffer& out = *output;
-  const CastArgs args = check_result(op, "output", out, in, shape.rows, shape.cols, scale,
-                                     output_t, amax, scale_inv);
-  CallContext ctx(op, device, stream);
-  ctx.check_on_device("input", in);
-  ctx.check_on_device("output", out);
-  check_fp8_on_device(ctx, scale, output_t, amax, scale_inv);
-  with_forward_loader(op, in, act, shape, [&](const auto& loader) {
-    launch_result<false>(ctx, loader, shape.rows, shape.cols, out, output_t, args, nullptr);
-  });
-}
-
-extern "C" void nvte_dactivation(const NVTEBuffer* grad, const NVTEBuffer* input,
-                                 NVTEActivation activation, NVTEBuffer* dinput,
-                                 const NVTEBuffer* scale, NVTEBuffer* output_t, NVTEBuffer* amax,
-                                 NVTEBuffer* scale_inv, NVTEBuffer* dbias, NVTEBuffer* workspace,
-                                 int device, NVTEStream stream) {
-  using namespace transformer_engine;
-  const char* op = "nvte_dactivation";
-  const NVTEActivation act = check_activation(op, activation);
-  const bool gated = act.gated != 0;
-  const NVTEBuffer& in = require(op, "input", input);
-  const ActivationShape shape = check_input(op, in, gated);
-  const NVTEBuffer& g = check_grad(op, grad, in, shape);
-  require(op, "dinput", dinput);
-  NVTEBuffer& dx = *dinput;
-  const CastArgs args = check_result(op, "dinput", dx, in, shape.rows, shape.in_cols, scale,
-                                     output_t, amax, scale_inv);
-  if (dbias != nullptr || workspace != nullptr) {
-    if (output_t == nullptr) {
-      throw_invalid(op, "dbias comes with the transposed FP8 copy: pass output_t (and an FP8 "
-                        "dinput) or compute the bias gradient separately");
-    }
-    const cast_detail::QuantizeShape qshape{shape.rows * shape.in_cols, shape.rows,
-                                            shape.in_cols};
-    cast_detail::check_dbias_args(op, qshape, g, dbias, workspace);
-  }
-  CallContext ctx(op, device, stream);
-  ctx.check_on_device("grad", g);
-  ctx.check_on_device("input", in);
-  ctx.check_on_device("dinput", dx);
-  check_fp8_on_device(ctx, scale, output_t, amax, scale_inv);
-  if (dbias != nullptr) {
-    ctx.check_on_device("dbias", *dbias);
-    ctx.check_on_device("workspace", *workspace);
-  }
-  float* column_sums = workspace == nullptr ? nullptr : static_cast<float*>(workspace->data);
-  size_t partial_rows = 0;
-  // The loaders' positions are the output gradient's [rows, cols]; a gated loader gives both
-  // halves of dinput's row at each.
-  with_backward_loader(op, g, in, act, shape, [&](const auto& loader) {
-    partial_rows =
-        launch_result<true>(ctx, loader, shape.rows, shape.cols, dx, output_t, args, column_sums);
-  });
-  if (dbias != nullptr && shape.in_cols > 0) {
-    cast_detail::launch_dbias_from_column_sums(ctx, column_sums, *dbias, partial_rows,
-                                               shape.in_cols);
-  }
-}
-
-extern "C" void nvte_activation_amax(const NVTEBuffer* input, NVTEActivation activation,
-                                     NVTEBuffer* amax, int device, NVTEStream stream) {
-  using namespace transformer_engine;
-  const char* op = "nvte_activation_amax";
-  const NVTEActivation act = check_activation(op, activation);
-  const bool gated = act.gated != 0;
-  const NVTEBuffer& in = require(op, "input", input);
-  const ActivationShape shape = check_input(op, in, gated);
-  check_fp32_scalar(op, "amax", require(op, "amax", amax));
-  CallContext ctx(op, device, stream);
-  ctx.check_on_device("input", in);
-  ctx.check_on_device("amax", *amax);
-  with_forward_loader(op, in, act, shape, [&](const auto& loader) {
-    launch_amax_only(ctx, loader, shape.rows, shape.cols, static_cast<float*>(amax->data));
-  });
-}
-
-extern "C" void nvte_dactivation_amax(const NVTEBuffer* grad, const NVTEBuffer* input,
-                                      NVTEActivation activation, NVTEBuffer* amax, int device,
-                                      NVTEStream stream) {
-  using namespace transformer_engine;
-  const char* op = "nvte_dactivation_amax";
-  const NVTEActivation act = check_activation(op, activation);
-  const bool gated = act.gated != 0;
-  const NVTEBuffer& in = require(op, "input", input);
-  const ActivationShape shape = check_input(op, in, gated);
-  const NVTEBuffer& g = check_grad(op, grad, in, shape);
-  check_fp32_scalar(op, "amax", require(op, "amax", amax));
-  CallContext ctx(op, device, stream);
-  ctx.check_on_device("grad", g);
-  ctx.check_on_device("input", in);
-  ctx.check_on_device("amax", *amax);
-  with_backward_loader(op, g, in, act, shape, [&](const auto& loader) {
-    launch_amax_only(ctx, loader, shape.rows, shape.cols, static_cast<float*>(amax->data));
-  });
-}
