@@ -28,9 +28,10 @@ pytestmark = needs_cuda
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 HIGH = [torch.float32, torch.float16, torch.bfloat16]
 # Shape edges: 0-d, one row, one element, non-multiples of 8/16/32/128 on either side, exact
-# tiles, several tiles with a partial last one, 3-D inputs, odd K (unaligned rows).
+# tiles, several tiles with a partial last one, 3-D inputs, odd K (unaligned rows), and more
+# tiles (297) than the persistent grid has blocks (2 per SM), so blocks walk several tiles.
 SHAPES = [(), (1,), (300,), (1, 1), (1, 129), (3, 17, 65), (127, 129), (128, 128), (33, 256),
-          (256, 384), (257, 1000), (2, 130, 72), (16, 8), (200, 31)]  # fmt: skip
+          (256, 384), (257, 1000), (2, 130, 72), (16, 8), (200, 31), (4112, 1048)]  # fmt: skip
 EMPTY_SHAPES = [(0,), (0, 128), (5, 0), (0, 0), (2, 0, 7)]
 USAGES = [(True, True), (True, False), (False, True)]
 
