@@ -1,11 +1,10 @@
 /* The activation functions and their derivatives in float32, and the loaders that compute an
- * activation (or its gradient) of a row of FC1's output on the fly for the kernels of
- * activation_launch.cuh and cast/cast_transpose.cuh.
+ * activation (or its gradient) of a row of FC1's output on the fly for the cast kernels.
  *
- * Everything is fixed at compile time: each loader is a template over the element type, the
- * activation kind and the gating, so a kernel holds one function's straight-line arithmetic
- * and nothing branches on the kind per element or per vector (activation_launch.cuh switches on it
- * once, at launch). Only clamped SwiGLU's parameters stay run-time values. */
+ * The kind is a run-time value, uniform over a launch: one kernel per element type and
+ * gating serves all seven functions (a warp never diverges on it), which keeps the number of
+ * compiled kernels small. The loaders branch on it once per vector of elements
+ * (dispatch_kind), so the per-element code is each function's own straight-line arithmetic. */
 #ifndef TRANSFORMER_ENGINE_COMMON_ACTIVATION_ACTIVATION_MATH_CUH_
 #define TRANSFORMER_ENGINE_COMMON_ACTIVATION_ACTIVATION_MATH_CUH_
 
@@ -25,106 +24,106 @@ using cast_detail::kVecElems;
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kGeluCubic = 0.044715f;
 constexpr float kQGeluSlope = 1.702f;
-constexpr float kLog2E = 1.4426950408889634f;
-
-/* 2^x on the special-function unit (a few float32 ulps; subnormal results kept). */
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-/* 1 / x on the special-function unit (1 ulp). Only called with x >= 1, Inf or NaN, so
- * flushing subnormals changes nothing. */
-__device__ __forceinline__ float rcp_approx(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 /* The logistic function s = 1 / (1 + e), e = exp(-x), and 1 - s = e s computed without the
  * cancellation of 1 - s (x = -inf gives e s = inf * 0, and fminf(NaN, 1) = 1 is the limit).
  * kFast (bf16/fp16 activations, whose results round to 2^-9 / 2^-12): the special-function
- * unit's exponential and reciprocal (a few float32 ulps together); float32 activations keep
- * libm's expf and IEEE division. */
+ * unit's exponential (__expf, a few float32 ulps) and a correctly rounded reciprocal; float32
+ * activations keep libm's expf and IEEE division. The kernels are bound by this arithmetic,
+ * not by memory, with the libm forms. */
 struct Logistic {
   float s, one_minus_s;
 };
 
 template <bool kFast>
 __device__ __forceinline__ Logistic logistic(float x) {
-  const float e = kFast ? exp2_approx(-kLog2E * x) : expf(-x);
-  const float s = kFast ? rcp_approx(1.0f + e) : 1.0f / (1.0f + e);
+  const float e = kFast ? __expf(-x) : expf(-x);
+  const float s = kFast ? __frcp_rn(1.0f + e) : 1.0f / (1.0f + e);
   return {s, fminf(e * s, 1.0f)};
 }
 
 /* NaN stays NaN (as torch.relu), everything at or below 0 becomes 0. */
 __device__ __forceinline__ float relu(float u) { return u > 0.0f || u != u ? u : 0.0f; }
 
-/* act(u) and, when kDerivative, d act / d u of the non-clamped kinds (the gated backward
- * needs both and they share the exponential). GELU's tanh form: kFast uses
- * 0.5 (1 + tanh z) = logistic(2 z), the same function without tanhf; float32 keeps the tanhf
- * formula of the reference. */
-template <int kKind, bool kFast, bool kDerivative>
+/* act(u) and d act / d u of the non-clamped kinds, together (the gated backward needs both and
+ * they share the exponential). GELU's tanh form: kFast uses 0.5 (1 + tanh z) = logistic(2 z),
+ * the same function without tanhf; float32 keeps the tanhf formula of the reference. */
+template <int kKind, bool kFast>
 __device__ __forceinline__ void act_value_and_derivative(float u, float& y, float& dy) {
-  if constexpr (kKind == kNVTEActGelu) {
-    const float u2 = u * u;
-    const float dz = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * u2);
-    if constexpr (kFast) {
-      // logistic(2 z) with 2 z = u (2 sqrt(2/pi) + 2 sqrt(2/pi) 0.044715 u^2).
-      const float two_z = u * (2.0f * kSqrt2OverPi + 2.0f * kSqrt2OverPi * kGeluCubic * u2);
-      const Logistic l = logistic<true>(two_z);
-      y = u * l.s;
-      if constexpr (kDerivative) dy = l.s + 2.0f * u * l.s * l.one_minus_s * dz;
-    } else {
-      const float z = kSqrt2OverPi * (u + kGeluCubic * u2 * u);
-      const float t = tanhf(z);
-      y = 0.5f * u * (1.0f + t);
-      if constexpr (kDerivative) dy = 0.5f * (1.0f + t) + 0.5f * u * (1.0f - t * t) * dz;
+  switch (kKind) {
+    case kNVTEActGelu: {
+      const float z = kSqrt2OverPi * (u + kGeluCubic * u * u * u);
+      const float dz = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * u * u);
+      if constexpr (kFast) {
+        const Logistic l = logistic<true>(2.0f * z);
+        y = u * l.s;
+        dy = l.s + 2.0f * u * l.s * l.one_minus_s * dz;
+      } else {
+        const float t = tanhf(z);
+        y = 0.5f * u * (1.0f + t);
+        dy = 0.5f * (1.0f + t) + 0.5f * u * (1.0f - t * t) * dz;
+      }
+      return;
     }
-  } else if constexpr (kKind == kNVTEActQGelu) {
-    const Logistic l = logistic<kFast>(kQGeluSlope * u);
-    y = u * l.s;
-    if constexpr (kDerivative) dy = l.s + kQGeluSlope * u * l.s * l.one_minus_s;
-  } else if constexpr (kKind == kNVTEActRelu) {
-    y = relu(u);
-    if constexpr (kDerivative) dy = u > 0.0f ? 1.0f : 0.0f;
-  } else if constexpr (kKind == kNVTEActSRelu) {
-    const float r = relu(u);
-    y = r * r;
-    if constexpr (kDerivative) dy = 2.0f * r;
-  } else if constexpr (kKind == kNVTEActSilu) {
-    const Logistic l = logistic<kFast>(u);
-    y = u * l.s;
-    if constexpr (kDerivative) dy = l.s * (1.0f + u * l.one_minus_s);
-  } else {
-    static_assert(kKind == kNVTEActSigmoid, "clamped SwiGLU has its own formulas");
-    const Logistic l = logistic<kFast>(u);
-    y = l.s;
-    if constexpr (kDerivative) dy = l.s * l.one_minus_s;
+    case kNVTEActQGelu: {
+      const Logistic l = logistic<kFast>(kQGeluSlope * u);
+      y = u * l.s;
+      dy = l.s + kQGeluSlope * u * l.s * l.one_minus_s;
+      return;
+    }
+    case kNVTEActRelu:
+      y = relu(u);
+      dy = u > 0.0f ? 1.0f : 0.0f;
+      return;
+    case kNVTEActSRelu: {
+      const float r = relu(u);
+      y = r * r;
+      dy = 2.0f * r;
+      return;
+    }
+    case kNVTEActSilu: {
+      const Logistic l = logistic<kFast>(u);
+      y = u * l.s;
+      dy = l.s * (1.0f + u * l.one_minus_s);
+      return;
+    }
+    default: {  // kNVTEActSigmoid
+      const Logistic l = logistic<kFast>(u);
+      y = l.s;
+      dy = l.s * l.one_minus_s;
+      return;
+    }
   }
+}
+
+/* act(u) alone (the forward); the derivative's extra arithmetic is dead code here. */
+template <int kKind, bool kFast>
+__device__ __forceinline__ float act_value(float u) {
+  float y, dy;
+  act_value_and_derivative<kKind, kFast>(u, y, dy);
+  return y;
 }
 
 /* The forward value of one output element: `u` from the first half, `v` from the second
  * (gated only). */
-template <int kKind, bool kGated, bool kFast>
-__device__ __forceinline__ float forward_value(const NVTEActivation& act, float u, float v) {
+template <int kKind, bool kFast>
+__device__ __forceinline__ float forward_value(const NVTEActivation& act, bool gated, float u,
+                                               float v) {
   if constexpr (kKind == kNVTEActClampedSilu) {
     const float a = u > act.limit ? act.limit : u;
     const float b = v > act.limit ? act.limit : (v < -act.limit ? -act.limit : v);
     return a * logistic<kFast>(act.alpha * a).s * (b + act.glu_linear_offset);
   } else {
-    float y, dy;
-    act_value_and_derivative<kKind, kFast, false>(u, y, dy);
-    return kGated ? y * v : y;
+    const float y = act_value<kKind, kFast>(u);
+    return gated ? y * v : y;
   }
 }
 
 /* The gradients of one element pair: `du` for the first-half input, `dv` for the second
  * (gated only), given the output gradient `g`. */
-template <int kKind, bool kGated, bool kFast>
-__device__ __forceinline__ void backward_values(const NVTEActivation& act, float g, float u,
-                                                float v, float& du, float& dv) {
+template <int kKind, bool kFast>
+__device__ __forceinline__ void backward_values(const NVTEActivation& act, bool gated, float g,
+                                                float u, float v, float& du, float& dv) {
   if constexpr (kKind == kNVTEActClampedSilu) {
     const float a = u > act.limit ? act.limit : u;
     const bool v_inside = v >= -act.limit && v <= act.limit;
@@ -137,8 +136,8 @@ __device__ __forceinline__ void backward_values(const NVTEActivation& act, float
     dv = v_inside ? g * swish : 0.0f;
   } else {
     float y, dy;
-    act_value_and_derivative<kKind, kFast, true>(u, y, dy);
-    if constexpr (kGated) {
+    act_value_and_derivative<kKind, kFast>(u, y, dy);
+    if (gated) {
       du = g * v * dy;
       dv = g * y;
     } else {
@@ -148,107 +147,126 @@ __device__ __forceinline__ void backward_values(const NVTEActivation& act, float
   }
 }
 
+/* Calls f(std::integral_constant<int, kind>): the loaders branch on the kind once per vector
+ * of elements, and each branch is straight-line code for its function. */
+template <typename F>
+__device__ __forceinline__ void dispatch_kind(int kind, F&& f) {
+  switch (kind) {
+    case kNVTEActGelu:
+      f(std::integral_constant<int, kNVTEActGelu>{});
+      break;
+    case kNVTEActQGelu:
+      f(std::integral_constant<int, kNVTEActQGelu>{});
+      break;
+    case kNVTEActRelu:
+      f(std::integral_constant<int, kNVTEActRelu>{});
+      break;
+    case kNVTEActSRelu:
+      f(std::integral_constant<int, kNVTEActSRelu>{});
+      break;
+    case kNVTEActSilu:
+      f(std::integral_constant<int, kNVTEActSilu>{});
+      break;
+    case kNVTEActClampedSilu:
+      f(std::integral_constant<int, kNVTEActClampedSilu>{});
+      break;
+    default:
+      f(std::integral_constant<int, kNVTEActSigmoid>{});
+      break;
+  }
+}
+
 /* The fast arithmetic for 16-bit activations (see logistic()). */
 template <typename IType>
 constexpr bool kFastMath = !std::is_same<IType, float>::value;
 
-template <typename IType>
-__device__ __forceinline__ void to_floats(const Vec<IType, kVecElems>& x, float (&v)[kVecElems]) {
+template <typename IType, int N>
+__device__ __forceinline__ void load_floats(const IType* p, float (&v)[N]) {
+  const Vec<IType, N> x = load_readonly<IType, N>(p);
 #pragma unroll
-  for (int j = 0; j < kVecElems; ++j) v[j] = to_float(x.v[j]);
+  for (int j = 0; j < N; ++j) v[j] = to_float(x.v[j]);
 }
 
-/* The loaders follow cast_transpose.cuh's Loader contract (PlainLoad states it): `fetch` issues
- * the 16-byte loads of one vector position, `compute` turns them into kParts x kVecElems
- * float32 results, `load` computes one position's kParts results element-wise. */
-
-/* The forward: element (r, c) of act(input) as a [rows, cols] matrix; the input row has
- * (gated ? 2 : 1) * cols elements. */
-template <typename IType, int kKind, bool kGated>
+/* The forward's values: element (r, c) of act(input) as a [rows, cols] matrix; the input row
+ * has in_cols = (gated ? 2 : 1) * cols elements. */
+template <typename IType, bool kGated>
 struct ActivationLoad {
-  using InputType = IType;
-  static constexpr int kParts = 1;
-  struct Raw {
-    Vec<IType, kVecElems> u, v;  // v: gated only
-  };
   const IType* in;
   size_t cols;
   NVTEActivation act;
 
-  bool vectorizable() const {
-    return cols % kVecElems == 0 && aligned_to(in, sizeof(IType) * kVecElems);
-  }
-  __device__ __forceinline__ Raw fetch(size_t r, size_t c) const {
+  size_t in_cols() const { return kGated ? 2 * cols : cols; }
+  bool vectorizable() const { return aligned_to(in, sizeof(IType) * kVecElems); }
+  __device__ __forceinline__ void load_vec(size_t r, size_t c, float (&out)[kVecElems]) const {
     const IType* row = in + r * (kGated ? 2 * cols : cols);
-    Raw raw;
-    raw.u = load_readonly<IType, kVecElems>(row + c);
-    if constexpr (kGated) raw.v = load_readonly<IType, kVecElems>(row + cols + c);
-    return raw;
-  }
-  __device__ __forceinline__ void compute(const Raw& raw, float (&out)[1][kVecElems]) const {
     float u[kVecElems], v[kVecElems] = {};
-    to_floats(raw.u, u);
-    if constexpr (kGated) to_floats(raw.v, v);
+    load_floats(row + c, u);
+    if constexpr (kGated) load_floats(row + cols + c, v);
+    dispatch_kind(act.kind, [&](auto kind) {
+      constexpr int kKind = decltype(kind)::value;
 #pragma unroll
-    for (int j = 0; j < kVecElems; ++j) {
-      out[0][j] = forward_value<kKind, kGated, kFastMath<IType>>(act, u[j], v[j]);
-    }
+      for (int j = 0; j < kVecElems; ++j) {
+        out[j] = forward_value<kKind, kFastMath<IType>>(act, kGated, u[j], v[j]);
+      }
+    });
   }
-  __device__ __forceinline__ void load(size_t r, size_t c, float (&out)[1]) const {
+  __device__ __forceinline__ float load(size_t r, size_t c) const {
     const IType* row = in + r * (kGated ? 2 * cols : cols);
     const float v = kGated ? to_float(row[cols + c]) : 0.0f;
-    out[0] = forward_value<kKind, kGated, kFastMath<IType>>(act, to_float(row[c]), v);
+    float y = 0.0f;
+    dispatch_kind(act.kind, [&](auto kind) {
+      y = forward_value<decltype(kind)::value, kFastMath<IType>>(act, kGated, to_float(row[c]), v);
+    });
+    return y;
   }
 };
 
-/* The backward: position (r, c) of the output gradient grad [rows, cols] gives d loss / d input
- * at input column c (part 0) and, gated, at input column cols + c (part 1): one thread computes
- * both halves' gradients from one read of grad, u and v. */
-template <typename IType, int kKind, bool kGated>
+/* The backward's values: element (r, c) of d loss / d input as a [rows, in_cols] matrix, from
+ * the output gradient grad [rows, cols] and the forward's input. For a gated activation,
+ * columns below `cols` are the first half's gradient, the others the second half's; a vector
+ * of kVecElems never straddles the two when cols % kVecElems == 0 (vectorizable()). */
+template <typename IType, bool kGated>
 struct DActivationLoad {
-  using InputType = IType;
-  static constexpr int kParts = kGated ? 2 : 1;
-  struct Raw {
-    Vec<IType, kVecElems> g, u, v;  // v: gated only
-  };
   const IType* grad;
   const IType* in;
   size_t cols;
   NVTEActivation act;
 
+  size_t in_cols() const { return kGated ? 2 * cols : cols; }
   bool vectorizable() const {
     return cols % kVecElems == 0 && aligned_to(grad, sizeof(IType) * kVecElems) &&
            aligned_to(in, sizeof(IType) * kVecElems);
   }
-  __device__ __forceinline__ Raw fetch(size_t r, size_t c) const {
+  __device__ __forceinline__ void load_vec(size_t r, size_t c, float (&out)[kVecElems]) const {
+    const bool second = kGated && c >= cols;
+    const size_t k = second ? c - cols : c;
     const IType* row = in + r * (kGated ? 2 * cols : cols);
-    Raw raw;
-    raw.g = load_readonly<IType, kVecElems>(grad + r * cols + c);
-    raw.u = load_readonly<IType, kVecElems>(row + c);
-    if constexpr (kGated) raw.v = load_readonly<IType, kVecElems>(row + cols + c);
-    return raw;
-  }
-  __device__ __forceinline__ void compute(const Raw& raw, float (&out)[kParts][kVecElems]) const {
     float g[kVecElems], u[kVecElems], v[kVecElems] = {};
-    to_floats(raw.g, g);
-    to_floats(raw.u, u);
-    if constexpr (kGated) to_floats(raw.v, v);
+    load_floats(grad + r * cols + k, g);
+    load_floats(row + k, u);
+    if constexpr (kGated) load_floats(row + cols + k, v);
+    dispatch_kind(act.kind, [&](auto kind) {
+      constexpr int kKind = decltype(kind)::value;
 #pragma unroll
-    for (int j = 0; j < kVecElems; ++j) {
-      float du, dv;
-      backward_values<kKind, kGated, kFastMath<IType>>(act, g[j], u[j], v[j], du, dv);
-      out[0][j] = du;
-      if constexpr (kGated) out[kParts - 1][j] = dv;
-    }
+      for (int j = 0; j < kVecElems; ++j) {
+        float du, dv;
+        backward_values<kKind, kFastMath<IType>>(act, kGated, g[j], u[j], v[j], du, dv);
+        out[j] = second ? dv : du;
+      }
+    });
   }
-  __device__ __forceinline__ void load(size_t r, size_t c, float (&out)[kParts]) const {
+  __device__ __forceinline__ float load(size_t r, size_t c) const {
+    const bool second = kGated && c >= cols;
+    const size_t k = second ? c - cols : c;
     const IType* row = in + r * (kGated ? 2 * cols : cols);
-    const float v = kGated ? to_float(row[cols + c]) : 0.0f;
-    float du, dv;
-    backward_values<kKind, kGated, kFastMath<IType>>(act, to_float(grad[r * cols + c]),
-                                                      to_float(row[c]), v, du, dv);
-    out[0] = du;
-    if constexpr (kGated) out[kParts - 1] = dv;
+    const float v = kGated ? to_float(row[cols + k]) : 0.0f;
+    const float g = to_float(grad[r * cols + k]);
+    const float u = to_float(row[k]);
+    float du = 0.0f, dv = 0.0f;
+    dispatch_kind(act.kind, [&](auto kind) {
+      backward_values<decltype(kind)::value, kFastMath<IType>>(act, kGated, g, u, v, du, dv);
+    });
+    return second ? dv : du;
   }
 };
 

@@ -26,10 +26,9 @@ void launch_quantize_dbias(CallContext& ctx, const NVTEBuffer& input, NVTEBuffer
                            NVTEBuffer& output_t, const QuantizeShape& shape, const CastArgs& args,
                            NVTEBuffer& dbias, NVTEBuffer& workspace);
 
-/* Adds the `partial_rows` rows of column sums a tiled cast wrote (launch_cast_transpose_from
- * returns the count; 0 gives zeros) up into `dbias` [cols] (its dtype). */
+/* Adds the per-tile column sums of a [rows, cols] tiled cast up into `dbias` (its dtype). */
 void launch_dbias_from_column_sums(CallContext& ctx, const float* column_sums, NVTEBuffer& dbias,
-                                   size_t partial_rows, size_t cols);
+                                   size_t rows, size_t cols);
 
 /* nvte_compute_amax's work: zero `amax`, then max-reduce |input| into it. */
 void launch_amax(CallContext& ctx, const NVTEBuffer& input, float* amax);

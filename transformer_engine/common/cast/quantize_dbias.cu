@@ -1,9 +1,8 @@
 /* nvte_quantize_dbias: the cast+transpose of nvte_quantize that also sums the input over its
  * rows (a linear layer's bias gradient from its output gradient), so the gradient is read once
  * instead of twice. Two launches: the tiled cast+transpose writes one float32 column sum per
- * chunk of 64-row tiles into the workspace (at most one per tile), then one thread per column
- * adds the chunks up in order and rounds once to the output dtype. Deterministic: no atomics,
- * a summation order fixed by the shape and the device's SM count. */
+ * 64-row tile into the workspace, then one thread per column adds the tiles up in order and
+ * rounds once to the output dtype. Deterministic: no atomics, a fixed summation order. */
 #include <cuda_runtime.h>
 
 #include "cast/cast_transpose.cuh"
@@ -25,12 +24,12 @@ constexpr int kReduceThreads = 256;
 template <typename OType>
 __global__ void __launch_bounds__(kReduceThreads)
     column_sums_to_dbias_kernel(const float* __restrict__ column_sums, OType* __restrict__ dbias,
-                                size_t partial_rows, size_t cols) {
+                                size_t tiles, size_t cols) {
   const size_t c = static_cast<size_t>(blockIdx.x) * kReduceThreads + threadIdx.x;
   if (c >= cols) return;
   float total = 0.0f;
 #pragma unroll 8
-  for (size_t t = 0; t < partial_rows; ++t) total += column_sums[t * cols + c];
+  for (size_t t = 0; t < tiles; ++t) total += column_sums[t * cols + c];
   dbias[c] = from_float<OType>(total);
 }
 
@@ -63,12 +62,12 @@ void check_dbias_args(const char* op, const QuantizeShape& shape, const NVTEBuff
 }
 
 void launch_dbias_from_column_sums(CallContext& ctx, const float* column_sums, NVTEBuffer& dbias,
-                                   size_t partial_rows, size_t cols) {
+                                   size_t rows, size_t cols) {
   dispatch_high_precision(ctx.op(), dbias.dtype, [&](auto otype) {
     using OType = decltype(otype);
     const size_t blocks = (cols + kReduceThreads - 1) / kReduceThreads;
     column_sums_to_dbias_kernel<OType><<<blocks, kReduceThreads, 0, ctx.stream()>>>(
-        column_sums, static_cast<OType*>(dbias.data), partial_rows, cols);
+        column_sums, static_cast<OType*>(dbias.data), tile_rows(rows), cols);
     ctx.check_launch("column_sums_to_dbias_kernel launch");
   });
 }
@@ -84,19 +83,18 @@ void launch_quantize_dbias(CallContext& ctx, const NVTEBuffer& input, NVTEBuffer
   }
   if (cols == 0) return;
   auto* column_sums = static_cast<float*>(workspace.data);
-  size_t partial_rows = 0;  // no rows: the bias gradient is zero
-  if (rows > 0) {
-    dispatch_high_precision(op, input.dtype, [&](auto itype) {
-      using IType = decltype(itype);
+  dispatch_high_precision(op, input.dtype, [&](auto itype) {
+    using IType = decltype(itype);
+    if (rows > 0) {
       dispatch_fp8(op, output.dtype, [&](auto is_e4m3) {
         constexpr bool kE4M3 = decltype(is_e4m3)::value;
-        partial_rows = launch_cast_transpose<IType, kE4M3, true>(
+        launch_cast_transpose<IType, kE4M3, true>(
             static_cast<const IType*>(input.data), static_cast<uint8_t*>(output.data),
             static_cast<uint8_t*>(output_t.data), rows, cols, args, column_sums, ctx);
       });
-    });
-  }
-  launch_dbias_from_column_sums(ctx, column_sums, dbias, partial_rows, cols);
+    }
+    launch_dbias_from_column_sums(ctx, column_sums, dbias, rows, cols);
+  });
 }
 
 }  // namespace cast_detail
