@@ -13,6 +13,7 @@ from block_scaling_oracle import BLOCK, oracle_cast, oracle_dequantize
 from utils import needs_cuda, needs_two_gpus
 
 from transformer_engine.common.recipe import Float8BlockScaling, Format, MMParams
+from transformer_engine.pytorch.cpp_extensions.block_gemm import native_block_gemm_refusals
 from transformer_engine.pytorch.cpp_extensions.gemm import general_gemm
 from transformer_engine.pytorch.extra_state.recipe_dict import recipe_from_dict, recipe_to_dict
 from transformer_engine.pytorch.quantization import RecipeState
@@ -256,12 +257,37 @@ def test_cuda_cast_equals_cpu(dim):
         assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name))
 
 
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_native_scales_give_each_element_its_block_scale(columnwise):
+    # The native kernel takes a 128x128 operand as a 1x128 one: element (r, c) of the matrix the
+    # GEMM reads must get the scale of its 128x128 block, (r // 128, c // 128), from the oracle.
+    from transformer_engine.pytorch.cpp_extensions.block_gemm import _scaled_mm_scales
+
+    torch.manual_seed(5)
+    w = torch.randn(300, 512) * torch.logspace(-3, 3, 300).unsqueeze(1)  # one scale per block row
+    x = torch.randn(70, 300 if columnwise else 512)
+    wq, xq = quantizer(2)(w), quantizer(1)(x)
+    y_vals, y_scales, y2d = wq.block_float8_gemm_input(columnwise)
+    x_vals, x_scales, x2d = xq.block_float8_gemm_input(False)
+    assert y2d and not x2d
+    scale_a, scale_b = _scaled_mm_scales(x_vals, x_scales, x2d, y_vals, y_scales, y2d)
+    rows, k = y_vals.shape
+    # the column-wise copy shares the row-wise blocks: block (i, j) of w is block (j, i) of w^T
+    _, scales = oracle_cast(w.t() if columnwise else w, E4M3, two_d=True, pow2=True)
+    for r in (0, 127, 128, rows - 1):
+        for kb in range(k // BLOCK):
+            assert float(scale_b[kb, r]) == 1.0 / scales[(r // BLOCK, kb)]
+    # the 1x128 operand: [M, kb], M contiguous, one scale per (row, tile)
+    assert scale_a.shape == (70, k // BLOCK) and scale_a.stride() == (1, 70)
+
+
 @needs_cuda
 @pytest.mark.parametrize("layout", ["TN", "NN", "NT"])
 def test_native_gemm_equals_emulation(layout):
-    # On sm_90, NT (1x128 by 1x128) runs torch._scaled_mm's blockwise kernel and TN/NN (a
-    # 128x128 weight) the emulation; either must match the float64 product of the dequantized
-    # operands within float32 accumulation error.
+    # On sm_90 every layout runs torch._scaled_mm's 1x128 by 1x128 blockwise kernel (TN/NN with
+    # the 128x128 weight's scales repeated along its rows), no refusal is recorded, and each
+    # product matches the float64 product of the dequantized operands within float32
+    # accumulation error (the emulation elsewhere matches it the same way).
     x, w, dy = (t.to("cuda:0") for t in _gemm_operands())
     x, w, dy = x[:, :256], torch.cat([w, w[:96]]), torch.cat([dy, dy[:, :96]], 1)  # N = 256
     xq, wq, dyq = quantizer(1)(x), quantizer(2)(w), quantizer(1)(dy)
@@ -276,6 +302,8 @@ def test_native_gemm_equals_emulation(layout):
         x_col = xq._dequantize_layout(True, torch.float32).double()
         ref = dy_col @ x_col.t()
     assert torch.allclose(native.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    if torch.cuda.get_device_capability(0)[0] == 9:
+        assert not native_block_gemm_refusals()
 
 
 @needs_two_gpus

@@ -13,13 +13,16 @@ along the tokens).
 
 Paths:
 
-* **native**: CUDA devices of compute capability 9.x, K a multiple of 128, both operands 1x128
-  (wgrad; with a 128x128 operand the native products did not match on the H200, see
-  ``_native_product``): ``torch._scaled_mm`` with float32 scale tensors whose shapes select the blockwise
-  modes (1x128 operand: ``[rows, ceil(K/128)]``, outer-dim-major; 128x128 operand:
-  ``[ceil(rows/128), ceil(K/128)]``; the second operand's transposed), which needs CUDA 12.9+
-  in PyTorch's build. The first call of each kind that torch refuses (older torch or CUDA)
-  is remembered per device and that kind takes the emulation from then on.
+* **native**: CUDA devices of compute capability 9.x, K a multiple of 128:
+  ``torch._scaled_mm``'s 1x128 by 1x128 blockwise kernel, with float32 scale tensors whose
+  shapes select that mode (first operand ``[rows, ceil(K/128)]`` outer-dim-major, second
+  ``[ceil(K/128), rows]``), which needs CUDA 12.9+ in PyTorch's build. A 128x128-block operand
+  (the weight in fprop and dgrad) runs as the 1x128 operand it equals: the same FP8 bytes, each
+  row taking its block's scale (its ``[ceil(rows/128), kb]`` scales repeated 128 times along
+  the rows), so every element is scaled exactly as in its block. (torch 2.11's own 128x128 mode
+  returned wrong products on the H200 for every scale layout it accepts, so it is not used.)
+  The first call of each kind that torch refuses (older torch or CUDA) is remembered per
+  device and that kind takes the emulation from then on.
 * **emulated**: each operand dequantized to float32 (FP8 values times FP32 scales are exact
   in float32) and multiplied by ``torch.mm`` in float32; bias and ``alpha`` applied in float32
   and the result rounded once. It differs from the native kernel by the accumulation order.
@@ -61,30 +64,30 @@ def _dequantize(values, scale_inv, is_2d) -> torch.Tensor:
     return reference.block_dequantize_1d(values, scale_inv, torch.float32)
 
 
+def _rows_by_kblocks(scales, is_2d, rows, kb) -> torch.Tensor:
+    """An operand's scales as ``[rows, kb]``: a 1x128 operand's ``[kb, roundup(rows, 4)]``
+    transposed; a 128x128 operand's ``[ceil(rows/128), roundup(kb, 4)]`` with each block row
+    repeated for its 128 rows (the 1x128 scaling that multiplies every element alike)."""
+    if is_2d:
+        return scales[: -(-rows // _BLOCK), :kb].repeat_interleave(_BLOCK, dim=0)[:rows]
+    return scales[:kb, :rows].t()
+
+
 def _scaled_mm_scales(x, xs, x2d, y, ys, y2d):
-    """The float32 scale tensors ``torch._scaled_mm`` reads for blockwise ``x @ y^T``."""
+    """The float32 scale tensors ``torch._scaled_mm`` reads for the 1x128 by 1x128 blockwise
+    ``x @ y^T``: ``[M, kb]`` outer-dim-major (M contiguous) and ``[kb, N]`` row-major."""
     m, k = x.shape
     n = y.shape[0]
     kb = k // _BLOCK
-    if x2d:
-        scale_a = xs[: -(-m // _BLOCK), :kb].contiguous()
-    else:  # [M, kb], M contiguous (outer-dim-major)
-        scale_a = xs[:kb, :m].contiguous().t()
-    if y2d:  # [kb, ceil(N/128)], the transpose of y's [ceil(N/128), kb]
-        scale_b = ys[: -(-n // _BLOCK), :kb].contiguous().t()
-    else:  # [kb, N] row-major
-        scale_b = ys[:kb, :n].contiguous()
+    scale_a = _rows_by_kblocks(xs, x2d, m, kb).t().contiguous().t()
+    scale_b = _rows_by_kblocks(ys, y2d, n, kb).t().contiguous()
     return scale_a, scale_b
 
 
 def _native_product(x, xs, x2d, y, ys, y2d, mm_dtype):
     """``torch._scaled_mm`` blockwise, or ``None`` when this kind is not run natively here."""
     device = x.device
-    # Only 1x128 by 1x128 (wgrad) runs natively: with a 128x128 operand (fprop, dgrad) the
-    # products torch._scaled_mm returned on an H200 with torch 2.11 did not match the
-    # dequantized operands' product (the scale layout it expects for that operand is not the
-    # one passed here), so those kinds take the exact emulation until it is worked out.
-    if device.type != "cuda" or x2d or y2d or x.shape[1] % _BLOCK or x.shape[1] == 0:
+    if device.type != "cuda" or x.shape[1] % _BLOCK or x.shape[1] == 0:
         return None
     cc = device_compute_capability(device)
     if cc is None or cc[0] != 9:
