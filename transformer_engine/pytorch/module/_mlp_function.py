@@ -39,6 +39,7 @@ from ..functional.activation import (
     activation_forward,
 )
 from ..functional.linear import LinearConfig, linear_backward, linear_forward
+from ..functional.produced_fp8 import produce_fp8
 from ..quantization import BackwardScaleUpdate
 
 __all__ = ["fc1_activation_fc2"]
@@ -52,16 +53,6 @@ def _fusable(config: LinearConfig, quantizer) -> bool:
         and config.backward_override is None
         and getattr(quantizer, "quantize_produced", None) is not None
     )
-
-
-def _produced(quantizer, produce, amax_of, shape, dtype, device, *, rowwise, columnwise):
-    """``quantizer.quantize_produced`` as internal storage with the given usages."""
-    quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
-    internal, quantizer.internal = quantizer.internal, True
-    try:
-        return quantizer.quantize_produced(produce, shape, dtype, device, amax_of=amax_of)
-    finally:
-        quantizer.internal = internal
 
 
 def _fc2_input(h2, spec, fc2_config, fc2_weight, *, columnwise: bool):
@@ -81,7 +72,7 @@ def _fc2_input(h2, spec, fc2_config, fc2_weight, *, columnwise: bool):
         activation_amax(h2, spec, amax)
 
     shape = (h2.shape[0], fc2_weight.shape[-1])
-    act, _ = _produced(
+    act, _ = produce_fp8(
         quantizer, produce, amax_of, shape, h2.dtype, h2.device,
         rowwise=True, columnwise=columnwise,
     )  # fmt: skip
@@ -188,7 +179,7 @@ def _activation_gradient(ctx, saved1, d_act, h2):
         def amax_of(amax):  # current scaling's first pass
             activation_backward_amax(d_act, h2, spec, amax)
 
-        return _produced(
+        return produce_fp8(
             quantizer, produce, amax_of, tuple(h2.shape), h2.dtype, h2.device,
             rowwise=saved1.w is not None, columnwise=saved1.x is not None,
         )  # fmt: skip

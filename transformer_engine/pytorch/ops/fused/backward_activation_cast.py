@@ -12,12 +12,12 @@ gradient the same way.
 from __future__ import annotations
 
 from ...cpp_extensions.activation import activation_backward_amax, activation_backward_fp8
+from ...functional.produced_fp8 import can_produce, per_tensor_fp8_recipe, produce_fp8
 from ..basic._common import plain
 from ..basic.activation import ActivationOperation
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..op import FusedOperation
-from ._produced import can_produce, per_tensor_fp8_recipe, produce_fp8
 from ._rewrite import op_at, replace_matching_runs
 
 __all__ = ["BackwardActivationCast", "fuse_backward_activation_cast"]

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from ...cpp_extensions.activation import activation_amax, activation_forward_fp8
 from ...functional.linear import check_fp8_gemm_shapes
+from ...functional.produced_fp8 import can_produce, per_tensor_fp8_recipe, produce_fp8
 from ...quantization import FP8GlobalStateManager
 from ..basic._common import activation_dtype, plain
 from ..basic.activation import ActivationOperation
 from ..basic.basic_linear import BasicLinear
 from ..op import FusedOperation
-from ._produced import can_produce, per_tensor_fp8_recipe, produce_fp8
 from ._rewrite import op_at, replace_matching_runs
 
 __all__ = ["ForwardActivationCast", "fuse_forward_activation_cast"]

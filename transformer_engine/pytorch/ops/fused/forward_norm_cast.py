@@ -12,12 +12,12 @@ what ``te.LayerNormLinear`` does.
 from __future__ import annotations
 
 from ...functional.linear import check_fp8_gemm_shapes
+from ...functional.produced_fp8 import can_produce, cast_for_linear, per_tensor_fp8_recipe
 from ...quantization import FP8GlobalStateManager
 from ..basic._common import activation_dtype
 from ..basic.basic_linear import BasicLinear
 from ..basic.normalization import LayerNorm, RMSNorm
 from ..op import FusedOperation
-from ._produced import can_produce, cast_for_linear, per_tensor_fp8_recipe
 from ._rewrite import op_at, replace_matching_runs
 
 __all__ = ["ForwardNormCast", "fuse_forward_norm_cast"]

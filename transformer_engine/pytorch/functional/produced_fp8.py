@@ -3,8 +3,9 @@
 The per-tensor FP8 quantizers (delayed and current scaling) have ``quantize_produced``: the
 producer's kernel gets the scale (delayed scaling: the quantizer's own, with its amax buffer;
 current scaling: from an amax-only pass of the producer first) and writes the FP8 bytes and the
-transposed copy in its own pass. ``te.LayerNormMLP`` hands FC2 its input and FC1 its output
-gradient the same way (``module/_mlp_function.py``).
+transposed copy in its own pass. Used by ``te.LayerNormMLP`` (``module/_mlp_function.py``: FC2's
+input, FC1's output gradient) and by the te.ops fusions of an activation or a norm with the next
+linear's input cast (``ops/fused/``).
 """
 
 from __future__ import annotations
