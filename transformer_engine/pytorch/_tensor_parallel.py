@@ -20,6 +20,13 @@ instead of two in BF16) with the shared ``scale_inv``; every rank must cast with
 amax is all-reduced (MAX) over the group before the scale is computed, done here). Other
 quantizers (block-scaled FP8, MXFP8) and other quantized inputs are gathered in high precision
 and quantized afterwards. The reduce-scatters and all-reduces always run in high precision.
+
+The GEMMs under sequence parallelism use it three times (when the GEMM runs its FP8 backward
+on a per-tensor FP8 recipe): :func:`sequence_parallel_gemm_input` gathers a column-parallel
+input in FP8 and hands back the local FP8 shard, which is all that is saved for backward;
+:func:`regather_fp8_shard` gathers that shard again in backward for the weight gradient (the
+transposed copy is built from the gathered bytes); :func:`sequence_parallel_grad_output`
+gathers a row-parallel layer's output gradient in FP8, cast with its grad-output quantizer.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ __all__ = [
     "gather_along_first_dim",
     "gathers_fp8",
     "sequence_parallel_gemm_input",
+    "regather_fp8_shard",
+    "sequence_parallel_grad_output",
     "reduce_scatter_along_first_dim",
     "allreduce",
     "set_tensor_model_parallel_attributes",
@@ -135,7 +144,8 @@ def _cast_rows(quantizer, src: torch.Tensor, group):
 def _gather_fp8(inp, group, world, quantizer, async_op, output_tensor):
     """All-gather of FP8 bytes: ``inp`` cast here (or already a per-tensor FP8 tensor with
     row-wise bytes), its ``_data`` gathered, the result wrapped with the shared ``scale_inv``
-    as ``quantizer`` would return it (storage when ``internal``), with its usages."""
+    as ``quantizer`` would return it (storage when ``internal``), with its usages:
+    ``(result, handle, local)``, ``local`` being this rank's FP8 rows."""
     if isinstance(inp, Float8TensorStorage):
         local = inp
     else:
@@ -161,7 +171,7 @@ def _gather_fp8(inp, group, world, quantizer, async_op, output_tensor):
         )  # fmt: skip
     if columnwise or not rowwise:
         result.update_usage(rowwise_usage=rowwise, columnwise_usage=columnwise)
-    return result, handle
+    return result, handle, local
 
 
 def gather_along_first_dim(
@@ -200,7 +210,7 @@ def gather_along_first_dim(
         not isinstance(inp, QuantizedTensorStorage)
         or (isinstance(inp, Float8TensorStorage) and inp._data is not None)
     ):
-        return _gather_fp8(inp, process_group, world, quantizer, async_op, output_tensor)
+        return _gather_fp8(inp, process_group, world, quantizer, async_op, output_tensor)[:2]
     src = _high_precision(inp)
     if not src.is_contiguous():
         src = src.contiguous()
@@ -213,41 +223,92 @@ def gather_along_first_dim(
     return out, handle
 
 
-def sequence_parallel_gemm_input(inp: torch.Tensor, group, config, *, columnwise: bool):
+def _gather_fp8_storage(inp, group, quantizer, *, rowwise: bool, columnwise: bool):
+    """:func:`_gather_fp8` of ``inp`` (2-D) as internal storage with the given usages:
+    ``(gathered, local)``. The quantizer's usages and ``internal`` flag are restored."""
+    usages, internal = (quantizer.rowwise_usage, quantizer.columnwise_usage), quantizer.internal
+    quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
+    quantizer.internal = True
+    try:
+        world = get_distributed_world_size(group)
+        gathered, _, local = _gather_fp8(inp, group, world, quantizer, False, None)
+    finally:
+        quantizer.set_usage(rowwise=usages[0], columnwise=usages[1])
+        quantizer.internal = internal
+    return gathered, local
+
+
+def _fp8_backward(config, quantizer, world: int) -> bool:
+    """Whether a GEMM of ``config`` casts ``quantizer``'s operand in per-tensor FP8 (forward
+    and backward), so that its sequence-parallel gathers can move FP8 bytes."""
+    return config.fp8 and config.backward_override is None and world > 1 and gathers_fp8(quantizer)
+
+
+def sequence_parallel_gemm_input(inp: torch.Tensor, group, config):
     """A column-parallel GEMM's input under sequence parallelism, all-gathered over ``group``:
-    ``(gemm_input, leading_shape)``, ``leading_shape`` being the gathered input's leading
+    ``(gemm_input, leading_shape, shard)``, ``leading_shape`` being the gathered input's leading
     dimensions (the GEMM output's, before its features).
 
     When the GEMM runs in FP8 on a per-tensor FP8 input quantizer (``config.fp8``, no
-    ``backward_override``, no ``save_original_input``), the gather moves FP8 bytes and
-    ``gemm_input`` is a 2-D FP8 storage with row-wise bytes (and the transposed copy with
-    ``columnwise``, for the weight gradient), cast with the scale of the whole gathered tensor;
-    the GEMM takes it as it is. Otherwise ``gemm_input`` is the gathered high-precision tensor.
+    ``backward_override``, no ``save_original_input``), the gather moves FP8 bytes:
+    ``gemm_input`` is a 2-D FP8 storage with row-wise bytes, cast with the scale of the whole
+    gathered tensor (the GEMM takes it as it is), and ``shard`` this rank's rows of it (FP8
+    storage, row-wise), which is what the caller keeps for the weight gradient
+    (:func:`regather_fp8_shard` in backward). Otherwise ``gemm_input`` is the gathered
+    high-precision tensor and ``shard`` is ``None``.
     """
     world = get_distributed_world_size(group)
     leading = (inp.shape[0] * world, *inp.shape[1:-1]) if inp.dim() else ()
     quantizer = config.input_quantizer
     fp8_gather = (
-        config.fp8
-        and config.backward_override is None
+        _fp8_backward(config, quantizer, world)
         and not config.save_original_input
-        and world > 1
-        and gathers_fp8(quantizer)
         and not isinstance(inp, QuantizedTensorStorage)
     )
     if not fp8_gather:
-        return gather_along_first_dim(inp, group)[0], leading
-    usages, internal = (quantizer.rowwise_usage, quantizer.columnwise_usage), quantizer.internal
-    quantizer.set_usage(rowwise=True, columnwise=columnwise)
-    quantizer.internal = True
-    try:
-        gathered, _ = gather_along_first_dim(
-            inp.reshape(-1, inp.shape[-1]), group, quantizer=quantizer
-        )
-    finally:
-        quantizer.set_usage(rowwise=usages[0], columnwise=usages[1])
-        quantizer.internal = internal
-    return gathered, leading
+        return gather_along_first_dim(inp, group)[0], leading, None
+    gathered, shard = _gather_fp8_storage(
+        inp.reshape(-1, inp.shape[-1]), group, quantizer, rowwise=True, columnwise=False
+    )
+    return gathered, leading, shard
+
+
+def regather_fp8_shard(shard, group):
+    """The FP8 shard :func:`sequence_parallel_gemm_input` handed out, all-gathered again over
+    ``group`` (its bytes, with its ``scale_inv``) with only the transposed copy the weight
+    gradient reads (built from the gathered bytes): equal to the gathered input's."""
+    world = get_distributed_world_size(group)
+    data = shard._data if shard._data.is_contiguous() else shard._data.contiguous()
+    shape = (data.shape[0] * world, *data.shape[1:])
+    out = torch.empty(shape, dtype=data.dtype, device=data.device)
+    _all_gather_dim0(out, data, group=group)
+    gathered = Float8TensorStorage._from_cast(
+        data=out, transpose=None, scale_inv=shard._scale_inv, fp8_dtype=shard._fp8_dtype,
+        quantizer=shard._quantizer, fake_dtype=shard._dtype,
+    )  # fmt: skip
+    gathered.update_usage(rowwise_usage=False, columnwise_usage=True)
+    return gathered
+
+
+def sequence_parallel_grad_output(
+    grad: torch.Tensor, group, config, *, rowwise: bool, columnwise: bool
+):
+    """A row-parallel GEMM's output gradient under sequence parallelism (this rank's rows),
+    all-gathered over ``group``.
+
+    When the GEMM's backward runs in per-tensor FP8 and reads the gradient (``rowwise``: the
+    input gradient, ``columnwise``: the weight gradient), the local rows are cast with
+    ``config.grad_output_quantizer`` (current scaling: the amax reduced over ``group`` first,
+    so every rank casts with the scale of the whole gradient; delayed scaling: the shared
+    scale) and the FP8 bytes are gathered: a 2-D FP8 storage with those usages, which the
+    GEMMs take as it is. Otherwise the gradient is gathered in high precision.
+    """
+    world = get_distributed_world_size(group)
+    quantizer = config.grad_output_quantizer
+    if not ((rowwise or columnwise) and _fp8_backward(config, quantizer, world)):
+        return gather_along_first_dim(grad, group)[0]
+    src = grad.reshape(-1, grad.shape[-1])
+    return _gather_fp8_storage(src, group, quantizer, rowwise=rowwise, columnwise=columnwise)[0]
 
 
 def reduce_scatter_along_first_dim(

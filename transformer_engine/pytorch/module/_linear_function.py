@@ -7,10 +7,14 @@ current during backward, and, for the autocast region's first FP8 module, the ba
 update once its backward is done.
 
 Under sequence parallelism a column-parallel GEMM's input arrives split along dimension 0: the
-node all-gathers it before the GEMM, reduce-scatters the input gradient, and, when the weight
-gradient reads the input in high precision, saves only the local shard and gathers it again in
-backward. In FP8 with a per-tensor FP8 input quantizer the gather moves FP8 bytes
-(``sequence_parallel_gemm_input``) and the gathered input is saved as its transposed FP8 copy.
+node all-gathers it before the GEMM, reduce-scatters the input gradient, and keeps only the
+local shard for backward, which gathers it again for the weight gradient. In FP8 with a
+per-tensor FP8 input quantizer the gather moves FP8 bytes (``sequence_parallel_gemm_input``)
+and the shard kept is the local FP8 rows (``regather_fp8_shard`` in backward); otherwise the
+high-precision shard is kept when the weight gradient reads the input as it is. A row-parallel
+GEMM under sequence parallelism reduce-scatters its output along dimension 0 and all-gathers
+the output gradient in backward, in FP8 under a per-tensor FP8 grad-output quantizer
+(``sequence_parallel_grad_output``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import torch
 from .._tensor_parallel import (
     gather_along_first_dim,
     reduce_scatter_along_first_dim,
+    regather_fp8_shard,
     sequence_parallel_gemm_input,
+    sequence_parallel_grad_output,
 )
 from ..device import device_guard
 from ..functional.linear import LinearConfig, linear_backward, linear_forward
@@ -31,38 +37,41 @@ __all__ = ["linear"]
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, inp, bias, config, backward_update, sp_group):  # noqa: D102
-        full = inp
+    def forward(ctx, weight, inp, bias, config, backward_update, sp_group, out_sp_group):  # noqa: D102
+        full, shard = inp, None
         if sp_group is not None:
-            full, leading = sequence_parallel_gemm_input(
-                inp, sp_group, config, columnwise=weight.requires_grad
-            )
+            full, leading, shard = sequence_parallel_gemm_input(inp, sp_group, config)
         out, saved = linear_forward(
             weight,
             full,
             bias,
             config,
             needs_dgrad=inp.requires_grad,
-            needs_wgrad=weight.requires_grad,
+            # With an FP8 shard the weight gradient reads the shard gathered again in backward:
+            # the gathered input needs no transposed copy now.
+            needs_wgrad=weight.requires_grad and shard is None,
             bias_requires_grad=bias is not None and bias.requires_grad,
         )
         if sp_group is not None:
             out = out.reshape(*leading, out.shape[-1])
-            if saved.x is full and not isinstance(full, torch.Tensor):  # gathered in FP8
-                full.update_usage(rowwise_usage=False, columnwise_usage=True)
+        if shard is not None and weight.requires_grad:
+            saved.x = shard
         # Keep the local shard instead of the gathered input when backward reads it as it is.
-        ctx.regather = (
+        ctx.regather = shard is not None and weight.requires_grad
+        ctx.regather_high_precision = (
             sp_group is not None
             and type(saved.x) is torch.Tensor
             and full is not inp
             and saved.x.data_ptr() == full.data_ptr()
         )
-        if ctx.regather:
+        if ctx.regather_high_precision:
             saved.x = inp.reshape(-1, inp.shape[-1])
+        if out_sp_group is not None:
+            out = reduce_scatter_along_first_dim(out, out_sp_group)[0]
         ctx.save_for_backward(*saved.pack())
         ctx.saved = saved
         ctx.backward_update = backward_update
-        ctx.sp_group, ctx.inp_shape = sp_group, inp.shape
+        ctx.sp_group, ctx.out_sp_group, ctx.inp_shape = sp_group, out_sp_group, inp.shape
         return out
 
     @staticmethod
@@ -71,13 +80,21 @@ class _LinearFunction(torch.autograd.Function):
             saved = ctx.saved
             saved.unpack(ctx.saved_tensors)
             if ctx.regather:
+                saved.x = regather_fp8_shard(saved.x, ctx.sp_group)
+            elif ctx.regather_high_precision:
                 saved.x = gather_along_first_dim(saved.x, ctx.sp_group)[0]
+            if ctx.out_sp_group is not None:
+                fp8 = not saved.high_precision_backward
+                grad_out = sequence_parallel_grad_output(
+                    grad_out, ctx.out_sp_group, saved.config,
+                    rowwise=fp8 and saved.w is not None, columnwise=fp8 and saved.x is not None,
+                )  # fmt: skip
             dx, dw, dbias = linear_backward(saved, grad_out)
             if dx is not None and ctx.sp_group is not None:
                 dx = reduce_scatter_along_first_dim(dx, ctx.sp_group)[0].view(ctx.inp_shape)
             if ctx.backward_update is not None:
                 ctx.backward_update.complete()
-        return dw, dx, dbias, None, None, None
+        return dw, dx, dbias, None, None, None, None
 
 
 def linear(
@@ -87,23 +104,34 @@ def linear(
     config: LinearConfig,
     backward_update: BackwardScaleUpdate | None = None,
     sequence_parallel_group=None,
+    output_sequence_parallel_group=None,
 ) -> torch.Tensor:
     """``inp @ weight^T + bias`` through the linear core, differentiable in grad mode.
 
     ``backward_update``: the region's backward scale update, completed at the end of this GEMM's
     backward (given to the GEMM of the region's first FP8 module whose backward runs last).
-    ``sequence_parallel_group``: ``inp`` is this rank's slice (along dimension 0) of the input,
-    all-gathered over the group before the GEMM; the input gradient is reduce-scattered back.
+    ``sequence_parallel_group`` (column-parallel): ``inp`` is this rank's slice (along
+    dimension 0) of the input, all-gathered over the group before the GEMM; the input gradient
+    is reduce-scattered back. ``output_sequence_parallel_group`` (row-parallel): the output is
+    reduce-scattered (summed) over the group along dimension 0 and its gradient all-gathered;
+    the bias, added after the reduction, is the caller's (``bias`` must be ``None``).
     """
+    if output_sequence_parallel_group is not None and bias is not None:
+        raise ValueError(
+            "linear: a bias with output_sequence_parallel_group would be summed over the ranks; "
+            "pass bias=None and add it to the reduce-scattered output"
+        )
     if torch.is_grad_enabled():
         return _LinearFunction.apply(
-            weight, inp, bias, config, backward_update, sequence_parallel_group
-        )
-    if sequence_parallel_group is None:
-        out, _ = linear_forward(weight, inp, bias, config, needs_dgrad=False, needs_wgrad=False)
-        return out
-    full, leading = sequence_parallel_gemm_input(
-        inp, sequence_parallel_group, config, columnwise=False
-    )
+            weight, inp, bias, config, backward_update, sequence_parallel_group,
+            output_sequence_parallel_group,
+        )  # fmt: skip
+    full, leading = inp, None
+    if sequence_parallel_group is not None:
+        full, leading, _ = sequence_parallel_gemm_input(inp, sequence_parallel_group, config)
     out, _ = linear_forward(weight, full, bias, config, needs_dgrad=False, needs_wgrad=False)
-    return out.reshape(*leading, out.shape[-1])
+    if leading is not None:
+        out = out.reshape(*leading, out.shape[-1])
+    if output_sequence_parallel_group is not None:
+        out = reduce_scatter_along_first_dim(out, output_sequence_parallel_group)[0]
+    return out

@@ -17,15 +17,24 @@ FC1's output ``h`` in the activation dtype (the activation's backward reads it),
 activation in the activation dtype and the linear core casts it as usual.
 
 Under sequence parallelism (``sp_group``) FC1's input arrives split along dimension 0: the node
-all-gathers it (``sequence_parallel_gemm_input``: FP8 bytes under a per-tensor FP8 recipe) and
-reduce-scatters its gradient.
+all-gathers it (``sequence_parallel_gemm_input``: FP8 bytes under a per-tensor FP8 recipe, of
+which only the local FP8 shard is kept and gathered again in backward for FC1's weight
+gradient) and reduce-scatters its gradient. With ``out_sp_group`` (FC2 row-parallel under
+sequence parallelism) the node reduce-scatters FC2's output along dimension 0 and all-gathers
+the output gradient (``sequence_parallel_grad_output``: FP8 bytes cast with FC2's grad-output
+quantizer under a per-tensor FP8 recipe).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._tensor_parallel import reduce_scatter_along_first_dim, sequence_parallel_gemm_input
+from .._tensor_parallel import (
+    reduce_scatter_along_first_dim,
+    regather_fp8_shard,
+    sequence_parallel_gemm_input,
+    sequence_parallel_grad_output,
+)
 from ..cpp_extensions.activation import (
     activation_amax,
     activation_backward_amax,
@@ -83,7 +92,7 @@ class _MLPBody(torch.autograd.Function):
     @staticmethod
     def forward(  # noqa: D102
         ctx, ln_out, fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, fc1_config, fc2_config,
-        backward_update, sp_group,
+        backward_update, sp_group, out_sp_group,
     ):  # fmt: skip
         fc1_bias_grad = fc1_bias is not None and fc1_bias.requires_grad
         fc2_bias_grad = fc2_bias is not None and fc2_bias.requires_grad
@@ -91,16 +100,20 @@ class _MLPBody(torch.autograd.Function):
         # 2-D operands throughout: FC1's output is then the GEMM's own tensor (not a view),
         # which backward can release as soon as the activation's gradient is computed.
         ln2, leading = ln_out.reshape(-1, ln_out.shape[-1]), ln_out.shape[:-1]
+        shard = None
         if sp_group is not None:
-            ln2, _ = sequence_parallel_gemm_input(
-                ln2, sp_group, fc1_config, columnwise=fc1_weight.requires_grad
-            )
+            ln2, _, shard = sequence_parallel_gemm_input(ln2, sp_group, fc1_config)
             leading = (-1, *ln_out.shape[1:-1])
         h2, saved1 = linear_forward(
             fc1_weight, ln2, fc1_bias, fc1_config,
-            needs_dgrad=ln_out.requires_grad, needs_wgrad=fc1_weight.requires_grad,
+            needs_dgrad=ln_out.requires_grad,
+            # An FP8 shard is gathered again in backward for the weight gradient.
+            needs_wgrad=fc1_weight.requires_grad and shard is None,
             bias_requires_grad=fc1_bias_grad,
         )  # fmt: skip
+        ctx.regather = shard is not None and fc1_weight.requires_grad
+        if ctx.regather:
+            saved1.x = shard
         act = _fc2_input(h2, spec, fc2_config, fc2_weight, columnwise=fc2_weight.requires_grad)
         out, saved2 = linear_forward(
             fc2_weight, act, fc2_bias, fc2_config,
@@ -117,11 +130,12 @@ class _MLPBody(torch.autograd.Function):
         ctx.act_tensors = saved2.input_tensor_count(tensors2)
         ctx.saved = (saved1, saved2)
         ctx.spec, ctx.fc1_needed, ctx.fc1_bias_grad = spec, fc1_needed, fc1_bias_grad
-        if sp_group is not None and saved1.x is ln2 and not isinstance(ln2, torch.Tensor):
-            ln2.update_usage(rowwise_usage=False, columnwise_usage=True)  # gathered in FP8
-        ctx.ln_shape, ctx.sp_group = ln_out.shape, sp_group
+        ctx.ln_shape, ctx.sp_group, ctx.out_sp_group = ln_out.shape, sp_group, out_sp_group
         ctx.backward_update = backward_update
-        return out.reshape(*leading, out.shape[-1])
+        out = out.reshape(*leading, out.shape[-1])
+        if out_sp_group is not None:
+            out = reduce_scatter_along_first_dim(out, out_sp_group)[0]
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
@@ -131,6 +145,12 @@ class _MLPBody(torch.autograd.Function):
             saved1.unpack(tensors[: ctx.split])
             saved2.unpack(tensors[ctx.split : -1])
             h2 = tensors[-1]
+            if ctx.out_sp_group is not None:
+                fp8 = not saved2.high_precision_backward
+                grad_out = sequence_parallel_grad_output(
+                    grad_out, ctx.out_sp_group, saved2.config,
+                    rowwise=fp8 and saved2.w is not None, columnwise=fp8 and saved2.x is not None,
+                )  # fmt: skip
             d_act, dw2, db2 = linear_backward(saved2, grad_out)
             saved2.w = None  # FC2's FP8 weight copy (a cached one lives on in its workspace)
             # Saved tensors live until this node's backward returns; the ones this node made
@@ -139,6 +159,8 @@ class _MLPBody(torch.autograd.Function):
                 _release(tensors[ctx.split : ctx.split + ctx.act_tensors])
             d_ln = dw1 = db1 = None
             if ctx.fc1_needed:
+                if ctx.regather:
+                    saved1.x = regather_fp8_shard(saved1.x, ctx.sp_group)
                 dh, dbias = _activation_gradient(ctx, saved1, d_act, h2)
                 del d_act
                 _release((h2,))
@@ -149,7 +171,7 @@ class _MLPBody(torch.autograd.Function):
                     d_ln = d_ln.reshape(ctx.ln_shape)
             if ctx.backward_update is not None:
                 ctx.backward_update.complete()
-        return d_ln, dw1, db1, dw2, db2, None, None, None, None, None
+        return d_ln, dw1, db1, dw2, db2, None, None, None, None, None, None
 
 
 def _release(tensors) -> None:
@@ -197,6 +219,7 @@ def fc1_activation_fc2(
     fc2_config: LinearConfig,
     backward_update: BackwardScaleUpdate | None = None,
     sp_group=None,
+    out_sp_group=None,
 ) -> torch.Tensor:
     """``fc2(act(fc1(ln_out)))``, differentiable in grad mode (one autograd node).
 
@@ -204,19 +227,29 @@ def fc1_activation_fc2(
     node's backward (after FC1's GEMMs, the last of the module).
     ``sp_group``: ``ln_out`` is this rank's slice along dimension 0 (sequence parallelism),
     all-gathered before FC1; its gradient is reduce-scattered back.
+    ``out_sp_group``: FC2's output is reduce-scattered (summed) along dimension 0 over the group
+    and its gradient all-gathered (FC2 row-parallel; ``fc2_bias`` must then be ``None``).
     """
+    if out_sp_group is not None and fc2_bias is not None:
+        raise ValueError(
+            "fc1_activation_fc2: an FC2 bias with out_sp_group would be summed over the ranks; "
+            "pass fc2_bias=None and add it to the reduce-scattered output"
+        )
     if torch.is_grad_enabled():
         return _MLPBody.apply(
             ln_out, fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, fc1_config, fc2_config,
-            backward_update, sp_group,
+            backward_update, sp_group, out_sp_group,
         )  # fmt: skip
     ln2, leading = ln_out.reshape(-1, ln_out.shape[-1]), ln_out.shape[:-1]
     if sp_group is not None:
-        ln2, _ = sequence_parallel_gemm_input(ln2, sp_group, fc1_config, columnwise=False)
+        ln2, _, _ = sequence_parallel_gemm_input(ln2, sp_group, fc1_config)
         leading = (-1, *ln_out.shape[1:-1])
     h2, _ = linear_forward(fc1_weight, ln2, fc1_bias, fc1_config, needs_dgrad=False,
                            needs_wgrad=False)  # fmt: skip
     act = _fc2_input(h2, spec, fc2_config, fc2_weight, columnwise=False)
     out, _ = linear_forward(fc2_weight, act, fc2_bias, fc2_config, needs_dgrad=False,
                             needs_wgrad=False)  # fmt: skip
-    return out.reshape(*leading, out.shape[-1])
+    out = out.reshape(*leading, out.shape[-1])
+    if out_sp_group is not None:
+        out = reduce_scatter_along_first_dim(out, out_sp_group)[0]
+    return out

@@ -13,7 +13,6 @@ from .._tensor_parallel import (
     get_distributed_world_size,
     group_contains,
     reduce_from_tensor_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
     set_tensor_model_parallel_attributes,
 )
 from ..quantization import FP8GlobalStateManager
@@ -152,8 +151,9 @@ def parallel_gemm(module, weight, inp, bias, config, backward_update, gemm=linea
 
     * column: the input gradient is all-reduced; under sequence parallelism the input is
       all-gathered along dim 0 first and its gradient reduce-scattered;
-    * row: the output is all-reduced (reduce-scattered along dim 0 under sequence parallelism)
-      and the bias added after the reduction, so it counts once;
+    * row: the output is all-reduced (under sequence parallelism reduce-scattered along dim 0
+      by the GEMM's node, which all-gathers the output gradient, in FP8 where the grad-output
+      quantizer allows) and the bias added after the reduction, so it counts once;
     * ``None`` or one rank: no communication.
 
     ``gemm``: the differentiable GEMM (``_linear_function.linear``'s signature).
@@ -166,10 +166,11 @@ def parallel_gemm(module, weight, inp, bias, config, backward_update, gemm=linea
         inp = copy_to_tensor_parallel_region(inp, group)
         return gemm(weight, inp, bias, config, backward_update)
     if mode == "row":
-        out = gemm(weight, inp, None, config, backward_update)
         if module.sequence_parallel:
-            out = reduce_scatter_to_sequence_parallel_region(out, group)
+            out = gemm(weight, inp, None, config, backward_update, None, group)
         else:
-            out = reduce_from_tensor_parallel_region(out, group)
+            out = reduce_from_tensor_parallel_region(
+                gemm(weight, inp, None, config, backward_update), group
+            )
         return out if bias is None else out + bias
     return gemm(weight, inp, bias, config, backward_update)

@@ -21,7 +21,6 @@ from .._tensor_parallel import (
     divide,
     gather_from_sequence_parallel_region,
     reduce_from_tensor_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
 )
 from ..device import construction_device
 from ..functional.activation import get_activation, get_activation_spec
@@ -270,30 +269,30 @@ class LayerNormMLP(TransformerEngineBaseModule):
             reduce_split_amaxes(self, fc2_config, input_split=parallel, grad_output_split=False)
             # Row-parallel FC2: its bias is added after the reduction, so it counts once.
             gemm_bias = None if (self.return_bias or parallel) else fc2_bias
+            # Under sequence parallelism FC2's node reduce-scatters its output and all-gathers
+            # (in FP8 where the recipe allows) the output gradient.
+            rs_group = self.tp_group if parallel and self.sequence_parallel else None
             if self.checkpoint and torch.is_grad_enabled():
                 act_out = self._fc1_and_activation_recomputed(
                     gemm_in, fc1_weight, fc1_bias, fc1_config, update
                 )
-                out = linear(fc2_weight, act_out, gemm_bias, fc2_config)
+                out = linear(fc2_weight, act_out, gemm_bias, fc2_config, None, None, rs_group)
             elif self.activation_fn is self._fused_activation_fn:
                 # One node for FC1, the activation and FC2: the fused activation writes FC2's
                 # FP8 input, and its backward FC1's FP8 output gradient.
                 out = fc1_activation_fc2(
                     gemm_in, fc1_weight, fc1_bias, fc2_weight, gemm_bias,
                     self._activation_spec, fc1_config, fc2_config, update,
-                    self.tp_group if body_gathers else None,
+                    self.tp_group if body_gathers else None, rs_group,
                 )  # fmt: skip
             else:  # activation_fn replaced by the user: call it
                 act_out = self.activation_fn(
                     linear(fc1_weight, gemm_in, fc1_bias, fc1_config, update)
                 )
-                out = linear(fc2_weight, act_out, gemm_bias, fc2_config)
+                out = linear(fc2_weight, act_out, gemm_bias, fc2_config, None, None, rs_group)
             if parallel:
-                out = (
-                    reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
-                    if self.sequence_parallel
-                    else reduce_from_tensor_parallel_region(out, self.tp_group)
-                )
+                if not self.sequence_parallel:
+                    out = reduce_from_tensor_parallel_region(out, self.tp_group)
                 if fc2_bias is not None and not self.return_bias:
                     out = out + fc2_bias
         outputs = (out,)
