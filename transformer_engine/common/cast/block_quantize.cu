@@ -243,172 +243,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-/* Stages the thread's 8x8 FP8 bytes (q[i]: row i) transposed: column j of the sub-tile is 8
- * consecutive bytes of staged row cc*8 + j. */
-__device__ __forceinline__ void stage_columns(uint8_t* stage, const TilePos& p,
-                                              const Vec<uint16_t, kSub / 2> (&q)[kSub]) {
-#pragma unroll
-  for (int j = 0; j < kSub; ++j) {
-    uint32_t word[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      word[h] = static_cast<uint32_t>(byte_of(q[4 * h], j)) |
-                (static_cast<uint32_t>(byte_of(q[4 * h + 1], j)) << 8) |
-                (static_cast<uint32_t>(byte_of(q[4 * h + 2], j)) << 16) |
-                (static_cast<uint32_t>(byte_of(q[4 * h + 3], j)) << 24);
-    }
-    *reinterpret_cast<uint2*>(stage + stage_offset(p.cc * kSub + j, p.rg * kSub)) =
-        make_uint2(word[0], word[1]);
-  }
-}
-
-/* The persistent form of block_quantize_kernel (same bytes): block b casts tiles b, b + grid,
- * ... Once the block-wide maxima of a tile are known, each thread walks its sub-tile row by
- * row (row-wise and column-wise casts of that row), and as soon as row i is consumed it
- * issues the loads of row i of its next tile into the same registers, so the next tile is in
- * flight while this one's transposed copy is written. */
-template <typename IType, bool kE4M3, bool kTwoD>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
-    block_quantize_persistent_kernel(const IType* __restrict__ in, const BlockCastParams P,
-                                     size_t tiles) {
-  if (skip_requested(P.noop)) return;
-  __shared__ alignas(16) uint8_t stage[kTile * kTile];
-  __shared__ float colmax[kThreads / 32][kTile];
-  __shared__ float warpmax[kThreads / 32];
-
-  const TileGeometry& g = P.g;
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const bool want_row = P.row_data != nullptr;
-  const bool want_col = P.col_data != nullptr;
-  SubTile<IType> x;
-  size_t tile = blockIdx.x;
-  if (tile < tiles) load_sub_tile(in, g, tile_position(g, tile), x);
-  for (; tile < tiles; tile += gridDim.x) {
-    const TilePos p = tile_position(g, tile);
-    const bool have_next = tile + gridDim.x < tiles;
-    const TilePos pn = tile_position(g, have_next ? tile + gridDim.x : tile);
-    Vec<uint16_t, kSub / 2> qc[kSub];  // the column-wise bytes, by sub-tile row
-
-    if constexpr (kTwoD) {
-      // One scale for the whole 128x128 block.
-      float m = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kSub; ++i) {
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) m = amax_step(m, x.at(i, j));
-      }
-      m = half_warp_max(m);
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-      if (lane == 0) warpmax[warp] = m;
-      __syncthreads();
-      m = warpmax[0];
-#pragma unroll
-      for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, warpmax[w]);
-      const float scale = block_scale<IType, kE4M3>(m, P.epsilon, P.pow2);
-#pragma unroll
-      for (int i = 0; i < kSub; ++i) {
-#pragma unroll
-        for (int k = 0; k < kSub / 2; ++k) {
-          qc[i].v[k] =
-              Fp8Format<kE4M3>::cast_pair(x.at(i, 2 * k) * scale, x.at(i, 2 * k + 1) * scale);
-        }
-        if (have_next) load_row(in, g, pn, i, x.row[i]);
-        if (want_row) store_row(P.row_data, g, p, i, qc[i]);
-      }
-      if (threadIdx.x == 0) {
-        const float scale_inv = __fdiv_rn(1.0f, scale);
-        if (want_row) {
-          float* row = P.row_si + p.tr * P.row_si_cols;
-          row[p.tc] = scale_inv;
-          if (p.tc + 1 == g.tiles_k) {
-            for (size_t k = p.tc + 1; k < P.row_si_cols; ++k) row[k] = 0.0f;
-          }
-        }
-        if (want_col) {
-          float* row = P.col_si + p.tc * P.col_si_cols;
-          row[p.tr] = scale_inv;
-          if (p.tr + 1 == P.tiles_m) {
-            for (size_t k = p.tr + 1; k < P.col_si_cols; ++k) row[k] = 0.0f;
-          }
-        }
-      }
-    } else {
-      // 1x128 tiles along M first: a tile column spans all 16 row groups (2 per warp).
-      float cscale[kSub];
-      if (want_col) {
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) {
-          float m = 0.0f;
-#pragma unroll
-          for (int i = 0; i < kSub; ++i) m = amax_step(m, x.at(i, j));
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-          if (lane < 16) colmax[warp][p.cc * kSub + j] = m;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) {
-          const int cl = p.cc * kSub + j;
-          float a = colmax[0][cl];
-#pragma unroll
-          for (int w = 1; w < kThreads / 32; ++w) a = fmaxf(a, colmax[w][cl]);
-          cscale[j] = block_scale<IType, kE4M3>(a, P.epsilon, P.pow2);
-          const size_t c = p.c0 + cl;
-          if (p.rg == 0 && c < P.col_si_cols) {
-            // scale_inv [MB, roundup(K, 4)], entry [tile, column]; columns past K are padding.
-            P.col_si[p.tr * P.col_si_cols + c] = c < g.K ? __fdiv_rn(1.0f, cscale[j]) : 0.0f;
-          }
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kSub; ++i) {
-        if (want_row) {
-          // 1x128 tiles along K: a tile row is one half-warp's 16 x 8 elements.
-          float m = 0.0f;
-#pragma unroll
-          for (int j = 0; j < kSub; ++j) m = amax_step(m, x.at(i, j));
-          m = half_warp_max(m);
-          const float scale = block_scale<IType, kE4M3>(m, P.epsilon, P.pow2);
-          Vec<uint16_t, kSub / 2> q;
-#pragma unroll
-          for (int k = 0; k < kSub / 2; ++k) {
-            q.v[k] =
-                Fp8Format<kE4M3>::cast_pair(x.at(i, 2 * k) * scale, x.at(i, 2 * k + 1) * scale);
-          }
-          if (want_col) {
-#pragma unroll
-            for (int k = 0; k < kSub / 2; ++k) {
-              qc[i].v[k] = Fp8Format<kE4M3>::cast_pair(x.at(i, 2 * k) * cscale[2 * k],
-                                                       x.at(i, 2 * k + 1) * cscale[2 * k + 1]);
-            }
-          }
-          if (have_next) load_row(in, g, pn, i, x.row[i]);
-          store_row(P.row_data, g, p, i, q);
-          const size_t r = p.r0 + p.rg * kSub + i;
-          if (p.cc == 0 && r < P.row_si_cols) {
-            // scale_inv [KB, roundup(M, 4)], entry [tile, row]; rows past M are padding.
-            P.row_si[p.tc * P.row_si_cols + r] = r < g.M ? __fdiv_rn(1.0f, scale) : 0.0f;
-          }
-        } else {
-#pragma unroll
-          for (int k = 0; k < kSub / 2; ++k) {
-            qc[i].v[k] = Fp8Format<kE4M3>::cast_pair(x.at(i, 2 * k) * cscale[2 * k],
-                                                     x.at(i, 2 * k + 1) * cscale[2 * k + 1]);
-          }
-          if (have_next) load_row(in, g, pn, i, x.row[i]);
-        }
-      }
-    }
-    if (want_col) {
-      stage_columns(stage, p, qc);
-      __syncthreads();
-      write_transposed(stage, P, p);
-    }
-    // The next tile rewrites warpmax, colmax and the stage only after this barrier.
-    if (kTwoD || want_col) __syncthreads();
-  }
-}
-
 }  // namespace
 }  // namespace transformer_engine
 
@@ -494,26 +328,14 @@ extern "C" void nvte_block_scaled_quantize(const NVTEBuffer* input, NVTEBuffer* 
     const auto* in_data = static_cast<const IType*>(in.data);
     dispatch_fp8(op, fp8, [&](auto is_e4m3) {
       constexpr bool kE4M3 = decltype(is_e4m3)::value;
-      if (NVTE_BLOCK_CAST_LEGACY) {
-        if (two_d) {
-          block_quantize_kernel<IType, kE4M3, true>
-              <<<tiles, kThreads, 0, ctx.stream()>>>(in_data, P);
-        } else {
-          block_quantize_kernel<IType, kE4M3, false>
-              <<<tiles, kThreads, 0, ctx.stream()>>>(in_data, P);
-        }
-        ctx.check_launch("block_quantize_kernel launch");
-        return;
-      }
-      const unsigned int blocks = persistent_blocks(tiles, ctx.sm_count());
       if (two_d) {
-        block_quantize_persistent_kernel<IType, kE4M3, true>
-            <<<blocks, kThreads, 0, ctx.stream()>>>(in_data, P, tiles);
+        block_quantize_kernel<IType, kE4M3, true>
+            <<<tiles, kThreads, 0, ctx.stream()>>>(in_data, P);
       } else {
-        block_quantize_persistent_kernel<IType, kE4M3, false>
-            <<<blocks, kThreads, 0, ctx.stream()>>>(in_data, P, tiles);
+        block_quantize_kernel<IType, kE4M3, false>
+            <<<tiles, kThreads, 0, ctx.stream()>>>(in_data, P);
       }
-      ctx.check_launch("block_quantize_persistent_kernel launch");
+      ctx.check_launch("block_quantize_kernel launch");
     });
   });
 }

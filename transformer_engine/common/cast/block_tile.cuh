@@ -23,15 +23,7 @@
 namespace transformer_engine {
 namespace block_cast_detail {
 
-/* 1 selects the first kernels (one block per tile, no prefetch) instead of the persistent
- * ones (a grid of kBlocksPerSm blocks per SM walking the tiles, each loading its next tile's
- * rows as soon as it has consumed the current tile's). Both write the same bytes. */
-#ifndef NVTE_BLOCK_CAST_LEGACY
-#define NVTE_BLOCK_CAST_LEGACY 0
-#endif
-
 constexpr int kThreads = 256;
-constexpr int kBlocksPerSm = 2;  // resident blocks the kernels are compiled for (128 registers)
 constexpr int kTile = 128;
 constexpr int kSub = 8;  // each thread: kSub x kSub elements
 constexpr int kGroups = kTile / kSub;  // 16 column groups (cc) and 16 row groups (rg)
@@ -58,10 +50,10 @@ struct TilePos {
   int cc, rg;
 };
 
-__device__ __forceinline__ TilePos tile_position(const TileGeometry& g, size_t tile) {
+__device__ __forceinline__ TilePos tile_position(const TileGeometry& g) {
   TilePos p;
-  p.tr = tile / g.tiles_k;
-  p.tc = tile % g.tiles_k;
+  p.tr = blockIdx.x / g.tiles_k;
+  p.tc = blockIdx.x % g.tiles_k;
   p.r0 = p.tr * kTile;
   p.c0 = p.tc * kTile;
   p.cc = threadIdx.x % kGroups;
@@ -69,43 +61,22 @@ __device__ __forceinline__ TilePos tile_position(const TileGeometry& g, size_t t
   return p;
 }
 
-__device__ __forceinline__ TilePos tile_position(const TileGeometry& g) {
-  return tile_position(g, blockIdx.x);
-}
-
-/* Row r of the matrix at columns c..c+7, element by element with bounds checks (edge tiles,
- * unaligned inputs); out of line, so that it takes no registers from the vector path. */
-template <typename IType>
-__device__ __noinline__ Vec<IType, kSub> load_row_checked(const IType* __restrict__ in,
-                                                          const TileGeometry g, size_t r,
-                                                          size_t c) {
-  Vec<IType, kSub> row;
-#pragma unroll
-  for (int j = 0; j < kSub; ++j) {
-    row.v[j] = (r < g.M && c + j < g.K) ? in[r * g.K + c + j] : from_float<IType>(0.0f);
-  }
-  return row;
-}
-
-/* Row i of the thread's sub-tile: one 16-byte-aligned vector where it may, else element by
- * element with bounds checks. */
-template <typename IType>
-__device__ __forceinline__ void load_row(const IType* __restrict__ in, const TileGeometry& g,
-                                         const TilePos& p, int i, Vec<IType, kSub>& row) {
-  const size_t c = p.c0 + p.cc * kSub;
-  const size_t r = p.r0 + p.rg * kSub + i;
-  if (r < g.M && g.vec_in && c + kSub <= g.K) {
-    row = load_readonly<IType, kSub>(in + r * g.K + c);
-  } else {
-    row = load_row_checked(in, g, r, c);
-  }
-}
-
 template <typename IType>
 __device__ __forceinline__ void load_sub_tile(const IType* __restrict__ in, const TileGeometry& g,
                                               const TilePos& p, SubTile<IType>& x) {
+  const size_t c = p.c0 + p.cc * kSub;
 #pragma unroll
-  for (int i = 0; i < kSub; ++i) load_row(in, g, p, i, x.row[i]);
+  for (int i = 0; i < kSub; ++i) {
+    const size_t r = p.r0 + p.rg * kSub + i;
+    if (r < g.M && g.vec_in && c + kSub <= g.K) {
+      x.row[i] = load_readonly<IType, kSub>(in + r * g.K + c);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        x.row[i].v[j] = (r < g.M && c + j < g.K) ? in[r * g.K + c + j] : from_float<IType>(0.0f);
+      }
+    }
+  }
 }
 
 /* Byte j of a row of 8 cast values packed as 4 pairs. */
@@ -184,12 +155,6 @@ inline TileGeometry make_geometry(const NVTEBuffer& input, size_t M, size_t K,
     if (out != nullptr && !aligned_to(out->data, kSub)) g.vec_out = false;
   }
   return g;
-}
-
-/* The persistent kernels' grid: kBlocksPerSm blocks per SM, or one per tile if fewer. */
-inline unsigned int persistent_blocks(unsigned int tiles, int sm_count) {
-  const size_t most = static_cast<size_t>(sm_count > 0 ? sm_count : 1) * kBlocksPerSm;
-  return tiles < most ? tiles : static_cast<unsigned int>(most);
 }
 
 /* Number of tiles of an [M, K] launch, checked against the grid limit. */

@@ -202,145 +202,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-/* The persistent form of mxfp8_quantize_kernel (same bytes): block b casts tiles b, b + grid,
- * ... Once the shared-memory maxima of a tile are known, each thread walks its sub-tile row by
- * row (both copies of that row), and as soon as row i is consumed it issues the loads of row i
- * of its next tile into the same registers. */
-template <typename IType, bool kE4M3, bool kTwoD>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
-    mxfp8_quantize_persistent_kernel(const IType* __restrict__ in, const MxParams P,
-                                     size_t tiles) {
-  if (skip_requested(P.noop)) return;
-  __shared__ float part[kGroups][kTile];
-
-  const TileGeometry& g = P.g;
-  const bool want_row = P.row_data != nullptr;
-  const bool want_col = P.col_data != nullptr;
-  SubTile<IType> x;
-  size_t tile = blockIdx.x;
-  if (tile < tiles) load_sub_tile(in, g, tile_position(g, tile), x);
-  for (; tile < tiles; tile += gridDim.x) {
-    const TilePos p = tile_position(g, tile);
-    const bool have_next = tile + gridDim.x < tiles;
-    const TilePos pn = tile_position(g, have_next ? tile + gridDim.x : tile);
-    const size_t c_first = p.c0 + p.cc * kSub;
-    const size_t r_first = p.r0 + p.rg * kSub;
-    const size_t kblock = p.c0 / kMxBlock + p.cc / kSubsPerBlock;
-    const size_t mblock = p.r0 / kMxBlock + p.rg / kSubsPerBlock;
-    const bool kblock_in = p.c0 + (p.cc / kSubsPerBlock) * kMxBlock < g.K;
-    const bool mblock_in = p.r0 + (p.rg / kSubsPerBlock) * kMxBlock < g.M;
-
-    if constexpr (kTwoD) {
-      // 32x32 blocks: 4x4 sub-tiles.
-      float m = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kSub; ++i) {
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) m = amax_step(m, x.at(i, j));
-      }
-      part[p.rg][p.cc] = m;
-      __syncthreads();
-      const int rg0 = p.rg / kSubsPerBlock * kSubsPerBlock;
-      const int cc0 = p.cc / kSubsPerBlock * kSubsPerBlock;
-      float a = 0.0f;
-#pragma unroll
-      for (int u = 0; u < kSubsPerBlock; ++u) {
-#pragma unroll
-        for (int w = 0; w < kSubsPerBlock; ++w) a = fmaxf(a, part[rg0 + u][cc0 + w]);
-      }
-      const uint32_t e = e8m0_exponent<kE4M3>(a);
-      float mult[kSub];
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) mult[j] = e8m0_multiplier(e);
-#pragma unroll
-      for (int i = 0; i < kSub; ++i) {
-        float v[kSub];
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) v[j] = x.at(i, j);
-        if (have_next) load_row(in, g, pn, i, x.row[i]);
-        const Vec<uint16_t, kSub / 2> q = cast_row<kE4M3>(v, mult);
-        if (want_row) store_row(P.row_data, g, p, i, q);
-        if (want_col) store_row(P.col_data, g, p, i, q);
-      }
-      if (want_row && p.cc % kSubsPerBlock == 0) {
-#pragma unroll
-        for (int i = 0; i < kSub; ++i) {
-          const size_t r = r_first + i;
-          P.row_scale[r * P.row_scale_cols + kblock] =
-              static_cast<uint8_t>(r < g.M && kblock_in ? e : 0u);
-        }
-      }
-      if (want_col && p.rg % kSubsPerBlock == 0) {
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) {
-          const size_t c = c_first + j;
-          P.col_scale[mblock * P.col_scale_cols + c] =
-              static_cast<uint8_t>(c < g.K && mblock_in ? e : 0u);
-        }
-      }
-    } else {
-      // 32x1 blocks along M: 4 row groups per block, reduced through shared memory.
-      float cmult[kSub];
-      uint32_t ce[kSub];
-      if (want_col) {
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) {
-          float m = 0.0f;
-#pragma unroll
-          for (int i = 0; i < kSub; ++i) m = amax_step(m, x.at(i, j));
-          part[p.rg][p.cc * kSub + j] = m;
-        }
-        __syncthreads();
-        const int rg0 = p.rg / kSubsPerBlock * kSubsPerBlock;
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) {
-          float a = 0.0f;
-#pragma unroll
-          for (int u = 0; u < kSubsPerBlock; ++u) a = fmaxf(a, part[rg0 + u][p.cc * kSub + j]);
-          ce[j] = e8m0_exponent<kE4M3>(a);
-          cmult[j] = e8m0_multiplier(ce[j]);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kSub; ++i) {
-        float v[kSub];
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) v[j] = x.at(i, j);
-        if (have_next) load_row(in, g, pn, i, x.row[i]);
-        if (want_row) {
-          // 1x32 blocks along K: 4 adjacent lanes (cc = 4b..4b+3) per block.
-          float m = 0.0f;
-#pragma unroll
-          for (int j = 0; j < kSub; ++j) m = amax_step(m, v[j]);
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-          const uint32_t e = e8m0_exponent<kE4M3>(m);
-          float mult[kSub];
-#pragma unroll
-          for (int j = 0; j < kSub; ++j) mult[j] = e8m0_multiplier(e);
-          store_row(P.row_data, g, p, i, cast_row<kE4M3>(v, mult));
-          if (p.cc % kSubsPerBlock == 0) {
-            const size_t r = r_first + i;
-            P.row_scale[r * P.row_scale_cols + kblock] =
-                static_cast<uint8_t>(r < g.M && kblock_in ? e : 0u);
-          }
-        }
-        if (want_col) store_row(P.col_data, g, p, i, cast_row<kE4M3>(v, cmult));
-      }
-      if (want_col && p.rg % kSubsPerBlock == 0) {
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) {
-          const size_t c = c_first + j;
-          P.col_scale[mblock * P.col_scale_cols + c] =
-              static_cast<uint8_t>(c < g.K && mblock_in ? ce[j] : 0u);
-        }
-      }
-    }
-    // The next tile rewrites `part` only after this barrier.
-    if (kTwoD || want_col) __syncthreads();
-  }
-}
-
 static_assert(kBlocksPerTile * kSubsPerBlock == kGroups, "a tile is whole 32-element blocks");
 
 }  // namespace
@@ -414,26 +275,14 @@ extern "C" void nvte_mxfp8_quantize(const NVTEBuffer* input, NVTEBuffer* rowwise
     const auto* in_data = static_cast<const IType*>(in.data);
     dispatch_fp8(op, fp8, [&](auto is_e4m3) {
       constexpr bool kE4M3 = decltype(is_e4m3)::value;
-      if (NVTE_BLOCK_CAST_LEGACY) {
-        if (two_d != 0) {
-          mxfp8_quantize_kernel<IType, kE4M3, true>
-              <<<tiles, kThreads, 0, ctx.stream()>>>(in_data, P);
-        } else {
-          mxfp8_quantize_kernel<IType, kE4M3, false>
-              <<<tiles, kThreads, 0, ctx.stream()>>>(in_data, P);
-        }
-        ctx.check_launch("mxfp8_quantize_kernel launch");
-        return;
-      }
-      const unsigned int blocks = persistent_blocks(tiles, ctx.sm_count());
       if (two_d != 0) {
-        mxfp8_quantize_persistent_kernel<IType, kE4M3, true>
-            <<<blocks, kThreads, 0, ctx.stream()>>>(in_data, P, tiles);
+        mxfp8_quantize_kernel<IType, kE4M3, true>
+            <<<tiles, kThreads, 0, ctx.stream()>>>(in_data, P);
       } else {
-        mxfp8_quantize_persistent_kernel<IType, kE4M3, false>
-            <<<blocks, kThreads, 0, ctx.stream()>>>(in_data, P, tiles);
+        mxfp8_quantize_kernel<IType, kE4M3, false>
+            <<<tiles, kThreads, 0, ctx.stream()>>>(in_data, P);
       }
-      ctx.check_launch("mxfp8_quantize_persistent_kernel launch");
+      ctx.check_launch("mxfp8_quantize_kernel launch");
     });
   });
 }
