@@ -41,6 +41,7 @@ def make_linear_config(
     in_features: int,
     out_features: int,
     main_grad_param: torch.Tensor | None = None,
+    gathered_by: int = 1,
 ) -> LinearConfig:
     """The ``LinearConfig`` of one GEMM of ``module`` in the current forward.
 
@@ -68,6 +69,10 @@ def make_linear_config(
         The GEMM's reduction and output sizes (checked to be multiples of 16 in FP8).
     main_grad_param : torch.nn.Parameter, optional
         The parameter whose ``main_grad`` a fused weight-gradient GEMM writes.
+    gathered_by : int, default 1
+        How many ranks' rows the GEMM sees per row of ``inp``: ``tp_size`` when ``inp`` is a
+        sequence-parallel shard that is all-gathered before the GEMM (the GEMM's token count,
+        which FP8 needs to be a multiple of 16, is that of the gathered input).
 
     Raises
     ------
@@ -86,7 +91,7 @@ def make_linear_config(
     )
     if not fp8:
         return config_from_recipe(None, module.activation_dtype, **options)
-    tokens = inp.numel() // max(inp.shape[-1], 1)
+    tokens = inp.numel() // max(inp.shape[-1], 1) * gathered_by
     check_fp8_gemm_shapes(
         tokens, in_features, out_features, torch.is_grad_enabled() and weight.requires_grad
     )

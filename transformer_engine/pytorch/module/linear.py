@@ -28,6 +28,7 @@ from ._quantizer_roles import gemm_quantizer_roles
 from ._tensor_parallel_setup import (
     check_tensor_parallel_ready,
     configure_tensor_parallel,
+    input_gathered_by,
     local_parameters_split,
     mark_partitioned,
     mark_sequence_parallel,
@@ -194,6 +195,7 @@ class Linear(TransformerEngineBaseModule):
                 workspace_key="weight", in_features=self.in_features,
                 out_features=self.out_features,
                 main_grad_param=self.weight if "" in self.sizes else None,
+                gathered_by=input_gathered_by(self),
             )  # fmt: skip
             config.wgrad_store = self.wgrad_store
             if self.save_original_input and fp8:
