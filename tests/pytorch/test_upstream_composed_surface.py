@@ -38,6 +38,7 @@ COMPOSED_NAMES = [
     "transformer_engine.pytorch.is_fp8_block_scaling_available",
     "transformer_engine.pytorch.quantization.Float8BlockScalingRecipeState",
     "transformer_engine.pytorch.tensor.float8_blockwise_tensor.Float8BlockQuantizer",
+    "transformer_engine.pytorch.custom_recipes.quantizer_factories.float8_block_scaling_factory",
     # MXFP8BlockScaling
     "transformer_engine.common.recipe.MXFP8BlockScaling",
     "transformer_engine.pytorch.MXFP8Quantizer",
@@ -45,6 +46,7 @@ COMPOSED_NAMES = [
     "transformer_engine.pytorch.MXFP8TensorStorage",
     "transformer_engine.pytorch.is_mxfp8_available",
     "transformer_engine.pytorch.tensor.mxfp8_tensor.MXFP8Quantizer",
+    "transformer_engine.pytorch.custom_recipes.quantizer_factories.mxfp8_factory",
     # NVFP4BlockScaling
     "transformer_engine.common.recipe.NVFP4BlockScaling",
     "transformer_engine.pytorch.NVFP4Quantizer",
