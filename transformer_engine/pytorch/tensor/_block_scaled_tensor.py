@@ -1,11 +1,12 @@
-"""What the block-scaled tensor classes (``Float8BlockwiseQTensor``, ``MXFP8Tensor``) share.
+"""What the block-scaled tensor classes (``Float8BlockwiseQTensor``, ``MXFP8Tensor``,
+``NVFP4Tensor``) share.
 
-Both hold four buffers (row-wise and column-wise data and scale-inverses) whose block scales come
-from the values, so both re-quantize through their quantizer, move and clone buffer by buffer,
-adopt another tensor's buffers on ``.data = ...``, and keep aten views of the leading dims
-quantized. A class supplies its buffer names, the phrase naming its quantizer, its view check,
-the shape its column-wise bytes take for a logical shape, and how it adopts another tensor's
-buffers.
+Each holds a row-wise and a column-wise copy in named buffers (the storage's ``_buffer_names``)
+whose block scales come from the values, so each re-quantizes through its quantizer, moves and
+clones buffer by buffer, adopts another tensor's buffers on ``.data = ...``, keeps aten views of
+the leading dims quantized, and is built in ``__new__`` from at least one copy. A class supplies
+the phrase naming its quantizer, its view check, the shape its column-wise bytes take for a
+logical shape, and how it adopts another tensor's buffers.
 """
 
 from __future__ import annotations
@@ -23,13 +24,55 @@ aten = torch.ops.aten
 class BlockScaledTensorMixin:
     """Methods of a block-scaled ``QuantizedTensor`` subclass (listed first in its bases)."""
 
-    #: the buffer attributes, row-wise data and scales then column-wise data and scales
-    _buffer_names: tuple[str, ...] = ()
+    # ``_buffer_names`` (the buffer attributes in saving order) comes from the storage base.
     #: how the quantize_ error names the quantizer to set ("a Float8BlockQuantizer")
     _quantizer_phrase: str = ""
 
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # torch.Tensor's geometry, not the storage's (the storage comes earlier in the MRO)
+    size = torch.Tensor.size
+    shape = torch.Tensor.shape
+    device = torch.Tensor.device
+    view = torch.Tensor.view
+
     # autograd-aware (the storage's dequantize, earlier in the MRO, is the plain one)
     dequantize = QuantizedTensor.dequantize
+
+    def __init__(self, *args, **kwargs) -> None:
+        # Everything happens in __new__; this keeps the storage __init__ from running again.
+        pass
+
+    @classmethod
+    def _anchor(cls, rowwise_data, columnwise_data) -> torch.Tensor:
+        """The buffer ``__new__`` takes the device from: the row-wise data, else the
+        column-wise data; ValueError when both are None."""
+        anchor = rowwise_data if rowwise_data is not None else columnwise_data
+        if anchor is None:
+            raise ValueError(
+                f"{cls.__name__}: rowwise_data and columnwise_data are both None; pass at "
+                "least one layout"
+            )
+        return anchor
+
+    @classmethod
+    def _check_anchor_shape(cls, shape, rowwise_data, anchor) -> None:
+        """ValueError unless ``anchor`` (see :meth:`_anchor`) has the shape its layout's
+        bytes take for the logical ``shape``."""
+        expected = tuple(shape) if rowwise_data is not None else cls._columnwise_view_shape(shape)
+        if tuple(anchor.shape) != expected:
+            raise ValueError(
+                f"{cls.__name__}: shape={tuple(shape)} but the "
+                f"{'rowwise' if rowwise_data is not None else 'columnwise'} bytes have shape "
+                f"{tuple(anchor.shape)} (expected {expected})"
+            )
+
+    def _values_repr(self) -> str:
+        """The dequantized values as ``__repr__`` shows them (a placeholder on meta)."""
+        if self.is_meta:
+            return "<meta: no data>"
+        with torch.no_grad():
+            return repr(self._dequantize_plain())
 
     @staticmethod
     def _check_view(tensor, shape) -> torch.Size:

@@ -18,7 +18,6 @@ import torch
 from ..quantized_tensor import QuantizedTensor
 from ._block_scaled_tensor import BlockScaledTensorMixin
 from .storage.float8_blockwise_tensor_storage import (
-    _BUFFERS,
     Float8BlockwiseQTensorStorage,
     check_block_view,
     columnwise_shape,
@@ -46,14 +45,6 @@ class Float8BlockwiseQTensor(
     requires_grad : bool, keyword, default False
     """
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    size = torch.Tensor.size
-    shape = torch.Tensor.shape
-    device = torch.Tensor.device
-    view = torch.Tensor.view
-
-    _buffer_names = _BUFFERS
     _quantizer_phrase = "a Float8BlockQuantizer"
     _check_view = staticmethod(check_block_view)
     _columnwise_view_shape = staticmethod(columnwise_shape)
@@ -74,19 +65,8 @@ class Float8BlockwiseQTensor(
         **unused,
     ):
         shape = torch.Size(shape)
-        anchor = rowwise_data if rowwise_data is not None else columnwise_data
-        if anchor is None:
-            raise ValueError(
-                f"{cls.__name__}: rowwise_data and columnwise_data are both None; pass at "
-                "least one layout"
-            )
-        expected = tuple(shape) if rowwise_data is not None else columnwise_shape(shape)
-        if tuple(anchor.shape) != expected:
-            raise ValueError(
-                f"{cls.__name__}: shape={tuple(shape)} but the "
-                f"{'rowwise' if rowwise_data is not None else 'columnwise'} bytes have shape "
-                f"{tuple(anchor.shape)} (expected {expected})"
-            )
+        anchor = cls._anchor(rowwise_data, columnwise_data)
+        cls._check_anchor_shape(shape, rowwise_data, anchor)
         self = QuantizedTensor.__new__(
             cls, shape, dtype, requires_grad=requires_grad, device=anchor.device
         )
@@ -95,10 +75,6 @@ class Float8BlockwiseQTensor(
             fp8_dtype, quantizer, is_2D_scaled, dtype,
         )  # fmt: skip
         return self
-
-    def __init__(self, *args, **kwargs) -> None:
-        # Everything happens in __new__; this keeps the storage __init__ from running again.
-        pass
 
     def _with_buffers(self, shape, buffers: dict, requires_grad: bool = False):
         return Float8BlockwiseQTensor(
@@ -118,11 +94,7 @@ class Float8BlockwiseQTensor(
         return True
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        if self.is_meta:
-            values = "<meta: no data>"
-        else:
-            with torch.no_grad():
-                values = repr(self._dequantize_plain())
+        values = self._values_repr()
         return (
             f"Float8BlockwiseQTensor(fp8_dtype={self._fp8_dtype.name}, "
             f"is_2D_scaled={self._is_2D_scaled}, dtype={self.dtype}, shape={tuple(self.shape)}, "

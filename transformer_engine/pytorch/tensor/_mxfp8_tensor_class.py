@@ -15,7 +15,7 @@ import torch
 
 from ..quantized_tensor import QuantizedTensor
 from ._block_scaled_tensor import BlockScaledTensorMixin
-from .storage.mxfp8_tensor_storage import _BUFFERS, MXFP8TensorStorage, check_mxfp8_view
+from .storage.mxfp8_tensor_storage import MXFP8TensorStorage, check_mxfp8_view
 
 __all__ = ["MXFP8Tensor"]
 
@@ -37,14 +37,6 @@ class MXFP8Tensor(BlockScaledTensorMixin, MXFP8TensorStorage, QuantizedTensor):
     requires_grad : bool, keyword, default False
     """
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    size = torch.Tensor.size
-    shape = torch.Tensor.shape
-    device = torch.Tensor.device
-    view = torch.Tensor.view
-
-    _buffer_names = _BUFFERS
     _quantizer_phrase = "an MXFP8Quantizer"
     _check_view = staticmethod(check_mxfp8_view)
     _columnwise_view_shape = staticmethod(tuple)
@@ -65,19 +57,8 @@ class MXFP8Tensor(BlockScaledTensorMixin, MXFP8TensorStorage, QuantizedTensor):
         **unused,
     ):
         shape = torch.Size(shape)
-        anchor = rowwise_data if rowwise_data is not None else columnwise_data
-        if anchor is None:
-            raise ValueError(
-                f"{cls.__name__}: rowwise_data and columnwise_data are both None; pass at "
-                "least one layout"
-            )
-        expected = tuple(shape)
-        if tuple(anchor.shape) != expected:
-            raise ValueError(
-                f"{cls.__name__}: shape={tuple(shape)} but the "
-                f"{'rowwise' if rowwise_data is not None else 'columnwise'} bytes have shape "
-                f"{tuple(anchor.shape)} (expected {expected})"
-            )
+        anchor = cls._anchor(rowwise_data, columnwise_data)
+        cls._check_anchor_shape(shape, rowwise_data, anchor)
         self = QuantizedTensor.__new__(
             cls, shape, dtype, requires_grad=requires_grad, device=anchor.device
         )
@@ -86,10 +67,6 @@ class MXFP8Tensor(BlockScaledTensorMixin, MXFP8TensorStorage, QuantizedTensor):
             fp8_dtype, quantizer, with_gemm_swizzled_scales, dtype,
         )  # fmt: skip
         return self
-
-    def __init__(self, *args, **kwargs) -> None:
-        # Everything happens in __new__; this keeps the storage __init__ from running again.
-        pass
 
     def _with_buffers(self, shape, buffers: dict, requires_grad: bool = False):
         return MXFP8Tensor(
@@ -109,11 +86,7 @@ class MXFP8Tensor(BlockScaledTensorMixin, MXFP8TensorStorage, QuantizedTensor):
         return True
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        if self.is_meta:
-            values = "<meta: no data>"
-        else:
-            with torch.no_grad():
-                values = repr(self._dequantize_plain())
+        values = self._values_repr()
         return (
             f"MXFP8Tensor(fp8_dtype={self._fp8_dtype.name}, "
             f"dtype={self.dtype}, shape={tuple(self.shape)}, "

@@ -16,7 +16,6 @@ import torch
 from ..quantized_tensor import QuantizedTensor
 from ._block_scaled_tensor import BlockScaledTensorMixin
 from .storage.nvfp4_tensor_storage import (
-    _BUFFERS,
     NVFP4TensorStorage,
     check_nvfp4_view,
     nvfp4_data_shape,
@@ -49,14 +48,6 @@ class NVFP4Tensor(BlockScaledTensorMixin, NVFP4TensorStorage, QuantizedTensor):
     requires_grad : bool, keyword, default False
     """
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    size = torch.Tensor.size
-    shape = torch.Tensor.shape
-    device = torch.Tensor.device
-    view = torch.Tensor.view
-
-    _buffer_names = _BUFFERS
     _quantizer_phrase = "an NVFP4Quantizer"
     _check_view = staticmethod(check_nvfp4_view)
 
@@ -80,12 +71,7 @@ class NVFP4Tensor(BlockScaledTensorMixin, NVFP4TensorStorage, QuantizedTensor):
         **unused,
     ):
         shape = torch.Size(shape)
-        anchor = rowwise_data if rowwise_data is not None else columnwise_data
-        if anchor is None:
-            raise ValueError(
-                f"{cls.__name__}: rowwise_data and columnwise_data are both None; pass at "
-                "least one layout"
-            )
+        anchor = cls._anchor(rowwise_data, columnwise_data)
         self = QuantizedTensor.__new__(
             cls, shape, dtype, requires_grad=requires_grad, device=anchor.device
         )
@@ -95,10 +81,6 @@ class NVFP4Tensor(BlockScaledTensorMixin, NVFP4TensorStorage, QuantizedTensor):
             with_gemm_swizzled_scales, dtype, shape, columnwise_rht, rht_random_sign_mask,
         )  # fmt: skip
         return self
-
-    def __init__(self, *args, **kwargs) -> None:
-        # Everything happens in __new__; this keeps the storage __init__ from running again.
-        pass
 
     def _with_buffers(self, shape, buffers: dict, requires_grad: bool = False):
         meta = self.get_metadata()
@@ -117,7 +99,7 @@ class NVFP4Tensor(BlockScaledTensorMixin, NVFP4TensorStorage, QuantizedTensor):
         torch._C.TensorBase.data.__set__(self, value)
         meta = value.get_metadata()
         self._set_nvfp4_buffers(
-            *(meta[n[1:]] for n in _BUFFERS), meta["fp4_dtype"], meta["quantizer"], False,
+            *(meta[n[1:]] for n in self._buffer_names), meta["fp4_dtype"], meta["quantizer"], False,
             value.dtype, meta["shape"], meta["columnwise_rht"], meta["rht_random_sign_mask"],
         )  # fmt: skip
         return True
@@ -143,11 +125,7 @@ class NVFP4Tensor(BlockScaledTensorMixin, NVFP4TensorStorage, QuantizedTensor):
         return BlockScaledTensorMixin.__torch_dispatch__.__func__(cls, func, types, args, kwargs)
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        if self.is_meta:
-            values = "<meta: no data>"
-        else:
-            with torch.no_grad():
-                values = repr(self._dequantize_plain())
+        values = self._values_repr()
         return (
             f"NVFP4Tensor(fp4_dtype=kFloat4E2M1, dtype={self.dtype}, shape={tuple(self.shape)}, "
             f"device={self.device}, data={values})"

@@ -1,19 +1,88 @@
-"""What the block-scaled storages (``Float8BlockwiseQTensorStorage``, ``MXFP8TensorStorage``)
-share: the four buffers (row-wise and column-wise data with their scale-inverses), handed out
-and taken back in that order for autograd saving, and read back as data tensors."""
+"""What the block-scaled storages (``Float8BlockwiseQTensorStorage``, ``MXFP8TensorStorage``,
+``NVFP4TensorStorage``) share: a row-wise and a column-wise copy, each held in named buffers
+(data and scale-inverses, and NVFP4's amaxes), handed out and taken back in a fixed order for
+autograd saving, copied and released buffer by buffer, and read back as data tensors; and the
+first step of checking a view (resolving ``-1``, keeping the element count)."""
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from ...quantized_tensor import QuantizedTensorStorage
 
-__all__ = ["BUFFERS", "BlockScaledTensorStorage"]
+__all__ = ["BUFFERS", "BlockScaledTensorStorage", "resolve_view_shape"]
 
 # The buffers in saving order: row-wise data and scales, then column-wise data and scales.
 BUFFERS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv")
 
 
 class BlockScaledTensorStorage(QuantizedTensorStorage):
-    """Base of the block-scaled storages: the buffer bookkeeping both keep identically."""
+    """Base of the block-scaled storages: the buffer bookkeeping they keep identically."""
+
+    #: the buffer attributes in saving order (a storage with more buffers lists its own)
+    _buffer_names: tuple[str, ...] = BUFFERS
+    #: the format named when a missing copy is asked for ("MXFP8")
+    _format_name: str = ""
+
+    @property
+    def shape(self) -> torch.Size:
+        """Logical shape."""
+        return self.size()
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the buffers."""
+        for name in self._buffer_names:
+            t = getattr(self, name)
+            if t is not None:
+                return t.device
+        raise RuntimeError(f"{type(self).__name__} holds no buffers (cleared or saved)")
+
+    def dequantize(self, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Values as a plain tensor (row-wise copy preferred), in ``dtype`` (default nominal)."""
+        return self._dequantize_plain(dtype)
+
+    def get_usages(self) -> dict[str, bool]:
+        """``{"rowwise": ..., "columnwise": ...}`` for the copies present now."""
+        return {
+            "rowwise": self._rowwise_data is not None,
+            "columnwise": self._columnwise_data is not None,
+        }
+
+    def _create_copy(self, name: str) -> None:
+        """Make the missing ``name`` copy ("rowwise" or "columnwise") from the other one. By
+        default it cannot be: each copy is its own quantization of the high-precision input."""
+        raise RuntimeError(
+            f"{type(self).__name__}: {name} data was requested but only the other copy exists; "
+            f"an {self._format_name} copy is its own quantization of the high-precision tensor, "
+            f"so quantize it again with {name} usage"
+        )
+
+    def update_usage(
+        self, rowwise_usage: bool | None = None, columnwise_usage: bool | None = None
+    ) -> None:
+        """Make the copies that are required and missing (see ``_create_copy``) and drop those
+        that are not; ``None`` keeps a copy as it is."""
+        rowwise = self._rowwise_data is not None if rowwise_usage is None else bool(rowwise_usage)
+        columnwise = (
+            self._columnwise_data is not None if columnwise_usage is None else columnwise_usage
+        )
+        if not rowwise and not columnwise:
+            raise ValueError(
+                f"{type(self).__name__}.update_usage: rowwise_usage and columnwise_usage would "
+                "both be False, leaving no data; keep at least one (or call clear())"
+            )
+        if rowwise and self._rowwise_data is None:
+            self._create_copy("rowwise")
+        if columnwise and self._columnwise_data is None:
+            self._create_copy("columnwise")
+        for name, keep in (("rowwise", rowwise), ("columnwise", columnwise)):
+            if not keep:  # the copy's buffers: _{name}_data, _{name}_scale_inv (, _amax_{name})
+                for attr in self._buffer_names:
+                    if attr.startswith(f"_{name}_") or attr.endswith(f"_{name}"):
+                        setattr(self, attr, None)
 
     def get_data_tensors(self, rowwise_data: bool = True, columnwise_data: bool = True):
         """``(_rowwise_data, _columnwise_data)``, or one of them."""
@@ -37,19 +106,52 @@ class BlockScaledTensorStorage(QuantizedTensorStorage):
         }
 
     def prepare_for_saving(self):
-        """Hand out the four buffers (``BUFFERS`` order) and drop them here."""
-        tensors = [getattr(self, name) for name in BUFFERS]
-        for name in BUFFERS:
+        """Hand out the buffers (``_buffer_names`` order) and drop them here."""
+        tensors = [getattr(self, name) for name in self._buffer_names]
+        for name in self._buffer_names:
             setattr(self, name, None)
         return tensors, self
 
     def restore_from_saved(self, tensors):
-        """Take the four buffers from the front of ``tensors``; return the rest."""
-        if len(tensors) < 4:
+        """Take the buffers from the front of ``tensors``; return the rest."""
+        count = len(self._buffer_names)
+        if len(tensors) < count:
             raise ValueError(
-                f"{type(self).__name__}.restore_from_saved: expected at least 4 tensors, got "
-                f"{len(tensors)}"
+                f"{type(self).__name__}.restore_from_saved: expected at least {count} tensors, "
+                f"got {len(tensors)}"
             )
-        for name, t in zip(BUFFERS, tensors):
+        for name, t in zip(self._buffer_names, tensors):
             setattr(self, name, t)
-        return list(tensors[4:])
+        return list(tensors[count:])
+
+    def _copy_buffers_from(self, src) -> None:
+        """``copy_from_storage`` once ``src`` is checked to match: copy each buffer this object
+        holds from ``src``'s (which must hold it too)."""
+        for name in self._buffer_names:
+            mine, theirs = getattr(self, name), getattr(src, name)
+            if mine is None:
+                continue
+            if theirs is None:
+                raise ValueError(
+                    f"copy_from_storage: src has no {name} (its usages are {src.get_usages()})"
+                )
+            mine.copy_(theirs)
+
+    def clear(self) -> None:
+        """Release the buffers."""
+        for name in self._buffer_names:
+            setattr(self, name, None)
+
+
+def resolve_view_shape(tensor, shape) -> torch.Size:
+    """``shape`` with a single ``-1`` filled in from ``tensor``'s size; RuntimeError when the
+    element count differs. (Each kind then checks that its blocks survive the view.)"""
+    old = tuple(tensor.size())
+    shape = list(shape)
+    if shape.count(-1) == 1:
+        known = math.prod(s for s in shape if s != -1)
+        shape[shape.index(-1)] = math.prod(old) // known if known else 0
+    shape = torch.Size(shape)
+    if math.prod(shape) != math.prod(old):
+        raise RuntimeError(f"shape {tuple(shape)} is invalid for a tensor of shape {old}")
+    return shape

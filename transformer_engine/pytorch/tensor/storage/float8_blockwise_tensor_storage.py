@@ -33,11 +33,9 @@ import torch
 
 from ... import reference
 from ...constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
-from ._block_scaled_storage import BUFFERS, BlockScaledTensorStorage
+from ._block_scaled_storage import BlockScaledTensorStorage, resolve_view_shape
 
 __all__ = ["Float8BlockwiseQTensorStorage", "block_matrix_dims", "columnwise_shape"]
-
-_BUFFERS = BUFFERS  # the buffers in saving order (importers read this name)
 
 
 def block_matrix_dims(shape) -> tuple[int, int]:
@@ -153,20 +151,6 @@ class Float8BlockwiseQTensorStorage(BlockScaledTensorStorage):
             raise RuntimeError(f"{type(self).__name__} holds no buffers (cleared or saved)")
         return shape[args[0]] if args else shape[kwargs["dim"]] if "dim" in kwargs else shape
 
-    @property
-    def shape(self) -> torch.Size:
-        """Logical shape."""
-        return self.size()
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the buffers."""
-        for name in _BUFFERS:
-            t = getattr(self, name)
-            if t is not None:
-                return t.device
-        raise RuntimeError(f"{type(self).__name__} holds no buffers (cleared or saved)")
-
     # ------------------------------------------------------------------ values
 
     def _dequantize_layout(self, columnwise: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -191,10 +175,6 @@ class Float8BlockwiseQTensorStorage(BlockScaledTensorStorage):
             return self._dequantize_layout(False, dtype).reshape(shape)
         return self._dequantize_layout(True, dtype).t().contiguous().reshape(shape)
 
-    def dequantize(self, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Values as a plain tensor (row-wise copy preferred), in ``dtype`` (default nominal)."""
-        return self._dequantize_plain(dtype)
-
     # ------------------------------------------------------------------ GEMM operand
 
     def block_float8_gemm_input(self, columnwise: bool = False):
@@ -218,12 +198,12 @@ class Float8BlockwiseQTensorStorage(BlockScaledTensorStorage):
 
     # ------------------------------------------------------------------ usages
 
-    def get_usages(self) -> dict[str, bool]:
-        """``{"rowwise": ..., "columnwise": ...}`` for the layouts present now."""
-        return {
-            "rowwise": self._rowwise_data is not None,
-            "columnwise": self._columnwise_data is not None,
-        }
+    def _create_copy(self, name: str) -> None:
+        """The missing ``name`` copy from the other one (2-D blocks only)."""
+        if name == "rowwise":
+            self._create_rowwise()
+        else:
+            self._create_columnwise()
 
     def _create_columnwise(self) -> None:
         """Column-wise copy from the row-wise one: 2-D blocks only (symmetric blocks, so the
@@ -253,29 +233,6 @@ class Float8BlockwiseQTensorStorage(BlockScaledTensorStorage):
         self._rowwise_data = data.reshape(shape)
         self._rowwise_scale_inv = scale
 
-    def update_usage(
-        self, rowwise_usage: bool | None = None, columnwise_usage: bool | None = None
-    ) -> None:
-        """Create the layouts that are required (2-D blocks: from the other one) and drop
-        those that are not; ``None`` keeps a layout as it is."""
-        rowwise = self._rowwise_data is not None if rowwise_usage is None else bool(rowwise_usage)
-        columnwise = (
-            self._columnwise_data is not None if columnwise_usage is None else columnwise_usage
-        )
-        if not rowwise and not columnwise:
-            raise ValueError(
-                f"{type(self).__name__}.update_usage: rowwise_usage and columnwise_usage would "
-                "both be False, leaving no data; keep at least one (or call clear())"
-            )
-        if rowwise and self._rowwise_data is None:
-            self._create_rowwise()
-        if columnwise and self._columnwise_data is None:
-            self._create_columnwise()
-        if not rowwise:
-            self._rowwise_data = self._rowwise_scale_inv = None
-        if not columnwise:
-            self._columnwise_data = self._columnwise_scale_inv = None
-
     def get_metadata(self) -> dict:
         """Keyword arguments that rebuild this object (shares the buffers)."""
         return {**super().get_metadata(), "is_2D_scaled": self._is_2D_scaled}
@@ -301,20 +258,7 @@ class Float8BlockwiseQTensorStorage(BlockScaledTensorStorage):
             raise ValueError(
                 f"copy_from_storage: shapes differ ({tuple(src.size())} into {tuple(self.size())})"
             )
-        for name in _BUFFERS:
-            mine, theirs = getattr(self, name), getattr(src, name)
-            if mine is None:
-                continue
-            if theirs is None:
-                raise ValueError(
-                    f"copy_from_storage: src has no {name} (its usages are {src.get_usages()})"
-                )
-            mine.copy_(theirs)
-
-    def clear(self) -> None:
-        """Release the bytes and scales."""
-        for name in _BUFFERS:
-            setattr(self, name, None)
+        self._copy_buffers_from(src)
 
     def view(self, shape) -> Float8BlockwiseQTensorStorage:
         """Storage sharing the buffers with new leading dims (see :func:`check_block_view`)."""
@@ -347,13 +291,7 @@ def check_block_view(tensor, shape) -> torch.Size:
     2-D blocks need the last two dims kept. Anything else raises ``RuntimeError``.
     """
     old = tuple(tensor.size())
-    shape = list(shape)
-    if shape.count(-1) == 1:
-        known = math.prod(s for s in shape if s != -1)
-        shape[shape.index(-1)] = math.prod(old) // known if known else 0
-    shape = torch.Size(shape)
-    if math.prod(shape) != math.prod(old):
-        raise RuntimeError(f"shape {tuple(shape)} is invalid for a tensor of shape {old}")
+    shape = resolve_view_shape(tensor, shape)
     keep = 2 if tensor._is_2D_scaled else 1
     if len(old) < keep or len(shape) < keep or tuple(shape[-keep:]) != old[-keep:]:
         what = "last two dims" if keep == 2 else "last dim"

@@ -18,18 +18,15 @@ padding entries are 0. Real value = FP8 value * ``2^(e-127)``. Shapes need not b
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ... import reference
 from ...constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
-from ._block_scaled_storage import BUFFERS, BlockScaledTensorStorage
+from ._block_scaled_storage import BUFFERS, BlockScaledTensorStorage, resolve_view_shape
 from .float8_blockwise_tensor_storage import block_matrix_dims
 
 __all__ = ["MXFP8TensorStorage", "mxfp8_scale_shape", "check_mxfp8_view"]
 
-_BUFFERS = BUFFERS  # the buffers in saving order (importers read this name)
 _N = reference.MXFP8_BLOCK_LEN
 
 
@@ -71,6 +68,8 @@ class MXFP8TensorStorage(BlockScaledTensorStorage):
     fake_dtype : torch.dtype, keyword, default torch.float32
     """
 
+    _format_name = "MXFP8"
+
     def __init__(
         self, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv,
         fp8_dtype, quantizer=None, with_gemm_swizzled_scales: bool = False, *,
@@ -97,7 +96,7 @@ class MXFP8TensorStorage(BlockScaledTensorStorage):
                 "compact because GEMMs here are emulated (swizzled scales are cuBLAS's layout "
                 "for native Blackwell MXFP8 GEMMs); pass compact scales"
             )
-        bufs = [_as_uint8(n, t) for n, t in zip(_BUFFERS, (
+        bufs = [_as_uint8(n, t) for n, t in zip(BUFFERS, (
             rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv))]  # fmt: skip
         for name, data, scale in (("rowwise", bufs[0], bufs[1]), ("columnwise", bufs[2], bufs[3])):
             if (data is None) != (scale is None):
@@ -109,7 +108,7 @@ class MXFP8TensorStorage(BlockScaledTensorStorage):
                 f"{owner}: rowwise_data {tuple(bufs[0].shape)} and columnwise_data "
                 f"{tuple(bufs[2].shape)} must both have the logical shape"
             )
-        for name, t in zip(_BUFFERS, bufs):
+        for name, t in zip(BUFFERS, bufs):
             setattr(self, name, t)
         self._fp8_dtype = DType.cast(to_torch_fp8_dtype(fp8_dtype))
         self._quantizer = quantizer
@@ -125,20 +124,6 @@ class MXFP8TensorStorage(BlockScaledTensorStorage):
             raise RuntimeError(f"{type(self).__name__} holds no buffers (cleared or saved)")
         shape = data.shape
         return shape[args[0]] if args else shape[kwargs["dim"]] if "dim" in kwargs else shape
-
-    @property
-    def shape(self) -> torch.Size:
-        """Logical shape."""
-        return self.size()
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the buffers."""
-        for name in _BUFFERS:
-            t = getattr(self, name)
-            if t is not None:
-                return t.device
-        raise RuntimeError(f"{type(self).__name__} holds no buffers (cleared or saved)")
 
     # ------------------------------------------------------------------ values
 
@@ -166,45 +151,6 @@ class MXFP8TensorStorage(BlockScaledTensorStorage):
         values = self.mxfp8_gemm_input(self._rowwise_data is None, dtype)
         return values.contiguous().reshape(shape)
 
-    def dequantize(self, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Values as a plain tensor (row-wise copy preferred), in ``dtype`` (default nominal)."""
-        return self._dequantize_plain(dtype)
-
-    # ------------------------------------------------------------------ usages
-
-    def get_usages(self) -> dict[str, bool]:
-        """``{"rowwise": ..., "columnwise": ...}`` for the copies present now."""
-        return {
-            "rowwise": self._rowwise_data is not None,
-            "columnwise": self._columnwise_data is not None,
-        }
-
-    def update_usage(
-        self, rowwise_usage: bool | None = None, columnwise_usage: bool | None = None
-    ) -> None:
-        """Drop the copies that are not required. A missing copy cannot be made from the other
-        (each is its own quantization of the high-precision input): asking for one raises."""
-        for name, want in (("rowwise", rowwise_usage), ("columnwise", columnwise_usage)):
-            if want and getattr(self, f"_{name}_data") is None:
-                raise RuntimeError(
-                    f"{type(self).__name__}: {name} data was requested but only the other "
-                    "copy exists; an MXFP8 copy is its own quantization of the high-precision "
-                    f"tensor, so quantize it again with {name} usage"
-                )
-        rowwise = self._rowwise_data is not None if rowwise_usage is None else rowwise_usage
-        columnwise = (
-            self._columnwise_data is not None if columnwise_usage is None else columnwise_usage
-        )
-        if not rowwise and not columnwise:
-            raise ValueError(
-                f"{type(self).__name__}.update_usage: rowwise_usage and columnwise_usage would "
-                "both be False, leaving no data; keep at least one (or call clear())"
-            )
-        if not rowwise:
-            self._rowwise_data = self._rowwise_scale_inv = None
-        if not columnwise:
-            self._columnwise_data = self._columnwise_scale_inv = None
-
     # ------------------------------------------------------------------ saving, copying
 
     def copy_from_storage(self, src: MXFP8TensorStorage) -> None:
@@ -218,20 +164,7 @@ class MXFP8TensorStorage(BlockScaledTensorStorage):
                 f"copy_from_storage: src is {src._fp8_dtype.name} {tuple(src.size())}, this "
                 f"tensor {self._fp8_dtype.name} {tuple(self.size())}; both must match"
             )
-        for name in _BUFFERS:
-            mine, theirs = getattr(self, name), getattr(src, name)
-            if mine is None:
-                continue
-            if theirs is None:
-                raise ValueError(
-                    f"copy_from_storage: src has no {name} (its usages are {src.get_usages()})"
-                )
-            mine.copy_(theirs)
-
-    def clear(self) -> None:
-        """Release the bytes and scales."""
-        for name in _BUFFERS:
-            setattr(self, name, None)
+        self._copy_buffers_from(src)
 
     def view(self, shape) -> MXFP8TensorStorage:
         """Storage sharing the buffers with new leading dims (see :func:`check_mxfp8_view`)."""
@@ -258,13 +191,7 @@ def check_mxfp8_view(tensor, shape) -> torch.Size:
     """The target shape of a view after checking that the blocks survive it: only the leading
     dims may change (the last dim, along which row-wise blocks run, is kept)."""
     old = tuple(tensor.size())
-    shape = list(shape)
-    if shape.count(-1) == 1:
-        known = math.prod(s for s in shape if s != -1)
-        shape[shape.index(-1)] = math.prod(old) // known if known else 0
-    shape = torch.Size(shape)
-    if math.prod(shape) != math.prod(old):
-        raise RuntimeError(f"shape {tuple(shape)} is invalid for a tensor of shape {old}")
+    shape = resolve_view_shape(tensor, shape)
     if not old or not shape or shape[-1] != old[-1]:
         raise RuntimeError(
             f"{type(tensor).__name__}: view {old} -> {tuple(shape)} changes the last dim; an "

@@ -25,26 +25,17 @@ Value = ``e2m1 * e4m3_scale / (448 * 6 / amax)``. Shapes need not be multiples o
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ... import reference_fp4 as fp4
 from ...constants import HIGH_PRECISION_DTYPES, DType
-from ...quantized_tensor import QuantizedTensorStorage
+from ._block_scaled_storage import BUFFERS, BlockScaledTensorStorage, resolve_view_shape
 from .float8_blockwise_tensor_storage import block_matrix_dims
 
 __all__ = ["NVFP4TensorStorage", "nvfp4_scale_shape", "nvfp4_data_shape", "check_nvfp4_view"]
 
-# The buffers in saving order.
-_BUFFERS = (
-    "_rowwise_data",
-    "_rowwise_scale_inv",
-    "_columnwise_data",
-    "_columnwise_scale_inv",
-    "_amax_rowwise",
-    "_amax_columnwise",
-)
+# The buffers in saving order: the block-scaled four, then the two amaxes.
+_BUFFERS = (*BUFFERS, "_amax_rowwise", "_amax_columnwise")
 _N = fp4.NVFP4_BLOCK_LEN
 
 
@@ -80,8 +71,11 @@ def _checked(owner: str, name: str, t, dtype: torch.dtype):
     return t
 
 
-class NVFP4TensorStorage(QuantizedTensorStorage):
+class NVFP4TensorStorage(BlockScaledTensorStorage):
     """NVFP4 buffers: row-wise and column-wise packed E2M1 codes, E4M3 block scales, amaxes.
+
+    ``dequantize`` reads the row-wise copy when present, else the column-wise one with its RHT
+    undone.
 
     Parameters (positional, as upstream's)
     ----------
@@ -99,6 +93,9 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
     columnwise_rht, rht_random_sign_mask : bool, keyword, default False, True
         Whether the column-wise copy went through the RHT, and with which sign vector.
     """
+
+    _buffer_names = _BUFFERS
+    _format_name = "NVFP4"
 
     def __init__(
         self, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv,
@@ -172,20 +169,6 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
         shape = self._logical_shape
         return shape[args[0]] if args else shape[kwargs["dim"]] if "dim" in kwargs else shape
 
-    @property
-    def shape(self) -> torch.Size:
-        """Logical shape."""
-        return self.size()
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the buffers."""
-        for name in _BUFFERS:
-            t = getattr(self, name)
-            if t is not None:
-                return t.device
-        raise RuntimeError(f"{type(self).__name__} holds no buffers (cleared or saved)")
-
     def _rht_key(self):
         """Sign-mask flag of the column-wise RHT, ``None`` without one."""
         return self._rht_random_sign_mask if self._columnwise_rht else None
@@ -218,55 +201,7 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
             values = fp4.apply_rht(values.t(), inverse=True, with_random_sign_mask=rht).t()
         return values.contiguous().reshape(shape).to(dtype)
 
-    def dequantize(self, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Values as a plain tensor (row-wise copy preferred; the column-wise copy with its RHT
-        undone), in ``dtype`` (default nominal)."""
-        return self._dequantize_plain(dtype)
-
-    # ------------------------------------------------------------------ usages
-
-    def get_usages(self) -> dict[str, bool]:
-        """``{"rowwise": ..., "columnwise": ...}`` for the copies present now."""
-        return {
-            "rowwise": self._rowwise_data is not None,
-            "columnwise": self._columnwise_data is not None,
-        }
-
-    def update_usage(
-        self, rowwise_usage: bool | None = None, columnwise_usage: bool | None = None
-    ) -> None:
-        """Drop the copies that are not required; a missing copy cannot be made from the other
-        (each is its own quantization), so asking for one raises."""
-        for name, want in (("rowwise", rowwise_usage), ("columnwise", columnwise_usage)):
-            if want and getattr(self, f"_{name}_data") is None:
-                raise RuntimeError(
-                    f"{type(self).__name__}: {name} data was requested but only the other "
-                    "copy exists; an NVFP4 copy is its own quantization of the high-precision "
-                    f"tensor, so quantize it again with {name} usage"
-                )
-        rowwise = self._rowwise_data is not None if rowwise_usage is None else rowwise_usage
-        columnwise = (
-            self._columnwise_data is not None if columnwise_usage is None else columnwise_usage
-        )
-        if not rowwise and not columnwise:
-            raise ValueError(
-                f"{type(self).__name__}.update_usage: rowwise_usage and columnwise_usage would "
-                "both be False, leaving no data; keep at least one (or call clear())"
-            )
-        if not rowwise:
-            self._rowwise_data = self._rowwise_scale_inv = self._amax_rowwise = None
-        if not columnwise:
-            self._columnwise_data = self._columnwise_scale_inv = self._amax_columnwise = None
-
     # ------------------------------------------------------------------ saving, copying
-
-    def get_data_tensors(self, rowwise_data: bool = True, columnwise_data: bool = True):
-        """``(_rowwise_data, _columnwise_data)``, or one of them."""
-        if rowwise_data and columnwise_data:
-            return self._rowwise_data, self._columnwise_data
-        if rowwise_data or columnwise_data:
-            return self._rowwise_data if rowwise_data else self._columnwise_data
-        raise ValueError("get_data_tensors: request rowwise_data and/or columnwise_data")
 
     def get_metadata(self) -> dict:
         """Keyword arguments that rebuild this object (shares the buffers)."""
@@ -276,24 +211,6 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
             columnwise_rht=self._columnwise_rht, rht_random_sign_mask=self._rht_random_sign_mask,
         )  # fmt: skip
         return meta
-
-    def prepare_for_saving(self):
-        """Hand out the six buffers (``_BUFFERS`` order) and drop them here."""
-        tensors = [getattr(self, name) for name in _BUFFERS]
-        for name in _BUFFERS:
-            setattr(self, name, None)
-        return tensors, self
-
-    def restore_from_saved(self, tensors):
-        """Take the six buffers from the front of ``tensors``; return the rest."""
-        if len(tensors) < len(_BUFFERS):
-            raise ValueError(
-                f"{type(self).__name__}.restore_from_saved: expected at least {len(_BUFFERS)} "
-                f"tensors, got {len(tensors)}"
-            )
-        for name, t in zip(_BUFFERS, tensors):
-            setattr(self, name, t)
-        return list(tensors[len(_BUFFERS) :])
 
     def copy_from_storage(self, src: NVFP4TensorStorage) -> None:
         """Copy ``src``'s buffers into this object's (same shape and RHT)."""
@@ -307,20 +224,7 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
                 f"{src._rht_key()}, this tensor {tuple(self.size())} and {self._rht_key()}; "
                 "both must match"
             )
-        for name in _BUFFERS:
-            mine, theirs = getattr(self, name), getattr(src, name)
-            if mine is None:
-                continue
-            if theirs is None:
-                raise ValueError(
-                    f"copy_from_storage: src has no {name} (its usages are {src.get_usages()})"
-                )
-            mine.copy_(theirs)
-
-    def clear(self) -> None:
-        """Release the buffers."""
-        for name in _BUFFERS:
-            setattr(self, name, None)
+        self._copy_buffers_from(src)
 
     def view(self, shape) -> NVFP4TensorStorage:
         """Storage sharing the buffers with new leading dims (see :func:`check_nvfp4_view`)."""
@@ -342,13 +246,7 @@ def check_nvfp4_view(tensor, shape) -> torch.Size:
     """The target shape of a view after checking that the blocks survive it: only the leading
     dims may change (the last dim, along which row-wise blocks and packing run, is kept)."""
     old = tuple(tensor.size())
-    shape = list(shape)
-    if shape.count(-1) == 1:
-        known = math.prod(s for s in shape if s != -1)
-        shape[shape.index(-1)] = math.prod(old) // known if known else 0
-    shape = torch.Size(shape)
-    if math.prod(shape) != math.prod(old):
-        raise RuntimeError(f"shape {tuple(shape)} is invalid for a tensor of shape {old}")
+    shape = resolve_view_shape(tensor, shape)
     if not old or not shape or shape[-1] != old[-1]:
         raise RuntimeError(
             f"{type(tensor).__name__}: view {old} -> {tuple(shape)} changes the last dim; an "
