@@ -12,13 +12,14 @@ gradient the same way.
 from __future__ import annotations
 
 from ...cpp_extensions.activation import activation_backward_amax, activation_backward_fp8
-from ...functional.produced_fp8 import can_produce, per_tensor_fp8_recipe, produce_fp8
+from ...functional.produced_fp8 import can_produce, produce_fp8
 from ..basic._common import plain
 from ..basic.activation import ActivationOperation
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..op import FusedOperation
-from ._rewrite import op_at, replace_matching_runs
+from ._producer import replace_under_per_tensor_fp8
+from ._rewrite import op_at
 
 __all__ = ["BackwardActivationCast", "fuse_backward_activation_cast"]
 
@@ -102,9 +103,7 @@ def fuse_backward_activation_cast(ops, *, recipe=None):
     ops : list of FusibleOperation
     recipe : Recipe or None
     """
-    if not per_tensor_fp8_recipe(recipe):
-        return list(ops)
-    return replace_matching_runs(ops, _match_backward_activation_cast)
+    return replace_under_per_tensor_fp8(ops, recipe, _match_backward_activation_cast)
 
 
 def _match_backward_activation_cast(ops, i):

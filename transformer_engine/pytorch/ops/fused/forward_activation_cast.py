@@ -11,19 +11,18 @@ same way.
 from __future__ import annotations
 
 from ...cpp_extensions.activation import activation_amax, activation_forward_fp8
-from ...functional.linear import check_fp8_gemm_shapes
-from ...functional.produced_fp8 import can_produce, per_tensor_fp8_recipe, produce_fp8
-from ...quantization import FP8GlobalStateManager
-from ..basic._common import activation_dtype, plain
+from ...functional.produced_fp8 import produce_fp8
+from ..basic._common import plain
 from ..basic.activation import ActivationOperation
 from ..basic.basic_linear import BasicLinear
-from ..op import FusedOperation
-from ._rewrite import op_at, replace_matching_runs
+from ._kwargs import refuse_kwargs
+from ._producer import ForwardProducerFusion, replace_under_per_tensor_fp8
+from ._rewrite import op_at
 
 __all__ = ["ForwardActivationCast", "fuse_forward_activation_cast"]
 
 
-class ForwardActivationCast(FusedOperation):
+class ForwardActivationCast(ForwardProducerFusion):
     """Forward of an activation whose output goes straight into a ``BasicLinear`` in FP8.
 
     Parameters
@@ -54,8 +53,7 @@ class ForwardActivationCast(FusedOperation):
                 "ForwardActivationCast: needs an ActivationOperation and a BasicLinear, got "
                 f"{type(activation).__name__} and {type(linear).__name__}"
             )
-        super().__init__([activation])
-        self._linear = (linear,)  # a tuple: the linear is no submodule of this operation
+        super().__init__(activation, linear)
 
     def fuser_forward(
         self,
@@ -67,21 +65,13 @@ class ForwardActivationCast(FusedOperation):
         next_op_input_quantizer,
         basic_op_kwargs,
     ):
-        if any(basic_op_kwargs):
-            raise ValueError(
-                f"ForwardActivationCast takes no per-operation kwargs, got {basic_op_kwargs}"
-            )
+        refuse_kwargs("ForwardActivationCast", basic_op_kwargs)
         (activation,) = self.basic_ops
         (ctx,) = basic_op_ctxs
         (linear,) = self._linear
         x = plain(input_)
         quantizer = next_op_input_quantizer
-        if not (
-            FP8GlobalStateManager.is_fp8_enabled()
-            and per_tensor_fp8_recipe(FP8GlobalStateManager.get_fp8_recipe())
-            and quantizer is linear.get_input_quantizer()
-            and can_produce(quantizer, x.dtype, activation_dtype(x, linear.weight))
-        ):
+        if not self.casts_for(linear, quantizer, x):
             return activation.activation_forward(ctx, x), [()]
         spec = activation._spec()
         cols = x.shape[-1] // 2 if spec.gated else x.shape[-1]
@@ -89,11 +79,8 @@ class ForwardActivationCast(FusedOperation):
             # the chain's errors: the activation's (odd gated width) or the linear's
             return activation.activation_forward(ctx, x), [()]
         # the linear's checks before anything is written (no amax recorded for a refused call)
-        needs_wgrad = ctx.requires_grad and linear.weight.requires_grad
+        needs_wgrad = self.check_linear_shapes(ctx, linear, x)
         shape = (*x.shape[:-1], cols)
-        check_fp8_gemm_shapes(
-            x.numel() // max(x.shape[-1], 1), linear.in_features, linear.out_features, needs_wgrad
-        )
 
         # the kernels take the rows as a 2-D tensor (as LayerNormMLP's FC1 output)
         x2 = x.reshape(-1, x.shape[-1])
@@ -127,9 +114,7 @@ def fuse_forward_activation_cast(ops, *, recipe=None):
     ops : list of FusibleOperation
     recipe : Recipe or None
     """
-    if not per_tensor_fp8_recipe(recipe):
-        return list(ops)
-    return replace_matching_runs(ops, _match_forward_activation_cast)
+    return replace_under_per_tensor_fp8(ops, recipe, _match_forward_activation_cast)
 
 
 def _match_forward_activation_cast(ops, i):

@@ -12,6 +12,7 @@ from ..basic.activation import ActivationOperation
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..op import FusedOperation
+from ._kwargs import refuse_kwargs
 from ._rewrite import op_at, replace_matching_runs
 
 __all__ = ["ForwardLinearBiasActivation", "fuse_forward_linear_bias_activation"]
@@ -42,10 +43,7 @@ class ForwardLinearBiasActivation(FusedOperation):
         next_op_input_quantizer,
         basic_op_kwargs,
     ):
-        if any(basic_op_kwargs):
-            raise ValueError(
-                f"ForwardLinearBiasActivation takes no per-operation kwargs, got {basic_op_kwargs}"
-            )
+        refuse_kwargs("ForwardLinearBiasActivation", basic_op_kwargs)
         linear, bias_op = self.basic_ops[0], self.basic_ops[1]
         bias = bias_op.bias_forward(basic_op_ctxs[1])
         output = linear.linear_forward(basic_op_ctxs[0], input_, bias=bias)

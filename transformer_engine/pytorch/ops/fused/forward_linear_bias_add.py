@@ -8,6 +8,7 @@ from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..basic.extra_io import AddExtraInput
 from ..op import FusedOperation
+from ._kwargs import refuse_kwargs
 from ._owned_buffers import add_into_fresh
 from ._rewrite import op_at, replace_matching_runs
 
@@ -56,10 +57,7 @@ class ForwardLinearBiasAdd(FusedOperation):
         next_op_input_quantizer,
         basic_op_kwargs,
     ):
-        if any(basic_op_kwargs):
-            raise ValueError(
-                f"ForwardLinearBiasAdd takes no per-operation kwargs, got {basic_op_kwargs}"
-            )
+        refuse_kwargs("ForwardLinearBiasAdd", basic_op_kwargs)
         linear, add = self.basic_ops[0], self.basic_ops[-1]
         out = linear.linear_forward(basic_op_ctxs[0], input_)
         if self._has_bias:

@@ -7,6 +7,7 @@ from ..basic.basic_linear import BasicLinear
 from ..basic.extra_io import AddExtraInput
 from ..basic.simple import ConstantScale
 from ..op import FusedOperation
+from ._kwargs import refuse_kwargs
 from ._rewrite import op_at, replace_matching_runs
 
 __all__ = ["ForwardLinearScaleAdd", "fuse_forward_linear_scale_add"]
@@ -53,10 +54,7 @@ class ForwardLinearScaleAdd(FusedOperation):
         next_op_input_quantizer,
         basic_op_kwargs,
     ):
-        if any(basic_op_kwargs):
-            raise ValueError(
-                f"ForwardLinearScaleAdd takes no per-operation kwargs, got {basic_op_kwargs}"
-            )
+        refuse_kwargs("ForwardLinearScaleAdd", basic_op_kwargs)
         linear, scale, add = self.basic_ops
         out = linear.linear_forward(basic_op_ctxs[0], input_)
         # the GEMM output is ours alone: ConstantScale's multiplication, in place (same kernel

@@ -11,21 +11,19 @@ what ``te.LayerNormLinear`` does.
 
 from __future__ import annotations
 
-from ...functional.linear import check_fp8_gemm_shapes
-from ...functional.produced_fp8 import can_produce, cast_for_linear, per_tensor_fp8_recipe
-from ...quantization import FP8GlobalStateManager
-from ..basic._common import activation_dtype
+from ...functional.produced_fp8 import cast_for_linear
 from ..basic.basic_linear import BasicLinear
 from ..basic.normalization import LayerNorm, RMSNorm
-from ..op import FusedOperation
-from ._rewrite import op_at, replace_matching_runs
+from ._kwargs import refuse_kwargs
+from ._producer import ForwardProducerFusion, replace_under_per_tensor_fp8
+from ._rewrite import op_at
 
 __all__ = ["ForwardNormCast", "fuse_forward_norm_cast"]
 
 _NORMS = (LayerNorm, RMSNorm)
 
 
-class ForwardNormCast(FusedOperation):
+class ForwardNormCast(ForwardProducerFusion):
     """Forward of a ``LayerNorm`` or ``RMSNorm`` whose output goes into a ``BasicLinear`` in FP8.
 
     Parameters
@@ -49,8 +47,7 @@ class ForwardNormCast(FusedOperation):
                 "ForwardNormCast: needs a LayerNorm or RMSNorm and a BasicLinear, got "
                 f"{type(norm).__name__} and {type(linear).__name__}"
             )
-        super().__init__([norm])
-        self._linear = (linear,)  # a tuple: the linear is no submodule of this operation
+        super().__init__(norm, linear)
 
     def fuser_forward(
         self,
@@ -62,27 +59,19 @@ class ForwardNormCast(FusedOperation):
         next_op_input_quantizer,
         basic_op_kwargs,
     ):
-        if any(basic_op_kwargs):
-            raise ValueError(
-                f"ForwardNormCast takes no per-operation kwargs, got {basic_op_kwargs}"
-            )
+        refuse_kwargs("ForwardNormCast", basic_op_kwargs)
         (norm,) = self.basic_ops
         (ctx,) = basic_op_ctxs
         (linear,) = self._linear
         y = norm.op_forward(ctx, input_)
         quantizer = next_op_input_quantizer
         if not (
-            FP8GlobalStateManager.is_fp8_enabled()
-            and per_tensor_fp8_recipe(FP8GlobalStateManager.get_fp8_recipe())
-            and quantizer is linear.get_input_quantizer()
-            and can_produce(quantizer, y.dtype, activation_dtype(y, linear.weight))
+            self.casts_for(linear, quantizer, y)
             and y.dim() > 0
             and y.shape[-1] == linear.in_features
         ):
             return y, [()]
-        needs_wgrad = ctx.requires_grad and linear.weight.requires_grad
-        tokens = y.numel() // max(y.shape[-1], 1)
-        check_fp8_gemm_shapes(tokens, linear.in_features, linear.out_features, needs_wgrad)
+        needs_wgrad = self.check_linear_shapes(ctx, linear, y)
         out = cast_for_linear(quantizer, y, rowwise=True, columnwise=needs_wgrad)
         del y  # the high-precision output goes before the GEMM
         return out, [()]
@@ -98,9 +87,7 @@ def fuse_forward_norm_cast(ops, *, recipe=None):
     ops : list of FusibleOperation
     recipe : Recipe or None
     """
-    if not per_tensor_fp8_recipe(recipe):
-        return list(ops)
-    return replace_matching_runs(ops, _match_forward_norm_cast)
+    return replace_under_per_tensor_fp8(ops, recipe, _match_forward_norm_cast)
 
 
 def _match_forward_norm_cast(ops, i):
