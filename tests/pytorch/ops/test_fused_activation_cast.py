@@ -23,6 +23,7 @@ from __future__ import annotations
 import fp8_oracle as oracle
 import pytest
 import torch
+from fusion_harness import fuser_of, fusions_off, plan, run, saved
 from utils import REFERENCE_ACTIVATIONS, autocast_by_name, bitwise_equal, current_scale, needs_cuda
 
 from transformer_engine.pytorch import ops
@@ -34,7 +35,6 @@ from transformer_engine.pytorch.ops.fused import (
     fuse_backward_activation_cast,
     fuse_forward_activation_cast,
 )
-from transformer_engine.pytorch.ops.fuser import OperationFuser
 
 IN, FFN, OUT, TOKENS = 32, 64, 48, 32
 ACTIVATIONS = {
@@ -53,6 +53,7 @@ ACTIVATIONS = {
 GATED = {"geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu"}
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 RECIPES = ["delayed", "current"]
+FUSIONS = (fuse_forward_activation_cast, fuse_backward_activation_cast)  # switched off to compare
 
 
 def build(name, device, dtype, *, fc1_bias=True, seed=5):
@@ -68,48 +69,13 @@ def build(name, device, dtype, *, fc1_bias=True, seed=5):
     return ops.Sequential(fc1, ACTIVATIONS[name](), fc2)
 
 
-def unfused_lists():
-    """The fuser's fusion lists without this file's two fusions (the others stay)."""
-    forward = [f for f in OperationFuser.forward_fusion_functions]
-    backward = [f for f in OperationFuser.backward_fusion_functions]
-    assert fuse_forward_activation_cast in forward and fuse_backward_activation_cast in backward
-    forward.remove(fuse_forward_activation_cast)
-    backward.remove(fuse_backward_activation_cast)
-    return forward, backward
-
-
-def run(model, x, dy, recipe, steps=2):
-    """Outputs, input gradient, parameter gradients and (delayed scaling) the linears' scales
-    and amax histories after each of ``steps`` steps."""
-    results = []
-    for _ in range(steps):
-        xs = x.detach().clone().requires_grad_(True)
-        for p in model.parameters():
-            p.grad = None
-        with autocast_by_name(recipe):
-            y = model(xs)
-        y.backward(dy)
-        results += [("out", y.detach().clone()), ("dx", xs.grad)]
-        results += [(name, p.grad) for name, p in model.named_parameters()]
-        for i, op in enumerate(o for o in model.modules() if type(o) is BasicLinear):
-            for mode in ("forward", "backward"):
-                state = op.recipe_state(mode)
-                if state is not None and hasattr(state, "amax_history"):
-                    results.append((f"scale{i}{mode}", state.scale.clone()))
-                    results.append((f"amax{i}{mode}", state.amax_history.clone()))
-    return results
-
-
 def fused_and_unfused(monkeypatch, name, device, dtype, recipe, shape=(TOKENS, IN), **kw):
     torch.manual_seed(11)
     x = torch.randn(shape, device=device, dtype=dtype)
     dy = torch.randn(*shape[:-1], OUT, device=device, dtype=dtype)
     fused_model = build(name, device, dtype, **kw)
     fused = run(fused_model, x, dy, recipe)
-    forward, backward = unfused_lists()
-    with monkeypatch.context() as patch:
-        patch.setattr(OperationFuser, "forward_fusion_functions", forward)
-        patch.setattr(OperationFuser, "backward_fusion_functions", backward)
+    with fusions_off(monkeypatch, *FUSIONS):
         unfused_model = build(name, device, dtype, **kw)
         unfused = run(unfused_model, x, dy, recipe)
         assert not any(
@@ -118,15 +84,6 @@ def fused_and_unfused(monkeypatch, name, device, dtype, recipe, shape=(TOKENS, I
             + fuser_of(unfused_model)._backward_ops
         )
     return fused, unfused, fuser_of(fused_model)
-
-
-def fuser_of(model):
-    (fuser,) = model._get_module_groups()
-    return fuser
-
-
-def plan(fuser, which):
-    return [(type(op).__name__, idxs) for op, idxs in getattr(fuser, f"_{which}_ops")]
 
 
 # -- the plan --------------------------------------------------------------------------------
@@ -308,36 +265,13 @@ def test_high_precision_activation_is_never_computed(monkeypatch):
     assert calls == {"forward": 1, "backward": 1}
 
 
-def _saved(model, x, recipe):
-    """``(bytes, [(shape, dtype)])`` of what autograd keeps, parameters left out."""
-    excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    sizes, kinds = {}, []
-
-    def pack(tensor):
-        inner = [getattr(tensor, n, None) for n in ("_data", "_transpose", "_scale_inv")]
-        for buffer in [t for t in inner if isinstance(t, torch.Tensor)] or [tensor]:
-            address = buffer.untyped_storage().data_ptr()
-            if address and address not in excluded:
-                sizes[address] = buffer.untyped_storage().nbytes()
-                kinds.append((tuple(buffer.shape), buffer.dtype))
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast_by_name(recipe):
-        out = model(x)
-    del out
-    return sum(sizes.values()), kinds
-
-
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("name", ["gelu", "swiglu"])
 def test_saved_bytes_are_no_more_than_unfused(monkeypatch, name, recipe):
     x = torch.randn(TOKENS, IN, dtype=torch.bfloat16, requires_grad=True)
-    fused_bytes, kinds = _saved(build(name, "cpu", torch.bfloat16), x, recipe)
-    forward, backward = unfused_lists()
-    with monkeypatch.context() as patch:
-        patch.setattr(OperationFuser, "forward_fusion_functions", forward)
-        patch.setattr(OperationFuser, "backward_fusion_functions", backward)
-        unfused_bytes, _ = _saved(build(name, "cpu", torch.bfloat16), x, recipe)
+    fused_bytes, kinds = saved(build(name, "cpu", torch.bfloat16), x, recipe)
+    with fusions_off(monkeypatch, *FUSIONS):
+        unfused_bytes, _ = saved(build(name, "cpu", torch.bfloat16), x, recipe)
     assert fused_bytes <= unfused_bytes
     # kept: FC1's FP8 input (transposed), FC1's output h in BF16 (the activation's backward
     # reads it), FC2's FP8 input (transposed); no BF16 copy of the activation's output

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fusion_harness import fuser_of, fusions_off, plan, run, saved
 from utils import autocast_by_name, bitwise_equal, needs_cuda
 
 from transformer_engine.pytorch import ops
 from transformer_engine.pytorch.ops.basic.basic_linear import BasicLinear, is_produced_input
 from transformer_engine.pytorch.ops.fused import ForwardNormCast, fuse_forward_norm_cast
-from transformer_engine.pytorch.ops.fuser import OperationFuser
 
 HIDDEN, FFN, OUT, TOKENS = 64, 96, 48, 32
 NORMS = {"layernorm": ops.LayerNorm, "rmsnorm": ops.RMSNorm}
@@ -43,41 +43,6 @@ def build(norm, device, dtype, *, zero_centered_gamma=False, mlp=False, seed=7):
             if p.dim() == 1:
                 p.add_(0.3 * torch.randn_like(p))
     return model
-
-
-def unfused_forward_list():
-    functions = list(OperationFuser.forward_fusion_functions)
-    functions.remove(fuse_forward_norm_cast)
-    return functions
-
-
-def run(model, x, dy, recipe, steps=2):
-    results = []
-    for _ in range(steps):
-        xs = x.detach().clone().requires_grad_(True)
-        for p in model.parameters():
-            p.grad = None
-        with autocast_by_name(recipe):
-            y = model(xs)
-        y.backward(dy)
-        results += [("out", y.detach().clone()), ("dx", xs.grad)]
-        results += [(name, p.grad) for name, p in model.named_parameters()]
-        for i, op in enumerate(o for o in model.modules() if type(o) is BasicLinear):
-            for mode in ("forward", "backward"):
-                state = op.recipe_state(mode)
-                if state is not None and hasattr(state, "amax_history"):
-                    results.append((f"scale{i}{mode}", state.scale.clone()))
-                    results.append((f"amax{i}{mode}", state.amax_history.clone()))
-    return results
-
-
-def fuser_of(model):
-    (fuser,) = model._get_module_groups()
-    return fuser
-
-
-def plan(fuser, which):
-    return [(type(op).__name__, idxs) for op, idxs in getattr(fuser, f"_{which}_ops")]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -118,8 +83,7 @@ def test_bits_equal_the_unfused_chain(
     fused_model = build(norm, device, dtype, zero_centered_gamma=zero_centered_gamma)
     fused = run(fused_model, x, dy, recipe)
     assert ("ForwardNormCast", [0]) in plan(fuser_of(fused_model), "forward")
-    with monkeypatch.context() as patch:
-        patch.setattr(OperationFuser, "forward_fusion_functions", unfused_forward_list())
+    with fusions_off(monkeypatch, fuse_forward_norm_cast):
         unfused_model = build(norm, device, dtype, zero_centered_gamma=zero_centered_gamma)
         unfused = run(unfused_model, x, dy, recipe)
         assert all(
@@ -153,33 +117,13 @@ def test_the_linear_takes_the_fp8_norm_output(monkeypatch, recipe, device):
     assert seen == [False]
 
 
-def _saved(model, x, recipe):
-    excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    sizes, kinds = {}, []
-
-    def pack(tensor):
-        inner = [getattr(tensor, n, None) for n in ("_data", "_transpose", "_scale_inv")]
-        for buffer in [t for t in inner if isinstance(t, torch.Tensor)] or [tensor]:
-            address = buffer.untyped_storage().data_ptr()
-            if address and address not in excluded:
-                sizes[address] = buffer.untyped_storage().nbytes()
-                kinds.append((tuple(buffer.shape), buffer.dtype))
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast_by_name(recipe):
-        out = model(x)
-    del out
-    return sum(sizes.values()), kinds
-
-
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("norm", list(NORMS))
 def test_saved_bytes_are_no_more_than_unfused(monkeypatch, norm, recipe):
     x = torch.randn(TOKENS, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
-    fused_bytes, kinds = _saved(build(norm, "cpu", torch.bfloat16), x, recipe)
-    with monkeypatch.context() as patch:
-        patch.setattr(OperationFuser, "forward_fusion_functions", unfused_forward_list())
-        unfused_bytes, _ = _saved(build(norm, "cpu", torch.bfloat16), x, recipe)
+    fused_bytes, kinds = saved(build(norm, "cpu", torch.bfloat16), x, recipe)
+    with fusions_off(monkeypatch, fuse_forward_norm_cast):
+        unfused_bytes, _ = saved(build(norm, "cpu", torch.bfloat16), x, recipe)
     assert fused_bytes <= unfused_bytes
     # kept: the norm's input (BF16) and the linear's FP8 input, transposed; no BF16 norm output
     assert [s for s, d in kinds if d == torch.bfloat16] == [(TOKENS, HIDDEN)]
