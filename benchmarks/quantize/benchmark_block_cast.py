@@ -24,11 +24,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
+from cuda_timing import (
+    DTYPES,
+    add_input_and_timing_args,
+    check_input_and_timing_args,
+    time_us,
+)
 
 try:
     import transformer_engine
@@ -41,7 +46,6 @@ from transformer_engine.pytorch.cpp_extensions.block_cast import (
     mxfp8_block_cast,
 )
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 TARGET = 0.70  # Float8BlockScaling casts, fraction of copy GB/s
 CHECK_SHAPE = (4112, 2200)  # partial tiles on both sides; more tiles than resident blocks
@@ -51,41 +55,12 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_input_and_timing_args(p, shape="8192x8192", shape_help="M x K", fp8=FP8)
     add = p.add_argument
-    add("--shape", default="8192x8192", help="M x K, e.g. 8192x8192 (default %(default)s)")
-    add("--dtype", choices=DTYPES, default="bf16", help="input dtype (default %(default)s)")
-    add("--fp8", choices=FP8, default="e4m3", help="FP8 format (default %(default)s)")
-    add("--warmup", type=int, default=10, help="untimed calls per case (default %(default)s)")
-    add("--iters", type=int, default=50, help="timed calls per case (default %(default)s)")
-    add("--batch", type=int, default=5, help="calls per CUDA-event pair (default %(default)s)")
-    add("--device", default="cuda:0", help="CUDA device (default %(default)s)")
     add("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args()
-    try:
-        args.shape = tuple(int(s) for s in args.shape.lower().split("x"))
-        assert len(args.shape) == 2 and all(s > 0 for s in args.shape)
-    except (ValueError, AssertionError):
-        p.error(f"--shape must look like 8192x8192, got {args.shape!r}")
-    if min(args.iters, args.batch, args.warmup + 1) < 1:
-        p.error("--iters and --batch must be >= 1, --warmup >= 0")
+    check_input_and_timing_args(p, args, example="8192x8192", ndim=2)
     return args
-
-
-def time_us(fn, warmup: int, iters: int, batch: int) -> float:
-    """Median per-call time in microseconds: ``iters`` calls timed in batches of ``batch``."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = []
-    for _ in range(max(1, iters // batch)):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(batch):
-            fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 / batch for s, e in events)
 
 
 def cases(fp8):

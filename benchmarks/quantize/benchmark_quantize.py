@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
+from cuda_timing import (
+    DTYPES,
+    add_input_and_timing_args,
+    check_input_and_timing_args,
+    time_us,
+)
 
 try:
     import transformer_engine
@@ -36,7 +41,6 @@ except ImportError:  # run from a source checkout that is not installed
     import transformer_engine
 from transformer_engine.pytorch.cpp_extensions import quantize
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FP8 = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 TARGETS = {"cast+amax": 0.80, "cast+amax+transpose": 0.70}  # fraction of copy GB/s
 
@@ -45,14 +49,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_input_and_timing_args(p, shape="16384x8192", shape_help="tensor shape", fp8=FP8)
     add = p.add_argument
-    add("--shape", default="16384x8192", help="tensor shape, e.g. 16384x8192 (default %(default)s)")
-    add("--dtype", choices=DTYPES, default="bf16", help="input dtype (default %(default)s)")
-    add("--fp8", choices=FP8, default="e4m3", help="FP8 format (default %(default)s)")
-    add("--warmup", type=int, default=10, help="untimed calls per case (default %(default)s)")
-    add("--iters", type=int, default=50, help="timed calls per case (default %(default)s)")
-    add("--batch", type=int, default=5, help="calls per CUDA-event pair (default %(default)s)")
-    add("--device", default="cuda:0", help="CUDA device (default %(default)s)")
     add("--no-compile", action="store_true", help="skip the torch.compile baselines")
     add(
         "--allow-reference",
@@ -61,31 +59,8 @@ def parse_args() -> argparse.Namespace:
     )
     add("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args()
-    try:
-        args.shape = tuple(int(s) for s in args.shape.lower().split("x"))
-        assert args.shape and all(s > 0 for s in args.shape)
-    except (ValueError, AssertionError):
-        p.error(f"--shape must look like 16384x8192, got {args.shape!r}")
-    if min(args.iters, args.batch, args.warmup + 1) < 1:
-        p.error("--iters and --batch must be >= 1, --warmup >= 0")
+    check_input_and_timing_args(p, args, example="16384x8192", ndim=None)
     return args
-
-
-def time_us(fn, warmup: int, iters: int, batch: int) -> float:
-    """Median per-call time in microseconds: ``iters`` calls timed in batches of ``batch``."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = []
-    for _ in range(max(1, iters // batch)):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(batch):
-            fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 / batch for s, e in events)
 
 
 def make_eager(fp8_dtype, fp8_max: float, transpose: bool):
