@@ -264,78 +264,42 @@ extern "C" void nvte_block_scaled_quantize(const NVTEBuffer* input, NVTEBuffer* 
   if (!(epsilon >= 0.0f) || std::isinf(epsilon)) {
     throw_invalid(op, "epsilon=", static_cast<double>(epsilon), " must be finite and >= 0");
   }
-  if (rowwise_data == nullptr && columnwise_data == nullptr) {
-    throw_invalid(op, "rowwise_data and columnwise_data are both null; request at least one copy");
-  }
+  const CastBuffers b{input, rowwise_data, rowwise_scale_inv, columnwise_data,
+                      columnwise_scale_inv, noop};
   const size_t M = leading_rows(in), K = last_dim(in), n = numel(in);
   const size_t MB = ceil_div(M, kTile), KB = ceil_div(K, kTile);
   const bool two_d = block_scaling_dim == 2;
   const size_t row_si_rows = two_d ? MB : KB, row_si_cols = two_d ? round_up(KB, 4) : round_up(M, 4);
   const size_t col_si_rows = two_d ? KB : MB, col_si_cols = two_d ? round_up(MB, 4) : round_up(K, 4);
-  if (rowwise_data != nullptr) {
-    check_fp8_data(op, "rowwise_data", *rowwise_data, n);
-    check_scale_buffer(op, "rowwise_scale_inv", require(op, "rowwise_scale_inv", rowwise_scale_inv),
-                       {kNVTEFloat32}, row_si_rows, row_si_cols);
-  }
-  if (columnwise_data != nullptr) {
-    check_fp8_data(op, "columnwise_data", *columnwise_data, n);
-    if (columnwise_data->ndim > 0 && columnwise_data->shape[0] != K) {
-      throw_invalid(op, "columnwise_data must have the input's last extent (", K,
-                    ") as its first extent (it holds the transposed matrix)");
-    }
-    check_scale_buffer(op, "columnwise_scale_inv",
-                       require(op, "columnwise_scale_inv", columnwise_scale_inv), {kNVTEFloat32},
-                       col_si_rows, col_si_cols);
-    if (rowwise_data != nullptr && rowwise_data->dtype != columnwise_data->dtype) {
-      throw_invalid(op, "rowwise_data is ", dtype_name(rowwise_data->dtype),
-                    " but columnwise_data is ", dtype_name(columnwise_data->dtype),
-                    "; both copies use one FP8 format");
-    }
-  }
-  if (noop != nullptr) check_fp32_scalar(op, "noop", *noop);
+  check_cast_buffers(op, b, K, n, {kNVTEFloat32}, {row_si_rows, row_si_cols},
+                     {col_si_rows, col_si_cols}, /*col_transposed=*/true);
   const unsigned int tiles = tile_count(op, M, K);
 
   CallContext ctx(op, device, stream);
-  ctx.check_on_device("input", in);
-  if (rowwise_data != nullptr) {
-    ctx.check_on_device("rowwise_data", *rowwise_data);
-    ctx.check_on_device("rowwise_scale_inv", *rowwise_scale_inv);
-  }
-  if (columnwise_data != nullptr) {
-    ctx.check_on_device("columnwise_data", *columnwise_data);
-    ctx.check_on_device("columnwise_scale_inv", *columnwise_scale_inv);
-  }
-  if (noop != nullptr) ctx.check_on_device("noop", *noop);
+  check_cast_on_device(ctx, b);
   if (tiles == 0) return;  // an empty input has empty scale tensors: nothing to write
 
   BlockCastParams P{};
   P.g = make_geometry(in, M, K, {rowwise_data});
-  P.row_data = rowwise_data == nullptr ? nullptr : static_cast<uint8_t*>(rowwise_data->data);
-  P.row_si = rowwise_data == nullptr ? nullptr : static_cast<float*>(rowwise_scale_inv->data);
-  P.col_data = columnwise_data == nullptr ? nullptr : static_cast<uint8_t*>(columnwise_data->data);
-  P.col_si = columnwise_data == nullptr ? nullptr : static_cast<float*>(columnwise_scale_inv->data);
+  P.row_data = b.row_bytes();
+  P.row_si = b.row_scales<float>();
+  P.col_data = b.col_bytes();
+  P.col_si = b.col_scales<float>();
   P.row_si_cols = row_si_cols;
   P.col_si_cols = col_si_cols;
   P.tiles_m = MB;
   P.epsilon = epsilon;
   P.pow2 = force_pow_2_scales != 0;
   P.vec_col_out = M % 16 == 0 && P.col_data != nullptr && aligned_to(P.col_data, 16);
-  P.noop = noop == nullptr ? nullptr : static_cast<const float*>(noop->data);
-  const NVTEDType fp8 = rowwise_data != nullptr ? rowwise_data->dtype : columnwise_data->dtype;
+  P.noop = b.noop_flag();
 
-  dispatch_high_precision(op, in.dtype, [&](auto itype) {
-    using IType = decltype(itype);
-    const auto* in_data = static_cast<const IType*>(in.data);
-    dispatch_fp8(op, fp8, [&](auto is_e4m3) {
-      constexpr bool kE4M3 = decltype(is_e4m3)::value;
-      if (two_d) {
-        block_quantize_kernel<IType, kE4M3, true>
-            <<<tiles, kThreads, 0, ctx.stream()>>>(in_data, P);
-      } else {
-        block_quantize_kernel<IType, kE4M3, false>
-            <<<tiles, kThreads, 0, ctx.stream()>>>(in_data, P);
-      }
-      ctx.check_launch("block_quantize_kernel launch");
-    });
-  });
+  dispatch_block_cast(op, in.dtype, b.fp8_dtype(), two_d,
+                      [&](auto itype, auto is_e4m3, auto is_two_d) {
+                        using IType = decltype(itype);
+                        block_quantize_kernel<IType, decltype(is_e4m3)::value,
+                                              decltype(is_two_d)::value>
+                            <<<tiles, kThreads, 0, ctx.stream()>>>(
+                                static_cast<const IType*>(in.data), P);
+                        ctx.check_launch("block_quantize_kernel launch");
+                      });
 }

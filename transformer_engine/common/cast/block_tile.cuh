@@ -1,6 +1,6 @@
 /* What the block-scaled cast kernels (block_quantize.cu, mxfp8_quantize.cu) share: one thread
- * block per 128x128 tile of the input matrix [M, K], held in registers, and the host-side
- * checks of their buffers.
+ * block per 128x128 tile of the input matrix [M, K], held in registers, and the host side: the
+ * checks of their buffers and the dispatch over input type, FP8 format and block shape.
  *
  * Thread layout: 256 threads; thread t owns the 8x8 sub-tile of rows `r0 + rg*8 + i` and
  * columns `c0 + cc*8 + j` (i, j in 0..7) with `cc = t % 16` and `rg = t / 16`. The 16 threads
@@ -14,9 +14,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
+#include "cast/dispatch.cuh"
 #include "transformer_engine/transformer_engine.h"
 #include "util/buffer.h"
+#include "util/device.h"
 #include "util/errors.h"
 #include "util/fp8_math.cuh"
 
@@ -165,6 +168,107 @@ inline unsigned int tile_count(const char* op, size_t M, size_t K) {
                   " 128x128 tiles, more than one launch can hold (2^31 - 1)");
   }
   return static_cast<unsigned int>(tiles);
+}
+
+/* The buffers of one block-scaled cast call (the C ABI's arguments): the input, the row-wise and
+ * column-wise copies with their scales (a copy is requested when its data is non-null), and the
+ * optional no-op flag. */
+struct CastBuffers {
+  const NVTEBuffer* input;
+  NVTEBuffer* row_data;
+  NVTEBuffer* row_scale;
+  NVTEBuffer* col_data;
+  NVTEBuffer* col_scale;
+  const NVTEBuffer* noop;
+
+  /* The FP8 format of the copies (one is requested). */
+  NVTEDType fp8_dtype() const { return row_data != nullptr ? row_data->dtype : col_data->dtype; }
+  /* The device pointers of the requested copies and their scales; null for a copy not requested. */
+  uint8_t* row_bytes() const {
+    return row_data == nullptr ? nullptr : static_cast<uint8_t*>(row_data->data);
+  }
+  template <typename ScaleT>
+  ScaleT* row_scales() const {
+    return row_data == nullptr ? nullptr : static_cast<ScaleT*>(row_scale->data);
+  }
+  uint8_t* col_bytes() const {
+    return col_data == nullptr ? nullptr : static_cast<uint8_t*>(col_data->data);
+  }
+  template <typename ScaleT>
+  ScaleT* col_scales() const {
+    return col_data == nullptr ? nullptr : static_cast<ScaleT*>(col_scale->data);
+  }
+  const float* noop_flag() const {
+    return noop == nullptr ? nullptr : static_cast<const float*>(noop->data);
+  }
+};
+
+/* The shape the scales of one copy must have. */
+struct ScaleShape {
+  size_t rows, cols;
+};
+
+/* Throws unless the requested copies fit the input of `n` elements and last extent `K`: at least
+ * one copy, FP8 data of the input's size, scales of `scale_dtypes` and exactly the given shapes,
+ * one FP8 format for both; with `col_transposed`, the column-wise copy's first extent is K (it
+ * holds the transposed matrix). Then checks the no-op flag, if any. */
+inline void check_cast_buffers(const char* op, const CastBuffers& b, size_t K, size_t n,
+                               std::initializer_list<NVTEDType> scale_dtypes, ScaleShape row,
+                               ScaleShape col, bool col_transposed) {
+  if (b.row_data == nullptr && b.col_data == nullptr) {
+    throw_invalid(op, "rowwise_data and columnwise_data are both null; request at least one copy");
+  }
+  if (b.row_data != nullptr) {
+    check_fp8_data(op, "rowwise_data", *b.row_data, n);
+    check_scale_buffer(op, "rowwise_scale_inv", require(op, "rowwise_scale_inv", b.row_scale),
+                       scale_dtypes, row.rows, row.cols);
+  }
+  if (b.col_data != nullptr) {
+    check_fp8_data(op, "columnwise_data", *b.col_data, n);
+    if (col_transposed && b.col_data->ndim > 0 && b.col_data->shape[0] != K) {
+      throw_invalid(op, "columnwise_data must have the input's last extent (", K,
+                    ") as its first extent (it holds the transposed matrix)");
+    }
+    check_scale_buffer(op, "columnwise_scale_inv",
+                       require(op, "columnwise_scale_inv", b.col_scale), scale_dtypes, col.rows,
+                       col.cols);
+    if (b.row_data != nullptr && b.row_data->dtype != b.col_data->dtype) {
+      throw_invalid(op, "rowwise_data is ", dtype_name(b.row_data->dtype),
+                    " but columnwise_data is ", dtype_name(b.col_data->dtype),
+                    "; both copies use one FP8 format");
+    }
+  }
+  if (b.noop != nullptr) check_fp32_scalar(op, "noop", *b.noop);
+}
+
+/* Throws unless every buffer of the call is on its device (the checks capture skips). */
+inline void check_cast_on_device(const CallContext& ctx, const CastBuffers& b) {
+  ctx.check_on_device("input", *b.input);
+  if (b.row_data != nullptr) {
+    ctx.check_on_device("rowwise_data", *b.row_data);
+    ctx.check_on_device("rowwise_scale_inv", *b.row_scale);
+  }
+  if (b.col_data != nullptr) {
+    ctx.check_on_device("columnwise_data", *b.col_data);
+    ctx.check_on_device("columnwise_scale_inv", *b.col_scale);
+  }
+  if (b.noop != nullptr) ctx.check_on_device("noop", *b.noop);
+}
+
+/* Calls `launch(IType{}, is_e4m3, is_two_d)` with the input's type and std::true_type or
+ * std::false_type for the FP8 format and the block shape, for one kernel instantiation. */
+template <typename Launch>
+void dispatch_block_cast(const char* op, NVTEDType input_dtype, NVTEDType fp8, bool two_d,
+                         Launch&& launch) {
+  dispatch_high_precision(op, input_dtype, [&](auto itype) {
+    dispatch_fp8(op, fp8, [&](auto is_e4m3) {
+      if (two_d) {
+        launch(itype, is_e4m3, std::true_type{});
+      } else {
+        launch(itype, is_e4m3, std::false_type{});
+      }
+    });
+  });
 }
 
 }  // namespace block_cast_detail

@@ -216,42 +216,18 @@ extern "C" void nvte_mxfp8_quantize(const NVTEBuffer* input, NVTEBuffer* rowwise
   const char* op = "nvte_mxfp8_quantize";
   const NVTEBuffer& in = require(op, "input", input);
   check_dtype(op, "input", in, {kNVTEFloat32, kNVTEFloat16, kNVTEBFloat16});
-  if (rowwise_data == nullptr && columnwise_data == nullptr) {
-    throw_invalid(op, "rowwise_data and columnwise_data are both null; request at least one copy");
-  }
+  const CastBuffers b{input, rowwise_data, rowwise_scale_inv, columnwise_data,
+                      columnwise_scale_inv, noop};
   const size_t M = leading_rows(in), K = last_dim(in), n = numel(in);
   const size_t MB = ceil_div(M, kMxBlock), KB = ceil_div(K, kMxBlock);
   const size_t row_scale_cols = round_up(KB, 4), col_scale_cols = round_up(K, kTile);
-  if (rowwise_data != nullptr) {
-    check_fp8_data(op, "rowwise_data", *rowwise_data, n);
-    check_scale_buffer(op, "rowwise_scale_inv", require(op, "rowwise_scale_inv", rowwise_scale_inv),
-                       {kNVTEByte, kNVTEFloat8E8M0}, round_up(M, kTile), row_scale_cols);
-  }
-  if (columnwise_data != nullptr) {
-    check_fp8_data(op, "columnwise_data", *columnwise_data, n);
-    check_scale_buffer(op, "columnwise_scale_inv",
-                       require(op, "columnwise_scale_inv", columnwise_scale_inv),
-                       {kNVTEByte, kNVTEFloat8E8M0}, round_up(MB, 4), col_scale_cols);
-    if (rowwise_data != nullptr && rowwise_data->dtype != columnwise_data->dtype) {
-      throw_invalid(op, "rowwise_data is ", dtype_name(rowwise_data->dtype),
-                    " but columnwise_data is ", dtype_name(columnwise_data->dtype),
-                    "; both copies use one FP8 format");
-    }
-  }
-  if (noop != nullptr) check_fp32_scalar(op, "noop", *noop);
+  check_cast_buffers(op, b, K, n, {kNVTEByte, kNVTEFloat8E8M0},
+                     {round_up(M, kTile), row_scale_cols}, {round_up(MB, 4), col_scale_cols},
+                     /*col_transposed=*/false);
   const unsigned int tiles = tile_count(op, M, K);
 
   CallContext ctx(op, device, stream);
-  ctx.check_on_device("input", in);
-  if (rowwise_data != nullptr) {
-    ctx.check_on_device("rowwise_data", *rowwise_data);
-    ctx.check_on_device("rowwise_scale_inv", *rowwise_scale_inv);
-  }
-  if (columnwise_data != nullptr) {
-    ctx.check_on_device("columnwise_data", *columnwise_data);
-    ctx.check_on_device("columnwise_scale_inv", *columnwise_scale_inv);
-  }
-  if (noop != nullptr) ctx.check_on_device("noop", *noop);
+  check_cast_on_device(ctx, b);
   // An empty input has empty scale tensors (roundup(0, n) == 0): nothing to write. Otherwise
   // the tiles cover every scale entry, padding included (ceil(M/128) * 128 rows and
   // ceil(K/128) * 4 column blocks, and the same column-wise).
@@ -259,30 +235,21 @@ extern "C" void nvte_mxfp8_quantize(const NVTEBuffer* input, NVTEBuffer* rowwise
 
   MxParams P{};
   P.g = make_geometry(in, M, K, {rowwise_data, columnwise_data});
-  P.row_data = rowwise_data == nullptr ? nullptr : static_cast<uint8_t*>(rowwise_data->data);
-  P.row_scale =
-      rowwise_data == nullptr ? nullptr : static_cast<uint8_t*>(rowwise_scale_inv->data);
-  P.col_data = columnwise_data == nullptr ? nullptr : static_cast<uint8_t*>(columnwise_data->data);
-  P.col_scale =
-      columnwise_data == nullptr ? nullptr : static_cast<uint8_t*>(columnwise_scale_inv->data);
+  P.row_data = b.row_bytes();
+  P.row_scale = b.row_scales<uint8_t>();
+  P.col_data = b.col_bytes();
+  P.col_scale = b.col_scales<uint8_t>();
   P.row_scale_cols = row_scale_cols;
   P.col_scale_cols = col_scale_cols;
-  P.noop = noop == nullptr ? nullptr : static_cast<const float*>(noop->data);
-  const NVTEDType fp8 = rowwise_data != nullptr ? rowwise_data->dtype : columnwise_data->dtype;
+  P.noop = b.noop_flag();
 
-  dispatch_high_precision(op, in.dtype, [&](auto itype) {
-    using IType = decltype(itype);
-    const auto* in_data = static_cast<const IType*>(in.data);
-    dispatch_fp8(op, fp8, [&](auto is_e4m3) {
-      constexpr bool kE4M3 = decltype(is_e4m3)::value;
-      if (two_d != 0) {
-        mxfp8_quantize_kernel<IType, kE4M3, true>
-            <<<tiles, kThreads, 0, ctx.stream()>>>(in_data, P);
-      } else {
-        mxfp8_quantize_kernel<IType, kE4M3, false>
-            <<<tiles, kThreads, 0, ctx.stream()>>>(in_data, P);
-      }
-      ctx.check_launch("mxfp8_quantize_kernel launch");
-    });
-  });
+  dispatch_block_cast(op, in.dtype, b.fp8_dtype(), two_d != 0,
+                      [&](auto itype, auto is_e4m3, auto is_two_d) {
+                        using IType = decltype(itype);
+                        mxfp8_quantize_kernel<IType, decltype(is_e4m3)::value,
+                                              decltype(is_two_d)::value>
+                            <<<tiles, kThreads, 0, ctx.stream()>>>(
+                                static_cast<const IType*>(in.data), P);
+                        ctx.check_launch("mxfp8_quantize_kernel launch");
+                      });
 }

@@ -1,16 +1,13 @@
 /* The block-scaled casts of transformer_engine._native (block_cast.h): Float8BlockScaling's and
  * MXFP8's. Same conventions as native_module.cpp: tensors cross as (data_ptr, shape, dtype
- * code) tuples, the device as an int, the stream as the integer value of a cudaStream_t; the
- * GIL is released while native code runs. */
+ * code) tuples (buffer_args.h), the device as an int, the stream as the integer value of a
+ * cudaStream_t; the GIL is released while native code runs. */
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstdint>
-#include <optional>
-#include <string>
-#include <tuple>
-#include <vector>
 
+#include "buffer_args.h"
 #include "transformer_engine/block_cast.h"
 #include "transformer_engine/transformer_engine.h"
 
@@ -18,41 +15,7 @@ namespace py = pybind11;
 
 namespace {
 
-using TensorArg = std::tuple<std::uintptr_t, std::vector<size_t>, int>;
-using OptionalTensorArg = std::optional<TensorArg>;
-
-NVTEBuffer to_buffer(const TensorArg& arg) {
-  const auto& [pointer, shape, dtype] = arg;
-  if (shape.size() > NVTE_MAX_DIMS) {
-    throw std::invalid_argument("tensor has " + std::to_string(shape.size()) +
-                                " dimensions; the native library takes at most " +
-                                std::to_string(NVTE_MAX_DIMS));
-  }
-  if (dtype < 0 || dtype >= kNVTENumTypes) {
-    throw std::invalid_argument("unknown dtype code " + std::to_string(dtype));
-  }
-  NVTEBuffer buffer{};
-  buffer.data = reinterpret_cast<void*>(pointer);
-  buffer.dtype = static_cast<NVTEDType>(dtype);
-  buffer.ndim = shape.size();
-  for (size_t d = 0; d < shape.size(); ++d) buffer.shape[d] = shape[d];
-  return buffer;
-}
-
-/* An optional buffer, handed out as a pointer (or null). */
-struct OptionalBuffer {
-  explicit OptionalBuffer(const OptionalTensorArg& arg) {
-    if (arg) {
-      buffer = to_buffer(*arg);
-      present = true;
-    }
-  }
-  NVTEBuffer* get() { return present ? &buffer : nullptr; }
-  NVTEBuffer buffer{};
-  bool present = false;
-};
-
-NVTEStream to_stream(std::uintptr_t stream) { return reinterpret_cast<NVTEStream>(stream); }
+using namespace transformer_engine_binding;
 
 void block_scaled_quantize(const TensorArg& input, const OptionalTensorArg& rowwise_data,
                            const OptionalTensorArg& rowwise_scale_inv,

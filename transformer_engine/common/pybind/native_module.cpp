@@ -9,11 +9,11 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
-#include <optional>
+#include <stdexcept>
 #include <string>
-#include <tuple>
 #include <vector>
 
+#include "buffer_args.h"
 #include "transformer_engine/activation.h"
 #include "transformer_engine/cast.h"
 #include "transformer_engine/recipe.h"
@@ -23,41 +23,7 @@ namespace py = pybind11;
 
 namespace {
 
-using TensorArg = std::tuple<std::uintptr_t, std::vector<size_t>, int>;
-using OptionalTensorArg = std::optional<TensorArg>;
-
-NVTEBuffer to_buffer(const TensorArg& arg) {
-  const auto& [pointer, shape, dtype] = arg;
-  if (shape.size() > NVTE_MAX_DIMS) {
-    throw std::invalid_argument("tensor has " + std::to_string(shape.size()) +
-                                " dimensions; the native library takes at most " +
-                                std::to_string(NVTE_MAX_DIMS));
-  }
-  if (dtype < 0 || dtype >= kNVTENumTypes) {
-    throw std::invalid_argument("unknown dtype code " + std::to_string(dtype));
-  }
-  NVTEBuffer buffer{};
-  buffer.data = reinterpret_cast<void*>(pointer);
-  buffer.dtype = static_cast<NVTEDType>(dtype);
-  buffer.ndim = shape.size();
-  for (size_t d = 0; d < shape.size(); ++d) buffer.shape[d] = shape[d];
-  return buffer;
-}
-
-/* Holds an optional buffer and hands out a pointer to it (or null). */
-struct OptionalBuffer {
-  explicit OptionalBuffer(const OptionalTensorArg& arg) {
-    if (arg) {
-      buffer = to_buffer(*arg);
-      present = true;
-    }
-  }
-  NVTEBuffer* get() { return present ? &buffer : nullptr; }
-  NVTEBuffer buffer{};
-  bool present = false;
-};
-
-NVTEStream to_stream(std::uintptr_t stream) { return reinterpret_cast<NVTEStream>(stream); }
+using namespace transformer_engine_binding;
 
 void quantize(const TensorArg& input, const TensorArg& scale, const TensorArg& output,
               const OptionalTensorArg& output_t, const OptionalTensorArg& amax,
