@@ -2,7 +2,8 @@
 ``NVFP4TensorStorage``) share: a row-wise and a column-wise copy, each held in named buffers
 (data and scale-inverses, and NVFP4's amaxes), handed out and taken back in a fixed order for
 autograd saving, copied and released buffer by buffer, and read back as data tensors; and the
-first step of checking a view (resolving ``-1``, keeping the element count)."""
+first step of checking a view (resolving ``-1``, keeping the element count); the nominal-dtype
+check of their constructors."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import math
 
 import torch
 
+from ...constants import HIGH_PRECISION_DTYPES
 from ...quantized_tensor import QuantizedTensorStorage
 
-__all__ = ["BUFFERS", "BlockScaledTensorStorage", "resolve_view_shape"]
+__all__ = ["BUFFERS", "BlockScaledTensorStorage", "check_nominal_dtype", "resolve_view_shape"]
 
 # The buffers in saving order: row-wise data and scales, then column-wise data and scales.
 BUFFERS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv")
@@ -155,3 +157,12 @@ def resolve_view_shape(tensor, shape) -> torch.Size:
     if math.prod(shape) != math.prod(old):
         raise RuntimeError(f"shape {tuple(shape)} is invalid for a tensor of shape {old}")
     return shape
+
+
+def check_nominal_dtype(owner: str, fake_dtype) -> None:
+    """TypeError naming ``owner`` unless ``fake_dtype`` is a supported nominal dtype."""
+    if fake_dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(
+            f"{owner}: nominal dtype {fake_dtype!r} is not supported; use torch.float32, "
+            "torch.float16 or torch.bfloat16"
+        )

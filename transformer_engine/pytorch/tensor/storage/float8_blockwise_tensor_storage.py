@@ -32,8 +32,8 @@ import math
 import torch
 
 from ... import reference
-from ...constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
-from ._block_scaled_storage import BlockScaledTensorStorage, resolve_view_shape
+from ...constants import DType, to_torch_fp8_dtype
+from ._block_scaled_storage import BlockScaledTensorStorage, check_nominal_dtype, resolve_view_shape
 
 __all__ = ["Float8BlockwiseQTensorStorage", "block_matrix_dims", "columnwise_shape"]
 
@@ -105,11 +105,7 @@ class Float8BlockwiseQTensorStorage(BlockScaledTensorStorage):
         fp8_dtype, quantizer, is_2D_scaled, fake_dtype,
     ) -> None:  # fmt: skip
         owner = type(self).__name__
-        if fake_dtype not in HIGH_PRECISION_DTYPES:
-            raise TypeError(
-                f"{owner}: nominal dtype {fake_dtype!r} is not supported; use torch.float32, "
-                "torch.float16 or torch.bfloat16"
-            )
+        check_nominal_dtype(owner, fake_dtype)
         rowwise_data = _as_uint8("rowwise_data", rowwise_data)
         columnwise_data = _as_uint8("columnwise_data", columnwise_data)
         for name, data, scale in (

@@ -21,8 +21,13 @@ from __future__ import annotations
 import torch
 
 from ... import reference
-from ...constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
-from ._block_scaled_storage import BUFFERS, BlockScaledTensorStorage, resolve_view_shape
+from ...constants import DType, to_torch_fp8_dtype
+from ._block_scaled_storage import (
+    BUFFERS,
+    BlockScaledTensorStorage,
+    check_nominal_dtype,
+    resolve_view_shape,
+)
 from .float8_blockwise_tensor_storage import block_matrix_dims
 
 __all__ = ["MXFP8TensorStorage", "mxfp8_scale_shape", "check_mxfp8_view"]
@@ -85,11 +90,7 @@ class MXFP8TensorStorage(BlockScaledTensorStorage):
         fp8_dtype, quantizer, with_gemm_swizzled_scales, fake_dtype,
     ) -> None:  # fmt: skip
         owner = type(self).__name__
-        if fake_dtype not in HIGH_PRECISION_DTYPES:
-            raise TypeError(
-                f"{owner}: nominal dtype {fake_dtype!r} is not supported; use torch.float32, "
-                "torch.float16 or torch.bfloat16"
-            )
+        check_nominal_dtype(owner, fake_dtype)
         if with_gemm_swizzled_scales:
             raise NotImplementedError(
                 f"{owner}: with_gemm_swizzled_scales=True is not supported: scales are kept "

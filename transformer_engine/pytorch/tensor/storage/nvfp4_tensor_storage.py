@@ -28,8 +28,13 @@ from __future__ import annotations
 import torch
 
 from ... import reference_fp4 as fp4
-from ...constants import HIGH_PRECISION_DTYPES, DType
-from ._block_scaled_storage import BUFFERS, BlockScaledTensorStorage, resolve_view_shape
+from ...constants import DType
+from ._block_scaled_storage import (
+    BUFFERS,
+    BlockScaledTensorStorage,
+    check_nominal_dtype,
+    resolve_view_shape,
+)
 from .float8_blockwise_tensor_storage import block_matrix_dims
 
 __all__ = ["NVFP4TensorStorage", "nvfp4_scale_shape", "nvfp4_data_shape", "check_nvfp4_view"]
@@ -115,11 +120,7 @@ class NVFP4TensorStorage(BlockScaledTensorStorage):
         fake_dtype, shape, columnwise_rht, rht_random_sign_mask,
     ) -> None:  # fmt: skip
         owner = type(self).__name__
-        if fake_dtype not in HIGH_PRECISION_DTYPES:
-            raise TypeError(
-                f"{owner}: nominal dtype {fake_dtype!r} is not supported; use torch.float32, "
-                "torch.float16 or torch.bfloat16"
-            )
+        check_nominal_dtype(owner, fake_dtype)
         if with_gemm_swizzled_scales:
             raise NotImplementedError(
                 f"{owner}: with_gemm_swizzled_scales=True is not supported: scales are kept "
