@@ -11,6 +11,7 @@ from ...quantization import FP8GlobalStateManager
 from ..basic._common import activation_dtype
 from ..basic.basic_linear import BasicLinear
 from ..op import FusedOperation
+from ._kwargs import refuse_kwargs
 from ._rewrite import replace_matching_runs
 
 __all__ = ["ForwardProducerFusion", "replace_under_per_tensor_fp8"]
@@ -27,11 +28,33 @@ def replace_under_per_tensor_fp8(ops, recipe, match) -> list:
 class ForwardProducerFusion(FusedOperation):
     """Base of a forward fusion covering ``op`` whose output the ``linear`` right after it
     (alone or first in a fused linear) takes in FP8. The linear is read, not covered: it is
-    kept in a tuple, so that it is no submodule of this operation."""
+    kept in a tuple, so that it is no submodule of this operation. A subclass writes
+    :meth:`produce_forward`."""
 
     def __init__(self, op, linear: BasicLinear) -> None:
         super().__init__([op])
         self._linear = (linear,)
+
+    def fuser_forward(
+        self,
+        basic_op_ctxs,
+        input_,
+        *,
+        basic_op_extra_inputs,
+        prev_op_grad_output_quantizer,
+        next_op_input_quantizer,
+        basic_op_kwargs,
+    ):
+        refuse_kwargs(type(self).__name__, basic_op_kwargs)
+        (op,) = self.basic_ops
+        (ctx,) = basic_op_ctxs
+        (linear,) = self._linear
+        return self.produce_forward(op, ctx, input_, linear, next_op_input_quantizer), [()]
+
+    def produce_forward(self, op, ctx, input_, linear: BasicLinear, quantizer):
+        """``op``'s output for ``linear``: FP8 from ``quantizer`` where the fusion runs, else
+        what ``op`` alone returns (``ctx`` is ``op``'s context, filled as its forward fills it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define produce_forward")
 
     @staticmethod
     def casts_for(linear: BasicLinear, quantizer, values) -> bool:

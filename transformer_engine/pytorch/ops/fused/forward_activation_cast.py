@@ -15,7 +15,6 @@ from ...functional.produced_fp8 import produce_fp8
 from ..basic._common import plain
 from ..basic.activation import ActivationOperation
 from ..basic.basic_linear import BasicLinear
-from ._kwargs import refuse_kwargs
 from ._producer import ForwardProducerFusion, replace_under_per_tensor_fp8
 from ._rewrite import op_at
 
@@ -55,29 +54,15 @@ class ForwardActivationCast(ForwardProducerFusion):
             )
         super().__init__(activation, linear)
 
-    def fuser_forward(
-        self,
-        basic_op_ctxs,
-        input_,
-        *,
-        basic_op_extra_inputs,
-        prev_op_grad_output_quantizer,
-        next_op_input_quantizer,
-        basic_op_kwargs,
-    ):
-        refuse_kwargs("ForwardActivationCast", basic_op_kwargs)
-        (activation,) = self.basic_ops
-        (ctx,) = basic_op_ctxs
-        (linear,) = self._linear
+    def produce_forward(self, activation, ctx, input_, linear, quantizer):
         x = plain(input_)
-        quantizer = next_op_input_quantizer
         if not self.casts_for(linear, quantizer, x):
-            return activation.activation_forward(ctx, x), [()]
+            return activation.activation_forward(ctx, x)
         spec = activation._spec()
         cols = x.shape[-1] // 2 if spec.gated else x.shape[-1]
         if (spec.gated and x.shape[-1] % 2) or cols != linear.in_features:
             # the chain's errors: the activation's (odd gated width) or the linear's
-            return activation.activation_forward(ctx, x), [()]
+            return activation.activation_forward(ctx, x)
         # the linear's checks before anything is written (no amax recorded for a refused call)
         needs_wgrad = self.check_linear_shapes(ctx, linear, x)
         shape = (*x.shape[:-1], cols)
@@ -101,7 +86,7 @@ class ForwardActivationCast(ForwardProducerFusion):
         if len(shape) != 2:
             out = out.view(shape)  # the activation's output shape, which its gradient takes
         activation.save_input(ctx, x)
-        return out, [()]
+        return out
 
 
 def fuse_forward_activation_cast(ops, *, recipe=None):

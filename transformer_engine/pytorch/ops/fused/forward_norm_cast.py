@@ -14,7 +14,6 @@ from __future__ import annotations
 from ...functional.produced_fp8 import cast_for_linear
 from ..basic.basic_linear import BasicLinear
 from ..basic.normalization import LayerNorm, RMSNorm
-from ._kwargs import refuse_kwargs
 from ._producer import ForwardProducerFusion, replace_under_per_tensor_fp8
 from ._rewrite import op_at
 
@@ -49,32 +48,18 @@ class ForwardNormCast(ForwardProducerFusion):
             )
         super().__init__(norm, linear)
 
-    def fuser_forward(
-        self,
-        basic_op_ctxs,
-        input_,
-        *,
-        basic_op_extra_inputs,
-        prev_op_grad_output_quantizer,
-        next_op_input_quantizer,
-        basic_op_kwargs,
-    ):
-        refuse_kwargs("ForwardNormCast", basic_op_kwargs)
-        (norm,) = self.basic_ops
-        (ctx,) = basic_op_ctxs
-        (linear,) = self._linear
+    def produce_forward(self, norm, ctx, input_, linear, quantizer):
         y = norm.op_forward(ctx, input_)
-        quantizer = next_op_input_quantizer
         if not (
             self.casts_for(linear, quantizer, y)
             and y.dim() > 0
             and y.shape[-1] == linear.in_features
         ):
-            return y, [()]
+            return y
         needs_wgrad = self.check_linear_shapes(ctx, linear, y)
         out = cast_for_linear(quantizer, y, rowwise=True, columnwise=needs_wgrad)
         del y  # the high-precision output goes before the GEMM
-        return out, [()]
+        return out
 
 
 def fuse_forward_norm_cast(ops, *, recipe=None):
