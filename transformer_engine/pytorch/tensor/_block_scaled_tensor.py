@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from ..constants import HIGH_PRECISION_DTYPES
 from ..quantized_tensor import QuantizedTensor
 from ._float8_quantize_into import high_precision_source
 
-__all__ = ["BlockScaledTensorMixin", "requantize_into", "storage_buffers"]
+__all__ = ["BlockScaledTensorMixin", "check_cast_input", "requantize_into", "storage_buffers"]
 
 aten = torch.ops.aten
 
@@ -161,6 +162,21 @@ class BlockScaledTensorMixin:
                 }
                 return tensor._with_buffers(shape, buffers)
         return QuantizedTensor.__torch_dispatch__.__func__(cls, func, types, args, kwargs)
+
+
+def check_cast_input(owner: str, quantizer, src: torch.Tensor) -> None:
+    """What a block-scaled quantizer's cast checks first: at least one usage set, and a
+    float32/float16/bfloat16 ``src``. ``owner`` names the quantizer class in errors."""
+    if not (quantizer.rowwise_usage or quantizer.columnwise_usage):
+        raise ValueError(
+            f"{owner}: rowwise and columnwise usage are both False; set at least one with "
+            "set_usage(...)"
+        )
+    if src.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(
+            f"{owner}: input dtype {src.dtype} is not supported; quantize a float32, float16 or "
+            "bfloat16 tensor"
+        )
 
 
 def storage_buffers(dst, rowwise: bool, columnwise: bool) -> tuple:

@@ -14,10 +14,10 @@ import torch
 
 from ...common.recipe import Float8BlockScaling
 from .. import reference
-from ..constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
+from ..constants import DType, to_torch_fp8_dtype
 from ..cpp_extensions.block_cast import float8_block_cast, float8_block_scale_shape
 from ..quantized_tensor import Quantizer, _check_high_precision_dtype
-from ._block_scaled_tensor import requantize_into, storage_buffers
+from ._block_scaled_tensor import check_cast_input, requantize_into, storage_buffers
 from ._float8_blockwise_tensor_class import Float8BlockwiseQTensor
 from ._float8_quantize_into import high_precision_source
 from .storage.float8_blockwise_tensor_storage import (
@@ -103,16 +103,7 @@ class Float8BlockQuantizer(Quantizer):
         :func:`cpp_extensions.block_cast.float8_block_cast` (native on CUDA). With ``dst`` (a
         storage holding those usages) the cast writes into its buffers in place, skipped on
         the device when ``noop_flag`` holds 1.0."""
-        if not (self.rowwise_usage or self.columnwise_usage):
-            raise ValueError(
-                "Float8BlockQuantizer: rowwise and columnwise usage are both False; set at "
-                "least one with set_usage(...)"
-            )
-        if src.dtype not in HIGH_PRECISION_DTYPES:
-            raise TypeError(
-                f"Float8BlockQuantizer: input dtype {src.dtype} is not supported; quantize a "
-                "float32, float16 or bfloat16 tensor"
-            )
+        check_cast_input("Float8BlockQuantizer", self, src)
         result = float8_block_cast(
             src, to_torch_fp8_dtype(self.dtype), block_scaling_dim=self.block_scaling_dim,
             rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,

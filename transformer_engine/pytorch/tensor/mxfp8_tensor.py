@@ -16,10 +16,10 @@ import torch
 
 from ...common.recipe import MXFP8BlockScaling
 from .. import reference
-from ..constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
+from ..constants import DType, to_torch_fp8_dtype
 from ..cpp_extensions.block_cast import mxfp8_block_cast
 from ..quantized_tensor import Quantizer, _check_high_precision_dtype
-from ._block_scaled_tensor import requantize_into, storage_buffers
+from ._block_scaled_tensor import check_cast_input, requantize_into, storage_buffers
 from ._float8_quantize_into import high_precision_source
 from ._mxfp8_tensor_class import MXFP8Tensor
 from .storage.float8_blockwise_tensor_storage import block_matrix_dims
@@ -72,16 +72,7 @@ class MXFP8Quantizer(Quantizer):
         :func:`cpp_extensions.block_cast.mxfp8_block_cast` (native on CUDA). With ``dst`` (a
         storage holding those usages) the cast writes into its buffers in place, skipped on
         the device when ``noop_flag`` holds 1.0."""
-        if not (self.rowwise_usage or self.columnwise_usage):
-            raise ValueError(
-                "MXFP8Quantizer: rowwise and columnwise usage are both False; set at least one "
-                "with set_usage(...)"
-            )
-        if src.dtype not in HIGH_PRECISION_DTYPES:
-            raise TypeError(
-                f"MXFP8Quantizer: input dtype {src.dtype} is not supported; quantize a float32, "
-                "float16 or bfloat16 tensor"
-            )
+        check_cast_input("MXFP8Quantizer", self, src)
         result = mxfp8_block_cast(
             src, to_torch_fp8_dtype(self.dtype), rowwise=self.rowwise_usage,
             columnwise=self.columnwise_usage, two_d=self.with_2d_quantization,

@@ -14,8 +14,9 @@ import torch
 
 from ...common.recipe import NVFP4BlockScaling
 from .. import reference_fp4 as fp4
-from ..constants import HIGH_PRECISION_DTYPES, DType
+from ..constants import DType
 from ..quantized_tensor import Quantizer, _check_high_precision_dtype
+from ._block_scaled_tensor import check_cast_input
 from ._float8_quantize_into import high_precision_source
 from ._nvfp4_tensor_class import NVFP4Tensor
 from .storage.float8_blockwise_tensor_storage import block_matrix_dims
@@ -146,16 +147,7 @@ class NVFP4Quantizer(Quantizer):
 
     def _cast(self, src: torch.Tensor) -> dict:
         """The buffers of ``src`` for the usages set now."""
-        if not (self.rowwise_usage or self.columnwise_usage):
-            raise ValueError(
-                "NVFP4Quantizer: rowwise and columnwise usage are both False; set at least one "
-                "with set_usage(...)"
-            )
-        if src.dtype not in HIGH_PRECISION_DTYPES:
-            raise TypeError(
-                f"NVFP4Quantizer: input dtype {src.dtype} is not supported; quantize a float32, "
-                "float16 or bfloat16 tensor"
-            )
+        check_cast_input("NVFP4Quantizer", self, src)
         shape = tuple(src.shape)
         m, k = block_matrix_dims(shape)
         matrix = src.detach().reshape(m, k).float()
