@@ -26,24 +26,17 @@ or through ``worker(rank, world_size, backend, out_dir, init_method)`` (the gloo
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
-import os
-
 import torch
 import torch.distributed as dist
 
-import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
-from transformer_engine.pytorch import _tensor_parallel as tp
-from transformer_engine.pytorch.tensor.float8_tensor import (
-    Float8CurrentScalingQuantizer,
-    Float8Quantizer,
-)
+# The sequence-parallel models and their steps are run_fp8_grad_gather's (the same sizes, seeds
+# and inputs; its model list is a superset of this file's "pair" and "mlp").
+from run_fp8_grad_gather import BATCH, HIDDEN, SEQ, STEPS, build, run_steps
+from tp_harness import compare_bitwise, high_precision_gathers, main, recorded_gathers, run_worker
+from tp_harness import make_quantizer as harness_quantizer
 
-SEQ, BATCH, HIDDEN, FFN = 32, 2, 32, 64
-STEPS = 2
+from transformer_engine.pytorch import _tensor_parallel as tp
+
 MODEL_CASES = [
     (model, recipe, dtype)
     for model in ("pair", "mlp")
@@ -52,38 +45,8 @@ MODEL_CASES = [
 ]
 
 
-@contextlib.contextmanager
-def recorded_gathers():
-    """Every all-gather of ``_tensor_parallel`` as ``(dtype, bytes sent by this rank)``."""
-    original, log = tp._all_gather_dim0, []
-
-    def recording(out, src, group=None, async_op=False):
-        log.append((src.dtype, src.numel() * src.element_size()))
-        return original(out, src, group=group, async_op=async_op)
-
-    tp._all_gather_dim0 = recording
-    try:
-        yield log
-    finally:
-        tp._all_gather_dim0 = original
-
-
-@contextlib.contextmanager
-def high_precision_gather():
-    """The gather before FP8 all-gathers: high precision, then the cast."""
-    original = tp.gathers_fp8
-    tp.gathers_fp8 = lambda quantizer: False
-    try:
-        yield
-    finally:
-        tp.gathers_fp8 = original
-
-
 def make_quantizer(kind, device):
-    if kind == "delayed":
-        scale = torch.full((1,), 3.0, device=device)
-        return Float8Quantizer(scale, torch.zeros(1, device=device), torch.float8_e4m3fn)
-    return Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+    return harness_quantizer(kind, device, torch.float8_e4m3fn)
 
 
 def check_direct_gather(group, device, failures) -> None:
@@ -118,66 +81,14 @@ def check_direct_gather(group, device, failures) -> None:
                 failures.append(f"{tag}: the quantizer's amax reduction was not restored")
 
 
-def build(model, dtype, group, device):
-    torch.manual_seed(1234)
-    kw = dict(sequence_parallel=True, tp_group=group, params_dtype=dtype, device=device)
-    if model == "pair":
-        modules = [
-            te.Linear(HIDDEN, FFN, parallel_mode="column", **kw),
-            te.Linear(FFN, HIDDEN, parallel_mode="row", **kw),
-        ]
-    else:
-        modules = [te.LayerNormMLP(HIDDEN, FFN, set_parallel_mode=True, **kw)]
-    for m in modules:
-        for p in m.parameters():
-            with torch.no_grad():
-                p.normal_(0, 0.1)
-    return modules
-
-
-def recipe_of(name):
-    if name == "delayed":
-        return DelayedScaling(amax_history_len=4, reduce_amax=True)
-    return Float8CurrentScaling()
-
-
-def run_steps(modules, recipe_name, dtype, group, device):
-    """Outputs, input grads and parameter grads of STEPS steps, and the final recipe state."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    results = []
-    for step in range(STEPS):
-        torch.manual_seed(100 + step)
-        x = torch.randn(SEQ, BATCH, HIDDEN, device=device).to(dtype).chunk(world)[rank]
-        g = torch.randn(SEQ, BATCH, HIDDEN, device=device).to(dtype).chunk(world)[rank]
-        x = x.contiguous().requires_grad_(True)
-        for m in modules:
-            m.zero_grad(set_to_none=True)
-        with te.autocast(recipe=recipe_of(recipe_name), amax_reduction_group=group):
-            out = x
-            for m in modules:
-                out = m(out)
-        out.backward(g.contiguous())
-        results.append(("out", out.detach()))
-        results.append(("dx", x.grad))
-        for i, m in enumerate(modules):
-            results += [(f"{i}.{n}.grad", p.grad) for n, p in m.named_parameters()]
-    for i, m in enumerate(modules):
-        for key in ("scaling_fwd", "scaling_bwd"):
-            meta = m.fp8_meta.get(key)
-            if meta is not None and hasattr(meta, "scale"):
-                results.append((f"{i}.{key}.scale", meta.scale))
-                results.append((f"{i}.{key}.amax_history", meta.amax_history))
-    return results
-
-
 def check_model(model, recipe_name, dtype, group, device, failures) -> None:
     tag = f"{model} {recipe_name} {dtype}"
     fp8_modules = build(model, dtype, group, device)
     hp_modules = build(model, dtype, group, device)
     with recorded_gathers() as fp8_log:
-        fp8 = run_steps(fp8_modules, recipe_name, dtype, group, device)
-    with high_precision_gather(), recorded_gathers() as hp_log:
-        hp = run_steps(hp_modules, recipe_name, dtype, group, device)
+        fp8 = run_steps(model, fp8_modules, recipe_name, dtype, group, device)
+    with high_precision_gathers(), recorded_gathers() as hp_log:
+        hp = run_steps(model, hp_modules, recipe_name, dtype, group, device)
     # Per step: the forward gather of the column layer's input, its re-gather in backward for
     # the weight gradient (the saved FP8 shard) and the backward gather of the row layer's
     # output gradient: uint8 with the FP8 gathers, one byte per value; without them the two
@@ -188,47 +99,19 @@ def check_model(model, recipe_name, dtype, group, device, failures) -> None:
         failures.append(f"{tag}: FP8-gather run gathered {fp8_log}")
     if hp_log != [(dtype, hp_bytes)] * (2 * STEPS):
         failures.append(f"{tag}: high-precision run gathered {hp_log}")
-    if [n for n, _ in fp8] != [n for n, _ in hp]:
-        failures.append(f"{tag}: the runs produced different results lists")
-        return
-    for (name, a), (_, b) in zip(fp8, hp):
-        if a is None or b is None:
-            if a is not b:
-                failures.append(f"{tag} {name}: one run has no value")
-        elif not torch.equal(a.cpu(), b.cpu()):
-            err = (a.double() - b.double()).abs().max().item()
-            failures.append(f"{tag} {name}: not bitwise equal (max diff {err:.3e})")
+    compare_bitwise(tag, fp8, hp, failures)
 
 
 def worker(rank, world_size, backend, out_dir=None, init_method="env://"):
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)  # NCCL's process device; the library never asks
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-    try:
-        group = dist.new_group(list(range(world_size)))
+    def checks(group, device):
         failures: list[str] = []
         check_direct_gather(group, device, failures)
         for model, recipe_name, dtype in MODEL_CASES:
             check_model(model, recipe_name, dtype, group, device, failures)
-        cases = 4 + len(MODEL_CASES)
-        if out_dir is not None:
-            with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-                json.dump({"failures": failures, "cases": cases}, f)
-        print(f"FP8_GATHER_RESULT rank={rank} cases={cases} failures={len(failures)}")
-        for line in failures[:20]:
-            print(f"FP8_GATHER_FAILURE rank={rank} {line}")
-        return failures
-    finally:
-        dist.destroy_process_group()
+        return failures, 4 + len(MODEL_CASES)
+
+    return run_worker(rank, world_size, backend, out_dir, init_method, "FP8_GATHER", checks)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--backend", default="nccl")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    failed = worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.backend, args.out)
-    raise SystemExit(1 if failed else 0)
+    main(worker)

@@ -29,22 +29,22 @@ or through ``worker(rank, world_size, backend, out_dir, init_method)`` (the gloo
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
-import os
-
 import torch
 import torch.distributed as dist
+from tp_harness import (
+    compare_bitwise,
+    high_precision_gathers,
+    main,
+    make_recipe,
+    recipe_state,
+    recorded_gathers,
+    run_worker,
+)
+from tp_harness import make_quantizer as harness_quantizer
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import _tensor_parallel as tp
 from transformer_engine.pytorch.functional.linear import LinearConfig
-from transformer_engine.pytorch.tensor.float8_tensor import (
-    Float8CurrentScalingQuantizer,
-    Float8Quantizer,
-)
 
 SEQ, BATCH, HIDDEN, FFN = 32, 2, 32, 64
 STEPS = 2
@@ -55,38 +55,8 @@ MODEL_CASES = [(m, r, torch.bfloat16) for m in MODELS for r in ("delayed", "curr
 DIRECT_CASES = 2 * 2 * 3 + 2 * 2  # grad gathers (kind, dtype, usages) + shard re-gathers
 
 
-@contextlib.contextmanager
-def recorded_gathers():
-    """Every all-gather of ``_tensor_parallel`` as ``(dtype, bytes sent by this rank)``."""
-    original, log = tp._all_gather_dim0, []
-
-    def recording(out, src, group=None, async_op=False):
-        log.append((src.dtype, src.numel() * src.element_size()))
-        return original(out, src, group=group, async_op=async_op)
-
-    tp._all_gather_dim0 = recording
-    try:
-        yield log
-    finally:
-        tp._all_gather_dim0 = original
-
-
-@contextlib.contextmanager
-def high_precision_gathers():
-    """The gathers before FP8 gathers: high precision, then the cast."""
-    original = tp.gathers_fp8
-    tp.gathers_fp8 = lambda quantizer: False
-    try:
-        yield
-    finally:
-        tp.gathers_fp8 = original
-
-
 def make_quantizer(kind, device):
-    if kind == "delayed":
-        scale = torch.full((1,), 3.0, device=device)
-        return Float8Quantizer(scale, torch.zeros(1, device=device), torch.float8_e5m2)
-    return Float8CurrentScalingQuantizer(torch.float8_e5m2)
+    return harness_quantizer(kind, device, torch.float8_e5m2)
 
 
 def full_and_local(group, device, dtype, features=48):
@@ -192,12 +162,6 @@ def build(model, dtype, group, device):
     return modules
 
 
-def recipe_of(name):
-    if name == "delayed":
-        return DelayedScaling(amax_history_len=4, reduce_amax=True)
-    return Float8CurrentScaling()
-
-
 def model_input(model, dtype, group, device, step):
     """``(x, grad)``: the row layer alone takes the whole sequence with its share of the
     features; the others this rank's share of the sequence."""
@@ -218,7 +182,7 @@ def run_steps(model, modules, recipe_name, dtype, group, device):
         x, g = model_input(model, dtype, group, device, step)
         for m in modules:
             m.zero_grad(set_to_none=True)
-        with te.autocast(recipe=recipe_of(recipe_name), amax_reduction_group=group):
+        with te.autocast(recipe=make_recipe(recipe_name), amax_reduction_group=group):
             out = x
             for m in modules:
                 out = m(out)
@@ -226,13 +190,7 @@ def run_steps(model, modules, recipe_name, dtype, group, device):
         results += [("out", out.detach()), ("dx", x.grad)]
         for i, m in enumerate(modules):
             results += [(f"{i}.{n}.grad", p.grad) for n, p in m.named_parameters()]
-    for i, m in enumerate(modules):
-        for key in ("scaling_fwd", "scaling_bwd"):
-            meta = m.fp8_meta.get(key)
-            if meta is not None and hasattr(meta, "scale"):
-                results.append((f"{i}.{key}.scale", meta.scale))
-                results.append((f"{i}.{key}.amax_history", meta.amax_history))
-    return results
+    return results + recipe_state(modules)
 
 
 def expected_gathers(model, dtype, world):
@@ -261,16 +219,7 @@ def check_model(model, recipe_name, dtype, group, device, failures) -> None:
         failures.append(f"{tag}: FP8 run gathered {fp8_log}, expected {want_fp8} per step")
     if hp_log != want_hp * STEPS:
         failures.append(f"{tag}: high-precision run gathered {hp_log}")
-    if [n for n, _ in fp8] != [n for n, _ in hp]:
-        failures.append(f"{tag}: the runs produced different results lists")
-        return
-    for (name, a), (_, b) in zip(fp8, hp):
-        if a is None or b is None:
-            if a is not b:
-                failures.append(f"{tag} {name}: one run has no value")
-        elif not torch.equal(a.cpu(), b.cpu()):
-            err = (a.double() - b.double()).abs().max().item()
-            failures.append(f"{tag} {name}: not bitwise equal (max diff {err:.3e})")
+    compare_bitwise(tag, fp8, hp, failures)
 
 
 def saved_bytes(model, recipe_name, group, device):
@@ -284,7 +233,7 @@ def saved_bytes(model, recipe_name, group, device):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with te.autocast(recipe=recipe_of(recipe_name), amax_reduction_group=group):
+        with te.autocast(recipe=make_recipe(recipe_name), amax_reduction_group=group):
             modules[0](x)
     return sum(n for d, n in sizes if d == torch.uint8), sum(n for _, n in sizes)
 
@@ -312,35 +261,17 @@ def check_saved_memory(group, device, failures) -> int:
 
 
 def worker(rank, world_size, backend, out_dir=None, init_method="env://"):
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)  # NCCL's process device; the library never asks
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-    try:
-        group = dist.new_group(list(range(world_size)))
+    def checks(group, device):
         failures: list[str] = []
         check_grad_gather(group, device, failures)
         check_regather(group, device, failures)
         for model, recipe_name, dtype in MODEL_CASES:
             check_model(model, recipe_name, dtype, group, device, failures)
         cases = DIRECT_CASES + len(MODEL_CASES) + check_saved_memory(group, device, failures)
-        if out_dir is not None:
-            with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-                json.dump({"failures": failures, "cases": cases}, f)
-        print(f"FP8_GRAD_GATHER_RESULT rank={rank} cases={cases} failures={len(failures)}")
-        for line in failures[:20]:
-            print(f"FP8_GRAD_GATHER_FAILURE rank={rank} {line}")
-        return failures
-    finally:
-        dist.destroy_process_group()
+        return failures, cases
+
+    return run_worker(rank, world_size, backend, out_dir, init_method, "FP8_GRAD_GATHER", checks)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--backend", default="nccl")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    failed = worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.backend, args.out)
-    raise SystemExit(1 if failed else 0)
+    main(worker)

@@ -28,19 +28,12 @@ every element within ``2^-5 * max|reference|``.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-
 import torch
 import torch.distributed as dist
+from tp_harness import compare, gather, main, make_recipe, run_worker, spread_maxima
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_tensor_parallel import compare, gather, make_recipe, spread_maxima  # noqa: E402
-
-import transformer_engine.pytorch as te  # noqa: E402
-from transformer_engine.pytorch import _tensor_parallel as tp  # noqa: E402
+import transformer_engine.pytorch as te
+from transformer_engine.pytorch import _tensor_parallel as tp
 
 GROUPS, TOKENS, HIDDEN, FFN = 3, 64, 32, 64
 SPLITS = [16, 32, 16]
@@ -146,32 +139,14 @@ def check(name, got, ref, checks, failures) -> None:
 
 
 def worker(rank, world_size, backend, out_dir=None, init_method="env://"):
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)  # NCCL's process device; the library never asks
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-    try:
-        group = dist.new_group(list(range(world_size)))
+    def checks(group, device):
         failures = []
         for sp, precision in CASES:
             failures += check_case(sp, precision, group, device)
-        if out_dir is not None:
-            with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-                json.dump({"failures": failures, "cases": len(CASES)}, f)
-        print(f"GROUPED_TP_RESULT rank={rank} cases={len(CASES)} failures={len(failures)}")
-        for line in failures[:20]:
-            print(f"GROUPED_TP_FAILURE rank={rank} {line}")
-        return failures
-    finally:
-        dist.destroy_process_group()
+        return failures, len(CASES)
+
+    return run_worker(rank, world_size, backend, out_dir, init_method, "GROUPED_TP", checks)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--backend", default="nccl")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    failed = worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.backend, args.out)
-    raise SystemExit(1 if failed else 0)
+    main(worker)

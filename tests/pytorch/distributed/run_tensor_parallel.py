@@ -25,15 +25,11 @@ within ``2^-3 * max|reference|`` and 98% of them within the float32 tolerance.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-
 import torch
 import torch.distributed as dist
+from tp_harness import compare, gather, main, make_recipe, run_worker, spread_maxima, summed
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 
 SEQ, BATCH, HIDDEN, FFN = 32, 2, 32, 64
 STEPS = 3
@@ -43,28 +39,6 @@ CASES = [
     for sp in (False, True)
     for recipe in (None, "delayed", "current")
 ]
-
-
-def make_recipe(name):
-    if name == "delayed":
-        return DelayedScaling(amax_history_len=4, reduce_amax=True)
-    if name == "current":
-        return Float8CurrentScaling()
-    return None
-
-
-def spread_maxima(w: torch.Tensor) -> None:
-    """Put the tensor's largest magnitude in every half along each dimension, so every
-    tensor-parallel shard has the same amax as the whole tensor."""
-    with torch.no_grad():
-        idx = [[0, s // 2] if s > 1 else [0] for s in w.shape]
-        if w.dim() == 1:
-            for i in idx[0]:
-                w[i] = 0.5
-        else:
-            for i in idx[0]:
-                for j in idx[1]:
-                    w[i, j] = 0.5
 
 
 def build_full(model, device):
@@ -119,37 +93,6 @@ def run(modules, x, grad, recipe):
             out = m(out)
     out.backward(grad)
     return out.detach(), x.grad
-
-
-def gather(t, dim, group):
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
-def summed(t, group):
-    t = t.clone()
-    dist.all_reduce(t, group=group)
-    return t
-
-
-def compare(name, got, ref, fp8, failures):
-    got, ref = got.double().cpu(), ref.double().cpu()
-    if got.shape != ref.shape:
-        failures.append(f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}")
-        return
-    scale = ref.abs().max().item() or 1.0
-    err = (got - ref).abs()
-    tight = err <= 1e-5 * scale + 1e-5 * ref.abs()
-    if fp8:
-        ok = bool((err <= 2**-3 * scale).all()) and tight.double().mean().item() >= 0.98
-    else:
-        ok = bool(tight.all())
-    if not ok:
-        failures.append(
-            f"{name}: max err {err.max().item():.3e} (scale {scale:.3e}), "
-            f"{100 * tight.double().mean().item():.1f}% within float32 tolerance"
-        )
 
 
 def parallel_grads(model, par, sp, group):
@@ -209,32 +152,14 @@ def check_case(model, sp, recipe_name, group, device) -> list[str]:
 
 
 def worker(rank, world_size, backend, out_dir=None, init_method="env://"):
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)  # NCCL's process device; the library never asks
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-    try:
-        group = dist.new_group(list(range(world_size)))
+    def checks(group, device):
         failures = []
         for model, sp, recipe_name in CASES:
             failures += check_case(model, sp, recipe_name, group, device)
-        if out_dir is not None:
-            with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-                json.dump({"failures": failures, "cases": len(CASES)}, f)
-        print(f"TP_RESULT rank={rank} cases={len(CASES)} failures={len(failures)}")
-        for line in failures[:20]:
-            print(f"TP_FAILURE rank={rank} {line}")
-        return failures
-    finally:
-        dist.destroy_process_group()
+        return failures, len(CASES)
+
+    return run_worker(rank, world_size, backend, out_dir, init_method, "TP", checks)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--backend", default="nccl")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    failed = worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.backend, args.out)
-    raise SystemExit(1 if failed else 0)
+    main(worker)

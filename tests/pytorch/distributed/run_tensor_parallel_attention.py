@@ -35,17 +35,12 @@ single-process module's exactly.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-
 import torch
 import torch.distributed as dist
 
-# The helpers the Linear/LayerNormMLP worker already has: its recipes (delayed with the amaxes
-# reduced, as sequence parallelism needs), the shard-equal amax placement, gather and sum over
-# the group. This file's directory is on sys.path both under torchrun and from its test.
-from run_tensor_parallel import gather, make_recipe, spread_maxima, summed  # noqa: E402
+# This file's directory is on sys.path both under torchrun and from its test.
+from tp_harness import compare as harness_compare
+from tp_harness import gather, main, make_recipe, run_worker, spread_maxima, summed
 
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch.attention.multi_head_attention import MultiheadAttention
@@ -120,22 +115,9 @@ def run(module, x, grad, recipe, encoder):
 
 
 def compare(name, got, ref, fp8, failures):
-    got, ref = got.double().cpu(), ref.double().cpu()
-    if got.shape != ref.shape:
-        failures.append(f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}")
-        return
-    scale = ref.abs().max().item() or 1.0
-    err = (got - ref).abs()
-    tight = err <= 2e-5 * scale + 1e-5 * ref.abs() + 1e-6
-    if fp8:
-        ok = bool((err <= 2**-3 * scale).all()) and tight.double().mean().item() >= 0.95
-    else:
-        ok = bool(tight.all())
-    if not ok:
-        failures.append(
-            f"{name}: max err {err.max().item():.3e} (scale {scale:.3e}), "
-            f"{100 * tight.double().mean().item():.1f}% within float32 tolerance"
-        )
+    """The module docstring's tolerances: float32 within ``1e-5 * |reference| +
+    2e-5 * max|reference| + 1e-6``, FP8 95% of the elements within it."""
+    harness_compare(name, got, ref, fp8, failures, rel_to_max=2e-5, floor=1e-6, fp8_share=0.95)
 
 
 def compare_scales(tag, full, par) -> list[str]:
@@ -203,32 +185,14 @@ def check_case(kind, sp, recipe_name, extra, group, device) -> list[str]:
 
 
 def worker(rank, world_size, backend, out_dir=None, init_method="env://"):
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)  # NCCL's process device; the library never asks
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-    try:
-        group = dist.new_group(list(range(world_size)))
+    def checks(group, device):
         failures = []
         for kind, sp, recipe_name, extra in CASES:
             failures += check_case(kind, sp, recipe_name, extra, group, device)
-        if out_dir is not None:
-            with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-                json.dump({"failures": failures, "cases": len(CASES)}, f)
-        print(f"TP_ATTN_RESULT rank={rank} cases={len(CASES)} failures={len(failures)}")
-        for line in failures[:20]:
-            print(f"TP_ATTN_FAILURE rank={rank} {line}")
-        return failures
-    finally:
-        dist.destroy_process_group()
+        return failures, len(CASES)
+
+    return run_worker(rank, world_size, backend, out_dir, init_method, "TP_ATTN", checks)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--backend", default="nccl")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    failed = worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.backend, args.out)
-    raise SystemExit(1 if failed else 0)
+    main(worker)

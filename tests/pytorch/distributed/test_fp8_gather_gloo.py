@@ -6,15 +6,11 @@ GPUs."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from utils import needs_two_gpus
 
 from transformer_engine.pytorch import distributed as ted
@@ -28,18 +24,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run_fp8_gather as harness  # noqa: E402
-
-
-def _spawned(rank, world_size, out_dir, init_file):
-    harness.worker(rank, world_size, "gloo", out_dir, init_method=f"file://{init_file}")
+from tp_harness import check_gloo_run, run_torchrun  # noqa: E402
 
 
 def test_fp8_gather_equals_the_high_precision_gather(tmp_path):
-    mp.spawn(_spawned, args=(2, str(tmp_path), str(tmp_path / "init")), nprocs=2, join=True)
-    for rank in range(2):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result["cases"] == 4 + len(harness.MODEL_CASES)
-        assert result["failures"] == [], "\n".join(result["failures"])
+    check_gloo_run(harness.worker, tmp_path, 4 + len(harness.MODEL_CASES))
 
 
 def test_which_quantizers_gather_fp8():
@@ -63,14 +52,7 @@ def test_one_rank_quantizes_without_communication():
 
 @needs_two_gpus
 def test_fp8_gather_over_nccl(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(HERE.parents[2]) + os.pathsep + os.environ.get(
-        "PYTHONPATH", ""))  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(HERE / "run_fp8_gather.py"), "--backend", "nccl", "--out", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    for rank in range(2):
-        assert json.loads((tmp_path / f"rank{rank}.json").read_text())["failures"] == []
+    run_torchrun("run_fp8_gather.py", tmp_path)
 
 
 if __name__ == "__main__":

@@ -5,15 +5,11 @@ forward without a group). NCCL variant: two GPUs."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from utils import needs_two_gpus
 
 import transformer_engine.pytorch as te
@@ -23,18 +19,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run_grouped_linear_tp as harness  # noqa: E402
-
-
-def _spawned(rank, world_size, out_dir, init_file):
-    harness.worker(rank, world_size, "gloo", out_dir, init_method=f"file://{init_file}")
+from tp_harness import check_gloo_run, run_torchrun  # noqa: E402
 
 
 def test_parallel_grouped_linear_equals_the_single_process_model(tmp_path):
-    mp.spawn(_spawned, args=(2, str(tmp_path), str(tmp_path / "init")), nprocs=2, join=True)
-    for rank in range(2):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result["cases"] == len(harness.CASES)
-        assert result["failures"] == [], "\n".join(result["failures"])
+    check_gloo_run(harness.worker, tmp_path, len(harness.CASES))
 
 
 def test_local_shards_and_partition_attributes():
@@ -100,11 +89,4 @@ def test_sequence_parallel_needs_no_reduce_amax_here():
 
 @needs_two_gpus
 def test_parallel_grouped_linear_over_nccl(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(HERE.parents[2]) + os.pathsep + os.environ.get(
-        "PYTHONPATH", ""))  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(HERE / "run_grouped_linear_tp.py"), "--backend", "nccl", "--out", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    for rank in range(2):
-        assert json.loads((tmp_path / f"rank{rank}.json").read_text())["failures"] == []
+    run_torchrun("run_grouped_linear_tp.py", tmp_path)

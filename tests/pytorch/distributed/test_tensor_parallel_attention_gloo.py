@@ -6,15 +6,11 @@ GPUs."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from utils import needs_two_gpus
 
 from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import (
@@ -27,29 +23,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run_tensor_parallel_attention as harness  # noqa: E402
-
-
-def _spawned(rank, world_size, out_dir, init_file):
-    harness.worker(rank, world_size, "gloo", out_dir, init_method=f"file://{init_file}")
+from tp_harness import check_gloo_run, run_torchrun  # noqa: E402
 
 
 def test_parallel_attention_equals_the_single_process_module(tmp_path):
-    mp.spawn(_spawned, args=(2, str(tmp_path), str(tmp_path / "init")), nprocs=2, join=True)
-    for rank in range(2):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result["cases"] == len(harness.CASES)
-        assert result["failures"] == [], "\n".join(result["failures"])
+    check_gloo_run(harness.worker, tmp_path, len(harness.CASES))
 
 
 @needs_two_gpus
 def test_parallel_attention_over_nccl():
-    env = dict(os.environ, PYTHONPATH=str(HERE.parents[2]))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        str(HERE / "run_tensor_parallel_attention.py"), "--backend", "nccl",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = run_torchrun("run_tensor_parallel_attention.py")
     assert proc.stdout.count("failures=0") == 2, proc.stdout[-4000:]
 
 
