@@ -84,10 +84,11 @@ class _LinearFunction(torch.autograd.Function):
             elif ctx.regather_high_precision:
                 saved.x = gather_along_first_dim(saved.x, ctx.sp_group)[0]
             if ctx.out_sp_group is not None:
-                fp8 = not saved.high_precision_backward
+                # The layouts the GEMMs read; it gathers in high precision unless they run
+                # in per-tensor FP8 (no backward_override).
                 grad_out = sequence_parallel_grad_output(
                     grad_out, ctx.out_sp_group, saved.config,
-                    rowwise=fp8 and saved.w is not None, columnwise=fp8 and saved.x is not None,
+                    rowwise=saved.w is not None, columnwise=saved.x is not None,
                 )  # fmt: skip
             dx, dw, dbias = linear_backward(saved, grad_out)
             if dx is not None and ctx.sp_group is not None:

@@ -146,10 +146,11 @@ class _MLPBody(torch.autograd.Function):
             saved2.unpack(tensors[ctx.split : -1])
             h2 = tensors[-1]
             if ctx.out_sp_group is not None:
-                fp8 = not saved2.high_precision_backward
+                # The layouts the GEMMs read; it gathers in high precision unless they run
+                # in per-tensor FP8 (no backward_override).
                 grad_out = sequence_parallel_grad_output(
                     grad_out, ctx.out_sp_group, saved2.config,
-                    rowwise=fp8 and saved2.w is not None, columnwise=fp8 and saved2.x is not None,
+                    rowwise=saved2.w is not None, columnwise=saved2.x is not None,
                 )  # fmt: skip
             d_act, dw2, db2 = linear_backward(saved2, grad_out)
             saved2.w = None  # FC2's FP8 weight copy (a cached one lives on in its workspace)
