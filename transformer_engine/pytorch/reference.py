@@ -26,6 +26,7 @@ import torch
 
 from .constants import fp8_max as _fp8_max
 from .constants import to_torch_fp8_dtype
+from .utils import round_up_to_nearest_multiple as round_up
 
 __all__ = [
     "FP8_CANONICAL_NAN",
@@ -322,10 +323,6 @@ def delayed_scaling_update(
 BLOCK_SCALING_BLOCK_LEN = 128
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
-
-
 def block_scale_from_amax(
     block_amax: torch.Tensor,
     fp8_dtype,
@@ -370,7 +367,7 @@ def _padded_blocks(a: torch.Tensor, rows: int) -> torch.Tensor:
     r, c = a.shape
     n = BLOCK_SCALING_BLOCK_LEN
     v = a.detach().float()
-    pad_r, pad_c = _round_up(r, rows) - r, _round_up(c, n) - c
+    pad_r, pad_c = round_up(r, rows) - r, round_up(c, n) - c
     return torch.nn.functional.pad(v, (0, pad_c, 0, pad_r)) if pad_r or pad_c else v
 
 
@@ -401,7 +398,7 @@ def block_cast_1d(
         force_pow_2_scales=force_pow_2_scales, value_for_inf=value_for_inf,
     )  # fmt: skip
     data = _saturating_cast(v * scale.unsqueeze(-1), fp8_dtype).reshape(r, cb * n)[:, :c]
-    scale_inv = torch.zeros(cb, _round_up(r, 4), dtype=torch.float32, device=a.device)
+    scale_inv = torch.zeros(cb, round_up(r, 4), dtype=torch.float32, device=a.device)
     scale_inv[:, :r] = reciprocal_elementwise(scale).t()
     return data.contiguous(), scale_inv
 
@@ -427,7 +424,7 @@ def block_cast_2d(
     )  # fmt: skip
     scaled = blocks * scale.reshape(rb, 1, cb, 1)
     data = _saturating_cast(scaled, fp8_dtype).reshape(rb * n, cb * n)[:r, :c]
-    scale_inv = torch.zeros(rb, _round_up(cb, 4), dtype=torch.float32, device=a.device)
+    scale_inv = torch.zeros(rb, round_up(cb, 4), dtype=torch.float32, device=a.device)
     scale_inv[:, :cb] = reciprocal_elementwise(scale)
     return data.contiguous(), scale_inv
 
@@ -523,7 +520,7 @@ def mxfp8_cast(
     n = MXFP8_BLOCK_LEN
     rows = n if two_d else 1
     v = a.detach().float()
-    pad_r, pad_c = _round_up(r, rows) - r, _round_up(c, n) - c
+    pad_r, pad_c = round_up(r, rows) - r, round_up(c, n) - c
     if pad_r or pad_c:
         v = torch.nn.functional.pad(v, (0, pad_c, 0, pad_r))
     rb, cb = v.shape[0] // rows, v.shape[1] // n

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from .utils import round_up_to_nearest_multiple as round_up
+
 __all__ = [
     "NVFP4_BLOCK_LEN",
     "E2M1_MAX",
@@ -56,10 +58,6 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 #: the fixed sign vector of the RHT (``with_random_sign_mask``; all +1 without it)
 RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def global_amax(a: torch.Tensor) -> torch.Tensor:
@@ -156,7 +154,7 @@ def apply_rht(
 def _block_view(v: torch.Tensor, rows: int) -> tuple[torch.Tensor, int, int]:
     r, c = v.shape
     n = NVFP4_BLOCK_LEN
-    pad_r, pad_c = _round_up(r, rows) - r, _round_up(c, n) - c
+    pad_r, pad_c = round_up(r, rows) - r, round_up(c, n) - c
     if pad_r or pad_c:
         v = torch.nn.functional.pad(v, (0, pad_c, 0, pad_r))
     rb, cb = v.shape[0] // rows, v.shape[1] // n

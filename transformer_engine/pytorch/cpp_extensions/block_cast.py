@@ -25,6 +25,8 @@ import torch
 
 from .. import reference
 from ..constants import HIGH_PRECISION_DTYPES, to_torch_fp8_dtype
+from ..utils import ceil_div
+from ..utils import round_up_to_nearest_multiple as round_up
 from ._routing import launch_args, native_for, tensor_arg
 from ._validation import (
     check_dtype,
@@ -57,14 +59,6 @@ class BlockCastResult(NamedTuple):
     columnwise_scale_inv: torch.Tensor | None
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _round_up(a: int, b: int) -> int:
-    return _ceil_div(a, b) * b
-
-
 def block_matrix_shape(shape) -> tuple[int, int]:
     """``(M, K)``: the matrix a tensor of ``shape`` is cast as (``K`` its last extent; a 0-d
     tensor is ``(1, 1)``)."""
@@ -79,16 +73,16 @@ def float8_block_scale_shape(shape, block_scaling_dim: int, columnwise: bool) ->
     m, k = block_matrix_shape(shape)
     rows, cols = (k, m) if columnwise else (m, k)
     if block_scaling_dim == 2:
-        return _ceil_div(rows, _BLOCK), _round_up(_ceil_div(cols, _BLOCK), 4)
-    return _ceil_div(cols, _BLOCK), _round_up(rows, 4)
+        return ceil_div(rows, _BLOCK), round_up(ceil_div(cols, _BLOCK), 4)
+    return ceil_div(cols, _BLOCK), round_up(rows, 4)
 
 
 def mxfp8_scale_shape(shape, columnwise: bool) -> tuple[int, int]:
     """Shape of one copy's (padded, compact) E8M0 scale bytes for a tensor of ``shape``."""
     m, k = block_matrix_shape(shape)
     if columnwise:
-        return _round_up(_ceil_div(m, _MX), 4), _round_up(k, 128)
-    return _round_up(m, 128), _round_up(_ceil_div(k, _MX), 4)
+        return round_up(ceil_div(m, _MX), 4), round_up(k, 128)
+    return round_up(m, 128), round_up(ceil_div(k, _MX), 4)
 
 
 def _columnwise_shape(shape) -> tuple:
@@ -225,8 +219,8 @@ def _float8_reference(input, fp8, dim, rowwise, columnwise, epsilon, pow2) -> Bl
             row = data.view(torch.uint8).reshape(shape), scale
         if columnwise:
             # Symmetric blocks: the transposed bytes and scales are the column-wise cast.
-            mb, kb = _ceil_div(m, _BLOCK), _ceil_div(k, _BLOCK)
-            col_scale = torch.zeros(kb, _round_up(mb, 4), dtype=torch.float32, device=input.device)
+            mb, kb = ceil_div(m, _BLOCK), ceil_div(k, _BLOCK)
+            col_scale = torch.zeros(kb, round_up(mb, 4), dtype=torch.float32, device=input.device)
             col_scale[:, :mb] = scale[:mb, :kb].t()
             col_data = data.view(torch.uint8).t().contiguous().reshape(_columnwise_shape(shape))
             col = col_data, col_scale
@@ -290,7 +284,7 @@ def _mxfp8_reference(input, fp8, rowwise, columnwise, two_d) -> BlockCastResult:
     shape = tuple(input.shape)
     m, k = block_matrix_shape(shape)
     matrix = input.reshape(m, k)
-    mb, kb = _ceil_div(m, _MX), _ceil_div(k, _MX)
+    mb, kb = ceil_div(m, _MX), ceil_div(k, _MX)
     row = col = (None, None)
 
     def scales(columnwise):

@@ -22,6 +22,7 @@ import torch
 
 from ... import reference
 from ...constants import DType, to_torch_fp8_dtype
+from ...utils import round_up_to_nearest_multiple as round_up
 from ._block_scaled_storage import (
     BUFFERS,
     BlockScaledTensorStorage,
@@ -35,16 +36,12 @@ __all__ = ["MXFP8TensorStorage", "mxfp8_scale_shape", "check_mxfp8_view"]
 _N = reference.MXFP8_BLOCK_LEN
 
 
-def _round_up(a: int, b: int) -> int:
-    return -(-a // b) * b
-
-
 def mxfp8_scale_shape(shape, columnwise: bool) -> tuple[int, int]:
     """Shape of the (padded, compact) E8M0 scale tensor of one copy of a tensor of ``shape``."""
     m, k = block_matrix_dims(shape)
     if columnwise:
-        return _round_up(-(-m // _N), 4), _round_up(k, 128)
-    return _round_up(m, 128), _round_up(-(-k // _N), 4)
+        return round_up(-(-m // _N), 4), round_up(k, 128)
+    return round_up(m, 128), round_up(-(-k // _N), 4)
 
 
 def _as_uint8(name: str, t):

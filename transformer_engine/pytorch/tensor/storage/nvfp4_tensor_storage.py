@@ -29,6 +29,7 @@ import torch
 
 from ... import reference_fp4 as fp4
 from ...constants import DType
+from ...utils import round_up_to_nearest_multiple as round_up
 from ._block_scaled_storage import (
     BUFFERS,
     BlockScaledTensorStorage,
@@ -44,16 +45,12 @@ _BUFFERS = (*BUFFERS, "_amax_rowwise", "_amax_columnwise")
 _N = fp4.NVFP4_BLOCK_LEN
 
 
-def _round_up(a: int, b: int) -> int:
-    return -(-a // b) * b
-
-
 def nvfp4_scale_shape(shape, columnwise: bool) -> tuple[int, int]:
     """Shape of the (padded) E4M3 scale tensor of one copy of a tensor of ``shape``."""
     m, k = block_matrix_dims(shape)
     if columnwise:
         m, k = k, m
-    return _round_up(m, 128), _round_up(-(-k // _N), 4)
+    return round_up(m, 128), round_up(-(-k // _N), 4)
 
 
 def nvfp4_data_shape(shape, columnwise: bool) -> tuple[int, ...]:
