@@ -91,27 +91,37 @@ def _cuda_mxfp8_support(index: int) -> tuple[bool, str]:
     )
 
 
+def _native_or_emulated_support(recipe: str, what: str, cuda_support, device) -> tuple[bool, str]:
+    """``(available, reason)`` of a recipe whose GEMMs are native only on some GPUs
+    (``cuda_support(index)``) and emulated everywhere else: False with FP8 unavailable, on the
+    CPU, or on a GPU without the native GEMM, each with a reason saying so."""
+    fp8_ok, fp8_reason = check_fp8_support(device)
+    if not fp8_ok:
+        return False, (
+            f"{recipe} ({what}) has no native support here; FP8 itself is not available here "
+            f"either: {fp8_reason}"
+        )
+    if device is not None and torch.device(device).type == "cuda":
+        return cuda_support(torch.device(device).index)
+    gpus = [] if device is not None else visible_cuda_devices()
+    if not gpus:
+        kind = recipe.removesuffix("BlockScaling")
+        return False, (
+            f"{recipe}: the CPU has no native {kind} GEMM; under autocast the GEMMs run "
+            "by exact emulation (dequantize to float32 and multiply)"
+        )
+    reasons = [r for ok, r in (cuda_support(d.index) for d in gpus) if not ok]
+    return (not reasons, "; ".join(reasons))
+
+
 def check_mxfp8_support(device=None) -> tuple[bool, str]:
     """``(available, reason)``: native MXFP8 support, upstream's meaning (compute capability
     10.x or 11.x). Elsewhere (Hopper, CPU) it is False, but ``MXFP8BlockScaling`` still runs:
     its GEMMs are emulated on every device (see ``docs/recipes.md``). ``device=None`` checks
     every visible GPU, or the CPU without CUDA."""
-    fp8_ok, fp8_reason = check_fp8_support(device)
-    if not fp8_ok:
-        return False, (
-            "MXFP8BlockScaling (MXFP8 block scaling) has no native support here; FP8 itself is "
-            f"not available here either: {fp8_reason}"
-        )
-    if device is not None and torch.device(device).type == "cuda":
-        return _cuda_mxfp8_support(torch.device(device).index)
-    gpus = [] if device is not None else visible_cuda_devices()
-    if not gpus:
-        return False, (
-            "MXFP8BlockScaling: the CPU has no native MXFP8 GEMM; under autocast the GEMMs run "
-            "by exact emulation (dequantize to float32 and multiply)"
-        )
-    reasons = [r for ok, r in (_cuda_mxfp8_support(d.index) for d in gpus) if not ok]
-    return (not reasons, "; ".join(reasons))
+    return _native_or_emulated_support(
+        "MXFP8BlockScaling", "MXFP8 block scaling", _cuda_mxfp8_support, device
+    )
 
 
 @functools.cache
@@ -163,26 +173,13 @@ def check_nvfp4_support(device=None) -> tuple[bool, str]:
     10.0 or newer). Elsewhere (Hopper, CPU) it is False, but ``NVFP4BlockScaling`` still runs:
     its casts are the reference's and its GEMMs are emulated on every device (see
     ``docs/recipes.md``). ``device=None`` checks every visible GPU, or the CPU without CUDA."""
-    fp8_ok, fp8_reason = check_fp8_support(device)
-    if not fp8_ok:
-        return False, (
-            "NVFP4BlockScaling (NVFP4 block scaling) has no native support here; FP8 itself is "
-            f"not available here either: {fp8_reason}"
-        )
-    if device is not None and torch.device(device).type == "cuda":
-        return _cuda_nvfp4_support(torch.device(device).index)
-    gpus = [] if device is not None else visible_cuda_devices()
-    if not gpus:
-        return False, (
-            "NVFP4BlockScaling: the CPU has no native NVFP4 GEMM; under autocast the GEMMs run "
-            "by exact emulation (dequantize to float32 and multiply)"
-        )
-    reasons = [r for ok, r in (_cuda_nvfp4_support(d.index) for d in gpus) if not ok]
-    return (not reasons, "; ".join(reasons))
+    return _native_or_emulated_support(
+        "NVFP4BlockScaling", "NVFP4 block scaling", _cuda_nvfp4_support, device
+    )
 
 
 def is_mxfp8_available(return_reason: bool = False, device=None):
-    """Whether ``MXFP8BlockScaling`` can run: never yet (see :func:`check_mxfp8_support`)."""
+    """Whether MXFP8 is natively supported (see :func:`check_mxfp8_support`)."""
     available, reason = check_mxfp8_support(device)
     return (available, reason) if return_reason else available
 
