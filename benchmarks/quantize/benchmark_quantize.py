@@ -27,7 +27,9 @@ import sys
 from pathlib import Path
 
 import torch
-from cuda_timing import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cuda_timing, also under python -P
+from cuda_timing import (  # noqa: E402
     DTYPES,
     add_input_and_timing_args,
     check_input_and_timing_args,

@@ -286,8 +286,11 @@ def test_native_scales_give_each_element_its_block_scale(columnwise):
 def test_native_gemm_equals_emulation(layout):
     # On sm_90 every layout runs torch._scaled_mm's 1x128 by 1x128 blockwise kernel (TN/NN with
     # the 128x128 weight's scales repeated along its rows), no refusal is recorded, and each
-    # product matches the float64 product of the dequantized operands within float32
-    # accumulation error (the emulation elsewhere matches it the same way).
+    # product matches the float64 product of the dequantized operands within the tensor cores'
+    # accumulation error: Hopper's FP8 MMA keeps about 14 significant bits while it sums one
+    # 128-wide K block (the kernel promotes to float32 between blocks), measured on the H200 at
+    # 1e-4 of the output's largest magnitude. The wrong-scale failure this guards against
+    # (torch's 128x128 mode) is off by 40%.
     x, w, dy = (t.to("cuda:0") for t in _gemm_operands())
     x, w, dy = x[:, :256], torch.cat([w, w[:96]]), torch.cat([dy, dy[:, :96]], 1)  # N = 256
     xq, wq, dyq = quantizer(1)(x), quantizer(2)(w), quantizer(1)(dy)
@@ -301,7 +304,7 @@ def test_native_gemm_equals_emulation(layout):
         dy_col = dyq._dequantize_layout(True, torch.float32).double()
         x_col = xq._dequantize_layout(True, torch.float32).double()
         ref = dy_col @ x_col.t()
-    assert torch.allclose(native.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    assert torch.allclose(native.double(), ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
     if torch.cuda.get_device_capability(0)[0] == 9:
         assert not native_block_gemm_refusals()
 
