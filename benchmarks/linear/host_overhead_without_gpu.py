@@ -9,9 +9,16 @@ before/after in one run on one machine (each configuration reports the best of `
 rounds, the one least disturbed by other processes). Also prints Python function calls per step
 (cProfile), which does not depend on the machine's load.
 
-Configurations: ``linear-delayed``, ``linear-current`` (te.Linear under te.autocast with
-DelayedScaling / Float8CurrentScaling), ``linear-bf16`` (te.Linear without FP8) and
-``mlp-delayed`` (te.LayerNormMLP, DelayedScaling).
+It also counts, per step, the torch operators dispatched (``aten ops``, seen by a
+``TorchDispatchMode``) and the native kernel calls the stubs stand in for (``native``): on a GPU
+each is a kernel launch or a copy, a CUDA driver call of 15-35 us of host time on the H200 hosts
+of issue 14, so they are a proxy for the launches a step pays. (Ops on metadata only, such as
+views, launch nothing; the count includes them.)
+
+Configurations: ``linear-delayed``, ``linear-current``, ``linear-block`` (te.Linear under
+te.autocast with DelayedScaling / Float8CurrentScaling / Float8BlockScaling; the block recipe at
+128 features, its block size), ``linear-bf16`` (te.Linear without FP8) and ``mlp-delayed``
+(te.LayerNormMLP, DelayedScaling).
 
     python benchmarks/linear/host_overhead_without_gpu.py [--configs linear-delayed,...] [--profile]
 """
@@ -28,20 +35,38 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the source tree, not an install
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import transformer_engine.pytorch as te  # noqa: E402
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
-from transformer_engine.pytorch.cpp_extensions import cast, fp8_gemm_cpu, scaling  # noqa: E402
+from transformer_engine.common.recipe import (  # noqa: E402
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+)
+from transformer_engine.pytorch.cpp_extensions import (  # noqa: E402
+    block_cast,
+    block_gemm,
+    cast,
+    fp8_gemm_cpu,
+    scaling,
+)
 
 NATIVE_OPS = ("quantize", "quantize_dbias", "dequantize", "compute_amax", "compute_scale_from_amax",
-              "delayed_scaling_update", "quantize_current_scaling")  # fmt: skip
-CONFIGS = ("linear-delayed", "linear-current", "linear-bf16", "mlp-delayed")
+              "delayed_scaling_update", "quantize_current_scaling", "block_scaled_quantize",
+              "mxfp8_quantize")  # fmt: skip
+CONFIGS = ("linear-delayed", "linear-current", "linear-block", "linear-bf16", "mlp-delayed")
+RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling}
+native_calls = [0]  # native kernel calls made through the stubs
+
+
+def _count_native(*args, **kwargs) -> None:
+    native_calls[0] += 1
 
 
 def stub_kernels() -> None:
-    """Route every kernel as if the tensors were on a GPU, and make each one a no-op."""
-    no_op = types.SimpleNamespace(**{name: (lambda *a, **k: None) for name in NATIVE_OPS})
-    for module in (cast, scaling):
+    """Route every kernel as if the tensors were on a GPU, and make each one a counted no-op."""
+    no_op = types.SimpleNamespace(**{name: _count_native for name in NATIVE_OPS})
+    for module in (cast, scaling, block_cast):
         module.native_for = lambda op, device: no_op
         module.launch_args = lambda device: (0, 0)
     # The GPU route of the FP8 GEMM (torch._scaled_mm), whose host cost on a GPU is one dispatch:
@@ -53,16 +78,26 @@ def stub_kernels() -> None:
 
     torch._scaled_mm = scaled_mm_output
 
+    # The block-scaled GEMM's GPU route (an H200's): its scale layouts, then torch._scaled_mm.
+    def native_block_product(x, xs, x2d, y, ys, y2d, mm_dtype):
+        scale_a, scale_b = block_gemm._scaled_mm_scales(x, xs, x2d, y, ys, y2d)
+        return torch._scaled_mm(x.contiguous(), y.contiguous().t(), scale_a=scale_a,
+                                scale_b=scale_b, out_dtype=mm_dtype)  # fmt: skip
+
+    block_gemm._native_product = native_block_product
+
 
 def make_step(config: str):
-    """One forward + backward of the configuration's module on a 16-token batch."""
-    recipe = Float8CurrentScaling() if config.endswith("current") else DelayedScaling()
+    """One forward + backward of the configuration's module on a 16-token batch (128 tokens and
+    features for the block recipe, whose blocks are 128 wide)."""
     fp8 = not config.endswith("bf16")
+    recipe = RECIPES[config.split("-")[1]]() if fp8 else None
+    width = 128 if config.endswith("block") else 16
     if config.startswith("mlp"):
         layer = te.LayerNormMLP(16, 32, device="cpu")
     else:
-        layer = te.Linear(16, 16, device="cpu")
-    x = torch.randn(16, 16, requires_grad=True)
+        layer = te.Linear(width, width, device="cpu")
+    x = torch.randn(width, width, requires_grad=True)
 
     def step():
         with te.autocast(enabled=fp8, recipe=recipe) if fp8 else contextlib.nullcontext():
@@ -87,6 +122,32 @@ def measure(step, steps: int, rounds: int) -> float:
     return best * 1e6
 
 
+class _OpCounter(TorchDispatchMode):
+    def __init__(self, names: dict | None) -> None:
+        super().__init__()
+        self.count, self.names = 0, names
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        if self.names is not None:
+            self.names[str(func)] = self.names.get(str(func), 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(step, steps: int, show: bool) -> tuple[float, float]:
+    """Torch operators dispatched and native kernel calls, per step."""
+    names = {} if show else None
+    counter = _OpCounter(names)
+    native_calls[0] = 0
+    with counter:
+        for _ in range(steps):
+            step()
+    if show:
+        for name, n in sorted(names.items(), key=lambda item: -item[1]):
+            print(f"    {n / steps:6.1f}  {name}")
+    return counter.count / steps, native_calls[0] / steps
+
+
 def count_calls(step, steps: int, show: bool) -> float:
     profile = cProfile.Profile()
     profile.enable()
@@ -104,7 +165,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"any of {CONFIGS}")
-    parser.add_argument("--profile", action="store_true", help="print the top of a cProfile")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the top of a cProfile and the torch operators per step")  # fmt: skip
     args = parser.parse_args()
     configs = args.configs.split(",")
     for config in configs:
@@ -112,12 +174,14 @@ def main() -> int:
             parser.error(f"unknown configuration {config!r}; choose from {CONFIGS}")
     torch.set_num_threads(1)  # the host work of a GPU step is one thread
     stub_kernels()
-    print(f"{'configuration':<16} {'host us/step':>12} {'Python calls/step':>18}")
+    header = f"{'configuration':<16} {'host us/step':>12} {'Python calls/step':>18}"
+    print(f"{header} {'aten ops/step':>14} {'native/step':>12}")
     for config in configs:
         step = make_step(config)
         micros = measure(step, args.steps, args.rounds)
         calls = count_calls(step, min(args.steps, 100), args.profile)
-        print(f"{config:<16} {micros:12.1f} {calls:18.0f}", flush=True)
+        ops, native = count_ops(step, 20, args.profile)
+        print(f"{config:<16} {micros:12.1f} {calls:18.0f} {ops:14.0f} {native:12.0f}", flush=True)
     return 0
 
 
