@@ -27,7 +27,6 @@ quantized bytes; everything else falls back to the rules implemented here:
 from __future__ import annotations
 
 import abc
-import copy
 import os
 import sys
 import warnings
@@ -233,7 +232,19 @@ class Quantizer(abc.ABC):
 
     def copy(self) -> Quantizer:
         """Shallow copy: usage flags are independent, state tensors are shared."""
-        return copy.copy(self)
+        # What copy.copy does for these plain classes (a new object given __getstate__'s dict,
+        # so a quantizer that drops a process group from its state drops it here too), without
+        # the __reduce_ex__ round trip: block-scaled casts hand every result a copy.
+        cls = type(self)
+        new = cls.__new__(cls)
+        state = self.__getstate__()
+        if state:
+            setstate = getattr(new, "__setstate__", None)
+            if setstate is not None:
+                setstate(state)
+            else:
+                new.__dict__.update(state)
+        return new
 
     def is_quantizable(self, inp: torch.Tensor) -> bool:
         """Whether :meth:`quantize` accepts ``inp``: a float32, float16 or bfloat16 tensor."""

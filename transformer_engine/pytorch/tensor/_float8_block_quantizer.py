@@ -103,8 +103,12 @@ class Float8BlockQuantizer(Quantizer):
         :func:`cpp_extensions.block_cast.float8_block_cast` (native on CUDA). With ``dst`` (a
         storage holding those usages) the cast writes into its buffers in place, skipped on
         the device when ``noop_flag`` holds 1.0."""
+        return self._cast_result(src, dst=dst, noop_flag=noop_flag)._asdict()
+
+    def _cast_result(self, src: torch.Tensor, *, dst=None, noop_flag=None):
+        """:meth:`_cast`'s ``BlockCastResult`` itself."""
         check_cast_input("Float8BlockQuantizer", self, src)
-        result = float8_block_cast(
+        return float8_block_cast(
             src, to_torch_fp8_dtype(self.dtype), block_scaling_dim=self.block_scaling_dim,
             rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
             epsilon=self.amax_epsilon, force_pow_2_scales=self.force_pow_2_scales,
@@ -112,7 +116,6 @@ class Float8BlockQuantizer(Quantizer):
                                                          self.columnwise_usage),
             noop_flag=noop_flag,
         )  # fmt: skip
-        return result._asdict()
 
     def quantize_impl(self, tensor: torch.Tensor, *, dtype: torch.dtype | None = None):
         """Cast ``tensor`` (a quantized input is dequantized first) to a new block-scaled
@@ -120,15 +123,19 @@ class Float8BlockQuantizer(Quantizer):
         src = high_precision_source(tensor)
         dtype = src.dtype if dtype is None else dtype
         _check_high_precision_dtype("Float8BlockQuantizer.quantize", dtype)
-        buffers = self._cast(src)
         if self.internal:
-            return Float8BlockwiseQTensorStorage(
-                *buffers.values(), self.dtype, self.copy(), self.block_scaling_dim == 2,
-                fake_dtype=dtype,
+            # The linear layers' per-call operands: the cast's own buffers need none of the
+            # constructor's checks.
+            fp8_dtype = self.dtype
+            if not isinstance(fp8_dtype, DType):  # reassigned after construction
+                fp8_dtype = DType.cast(to_torch_fp8_dtype(fp8_dtype))
+            return Float8BlockwiseQTensorStorage._from_cast(
+                self._cast_result(src), fp8_dtype, self.copy(), self.block_scaling_dim == 2,
+                dtype,
             )  # fmt: skip
         return Float8BlockwiseQTensor(
             src.shape, dtype, fp8_dtype=self.dtype, quantizer=self.copy(),
-            is_2D_scaled=self.block_scaling_dim == 2, **buffers,
+            is_2D_scaled=self.block_scaling_dim == 2, **self._cast(src),
         )  # fmt: skip
 
     def update_quantized(self, src, dst, *, noop_flag: torch.Tensor | None = None):

@@ -100,6 +100,23 @@ class Float8BlockwiseQTensorStorage(BlockScaledTensorStorage):
             fp8_dtype, quantizer, is_2D_scaled, fake_dtype,
         )  # fmt: skip
 
+    @classmethod
+    def _from_cast(cls, buffers, fp8_dtype: DType, quantizer, is_2D_scaled: bool, fake_dtype):
+        """A storage around the buffers a :class:`Float8BlockQuantizer` cast just produced
+        (``float8_block_cast``'s result: uint8 bytes and float32 scales of matching shapes, each
+        layout's pair together): the checks of ``__init__`` are skipped, which matters on the
+        linear layers' per-call path. ``fake_dtype`` must already be checked."""
+        self = cls.__new__(cls)
+        self._rowwise_data = buffers.rowwise_data
+        self._rowwise_scale_inv = buffers.rowwise_scale_inv
+        self._columnwise_data = buffers.columnwise_data
+        self._columnwise_scale_inv = buffers.columnwise_scale_inv
+        self._fp8_dtype = fp8_dtype
+        self._quantizer = quantizer
+        self._is_2D_scaled = is_2D_scaled
+        self._dtype = fake_dtype
+        return self
+
     def _set_block_buffers(
         self, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv,
         fp8_dtype, quantizer, is_2D_scaled, fake_dtype,
