@@ -167,15 +167,18 @@ class TransformerEngineBaseModule(torch.nn.Module):
         # Plain flags, set through __dict__: nn.Module.__setattr__ (which looks for parameters,
         # buffers and submodules first) costs host time on every forward.
         attrs = self.__dict__
+        # The region's flags read off the state object once (what FP8GlobalStateManager's
+        # getters return; every forward comes here).
+        region = FP8GlobalStateManager.quantization_state
+        fp8, calibrating = region.fp8_enabled, region.fp8_calibration
         attrs["_num_gemms"] = num_gemms
-        attrs["fp8_parameters"] = self.fp8_parameters or FP8GlobalStateManager.with_fp8_parameters()
-        attrs["fp8"] = FP8GlobalStateManager.is_fp8_enabled()
-        attrs["fp8_calibration"] = FP8GlobalStateManager.is_fp8_calibration()
-        self.fp8_meta["fp8_checkpoint"] = self.fp8 or self.fp8_calibration
-        if not (self.fp8 or self.fp8_calibration or self.primary_weights_in_fp8 or force):
+        attrs["fp8_parameters"] = self.fp8_parameters or region.fp8_parameters
+        attrs["fp8"], attrs["fp8_calibration"] = fp8, calibrating
+        self.fp8_meta["fp8_checkpoint"] = fp8 or calibrating
+        if not (fp8 or calibrating or self.primary_weights_in_fp8 or force):
             attrs["fp8_initialized"] = False
             return
-        if self.fp8 or self.fp8_calibration or self._fp8_param_recipe is None:
+        if fp8 or calibrating or self._fp8_param_recipe is None:
             recipe = FP8GlobalStateManager.get_fp8_recipe()
         else:
             recipe = self._fp8_param_recipe
@@ -197,7 +200,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         )
         if not same:
             self._build_recipe_states(recipe, num_gemms, device)
-        self.fp8_meta["fp8_group"] = FP8GlobalStateManager.get_fp8_group()
+        self.fp8_meta["fp8_group"] = region.fp8_distributed_group
         attrs["fp8_initialized"] = True
 
     def _build_recipe_states(self, recipe, num_gemms: int, device: torch.device) -> None:

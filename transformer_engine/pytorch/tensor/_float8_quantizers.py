@@ -90,26 +90,8 @@ class _Float8QuantizerBase(Quantizer):
         ``data_fp8`` / ``transpose_fp8``: the FP8-typed tensors a cast wrote, which an internal
         storage hands to GEMMs (see ``Float8TensorStorage.float8_gemm_input``)."""
         if self.internal:
-            # Internal storages are the linear layers' per-call operands: built without
-            # re-validating what the cast just produced, and holding this quantizer itself
-            # (they are never re-quantized through it) instead of a copy; a quantizer that
-            # reduces amaxes across processes still hands out a local copy, as for tensors.
-            if dtype not in HIGH_PRECISION_DTYPES:
-                _check_high_precision_dtype(f"{type(self).__name__}.quantize", dtype)
-            return Float8TensorStorage._from_cast(
-                data=data,
-                transpose=transpose,
-                scale_inv=scale_inv,
-                fp8_dtype=self.dtype
-                if isinstance(self.dtype, DType)
-                else DType.cast(to_torch_fp8_dtype(self.dtype)),
-                quantizer=self._result_quantizer()
-                if getattr(self, "with_amax_reduction", False)
-                else self,
-                fake_dtype=dtype,
-                data_fp8=data_fp8,
-                transpose_fp8=transpose_fp8,
-            )
+            return self._internal_storage(data, transpose, scale_inv, dtype, data_fp8,
+                                          transpose_fp8)  # fmt: skip
         return Float8Tensor(
             shape,
             dtype,
@@ -119,6 +101,29 @@ class _Float8QuantizerBase(Quantizer):
             data_transpose=transpose,
             quantizer=self._result_quantizer(),
             requires_grad=requires_grad,
+        )
+
+    def _internal_storage(self, data, transpose, scale_inv, dtype, data_fp8, transpose_fp8):
+        """Internal storages are the linear layers' per-call operands: built without
+        re-validating what the cast just produced, and holding this quantizer itself (they are
+        never re-quantized through it) instead of a copy; a quantizer that reduces amaxes across
+        processes still hands out a local copy, as for tensors."""
+        if dtype not in HIGH_PRECISION_DTYPES:
+            _check_high_precision_dtype(f"{type(self).__name__}.quantize", dtype)
+        fp8_dtype = self.dtype
+        if not isinstance(fp8_dtype, DType):  # reassigned after construction
+            fp8_dtype = DType.cast(to_torch_fp8_dtype(fp8_dtype))
+        return Float8TensorStorage._from_cast(
+            data=data,
+            transpose=transpose,
+            scale_inv=scale_inv,
+            fp8_dtype=fp8_dtype,
+            quantizer=self._result_quantizer()
+            if getattr(self, "with_amax_reduction", False)
+            else self,
+            fake_dtype=dtype,
+            data_fp8=data_fp8,
+            transpose_fp8=transpose_fp8,
         )
 
     def _result_quantizer(self) -> Quantizer:
@@ -147,17 +152,21 @@ class _Float8QuantizerBase(Quantizer):
         return self._quantize(tensor, None, with_dbias=True)
 
     def _quantize(self, tensor, dtype, *, with_dbias: bool):
+        # Every FP8 linear layer casts through here three times a step: the checks run as
+        # comparisons, and their messages are only formatted for a failure.
         src = high_precision_source(tensor)
-        fake_dtype = src.dtype if dtype is None else dtype
+        src_dtype, shape = src.dtype, src.shape
+        fake_dtype = src_dtype if dtype is None else dtype
         if src.is_meta:
             # Deferred initialization: shapes only, no cast and no amax.
-            return self.make_empty(src.shape, dtype=fake_dtype, device=src.device)
-        _check_high_precision_dtype(f"{type(self).__name__}.quantize", src.dtype)
-        need_data, need_transpose = self._layouts(src.device, src.shape)
+            return self.make_empty(shape, dtype=fake_dtype, device=src.device)
+        if src_dtype not in HIGH_PRECISION_DTYPES:
+            _check_high_precision_dtype(f"{type(self).__name__}.quantize", src_dtype)
+        need_data, need_transpose = self._layouts(src.device, shape)
         # The cast kernels write no 0-d transpose; a 0-d tensor's is a copy of its one byte.
-        zero_dim = src.dim() == 0
+        zero_dim = len(shape) == 0
         res, dbias = self._cast(src, need_transpose and not zero_dim, with_dbias)
-        out = self._wrap_result(res, src.shape, fake_dtype, need_data, need_transpose)
+        out = self._wrap_result(res, shape, fake_dtype, need_data, need_transpose)
         return (out, dbias) if with_dbias else out
 
     def _wrap_result(self, res, shape, dtype, need_data: bool, need_transpose: bool):
@@ -171,6 +180,9 @@ class _Float8QuantizerBase(Quantizer):
             transpose = transpose_fp8.view(torch.uint8)
         elif need_transpose:
             transpose, transpose_fp8 = res.transpose.view(torch.uint8), res.transpose
+        if self.internal:  # the per-call operands: straight to the storage
+            return self._internal_storage(data, transpose, res.scale_inv, dtype,
+                                          res.data if need_data else None, transpose_fp8)  # fmt: skip
         return self._wrap(
             shape=shape,
             dtype=dtype,

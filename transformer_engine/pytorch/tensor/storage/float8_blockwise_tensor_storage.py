@@ -201,13 +201,12 @@ class Float8BlockwiseQTensorStorage(BlockScaledTensorStorage):
         scale = self._columnwise_scale_inv if columnwise else self._rowwise_scale_inv
         if data is None:
             return None, scale, self._is_2D_scaled
-        m, k = block_matrix_dims(self.size())
-        rows, cols = (k, m) if columnwise else (m, k)
-        return (
-            data.view(to_torch_fp8_dtype(self._fp8_dtype)).reshape(rows, cols),
-            scale,
-            self._is_2D_scaled,
-        )
+        values = data.view(to_torch_fp8_dtype(self._fp8_dtype))
+        if data.dim() != 2:
+            # 2-D bytes (a linear layer's operands) are the matrix already: no reshape dispatch.
+            m, k = block_matrix_dims(self.size())
+            values = values.reshape((k, m) if columnwise else (m, k))
+        return values, scale, self._is_2D_scaled
 
     # ------------------------------------------------------------------ usages
 
