@@ -309,6 +309,26 @@ def test_native_gemm_equals_emulation(layout):
         assert not native_block_gemm_refusals()
 
 
+@needs_cuda
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_native_gemm_adds_the_bias_before_rounding(out_dtype):
+    # fprop with a bias of the output dtype: torch._scaled_mm's epilogue adds it in float32 and
+    # rounds once, so the result is the float64 product + bias rounded to out_dtype, within the
+    # accumulator's error (see above) and one rounding of the output.
+    x, w, _ = (t.to("cuda:0") for t in _gemm_operands())
+    x, w = x[:, :256], torch.cat([w, w[:96]])  # N = 256
+    bias = (torch.randn(256, device="cuda:0") * 8).to(out_dtype)
+    xq, wq = quantizer(1)(x), quantizer(2)(w)
+    got = general_gemm(wq, xq, out_dtype, layout="TN", bias=bias)[0]
+    ref = xq.dequantize().double() @ wq.dequantize().double().t() + bias.double()
+    ulp = 2.0**-8 if out_dtype == torch.bfloat16 else 0.0
+    tol = 1e-3 * float(ref.abs().max())
+    assert got.dtype == out_dtype
+    assert torch.allclose(got.double(), ref, rtol=1e-3 + ulp, atol=tol)
+    if torch.cuda.get_device_capability(0)[0] == 9:
+        assert not native_block_gemm_refusals()
+
+
 @needs_two_gpus
 def test_second_gpu_while_first_is_current():
     x = torch.randn(64, 256, device="cuda:1")

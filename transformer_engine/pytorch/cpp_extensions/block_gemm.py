@@ -42,14 +42,14 @@ __all__ = ["is_block_float8_operand", "block_general_gemm", "native_block_gemm_r
 _OP = "general_gemm"
 _BLOCK = reference.BLOCK_SCALING_BLOCK_LEN
 
-# (device index, x 2-D, y 2-D, out dtype) kinds torch._scaled_mm refused: emulated from then on.
+# (device index, x 2-D, y 2-D, out dtype, bias fused) kinds torch._scaled_mm refused: emulated from then on.
 _refused: set = set()
 _refused_lock = threading.Lock()
 
 
 def native_block_gemm_refusals() -> frozenset:
     """The kinds of block GEMM ``torch._scaled_mm`` refused in this process (for tests and
-    diagnostics): ``(device index, x is 128x128, y is 128x128, out dtype)``."""
+    diagnostics): ``(device index, x is 128x128, y is 128x128, out dtype, bias fused)``."""
     return frozenset(_refused)
 
 
@@ -84,21 +84,22 @@ def _scaled_mm_scales(x, xs, x2d, y, ys, y2d):
     return scale_a, scale_b
 
 
-def _native_product(x, xs, x2d, y, ys, y2d, mm_dtype):
-    """``torch._scaled_mm`` blockwise, or ``None`` when this kind is not run natively here."""
+def _native_product(x, xs, x2d, y, ys, y2d, mm_dtype, bias=None):
+    """``torch._scaled_mm`` blockwise (``bias``, of ``mm_dtype``, added by its epilogue in
+    float32 before the one rounding), or ``None`` when this kind is not run natively here."""
     device = x.device
     if device.type != "cuda" or x.shape[1] % _BLOCK or x.shape[1] == 0:
         return None
     cc = device_compute_capability(device)
     if cc is None or cc[0] != 9:
         return None
-    key = (device.index, x2d, y2d, mm_dtype)
+    key = (device.index, x2d, y2d, mm_dtype, bias is not None)
     if key in _refused or x.shape[0] == 0 or y.shape[0] == 0:
         return None
     scale_a, scale_b = _scaled_mm_scales(x, xs, x2d, y, ys, y2d)
     try:
         return torch._scaled_mm(
-            x.contiguous(), y.contiguous().t(), scale_a=scale_a, scale_b=scale_b,
+            x.contiguous(), y.contiguous().t(), scale_a=scale_a, scale_b=scale_b, bias=bias,
             out_dtype=mm_dtype, use_fast_accum=False,
         )  # fmt: skip
     except (RuntimeError, NotImplementedError, TypeError):
@@ -112,10 +113,17 @@ def _block_product(x_op, y_op, *, out_dtype, bias, alpha, to_fp32):
     """``alpha * X @ Y^T (+ bias)`` from two ``(values, scale_inv, is_2d)`` triples."""
     x, xs, x2d = x_op
     y, ys, y2d = y_op
-    fused = bias is None and alpha == 1.0 and not to_fp32
-    product = _native_product(x, xs, x2d, y, ys, y2d, out_dtype if fused else torch.float32)
+    # The epilogue adds a bias of the output dtype in float32 before rounding, as the unfused
+    # float32 product + bias.float() does: no float32 output to write, add and round again.
+    fused = alpha == 1.0 and not to_fp32
+    fused_bias = bias if fused and bias is not None and bias.dtype == out_dtype else None
+    fused = fused and (bias is None or fused_bias is not None)
+    mm_dtype = out_dtype if fused else torch.float32
+    product = _native_product(x, xs, x2d, y, ys, y2d, mm_dtype, fused_bias)
     if product is not None and fused:
         return product
+    if product is None and fused_bias is not None:  # no fused bias here: the unfused product
+        product = _native_product(x, xs, x2d, y, ys, y2d, torch.float32)
     if product is None:
         product = _dequantize(x, xs, x2d) @ _dequantize(y, ys, y2d).t()
     if alpha != 1.0:
