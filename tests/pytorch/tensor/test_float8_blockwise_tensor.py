@@ -312,9 +312,10 @@ def test_native_gemm_equals_emulation(layout):
 @needs_cuda
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_native_gemm_adds_the_bias_before_rounding(out_dtype):
-    # fprop with a bias of the output dtype: torch._scaled_mm's epilogue adds it in float32 and
-    # rounds once, so the result is the float64 product + bias rounded to out_dtype, within the
-    # accumulator's error (see above) and one rounding of the output.
+    # fprop with a bias of the output dtype: torch._scaled_mm's epilogue adds a 16-bit one in
+    # float32 and rounds once (a float32 one is added to the float32 product: torch refuses
+    # it), so the result is the float64 product + bias rounded to out_dtype, within the
+    # accumulator's error (see above) and one rounding of the output; nothing is refused.
     x, w, _ = (t.to("cuda:0") for t in _gemm_operands())
     x, w = x[:, :256], torch.cat([w, w[:96]])  # N = 256
     bias = (torch.randn(256, device="cuda:0") * 8).to(out_dtype)

@@ -113,10 +113,15 @@ def _block_product(x_op, y_op, *, out_dtype, bias, alpha, to_fp32):
     """``alpha * X @ Y^T (+ bias)`` from two ``(values, scale_inv, is_2d)`` triples."""
     x, xs, x2d = x_op
     y, ys, y2d = y_op
-    # The epilogue adds a bias of the output dtype in float32 before rounding, as the unfused
-    # float32 product + bias.float() does: no float32 output to write, add and round again.
+    # The epilogue adds a 16-bit bias of the output dtype in float32 before rounding, as the
+    # unfused float32 product + bias.float() does: no float32 output to write, add and round
+    # again. (torch refuses a bias with a float32 output; that product adds it unfused.)
     fused = alpha == 1.0 and not to_fp32
-    fused_bias = bias if fused and bias is not None and bias.dtype == out_dtype else None
+    fused_bias = (
+        bias
+        if fused and bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32
+        else None
+    )
     fused = fused and (bias is None or fused_bias is not None)
     mm_dtype = out_dtype if fused else torch.float32
     product = _native_product(x, xs, x2d, y, ys, y2d, mm_dtype, fused_bias)
