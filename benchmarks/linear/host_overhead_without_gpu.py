@@ -79,10 +79,10 @@ def stub_kernels() -> None:
     torch._scaled_mm = scaled_mm_output
 
     # The block-scaled GEMM's GPU route (an H200's): its scale layouts, then torch._scaled_mm.
-    def native_block_product(x, xs, x2d, y, ys, y2d, mm_dtype):
+    def native_block_product(x, xs, x2d, y, ys, y2d, mm_dtype, bias=None):
         scale_a, scale_b = block_gemm._scaled_mm_scales(x, xs, x2d, y, ys, y2d)
         return torch._scaled_mm(x.contiguous(), y.contiguous().t(), scale_a=scale_a,
-                                scale_b=scale_b, out_dtype=mm_dtype)  # fmt: skip
+                                scale_b=scale_b, bias=bias, out_dtype=mm_dtype)  # fmt: skip
 
     block_gemm._native_product = native_block_product
 
