@@ -11,6 +11,7 @@ autograd's backward replays the backward graph; FP8 state stays eager around the
 
 from __future__ import annotations
 
+import gc
 import inspect
 from typing import Any
 
@@ -492,6 +493,13 @@ def _capture_all(entries, options: Options, pre_warmup_hook, post_warmup_hook) -
     main_grads = [getattr(p, "main_grad", None) for e in entries for p in e.params]
     main_grads = [(g, g.clone()) for g in main_grads if isinstance(g, torch.Tensor)]
     rng = torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices]
+    # No Python garbage collection while capturing: a collection started by an allocation
+    # inside a capture can free an unreachable CUDA graph (a graphed module that was dropped
+    # is a reference cycle) and destroying a graph is illegal during capture: it invalidates
+    # the capture. (torch.cuda.graph no longer collects on entry.) Collect once, up front.
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
     _IS_GRAPH_CAPTURING = True
     try:
         for d in devices:
@@ -520,6 +528,8 @@ def _capture_all(entries, options: Options, pre_warmup_hook, post_warmup_hook) -
             torch.cuda.synchronize(d)
     finally:
         _IS_GRAPH_CAPTURING = False
+        if gc_was_enabled:
+            gc.enable()
         fp8_snapshot.restore()
         with torch.no_grad():
             for g, saved in main_grads:

@@ -350,6 +350,28 @@ def test_reset_returns_to_eager():
 
 
 @needs_cuda
+def test_capture_survives_garbage_graphs_of_earlier_calls():
+    """A graphed module that was dropped is a reference cycle holding CUDA graphs; a garbage
+    collection inside a later capture would destroy them mid-capture (illegal: it invalidates
+    the capture). With the collector triggered by every allocation, capturing still works and
+    leaves the collector as it found it."""
+    import gc
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    for kind in ("layernorm_mlp", "linear"):
+        make_graphed_callables(build(kind, device), (static_sample(device),))  # dropped
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        eager, graphed = build("stack", device), build("stack", device)
+        make_graphed_callables(graphed, (static_sample(device),))
+        assert gc.isenabled()
+    finally:
+        gc.set_threshold(*threshold)
+    run_and_compare(eager, graphed, None, device, steps=3)
+
+
+@needs_cuda
 def test_deferred_weight_gradients_replay_through_backward_dw():
     device = torch.device("cuda", torch.cuda.current_device())
     recipe = DelayedScaling()
