@@ -232,18 +232,12 @@ class Quantizer(abc.ABC):
 
     def copy(self) -> Quantizer:
         """Shallow copy: usage flags are independent, state tensors are shared."""
-        # What copy.copy does for these plain classes (a new object given __getstate__'s dict,
-        # so a quantizer that drops a process group from its state drops it here too), without
-        # the __reduce_ex__ round trip: block-scaled casts hand every result a copy.
-        cls = type(self)
-        new = cls.__new__(cls)
+        # copy.copy's result (a new object given __getstate__'s dict) without its __reduce_ex__
+        # round trip: block-scaled casts hand every result a copy.
+        new = type(self).__new__(type(self))
         state = self.__getstate__()
-        if state:
-            setstate = getattr(new, "__setstate__", None)
-            if setstate is not None:
-                setstate(state)
-            else:
-                new.__dict__.update(state)
+        setstate = getattr(new, "__setstate__", None)
+        setstate(state) if setstate is not None else new.__dict__.update(state or {})
         return new
 
     def is_quantizable(self, inp: torch.Tensor) -> bool:
