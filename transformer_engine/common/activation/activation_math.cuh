@@ -1,10 +1,11 @@
 /* The activation functions and their derivatives in float32, and the loaders that compute an
- * activation (or its gradient) of a row of FC1's output on the fly for the cast kernels.
+ * activation (or its gradient) of a row of FC1's output on the fly for the kernels of
+ * activation_elementwise.cuh and cast/cast_transpose.cuh.
  *
- * The kind is a run-time value, uniform over a launch: one kernel per element type and
- * gating serves all seven functions (a warp never diverges on it), which keeps the number of
- * compiled kernels small. The loaders branch on it once per vector of elements
- * (dispatch_kind), so the per-element code is each function's own straight-line arithmetic. */
+ * Each loader is a template over the element type, the activation kind and the gating, so a
+ * kernel holds one function's straight-line arithmetic and nothing branches on the kind per
+ * element or per vector: the entry points switch on it once, at launch (activation_launch.cuh).
+ * Only clamped SwiGLU's parameters stay run-time values. */
 #ifndef TRANSFORMER_ENGINE_COMMON_ACTIVATION_ACTIVATION_MATH_CUH_
 #define TRANSFORMER_ENGINE_COMMON_ACTIVATION_ACTIVATION_MATH_CUH_
 
@@ -147,126 +148,158 @@ __device__ __forceinline__ void backward_values(const NVTEActivation& act, bool 
   }
 }
 
-/* Calls f(std::integral_constant<int, kind>): the loaders branch on the kind once per vector
- * of elements, and each branch is straight-line code for its function. */
-template <typename F>
-__device__ __forceinline__ void dispatch_kind(int kind, F&& f) {
-  switch (kind) {
-    case kNVTEActGelu:
-      f(std::integral_constant<int, kNVTEActGelu>{});
-      break;
-    case kNVTEActQGelu:
-      f(std::integral_constant<int, kNVTEActQGelu>{});
-      break;
-    case kNVTEActRelu:
-      f(std::integral_constant<int, kNVTEActRelu>{});
-      break;
-    case kNVTEActSRelu:
-      f(std::integral_constant<int, kNVTEActSRelu>{});
-      break;
-    case kNVTEActSilu:
-      f(std::integral_constant<int, kNVTEActSilu>{});
-      break;
-    case kNVTEActClampedSilu:
-      f(std::integral_constant<int, kNVTEActClampedSilu>{});
-      break;
-    default:
-      f(std::integral_constant<int, kNVTEActSigmoid>{});
-      break;
-  }
-}
-
 /* The fast arithmetic for 16-bit activations (see logistic()). */
 template <typename IType>
 constexpr bool kFastMath = !std::is_same<IType, float>::value;
 
 template <typename IType, int N>
-__device__ __forceinline__ void load_floats(const IType* p, float (&v)[N]) {
-  const Vec<IType, N> x = load_readonly<IType, N>(p);
+__device__ __forceinline__ void to_floats(const Vec<IType, N>& x, float (&v)[N]) {
 #pragma unroll
   for (int j = 0; j < N; ++j) v[j] = to_float(x.v[j]);
 }
 
-/* The forward's values: element (r, c) of act(input) as a [rows, cols] matrix; the input row
- * has in_cols = (gated ? 2 : 1) * cols elements. */
-template <typename IType, bool kGated>
+/* A loader serves two kernels through two contracts.
+ *
+ * The tiled cast+transpose (cast_transpose.cuh, whose PlainLoad states the contract) reads the
+ * result as a [rows, result_cols] matrix: `load_vec(r, c, v)` gives kVecElems consecutive result
+ * columns from c, `load(r, c)` one.
+ *
+ * The element-wise kernel (activation_elementwise.cuh) walks positions (r, c) of a [rows, cols]
+ * matrix, cols the activation's output width; a position gives kParts results, part p being
+ * result column p * cols + c. `fetch(r, c)` issues one vector position's 16-byte loads and
+ * returns them unconverted (Raw), `compute(raw, out)` turns them into kParts x kVecElems
+ * float32 results, and `load_parts(r, c, out)` computes one position's results element-wise.
+ * Fetch and compute are apart so that a thread can have several positions' loads in flight
+ * before it waits for the first. Both need cols % kVecElems == 0 and aligned operands
+ * (`vectorizable()`). */
+
+/* The forward: element (r, c) of act(input) as a [rows, cols] matrix; the input row has
+ * in_cols = (gated ? 2 : 1) * cols elements. A position gives one result. */
+template <typename IType, int kKind, bool kGated>
 struct ActivationLoad {
+  using InputType = IType;
+  static constexpr int kParts = 1;
+  static constexpr int kOperands = kGated ? 2 : 1;  // u (and v)
+  struct Raw {
+    Vec<IType, kVecElems> x[kOperands];
+  };
   const IType* in;
   size_t cols;
   NVTEActivation act;
 
-  size_t in_cols() const { return kGated ? 2 * cols : cols; }
-  bool vectorizable() const { return aligned_to(in, sizeof(IType) * kVecElems); }
+  bool vectorizable() const {
+    return cols % kVecElems == 0 && aligned_to(in, sizeof(IType) * kVecElems);
+  }
+  __device__ __forceinline__ const IType* row(size_t r) const {
+    return in + r * (kGated ? 2 * cols : cols);
+  }
+
+  // The tiled kernel's contract.
   __device__ __forceinline__ void load_vec(size_t r, size_t c, float (&out)[kVecElems]) const {
-    const IType* row = in + r * (kGated ? 2 * cols : cols);
-    float u[kVecElems], v[kVecElems] = {};
-    load_floats(row + c, u);
-    if constexpr (kGated) load_floats(row + cols + c, v);
-    dispatch_kind(act.kind, [&](auto kind) {
-      constexpr int kKind = decltype(kind)::value;
+    float x[1][kVecElems];
+    compute(fetch(r, c), x);
 #pragma unroll
-      for (int j = 0; j < kVecElems; ++j) {
-        out[j] = forward_value<kKind, kFastMath<IType>>(act, kGated, u[j], v[j]);
-      }
-    });
+    for (int j = 0; j < kVecElems; ++j) out[j] = x[0][j];
   }
   __device__ __forceinline__ float load(size_t r, size_t c) const {
-    const IType* row = in + r * (kGated ? 2 * cols : cols);
-    const float v = kGated ? to_float(row[cols + c]) : 0.0f;
-    float y = 0.0f;
-    dispatch_kind(act.kind, [&](auto kind) {
-      y = forward_value<decltype(kind)::value, kFastMath<IType>>(act, kGated, to_float(row[c]), v);
-    });
-    return y;
+    float x[1];
+    load_parts(r, c, x);
+    return x[0];
+  }
+
+  // The element-wise kernel's contract.
+  __device__ __forceinline__ Raw fetch(size_t r, size_t c) const {
+    Raw raw;
+    raw.x[0] = load_readonly<IType, kVecElems>(row(r) + c);
+    if constexpr (kGated) raw.x[1] = load_readonly<IType, kVecElems>(row(r) + cols + c);
+    return raw;
+  }
+  __device__ __forceinline__ void compute(const Raw& raw, float (&out)[1][kVecElems]) const {
+    float u[kVecElems], v[kVecElems] = {};
+    to_floats(raw.x[0], u);
+    if constexpr (kGated) to_floats(raw.x[1], v);
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) {
+      out[0][j] = forward_value<kKind, kFastMath<IType>>(act, kGated, u[j], v[j]);
+    }
+  }
+  __device__ __forceinline__ void load_parts(size_t r, size_t c, float (&out)[1]) const {
+    const float v = kGated ? to_float(row(r)[cols + c]) : 0.0f;
+    out[0] = forward_value<kKind, kFastMath<IType>>(act, kGated, to_float(row(r)[c]), v);
   }
 };
 
-/* The backward's values: element (r, c) of d loss / d input as a [rows, in_cols] matrix, from
- * the output gradient grad [rows, cols] and the forward's input. For a gated activation,
- * columns below `cols` are the first half's gradient, the others the second half's; a vector
- * of kVecElems never straddles the two when cols % kVecElems == 0 (vectorizable()). */
-template <typename IType, bool kGated>
+/* The backward. Tiled contract: element (r, c) of d loss / d input as a [rows, in_cols] matrix,
+ * from the output gradient grad [rows, cols] and the forward's input; for a gated activation,
+ * columns below `cols` are the first half's gradient, the others the second half's (a vector
+ * never straddles the two, as cols % kVecElems == 0). Element-wise contract: position (r, c) of
+ * grad gives the gradient at input column c (part 0) and, gated, at input column cols + c
+ * (part 1), so a thread reads grad, u and v once and writes both halves. */
+template <typename IType, int kKind, bool kGated>
 struct DActivationLoad {
+  using InputType = IType;
+  static constexpr int kParts = kGated ? 2 : 1;
+  static constexpr int kOperands = kGated ? 3 : 2;  // grad, u (and v)
+  struct Raw {
+    Vec<IType, kVecElems> x[kOperands];
+  };
   const IType* grad;
   const IType* in;
   size_t cols;
   NVTEActivation act;
 
-  size_t in_cols() const { return kGated ? 2 * cols : cols; }
   bool vectorizable() const {
     return cols % kVecElems == 0 && aligned_to(grad, sizeof(IType) * kVecElems) &&
            aligned_to(in, sizeof(IType) * kVecElems);
   }
+  __device__ __forceinline__ const IType* row(size_t r) const {
+    return in + r * (kGated ? 2 * cols : cols);
+  }
+
+  // The tiled kernel's contract: one half's gradients of a position's vector.
   __device__ __forceinline__ void load_vec(size_t r, size_t c, float (&out)[kVecElems]) const {
     const bool second = kGated && c >= cols;
-    const size_t k = second ? c - cols : c;
-    const IType* row = in + r * (kGated ? 2 * cols : cols);
-    float g[kVecElems], u[kVecElems], v[kVecElems] = {};
-    load_floats(grad + r * cols + k, g);
-    load_floats(row + k, u);
-    if constexpr (kGated) load_floats(row + cols + k, v);
-    dispatch_kind(act.kind, [&](auto kind) {
-      constexpr int kKind = decltype(kind)::value;
+    float x[kParts][kVecElems];
+    compute(fetch(r, second ? c - cols : c), x);
 #pragma unroll
-      for (int j = 0; j < kVecElems; ++j) {
-        float du, dv;
-        backward_values<kKind, kFastMath<IType>>(act, kGated, g[j], u[j], v[j], du, dv);
-        out[j] = second ? dv : du;
-      }
-    });
+    for (int j = 0; j < kVecElems; ++j) out[j] = second ? x[kParts - 1][j] : x[0][j];
   }
   __device__ __forceinline__ float load(size_t r, size_t c) const {
     const bool second = kGated && c >= cols;
-    const size_t k = second ? c - cols : c;
-    const IType* row = in + r * (kGated ? 2 * cols : cols);
-    const float v = kGated ? to_float(row[cols + k]) : 0.0f;
-    const float g = to_float(grad[r * cols + k]);
-    const float u = to_float(row[k]);
-    float du = 0.0f, dv = 0.0f;
-    dispatch_kind(act.kind, [&](auto kind) {
-      backward_values<decltype(kind)::value, kFastMath<IType>>(act, kGated, g, u, v, du, dv);
-    });
-    return second ? dv : du;
+    float x[kParts];
+    load_parts(r, second ? c - cols : c, x);
+    return second ? x[kParts - 1] : x[0];
+  }
+
+  // The element-wise kernel's contract.
+  __device__ __forceinline__ Raw fetch(size_t r, size_t c) const {
+    Raw raw;
+    raw.x[0] = load_readonly<IType, kVecElems>(grad + r * cols + c);
+    raw.x[1] = load_readonly<IType, kVecElems>(row(r) + c);
+    if constexpr (kGated) raw.x[2] = load_readonly<IType, kVecElems>(row(r) + cols + c);
+    return raw;
+  }
+  __device__ __forceinline__ void compute(const Raw& raw,
+                                          float (&out)[kParts][kVecElems]) const {
+    float g[kVecElems], u[kVecElems], v[kVecElems] = {};
+    to_floats(raw.x[0], g);
+    to_floats(raw.x[1], u);
+    if constexpr (kGated) to_floats(raw.x[2], v);
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) {
+      float du, dv;
+      backward_values<kKind, kFastMath<IType>>(act, kGated, g[j], u[j], v[j], du, dv);
+      out[0][j] = du;
+      if constexpr (kGated) out[kParts - 1][j] = dv;
+    }
+  }
+  __device__ __forceinline__ void load_parts(size_t r, size_t c, float (&out)[kParts]) const {
+    const float v = kGated ? to_float(row(r)[cols + c]) : 0.0f;
+    float du, dv;
+    backward_values<kKind, kFastMath<IType>>(act, kGated, to_float(grad[r * cols + c]),
+                                              to_float(row(r)[c]), v, du, dv);
+    out[0] = du;
+    if constexpr (kGated) out[kParts - 1] = dv;
   }
 };
 
@@ -274,3 +307,4 @@ struct DActivationLoad {
 }  // namespace transformer_engine
 
 #endif  // TRANSFORMER_ENGINE_COMMON_ACTIVATION_ACTIVATION_MATH_CUH_
+
