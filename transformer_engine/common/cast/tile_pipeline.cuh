@@ -106,10 +106,16 @@ __device__ __forceinline__ void issue_tile_load(const IType* __restrict__ in, co
 template <typename IType>
 __device__ __forceinline__ void read_sub_tile(const IType* buf, const TilePos& p,
                                               SubTile<IType>& x) {
+  // As 16-byte pieces: the dynamic shared memory is only promised 16-byte alignment, which
+  // Vec<float, 8> (32-byte aligned) would exceed.
+  constexpr int kPieces = static_cast<int>(sizeof(Vec<IType, kSub>) / sizeof(uint4));
 #pragma unroll
   for (int i = 0; i < kSub; ++i) {
-    x.row[i] = *reinterpret_cast<const Vec<IType, kSub>*>(buf + (p.rg * kSub + i) * kTile +
-                                                          p.cc * kSub);
+    const uint4* src =
+        reinterpret_cast<const uint4*>(buf + (p.rg * kSub + i) * kTile + p.cc * kSub);
+    uint4* dst = reinterpret_cast<uint4*>(&x.row[i]);
+#pragma unroll
+    for (int k = 0; k < kPieces; ++k) dst[k] = src[k];
   }
 }
 
