@@ -1,16 +1,20 @@
 /* nvte_block_scaled_quantize: Float8BlockScaling's cast (1x128 tiles or 128x128 blocks, float32
- * scales), both copies and their scales in one pass. One thread block per 128x128 tile of the
- * input (block_tile.cuh): the row-wise bytes go straight from registers to memory; the
- * column-wise bytes (the transposed matrix [K, M]) are staged in shared memory and written as
- * whole rows of the transposed output. The arithmetic is reference.block_cast_1d/_2d's. */
+ * scales), both copies and their scales in one pass. A persistent grid walks the 128x128 tiles
+ * of the input (tile_pipeline.cuh: the next tiles' input is in flight while a tile is converted
+ * from registers, block_tile.cuh's 8x8 sub-tile per thread): the row-wise bytes go straight from
+ * registers to memory; the column-wise bytes (the transposed matrix [K, M]) are staged in shared
+ * memory and written as whole 16-byte pieces of rows of the transposed output. The arithmetic is
+ * reference.block_cast_1d/_2d's. */
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <type_traits>
 
 #include "cast/block_tile.cuh"
 #include "cast/dispatch.cuh"
+#include "cast/tile_pipeline.cuh"
 #include "transformer_engine/block_cast.h"
 #include "util/buffer.h"
 #include "util/device.h"
@@ -64,12 +68,40 @@ __device__ __forceinline__ float block_scale(float amax, float epsilon, bool pow
   return scale;
 }
 
+/* Reduce-scatter of 8 row maxima over the 16 lanes of a half-warp (lane cc holds its partial
+ * maxima m[0..7] of rows 0..7): each step halves the rows a lane keeps and takes the partner's
+ * maxima of them, so 4 + 2 + 1 + 1 shuffles leave lanes 2i and 2i+1 with row i's maximum over
+ * all 16 lanes (instead of 8 full reductions of 4 shuffles each). Returns row cc/2's maximum.
+ * Maxima of non-negative, NaN-free values: the order of the steps does not change the result. */
+__device__ __forceinline__ float row_maxima(const float (&m)[kSub], int cc) {
+  const bool b8 = (cc & 8) != 0, b4 = (cc & 4) != 0, b2 = (cc & 2) != 0;
+  float w[4];  // rows (b8 ? 4 : 0) + k
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float send = b8 ? m[k] : m[k + 4];
+    const float keep = b8 ? m[k + 4] : m[k];
+    w[k] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 8));
+  }
+  float u[2];  // rows (b8 ? 4 : 0) + (b4 ? 2 : 0) + k
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const float send = b4 ? w[k] : w[k + 2];
+    const float keep = b4 ? w[k + 2] : w[k];
+    u[k] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 4));
+  }
+  // row cc / 2 = (b8 ? 4 : 0) + (b4 ? 2 : 0) + (b2 ? 1 : 0)
+  float t = fmaxf(b2 ? u[1] : u[0], __shfl_xor_sync(0xffffffffu, b2 ? u[0] : u[1], 2));
+  return fmaxf(t, __shfl_xor_sync(0xffffffffu, t, 1));
+}
+
 /* The column-wise staging tile: column `cl` of the input tile is row `cl` of the transposed
- * tile, 128 bytes. The 8-byte chunk of rows rg*8..rg*8+7 sits at slot `rg ^ (cl / 8)`: the 16
- * threads of a half-warp (same rg, cc = 0..15) then hit 16 different slots, so a warp's
- * 8-byte stores spread over all banks. */
+ * tile, 128 bytes, held as 8 pieces of 16 bytes (16 input rows each). Piece `pr` (rows
+ * 16*pr..16*pr+15) sits at slot `pr ^ (cl / 8 % 8)`. Writes: a warp (row groups 2w and 2w+1,
+ * cc = 0..15, columns cl = cc*8+j) stores 8 bytes per lane into 16 distinct 8-byte slots, each
+ * twice: two wavefronts, the least 256 bytes take. Reads: write_transposed's warp reads whole
+ * 16-byte pieces of 4 rows, each row's 8 pieces on 8 distinct slots: no bank conflicts. */
 __device__ __forceinline__ int stage_offset(int cl, int rl) {
-  return cl * kTile + ((((rl / kSub) ^ (cl / kSub)) * kSub) | (rl % kSub));
+  return cl * kTile + ((((rl / 16) ^ ((cl / kSub) % 8)) * 16) | (rl % 16));
 }
 
 /* Writes the staged transposed tile to out_t [K, M]: rows c0..c0+127 of it, bytes r0..r0+127. */
@@ -84,10 +116,9 @@ __device__ __forceinline__ void write_transposed(const uint8_t* stage, const Blo
       const int cl = q / (kTile / 16);
       const int part = q % (kTile / 16);
       if (cl >= static_cast<int>(cols_here) || part * 16 >= static_cast<int>(rows_here)) continue;
-      const uint2 lo = *reinterpret_cast<const uint2*>(stage + stage_offset(cl, part * 16));
-      const uint2 hi = *reinterpret_cast<const uint2*>(stage + stage_offset(cl, part * 16 + 8));
+      // Rows part*16..part*16+15 of transposed row cl, in order (stage_offset keeps a piece).
       *reinterpret_cast<uint4*>(P.col_data + (p.c0 + cl) * M + p.r0 + part * 16) =
-          make_uint4(lo.x, lo.y, hi.x, hi.y);
+          *reinterpret_cast<const uint4*>(stage + stage_offset(cl, part * 16));
     }
   } else {
     for (int q = threadIdx.x; q < kTile * kTile; q += kThreads) {
@@ -100,20 +131,22 @@ __device__ __forceinline__ void write_transposed(const uint8_t* stage, const Blo
   }
 }
 
-template <typename IType, bool kE4M3, bool kTwoD>
-__global__ void __launch_bounds__(kThreads, 2)
-    block_quantize_kernel(const IType* __restrict__ in, const BlockCastParams P) {
-  if (skip_requested(P.noop)) return;
-  __shared__ alignas(16) uint8_t stage[kTile * kTile];
-  __shared__ float colmax[kThreads / 32][kTile];
-  __shared__ float warpmax[kThreads / 32];
+/* The shared memory of one tile's cast besides the input ring. */
+struct CastShared {
+  alignas(16) uint8_t stage[kTile * kTile];  // the transposed bytes
+  alignas(16) float colmax[kThreads / 32][kTile];  // per-warp column maxima (1-D)
+  alignas(16) float colscale[kTile];  // the column blocks' scales (1-D)
+  float warpmax[kThreads / 32];  // per-warp maxima (2-D)
+};
 
+/* Casts one tile, the thread's sub-tile `x` of it in registers. */
+template <typename IType, bool kE4M3, bool kTwoD>
+__device__ __forceinline__ void cast_tile(const SubTile<IType>& x, const BlockCastParams& P,
+                                          const TilePos& p, CastShared& sh) {
+  uint8_t* stage = sh.stage;
   const TileGeometry& g = P.g;
-  const TilePos p = tile_position(g);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  SubTile<IType> x;
-  load_sub_tile(in, g, p, x);
 
   if constexpr (kTwoD) {
     // One scale for the whole 128x128 block.
@@ -125,11 +158,11 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     m = half_warp_max(m);
     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-    if (lane == 0) warpmax[warp] = m;
+    if (lane == 0) sh.warpmax[warp] = m;
     __syncthreads();
-    m = warpmax[0];
+    m = sh.warpmax[0];
 #pragma unroll
-    for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, warpmax[w]);
+    for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, sh.warpmax[w]);
     const float scale = block_scale<IType, kE4M3>(m, P.epsilon, P.pow2);
     Vec<uint16_t, kSub / 2> q[kSub];
 #pragma unroll
@@ -176,14 +209,26 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   } else {
     if (P.row_data != nullptr) {
-      // 1x128 tiles along K: a tile row is one half-warp's 16 x 8 elements.
+      // 1x128 tiles along K: a tile row is one half-warp's 16 x 8 elements. The half-warp
+      // reduces its 8 rows at once (row_maxima: lane cc ends with row cc/2's maximum), so each
+      // lane computes one scale, and the 8 scales are then shuffled back to all 16 lanes.
+      float m[kSub];
 #pragma unroll
       for (int i = 0; i < kSub; ++i) {
-        float m = 0.0f;
+        m[i] = 0.0f;
 #pragma unroll
-        for (int j = 0; j < kSub; ++j) m = amax_step(m, x.at(i, j));
-        m = half_warp_max(m);
-        const float scale = block_scale<IType, kE4M3>(m, P.epsilon, P.pow2);
+        for (int j = 0; j < kSub; ++j) m[i] = amax_step(m[i], x.at(i, j));
+      }
+      const float mine = block_scale<IType, kE4M3>(row_maxima(m, p.cc), P.epsilon, P.pow2);
+      const size_t r_mine = p.r0 + p.rg * kSub + p.cc / 2;
+      if (p.cc % 2 == 0 && r_mine < P.row_si_cols) {
+        // scale_inv [KB, roundup(M, 4)], entry [tile, row]; rows past M are padding. Lanes
+        // 0, 2, .., 14 write 8 consecutive entries.
+        P.row_si[p.tc * P.row_si_cols + r_mine] = r_mine < g.M ? __fdiv_rn(1.0f, mine) : 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < kSub; ++i) {
+        const float scale = __shfl_sync(0xffffffffu, mine, (lane & 16) | (2 * i));
         Vec<uint16_t, kSub / 2> q;
 #pragma unroll
         for (int k = 0; k < kSub / 2; ++k) {
@@ -191,15 +236,13 @@ __global__ void __launch_bounds__(kThreads, 2)
               Fp8Format<kE4M3>::cast_pair(x.at(i, 2 * k) * scale, x.at(i, 2 * k + 1) * scale);
         }
         store_row(P.row_data, g, p, i, q);
-        const size_t r = p.r0 + p.rg * kSub + i;
-        if (p.cc == 0 && r < P.row_si_cols) {
-          // scale_inv [KB, roundup(M, 4)], entry [tile, row]; rows past M are padding.
-          P.row_si[p.tc * P.row_si_cols + r] = r < g.M ? __fdiv_rn(1.0f, scale) : 0.0f;
-        }
       }
     }
     if (P.col_data != nullptr) {
       // 1x128 tiles along M: a tile column spans all 16 row groups (2 per warp, 8 warps).
+      // Each warp's maxima go to shared memory; then thread cl < 128 reduces column cl and
+      // computes its scale once (and writes its scale_inv: 128 consecutive floats), and every
+      // thread reads back the 8 scales of its columns.
       float m[kSub];
 #pragma unroll
       for (int j = 0; j < kSub; ++j) {
@@ -207,16 +250,38 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (int i = 0; i < kSub; ++i) m[j] = amax_step(m[j], x.at(i, j));
         m[j] = fmaxf(m[j], __shfl_xor_sync(0xffffffffu, m[j], 16));
-        if (lane < 16) colmax[warp][p.cc * kSub + j] = m[j];
+      }
+      if (lane < 16) {
+        float4* dst = reinterpret_cast<float4*>(&sh.colmax[warp][p.cc * kSub]);
+        dst[0] = make_float4(m[0], m[1], m[2], m[3]);
+        dst[1] = make_float4(m[4], m[5], m[6], m[7]);
       }
       __syncthreads();
+      if (threadIdx.x < kTile) {
+        const int cl = threadIdx.x;
+        float a = sh.colmax[0][cl];
+#pragma unroll
+        for (int w = 1; w < kThreads / 32; ++w) a = fmaxf(a, sh.colmax[w][cl]);
+        const float scale = block_scale<IType, kE4M3>(a, P.epsilon, P.pow2);
+        sh.colscale[cl] = scale;
+        const size_t c = p.c0 + cl;
+        if (c < P.col_si_cols) {
+          // scale_inv [MB, roundup(K, 4)], entry [tile, column]; columns past K are padding.
+          P.col_si[p.tr * P.col_si_cols + c] = c < g.K ? __fdiv_rn(1.0f, scale) : 0.0f;
+        }
+      }
+      __syncthreads();
+      float scales[kSub];
+      {
+        const float4* src = reinterpret_cast<const float4*>(&sh.colscale[p.cc * kSub]);
+        const float4 s0 = src[0], s1 = src[1];
+        scales[0] = s0.x, scales[1] = s0.y, scales[2] = s0.z, scales[3] = s0.w;
+        scales[4] = s1.x, scales[5] = s1.y, scales[6] = s1.z, scales[7] = s1.w;
+      }
 #pragma unroll
       for (int j = 0; j < kSub; ++j) {
         const int cl = p.cc * kSub + j;
-        float a = colmax[0][cl];
-#pragma unroll
-        for (int w = 1; w < kThreads / 32; ++w) a = fmaxf(a, colmax[w][cl]);
-        const float scale = block_scale<IType, kE4M3>(a, P.epsilon, P.pow2);
+        const float scale = scales[j];
         // Rows rg*8..rg*8+7 of column cl: 8 consecutive bytes of the transposed row.
         uint32_t word[2];
 #pragma unroll
@@ -229,11 +294,6 @@ __global__ void __launch_bounds__(kThreads, 2)
         }
         *reinterpret_cast<uint2*>(stage + stage_offset(cl, p.rg * kSub)) =
             make_uint2(word[0], word[1]);
-        const size_t c = p.c0 + cl;
-        if (p.rg == 0 && c < P.col_si_cols) {
-          // scale_inv [MB, roundup(K, 4)], entry [tile, column]; columns past K are padding.
-          P.col_si[p.tr * P.col_si_cols + c] = c < g.K ? __fdiv_rn(1.0f, scale) : 0.0f;
-        }
       }
     }
   }
@@ -241,6 +301,18 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();
     write_transposed(stage, P, p);
   }
+}
+
+template <typename IType, bool kE4M3, bool kTwoD>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    block_quantize_kernel(const IType* __restrict__ in, const BlockCastParams P, size_t tiles) {
+  if (skip_requested(P.noop)) return;
+  extern __shared__ uint4 ring_words[];  // the input ring (dynamic, ring_bytes<IType>())
+  __shared__ CastShared sh;
+  for_each_tile(in, P.g, tiles, reinterpret_cast<IType*>(ring_words),
+                [&](const SubTile<IType>& x, const TilePos& p) {
+                  cast_tile<IType, kE4M3, kTwoD>(x, P, p, sh);
+                });
 }
 
 }  // namespace
@@ -296,10 +368,12 @@ extern "C" void nvte_block_scaled_quantize(const NVTEBuffer* input, NVTEBuffer* 
   dispatch_block_cast(op, in.dtype, b.fp8_dtype(), two_d,
                       [&](auto itype, auto is_e4m3, auto is_two_d) {
                         using IType = decltype(itype);
-                        block_quantize_kernel<IType, decltype(is_e4m3)::value,
-                                              decltype(is_two_d)::value>
-                            <<<tiles, kThreads, 0, ctx.stream()>>>(
-                                static_cast<const IType*>(in.data), P);
+                        auto kernel = block_quantize_kernel<IType, decltype(is_e4m3)::value,
+                                                            decltype(is_two_d)::value>;
+                        static std::atomic<uint64_t> allowed{0};  // per instantiation
+                        allow_ring(ctx, kernel, ring_bytes<IType>(), allowed);
+                        kernel<<<persistent_grid(ctx, tiles), kThreads, ring_bytes<IType>(),
+                                 ctx.stream()>>>(static_cast<const IType*>(in.data), P, tiles);
                         ctx.check_launch("block_quantize_kernel launch");
                       });
 }

@@ -1,6 +1,7 @@
-/* What the block-scaled cast kernels (block_quantize.cu, mxfp8_quantize.cu) share: one thread
- * block per 128x128 tile of the input matrix [M, K], held in registers, and the host side: the
- * checks of their buffers and the dispatch over input type, FP8 format and block shape.
+/* What the block-scaled cast kernels (block_quantize.cu, mxfp8_quantize.cu) share: the
+ * 128x128 tiles of the input matrix [M, K], each held in registers by a thread block (which
+ * walks several tiles, tile_pipeline.cuh), and the host side: the checks of their buffers and
+ * the dispatch over input type, FP8 format and block shape.
  *
  * Thread layout: 256 threads; thread t owns the 8x8 sub-tile of rows `r0 + rg*8 + i` and
  * columns `c0 + cc*8 + j` (i, j in 0..7) with `cc = t % 16` and `rg = t / 16`. The 16 threads
@@ -53,10 +54,11 @@ struct TilePos {
   int cc, rg;
 };
 
-__device__ __forceinline__ TilePos tile_position(const TileGeometry& g) {
+/* Where tile `tile` (row-major over the tiles) is, and the thread's place in it. */
+__device__ __forceinline__ TilePos tile_position(const TileGeometry& g, size_t tile) {
   TilePos p;
-  p.tr = blockIdx.x / g.tiles_k;
-  p.tc = blockIdx.x % g.tiles_k;
+  p.tr = tile / g.tiles_k;
+  p.tc = tile % g.tiles_k;
   p.r0 = p.tr * kTile;
   p.c0 = p.tc * kTile;
   p.cc = threadIdx.x % kGroups;

@@ -1,14 +1,17 @@
 /* nvte_mxfp8_quantize: MXFP8's cast (32-element blocks, E8M0 scales), row-wise and column-wise
- * copies (both [M, K]) and their scales in one pass. One thread block per 128x128 tile of the
- * input (block_tile.cuh); a thread's 8x8 sub-tile is a quarter of a 32-element row block (the
- * 4 threads of a row block are adjacent lanes) and an eighth of a column block (4 row groups,
- * reduced through shared memory). The arithmetic is reference.mxfp8_cast's. */
+ * copies (both [M, K]) and their scales in one pass. A persistent grid walks the 128x128 tiles
+ * of the input (tile_pipeline.cuh, block_tile.cuh); a thread's 8x8 sub-tile is a quarter of a
+ * 32-element row block (the 4 threads of a row block are adjacent lanes) and an eighth of a
+ * column block (4 row groups, reduced through shared memory). The arithmetic is
+ * reference.mxfp8_cast's. */
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <type_traits>
 
 #include "cast/block_tile.cuh"
 #include "cast/dispatch.cuh"
+#include "cast/tile_pipeline.cuh"
 #include "transformer_engine/block_cast.h"
 #include "util/buffer.h"
 #include "util/device.h"
@@ -68,17 +71,12 @@ __device__ __forceinline__ Vec<uint16_t, kSub / 2> cast_row(const float (&v)[kSu
   return q;
 }
 
+/* Casts one tile, the thread's sub-tile `x` of it in registers. `part` holds per-sub-tile
+ * partial maxima: [row group][column] (column blocks), [row group][cc] (2-D). */
 template <typename IType, bool kE4M3, bool kTwoD>
-__global__ void __launch_bounds__(kThreads, 2)
-    mxfp8_quantize_kernel(const IType* __restrict__ in, const MxParams P) {
-  if (skip_requested(P.noop)) return;
-  // Per-sub-tile partial maxima: [row group][column] (column blocks), [row group][cc] (2-D).
-  __shared__ float part[kGroups][kTile];
-
+__device__ __forceinline__ void cast_tile(const SubTile<IType>& x, const MxParams& P,
+                                          const TilePos& p, float (&part)[kGroups][kTile]) {
   const TileGeometry& g = P.g;
-  const TilePos p = tile_position(g);
-  SubTile<IType> x;
-  load_sub_tile(in, g, p, x);
   const size_t c_first = p.c0 + p.cc * kSub;  // the thread's first column
   const size_t r_first = p.r0 + p.rg * kSub;  // and first row
   // The 32-element blocks the thread's sub-tile lies in: column block along K, row block
@@ -164,23 +162,36 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     if (P.col_data != nullptr) {
       // 32x1 blocks along M: 4 row groups per block, reduced through shared memory.
+      // The thread's 8 column maxima as two 16-byte stores, read back the same way.
+      float m[kSub];
 #pragma unroll
       for (int j = 0; j < kSub; ++j) {
-        float m = 0.0f;
+        m[j] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < kSub; ++i) m = amax_step(m, x.at(i, j));
-        part[p.rg][p.cc * kSub + j] = m;
+        for (int i = 0; i < kSub; ++i) m[j] = amax_step(m[j], x.at(i, j));
       }
+      float4* mine = reinterpret_cast<float4*>(&part[p.rg][p.cc * kSub]);
+      mine[0] = make_float4(m[0], m[1], m[2], m[3]);
+      mine[1] = make_float4(m[4], m[5], m[6], m[7]);
       __syncthreads();
       const int rg0 = p.rg / kSubsPerBlock * kSubsPerBlock;
+      float a[kSub];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) a[j] = 0.0f;
+#pragma unroll
+      for (int u = 0; u < kSubsPerBlock; ++u) {
+        const float4* row = reinterpret_cast<const float4*>(&part[rg0 + u][p.cc * kSub]);
+        const float4 lo = row[0], hi = row[1];
+        a[0] = fmaxf(a[0], lo.x), a[1] = fmaxf(a[1], lo.y);
+        a[2] = fmaxf(a[2], lo.z), a[3] = fmaxf(a[3], lo.w);
+        a[4] = fmaxf(a[4], hi.x), a[5] = fmaxf(a[5], hi.y);
+        a[6] = fmaxf(a[6], hi.z), a[7] = fmaxf(a[7], hi.w);
+      }
       float mult[kSub];
       uint32_t e[kSub];
 #pragma unroll
       for (int j = 0; j < kSub; ++j) {
-        float a = 0.0f;
-#pragma unroll
-        for (int u = 0; u < kSubsPerBlock; ++u) a = fmaxf(a, part[rg0 + u][p.cc * kSub + j]);
-        e[j] = e8m0_exponent<kE4M3>(a);
+        e[j] = e8m0_exponent<kE4M3>(a[j]);
         mult[j] = e8m0_multiplier(e[j]);
       }
 #pragma unroll
@@ -200,6 +211,18 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
   }
+}
+
+template <typename IType, bool kE4M3, bool kTwoD>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    mxfp8_quantize_kernel(const IType* __restrict__ in, const MxParams P, size_t tiles) {
+  if (skip_requested(P.noop)) return;
+  extern __shared__ uint4 ring_words[];  // the input ring (dynamic, ring_bytes<IType>())
+  __shared__ alignas(16) float part[kGroups][kTile];
+  for_each_tile(in, P.g, tiles, reinterpret_cast<IType*>(ring_words),
+                [&](const SubTile<IType>& x, const TilePos& p) {
+                  cast_tile<IType, kE4M3, kTwoD>(x, P, p, part);
+                });
 }
 
 static_assert(kBlocksPerTile * kSubsPerBlock == kGroups, "a tile is whole 32-element blocks");
@@ -246,10 +269,12 @@ extern "C" void nvte_mxfp8_quantize(const NVTEBuffer* input, NVTEBuffer* rowwise
   dispatch_block_cast(op, in.dtype, b.fp8_dtype(), two_d != 0,
                       [&](auto itype, auto is_e4m3, auto is_two_d) {
                         using IType = decltype(itype);
-                        mxfp8_quantize_kernel<IType, decltype(is_e4m3)::value,
-                                              decltype(is_two_d)::value>
-                            <<<tiles, kThreads, 0, ctx.stream()>>>(
-                                static_cast<const IType*>(in.data), P);
+                        auto kernel = mxfp8_quantize_kernel<IType, decltype(is_e4m3)::value,
+                                                            decltype(is_two_d)::value>;
+                        static std::atomic<uint64_t> allowed{0};  // per instantiation
+                        allow_ring(ctx, kernel, ring_bytes<IType>(), allowed);
+                        kernel<<<persistent_grid(ctx, tiles), kThreads, ring_bytes<IType>(),
+                                 ctx.stream()>>>(static_cast<const IType*>(in.data), P, tiles);
                         ctx.check_launch("mxfp8_quantize_kernel launch");
                       });
 }
