@@ -72,6 +72,7 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
     (7, "distributed", (
         "transformer_engine.pytorch.distributed",
         "transformer_engine.pytorch._tensor_parallel",
+        "transformer_engine.pytorch._block_gather",
     )),
     (8, "modules and fusible operations", (
         "transformer_engine.pytorch.module",

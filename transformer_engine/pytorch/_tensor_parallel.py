@@ -17,16 +17,23 @@ FP8 all-gather: :func:`gather_along_first_dim` with a per-tensor FP8 quantizer (
 current scaling) casts this rank's rows first and all-gathers the FP8 bytes (one byte per value
 instead of two in BF16) with the shared ``scale_inv``; every rank must cast with the same scale
 (delayed scaling: amaxes reduced over a group containing this one; current scaling: the local
-amax is all-reduced (MAX) over the group before the scale is computed, done here). Other
-quantizers (block-scaled FP8, MXFP8) and other quantized inputs are gathered in high precision
-and quantized afterwards. The reduce-scatters and all-reduces always run in high precision.
+amax is all-reduced (MAX) over the group before the scale is computed, done here). With a
+block-scaled quantizer (``Float8BlockScaling``'s, MXFP8's; :func:`gathers_block_fp8`) each rank
+casts its rows and the bytes and block scales are gathered (:mod:`._block_gather`), which is
+bitwise the cast of the gathered tensor when no block straddles two ranks' rows: always for the
+row-wise 1x128 / 1x32 tiles, for the column-wise copies (and 2-D blocks) only when each rank's
+row count is a multiple of the block (128 / 32); otherwise, and for quantized inputs other
+than per-tensor FP8, the values are gathered in high precision and quantized afterwards. The
+reduce-scatters and all-reduces always run in high precision.
 
 The GEMMs under sequence parallelism use it three times (when the GEMM runs its FP8 backward
-on a per-tensor FP8 recipe): :func:`sequence_parallel_gemm_input` gathers a column-parallel
-input in FP8 and hands back the local FP8 shard, which is all that is saved for backward;
-:func:`regather_fp8_shard` gathers that shard again in backward for the weight gradient (the
-transposed copy is built from the gathered bytes); :func:`sequence_parallel_grad_output`
-gathers a row-parallel layer's output gradient in FP8, cast with its grad-output quantizer.
+on a per-tensor FP8 recipe, or a block-scaled one where the gather is exact):
+:func:`sequence_parallel_gemm_input` gathers a column-parallel input in FP8 and hands back the
+local FP8 shard, which is all that is saved for backward; :func:`regather_fp8_shard` gathers
+that shard again in backward for the weight gradient (per-tensor: the transposed copy is built
+from the gathered bytes; block-scaled: the shard is the local column-wise copy, cast in the
+forward, and that is what is gathered); :func:`sequence_parallel_grad_output` gathers a
+row-parallel layer's output gradient in FP8, cast with its grad-output quantizer.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._block_gather import cast_local_rows, gather_block_cast, gathers_exactly, is_block_quantizer
 from .quantized_tensor import QuantizedTensorStorage
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 from .tensor.storage.float8_tensor_storage import Float8TensorStorage
@@ -43,6 +51,7 @@ __all__ = [
     "get_distributed_rank",
     "gather_along_first_dim",
     "gathers_fp8",
+    "gathers_block_fp8",
     "sequence_parallel_gemm_input",
     "regather_fp8_shard",
     "sequence_parallel_grad_output",
@@ -105,10 +114,40 @@ def _high_precision(t):
 
 
 def gathers_fp8(quantizer) -> bool:
-    """Whether :func:`gather_along_first_dim` moves FP8 bytes for ``quantizer``: the per-tensor
-    FP8 quantizers (delayed and current scaling). Block-scaled quantizers are gathered in high
-    precision and quantized afterwards."""
+    """Whether :func:`gather_along_first_dim` moves per-tensor FP8 bytes for ``quantizer``: the
+    per-tensor FP8 quantizers (delayed and current scaling). Block-scaled quantizers are
+    :func:`gathers_block_fp8`'s."""
     return isinstance(quantizer, (Float8Quantizer, Float8CurrentScalingQuantizer))
+
+
+def gathers_block_fp8(quantizer) -> bool:
+    """Whether :func:`gather_along_first_dim` may move block-scaled FP8 bytes and scales for
+    ``quantizer`` (``Float8BlockQuantizer``, ``MXFP8Quantizer``): it does for a high-precision
+    input of at least 2 dimensions whose copies asked for gather exactly (see
+    :func:`._block_gather.gathers_exactly`), else it gathers in high precision."""
+    return is_block_quantizer(quantizer)
+
+
+def _block_gather_exact(inp, quantizer, *, rowwise: bool, columnwise: bool) -> bool:
+    """Whether ``inp`` (this rank's rows, high precision) gathers as block-scaled FP8 bytes."""
+    return (
+        gathers_block_fp8(quantizer)
+        and not isinstance(inp, QuantizedTensorStorage)
+        and gathers_exactly(quantizer, inp.shape, rowwise=rowwise, columnwise=columnwise)
+    )
+
+
+def _gather_block(inp, group, quantizer, *, rowwise, columnwise, internal, async_op=False,
+                  output_tensor=None, copies=("rowwise", "columnwise")):  # fmt: skip
+    """``inp``'s rows cast here with the given copies, those of them in ``copies`` gathered as
+    bytes and scales: ``(gathered, handle, local)``."""
+    local = cast_local_rows(quantizer, inp, rowwise=rowwise, columnwise=columnwise)
+    world = get_distributed_world_size(group)
+    gathered, handle = gather_block_cast(
+        local, group, world, _all_gather_dim0, internal=internal, async_op=async_op,
+        output_tensor=output_tensor, copies=copies,
+    )  # fmt: skip
+    return gathered, handle, local
 
 
 def _output_buffer(shape, like: torch.Tensor, output_tensor):
@@ -195,9 +234,19 @@ def gather_along_first_dim(
     group containing this one), the ``uint8`` data is all-gathered and wrapped with the shared
     ``scale_inv``; the transposed copy, when the quantizer's usages ask for it, is built from
     the gathered bytes (the call is then synchronous). An input that already is a per-tensor
-    FP8 tensor with row-wise bytes is gathered as it is. Other quantizers: the values are
-    gathered in high precision and quantized afterwards (synchronous). ``output_tensor``
-    receives the gathered values (the ``uint8`` bytes on the FP8 path) when given.
+    FP8 tensor with row-wise bytes is gathered as it is.
+
+    With a block-scaled ``quantizer`` (:func:`gathers_block_fp8`) and a high-precision input
+    of at least 2 dimensions, this rank's rows are cast with the quantizer's copies and the
+    bytes and block scales are gathered (the scales laid out, padding included, as the cast of
+    the gathered tensor lays them out), bitwise that cast, when no block straddles two ranks:
+    the row-wise 1x128 (``Float8BlockScaling``) / 1x32 (MXFP8) tiles always; the column-wise
+    copy, 128x128 and 32x32 blocks only when ``inp``'s rows (all dimensions but the last) are
+    a multiple of the block (128 / 32). With a row-wise copy only, ``async_op`` returns before
+    the bytes arrive (the scales travel first). Otherwise it falls back to the path of other
+    quantizers: the values are gathered in high precision and quantized afterwards
+    (synchronous). ``output_tensor`` receives the gathered values (the ``uint8`` row-wise
+    bytes on the FP8 paths) when given.
     ``external_coalescing`` only matters to NVFP4 (not built) and is accepted.
     """
     del external_coalescing
@@ -211,6 +260,13 @@ def gather_along_first_dim(
         or (isinstance(inp, Float8TensorStorage) and inp._data is not None)
     ):
         return _gather_fp8(inp, process_group, world, quantizer, async_op, output_tensor)[:2]
+    if quantizer is not None and (output_tensor is None or quantizer.rowwise_usage):
+        rowwise, columnwise = quantizer.rowwise_usage, quantizer.columnwise_usage
+        if _block_gather_exact(inp, quantizer, rowwise=rowwise, columnwise=columnwise):
+            return _gather_block(
+                inp, process_group, quantizer, rowwise=rowwise, columnwise=columnwise,
+                internal=quantizer.internal, async_op=async_op, output_tensor=output_tensor,
+            )[:2]  # fmt: skip
     src = _high_precision(inp)
     if not src.is_contiguous():
         src = src.contiguous()
@@ -244,6 +300,17 @@ def _fp8_backward(config, quantizer, world: int) -> bool:
     return config.fp8 and config.backward_override is None and world > 1 and gathers_fp8(quantizer)
 
 
+def _block_backward(config, quantizer, world: int) -> bool:
+    """Whether a GEMM of ``config`` casts ``quantizer``'s operand in block-scaled FP8 (forward
+    and backward), so that its sequence-parallel gathers may move FP8 bytes and scales."""
+    return (
+        config.fp8
+        and config.backward_override is None
+        and world > 1
+        and gathers_block_fp8(quantizer)
+    )
+
+
 def sequence_parallel_gemm_input(inp: torch.Tensor, group, config):
     """A column-parallel GEMM's input under sequence parallelism, all-gathered over ``group``:
     ``(gemm_input, leading_shape, shard)``, ``leading_shape`` being the gathered input's leading
@@ -254,8 +321,13 @@ def sequence_parallel_gemm_input(inp: torch.Tensor, group, config):
     ``gemm_input`` is a 2-D FP8 storage with row-wise bytes, cast with the scale of the whole
     gathered tensor (the GEMM takes it as it is), and ``shard`` this rank's rows of it (FP8
     storage, row-wise), which is what the caller keeps for the weight gradient
-    (:func:`regather_fp8_shard` in backward). Otherwise ``gemm_input`` is the gathered
-    high-precision tensor and ``shard`` is ``None``.
+    (:func:`regather_fp8_shard` in backward). With a block-scaled input quantizer under the
+    same conditions, when this rank's rows (tokens) are a multiple of the block (128 / 32, so
+    the column-wise tiles along the tokens lie inside one rank), the local rows are cast with
+    both copies: the row-wise bytes and scales are gathered into ``gemm_input`` (bitwise the
+    cast of the gathered input) and ``shard`` is the local column-wise copy, which the weight
+    gradient reads once gathered. Otherwise ``gemm_input`` is the gathered high-precision
+    tensor and ``shard`` is ``None``.
     """
     world = get_distributed_world_size(group)
     leading = (inp.shape[0] * world, *inp.shape[1:-1]) if inp.dim() else ()
@@ -265,6 +337,21 @@ def sequence_parallel_gemm_input(inp: torch.Tensor, group, config):
         and not config.save_original_input
         and not isinstance(inp, QuantizedTensorStorage)
     )
+    block_gather = (
+        not fp8_gather
+        and not config.save_original_input
+        and not isinstance(inp, QuantizedTensorStorage)
+        and inp.dim() > 0
+        and _block_backward(config, quantizer, world)
+    )
+    src = inp.reshape(-1, inp.shape[-1]) if block_gather else inp
+    if block_gather and _block_gather_exact(src, quantizer, rowwise=True, columnwise=True):
+        gathered, _, shard = _gather_block(
+            src, group, quantizer, rowwise=True, columnwise=True, internal=True,
+            copies=("rowwise",),
+        )  # fmt: skip
+        shard.update_usage(rowwise_usage=False, columnwise_usage=True)
+        return gathered, leading, shard
     if not fp8_gather:
         return gather_along_first_dim(inp, group)[0], leading, None
     gathered, shard = _gather_fp8_storage(
@@ -276,8 +363,12 @@ def sequence_parallel_gemm_input(inp: torch.Tensor, group, config):
 def regather_fp8_shard(shard, group):
     """The FP8 shard :func:`sequence_parallel_gemm_input` handed out, all-gathered again over
     ``group`` (its bytes, with its ``scale_inv``) with only the transposed copy the weight
-    gradient reads (built from the gathered bytes): equal to the gathered input's."""
+    gradient reads (built from the gathered bytes): equal to the gathered input's. A
+    block-scaled shard (its local column-wise copy) is gathered as bytes and scales: the
+    column-wise copy of the cast of the gathered input."""
     world = get_distributed_world_size(group)
+    if not isinstance(shard, Float8TensorStorage):
+        return gather_block_cast(shard, group, world, _all_gather_dim0, internal=True)[0]
     data = shard._data if shard._data.is_contiguous() else shard._data.contiguous()
     shape = (data.shape[0] * world, *data.shape[1:])
     out = torch.empty(shape, dtype=data.dtype, device=data.device)
@@ -301,10 +392,19 @@ def sequence_parallel_grad_output(
     ``config.grad_output_quantizer`` (current scaling: the amax reduced over ``group`` first,
     so every rank casts with the scale of the whole gradient; delayed scaling: the shared
     scale) and the FP8 bytes are gathered: a 2-D FP8 storage with those usages, which the
-    GEMMs take as it is. Otherwise the gradient is gathered in high precision.
+    GEMMs take as it is. The same with a block-scaled grad-output quantizer when the copies
+    asked for gather exactly (the row-wise copy always, the column-wise one when this rank's
+    rows are a multiple of the block: 128 / 32); otherwise the gradient is gathered in high
+    precision.
     """
     world = get_distributed_world_size(group)
     quantizer = config.grad_output_quantizer
+    if (rowwise or columnwise) and _block_backward(config, quantizer, world):
+        src = grad.reshape(-1, grad.shape[-1])
+        if _block_gather_exact(src, quantizer, rowwise=rowwise, columnwise=columnwise):
+            return _gather_block(
+                src, group, quantizer, rowwise=rowwise, columnwise=columnwise, internal=True
+            )[0]
     if not ((rowwise or columnwise) and _fp8_backward(config, quantizer, world)):
         return gather_along_first_dim(grad, group)[0]
     src = grad.reshape(-1, grad.shape[-1])
