@@ -147,6 +147,14 @@ def check_direct_gather(group, device, failures) -> None:
                     failures.append(f"{tag}: gathered {log}, expected the BF16 fallback")
                 if (q.rowwise_usage, q.columnwise_usage) != (rowwise, columnwise):
                     failures.append(f"{tag}: the quantizer's usages were not restored")
+                if rowwise and not columnwise and exact(kind, local_rows, True, False):
+                    # Row-wise bytes only: the call may return before they arrive.
+                    got, handle = tp.gather_along_first_dim(local, group, True, quantizer=q)
+                    if handle is None:
+                        failures.append(f"{tag}: async_op=True returned no handle")
+                    else:
+                        handle.wait()
+                    same_buffers(f"{tag} async", got, want, BUFFERS[:2], failures)
 
 
 def check_sequence_parallel(group, device, failures) -> None:
