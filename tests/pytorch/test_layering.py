@@ -73,6 +73,7 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.pytorch.distributed",
         "transformer_engine.pytorch._tensor_parallel",
         "transformer_engine.pytorch._block_gather",
+        "transformer_engine.pytorch._distributed_checkpoint",
     )),
     (8, "modules and fusible operations", (
         "transformer_engine.pytorch.module",

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from ._distributed_checkpoint import distributed_checkpoint
 from ._tensor_parallel import (  # noqa: F401  (upstream's te.distributed helpers)
     allreduce,
     gather_along_first_dim,
@@ -86,20 +87,31 @@ def checkpoint(
     ----------
     function : callable
     distribute_saved_activations : bool, default False
-        Not implemented yet (tensor parallelism); True raises ``NotImplementedError``.
+        Keep only this rank's ``1 / tp_size`` share of the first tensor argument (the same on
+        every rank of ``tp_group``: tensor parallelism without sequence parallelism) between
+        forward and backward: its data is replaced by this rank's chunk after the forward and
+        all-gathered over ``tp_group`` before the recompute (the caller must not read it in
+        between). No effect without ``tp_group`` or with one rank. Needs
+        ``use_reentrant=True``.
     get_rng_state_tracker : callable, optional
         Returns a :class:`CudaRNGStatesTracker`: the recompute runs with the tracker's states
         of the original forward, which are put back afterwards. The default CPU and CUDA RNG
         states are preserved by torch's checkpoint either way.
     tp_group : ProcessGroup, optional
-        Not used (single process).
+        The tensor-parallel group ``distribute_saved_activations`` splits over.
     use_reentrant : bool, default True
         Passed to ``torch.utils.checkpoint.checkpoint``.
     """
-    if distribute_saved_activations:
-        raise NotImplementedError(
-            "checkpoint: distribute_saved_activations=True needs tensor parallelism, which is "
-            "not implemented yet"
+    distribute = (
+        distribute_saved_activations
+        and tp_group is not None
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size(tp_group) > 1
+    )
+    if distribute and not use_reentrant:
+        raise ValueError(
+            "checkpoint: distribute_saved_activations=True recomputes through a reentrant "
+            "autograd function; pass use_reentrant=True (the default)"
         )
     calls = {"count": 0}
     autocast_state = FP8GlobalStateManager.get_autocast_state()
@@ -126,6 +138,8 @@ def checkpoint(
             if tracker is not None:
                 tracker.set_states(rng_states_now)
 
+    if distribute:
+        return distributed_checkpoint(run, args, tp_group)
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=use_reentrant)
 
 

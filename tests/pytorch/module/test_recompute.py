@@ -53,6 +53,11 @@ def test_recompute_matches_the_plain_run_step_by_step(use_reentrant, recipe):
         assert not torch.equal(plain[0].fp8_meta["scaling_bwd"].scale, torch.ones(2))
 
 
-def test_distribute_saved_activations_is_not_implemented():
-    with pytest.raises(NotImplementedError, match="distribute_saved_activations"):
-        te.checkpoint(lambda t: t, torch.ones(1), distribute_saved_activations=True)
+def test_distribute_saved_activations_without_a_tensor_parallel_group_changes_nothing():
+    # Upstream: it has effect only under tensor parallelism (the 2-process case is in
+    # tests/pytorch/distributed/test_distributed_checkpoint_gloo.py).
+    x = torch.randn(3, 5, requires_grad=True)
+    y = te.checkpoint(lambda t: t.sin() * 2, x, distribute_saved_activations=True)
+    assert x.shape == (3, 5)
+    y.sum().backward()
+    assert torch.equal(x.grad, 2 * x.detach().cos())
