@@ -1,5 +1,5 @@
 """The weight and bias of ``Linear`` and ``LayerNormLinear``, optionally split by
-``parameters_split`` into several named parameters, and the single-process argument check the
+``parameters_split`` into several named parameters, and the check of not-built arguments the
 linear-family modules share."""
 
 from __future__ import annotations
@@ -19,12 +19,8 @@ __all__ = [
 
 
 def check_single_process_arguments(module: str, **arguments) -> None:
-    """Tensor-parallel and comm-overlap arguments are accepted but not implemented yet."""
-    tp_size = arguments.pop("tp_size", 1)
-    if tp_size != 1:
-        raise NotImplementedError(
-            f"{module}: tp_size={tp_size} is not implemented yet (tensor parallelism); use tp_size=1"
-        )
+    """Arguments of features not built here (userbuffers comm/GEMM overlap, symmetric
+    all-reduce, grouped tensors) are accepted at their defaults and refused otherwise."""
     for name, value in arguments.items():
         if value not in (None, False):
             raise NotImplementedError(f"{module}: {name}={value!r} is not implemented yet")
