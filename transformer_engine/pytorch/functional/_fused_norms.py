@@ -27,7 +27,7 @@ from ..cpp_extensions.normalization import (
     rmsnorm_backward_from_stats,
 )
 
-__all__ = ["fused_layernorm", "fused_rmsnorm"]
+__all__ = ["fused_layernorm", "fused_rmsnorm", "norm_forward", "norm_backward", "NormState"]
 
 # Device types whose PyTorch has the fused RMSNorm forward (dropped after a failed call).
 _FUSED_RMS_NORM = {"cpu", "cuda"}
@@ -77,42 +77,6 @@ def _layernorm_forward(x, gamma, beta, eps, fused: bool):
     return y.to(x.dtype), mean, rstd
 
 
-class _LayerNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, zero_centered_gamma):  # noqa: D102
-        gamma, fused = _gamma(weight, x, zero_centered_gamma)
-        beta = None if bias is None else bias.to(gamma.dtype)
-        y, mean, rstd = _layernorm_forward(x, gamma, beta, eps, fused)
-        ctx.save_for_backward(x, gamma, mean, rstd)
-        ctx.has_bias, ctx.fused = bias is not None, fused
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        x, gamma, mean, rstd = ctx.saved_tensors
-        needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]
-        if x.is_cuda and ctx.fused:
-            beta = torch.empty_like(gamma) if ctx.has_bias else None  # only its presence is read
-            dx, dgamma, dbeta = torch.ops.aten.native_layer_norm_backward(
-                grad.contiguous(), x, list(gamma.shape), mean, rstd, gamma, beta,
-                [needs_x, needs_w, needs_b and ctx.has_bias],
-            )  # fmt: skip
-        else:
-            dx, dgamma, dbeta = layernorm_backward_from_stats(
-                grad, x, mean, rstd, gamma, need_dx=needs_x, need_dgamma=needs_w,
-                need_dbeta=needs_b and ctx.has_bias,
-            )  # fmt: skip
-        weight_dtype, bias_dtype = ctx.dtypes
-        return (
-            None if dx is None else dx.to(x.dtype),
-            None if dgamma is None else dgamma.to(weight_dtype),
-            None if dbeta is None else dbeta.to(bias_dtype),
-            None,
-            None,
-        )
-
-
 def _rmsnorm_forward(x, gamma, eps, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, rstd)`` with rstd in the compute dtype, shaped to broadcast against x."""
     device_type = x.device.type
@@ -127,41 +91,108 @@ def _rmsnorm_forward(x, gamma, eps, fused: bool) -> tuple[torch.Tensor, torch.Te
     return (x_c * rstd * gamma.to(x_c.dtype)).to(x.dtype), rstd
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps, zero_centered_gamma):  # noqa: D102
-        gamma, fused = _gamma(weight, x, zero_centered_gamma)
+def _layernorm_backward(grad, x, gamma, mean, rstd, fused, has_bias, needs):
+    needs_x, needs_w, needs_b = needs
+    if x.is_cuda and fused:
+        beta = torch.empty_like(gamma) if has_bias else None  # only its presence is read
+        return torch.ops.aten.native_layer_norm_backward(
+            grad.contiguous(), x, list(gamma.shape), mean, rstd, gamma, beta,
+            [needs_x, needs_w, needs_b and has_bias],
+        )  # fmt: skip
+    return layernorm_backward_from_stats(
+        grad, x, mean, rstd, gamma, need_dx=needs_x, need_dgamma=needs_w,
+        need_dbeta=needs_b and has_bias,
+    )  # fmt: skip
+
+
+def _rmsnorm_backward(grad, x, gamma, rstd, fused, needs):
+    needs_x, needs_w = needs[:2]
+    if x.is_cuda and fused and "cuda" in _FUSED_RMS_NORM_BACKWARD:
+        try:
+            dx, dgamma = torch.ops.aten._fused_rms_norm_backward(
+                grad.contiguous(), x, list(gamma.shape), rstd, gamma, [needs_x, needs_w]
+            )
+            return dx, dgamma, None
+        except (NotImplementedError, RuntimeError):  # a PyTorch build without the kernel
+            _FUSED_RMS_NORM_BACKWARD.discard("cuda")
+    dx, dgamma = rmsnorm_backward_from_stats(
+        grad, x, rstd, gamma, need_dx=needs_x, need_dgamma=needs_w
+    )
+    return dx, dgamma, None
+
+
+class NormState:
+    """What a norm's backward needs besides the saved tensors: which norm, which kernels ran
+    the forward, and the dtypes the gradients go back in. The tensors themselves
+    (``NormState.tensors``: input, effective scale, statistics) go through the caller's
+    ``save_for_backward`` so saved-tensor hooks see them."""
+
+    __slots__ = ("rms", "fused", "has_bias", "weight_dtype", "bias_dtype")
+
+    def __init__(self, rms, fused, has_bias, weight_dtype, bias_dtype):
+        self.rms, self.fused, self.has_bias = rms, fused, has_bias
+        self.weight_dtype, self.bias_dtype = weight_dtype, bias_dtype
+
+
+def norm_forward(x, weight, bias, eps: float, zero_centered_gamma: bool, *, rms: bool):
+    """``(y, tensors, state)``: the norm of ``x`` (LayerNorm, or RMSNorm with ``rms``) and
+    what :func:`norm_backward` takes (save ``tensors``, keep ``state``)."""
+    gamma, fused = _gamma(weight, x, zero_centered_gamma)
+    if rms:
         y, rstd = _rmsnorm_forward(x, gamma, eps, fused)
-        ctx.save_for_backward(x, gamma, rstd)
-        ctx.weight_dtype, ctx.fused = weight.dtype, fused
+        tensors = (x, gamma, rstd)
+    else:
+        beta = None if bias is None else bias.to(gamma.dtype)
+        y, mean, rstd = _layernorm_forward(x, gamma, beta, eps, fused)
+        tensors = (x, gamma, mean, rstd)
+    bias_dtype = None if bias is None else bias.dtype
+    return y, tensors, NormState(rms, fused, bias is not None, weight.dtype, bias_dtype)
+
+
+def norm_backward(grad, tensors, state: NormState, needs):
+    """``(dx, dweight, dbias)`` from :func:`norm_forward`'s saved ``tensors`` and ``state``;
+    ``needs`` says which of the three are wanted (``dbias`` is ``None`` for RMSNorm or
+    without a bias), each in the dtype of the tensor it belongs to."""
+    if state.rms:
+        x, gamma, rstd = tensors
+        dx, dgamma, dbeta = _rmsnorm_backward(grad, x, gamma, rstd, state.fused, needs)
+    else:
+        x, gamma, mean, rstd = tensors
+        dx, dgamma, dbeta = _layernorm_backward(
+            grad, x, gamma, mean, rstd, state.fused, state.has_bias, needs
+        )
+    return (
+        None if dx is None else dx.to(x.dtype),
+        None if dgamma is None else dgamma.to(state.weight_dtype),
+        None if dbeta is None else dbeta.to(state.bias_dtype),
+    )
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, zero_centered_gamma):  # noqa: D102
+        y, tensors, ctx.state = norm_forward(x, weight, bias, eps, zero_centered_gamma, rms=False)
+        ctx.save_for_backward(*tensors)
         return y
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        x, gamma, rstd = ctx.saved_tensors
-        needs_x, needs_w = ctx.needs_input_grad[:2]
-        if x.is_cuda and ctx.fused and "cuda" in _FUSED_RMS_NORM_BACKWARD:
-            try:
-                dx, dgamma = torch.ops.aten._fused_rms_norm_backward(
-                    grad.contiguous(), x, list(gamma.shape), rstd, gamma, [needs_x, needs_w]
-                )
-                return (
-                    dx,
-                    None if dgamma is None else dgamma.to(ctx.weight_dtype),
-                    None,
-                    None,
-                )
-            except (NotImplementedError, RuntimeError):  # a PyTorch build without the kernel
-                _FUSED_RMS_NORM_BACKWARD.discard("cuda")
-        dx, dgamma = rmsnorm_backward_from_stats(
-            grad, x, rstd, gamma, need_dx=needs_x, need_dgamma=needs_w
-        )
-        return (
-            None if dx is None else dx.to(x.dtype),
-            None if dgamma is None else dgamma.to(ctx.weight_dtype),
-            None,
-            None,
-        )
+        grads = norm_backward(grad, ctx.saved_tensors, ctx.state, ctx.needs_input_grad[:3])
+        return (*grads, None, None)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, zero_centered_gamma):  # noqa: D102
+        y, tensors, ctx.state = norm_forward(x, weight, None, eps, zero_centered_gamma, rms=True)
+        ctx.save_for_backward(*tensors)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        needs = (*ctx.needs_input_grad[:2], False)
+        dx, dweight, _ = norm_backward(grad, ctx.saved_tensors, ctx.state, needs)
+        return dx, dweight, None, None
 
 
 def fused_layernorm(x, weight, bias, eps: float, zero_centered_gamma: bool) -> torch.Tensor:

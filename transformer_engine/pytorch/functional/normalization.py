@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from ..device import check_same_device, reject_meta
-from ._fused_norms import fused_layernorm, fused_rmsnorm
+from ._fused_norms import NormState, fused_layernorm, fused_rmsnorm, norm_backward, norm_forward
 
 __all__ = [
     "layernorm",
@@ -36,6 +36,9 @@ __all__ = [
     "l2_normalize_backward",
     "normalized_dims",
     "check_eps",
+    "norm_forward_with_state",
+    "norm_backward",
+    "NormState",
 ]
 
 
@@ -173,6 +176,23 @@ def rmsnorm(
     """
     _check_operands("rmsnorm", x, weight, None, eps)
     return fused_rmsnorm(x, weight, eps, zero_centered_gamma)
+
+
+def norm_forward_with_state(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    zero_centered_gamma: bool,
+    *,
+    rms: bool,
+) -> tuple[torch.Tensor, tuple, NormState]:
+    """:func:`layernorm` (or :func:`rmsnorm` with ``rms``) without autograd, for callers that
+    run their own backward (the te.ops norms): ``(y, tensors, state)``, where ``tensors`` are
+    to be saved for backward and ``norm_backward(grad, tensors, state, needs)`` returns
+    ``(dx, dweight, dbias)``. Same checks, kernels and bits as the autograd functions."""
+    _check_operands("rmsnorm" if rms else "layernorm", x, weight, bias, eps)
+    return norm_forward(x, weight, bias, eps, zero_centered_gamma, rms=rms)
 
 
 def l2_normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,9 @@
 """``LayerNorm`` and ``RMSNorm`` operations on the normalization functions the modules use
 (``functional/normalization.py``: float32 statistics, output in the input's dtype).
 
-The backward differentiates the same function, recomputed from the saved input and the
-parameters the forward used, so it matches PyTorch's autograd through it exactly.
+The forward keeps the input, the effective scale and the per-row statistics; the backward
+runs the same kernels as autograd through those functions (no recomputed forward), so both
+give the same bits.
 """
 
 from __future__ import annotations
@@ -10,7 +11,12 @@ from __future__ import annotations
 import torch
 
 from ...device import construction_device, materialization_device
-from ...functional.normalization import check_eps, layernorm, normalized_dims, rmsnorm
+from ...functional.normalization import (
+    check_eps,
+    norm_backward,
+    norm_forward_with_state,
+    normalized_dims,
+)
 from ..op import BasicOperation, OperationContext
 from ._common import check_params_dtype, plain
 
@@ -67,8 +73,7 @@ class _Normalization(BasicOperation):
                 else:
                     param.zero_()
 
-    def _normalize(self, x, *params):
-        raise NotImplementedError
+    _rms = False
 
     def op_forward(
         self,
@@ -86,22 +91,23 @@ class _Normalization(BasicOperation):
             )
         x = plain(input_)
         params = [getattr(self, name) for name in self._param_names]
+        bias = params[1] if len(params) > 1 else None
+        y, tensors, state = norm_forward_with_state(
+            x, params[0], bias, self.eps, self.zero_centered_gamma, rms=self._rms
+        )
         if ctx.requires_grad:
-            ctx.save_for_backward(x, *params)
+            ctx.save_for_backward(*tensors)
+            ctx.norm_state = state
             ctx.param_requires_grad = [p.requires_grad for p in params]
-        return self._normalize(x, *params)
+        return y
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
-        saved = ctx.saved_tensors
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(True) for t in saved]
-            y = self._normalize(*leaves)
-        grad_output = plain(grad_output).to(y.dtype)
+        x = ctx.saved_tensors[0]
+        grad_output = plain(grad_output).to(x.dtype)
         wanted = [ctx.input_requires_grad, *ctx.param_requires_grad]
-        targets = [leaf for leaf, w in zip(leaves, wanted) if w]
-        grads = iter(torch.autograd.grad(y, targets, grad_output) if targets else ())
-        results = [next(grads) if w else None for w in wanted]
-        return results[0], results[1:]
+        needs = (*wanted, False)[:3]
+        dx, dweight, dbias = norm_backward(grad_output, ctx.saved_tensors, ctx.norm_state, needs)
+        return dx, [dweight, dbias][: len(self._param_names)]
 
 
 class LayerNorm(_Normalization):
@@ -138,9 +144,6 @@ class LayerNorm(_Normalization):
             "LayerNorm", normalized_shape, eps, device, dtype, zero_centered_gamma, sm_margin
         )
 
-    def _normalize(self, x, weight, bias):
-        return layernorm(x, weight, bias, self.eps, self.zero_centered_gamma)
-
 
 class RMSNorm(_Normalization):
     """Root-mean-square normalization over the trailing ``normalized_shape`` dimensions:
@@ -150,6 +153,7 @@ class RMSNorm(_Normalization):
     """
 
     _param_names = ("weight",)
+    _rms = True
 
     def __init__(
         self,
@@ -164,6 +168,3 @@ class RMSNorm(_Normalization):
         super().__init__(
             "RMSNorm", normalized_shape, eps, device, dtype, zero_centered_gamma, sm_margin
         )
-
-    def _normalize(self, x, weight):
-        return rmsnorm(x, weight, self.eps, self.zero_centered_gamma)
