@@ -45,6 +45,25 @@ void norm_amax(const TensorArg& input, const TensorArg& gamma, const OptionalTen
                  to_stream(stream));
 }
 
+void norm_backward(const TensorArg& dz, const TensorArg& input, const OptionalTensorArg& mean,
+                   const TensorArg& rsigma, const TensorArg& gamma, bool zero_centered_gamma,
+                   bool rms, const TensorArg& dx, const TensorArg& dgamma,
+                   const OptionalTensorArg& dbeta, const TensorArg& workspace, int device,
+                   std::uintptr_t stream) {
+  const NVTEBuffer g_out = to_buffer(dz), in = to_buffer(input), rs = to_buffer(rsigma),
+                   g = to_buffer(gamma);
+  NVTEBuffer d_in = to_buffer(dx), dg = to_buffer(dgamma), ws = to_buffer(workspace);
+  OptionalBuffer mu(mean), db(dbeta);
+  py::gil_scoped_release no_gil;
+  nvte_norm_backward(&g_out, &in, mu.get(), &rs, &g, zero_centered_gamma ? 1 : 0, rms ? 1 : 0,
+                     &d_in, &dg, db.get(), &ws, device, to_stream(stream));
+}
+
+size_t norm_backward_workspace_elements(size_t rows, size_t hidden, int device) {
+  py::gil_scoped_release no_gil;
+  return nvte_norm_backward_workspace_elements(rows, hidden, device);
+}
+
 }  // namespace
 
 void register_norm(py::module_& m) {
@@ -57,4 +76,11 @@ void register_norm(py::module_& m) {
         py::arg("epsilon"), py::arg("zero_centered_gamma"), py::arg("rms"), py::arg("amax"),
         py::arg("device"), py::arg("stream"),
         "The amax of the forward's rounded output alone (nvte_norm_amax).");
+  m.def("norm_backward", &norm_backward, py::arg("dz"), py::arg("input"), py::arg("mean"),
+        py::arg("rsigma"), py::arg("gamma"), py::arg("zero_centered_gamma"), py::arg("rms"),
+        py::arg("dx"), py::arg("dgamma"), py::arg("dbeta"), py::arg("workspace"),
+        py::arg("device"), py::arg("stream"), "LayerNorm/RMSNorm backward (nvte_norm_backward).");
+  m.def("norm_backward_workspace_elements", &norm_backward_workspace_elements, py::arg("rows"),
+        py::arg("hidden"), py::arg("device"),
+        "Float32 elements of norm_backward's workspace (nvte_norm_backward_workspace_elements).");
 }
