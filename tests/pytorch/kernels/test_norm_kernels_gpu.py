@@ -105,7 +105,7 @@ def test_fp8_output_equals_cast_of_high_precision_output(shape, fp8_dtype, dtype
     assert torch.equal(
         res.transpose.view(torch.uint8), res.data.view(torch.uint8).reshape(-1, hidden).t()
     )
-    assert res.scale_inv.item() == 1 / 50.0
+    assert torch.equal(res.scale_inv.cpu(), 1 / scale.cpu())  # IEEE float32 division
     expected_amax = y.float().abs().max().item() if y.numel() else 0.0
     assert amax.item() == expected_amax == ref_amax.item()
     assert torch.equal(rsigma8, rsigma) and (rms or torch.equal(mean8, mean))
@@ -243,7 +243,6 @@ def test_cuda_graph_capture_of_fp8_forward_and_backward(rms):
     with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
         res, grads = step()
     torch.cuda.current_stream().wait_stream(side)
-    x.add_(0)  # inputs unchanged; replay must reproduce the eager results
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(res.data.view(torch.uint8), eager_res.data.view(torch.uint8))

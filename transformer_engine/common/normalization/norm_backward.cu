@@ -68,8 +68,9 @@ __device__ __forceinline__ void row_vector(const BwdParams& p, int c, int n, flo
   }
 }
 
-__device__ __forceinline__ void dx_vector(float rs, float m_dy, float m_dyx, const float (&xhat)[kVec],
-                                          const float (&dy)[kVec], float (&dx)[kVec]) {
+__device__ __forceinline__ void dx_vector(float rs, float m_dy, float m_dyx,
+                                          const float (&xhat)[kVec], const float (&dy)[kVec],
+                                          float (&dx)[kVec]) {
 #pragma unroll
   for (int j = 0; j < kVec; ++j) dx[j] = rs * (dy[j] - m_dy - xhat[j] * m_dyx);
 }
@@ -83,7 +84,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) norm_bwd_kernel(const BwdParams
   __shared__ float team_parts[kTeams > 1 ? kTeams * Cfg::kMaxH : 1];
   const int team = threadIdx.x / kTeam;
   const int t = threadIdx.x % kTeam;
-  const float inv_h = 1.0f / static_cast<float>(p.H);
+  const float h = static_cast<float>(p.H);
   float dg[kVecs][kVec] = {}, db[kVecs][kVec] = {};
   for (size_t row = static_cast<size_t>(blockIdx.x) * kTeams + team; row < p.rows;
        row += static_cast<size_t>(gridDim.x) * kTeams) {
@@ -106,8 +107,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) norm_bwd_kernel(const BwdParams
       if (n > 0) row_vector<WType>(p, c, n, mu, rs, x[v], dz[v], dg[v], db[v], s_dy, s_dyx);
     }
     // RMSNorm has no mean(dy) term.
-    const float m_dy = p.mean != nullptr ? team_sum<kTeam, kThreads>(s_dy, scratch) * inv_h : 0.0f;
-    const float m_dyx = team_sum<kTeam, kThreads>(s_dyx, scratch) * inv_h;
+    const float m_dy = p.mean != nullptr ? team_sum<kTeam, kThreads>(s_dy, scratch) / h : 0.0f;
+    const float m_dyx = team_sum<kTeam, kThreads>(s_dyx, scratch) / h;
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
       const int c = (v * kTeam + t) * kVec;
@@ -158,7 +159,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) norm_bwd_kernel(const BwdParams
 template <typename IType, typename WType>
 __global__ void __launch_bounds__(kLoopThreads) norm_bwd_looped_kernel(const BwdParams p) {
   __shared__ float scratch[kLoopThreads / 32];
-  const float inv_h = 1.0f / static_cast<float>(p.H);
+  const float h = static_cast<float>(p.H);
   float* pg = p.part_dgamma + static_cast<size_t>(blockIdx.x) * p.H;
   float* pb = p.part_dbeta != nullptr ? p.part_dbeta + static_cast<size_t>(blockIdx.x) * p.H
                                       : nullptr;
@@ -187,8 +188,8 @@ __global__ void __launch_bounds__(kLoopThreads) norm_bwd_looped_kernel(const Bwd
       }
     }
     const float m_dy =
-        p.mean != nullptr ? team_sum<kLoopThreads, kLoopThreads>(s_dy, scratch) * inv_h : 0.0f;
-    const float m_dyx = team_sum<kLoopThreads, kLoopThreads>(s_dyx, scratch) * inv_h;
+        p.mean != nullptr ? team_sum<kLoopThreads, kLoopThreads>(s_dy, scratch) / h : 0.0f;
+    const float m_dyx = team_sum<kLoopThreads, kLoopThreads>(s_dyx, scratch) / h;
     for (int c = threadIdx.x * kVec; c < p.H; c += kLoopThreads * kVec) {
       const int n = vec_count(c, p.H);
       load_vec(static_cast<const IType*>(p.x) + base + c, p.vec, n, x);

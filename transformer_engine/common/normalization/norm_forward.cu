@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) norm_fwd_kernel(const FwdParams
   const int team = threadIdx.x / kTeam;
   const int t = threadIdx.x % kTeam;
   const float scale = fwd_scale<kOut>(p);
-  const float inv_h = 1.0f / static_cast<float>(p.H);
+  const float h = static_cast<float>(p.H);
   const bool staged = kOut != kOutHigh && p.y_t != nullptr;
   float amax = 0.0f;
   const size_t groups = (p.rows + p.group_rows - 1) / p.group_rows;
@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) norm_fwd_kernel(const FwdParams
 #pragma unroll
           for (int j = 0; j < kVec; ++j) s += x[v][j];  // padding is zero
         }
-        mean = team_sum<kTeam, kThreads>(s, scratch) * inv_h;
+        mean = team_sum<kTeam, kThreads>(s, scratch) / h;
       }
       float ss = 0.0f;
 #pragma unroll
@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) norm_fwd_kernel(const FwdParams
           ss += j < n ? d * d : 0.0f;
         }
       }
-      const float rsigma = rsqrtf(team_sum<kTeam, kThreads>(ss, scratch) * inv_h + p.eps);
+      const float rsigma = rsqrtf(team_sum<kTeam, kThreads>(ss, scratch) / h + p.eps);
       if (t == 0) {
         if (p.mean != nullptr) p.mean[row] = mean;
         if (p.rsigma != nullptr) p.rsigma[row] = rsigma;
@@ -199,7 +199,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) norm_fwd_kernel(const FwdParams
       for (int v = 0; v < kVecs; ++v) {
         const int c = (v * kTeam + t) * kVec;
         const int n = vec_count(c, p.H);
-        if (n > 0) emit<IType, WType, kOut>(p, x[v], n, row, c, mean, rsigma, scale, amax, tile_row);
+        if (n > 0) {
+          emit<IType, WType, kOut>(p, x[v], n, row, c, mean, rsigma, scale, amax, tile_row);
+        }
       }
     }
     if (staged) {
@@ -219,7 +221,7 @@ template <typename IType, typename WType, int kOut>
 __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const FwdParams p) {
   __shared__ float scratch[kLoopThreads / 32];
   const float scale = fwd_scale<kOut>(p);
-  const float inv_h = 1.0f / static_cast<float>(p.H);
+  const float h = static_cast<float>(p.H);
   float amax = 0.0f;
   for (size_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const IType* xr = static_cast<const IType*>(p.x) + row * static_cast<size_t>(p.H);
@@ -232,7 +234,7 @@ __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const Fwd
 #pragma unroll
         for (int j = 0; j < kVec; ++j) s += x[j];
       }
-      mean = team_sum<kLoopThreads, kLoopThreads>(s, scratch) * inv_h;
+      mean = team_sum<kLoopThreads, kLoopThreads>(s, scratch) / h;
     }
     float ss = 0.0f;
     for (int c = threadIdx.x * kVec; c < p.H; c += kLoopThreads * kVec) {
@@ -244,7 +246,8 @@ __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const Fwd
         ss += j < n ? d * d : 0.0f;
       }
     }
-    const float rsigma = rsqrtf(team_sum<kLoopThreads, kLoopThreads>(ss, scratch) * inv_h + p.eps);
+    const float rsigma =
+        rsqrtf(team_sum<kLoopThreads, kLoopThreads>(ss, scratch) / h + p.eps);
     if (threadIdx.x == 0) {
       if (p.mean != nullptr) p.mean[row] = mean;
       if (p.rsigma != nullptr) p.rsigma[row] = rsigma;
@@ -289,7 +292,10 @@ void launch_forward(CallContext& ctx, FwdParams p) {
         allow_dynamic_smem(ctx, kernel, kTileBudget, done);
       }
       const size_t groups = (p.rows + p.group_rows - 1) / p.group_rows;
-      const size_t per_sm = staged ? 2 : std::max(1, 2048 / Cfg::kThreads);
+      // Resident blocks per SM: threads, and with the staging tile about 200 KiB of shared
+      // memory (the grid-stride loop takes the rest of the groups).
+      const int by_smem = smem > 0 ? std::max(1, 200 * 1024 / smem) : 2048;
+      const size_t per_sm = std::max(1, std::min(2048 / Cfg::kThreads, by_smem));
       const size_t blocks = std::min<size_t>(groups, per_sm * ctx.sm_count());
       kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem, ctx.stream()>>>(p);
       ctx.check_launch("norm_fwd_kernel launch");

@@ -187,10 +187,14 @@ def norm_amax(x, weight, bias, eps, zero_centered_gamma, *, rms: bool, amax):
     return amax
 
 
-def norm_backward_workspace_elements(rows: int, hidden: int, device: torch.device) -> int:
+def norm_backward_workspace_elements(rows: int, hidden: int, device) -> int | None:
     """Float32 elements of the backward's workspace on ``device`` (a CUDA device):
     ``2 * hidden * min(rows, 2 * SM count)``. ``None`` without the native library."""
-    native = native_for("norm_backward_workspace_elements", device)
+    op = "norm_backward_workspace_elements"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        raise ValueError(f"{op}: device={device} has no index; pass the tensor's device")
+    native = native_for(op, device)
     if native is None:
         return None
     return native.norm_backward_workspace_elements(rows, hidden, device.index)
