@@ -168,6 +168,7 @@ void dactivation_amax(const TensorArg& grad, const TensorArg& input, int kind, b
 }  // namespace
 
 void register_block_cast(py::module_& m);  // block_cast_binding.cpp
+void register_norm(py::module_& m);        // norm_binding.cpp
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "Native FP8 kernels of transformer_engine (C ABI binding; no torch headers).";
@@ -176,6 +177,7 @@ PYBIND11_MODULE(_native, m) {
         "CUDA runtime version the library was built against.");
   m.def("device_count", &nvte_device_count, "CUDA devices visible to the native library.");
   register_block_cast(m);
+  register_norm(m);
   m.def("quantize", &quantize, py::arg("input"), py::arg("scale"), py::arg("output"),
         py::arg("output_t"), py::arg("amax"), py::arg("scale_inv"), py::arg("noop"),
         py::arg("device"), py::arg("stream"));

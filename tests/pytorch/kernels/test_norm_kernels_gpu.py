@@ -1,0 +1,252 @@
+"""The native LayerNorm/RMSNorm kernels (cpp_extensions.norm_kernels) on the GPU: forward
+against a float64 oracle, the FP8 output bit for bit against the package's own cast of the
+kernel's high-precision output, backward against float64 autograd, unaligned input, a device
+other than the current one, and CUDA-graph capture."""
+
+import pytest
+import torch
+
+from transformer_engine.common.native import native_module
+from transformer_engine.pytorch.cpp_extensions.cast import quantize
+from transformer_engine.pytorch.cpp_extensions.norm_kernels import (
+    norm_amax,
+    norm_backward,
+    norm_forward,
+    norm_forward_fp8,
+)
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (the native norm kernels)", allow_module_level=True)
+if native_module() is None:
+    pytest.skip("needs the native library (pip install --no-build-isolation .)",
+                allow_module_level=True)  # fmt: skip
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SHAPES = [(1, 1), (3, 7), (17, 33), (128, 1024), (257, 4096), (64, 8192), (8, 12288), (3, 40000),
+          (0, 64)]  # fmt: skip
+# One rounding of the output dtype (float32: accumulated float32 arithmetic over long rows).
+RTOL = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 1e-5}
+EPS = 1e-5
+
+
+def make_case(shape, dtype, wdtype, rms, zero_centered, device="cuda", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(shape, generator=g) + 1.5).to(dtype)
+    hidden = shape[-1]
+    w = torch.randn(hidden, generator=g) * (0.1 if zero_centered else 0.5)
+    w = (w if zero_centered else w + 1).to(wdtype)
+    b = None if rms else (0.5 * torch.randn(hidden, generator=g)).to(wdtype)
+    dz = torch.randn(shape, generator=g).to(dtype)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return to(x), to(w), to(b), to(dz)
+
+
+def effective_gamma64(w, zero_centered):
+    """The kernel forms 1 + w in float32; the oracle takes that float32 value exactly."""
+    w32 = w.float()
+    return ((w32 + 1) if zero_centered else w32).double()
+
+
+def oracle_forward(x, w, b, rms, zero_centered):
+    x64 = x.double().cpu().reshape(-1, x.shape[-1])
+    g = effective_gamma64(w, zero_centered).cpu()
+    mean = torch.zeros(x64.shape[0], dtype=torch.float64) if rms else x64.mean(dim=1)
+    centered = x64 - mean[:, None]
+    rsigma = torch.rsqrt(centered.square().mean(dim=1) + EPS)
+    y = centered * rsigma[:, None] * g
+    if b is not None:
+        y = y + b.double().cpu()
+    return y.reshape(x.shape), mean, rsigma
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("wdtype_is_x", [False, True], ids=["w_fp32", "w_xdtype"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["plain", "zc"])
+@pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
+def test_forward_matches_float64(shape, wdtype_is_x, dtype, zero_centered, rms):
+    wdtype = dtype if wdtype_is_x else torch.float32
+    x, w, b, _ = make_case(shape, dtype, wdtype, rms, zero_centered)
+    y, mean, rsigma = norm_forward(x, w, b, EPS, zero_centered, rms=rms)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert (mean is None) == rms and rsigma.shape == (shape[0],)
+    ref_y, ref_mean, ref_rsigma = oracle_forward(x, w, b, rms, zero_centered)
+    if shape[0] == 0:
+        return
+    torch.testing.assert_close(rsigma.double().cpu(), ref_rsigma, rtol=1e-5, atol=0)
+    if not rms:
+        torch.testing.assert_close(mean.double().cpu(), ref_mean, rtol=1e-5, atol=1e-6)
+    scale = ref_y.abs().max().item()
+    torch.testing.assert_close(y.double().cpu(), ref_y, rtol=RTOL[dtype], atol=1e-5 * scale)
+    if dtype != torch.float32 and y.numel() >= 1000:
+        same = (y.cpu() == ref_y.to(dtype)).double().mean().item()
+        assert same >= 0.999, f"only {same:.5f} of y equal the float64 oracle rounded"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
+def test_fp8_output_equals_cast_of_high_precision_output(shape, fp8_dtype, dtype, rms):
+    zero_centered = rms  # both settings covered across the kinds
+    x, w, b, _ = make_case(shape, dtype, torch.float32, rms, zero_centered, seed=3)
+    y, mean, rsigma = norm_forward(x, w, b, EPS, zero_centered, rms=rms)
+    scale = torch.tensor([50.0], device="cuda")  # large enough that E4M3 saturates some values
+    amax = torch.zeros(1, device="cuda")
+    res, mean8, rsigma8 = norm_forward_fp8(
+        x, w, b, EPS, zero_centered, rms=rms, scale=scale, fp8_dtype=fp8_dtype, amax=amax,
+        with_transpose=True,
+    )  # fmt: skip
+    ref_amax = torch.zeros(1, device="cuda")
+    ref = quantize(y, scale, fp8_dtype, amax=ref_amax, with_transpose=True)
+    assert torch.equal(res.data.view(torch.uint8), ref.data.view(torch.uint8))
+    hidden = shape[-1]
+    assert res.transpose.shape == (hidden, shape[0])
+    assert torch.equal(
+        res.transpose.view(torch.uint8), res.data.view(torch.uint8).reshape(-1, hidden).t()
+    )
+    assert torch.equal(res.scale_inv.cpu(), 1 / scale.cpu())  # IEEE float32 division
+    expected_amax = y.float().abs().max().item() if y.numel() else 0.0
+    assert amax.item() == expected_amax == ref_amax.item()
+    assert torch.equal(rsigma8, rsigma) and (rms or torch.equal(mean8, mean))
+    only = torch.full((1,), 123.0, device="cuda")  # overwritten, not max-accumulated
+    assert norm_amax(x, w, b, EPS, zero_centered, rms=rms, amax=only) is only
+    assert only.item() == expected_amax
+    # Without the transposed copy, and without amax: the same bytes.
+    res2, _, _ = norm_forward_fp8(x, w, b, EPS, zero_centered, rms=rms, scale=scale,
+                                  fp8_dtype=fp8_dtype)  # fmt: skip
+    assert res2.transpose is None and torch.equal(res2.data.view(torch.uint8),
+                                                  res.data.view(torch.uint8))  # fmt: skip
+
+
+def oracle_backward(x, w, b, dz, rms, zero_centered):
+    """Float64 autograd through the forward formula (dgamma of the stored weight equals that
+    of the effective scale)."""
+    x64 = x.double().cpu().requires_grad_()
+    g = effective_gamma64(w, zero_centered).cpu().requires_grad_()
+    b64 = None if b is None else b.double().cpu().requires_grad_()
+    x2 = x64.reshape(-1, x.shape[-1])
+    mean = 0 if rms else x2.mean(dim=1, keepdim=True)
+    centered = x2 - mean
+    y = centered * torch.rsqrt(centered.square().mean(dim=1, keepdim=True) + EPS) * g
+    if b64 is not None:
+        y = y + b64
+    inputs = [x64, g] + ([b64] if b64 is not None else [])
+    grads = torch.autograd.grad(y, inputs, dz.double().cpu().reshape(y.shape))
+    return grads[0], grads[1], grads[2] if b64 is not None else None
+
+
+def assert_close_to_max(actual, expected, rtol):
+    tol = rtol * max(expected.abs().max().item(), 1e-30)
+    torch.testing.assert_close(actual.double().cpu(), expected, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("wdtype_is_x", [False, True], ids=["w_fp32", "w_xdtype"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["plain", "zc"])
+@pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
+def test_backward_matches_float64(shape, wdtype_is_x, dtype, zero_centered, rms):
+    wdtype = dtype if wdtype_is_x else torch.float32
+    x, w, b, dz = make_case(shape, dtype, wdtype, rms, zero_centered, seed=1)
+    _, mean, rsigma = norm_forward(x, w, b, EPS, zero_centered, rms=rms)
+    dx, dgamma, dbeta = norm_backward(dz, x, mean, rsigma, w, zero_centered, rms=rms,
+                                      with_dbeta=not rms)  # fmt: skip
+    assert dx.dtype == dtype and dx.shape == x.shape
+    assert dgamma.dtype == wdtype and (dbeta is None) == rms
+    ref_dx, ref_dg, ref_db = oracle_backward(x, w, b, dz, rms, zero_centered)
+    if shape[0] == 0:
+        assert not dgamma.any() and (rms or not dbeta.any())
+        return
+    dx_rtol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}[dtype]
+    assert_close_to_max(dx, ref_dx, dx_rtol)
+    # Float32 sums over the rows; rounded once to the weight's dtype.
+    sum_rtol = max(1e-4, RTOL[wdtype] * 2)
+    assert_close_to_max(dgamma, ref_dg, sum_rtol)
+    if not rms:
+        assert_close_to_max(dbeta, ref_db, sum_rtol)
+    # Deterministic: a second run gives the same bits.
+    dx2, dgamma2, _ = norm_backward(dz, x, mean, rsigma, w, zero_centered, rms=rms,
+                                    with_dbeta=not rms)  # fmt: skip
+    assert torch.equal(dx2, dx) and torch.equal(dgamma2, dgamma)
+
+
+def _unaligned_copy(t):
+    """A contiguous copy of t whose storage starts one element past an aligned allocation."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = buf[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.parametrize("shape", [(33, 1024), (5, 4096), (3, 12288)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
+def test_unaligned_input_gives_the_same_bits(shape, dtype, rms):
+    x, w, b, dz = make_case(shape, dtype, torch.float32, rms, False, seed=2)
+    xu, dzu = _unaligned_copy(x), _unaligned_copy(dz)
+    assert xu.data_ptr() % 16 != 0
+    y, mean, rsigma = norm_forward(x, w, b, EPS, False, rms=rms)
+    yu, meanu, rsigmau = norm_forward(xu, w, b, EPS, False, rms=rms)
+    assert torch.equal(y, yu) and torch.equal(rsigma, rsigmau)
+    scale = torch.ones(1, device="cuda")
+    r = norm_forward_fp8(x, w, b, EPS, False, rms=rms, scale=scale,
+                         fp8_dtype=torch.float8_e4m3fn, with_transpose=True)[0]  # fmt: skip
+    ru = norm_forward_fp8(xu, w, b, EPS, False, rms=rms, scale=scale,
+                          fp8_dtype=torch.float8_e4m3fn, with_transpose=True)[0]  # fmt: skip
+    assert torch.equal(r.data.view(torch.uint8), ru.data.view(torch.uint8))
+    assert torch.equal(r.transpose.view(torch.uint8), ru.transpose.view(torch.uint8))
+    g = norm_backward(dz, x, mean, rsigma, w, False, rms=rms, with_dbeta=not rms)
+    gu = norm_backward(dzu, xu, meanu, rsigmau, w, False, rms=rms, with_dbeta=not rms)
+    for a, c in zip(g, gu):
+        assert (a is None and c is None) or torch.equal(a, c)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_second_device_while_first_is_current():
+    x, w, b, dz = make_case((64, 1024), torch.bfloat16, torch.float32, False, False)
+    ref = norm_forward(x, w, b, EPS, False, rms=False)
+    ref_b = norm_backward(dz, x, ref[1], ref[2], w, False, rms=False, with_dbeta=True)
+    dev = torch.device("cuda:1")
+    with torch.cuda.device(0):
+        y, mean, rsigma = norm_forward(x.to(dev), w.to(dev), b.to(dev), EPS, False, rms=False)
+        back = norm_backward(dz.to(dev), x.to(dev), mean, rsigma, w.to(dev), False, rms=False,
+                             with_dbeta=True)  # fmt: skip
+        assert torch.cuda.current_device() == 0
+    assert y.device == dev and torch.equal(y.cpu(), ref[0].cpu())
+    for a, c in zip(back, ref_b):
+        assert a.device == dev and torch.equal(a.cpu(), c.cpu())
+    with pytest.raises(ValueError, match="weight is on cuda:0"):
+        norm_forward(x.to(dev), w, None, EPS, False, rms=True)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
+def test_cuda_graph_capture_of_fp8_forward_and_backward(rms):
+    x, w, b, dz = make_case((96, 2048), torch.bfloat16, torch.float32, rms, True, seed=4)
+    scale = torch.tensor([8.0], device="cuda")
+    amax = torch.zeros(1, device="cuda")
+
+    def step():
+        amax.zero_()
+        res, mean, rsigma = norm_forward_fp8(x, w, b, EPS, True, rms=rms, scale=scale,
+                                             fp8_dtype=torch.float8_e4m3fn, amax=amax,
+                                             with_transpose=True)  # fmt: skip
+        grads = norm_backward(dz, x, mean, rsigma, w, True, rms=rms, with_dbeta=not rms)
+        return res, grads
+
+    eager_res, eager_grads = step()  # warm-up on the current stream, before capture
+    eager_amax = amax.clone()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        res, grads = step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(res.data.view(torch.uint8), eager_res.data.view(torch.uint8))
+    assert torch.equal(res.transpose.view(torch.uint8), eager_res.transpose.view(torch.uint8))
+    assert torch.equal(amax, eager_amax)
+    for a, c in zip(grads, eager_grads):
+        assert (a is None and c is None) or torch.equal(a, c)

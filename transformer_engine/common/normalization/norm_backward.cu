@@ -1,0 +1,360 @@
+/* nvte_norm_backward (normalization.h): LayerNorm/RMSNorm backward in two kernels.
+ *
+ * 1. norm_bwd_kernel: a persistent grid (2 blocks per SM at most). A team (norm_common.cuh)
+ *    takes one row at a time, holding x and dz in registers: it forms xhat and dy = dz * g, the
+ *    row sums of dy and dy * xhat, and writes dx. Every thread also accumulates, in float32
+ *    registers, dz * xhat and dz for the columns it owns, over all the rows its block takes; at
+ *    the end the block's teams add theirs up in shared memory (in team order) and the block
+ *    writes one row of partial dgamma and one of partial dbeta into the workspace,
+ *    [blocks, H] each. Rows too long for the register teams go through a looped kernel that
+ *    reads x and dz twice and accumulates straight into its block's workspace row (each element
+ *    has one owning thread, so no atomics).
+ * 2. norm_bwd_finalize_kernel: adds the blocks' partial rows up column by column, in a fixed
+ *    order independent of scheduling (deterministic), and writes dgamma/dbeta in gamma's dtype.
+ */
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <vector>
+
+#include "cast/dispatch.cuh"
+#include "normalization/norm_common.cuh"
+#include "transformer_engine/normalization.h"
+
+namespace transformer_engine {
+namespace norm_detail {
+namespace {
+
+constexpr int kBlocksPerSm = 2;
+constexpr int kLoopThreads = 512;
+constexpr int kFinalCols = 32;    // columns per finalize block (one 128-byte row segment)
+constexpr int kFinalSlices = 16;  // threads adding up one column's partials, in fixed slices
+
+struct BwdParams {
+  const void* dz;
+  const void* x;
+  const float* mean;  // null for RMSNorm
+  const float* rsigma;
+  const void* gamma;
+  void* dx;
+  float* part_dgamma;  // [blocks, H]
+  float* part_dbeta;   // [blocks, H], or null
+  size_t rows;
+  int H;
+  bool zero_centered;
+  bool vec;
+};
+
+/* The per-row arithmetic of one vector: x becomes xhat and dz becomes dy; the column partials
+ * and the row sums take their share. Padding (dz = 0) adds nothing anywhere. */
+template <typename WType>
+__device__ __forceinline__ void row_vector(const BwdParams& p, int c, int n, float mu, float rs,
+                                           float (&x)[kVec], float (&dz)[kVec], float (&dg)[kVec],
+                                           float (&db)[kVec], float& s_dy, float& s_dyx) {
+  float g[kVec];
+  load_vec(static_cast<const WType*>(p.gamma) + c, p.vec, n, g);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const float xhat = (x[j] - mu) * rs;
+    dg[j] += dz[j] * xhat;
+    db[j] += dz[j];
+    const float dy = dz[j] * effective_gamma(g[j], p.zero_centered);
+    s_dy += dy;
+    s_dyx += dy * xhat;
+    x[j] = xhat;
+    dz[j] = dy;
+  }
+}
+
+__device__ __forceinline__ void dx_vector(float rs, float m_dy, float m_dyx,
+                                          const float (&xhat)[kVec], const float (&dy)[kVec],
+                                          float (&dx)[kVec]) {
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) dx[j] = rs * (dy[j] - m_dy - xhat[j] * m_dyx);
+}
+
+template <class Cfg, typename IType, typename WType>
+__global__ void __launch_bounds__(Cfg::kThreads) norm_bwd_kernel(const BwdParams p) {
+  constexpr int kTeam = Cfg::kTeam, kVecs = Cfg::kVecs, kThreads = Cfg::kThreads;
+  constexpr int kTeams = Cfg::kTeams;
+  __shared__ float scratch[kThreads / 32];
+  // Warp teams: each team's column partials, added up in team order at the end.
+  __shared__ float team_parts[kTeams > 1 ? kTeams * Cfg::kMaxH : 1];
+  const int team = threadIdx.x / kTeam;
+  const int t = threadIdx.x % kTeam;
+  const float h = static_cast<float>(p.H);
+  float dg[kVecs][kVec] = {}, db[kVecs][kVec] = {};
+  for (size_t row = static_cast<size_t>(blockIdx.x) * kTeams + team; row < p.rows;
+       row += static_cast<size_t>(gridDim.x) * kTeams) {
+    const size_t base = row * static_cast<size_t>(p.H);
+    float x[kVecs][kVec], dz[kVecs][kVec];
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int c = (v * kTeam + t) * kVec;
+      const int n = vec_count(c, p.H);
+      load_vec(static_cast<const IType*>(p.x) + base + c, p.vec, n, x[v]);
+      load_vec(static_cast<const IType*>(p.dz) + base + c, p.vec, n, dz[v]);
+    }
+    const float mu = p.mean != nullptr ? p.mean[row] : 0.0f;
+    const float rs = p.rsigma[row];
+    float s_dy = 0.0f, s_dyx = 0.0f;
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int c = (v * kTeam + t) * kVec;
+      const int n = vec_count(c, p.H);
+      if (n > 0) row_vector<WType>(p, c, n, mu, rs, x[v], dz[v], dg[v], db[v], s_dy, s_dyx);
+    }
+    // RMSNorm has no mean(dy) term.
+    const float m_dy = p.mean != nullptr ? team_sum<kTeam, kThreads>(s_dy, scratch) / h : 0.0f;
+    const float m_dyx = team_sum<kTeam, kThreads>(s_dyx, scratch) / h;
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int c = (v * kTeam + t) * kVec;
+      const int n = vec_count(c, p.H);
+      if (n == 0) continue;
+      float dx[kVec];
+      dx_vector(rs, m_dy, m_dyx, x[v], dz[v], dx);
+      store_vec(static_cast<IType*>(p.dx) + base + c, p.vec, n, dx);
+    }
+  }
+  // The block's partial row of each sum.
+  float* dst[2] = {p.part_dgamma + static_cast<size_t>(blockIdx.x) * p.H,
+                   p.part_dbeta != nullptr ? p.part_dbeta + static_cast<size_t>(blockIdx.x) * p.H
+                                           : nullptr};
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+    if (dst[which] == nullptr) continue;
+    const float(&acc)[kVecs][kVec] = which == 0 ? dg : db;
+    if constexpr (kTeams == 1) {
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        const int c = (v * kTeam + t) * kVec;
+        const int n = vec_count(c, p.H);
+        for (int j = 0; j < n; ++j) dst[which][c + j] = acc[v][j];
+      }
+    } else {
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        const int c = (v * kTeam + t) * kVec;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) team_parts[team * Cfg::kMaxH + c + j] = acc[v][j];
+      }
+      __syncthreads();
+      for (int c = threadIdx.x; c < p.H; c += kThreads) {
+        float total = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kTeams; ++k) total += team_parts[k * Cfg::kMaxH + c];
+        dst[which][c] = total;
+      }
+      __syncthreads();  // before the next sum reuses team_parts
+    }
+  }
+}
+
+/* Rows longer than the register teams: a block per row; pass 1 reads x and dz for the row sums
+ * and accumulates the column partials into the block's workspace row, pass 2 reads them again
+ * for dx. */
+template <typename IType, typename WType>
+__global__ void __launch_bounds__(kLoopThreads) norm_bwd_looped_kernel(const BwdParams p) {
+  __shared__ float scratch[kLoopThreads / 32];
+  const float h = static_cast<float>(p.H);
+  float* pg = p.part_dgamma + static_cast<size_t>(blockIdx.x) * p.H;
+  float* pb = p.part_dbeta != nullptr ? p.part_dbeta + static_cast<size_t>(blockIdx.x) * p.H
+                                      : nullptr;
+  // Every element of the block's rows is later touched by the thread that zeroes it here.
+  for (int c = threadIdx.x * kVec; c < p.H; c += kLoopThreads * kVec) {
+    for (int j = 0; j < vec_count(c, p.H); ++j) {
+      pg[c + j] = 0.0f;
+      if (pb != nullptr) pb[c + j] = 0.0f;
+    }
+  }
+  for (size_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const size_t base = row * static_cast<size_t>(p.H);
+    const float mu = p.mean != nullptr ? p.mean[row] : 0.0f;
+    const float rs = p.rsigma[row];
+    float s_dy = 0.0f, s_dyx = 0.0f;
+    float x[kVec], dz[kVec];
+    for (int c = threadIdx.x * kVec; c < p.H; c += kLoopThreads * kVec) {
+      const int n = vec_count(c, p.H);
+      load_vec(static_cast<const IType*>(p.x) + base + c, p.vec, n, x);
+      load_vec(static_cast<const IType*>(p.dz) + base + c, p.vec, n, dz);
+      float dg[kVec] = {}, db[kVec] = {};
+      row_vector<WType>(p, c, n, mu, rs, x, dz, dg, db, s_dy, s_dyx);
+      for (int j = 0; j < n; ++j) {
+        pg[c + j] += dg[j];
+        if (pb != nullptr) pb[c + j] += db[j];
+      }
+    }
+    const float m_dy =
+        p.mean != nullptr ? team_sum<kLoopThreads, kLoopThreads>(s_dy, scratch) / h : 0.0f;
+    const float m_dyx = team_sum<kLoopThreads, kLoopThreads>(s_dyx, scratch) / h;
+    for (int c = threadIdx.x * kVec; c < p.H; c += kLoopThreads * kVec) {
+      const int n = vec_count(c, p.H);
+      load_vec(static_cast<const IType*>(p.x) + base + c, p.vec, n, x);
+      load_vec(static_cast<const IType*>(p.dz) + base + c, p.vec, n, dz);
+      float dg[kVec] = {}, db[kVec] = {}, unused0 = 0.0f, unused1 = 0.0f, dx[kVec];
+      row_vector<WType>(p, c, n, mu, rs, x, dz, dg, db, unused0, unused1);
+      dx_vector(rs, m_dy, m_dyx, x, dz, dx);
+      store_vec(static_cast<IType*>(p.dx) + base + c, p.vec, n, dx);
+    }
+  }
+}
+
+/* out[c] = sum over blocks k of parts[k * H + c] (blockIdx.y picks dgamma or dbeta). Thread
+ * (x, y) adds up blocks y, y + 16, ... of column x in order; the 16 slices are then added in
+ * order: the same sum every run. */
+template <typename WType>
+__global__ void __launch_bounds__(kFinalCols* kFinalSlices)
+    norm_bwd_finalize_kernel(const float* __restrict__ part_dgamma,
+                             const float* __restrict__ part_dbeta, WType* dgamma, WType* dbeta,
+                             int blocks, int H) {
+  __shared__ float slices[kFinalSlices][kFinalCols + 1];
+  const float* parts = blockIdx.y == 0 ? part_dgamma : part_dbeta;
+  WType* out = blockIdx.y == 0 ? dgamma : dbeta;
+  const int c = blockIdx.x * kFinalCols + threadIdx.x;
+  float sum = 0.0f;
+  if (c < H) {
+    for (int k = threadIdx.y; k < blocks; k += kFinalSlices) {
+      sum += parts[static_cast<size_t>(k) * H + c];
+    }
+  }
+  slices[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < H) {
+    float total = 0.0f;
+#pragma unroll
+    for (int s = 0; s < kFinalSlices; ++s) total += slices[s][threadIdx.x];
+    out[c] = from_float<WType>(total);
+  }
+}
+
+/* Multiprocessors of `device`, asked once per device (cudaDeviceGetAttribute is allowed during
+ * graph capture). */
+int device_sm_count(const char* op, int device) {
+  static std::mutex mutex;
+  static std::vector<int> counts;
+  if (device < 0) throw_invalid(op, "device index must be >= 0, got ", device);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (static_cast<size_t>(device) >= counts.size()) counts.resize(device + 1, 0);
+  if (counts[device] == 0) {
+    check_cuda(op, cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device),
+               "cudaDeviceGetAttribute(MultiProcessorCount)");
+  }
+  return counts[device];
+}
+
+/* Blocks of the main kernel: one per `rows_per_block` rows, at most kBlocksPerSm per SM. The
+ * workspace formula bounds this for any team (rows_per_block >= 1). */
+size_t backward_blocks(size_t rows, size_t rows_per_block, int sm_count) {
+  const size_t wanted = (rows + rows_per_block - 1) / rows_per_block;
+  return std::min(wanted, static_cast<size_t>(kBlocksPerSm) * sm_count);
+}
+
+template <typename IType, typename WType>
+void launch_backward(CallContext& ctx, BwdParams p, WType* dgamma, WType* dbeta, int sm_count) {
+  size_t blocks = 0;
+  if (p.rows > 0) {
+    dispatch_team<2>(p.H, [&](auto cfg) {
+      using Cfg = decltype(cfg);
+      if constexpr (std::is_same_v<Cfg, std::nullptr_t>) {
+        blocks = backward_blocks(p.rows, 1, sm_count);
+        norm_bwd_looped_kernel<IType, WType>
+            <<<static_cast<unsigned>(blocks), kLoopThreads, 0, ctx.stream()>>>(p);
+        ctx.check_launch("norm_bwd_looped_kernel launch");
+      } else {
+        blocks = backward_blocks(p.rows, Cfg::kTeams, sm_count);
+        norm_bwd_kernel<Cfg, IType, WType>
+            <<<static_cast<unsigned>(blocks), Cfg::kThreads, 0, ctx.stream()>>>(p);
+        ctx.check_launch("norm_bwd_kernel launch");
+      }
+    });
+  }
+  const dim3 grid((p.H + kFinalCols - 1) / kFinalCols, dbeta != nullptr ? 2 : 1);
+  norm_bwd_finalize_kernel<WType><<<grid, dim3(kFinalCols, kFinalSlices), 0, ctx.stream()>>>(
+      p.part_dgamma, p.part_dbeta, dgamma, dbeta, static_cast<int>(blocks), p.H);
+  ctx.check_launch("norm_bwd_finalize_kernel launch");
+}
+
+}  // namespace
+}  // namespace norm_detail
+}  // namespace transformer_engine
+
+extern "C" size_t nvte_norm_backward_workspace_elements(size_t rows, size_t H, int device) {
+  using namespace transformer_engine::norm_detail;
+  const int sm = device_sm_count("nvte_norm_backward_workspace_elements", device);
+  return 2 * H * std::min(rows, static_cast<size_t>(kBlocksPerSm) * sm);
+}
+
+extern "C" void nvte_norm_backward(const NVTEBuffer* dz, const NVTEBuffer* input,
+                                   const NVTEBuffer* mean, const NVTEBuffer* rsigma,
+                                   const NVTEBuffer* gamma, int zero_centered_gamma, int rms,
+                                   NVTEBuffer* dx, NVTEBuffer* dgamma, NVTEBuffer* dbeta,
+                                   NVTEBuffer* workspace, int device, NVTEStream stream) {
+  using namespace transformer_engine;
+  using namespace transformer_engine::norm_detail;
+  const char* op = "nvte_norm_backward";
+  const NVTEBuffer& x = require(op, "input", input);
+  const NormShape shape = check_norm_input(op, "input", x);
+  check_matrix(op, "dz", require(op, "dz", dz), shape.rows, shape.H, x.dtype);
+  check_matrix(op, "dx", require(op, "dx", dx), shape.rows, shape.H, x.dtype);
+  if (rms) {
+    if (mean != nullptr) throw_invalid(op, "RMSNorm has no mean; pass null");
+    if (dbeta != nullptr) throw_invalid(op, "RMSNorm has no beta; pass dbeta = null");
+  } else {
+    check_stat(op, "mean", require(op, "mean", mean), shape.rows);
+  }
+  check_stat(op, "rsigma", require(op, "rsigma", rsigma), shape.rows);
+  const NVTEBuffer& g = require(op, "gamma", gamma);
+  check_param(op, "gamma", g, shape.H, x.dtype, kNVTENumTypes);
+  check_param(op, "dgamma", require(op, "dgamma", dgamma), shape.H, x.dtype, g.dtype);
+  if (dbeta != nullptr) check_param(op, "dbeta", *dbeta, shape.H, x.dtype, g.dtype);
+  const NVTEBuffer& ws = require(op, "workspace", workspace);
+  check_well_formed(op, "workspace", ws);
+  check_dtype(op, "workspace", ws, {kNVTEFloat32});
+
+  CallContext ctx(op, device, stream);
+  const int sm_count = ctx.sm_count();
+  const size_t needed = 2 * static_cast<size_t>(shape.H) *
+                        std::min(shape.rows, static_cast<size_t>(kBlocksPerSm) * sm_count);
+  if (numel(ws) < needed) {
+    throw_invalid(op, "workspace has ", numel(ws), " elements; [", shape.rows, ", ", shape.H,
+                  "] needs nvte_norm_backward_workspace_elements = ", needed);
+  }
+  ctx.check_on_device("dz", *dz);
+  ctx.check_on_device("input", x);
+  if (mean != nullptr) ctx.check_on_device("mean", *mean);
+  ctx.check_on_device("rsigma", *rsigma);
+  ctx.check_on_device("gamma", g);
+  ctx.check_on_device("dx", *dx);
+  ctx.check_on_device("dgamma", *dgamma);
+  if (dbeta != nullptr) ctx.check_on_device("dbeta", *dbeta);
+  ctx.check_on_device("workspace", ws);
+
+  BwdParams p{};
+  p.dz = dz->data;
+  p.x = x.data;
+  p.mean = rms ? nullptr : static_cast<const float*>(mean->data);
+  p.rsigma = static_cast<const float*>(rsigma->data);
+  p.gamma = g.data;
+  p.dx = dx->data;
+  // Partial rows: dgamma's at the start, dbeta's after the largest grid's dgamma rows.
+  const size_t half = needed / 2;
+  p.part_dgamma = static_cast<float*>(ws.data);
+  p.part_dbeta = dbeta != nullptr ? static_cast<float*>(ws.data) + half : nullptr;
+  p.rows = shape.rows;
+  p.H = shape.H;
+  p.zero_centered = zero_centered_gamma != 0;
+  p.vec = shape.H % kVec == 0 && aligned_to(x.data, 16) && aligned_to(dz->data, 16) &&
+          aligned_to(dx->data, 16) && aligned_to(g.data, 16);
+  dispatch_high_precision(op, x.dtype, [&](auto itype) {
+    using IType = decltype(itype);
+    dispatch_param<IType>(g.dtype, [&](auto wtype) {
+      using WType = decltype(wtype);
+      launch_backward<IType, WType>(ctx, p, static_cast<WType*>(dgamma->data),
+                                    dbeta != nullptr ? static_cast<WType*>(dbeta->data) : nullptr,
+                                    sm_count);
+    });
+  });
+}

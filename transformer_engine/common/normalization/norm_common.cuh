@@ -1,0 +1,225 @@
+/* What the LayerNorm/RMSNorm kernels share (norm_forward.cu, norm_backward.cu): how a row is
+ * split over a team of threads, the team-wide sums, 8-element loads and stores with a scalar
+ * fallback, the choice of team by the row length, and the host-side argument checks.
+ *
+ * A row of H elements is owned by a team of kTeam threads (one warp, or a whole block for long
+ * rows). Thread t of the team holds kVecs vectors of kVec consecutive elements, vector v at
+ * columns (v * kTeam + t) * kVec: consecutive threads read consecutive 16-byte chunks (one
+ * coalesced access per vector), and the row lives in registers, so x is read from global memory
+ * once. Rows longer than the largest team's registers go through a looped kernel instead. */
+#ifndef TRANSFORMER_ENGINE_COMMON_NORMALIZATION_NORM_COMMON_CUH_
+#define TRANSFORMER_ENGINE_COMMON_NORMALIZATION_NORM_COMMON_CUH_
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "transformer_engine/transformer_engine.h"
+#include "util/buffer.h"
+#include "util/device.h"
+#include "util/errors.h"
+#include "util/fp8_math.cuh"
+
+namespace transformer_engine {
+namespace norm_detail {
+
+constexpr int kVec = 8;  // elements per vector: 16 bytes of bf16/fp16, 32 of fp32
+
+/* kThreads threads per block, split into teams of kTeam (32: a warp per row, else the block). */
+template <int kTeam_, int kVecs_, int kThreads_>
+struct TeamConfig {
+  static constexpr int kTeam = kTeam_;
+  static constexpr int kVecs = kVecs_;
+  static constexpr int kThreads = kThreads_;
+  static constexpr int kTeams = kThreads / kTeam;  // rows a block works on at once
+  static constexpr int kMaxH = kTeam * kVecs * kVec;
+  static_assert(kTeam == 32 || kTeam == kThreads, "a team is a warp or the whole block");
+  static_assert(kThreads % 32 == 0, "whole warps");
+};
+
+/* Sum of v over the team; every thread of the team gets the same bits (the butterfly adds the
+ * same two values on both lanes of each pair, and every thread adds the warp sums in one order),
+ * so all threads agree on the statistics. A block team uses `scratch` (kThreads / 32 floats) and
+ * __syncthreads: every thread of the block must call it. */
+template <int kTeam, int kThreads>
+__device__ __forceinline__ float team_sum(float v, float* scratch) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  if constexpr (kTeam == 32) {
+    return v;
+  } else {
+    __syncthreads();  // the previous call's readers are done with scratch
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+    __syncthreads();
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
+    return total;
+  }
+}
+
+/* Elements of the vector at column c that lie in the row (0..kVec). */
+__device__ __forceinline__ int vec_count(int c, int H) {
+  return c >= H ? 0 : (H - c < kVec ? H - c : kVec);
+}
+
+/* kVec elements at p as float32: one or two 16-byte loads when `vec` (p 16-byte aligned and
+ * n == kVec), else n scalar loads; the rest are zero. */
+template <typename T>
+__device__ __forceinline__ void load_vec(const T* p, bool vec, int n, float (&v)[kVec]) {
+  if (vec && n == kVec) {
+    const Vec<T, kVec> x = load_readonly<T, kVec>(p);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[j] = to_float(x.v[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[j] = j < n ? to_float(p[j]) : 0.0f;
+  }
+}
+
+/* Stores the first n of kVec values rounded to T (16-byte stores when `vec` and n == kVec). */
+template <typename T>
+__device__ __forceinline__ void store_vec(T* p, bool vec, int n, const float (&v)[kVec]) {
+  if (vec && n == kVec) {
+    Vec<T, kVec> y;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) y.v[j] = from_float<T>(v[j]);
+    const uint4* src = reinterpret_cast<const uint4*>(&y);
+    uint4* dst = reinterpret_cast<uint4*>(p);
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(y) / sizeof(uint4)); ++i) dst[i] = src[i];
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      if (j < n) p[j] = from_float<T>(v[j]);
+    }
+  }
+}
+
+/* The effective scale: gamma, or 1 + gamma (zero-centered gamma, formed in float32 so that it
+ * never rounds to the parameter's dtype). */
+__device__ __forceinline__ float effective_gamma(float gamma, bool zero_centered) {
+  return zero_centered ? 1.0f + gamma : gamma;
+}
+
+/* Calls f(Config{}) with the team for rows of H elements, or f(nullptr) when H is longer than
+ * every team holds in registers (the looped kernels). kMaxVecs caps the registers per thread:
+ * the forward keeps one row (x), the backward two (x and dz) plus the per-column sums. */
+template <int kMaxVecs, typename F>
+void dispatch_team(int H, F&& f) {
+  if (H <= 256) {
+    f(TeamConfig<32, 1, 128>{});
+  } else if (H <= 512) {
+    f(TeamConfig<32, 2, 128>{});
+  } else if (H <= 1024) {
+    f(TeamConfig<32, 4, 128>{});
+  } else if (H <= 2048) {
+    f(TeamConfig<128, 2, 128>{});
+  } else if (H <= 4096) {
+    f(TeamConfig<256, 2, 256>{});
+  } else if (H <= 8192) {
+    f(TeamConfig<512, 2, 512>{});
+  } else {
+    if constexpr (kMaxVecs >= 4) {
+      if (H <= 16384) {
+        f(TeamConfig<512, 4, 512>{});
+        return;
+      }
+      if (H <= 32768) {
+        f(TeamConfig<1024, 4, 1024>{});
+        return;
+      }
+    }
+    f(nullptr);
+  }
+}
+
+/* ---- host-side checks ---------------------------------------------------------------------- */
+
+struct NormShape {
+  size_t rows;
+  int H;
+};
+
+/* x viewed as [rows, H]; H >= 1 and small enough for int column arithmetic. */
+inline NormShape check_norm_input(const char* op, const char* name, const NVTEBuffer& x) {
+  check_well_formed(op, name, x);
+  check_dtype(op, name, x, {kNVTEFloat32, kNVTEFloat16, kNVTEBFloat16});
+  if (x.ndim == 0) throw_invalid(op, name, " must have at least one dimension (the features)");
+  const size_t H = last_dim(x);
+  if (H == 0) throw_invalid(op, name, " has no features (last extent 0)");
+  if (H > (size_t{1} << 30)) throw_invalid(op, name, " has ", H, " features; at most 2^30");
+  return {numel(x) / H, static_cast<int>(H)};
+}
+
+/* A per-feature parameter: H elements, float32 or x's dtype (`dtype` when not kNVTENumTypes). */
+inline void check_param(const char* op, const char* name, const NVTEBuffer& p, int H,
+                        NVTEDType x_dtype, NVTEDType dtype) {
+  check_well_formed(op, name, p);
+  if (p.dtype != kNVTEFloat32 && p.dtype != x_dtype) {
+    throw_invalid(op, name, " has dtype ", dtype_name(p.dtype), "; expected float32 or the ",
+                  "input's dtype ", dtype_name(x_dtype));
+  }
+  if (dtype != kNVTENumTypes && p.dtype != dtype) {
+    throw_invalid(op, name, " has dtype ", dtype_name(p.dtype), " but gamma has ",
+                  dtype_name(dtype), "; pass both parameters in one dtype");
+  }
+  if (numel(p) != static_cast<size_t>(H)) {
+    throw_invalid(op, name, " has ", numel(p), " elements; expected ", H,
+                  ", one per feature of the input's last dimension");
+  }
+}
+
+/* A float32 per-row statistic (mean, rsigma): `rows` elements. */
+inline void check_stat(const char* op, const char* name, const NVTEBuffer& s, size_t rows) {
+  check_well_formed(op, name, s);
+  check_dtype(op, name, s, {kNVTEFloat32});
+  if (numel(s) != rows) {
+    throw_invalid(op, name, " has ", numel(s), " elements; expected ", rows, ", one per row");
+  }
+}
+
+/* A [rows, H] tensor of dtype `dtype` (dz, dx, a high-precision output). */
+inline void check_matrix(const char* op, const char* name, const NVTEBuffer& b, size_t rows,
+                         int H, NVTEDType dtype) {
+  check_well_formed(op, name, b);
+  if (b.dtype != dtype) {
+    throw_invalid(op, name, " has dtype ", dtype_name(b.dtype), "; expected the input's ",
+                  dtype_name(dtype));
+  }
+  if (b.ndim == 0 || last_dim(b) != static_cast<size_t>(H) || numel(b) != rows * H) {
+    throw_invalid(op, name, " must hold [", rows, ", ", H, "] elements with last extent ", H);
+  }
+}
+
+/* Calls f(W{}) with the C++ type of a parameter dtype: float, or the input's type IType. */
+template <typename IType, typename F>
+void dispatch_param(NVTEDType dtype, F&& f) {
+  if (dtype == kNVTEFloat32) {
+    f(float{});
+  } else {
+    f(IType{});
+  }
+}
+
+/* Lets `kernel` take up to `bytes` of dynamic shared memory, once per kernel and device (`done`
+ * is the kernel's own bit set). cudaFuncSetAttribute is no stream operation, so graph capture
+ * allows it. */
+template <typename Kernel>
+void allow_dynamic_smem(const CallContext& ctx, Kernel kernel, int bytes,
+                        std::atomic<uint64_t>& done) {
+  const int device = ctx.device();
+  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return;
+  check_cuda(ctx.op(),
+             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  done.fetch_or(bit, std::memory_order_acq_rel);
+}
+
+}  // namespace norm_detail
+}  // namespace transformer_engine
+
+#endif  // TRANSFORMER_ENGINE_COMMON_NORMALIZATION_NORM_COMMON_CUH_
