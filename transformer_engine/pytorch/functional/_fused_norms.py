@@ -22,12 +22,23 @@ from __future__ import annotations
 
 import torch
 
+from ...common.native import native_module
+from ..cpp_extensions import norm_kernels as native_norms
+from ..cpp_extensions.cast import quantize_prevalidated
 from ..cpp_extensions.normalization import (
     layernorm_backward_from_stats,
     rmsnorm_backward_from_stats,
 )
 
-__all__ = ["fused_layernorm", "fused_rmsnorm", "norm_forward", "norm_backward", "NormState"]
+__all__ = [
+    "fused_layernorm",
+    "fused_rmsnorm",
+    "norm_forward",
+    "norm_forward_fp8",
+    "norm_to_fp8",
+    "norm_backward",
+    "NormState",
+]
 
 # Device types whose PyTorch has the fused RMSNorm forward (dropped after a failed call).
 _FUSED_RMS_NORM = {"cpu", "cuda"}
@@ -123,20 +134,68 @@ def _rmsnorm_backward(grad, x, gamma, rstd, fused, needs):
 
 class NormState:
     """What a norm's backward needs besides the saved tensors: which norm, which kernels ran
-    the forward, and the dtypes the gradients go back in. The tensors themselves
-    (``NormState.tensors``: input, effective scale, statistics) go through the caller's
-    ``save_for_backward`` so saved-tensor hooks see them."""
+    the forward, and the dtypes the gradients go back in. The tensors themselves (input,
+    scale, statistics) go through the caller's ``save_for_backward`` so saved-tensor hooks
+    see them.
 
-    __slots__ = ("rms", "fused", "has_bias", "weight_dtype", "bias_dtype")
+    ``native``: the package's kernels ran (saved: the input as ``[rows, H]``, the weight, the
+    statistics); the backward runs the native kernel on them and gives ``dx`` the input's
+    ``shape`` back."""
 
-    def __init__(self, rms, fused, has_bias, weight_dtype, bias_dtype):
+    __slots__ = (
+        "rms", "fused", "has_bias", "weight_dtype", "bias_dtype", "native", "shape",
+        "zero_centered_gamma", "weight_dims",
+    )  # fmt: skip
+
+    def __init__(self, rms, fused, has_bias, weight_dtype, bias_dtype, native=False, shape=None,
+                 zero_centered_gamma=False, weight_dims=1):  # fmt: skip
         self.rms, self.fused, self.has_bias = rms, fused, has_bias
         self.weight_dtype, self.bias_dtype = weight_dtype, bias_dtype
+        self.native, self.shape, self.zero_centered_gamma = native, shape, zero_centered_gamma
+        self.weight_dims = weight_dims
+
+
+_NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _native_operands(x, weight, bias):
+    """``(x as [rows, H], weight, bias as 1-D)`` when the native kernels take these operands
+    (CUDA, float32/16 or bfloat16 input, parameters in float32 or the input's dtype, both in
+    one dtype), else ``None``."""
+    if not x.is_cuda or x.dtype not in _NATIVE_DTYPES or x.numel() == 0:
+        return None
+    if weight.dtype not in (torch.float32, x.dtype) or not weight.is_contiguous():
+        return None
+    if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
+        return None
+    hidden = weight.numel()
+    w = weight.view(hidden)
+    return x.reshape(-1, hidden), w, None if bias is None else bias.view(hidden)
+
+
+def _native_state(x, weight, bias, rms, zero_centered_gamma):
+    return NormState(
+        rms, True, bias is not None, weight.dtype, None if bias is None else bias.dtype,
+        native=True, shape=x.shape, zero_centered_gamma=zero_centered_gamma,
+        weight_dims=weight.dim(),
+    )  # fmt: skip
+
+
+def _saved(x2, w, mean, rsigma, rms):
+    return (x2, w, rsigma) if rms else (x2, w, mean, rsigma)
 
 
 def norm_forward(x, weight, bias, eps: float, zero_centered_gamma: bool, *, rms: bool):
     """``(y, tensors, state)``: the norm of ``x`` (LayerNorm, or RMSNorm with ``rms``) and
     what :func:`norm_backward` takes (save ``tensors``, keep ``state``)."""
+    operands = _native_operands(x, weight, bias)
+    if operands is not None:
+        x2, w, b = operands
+        result = native_norms.norm_forward(x2, w, b, eps, zero_centered_gamma, rms=rms)
+        if result is not None:
+            y, mean, rsigma = result
+            state = _native_state(x, weight, bias, rms, zero_centered_gamma)
+            return y.view(x.shape), _saved(x2, w, mean, rsigma, rms), state
     gamma, fused = _gamma(weight, x, zero_centered_gamma)
     if rms:
         y, rstd = _rmsnorm_forward(x, gamma, eps, fused)
@@ -149,10 +208,103 @@ def norm_forward(x, weight, bias, eps: float, zero_centered_gamma: bool, *, rms:
     return y, tensors, NormState(rms, fused, bias is not None, weight.dtype, bias_dtype)
 
 
+def norm_forward_fp8(x, weight, bias, eps: float, zero_centered_gamma: bool, *, rms: bool,
+                     quantizer, columnwise: bool):  # fmt: skip
+    """The norm of ``x`` cast to FP8 by ``quantizer`` (a per-tensor FP8 quantizer that takes
+    produced tensors: ``functional.produced_fp8.can_produce``), as ``(fp8, tensors, state)``
+    like :func:`norm_forward`. ``fp8`` is ``[rows, H]`` (a tensor, or internal storage as the
+    quantizer's ``internal`` says) with the row-wise bytes and, with ``columnwise``, the
+    transposed copy; its bytes are those of :func:`norm_forward` followed by the quantizer's
+    cast. Where the native kernels take the operands, the norm kernel writes the FP8 bytes
+    itself (delayed scaling: in its one pass; current scaling: after its amax pass); elsewhere
+    the norm runs, then the cast."""
+    operands = _native_operands(x, weight, bias)
+    if operands is not None and native_module() is not None:
+        x2, w, b = operands
+        produced = []
+
+        def produce(scale, amax, fp8_dtype, with_transpose):
+            res, mean, rsigma = native_norms.norm_forward_fp8(
+                x2, w, b, eps, zero_centered_gamma, rms=rms, scale=scale, fp8_dtype=fp8_dtype,
+                amax=amax, with_transpose=with_transpose,
+            )  # fmt: skip
+            produced[:] = [_saved(x2, w, mean, rsigma, rms)]
+            return res, None
+
+        def amax_of(amax):  # current scaling's first pass
+            native_norms.norm_amax(x2, w, b, eps, zero_centered_gamma, rms=rms, amax=amax)
+
+        state = _native_state(x, weight, bias, rms, zero_centered_gamma)
+    else:
+        produced = []
+
+        def run_norm():
+            if not produced:
+                y, tensors, norm_state = norm_forward(
+                    x, weight, bias, eps, zero_centered_gamma, rms=rms
+                )
+                produced[:] = [tensors, y.reshape(-1, y.shape[-1]), norm_state]
+            return produced[1]
+
+        def produce(scale, amax, fp8_dtype, with_transpose):
+            y = run_norm()
+            y = y if y.dtype == torch.float32 else y.float()
+            res = quantize_prevalidated(
+                y, scale, fp8_dtype, amax=amax, with_transpose=with_transpose
+            )
+            return res, None
+
+        def amax_of(amax):
+            amax.copy_(run_norm().abs().amax().float())
+
+        state = None
+    quantizer.set_usage(rowwise=True, columnwise=columnwise)
+    shape = (x.numel() // max(x.shape[-1], 1), x.shape[-1])
+    out, _ = quantizer.quantize_produced(produce, shape, x.dtype, x.device, amax_of=amax_of)
+    tensors = produced[0]
+    return out, tensors, state if state is not None else produced[2]
+
+
+class _NormToFP8(torch.autograd.Function):
+    """The norm as an autograd node whose output is the FP8 tensor the next GEMM reads; its
+    gradient comes back in high precision."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, zero_centered_gamma, rms, quantizer, columnwise):  # noqa: D102
+        internal, quantizer.internal = quantizer.internal, False
+        try:
+            out, tensors, ctx.state = norm_forward_fp8(
+                x, weight, bias, eps, zero_centered_gamma, rms=rms, quantizer=quantizer,
+                columnwise=columnwise,
+            )  # fmt: skip
+        finally:
+            quantizer.internal = internal
+        ctx.save_for_backward(*tensors)
+        ctx.x_shape = x.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        grad = grad.reshape(ctx.x_shape)
+        needs = ctx.needs_input_grad[:3]
+        dx, dweight, dbias = norm_backward(grad, ctx.saved_tensors, ctx.state, needs)
+        return dx, dweight, dbias, None, None, None, None, None
+
+
+def norm_to_fp8(x, weight, bias, eps: float, zero_centered_gamma: bool, *, rms: bool,
+                quantizer, columnwise: bool):  # fmt: skip
+    """:func:`norm_forward_fp8` as a differentiable function of ``x``, ``weight`` and
+    ``bias``: the ``[rows, H]`` FP8 tensor (a ``QuantizedTensor``) the next GEMM takes as it
+    is; the gradient it receives flows back through the norm's backward."""
+    return _NormToFP8.apply(x, weight, bias, eps, zero_centered_gamma, rms, quantizer, columnwise)
+
+
 def norm_backward(grad, tensors, state: NormState, needs):
     """``(dx, dweight, dbias)`` from :func:`norm_forward`'s saved ``tensors`` and ``state``;
     ``needs`` says which of the three are wanted (``dbias`` is ``None`` for RMSNorm or
     without a bias), each in the dtype of the tensor it belongs to."""
+    if state.native:
+        return _native_backward(grad, tensors, state, needs)
     if state.rms:
         x, gamma, rstd = tensors
         dx, dgamma, dbeta = _rmsnorm_backward(grad, x, gamma, rstd, state.fused, needs)
@@ -166,6 +318,33 @@ def norm_backward(grad, tensors, state: NormState, needs):
         None if dgamma is None else dgamma.to(state.weight_dtype),
         None if dbeta is None else dbeta.to(state.bias_dtype),
     )
+
+
+def _native_backward(grad, tensors, state: NormState, needs):
+    if state.rms:
+        (x2, w, rsigma), mean = tensors, None
+    else:
+        x2, w, mean, rsigma = tensors
+    needs_x, needs_w, needs_b = needs
+    dz = grad.reshape(x2.shape)
+    if dz.dtype != x2.dtype:
+        dz = dz.to(x2.dtype)
+    with_dbeta = state.has_bias and needs_b
+    dx, dgamma, dbeta = native_norms.norm_backward(
+        dz, x2, mean, rsigma, w, state.zero_centered_gamma, rms=state.rms, with_dbeta=with_dbeta
+    )
+    return (
+        dx.view(state.shape) if needs_x else None,
+        _param_grad(dgamma, state) if needs_w else None,
+        _param_grad(dbeta, state, bias=True) if with_dbeta else None,
+    )
+
+
+def _param_grad(grad, state: NormState, *, bias: bool = False):
+    """A parameter's gradient from the kernel's 1-D one, in the parameter's shape and dtype."""
+    dtype = state.bias_dtype if bias else state.weight_dtype
+    grad = grad.view(state.shape[len(state.shape) - state.weight_dims :])
+    return grad if grad.dtype == dtype else grad.to(dtype)
 
 
 class _LayerNorm(torch.autograd.Function):
