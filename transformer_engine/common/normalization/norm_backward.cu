@@ -239,8 +239,13 @@ int device_sm_count(const char* op, int device) {
   std::lock_guard<std::mutex> lock(mutex);
   if (static_cast<size_t>(device) >= counts.size()) counts.resize(device + 1, 0);
   if (counts[device] == 0) {
-    check_cuda(op, cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device),
-               "cudaDeviceGetAttribute(MultiProcessorCount)");
+    const cudaError_t status =
+        cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device);
+    if (status != cudaSuccess) {
+      counts[device] = 0;
+      cudaGetLastError();  // not left behind for a later launch check to report
+      check_cuda(op, status, "cudaDeviceGetAttribute(MultiProcessorCount)");
+    }
   }
   return counts[device];
 }
