@@ -59,6 +59,9 @@ class LinearConfig:
     accumulate_into_main_grad: bool = True
     main_grad_param: Any = None  # the Parameter whose main_grad the fused wgrad writes
     save_original_input: bool = False  # keep x in high precision; quantize it again in backward
+    # x is an FP8 tensor a producer (the norm) wrote for this GEMM alone: the forward drops its
+    # row-wise bytes after use, as it does with its own cast of x.
+    input_produced: bool = False
     wgrad_store: Any = None  # a list: defer the weight-gradient GEMM to the module's backward_dw()
     backward_override: str | None = None  # the recipe's: None, "high_precision", "dequantized"
     fprop_split_accumulator: bool = False
@@ -258,7 +261,8 @@ def linear_forward(
         )
         # Backward needs only the transposed copies; drop the row-wise input bytes (a plain
         # tensor an IdentityQuantizer returned serves both layouts and has none to drop).
-        if needs_wgrad and owns_x_q and not keep_x and isinstance(x_q, QuantizedTensorStorage):
+        drops_x = owns_x_q or config.input_produced
+        if needs_wgrad and drops_x and not keep_x and isinstance(x_q, QuantizedTensorStorage):
             x_q.update_usage(rowwise_usage=False, columnwise_usage=True)
         # Likewise the weight's row-wise bytes when this call cast it (an FP8 parameter or a
         # cached copy keeps both: later forwards read them).

@@ -27,7 +27,14 @@ from collections.abc import Sequence
 import torch
 
 from ..device import check_same_device, reject_meta
-from ._fused_norms import NormState, fused_layernorm, fused_rmsnorm, norm_backward, norm_forward
+from ._fused_norms import (
+    NormState,
+    fused_layernorm,
+    fused_rmsnorm,
+    norm_backward,
+    norm_forward,
+    norm_to_fp8,
+)
 
 __all__ = [
     "layernorm",
@@ -39,6 +46,7 @@ __all__ = [
     "norm_forward_with_state",
     "norm_backward",
     "NormState",
+    "norm_to_fp8",
 ]
 
 

@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from ..functional.normalization import layernorm, rmsnorm
+from ..functional.normalization import layernorm, norm_to_fp8, rmsnorm
+from ..functional.produced_fp8 import can_produce
 
-__all__ = ["NORMALIZATIONS", "check_normalization", "register_norm_parameters", "apply_norm"]
+__all__ = [
+    "NORMALIZATIONS",
+    "check_normalization",
+    "register_norm_parameters",
+    "apply_norm",
+    "apply_norm_fp8",
+]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -57,3 +64,27 @@ def apply_norm(module, inp: torch.Tensor) -> torch.Tensor:
     if module.normalization == "RMSNorm":
         return rmsnorm(inp, weight, module.eps, module.zero_centered_gamma)
     return layernorm(inp, weight, module.layer_norm_bias, module.eps, module.zero_centered_gamma)
+
+
+def apply_norm_fp8(module, inp: torch.Tensor, config, *, columnwise: bool):
+    """The module's normalization of ``inp`` written in FP8 for the GEMM ``config`` describes
+    (its input quantizer's cast, in the norm's own kernel where it can), as the ``[rows, H]``
+    tensor that GEMM takes as it is, with the transposed copy when ``columnwise``; ``None``
+    where that GEMM does not take a produced FP8 input (no FP8, a recipe whose quantizer
+    computes its scale some other way, a high-precision backward, or ``save_original_input``,
+    which quantizes the norm's output again in backward)."""
+    quantizer = config.input_quantizer
+    if (
+        not config.fp8
+        or config.backward_override is not None
+        or config.save_original_input
+        or not can_produce(quantizer, inp.dtype, config.activation_dtype)
+    ):
+        return None
+    out = norm_to_fp8(
+        inp, module.layer_norm_weight, module.layer_norm_bias, module.eps,
+        module.zero_centered_gamma, rms=module.normalization == "RMSNorm", quantizer=quantizer,
+        columnwise=columnwise,
+    )  # fmt: skip
+    config.input_produced = True  # the GEMM drops the row-wise bytes after use
+    return out

@@ -14,7 +14,12 @@ import torch
 from .._tensor_parallel import divide, gather_from_sequence_parallel_region
 from ..device import construction_device
 from ..functional.linear import check_input_features
-from ._fused_norm import apply_norm, check_normalization, register_norm_parameters
+from ._fused_norm import (
+    apply_norm,
+    apply_norm_fp8,
+    check_normalization,
+    register_norm_parameters,
+)
 from ._gemm_setup import (
     claim_module_backward_update,
     fp8_input_gradient,
@@ -203,12 +208,11 @@ class LayerNormLinear(TransformerEngineBaseModule):
                 inp = fp8_input_gradient(inp, self.quantizers["scaling_bwd"][GRAD_INPUT1])
             if inp.dtype != dtype:
                 inp = inp.to(dtype)
-            ln_out = apply_norm(self, inp)
             weight = gemm_weight("LayerNormLinear", linear_weight(self), dtype, fp8)
             bias = linear_bias(self)
             gemm_bias = None if (bias is None or self.return_bias) else bias.to(dtype)
             config = make_linear_config(
-                self, ln_out, weight, is_first_microbatch,
+                self, inp, weight, is_first_microbatch,
                 input_slot=GEMM1_INPUT, weight_slot=GEMM1_WEIGHT, grad_output_slot=GRAD_OUTPUT1,
                 workspace_key="weight", in_features=self.in_features,
                 out_features=self.out_features,
@@ -219,9 +223,17 @@ class LayerNormLinear(TransformerEngineBaseModule):
             reduce_split_amaxes(
                 self, config, input_split=False, grad_output_split=self.parallel_mode == "column"
             )
+            needs_wgrad = torch.is_grad_enabled() and weight.requires_grad
+            ln_fp8 = None
+            if fp8 and self.tp_size == 1 and not self.return_layernorm_output:
+                # The norm kernel writes the GEMM's FP8 input itself (no high-precision copy).
+                ln_fp8 = apply_norm_fp8(self, inp, config, columnwise=needs_wgrad)
+            ln_out = apply_norm(self, inp) if ln_fp8 is None else ln_fp8
             out = parallel_gemm(
                 self, weight, ln_out, gemm_bias, config, claim_module_backward_update(config)
             )
+            if ln_fp8 is not None:
+                out = out.view(*inp.shape[:-1], out.shape[-1])
             if fp8 and fp8_output:
                 out = quantize_output(self.quantizers["scaling_fwd"][GEMM1_OUTPUT], out)
         outputs = (out,)

@@ -25,7 +25,12 @@ from .._tensor_parallel import (
 from ..device import construction_device
 from ..functional.activation import get_activation, get_activation_spec
 from ..functional.linear import check_input_features
-from ._fused_norm import apply_norm, check_normalization, register_norm_parameters
+from ._fused_norm import (
+    apply_norm,
+    apply_norm_fp8,
+    check_normalization,
+    register_norm_parameters,
+)
 from ._gemm_setup import claim_module_backward_update, gemm_weight, make_linear_config
 from ._linear_function import linear
 from ._linear_parameters import check_features, check_single_process_arguments
@@ -226,7 +231,6 @@ class LayerNormMLP(TransformerEngineBaseModule):
             dtype, fp8 = self.activation_dtype, self.fp8
             if inp.dtype != dtype:
                 inp = inp.to(dtype)
-            ln_out = apply_norm(self, inp)
             parallel = self.set_parallel_mode and self.tp_size > 1
             # The fused body all-gathers the norm output itself (in FP8 where the recipe allows).
             body_gathers = (
@@ -235,7 +239,17 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 and self.activation_fn is self._fused_activation_fn
                 and not (self.checkpoint and torch.is_grad_enabled())
             )
-            gemm_in = ln_out
+            # The fused body without parallelism takes FC1's FP8 input written by the norm
+            # kernel itself (no high-precision copy of the norm's output).
+            fuse_norm = (
+                fp8
+                and not parallel
+                and not self.return_layernorm_output
+                and self.activation_fn is self._fused_activation_fn
+                and not (self.checkpoint and torch.is_grad_enabled())
+            )
+            ln_out = None if fuse_norm else apply_norm(self, inp)
+            gemm_in = inp if fuse_norm else ln_out
             if parallel and not body_gathers:  # FC1 is column-parallel: its input is whole
                 gemm_in = (
                     gather_from_sequence_parallel_region(ln_out, self.tp_group)
@@ -271,6 +285,10 @@ class LayerNormMLP(TransformerEngineBaseModule):
             reduce_split_amaxes(self, fc2_config, input_split=parallel, grad_output_split=False)
             # Row-parallel FC2: its bias is added after the reduction, so it counts once.
             gemm_bias = None if (self.return_bias or parallel) else fc2_bias
+            if fuse_norm:
+                needs_wgrad = torch.is_grad_enabled() and fc1_weight.requires_grad
+                ln_fp8 = apply_norm_fp8(self, inp, fc1_config, columnwise=needs_wgrad)
+                gemm_in = apply_norm(self, inp) if ln_fp8 is None else ln_fp8
             # Under sequence parallelism FC2's node reduce-scatters its output and all-gathers
             # (in FP8 where the recipe allows) the output gradient.
             rs_group = self.tp_group if parallel and self.sequence_parallel else None
@@ -287,6 +305,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
                     self._activation_spec, fc1_config, fc2_config, update,
                     self.tp_group if body_gathers else None, rs_group,
                 )  # fmt: skip
+                if fuse_norm:
+                    out = out.view(*inp.shape[:-1], out.shape[-1])
             else:  # activation_fn replaced by the user: call it
                 act_out = self.activation_fn(
                     linear(fc1_weight, gemm_in, fc1_bias, fc1_config, update)
