@@ -212,12 +212,18 @@ def norm_forward_fp8(x, weight, bias, eps: float, zero_centered_gamma: bool, *, 
                      quantizer, columnwise: bool):  # fmt: skip
     """The norm of ``x`` cast to FP8 by ``quantizer`` (a per-tensor FP8 quantizer that takes
     produced tensors: ``functional.produced_fp8.can_produce``), as ``(fp8, tensors, state)``
-    like :func:`norm_forward`. ``fp8`` is ``[rows, H]`` (a tensor, or internal storage as the
+    like :func:`norm_forward`. ``fp8`` has ``x``'s shape (a tensor, or internal storage as the
     quantizer's ``internal`` says) with the row-wise bytes and, with ``columnwise``, the
-    transposed copy; its bytes are those of :func:`norm_forward` followed by the quantizer's
-    cast. Where the native kernels take the operands, the norm kernel writes the FP8 bytes
+    transposed copy ``[H, rows]``; its bytes are those of :func:`norm_forward` followed by the
+    quantizer's cast (``x``'s last dimension must be the whole normalized size). Where the native kernels take the operands, the norm kernel writes the FP8 bytes
     itself (delayed scaling: in its one pass; current scaling: after its amax pass); elsewhere
     the norm runs, then the cast."""
+    if weight.numel() != x.shape[-1]:
+        raise ValueError(
+            f"norm_forward_fp8: x has shape {tuple(x.shape)} but the weight normalizes "
+            f"{weight.numel()} elements; the FP8 output needs the last dimension to be the "
+            "whole normalized size"
+        )
     operands = _native_operands(x, weight, bias)
     if operands is not None and native_module() is not None:
         x2, w, b = operands
@@ -225,7 +231,7 @@ def norm_forward_fp8(x, weight, bias, eps: float, zero_centered_gamma: bool, *, 
 
         def produce(scale, amax, fp8_dtype, with_transpose):
             res, mean, rsigma = native_norms.norm_forward_fp8(
-                x2, w, b, eps, zero_centered_gamma, rms=rms, scale=scale, fp8_dtype=fp8_dtype,
+                x, w, b, eps, zero_centered_gamma, rms=rms, scale=scale, fp8_dtype=fp8_dtype,
                 amax=amax, with_transpose=with_transpose,
             )  # fmt: skip
             produced[:] = [_saved(x2, w, mean, rsigma, rms)]
@@ -243,7 +249,7 @@ def norm_forward_fp8(x, weight, bias, eps: float, zero_centered_gamma: bool, *, 
                 y, tensors, norm_state = norm_forward(
                     x, weight, bias, eps, zero_centered_gamma, rms=rms
                 )
-                produced[:] = [tensors, y.reshape(-1, y.shape[-1]), norm_state]
+                produced[:] = [tensors, y, norm_state]
             return produced[1]
 
         def produce(scale, amax, fp8_dtype, with_transpose):
@@ -259,8 +265,7 @@ def norm_forward_fp8(x, weight, bias, eps: float, zero_centered_gamma: bool, *, 
 
         state = None
     quantizer.set_usage(rowwise=True, columnwise=columnwise)
-    shape = (x.numel() // max(x.shape[-1], 1), x.shape[-1])
-    out, _ = quantizer.quantize_produced(produce, shape, x.dtype, x.device, amax_of=amax_of)
+    out, _ = quantizer.quantize_produced(produce, x.shape, x.dtype, x.device, amax_of=amax_of)
     tensors = produced[0]
     return out, tensors, state if state is not None else produced[2]
 
@@ -280,12 +285,10 @@ class _NormToFP8(torch.autograd.Function):
         finally:
             quantizer.internal = internal
         ctx.save_for_backward(*tensors)
-        ctx.x_shape = x.shape
         return out
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        grad = grad.reshape(ctx.x_shape)
         needs = ctx.needs_input_grad[:3]
         dx, dweight, dbias = norm_backward(grad, ctx.saved_tensors, ctx.state, needs)
         return dx, dweight, dbias, None, None, None, None, None
@@ -294,8 +297,8 @@ class _NormToFP8(torch.autograd.Function):
 def norm_to_fp8(x, weight, bias, eps: float, zero_centered_gamma: bool, *, rms: bool,
                 quantizer, columnwise: bool):  # fmt: skip
     """:func:`norm_forward_fp8` as a differentiable function of ``x``, ``weight`` and
-    ``bias``: the ``[rows, H]`` FP8 tensor (a ``QuantizedTensor``) the next GEMM takes as it
-    is; the gradient it receives flows back through the norm's backward."""
+    ``bias``: the FP8 tensor (a ``QuantizedTensor`` of ``x``'s shape) the next GEMM takes as
+    it is; the gradient it receives flows back through the norm's backward."""
     return _NormToFP8.apply(x, weight, bias, eps, zero_centered_gamma, rms, quantizer, columnwise)
 
 

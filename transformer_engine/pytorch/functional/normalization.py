@@ -33,6 +33,7 @@ from ._fused_norms import (
     fused_rmsnorm,
     norm_backward,
     norm_forward,
+    norm_forward_fp8,
     norm_to_fp8,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "normalized_dims",
     "check_eps",
     "norm_forward_with_state",
+    "norm_forward_fp8_with_state",
     "norm_backward",
     "NormState",
     "norm_to_fp8",
@@ -201,6 +203,27 @@ def norm_forward_with_state(
     ``(dx, dweight, dbias)``. Same checks, kernels and bits as the autograd functions."""
     _check_operands("rmsnorm" if rms else "layernorm", x, weight, bias, eps)
     return norm_forward(x, weight, bias, eps, zero_centered_gamma, rms=rms)
+
+
+def norm_forward_fp8_with_state(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    zero_centered_gamma: bool,
+    *,
+    rms: bool,
+    quantizer,
+    columnwise: bool,
+) -> tuple[object, tuple, NormState]:
+    """:func:`norm_forward_with_state` with the output written in FP8 by ``quantizer`` (a
+    per-tensor FP8 quantizer that takes produced tensors), in the norm kernel's own pass where
+    the native kernels run: the same bytes as the norm followed by the quantizer's cast."""
+    _check_operands("rmsnorm" if rms else "layernorm", x, weight, bias, eps)
+    return norm_forward_fp8(
+        x, weight, bias, eps, zero_centered_gamma, rms=rms, quantizer=quantizer,
+        columnwise=columnwise,
+    )  # fmt: skip
 
 
 def l2_normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ from ...device import construction_device, materialization_device
 from ...functional.normalization import (
     check_eps,
     norm_backward,
+    norm_forward_fp8_with_state,
     norm_forward_with_state,
     normalized_dims,
 )
@@ -83,23 +84,52 @@ class _Normalization(BasicOperation):
         prev_op_grad_output_quantizer=None,
         next_op_input_quantizer=None,
     ) -> torch.Tensor:
-        trailing = tuple(input_.shape[max(input_.dim() - len(self.normalized_shape), 0) :])
-        if trailing != self.normalized_shape:
-            raise ValueError(
-                f"{type(self).__name__}: the input has shape {tuple(input_.shape)}, whose "
-                f"trailing dimensions must be normalized_shape={self.normalized_shape}"
-            )
+        self._check_input(input_)
         x = plain(input_)
         params = [getattr(self, name) for name in self._param_names]
         bias = params[1] if len(params) > 1 else None
         y, tensors, state = norm_forward_with_state(
             x, params[0], bias, self.eps, self.zero_centered_gamma, rms=self._rms
         )
+        self._save(ctx, tensors, state, params)
+        return y
+
+    def op_forward_fp8(self, ctx: OperationContext, input_: torch.Tensor, quantizer, *,
+                       columnwise: bool):  # fmt: skip
+        """:meth:`op_forward` with the output cast by ``quantizer`` (a per-tensor FP8 quantizer
+        that takes produced tensors) as internal storage with the row-wise bytes and, with
+        ``columnwise``, the transposed copy: written by the norm kernel itself where the native
+        kernels run, the bytes of the norm followed by that cast. The last dimension of the
+        input must be the whole normalized size."""
+        self._check_input(input_)
+        x = plain(input_)
+        params = [getattr(self, name) for name in self._param_names]
+        bias = params[1] if len(params) > 1 else None
+        internal, quantizer.internal = quantizer.internal, True
+        try:
+            out, tensors, state = norm_forward_fp8_with_state(
+                x, params[0], bias, self.eps, self.zero_centered_gamma, rms=self._rms,
+                quantizer=quantizer, columnwise=columnwise,
+            )  # fmt: skip
+        finally:
+            quantizer.internal = internal
+        self._save(ctx, tensors, state, params)
+        return out
+
+    @staticmethod
+    def _save(ctx, tensors, state, params) -> None:
         if ctx.requires_grad:
             ctx.save_for_backward(*tensors)
             ctx.norm_state = state
             ctx.param_requires_grad = [p.requires_grad for p in params]
-        return y
+
+    def _check_input(self, input_) -> None:
+        trailing = tuple(input_.shape[max(input_.dim() - len(self.normalized_shape), 0) :])
+        if trailing != self.normalized_shape:
+            raise ValueError(
+                f"{type(self).__name__}: the input has shape {tuple(input_.shape)}, whose "
+                f"trailing dimensions must be normalized_shape={self.normalized_shape}"
+            )
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
         x = ctx.saved_tensors[0]

@@ -1,17 +1,18 @@
-"""Forward fusion: ``LayerNorm`` / ``RMSNorm`` whose output is cast once for the next
+"""Forward fusion: ``LayerNorm`` / ``RMSNorm`` whose output is written in FP8 for the next
 ``BasicLinear``.
 
-The norm's output is cast to FP8 with the linear's input quantizer right after the norm
-kernel (there is no native norm kernel that writes FP8), in the layouts the linear reads, and
-the high-precision output is released before the GEMM runs instead of living until the
-linear returns. The linear takes the FP8 tensor as it is (no second cast) and keeps only the
-transposed copy for its weight gradient; the norm keeps its input, as it does alone. This is
-what ``te.LayerNormLinear`` does.
+The norm's output is cast with the linear's input quantizer in the norm kernel's own pass
+where the native kernels run (delayed scaling: one pass; current scaling: the kernel's amax
+pass, then the pass that writes the bytes), else right after the norm; either way in the
+layouts the linear reads, and no high-precision output is kept. The linear takes the FP8
+tensor as it is (no second cast) and keeps only the transposed copy for its weight gradient;
+the norm keeps its input and statistics, as it does alone. ``te.LayerNormLinear`` and
+``te.LayerNormMLP`` do the same.
 """
 
 from __future__ import annotations
 
-from ...functional.produced_fp8 import cast_for_linear
+from ..basic._common import plain
 from ..basic.basic_linear import BasicLinear
 from ..basic.normalization import LayerNorm, RMSNorm
 from ._producer import ForwardProducerFusion, replace_under_per_tensor_fp8
@@ -34,8 +35,8 @@ class ForwardNormCast(ForwardProducerFusion):
         its input quantizer casts the norm's output, its weight decides whether the transposed
         copy is made.
 
-    Same bits as the chain in every dtype: the norm runs as it does alone and the cast is the
-    one the linear would run on its output. Where the linear's input quantizer is not a
+    Same bits as the chain in every dtype: the norm kernel rounds each value to the norm's
+    dtype before the linear's cast, as the chain does. Where the linear's input quantizer is not a
     per-tensor FP8 one, the norm's dtype differs from the linear's compute dtype, or FP8 is
     off, the norm runs alone.
     """
@@ -49,17 +50,16 @@ class ForwardNormCast(ForwardProducerFusion):
         super().__init__(norm, linear)
 
     def produce_forward(self, norm, ctx, input_, linear, quantizer):
-        y = norm.op_forward(ctx, input_)
+        x = plain(input_)
         if not (
-            self.casts_for(linear, quantizer, y)
-            and y.dim() > 0
-            and y.shape[-1] == linear.in_features
+            self.casts_for(linear, quantizer, x)
+            and x.dim() > 0
+            and x.shape[-1] == linear.in_features
+            and len(norm.normalized_shape) == 1
         ):
-            return y
-        needs_wgrad = self.check_linear_shapes(ctx, linear, y)
-        out = cast_for_linear(quantizer, y, rowwise=True, columnwise=needs_wgrad)
-        del y  # the high-precision output goes before the GEMM
-        return out
+            return norm.op_forward(ctx, input_)
+        needs_wgrad = self.check_linear_shapes(ctx, linear, x)
+        return norm.op_forward_fp8(ctx, input_, quantizer, columnwise=needs_wgrad)
 
 
 def fuse_forward_norm_cast(ops, *, recipe=None):
