@@ -3,7 +3,8 @@
 
 For each activation (forward and backward, high precision and FP8 with the transposed copy),
 the activation's amax pass (current scaling), the plain FP8 cast+transpose, and LayerNorm /
-RMSNorm forward and backward, it reports the bytes a kernel must move (inputs read once plus
+RMSNorm forward and backward (PyTorch's kernels and the package's, the latter also writing FP8
+with the transposed copy), it reports the bytes a kernel must move (inputs read once plus
 outputs written once), its time (CUDA events, median over batches) and that bandwidth as a
 fraction of a device-to-device copy's, measured in the same run. Target (issue: the MLP
 block): 80% of the copy for every fused activation and norm kernel.
@@ -26,7 +27,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from transformer_engine.pytorch.cpp_extensions import quantize
+from transformer_engine.pytorch.cpp_extensions import norm_kernels, quantize
 from transformer_engine.pytorch.cpp_extensions.activation import (
     activation_amax,
     activation_backward,
@@ -97,7 +98,55 @@ def other_cases(rows, cols, dtype, device, scale, amax):
         ("layer_norm bwd", lambda: torch.ops.aten.native_layer_norm_backward(
             dy, h, (hidden,), mean, rstd, w, b, [True, True, True]), 3 * n * e),
         ("rms_norm fwd", lambda: F.rms_norm(h, (hidden,), w, 1e-5), 2 * n * e),
-    ]  # fmt: skip
+    ] + native_norm_cases(h, w, b, dy, scale, amax)  # fmt: skip
+
+
+def native_norm_cases(h, w, b, dy, scale, amax):
+    """The package's LayerNorm / RMSNorm kernels on the same input as PyTorch's above."""
+    e, n = h.element_size(), h.numel()
+    cases = []
+    for kind, rms, bias in (("native layer_norm", False, b), ("native rms_norm", True, None)):
+        _, mean, rsigma = norm_kernels.norm_forward(h, w, bias, 1e-5, False, rms=rms)
+        cases += [
+            (
+                f"{kind} fwd",
+                lambda rms=rms, bias=bias: norm_kernels.norm_forward(
+                    h, w, bias, 1e-5, False, rms=rms
+                ),
+                2 * n * e,
+            ),
+            (
+                f"{kind} fwd fp8+T",
+                lambda rms=rms, bias=bias: norm_kernels.norm_forward_fp8(
+                    h,
+                    w,
+                    bias,
+                    1e-5,
+                    False,
+                    rms=rms,
+                    scale=scale,
+                    fp8_dtype=torch.float8_e4m3fn,
+                    amax=amax,
+                    with_transpose=True,
+                ),
+                n * e + 2 * n,
+            ),
+            (
+                f"{kind} amax",
+                lambda rms=rms, bias=bias: norm_kernels.norm_amax(
+                    h, w, bias, 1e-5, False, rms=rms, amax=amax
+                ),
+                n * e,
+            ),
+            (
+                f"{kind} bwd",
+                lambda rms=rms, bias=bias, mean=mean, rsigma=rsigma: norm_kernels.norm_backward(
+                    dy, h, mean, rsigma, w, False, rms=rms, with_dbeta=bias is not None
+                ),
+                3 * n * e,
+            ),
+        ]
+    return cases
 
 
 def main() -> int:
