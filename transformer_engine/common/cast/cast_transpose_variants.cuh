@@ -76,12 +76,22 @@ __device__ __forceinline__ void fetch_tall(const Loader& loader, size_t r0, size
     raw[p] = loader.tile_fetch(r0 + p * kLoadRowsPerPass + g, c);
 }
 
+/* Blocks an SM must hold at once, so the cap on registers a thread (65536 / (256 x blocks)),
+ * by the bytes of one row vector's loads (the loader's operands): a thread keeps four in
+ * registers, plus the activation arithmetic. Unbounded, ptxas uses up to 128 registers (a gated
+ * backward), leaving 2 blocks an SM where a plain cast could have 4; bounded too tightly, the
+ * heavy loaders spill. These caps fit every loader's unbounded use on sm_90 without spills. */
+template <class Loader>
+constexpr int kMinBlocks = sizeof(typename Loader::TileRaw) <= 16   ? 4
+                           : sizeof(typename Loader::TileRaw) <= 32 ? 3
+                                                                    : 2;
+
 /* Block b owns rows [s * kIters * 128, +kIters * 128) and columns [c * 64, +64), where
  * s = b / tiles_c and c = b % tiles_c. Per 128-row tile: thread t casts row vectors
  * (g + 32 p, 8 (t % 8)), g = t / 8, p = 0..3, as the base kernel's two passes over each of the
  * two 64-row tiles (passes 0, 1 are the first tile's, 2, 3 the second's). */
 template <class Loader, bool kE4M3, bool kDbias, int kIters>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocks<Loader>)
     cast_transpose_tall_kernel(const Loader loader, uint8_t* __restrict__ out,
                                uint8_t* __restrict__ out_t, size_t rows, size_t cols,
                                size_t tiles_c, bool vector_rows, bool vector_cols, CastArgs args,
@@ -123,10 +133,10 @@ __global__ void __launch_bounds__(kThreads)
           for (int j = 0; j < kVecElems; ++j) colsum[p / 2][j] += x[j];
         }
       }
-      // The next tile's loads go out now, to be in flight through the store phase below.
-      if (it + 1 < kIters) fetch_tall(loader, r0 + kTallRows, c0 + lc, g, raw);
     } else {
+      // Unrolled, so that colsum is indexed by constants (registers, not a local array).
       auto* bytes = reinterpret_cast<uint8_t*>(&tile[0][0]);
+#pragma unroll
       for (int p = 0; p < kTallPasses; ++p) {
         const int lr = p * kLoadRowsPerPass + g;
         const size_t r = r0 + lr;
@@ -142,9 +152,11 @@ __global__ void __launch_bounds__(kThreads)
           tile[lr][lc / 4 + 1] =
               static_cast<uint32_t>(q.v[2]) | (static_cast<uint32_t>(q.v[3]) << 16);
           if constexpr (kDbias) {
+#pragma unroll
             for (int j = 0; j < kVecElems; ++j) colsum[p / 2][j] += x[j];
           }
         } else {
+#pragma unroll
           for (int j = 0; j < kVecElems && c + j < cols; ++j) {
             const float a = loader.load(r, c + j);
             local_amax = amax_step(local_amax, a);
@@ -164,6 +176,15 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     __syncthreads();
+    // The next tile's loads go out now, to be in flight through the store phase below. Not
+    // before the barrier: both tiles' loads would be live at once (twice the registers, spilled
+    // under the cap). The compiler may move read-only loads across a barrier, so the row goes
+    // through an opaque asm that stays after it.
+    if (fast_load && it + 1 < kIters) {
+      size_t next_r0 = r0 + kTallRows;
+      asm volatile("" : "+l"(next_r0));
+      fetch_tall(loader, next_r0, c0 + lc, g, raw);
+    }
 
     if constexpr (kDbias) {
       // Thread t < 128 adds up column t % 64 of 64-row tile t / 64, in the base kernel's order.
