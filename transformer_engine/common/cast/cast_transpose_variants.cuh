@@ -9,12 +9,15 @@
  * partials g = 0..31, partial g being row g plus row g + 32, from 0). What changes is how the work
  * is laid out:
  *
- * - A block owns a 128 x 64 tile (two 64-row tiles stacked), or with kIters = 2 a 256 x 64 strip
- *   walked as two such tiles. A thread issues its four 16-byte row vectors' loads before it
- *   converts any (the loaders' tile_fetch / tile_compute halves), and with kIters = 2 it issues
- *   the next tile's loads before the current tile's transposed store, so that loads stay in
- *   flight through the barrier and the store phase. Half (a quarter) as many blocks, so half (a
- *   quarter) as many same-address amax atomics and block start-up costs.
+ * - Variant 1: a block owns a 128 x 64 tile (two 64-row tiles stacked). A thread issues its four
+ *   16-byte row vectors' loads before it converts any (the loaders' tile_fetch / tile_compute
+ *   halves): twice the base kernel's loads in flight a thread. Half as many blocks, so half as
+ *   many same-address amax atomics, barriers and block start-ups a byte.
+ * - Variant 2: a block owns a 256 x 64 strip, walked as two such tiles; the second tile's loads
+ *   are issued right after the first tile's barrier, so they are in flight through its store
+ *   phase instead of the block's loads stopping there. A quarter as many blocks. Loaders of more
+ *   than 32 bytes a row vector (gated backward) run variant 1's kernel (see kItersFor).
+ * - Registers are capped by the loader's weight (kMinBlocks) to keep 2-5 blocks an SM.
  * - Interior tiles take a path without bounds checks; edge tiles, and inputs that are not
  *   vectorizable, take the checked element-wise path of the base kernel.
  * - The transposed store reads the shared tile 4 bytes at a time: a thread reads 8 rows x 4
@@ -76,22 +79,33 @@ __device__ __forceinline__ void fetch_tall(const Loader& loader, size_t r0, size
     raw[p] = loader.tile_fetch(r0 + p * kLoadRowsPerPass + g, c);
 }
 
-/* Blocks an SM must hold at once, so the cap on registers a thread (65536 / (256 x blocks)),
- * by the bytes of one row vector's loads (the loader's operands): a thread keeps four in
- * registers, plus the activation arithmetic. Unbounded, ptxas uses up to 128 registers (a gated
- * backward), leaving 2 blocks an SM where a plain cast could have 4; bounded too tightly, the
- * heavy loaders spill. These caps fit every loader's unbounded use on sm_90 without spills. */
+/* Bytes of one row vector's loads (the loader's operands); a thread keeps four in registers,
+ * plus the activation arithmetic. */
 template <class Loader>
-constexpr int kMinBlocks = sizeof(typename Loader::TileRaw) <= 16   ? 4
-                           : sizeof(typename Loader::TileRaw) <= 32 ? 3
-                                                                    : 2;
+constexpr size_t kRawBytes = sizeof(typename Loader::TileRaw);
+
+/* Blocks an SM must hold at once, so the cap on registers a thread (65536 / (256 x blocks)).
+ * Unbounded, ptxas uses up to 128 registers (a gated backward), leaving 2 blocks an SM where a
+ * plain cast could have 5; bounded too tightly, the heavy loaders spill. For one tile a block,
+ * these caps fit every loader's unbounded use on sm_90 without spills; two tiles keep the next
+ * tile's loads live through the store phase, so they get fewer blocks. */
+template <class Loader, int kIters>
+constexpr int kMinBlocks = kIters == 1 ? (kRawBytes<Loader> <= 16   ? 5
+                                          : kRawBytes<Loader> <= 32 ? 3
+                                                                    : 2)
+                                       : (kRawBytes<Loader> <= 16 ? 3 : 2);
+
+/* Two tiles a block only for loaders of up to 32 bytes a row vector: heavier ones (a gated
+ * backward) spill with two tiles' loads at 128 registers, and take one tile a block instead. */
+template <class Loader, int kIters>
+constexpr int kItersFor = kRawBytes<Loader> <= 32 ? kIters : 1;
 
 /* Block b owns rows [s * kIters * 128, +kIters * 128) and columns [c * 64, +64), where
  * s = b / tiles_c and c = b % tiles_c. Per 128-row tile: thread t casts row vectors
  * (g + 32 p, 8 (t % 8)), g = t / 8, p = 0..3, as the base kernel's two passes over each of the
  * two 64-row tiles (passes 0, 1 are the first tile's, 2, 3 the second's). */
 template <class Loader, bool kE4M3, bool kDbias, int kIters>
-__global__ void __launch_bounds__(kThreads, kMinBlocks<Loader>)
+__global__ void __launch_bounds__(kThreads, kMinBlocks<Loader, kIters>)
     cast_transpose_tall_kernel(const Loader loader, uint8_t* __restrict__ out,
                                uint8_t* __restrict__ out_t, size_t rows, size_t cols,
                                size_t tiles_c, bool vector_rows, bool vector_cols, CastArgs args,
@@ -255,7 +269,7 @@ bool launch_cast_transpose_variant(const Loader& loader, uint8_t* out, uint8_t* 
           loader, out, out_t, rows, cols, vector_rows, vector_cols, args, column_sums, ctx);
       return true;
     case 2:
-      launch_cast_transpose_tall<Loader, kE4M3, kDbias, 2>(
+      launch_cast_transpose_tall<Loader, kE4M3, kDbias, kItersFor<Loader, 2>>(
           loader, out, out_t, rows, cols, vector_rows, vector_cols, args, column_sums, ctx);
       return true;
     default:
