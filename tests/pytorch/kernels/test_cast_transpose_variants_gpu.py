@@ -22,8 +22,12 @@ DEVICE = "cuda"
 VARIANTS = [1, 2]
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 HIGH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SHAPES = [(1, 1), (17, 33), (64, 64), (130, 200), (1000, 1000), (2048, 4096)]
-ACT_SHAPES = [(17, 33), (130, 200), (1000, 1000), (2048, 4096)]  # (rows, output columns)
+# Besides the asked shapes: rows a multiple of 16 (vector transposed stores) with a partial
+# 256-row strip (400: a full 128-row tile, then a partial one; 384: one full tile, no second)
+# and a partial last column tile (136 = 2 x 64 + 8).
+SHAPES = [(1, 1), (17, 33), (64, 64), (130, 200), (1000, 1000), (2048, 4096), (400, 136),
+          (384, 192)]  # fmt: skip
+ACT_SHAPES = [(17, 33), (130, 200), (1000, 1000), (2048, 4096), (400, 136)]  # (rows, out cols)
 
 
 def _input(shape, dtype, seed, specials=True) -> torch.Tensor:
