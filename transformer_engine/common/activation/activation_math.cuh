@@ -162,7 +162,7 @@ __device__ __forceinline__ void to_floats(const Vec<IType, N>& x, float (&v)[N])
  *
  * The tiled cast+transpose (cast_transpose.cuh, whose PlainLoad states the contract) reads the
  * result as a [rows, result_cols] matrix: `load_vec(r, c, v)` gives kVecElems consecutive result
- * columns from c, `load(r, c)` one.
+ * columns from c, `load(r, c)` one, and `tile_fetch`/`tile_compute` are load_vec in two halves.
  *
  * The element-wise kernel (activation_elementwise.cuh) walks positions (r, c) of a [rows, cols]
  * matrix, cols the activation's output width; a position gives kParts results, part p being
@@ -205,6 +205,15 @@ struct ActivationLoad {
     float x[1];
     load_parts(r, c, x);
     return x[0];
+  }
+  using TileRaw = Raw;
+  __device__ __forceinline__ Raw tile_fetch(size_t r, size_t c) const { return fetch(r, c); }
+  __device__ __forceinline__ void tile_compute(const Raw& raw, size_t,
+                                               float (&out)[kVecElems]) const {
+    float x[1][kVecElems];
+    compute(raw, x);
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) out[j] = x[0][j];
   }
 
   // The element-wise kernel's contract.
@@ -269,6 +278,18 @@ struct DActivationLoad {
     float x[kParts];
     load_parts(r, second ? c - cols : c, x);
     return second ? x[kParts - 1] : x[0];
+  }
+  using TileRaw = Raw;
+  __device__ __forceinline__ Raw tile_fetch(size_t r, size_t c) const {
+    return fetch(r, kGated && c >= cols ? c - cols : c);
+  }
+  __device__ __forceinline__ void tile_compute(const Raw& raw, size_t c,
+                                               float (&out)[kVecElems]) const {
+    const bool second = kGated && c >= cols;
+    float x[kParts][kVecElems];
+    compute(raw, x);
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) out[j] = second ? x[kParts - 1][j] : x[0][j];
   }
 
   // The element-wise kernel's contract.

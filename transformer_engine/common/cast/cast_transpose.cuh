@@ -69,7 +69,9 @@ __device__ __forceinline__ void cast_floats(const float (&v)[kVecElems], float s
  * compute an activation (or its gradient) of their inputs on the fly, so the cast, transposed
  * copy, amax and bias-gradient sums below serve them unchanged. A loader's `load_vec(r, c, v)`
  * reads kVecElems consecutive columns starting at c (only called when its `vectorizable()` was
- * true on the host and c + kVecElems <= cols); `load(r, c)` reads one. */
+ * true on the host and c + kVecElems <= cols); `load(r, c)` reads one. `tile_fetch(r, c)` and
+ * `tile_compute(raw, c, v)` are load_vec split into its loads and its arithmetic (same values),
+ * so that the variant kernels (cast_transpose_variants.cuh) can keep loads in flight. */
 template <typename IType>
 struct PlainLoad {
   const IType* in;
@@ -77,12 +79,21 @@ struct PlainLoad {
 
   bool vectorizable() const { return aligned_to(in, sizeof(IType) * kVecElems); }
   __device__ __forceinline__ void load_vec(size_t r, size_t c, float (&v)[kVecElems]) const {
-    const Vec<IType, kVecElems> x = load_readonly<IType, kVecElems>(in + r * cols + c);
-#pragma unroll
-    for (int j = 0; j < kVecElems; ++j) v[j] = to_float(x.v[j]);
+    tile_compute(tile_fetch(r, c), c, v);
   }
   __device__ __forceinline__ float load(size_t r, size_t c) const {
     return to_float(in[r * cols + c]);
+  }
+
+  // load_vec in two halves (the variant kernels issue several vectors' loads before converting).
+  using TileRaw = Vec<IType, kVecElems>;
+  __device__ __forceinline__ TileRaw tile_fetch(size_t r, size_t c) const {
+    return load_readonly<IType, kVecElems>(in + r * cols + c);
+  }
+  __device__ __forceinline__ void tile_compute(const TileRaw& x, size_t,
+                                               float (&v)[kVecElems]) const {
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) v[j] = to_float(x.v[j]);
   }
 };
 
@@ -199,6 +210,13 @@ CastArgs checked_cast_args(CallContext& ctx, const NVTEBuffer* input, const NVTE
                            NVTEBuffer* output, NVTEBuffer* output_t, NVTEBuffer* amax,
                            NVTEBuffer* scale_inv, const NVTEBuffer* noop);
 
+/* cast_transpose_variants.cuh (included at the end): launches the candidate kernel that
+ * NVTE_CAST_TRANSPOSE_VARIANT selects, or returns false for the base kernel. */
+template <class Loader, bool kE4M3, bool kDbias>
+bool launch_cast_transpose_variant(const Loader& loader, uint8_t* out, uint8_t* out_t, size_t rows,
+                                   size_t cols, bool vector_rows, bool vector_cols,
+                                   const CastArgs& args, float* column_sums, CallContext& ctx);
+
 /* Launches cast_transpose_kernel over the [rows, cols] values of `loader` (rows * cols > 0). */
 template <class Loader, bool kE4M3, bool kDbias>
 void launch_cast_transpose_from(const Loader& loader, uint8_t* out, uint8_t* out_t, size_t rows,
@@ -209,6 +227,10 @@ void launch_cast_transpose_from(const Loader& loader, uint8_t* out, uint8_t* out
   const bool vector_rows =
       cols % kVecElems == 0 && loader.vectorizable() && aligned_to(out, kVecElems);
   const bool vector_cols = rows % kRowsPerThreadT == 0 && aligned_to(out_t, kRowsPerThreadT);
+  if (launch_cast_transpose_variant<Loader, kE4M3, kDbias>(
+          loader, out, out_t, rows, cols, vector_rows, vector_cols, args, column_sums, ctx)) {
+    return;
+  }
   cast_transpose_kernel<Loader, kE4M3, kDbias><<<tiles, kThreads, 0, ctx.stream()>>>(
       loader, out, out_t, rows, cols, tiles_c, vector_rows, vector_cols, args, column_sums);
   ctx.check_launch("cast_transpose_kernel launch");
@@ -225,5 +247,7 @@ void launch_cast_transpose(const IType* in, uint8_t* out, uint8_t* out_t, size_t
 
 }  // namespace cast_detail
 }  // namespace transformer_engine
+
+#include "cast/cast_transpose_variants.cuh"
 
 #endif  // TRANSFORMER_ENGINE_COMMON_CAST_CAST_TRANSPOSE_CUH_
