@@ -17,9 +17,11 @@ import torch
 from utils import autocast_by_name
 
 import transformer_engine.pytorch as te
-from transformer_engine.pytorch.module import layernorm_linear, layernorm_mlp
+from transformer_engine.pytorch.functional import _fused_norms
+from transformer_engine.pytorch.module import _fused_norm, layernorm_linear, layernorm_mlp
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# "cuda-native": the package's norm kernels (NVTE_NORM_KERNELS=native) on both sides.
+DEVICES = ["cpu"] + (["cuda", "cuda-native"] if torch.cuda.is_available() else [])
 CASES = [("LayerNorm", False), ("RMSNorm", False), ("LayerNorm", True)]
 
 
@@ -89,12 +91,16 @@ def _steps(module, recipe, device):
 def test_fused_norm_matches_norm_then_cast(
     monkeypatch, kind, normalization, zero_centered_gamma, recipe, device
 ):
+    if device == "cuda-native":
+        monkeypatch.setattr(_fused_norms, "use_native_norm_kernels", True)
+        device = "cuda"
     fused = _make(kind, normalization, zero_centered_gamma, device)
     reference = copy.deepcopy(fused)
     calls = _spy(monkeypatch)
     got = _steps(fused, recipe, device)
     assert calls and all(calls), "the fused norm did not run"
-    monkeypatch.undo()
+    for module in (layernorm_linear, layernorm_mlp):  # the spies go, the native switch stays
+        monkeypatch.setattr(module, "apply_norm_fp8", _fused_norm.apply_norm_fp8)
     _unfused(monkeypatch)
     expected = _steps(reference, recipe, device)
     assert len(got) == len(expected)

@@ -210,8 +210,8 @@ CastArgs checked_cast_args(CallContext& ctx, const NVTEBuffer* input, const NVTE
                            NVTEBuffer* output, NVTEBuffer* output_t, NVTEBuffer* amax,
                            NVTEBuffer* scale_inv, const NVTEBuffer* noop);
 
-/* cast_transpose_variants.cuh (included at the end): launches the candidate kernel that
- * NVTE_CAST_TRANSPOSE_VARIANT selects, or returns false for the base kernel. */
+/* cast_transpose_variants.cuh (included at the end): launches the tall-tile kernel where it
+ * replaces the base one, or returns false for the base kernel. */
 template <class Loader, bool kE4M3, bool kDbias>
 bool launch_cast_transpose_variant(const Loader& loader, uint8_t* out, uint8_t* out_t, size_t rows,
                                    size_t cols, bool vector_rows, bool vector_cols,

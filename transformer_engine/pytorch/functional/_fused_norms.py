@@ -7,7 +7,10 @@ the input and the per-row statistics (no float32 copy of the input). The effecti
 reduced-precision input, so ``1 + weight`` never rounds to BF16.
 
 Kernels: PyTorch's ``native_layer_norm`` and ``_fused_rms_norm`` forward; backward through
-``native_layer_norm_backward`` / ``_fused_rms_norm_backward`` on CUDA. Elsewhere the backward
+``native_layer_norm_backward`` / ``_fused_rms_norm_backward`` on CUDA (with
+``NVTE_NORM_KERNELS=native``, the package's own kernels of ``cpp_extensions.norm_kernels`` on
+CUDA instead, which also write an FP8 output in their own pass; see
+``use_native_norm_kernels``). Elsewhere the backward
 runs the float32 formulas of ``cpp_extensions.normalization`` (``*_backward_from_stats``) (PyTorch's CPU LayerNorm backward accumulates the weight
 gradient of BF16 input in reduced precision, and its fused RMSNorm backward is CUDA-only), as
 are both directions of zero-centered gamma on CUDA with reduced-precision input (see
@@ -19,6 +22,8 @@ are both directions of zero-centered gamma on CUDA with reduced-precision input 
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -157,12 +162,21 @@ class NormState:
 
 _NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+# The package's norm kernels serve the norms only on request (NVTE_NORM_KERNELS=native): on an
+# H200 they measured slower than PyTorch's (8192 x 4096 BF16 LayerNorm: forward 0.067 vs
+# 0.060 ms, backward 0.148 vs 0.123 ms; FP8 with the transposed copy 0.189 ms against 0.060 ms
+# for PyTorch's norm plus 0.04 ms for the cast), so by default the norms run PyTorch's kernels
+# and an FP8 output is the norm followed by the cast (benchmarks/mlp/benchmark_kernels.py).
+use_native_norm_kernels = os.environ.get("NVTE_NORM_KERNELS", "") == "native"
+
 
 def _native_operands(x, weight, bias):
     """``(x as [rows, H], weight, bias as 1-D)`` when the native kernels take these operands
     (CUDA, float32/16 or bfloat16 input, parameters in float32 or the input's dtype, both in
     one dtype), else ``None``."""
-    if not x.is_cuda or x.dtype not in _NATIVE_DTYPES or x.numel() == 0:
+    if not use_native_norm_kernels or not x.is_cuda or x.dtype not in _NATIVE_DTYPES:
+        return None
+    if x.numel() == 0:
         return None
     if weight.dtype not in (torch.float32, x.dtype) or not weight.is_contiguous():
         return None
