@@ -29,7 +29,7 @@ import torch
 
 from ...common.native import native_module
 from ..cpp_extensions import norm_kernels as native_norms
-from ..cpp_extensions.cast import quantize_prevalidated
+from ..cpp_extensions.cast import compute_amax, quantize_prevalidated
 from ..cpp_extensions.normalization import (
     layernorm_backward_from_stats,
     rmsnorm_backward_from_stats,
@@ -268,14 +268,13 @@ def norm_forward_fp8(x, weight, bias, eps: float, zero_centered_gamma: bool, *, 
 
         def produce(scale, amax, fp8_dtype, with_transpose):
             y = run_norm()
-            y = y if y.dtype == torch.float32 else y.float()
             res = quantize_prevalidated(
                 y, scale, fp8_dtype, amax=amax, with_transpose=with_transpose
             )
             return res, None
 
-        def amax_of(amax):
-            amax.copy_(run_norm().abs().amax().float())
+        def amax_of(amax):  # the amax the quantizer's own cast would take
+            compute_amax(run_norm(), out=amax)
 
         state = None
     quantizer.set_usage(rowwise=True, columnwise=columnwise)
