@@ -1,4 +1,6 @@
-"""The norm that writes FC1's FP8 input itself (``te.LayerNormLinear``, ``te.LayerNormMLP``).
+"""The norm that writes FC1's FP8 input itself (``te.LayerNormLinear``, ``te.LayerNormMLP``,
+te.ops ``LayerNorm``/``RMSNorm`` + ``Linear``), on with the package's norm kernels
+(``NVTE_NORM_KERNELS=native``; the tests set the switch).
 
 Under a per-tensor FP8 recipe the norm kernel casts its output with the GEMM's input quantizer
 in its own pass (on CUDA; elsewhere the norm runs, then the cast), so no high-precision copy of
@@ -20,8 +22,7 @@ import transformer_engine.pytorch as te
 from transformer_engine.pytorch.functional import _fused_norms
 from transformer_engine.pytorch.module import _fused_norm, layernorm_linear, layernorm_mlp
 
-# "cuda-native": the package's norm kernels (NVTE_NORM_KERNELS=native) on both sides.
-DEVICES = ["cpu"] + (["cuda", "cuda-native"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 CASES = [("LayerNorm", False), ("RMSNorm", False), ("LayerNorm", True)]
 
 
@@ -91,9 +92,7 @@ def _steps(module, recipe, device):
 def test_fused_norm_matches_norm_then_cast(
     monkeypatch, kind, normalization, zero_centered_gamma, recipe, device
 ):
-    if device == "cuda-native":
-        monkeypatch.setattr(_fused_norms, "use_native_norm_kernels", True)
-        device = "cuda"
+    monkeypatch.setattr(_fused_norms, "use_native_norm_kernels", True)
     fused = _make(kind, normalization, zero_centered_gamma, device)
     reference = copy.deepcopy(fused)
     calls = _spy(monkeypatch)
@@ -112,8 +111,46 @@ def test_fused_norm_matches_norm_then_cast(
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_no_fusion_by_default(monkeypatch, kind):
+    """Without the package's norm kernels the modules keep norm-then-cast."""
+    calls = _spy(monkeypatch)
+    module = _make(kind, "LayerNorm", False, "cpu")
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    with autocast_by_name("delayed"):
+        module(x).float().sum().backward()
+    assert calls and not any(calls)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_ops_norm_writes_the_linear_input(monkeypatch, norm, recipe, device):
+    """te.ops: the norm followed by a linear, with the norm writing FP8 and without, bitwise."""
+    results = []
+    for native in (True, False):
+        monkeypatch.setattr(_fused_norms, "use_native_norm_kernels", native)
+        torch.manual_seed(3)
+        model = te.ops.Sequential(
+            getattr(te.ops, norm)(64, device=device, dtype=torch.bfloat16),
+            te.ops.Linear(64, 32, device=device, dtype=torch.bfloat16),
+        )
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(5))
+        x = x.to(device=device, dtype=torch.bfloat16).requires_grad_(True)
+        with autocast_by_name(recipe):
+            y = model(x)
+        y.float().square().sum().backward()
+        results.append([y.detach(), x.grad, *[p.grad for p in model.parameters()]])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_no_fusion_where_the_norm_output_is_needed(monkeypatch, kind):
     """``return_layernorm_output`` returns the norm's high-precision output: no fusion."""
+    monkeypatch.setattr(_fused_norms, "use_native_norm_kernels", True)
     calls = _spy(monkeypatch)
     torch.manual_seed(0)
     if kind == "linear":
@@ -129,9 +166,10 @@ def test_no_fusion_where_the_norm_output_is_needed(monkeypatch, kind):
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
-def test_fused_norm_saves_no_row_wise_copy(kind):
+def test_fused_norm_saves_no_row_wise_copy(monkeypatch, kind):
     """The FP8 norm output the GEMM keeps for its weight gradient holds only the transposed
     bytes (the row-wise ones go after the forward GEMM, as with the GEMM's own cast)."""
+    monkeypatch.setattr(_fused_norms, "use_native_norm_kernels", True)
     torch.manual_seed(0)
     module = _make(kind, "LayerNorm", False, "cpu")
     x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)

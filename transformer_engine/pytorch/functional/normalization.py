@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from ..device import check_same_device, reject_meta
+from . import _fused_norms
 from ._fused_norms import (
     NormState,
     fused_layernorm,
@@ -49,6 +50,7 @@ __all__ = [
     "norm_backward",
     "NormState",
     "norm_to_fp8",
+    "norm_kernels_write_fp8",
 ]
 
 
@@ -203,6 +205,15 @@ def norm_forward_with_state(
     ``(dx, dweight, dbias)``. Same checks, kernels and bits as the autograd functions."""
     _check_operands("rmsnorm" if rms else "layernorm", x, weight, bias, eps)
     return norm_forward(x, weight, bias, eps, zero_centered_gamma, rms=rms)
+
+
+def norm_kernels_write_fp8() -> bool:
+    """Whether the norms in front of an FP8 GEMM (``te.LayerNormLinear``, ``te.LayerNormMLP``,
+    te.ops ``ForwardNormCast``) write its FP8 input themselves: with the package's norm kernels
+    (``NVTE_NORM_KERNELS=native``), which cast in their own pass. Otherwise they keep the norm
+    followed by the GEMM's cast, which PyTorch's norm kernels make faster (and which costs less
+    host time than routing the cast through the norm's autograd node)."""
+    return _fused_norms.use_native_norm_kernels
 
 
 def norm_forward_fp8_with_state(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..functional.normalization import layernorm, norm_to_fp8, rmsnorm
+from ..functional.normalization import layernorm, norm_kernels_write_fp8, norm_to_fp8, rmsnorm
 from ..functional.produced_fp8 import can_produce
 
 __all__ = [
@@ -70,12 +70,14 @@ def apply_norm_fp8(module, inp: torch.Tensor, config, *, columnwise: bool):
     """The module's normalization of ``inp`` written in FP8 for the GEMM ``config`` describes
     (its input quantizer's cast, in the norm's own kernel where it can), as the ``[rows, H]``
     tensor that GEMM takes as it is, with the transposed copy when ``columnwise``; ``None``
-    where that GEMM does not take a produced FP8 input (no FP8, a recipe whose quantizer
+    where the norm kernels do not write FP8 (``norm_kernels_write_fp8``) or that GEMM does not
+    take a produced FP8 input (no FP8, a recipe whose quantizer
     computes its scale some other way, a high-precision backward, or ``save_original_input``,
     which quantizes the norm's output again in backward)."""
     quantizer = config.input_quantizer
     if (
-        not config.fp8
+        not norm_kernels_write_fp8()
+        or not config.fp8
         or config.backward_override is not None
         or config.save_original_input
         or not can_produce(quantizer, inp.dtype, config.activation_dtype)

@@ -1,10 +1,11 @@
 """Forward fusion: ``LayerNorm`` / ``RMSNorm`` whose output is written in FP8 for the next
 ``BasicLinear``.
 
-The norm's output is cast with the linear's input quantizer in the norm kernel's own pass
-where the native kernels run (delayed scaling: one pass; current scaling: the kernel's amax
-pass, then the pass that writes the bytes), else right after the norm; either way in the
-layouts the linear reads, and no high-precision output is kept. The linear takes the FP8
+The norm's output is cast with the linear's input quantizer: in the norm kernel's own pass
+with the package's norm kernels (``functional.normalization.norm_kernels_write_fp8``; delayed
+scaling: one pass; current scaling: the kernel's amax pass, then the pass that writes the
+bytes), else right after PyTorch's norm kernel, whose high-precision output goes before the
+GEMM runs; either way in the layouts the linear reads. The linear takes the FP8
 tensor as it is (no second cast) and keeps only the transposed copy for its weight gradient;
 the norm keeps its input and statistics, as it does alone. ``te.LayerNormLinear`` and
 ``te.LayerNormMLP`` do the same.
@@ -12,6 +13,8 @@ the norm keeps its input and statistics, as it does alone. ``te.LayerNormLinear`
 
 from __future__ import annotations
 
+from ...functional.normalization import norm_kernels_write_fp8
+from ...functional.produced_fp8 import cast_for_linear
 from ..basic._common import plain
 from ..basic.basic_linear import BasicLinear
 from ..basic.normalization import LayerNorm, RMSNorm
@@ -59,7 +62,12 @@ class ForwardNormCast(ForwardProducerFusion):
         ):
             return norm.op_forward(ctx, input_)
         needs_wgrad = self.check_linear_shapes(ctx, linear, x)
-        return norm.op_forward_fp8(ctx, input_, quantizer, columnwise=needs_wgrad)
+        if norm_kernels_write_fp8():
+            return norm.op_forward_fp8(ctx, input_, quantizer, columnwise=needs_wgrad)
+        y = norm.op_forward(ctx, input_)
+        out = cast_for_linear(quantizer, y, rowwise=True, columnwise=needs_wgrad)
+        del y  # the high-precision output goes before the GEMM
+        return out
 
 
 def fuse_forward_norm_cast(ops, *, recipe=None):
