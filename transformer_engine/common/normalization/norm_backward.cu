@@ -79,7 +79,8 @@ template <class Cfg, typename IType, typename WType>
 __global__ void __launch_bounds__(Cfg::kThreads) norm_bwd_kernel(const BwdParams p) {
   constexpr int kTeam = Cfg::kTeam, kVecs = Cfg::kVecs, kThreads = Cfg::kThreads;
   constexpr int kTeams = Cfg::kTeams;
-  __shared__ float scratch[kThreads / 32];
+  __shared__ float scratch[kScratchFloats<kThreads>];
+  int phase = 0;
   // Warp teams: each team's column partials, added up in team order at the end.
   __shared__ float team_parts[kTeams > 1 ? kTeams * Cfg::kMaxH : 1];
   const int team = threadIdx.x / kTeam;
@@ -107,8 +108,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) norm_bwd_kernel(const BwdParams
       if (n > 0) row_vector<WType>(p, c, n, mu, rs, x[v], dz[v], dg[v], db[v], s_dy, s_dyx);
     }
     // RMSNorm has no mean(dy) term.
-    const float m_dy = p.mean != nullptr ? team_sum<kTeam, kThreads>(s_dy, scratch) / h : 0.0f;
-    const float m_dyx = team_sum<kTeam, kThreads>(s_dyx, scratch) / h;
+    const float m_dy =
+        p.mean != nullptr ? team_sum<kTeam, kThreads>(s_dy, scratch, phase) / h : 0.0f;
+    const float m_dyx = team_sum<kTeam, kThreads>(s_dyx, scratch, phase) / h;
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
       const int c = (v * kTeam + t) * kVec;
@@ -158,7 +160,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) norm_bwd_kernel(const BwdParams
  * for dx. */
 template <typename IType, typename WType>
 __global__ void __launch_bounds__(kLoopThreads) norm_bwd_looped_kernel(const BwdParams p) {
-  __shared__ float scratch[kLoopThreads / 32];
+  __shared__ float scratch[kScratchFloats<kLoopThreads>];
+  int phase = 0;
   const float h = static_cast<float>(p.H);
   float* pg = p.part_dgamma + static_cast<size_t>(blockIdx.x) * p.H;
   float* pb = p.part_dbeta != nullptr ? p.part_dbeta + static_cast<size_t>(blockIdx.x) * p.H
@@ -188,8 +191,8 @@ __global__ void __launch_bounds__(kLoopThreads) norm_bwd_looped_kernel(const Bwd
       }
     }
     const float m_dy =
-        p.mean != nullptr ? team_sum<kLoopThreads, kLoopThreads>(s_dy, scratch) / h : 0.0f;
-    const float m_dyx = team_sum<kLoopThreads, kLoopThreads>(s_dyx, scratch) / h;
+        p.mean != nullptr ? team_sum<kLoopThreads, kLoopThreads>(s_dy, scratch, phase) / h : 0.0f;
+    const float m_dyx = team_sum<kLoopThreads, kLoopThreads>(s_dyx, scratch, phase) / h;
     for (int c = threadIdx.x * kVec; c < p.H; c += kLoopThreads * kVec) {
       const int n = vec_count(c, p.H);
       load_vec(static_cast<const IType*>(p.x) + base + c, p.vec, n, x);
