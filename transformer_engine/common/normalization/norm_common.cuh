@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "transformer_engine/transformer_engine.h"
 #include "util/buffer.h"
@@ -133,6 +134,74 @@ __device__ __forceinline__ void store_vec(T* p, bool vec, int n, const float (&v
     for (int j = 0; j < kVec; ++j) {
       if (j < n) p[j] = from_float<T>(v[j]);
     }
+  }
+}
+
+/* A row vector of kVec elements kept as raw bits in 32-bit registers (kWords words: two 16-bit
+ * elements a word, or one float32), so that no element type's copies go through memory. */
+template <typename T>
+struct RawVec {
+  static constexpr int kWords = static_cast<int>(sizeof(T)) * kVec / 4;
+  uint32_t w[kWords];
+};
+
+/* Loads kVec elements at p: 16-byte loads when kVecIO (whole vectors; n is 0 or kVec), else n
+ * scalar loads; the rest are zero bits (+0.0). */
+template <typename T, bool kVecIO>
+__device__ __forceinline__ void fetch_raw(const T* p, int n, RawVec<T>& r) {
+  constexpr int kWords = RawVec<T>::kWords;
+  if constexpr (kVecIO) {
+    if (n > 0) {
+      const uint4* src = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+      for (int i = 0; i < kWords / 4; ++i) {
+        const uint4 u = __ldg(src + i);
+        r.w[4 * i] = u.x;
+        r.w[4 * i + 1] = u.y;
+        r.w[4 * i + 2] = u.z;
+        r.w[4 * i + 3] = u.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kWords; ++i) r.w[i] = 0u;
+    }
+  } else if constexpr (sizeof(T) == 4) {
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(p);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) r.w[j] = j < n ? src[j] : 0u;
+  } else {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(p);
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) {
+      const uint32_t lo = 2 * i < n ? src[2 * i] : 0u;
+      const uint32_t hi = 2 * i + 1 < n ? src[2 * i + 1] : 0u;
+      r.w[i] = lo | (hi << 16);
+    }
+  }
+}
+
+/* fetch_raw with the vector path chosen at run time (vec && n == kVec). */
+template <typename T>
+__device__ __forceinline__ void fetch_raw_rt(const T* p, bool vec, int n, RawVec<T>& r) {
+  if (vec && n == kVec) {
+    fetch_raw<T, true>(p, n, r);
+  } else {
+    fetch_raw<T, false>(p, n, r);
+  }
+}
+
+/* Element j of a raw vector as float32 (exact). */
+template <typename T>
+__device__ __forceinline__ float raw_elem(const RawVec<T>& r, int j) {
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(r.w[j]);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t w = r.w[j / 2];
+    return __uint_as_float((j & 1) != 0 ? (w & 0xFFFF0000u) : (w << 16));
+  } else {
+    const uint32_t w = r.w[j / 2];
+    const uint32_t bits = (j & 1) != 0 ? (w >> 16) : (w & 0xFFFFu);
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
   }
 }
 
