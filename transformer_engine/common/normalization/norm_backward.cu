@@ -7,9 +7,9 @@
  *    accumulates, in float32 registers, dz * xhat and dz for the columns it owns, over all the
  *    rows its block takes; at the end the block's teams add theirs up in shared memory (in team
  *    order) and the block writes one row of partial dgamma and one of partial dbeta into the
- *    workspace, [blocks, H] each. Rows too long for the register teams go through a looped kernel that
- *    reads x and dz twice and accumulates straight into its block's workspace row (each element
- *    has one owning thread, so no atomics).
+ *    workspace, [blocks, H] each. Rows too long for the register teams go through a looped
+ *    kernel that reads x and dz twice and accumulates straight into its block's workspace row
+ *    (each element has one owning thread, so no atomics).
  * 2. norm_bwd_finalize_kernel: adds the blocks' partial rows up column by column, in a fixed
  *    order independent of scheduling (deterministic), and writes dgamma/dbeta in gamma's dtype.
  */
