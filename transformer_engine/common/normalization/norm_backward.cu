@@ -1,14 +1,15 @@
 /* nvte_norm_backward (normalization.h): LayerNorm/RMSNorm backward in two kernels.
  *
- * 1. norm_bwd_kernel: a persistent grid (2 blocks per SM at most). A team (norm_common.cuh)
- *    takes one row at a time, holding x and dz in registers: it forms xhat and dy = dz * g, the
- *    row sums of dy and dy * xhat, and writes dx. Every thread also accumulates, in float32
- *    registers, dz * xhat and dz for the columns it owns, over all the rows its block takes; at
- *    the end the block's teams add theirs up in shared memory (in team order) and the block
- *    writes one row of partial dgamma and one of partial dbeta into the workspace,
- *    [blocks, H] each. Rows too long for the register teams go through a looped kernel that
- *    reads x and dz twice and accumulates straight into its block's workspace row (each element
- *    has one owning thread, so no atomics).
+ * 1. norm_bwd_kernel: a persistent grid (2 blocks per SM at most, 1 for blocks of 512 threads).
+ *    A team (norm_common.cuh) takes one row at a time, holding x and dz in registers as raw bits
+ *    and loading its next row's meanwhile: it forms xhat and dy = dz * g, the row sums of dy and
+ *    dy * xhat, and writes dx (forming xhat and dy again from the registers). Every thread also
+ *    accumulates, in float32 registers, dz * xhat and dz for the columns it owns, over all the
+ *    rows its block takes; at the end the block's teams add theirs up in shared memory (in team
+ *    order) and the block writes one row of partial dgamma and one of partial dbeta into the
+ *    workspace, [blocks, H] each. Rows too long for the register teams go through a looped
+ *    kernel that reads x and dz twice and accumulates straight into its block's workspace row
+ *    (each element has one owning thread, so no atomics).
  * 2. norm_bwd_finalize_kernel: adds the blocks' partial rows up column by column, in a fixed
  *    order independent of scheduling (deterministic), and writes dgamma/dbeta in gamma's dtype.
  */
@@ -31,6 +32,11 @@ constexpr int kBlocksPerSm = 2;
 constexpr int kLoopThreads = 512;
 constexpr int kFinalCols = 32;    // columns per finalize block (one 128-byte row segment)
 constexpr int kFinalSlices = 16;  // threads adding up one column's partials, in fixed slices
+
+/* Resident blocks per SM the register kernel is built and launched for: kBlocksPerSm, but one
+ * for blocks of 512 threads and more (their registers would not fit twice; a second wave of
+ * persistent blocks would double the time). At most kBlocksPerSm: the workspace bound. */
+constexpr int bwd_blocks_per_sm(int threads) { return threads >= 512 ? 1 : kBlocksPerSm; }
 
 struct BwdParams {
   const void* dz;
@@ -76,46 +82,83 @@ __device__ __forceinline__ void dx_vector(float rs, float m_dy, float m_dyx,
 }
 
 template <class Cfg, typename IType, typename WType>
-__global__ void __launch_bounds__(Cfg::kThreads) norm_bwd_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads))
+    norm_bwd_kernel(const BwdParams p) {
   constexpr int kTeam = Cfg::kTeam, kVecs = Cfg::kVecs, kThreads = Cfg::kThreads;
   constexpr int kTeams = Cfg::kTeams;
-  __shared__ float scratch[kThreads / 32];
+  __shared__ float scratch[kScratchFloats<kThreads>];
+  int phase = 0;
   // Warp teams: each team's column partials, added up in team order at the end.
   __shared__ float team_parts[kTeams > 1 ? kTeams * Cfg::kMaxH : 1];
   const int team = threadIdx.x / kTeam;
   const int t = threadIdx.x % kTeam;
   const float h = static_cast<float>(p.H);
   float dg[kVecs][kVec] = {}, db[kVecs][kVec] = {};
-  for (size_t row = static_cast<size_t>(blockIdx.x) * kTeams + team; row < p.rows;
-       row += static_cast<size_t>(gridDim.x) * kTeams) {
-    const size_t base = row * static_cast<size_t>(p.H);
-    float x[kVecs][kVec], dz[kVecs][kVec];
+  const IType* x_base = static_cast<const IType*>(p.x);
+  const IType* dz_base = static_cast<const IType*>(p.dz);
+  // The team's rows: row, row + stride, ... The next row's x, dz and statistics are loaded while
+  // the current one is worked on (two rows of loads in flight per team); rows stay in registers
+  // as raw bits, and xhat and dy are formed again for dx instead of being kept.
+  const size_t stride = static_cast<size_t>(gridDim.x) * kTeams;
+  RawVec<IType> rx[kVecs], rz[kVecs];
+  float next_mu = 0.0f, next_rs = 0.0f;
+  auto fetch = [&](size_t r) {
+    const size_t base = r * static_cast<size_t>(p.H);
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
       const int c = (v * kTeam + t) * kVec;
       const int n = vec_count(c, p.H);
-      load_vec(static_cast<const IType*>(p.x) + base + c, p.vec, n, x[v]);
-      load_vec(static_cast<const IType*>(p.dz) + base + c, p.vec, n, dz[v]);
+      fetch_raw_rt(x_base + base + c, p.vec, n, rx[v]);
+      fetch_raw_rt(dz_base + base + c, p.vec, n, rz[v]);
     }
-    const float mu = p.mean != nullptr ? p.mean[row] : 0.0f;
-    const float rs = p.rsigma[row];
+    next_mu = p.mean != nullptr ? p.mean[r] : 0.0f;
+    next_rs = p.rsigma[r];
+  };
+  size_t row = static_cast<size_t>(blockIdx.x) * kTeams + team;
+  if (row < p.rows) fetch(row);
+  for (; row < p.rows; row += stride) {
+    const size_t base = row * static_cast<size_t>(p.H);
+    RawVec<IType> cx[kVecs], cz[kVecs];
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      cx[v] = rx[v];
+      cz[v] = rz[v];
+    }
+    const float mu = next_mu;
+    const float rs = next_rs;
+    if (row + stride < p.rows) fetch(row + stride);
     float s_dy = 0.0f, s_dyx = 0.0f;
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
       const int c = (v * kTeam + t) * kVec;
       const int n = vec_count(c, p.H);
-      if (n > 0) row_vector<WType>(p, c, n, mu, rs, x[v], dz[v], dg[v], db[v], s_dy, s_dyx);
+      if (n == 0) continue;
+      float x[kVec], dz[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        x[j] = raw_elem(cx[v], j);
+        dz[j] = raw_elem(cz[v], j);
+      }
+      row_vector<WType>(p, c, n, mu, rs, x, dz, dg[v], db[v], s_dy, s_dyx);
     }
     // RMSNorm has no mean(dy) term.
-    const float m_dy = p.mean != nullptr ? team_sum<kTeam, kThreads>(s_dy, scratch) / h : 0.0f;
-    const float m_dyx = team_sum<kTeam, kThreads>(s_dyx, scratch) / h;
+    const float m_dy =
+        p.mean != nullptr ? team_sum<kTeam, kThreads>(s_dy, scratch, phase) / h : 0.0f;
+    const float m_dyx = team_sum<kTeam, kThreads>(s_dyx, scratch, phase) / h;
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
       const int c = (v * kTeam + t) * kVec;
       const int n = vec_count(c, p.H);
       if (n == 0) continue;
-      float dx[kVec];
-      dx_vector(rs, m_dy, m_dyx, x[v], dz[v], dx);
+      float x[kVec], dz[kVec], unused_g[kVec] = {}, unused_b[kVec] = {}, dx[kVec];
+      float unused0 = 0.0f, unused1 = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        x[j] = raw_elem(cx[v], j);
+        dz[j] = raw_elem(cz[v], j);
+      }
+      row_vector<WType>(p, c, n, mu, rs, x, dz, unused_g, unused_b, unused0, unused1);
+      dx_vector(rs, m_dy, m_dyx, x, dz, dx);
       store_vec(static_cast<IType*>(p.dx) + base + c, p.vec, n, dx);
     }
   }
@@ -158,7 +201,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) norm_bwd_kernel(const BwdParams
  * for dx. */
 template <typename IType, typename WType>
 __global__ void __launch_bounds__(kLoopThreads) norm_bwd_looped_kernel(const BwdParams p) {
-  __shared__ float scratch[kLoopThreads / 32];
+  __shared__ float scratch[kScratchFloats<kLoopThreads>];
+  int phase = 0;
   const float h = static_cast<float>(p.H);
   float* pg = p.part_dgamma + static_cast<size_t>(blockIdx.x) * p.H;
   float* pb = p.part_dbeta != nullptr ? p.part_dbeta + static_cast<size_t>(blockIdx.x) * p.H
@@ -188,8 +232,8 @@ __global__ void __launch_bounds__(kLoopThreads) norm_bwd_looped_kernel(const Bwd
       }
     }
     const float m_dy =
-        p.mean != nullptr ? team_sum<kLoopThreads, kLoopThreads>(s_dy, scratch) / h : 0.0f;
-    const float m_dyx = team_sum<kLoopThreads, kLoopThreads>(s_dyx, scratch) / h;
+        p.mean != nullptr ? team_sum<kLoopThreads, kLoopThreads>(s_dy, scratch, phase) / h : 0.0f;
+    const float m_dyx = team_sum<kLoopThreads, kLoopThreads>(s_dyx, scratch, phase) / h;
     for (int c = threadIdx.x * kVec; c < p.H; c += kLoopThreads * kVec) {
       const int n = vec_count(c, p.H);
       load_vec(static_cast<const IType*>(p.x) + base + c, p.vec, n, x);
@@ -250,11 +294,12 @@ int device_sm_count(const char* op, int device) {
   return counts[device];
 }
 
-/* Blocks of the main kernel: one per `rows_per_block` rows, at most kBlocksPerSm per SM. The
+/* Blocks of the main kernel: one per `rows_per_block` rows, at most blocks_per_sm per SM. The
  * workspace formula bounds this for any team (rows_per_block >= 1). */
-size_t backward_blocks(size_t rows, size_t rows_per_block, int sm_count) {
+size_t backward_blocks(size_t rows, size_t rows_per_block, int sm_count,
+                       int blocks_per_sm = kBlocksPerSm) {
   const size_t wanted = (rows + rows_per_block - 1) / rows_per_block;
-  return std::min(wanted, static_cast<size_t>(kBlocksPerSm) * sm_count);
+  return std::min(wanted, static_cast<size_t>(blocks_per_sm) * sm_count);
 }
 
 template <typename IType, typename WType>
@@ -269,7 +314,7 @@ void launch_backward(CallContext& ctx, BwdParams p, WType* dgamma, WType* dbeta,
             <<<static_cast<unsigned>(blocks), kLoopThreads, 0, ctx.stream()>>>(p);
         ctx.check_launch("norm_bwd_looped_kernel launch");
       } else {
-        blocks = backward_blocks(p.rows, Cfg::kTeams, sm_count);
+        blocks = backward_blocks(p.rows, Cfg::kTeams, sm_count, bwd_blocks_per_sm(Cfg::kThreads));
         norm_bwd_kernel<Cfg, IType, WType>
             <<<static_cast<unsigned>(blocks), Cfg::kThreads, 0, ctx.stream()>>>(p);
         ctx.check_launch("norm_bwd_kernel launch");

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "transformer_engine/transformer_engine.h"
 #include "util/buffer.h"
@@ -27,7 +28,9 @@ namespace norm_detail {
 
 constexpr int kVec = 8;  // elements per vector: 16 bytes of bf16/fp16, 32 of fp32
 
-/* kThreads threads per block, split into teams of kTeam (32: a warp per row, else the block). */
+/* kThreads threads per block, split into kTeams teams of kTeam threads (a warp, several warps,
+ * or the whole block). Teams smaller than the block synchronize through their own named
+ * barrier (1 + team index), so they never wait for each other. */
 template <int kTeam_, int kVecs_, int kThreads_>
 struct TeamConfig {
   static constexpr int kTeam = kTeam_;
@@ -35,29 +38,65 @@ struct TeamConfig {
   static constexpr int kThreads = kThreads_;
   static constexpr int kTeams = kThreads / kTeam;  // rows a block works on at once
   static constexpr int kMaxH = kTeam * kVecs * kVec;
-  static_assert(kTeam == 32 || kTeam == kThreads, "a team is a warp or the whole block");
-  static_assert(kThreads % 32 == 0, "whole warps");
+  static_assert(kTeam % 32 == 0 && kThreads % kTeam == 0, "teams of whole warps");
+  static_assert(kTeam == 32 || kTeam == kThreads || kTeams <= 15, "a named barrier per team");
 };
+
+/* Floats of scratch team_sum needs: two buffers (alternate calls use alternate buffers, so one
+ * barrier per call suffices). */
+template <int kThreads>
+constexpr int kScratchFloats = 2 * kThreads / 32;
+
+/* Waits for the calling thread's team (kTeam threads; the block when kTeam == kThreads). */
+template <int kTeam, int kThreads>
+__device__ __forceinline__ void team_barrier() {
+  if constexpr (kTeam == kThreads) {
+    __syncthreads();
+  } else if constexpr (kTeam > 32) {
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + static_cast<int>(threadIdx.x) / kTeam), "n"(kTeam)
+                 : "memory");
+  } else {
+    __syncwarp();
+  }
+}
 
 /* Sum of v over the team; every thread of the team gets the same bits (the butterfly adds the
  * same two values on both lanes of each pair, and every thread adds the warp sums in one order),
- * so all threads agree on the statistics. A block team uses `scratch` (kThreads / 32 floats) and
- * __syncthreads: every thread of the block must call it. */
+ * so all threads agree on the statistics. Teams of several warps use `scratch`
+ * (kScratchFloats<kThreads>) and one team barrier: every thread of the team must call it, and
+ * `phase` (0 at first, per thread) picks the buffer. Call k + 2 reuses call k's buffer only after
+ * every thread passed call k + 1's barrier, i.e. finished reading call k's. */
 template <int kTeam, int kThreads>
-__device__ __forceinline__ float team_sum(float v, float* scratch) {
+__device__ __forceinline__ float team_sum(float v, float* scratch, int& phase) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
   if constexpr (kTeam == 32) {
     return v;
   } else {
-    __syncthreads();  // the previous call's readers are done with scratch
-    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-    __syncthreads();
+    constexpr int kWarps = kTeam / 32;
+    float* s = scratch + phase * (kThreads / 32) + (threadIdx.x / kTeam) * kWarps;
+    phase ^= 1;
+    if (threadIdx.x % 32 == 0) s[(threadIdx.x % kTeam) / 32] = v;
+    team_barrier<kTeam, kThreads>();
     float total = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
+    for (int w = 0; w < kWarps; ++w) total += s[w];
     return total;
   }
+}
+
+/* Four 32-bit words (4 bytes of 4 rows) to four columns of 4 row bytes: col[k] holds byte k of
+ * a, b, c, d (in that order, low byte first). */
+__device__ __forceinline__ void transpose_4x4(const uint32_t a, const uint32_t b, const uint32_t c,
+                                              const uint32_t d, uint32_t (&col)[4]) {
+  const uint32_t ab_lo = __byte_perm(a, b, 0x5140);  // a0 b0 a1 b1
+  const uint32_t ab_hi = __byte_perm(a, b, 0x7362);  // a2 b2 a3 b3
+  const uint32_t cd_lo = __byte_perm(c, d, 0x5140);
+  const uint32_t cd_hi = __byte_perm(c, d, 0x7362);
+  col[0] = __byte_perm(ab_lo, cd_lo, 0x5410);  // a0 b0 c0 d0
+  col[1] = __byte_perm(ab_lo, cd_lo, 0x7632);  // a1 b1 c1 d1
+  col[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
+  col[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
 }
 
 /* Elements of the vector at column c that lie in the row (0..kVec). */
@@ -95,6 +134,74 @@ __device__ __forceinline__ void store_vec(T* p, bool vec, int n, const float (&v
     for (int j = 0; j < kVec; ++j) {
       if (j < n) p[j] = from_float<T>(v[j]);
     }
+  }
+}
+
+/* A row vector of kVec elements kept as raw bits in 32-bit registers (kWords words: two 16-bit
+ * elements a word, or one float32), so that no element type's copies go through memory. */
+template <typename T>
+struct RawVec {
+  static constexpr int kWords = static_cast<int>(sizeof(T)) * kVec / 4;
+  uint32_t w[kWords];
+};
+
+/* Loads kVec elements at p: 16-byte loads when kVecIO (whole vectors; n is 0 or kVec), else n
+ * scalar loads; the rest are zero bits (+0.0). */
+template <typename T, bool kVecIO>
+__device__ __forceinline__ void fetch_raw(const T* p, int n, RawVec<T>& r) {
+  constexpr int kWords = RawVec<T>::kWords;
+  if constexpr (kVecIO) {
+    if (n > 0) {
+      const uint4* src = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+      for (int i = 0; i < kWords / 4; ++i) {
+        const uint4 u = __ldg(src + i);
+        r.w[4 * i] = u.x;
+        r.w[4 * i + 1] = u.y;
+        r.w[4 * i + 2] = u.z;
+        r.w[4 * i + 3] = u.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kWords; ++i) r.w[i] = 0u;
+    }
+  } else if constexpr (sizeof(T) == 4) {
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(p);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) r.w[j] = j < n ? src[j] : 0u;
+  } else {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(p);
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) {
+      const uint32_t lo = 2 * i < n ? src[2 * i] : 0u;
+      const uint32_t hi = 2 * i + 1 < n ? src[2 * i + 1] : 0u;
+      r.w[i] = lo | (hi << 16);
+    }
+  }
+}
+
+/* fetch_raw with the vector path chosen at run time (vec && n == kVec). */
+template <typename T>
+__device__ __forceinline__ void fetch_raw_rt(const T* p, bool vec, int n, RawVec<T>& r) {
+  if (vec && n == kVec) {
+    fetch_raw<T, true>(p, n, r);
+  } else {
+    fetch_raw<T, false>(p, n, r);
+  }
+}
+
+/* Element j of a raw vector as float32 (exact). */
+template <typename T>
+__device__ __forceinline__ float raw_elem(const RawVec<T>& r, int j) {
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(r.w[j]);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t w = r.w[j / 2];
+    return __uint_as_float((j & 1) != 0 ? (w & 0xFFFF0000u) : (w << 16));
+  } else {
+    const uint32_t w = r.w[j / 2];
+    const uint32_t bits = (j & 1) != 0 ? (w >> 16) : (w & 0xFFFFu);
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
   }
 }
 

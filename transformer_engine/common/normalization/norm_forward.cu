@@ -1,21 +1,27 @@
 /* nvte_norm_forward and nvte_norm_amax (normalization.h): LayerNorm/RMSNorm forward.
  *
- * Kernel shape (norm_common.cuh): a team (a warp, or the block for long rows) owns one row at a
- * time, holding it in registers; a block loops over groups of rows (grid-stride, a few resident
- * blocks per SM), so the amax needs one atomic per block. Per row: mean (LayerNorm), then the
- * sum of squared deviations from the registers, both reduced over the team; then each vector is
- * normalized, rounded to x's dtype and stored (high precision), or cast to FP8.
+ * Kernel shape (norm_common.cuh): a team (a warp, or 2-32 warps for long rows; several teams a
+ * block, each with its own named barrier) owns one row at a time, holding it in registers as raw
+ * 16-byte vectors, and prefetches its next row meanwhile (16-bit inputs). A block takes one group
+ * of rows (the hardware schedules the blocks), so the amax needs one atomic per block. Per row:
+ * mean (LayerNorm), then the sum of squared deviations from the registers, both reduced over the
+ * team; then each vector is normalized, rounded to x's dtype and stored (high precision), or cast
+ * to FP8 (the format a runtime switch, as gamma's dtype: fewer kernels to compile). The same
+ * kernel and team serve the high-precision and FP8 outputs for a given input, so the FP8 bytes
+ * are those of casting the high-precision output.
  *
  * The transposed FP8 copy: a block handles a group of R rows (32, fewer when H is long so that
  * R * H bytes fit kTileBudget), staging their FP8 bytes in dynamic shared memory, then writes
- * each column's R bytes as one contiguous run of out_t (16-byte stores when aligned). Rows too
- * long for the register teams go through a looped kernel that reads x once per pass (three
- * passes) and writes the transposed bytes directly. */
+ * each column's run of 16 (or 8) rows with one store, from 4-byte shared-memory words transposed
+ * 4x4 with byte permutes. Rows too long for the register teams, and unaligned inputs or H % 8 != 0,
+ * go through a looped kernel that reads x once per pass (three passes) and writes the transposed
+ * bytes directly. */
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 
 #include "cast/dispatch.cuh"
 #include "normalization/norm_common.cuh"
@@ -28,8 +34,6 @@ namespace {
 constexpr int kTileBudget = 96 * 1024;  // staging bytes for the transposed copy: 2 blocks/SM
 constexpr int kMaxGroupRows = 32;       // a 32-byte sector of out_t per column
 constexpr int kLoopThreads = 512;
-
-enum OutKind { kOutHigh = 0, kOutE4M3 = 1, kOutE5M2 = 2 };
 
 struct FwdParams {
   const void* x;
@@ -48,46 +52,62 @@ struct FwdParams {
   float eps;
   bool rms;
   bool zero_centered;
-  bool vec;  // 16-byte vector accesses (H % 8 == 0, pointers aligned)
-  bool vec_t;  // 16-byte runs of out_t (rows % 16 == 0, out_t aligned)
+  bool w_fp32;  // gamma/beta are float32 (else x's dtype)
+  bool e5m2;    // FP8 outputs: E5M2 (else E4M3)
+  bool vec;      // 16-byte vector loads (H % 8 == 0, x, gamma, beta aligned)
+  bool vec_out;  // vector stores of whole vectors (vec, and the output aligned)
+  bool vec_t;   // word-wise transposed runs (see write_transposed)
 };
+
+/* A parameter vector (gamma or beta) at column c, float32 or x's dtype. */
+template <typename IType, bool kVecIO>
+__device__ __forceinline__ void load_param(const FwdParams& p, const void* base, int c, int n,
+                                           float (&v)[kVec]) {
+  if (p.w_fp32) {
+    load_vec(static_cast<const float*>(base) + c, kVecIO || p.vec, kVecIO ? kVec : n, v);
+  } else {
+    load_vec(static_cast<const IType*>(base) + c, kVecIO || p.vec, kVecIO ? kVec : n, v);
+  }
+}
 
 /* Normalizes the vector at column c of `row` (n valid elements) and writes it: y in x's dtype,
  * or its FP8 bytes (+ amax of the rounded values, + the transposed copy: staged in `tile_row`
- * when given, else written directly). */
-template <typename IType, typename WType, int kOut>
-__device__ __forceinline__ void emit(const FwdParams& p, const float (&x)[kVec], int n,
+ * when given, else written directly). kVecIO: p.vec holds and n == kVec (the register kernel). */
+template <typename IType, bool kFp8, bool kVecIO = false>
+__device__ __forceinline__ void emit(const FwdParams& p, const float (&x)[kVec], int n_in,
                                      size_t row, int c, float mean, float rsigma, float scale,
                                      float& amax, uint8_t* tile_row) {
+  const int n = kVecIO ? kVec : n_in;
   float g[kVec], b[kVec], y[kVec];
-  load_vec(static_cast<const WType*>(p.gamma) + c, p.vec, n, g);
-  if (p.beta != nullptr) {
-    load_vec(static_cast<const WType*>(p.beta) + c, p.vec, n, b);
-  }
+  load_param<IType, kVecIO>(p, p.gamma, c, n, g);
+  if (p.beta != nullptr) load_param<IType, kVecIO>(p, p.beta, c, n, b);
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
     const float beta = p.beta != nullptr ? b[j] : 0.0f;
     y[j] = (x[j] - mean) * rsigma * effective_gamma(g[j], p.zero_centered) + beta;
   }
   const size_t offset = row * static_cast<size_t>(p.H) + c;
-  if constexpr (kOut == kOutHigh) {
-    store_vec(static_cast<IType*>(p.y) + offset, p.vec, n, y);
+  if constexpr (!kFp8) {
+    store_vec(static_cast<IType*>(p.y) + offset, p.vec_out, n, y);
   } else {
-    constexpr bool kE4M3 = kOut == kOutE4M3;
     // Round to x's dtype first: the bytes equal those of casting the high-precision output.
+    float r[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      r[j] = to_float(from_float<IType>(y[j]));
+      if (j < n) amax = amax_step(amax, r[j]);
+    }
+    if (p.y == nullptr && p.y_t == nullptr) return;  // amax only
     Vec<uint16_t, kVec / 2> q;
 #pragma unroll
     for (int j = 0; j < kVec / 2; ++j) {
-      const float a = to_float(from_float<IType>(y[2 * j]));
-      const float bb = to_float(from_float<IType>(y[2 * j + 1]));
-      if (2 * j < n) amax = amax_step(amax, a);
-      if (2 * j + 1 < n) amax = amax_step(amax, bb);
-      q.v[j] = Fp8Format<kE4M3>::cast_pair(a * scale, bb * scale);
+      q.v[j] = p.e5m2 ? Fp8Format<false>::cast_pair(r[2 * j] * scale, r[2 * j + 1] * scale)
+                      : Fp8Format<true>::cast_pair(r[2 * j] * scale, r[2 * j + 1] * scale);
     }
     const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&q);
     if (p.y != nullptr) {
       uint8_t* out = static_cast<uint8_t*>(p.y) + offset;
-      if (p.vec && n == kVec) {
+      if (p.vec_out && n == kVec) {
         *reinterpret_cast<uint2*>(out) = *reinterpret_cast<const uint2*>(&q);
       } else {
         for (int j = 0; j < n; ++j) out[j] = bytes[j];
@@ -95,7 +115,7 @@ __device__ __forceinline__ void emit(const FwdParams& p, const float (&x)[kVec],
     }
     if (p.y_t != nullptr) {
       if (tile_row != nullptr) {
-        if (p.vec && n == kVec) {
+        if ((kVecIO || p.vec) && n == kVec) {
           *reinterpret_cast<uint2*>(tile_row + c) = *reinterpret_cast<const uint2*>(&q);
         } else {
           for (int j = 0; j < n; ++j) tile_row[c + j] = bytes[j];
@@ -108,9 +128,9 @@ __device__ __forceinline__ void emit(const FwdParams& p, const float (&x)[kVec],
 }
 
 /* FP8 kernels: the scale, read once; block 0 publishes 1 / scale (IEEE division). */
-template <int kOut>
+template <bool kFp8>
 __device__ __forceinline__ float fwd_scale(const FwdParams& p) {
-  if constexpr (kOut == kOutHigh) {
+  if constexpr (!kFp8) {
     return 1.0f;
   } else {
     const float scale = p.scale != nullptr ? *p.scale : 1.0f;
@@ -119,55 +139,117 @@ __device__ __forceinline__ float fwd_scale(const FwdParams& p) {
   }
 }
 
+/* Rows per transposed store run: up to 16 (one 16-byte store per column and run). */
+__host__ __device__ __forceinline__ int transposed_run(int group_rows) {
+  return group_rows < 16 ? group_rows : 16;
+}
+
 /* The staged FP8 bytes of rows [r0, r0 + count) to out_t: column c's bytes are one contiguous
- * run of out_t; a thread writes up to 16 of them, consecutive threads the next run (of the same
- * column when R = 32, so a column's 32 bytes fill one sector). */
+ * run of out_t. Fast path (vec_t: H % 4 == 0, runs of 8 or 16 rows, rows % run == 0, out_t
+ * aligned to the run; a whole group): a thread reads a run's 4-byte words of 4 columns from the
+ * tile (consecutive threads on consecutive words: no bank conflicts), transposes them 4x4 with
+ * byte permutes and writes each column's run with one 8- or 16-byte store. Else a byte at a
+ * time. */
 template <int kThreads>
 __device__ void write_transposed(const FwdParams& p, const uint8_t* tile, size_t r0, int count) {
   const int H = p.H;
-  const int run = p.group_rows < 16 ? p.group_rows : 16;
+  const int run = transposed_run(p.group_rows);
+  if (p.vec_t && count == p.group_rows) {
+    const int quads = H / 4;
+    const int runs = p.group_rows / run;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(tile);
+    for (int i = threadIdx.x; i < quads * runs; i += kThreads) {
+      const int q = i % quads;
+      const int lr0 = (i / quads) * run;
+      uint8_t* dst = p.y_t + static_cast<size_t>(4 * q) * p.rows + r0 + lr0;
+      if (run == 16) {
+        uint32_t w[16];
+#pragma unroll
+        for (int k = 0; k < 16; ++k) w[k] = words[(lr0 + k) * quads + q];
+        uint32_t c0[4], c1[4], c2[4], c3[4];
+        transpose_4x4(w[0], w[1], w[2], w[3], c0);
+        transpose_4x4(w[4], w[5], w[6], w[7], c1);
+        transpose_4x4(w[8], w[9], w[10], w[11], c2);
+        transpose_4x4(w[12], w[13], w[14], w[15], c3);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          *reinterpret_cast<uint4*>(dst + static_cast<size_t>(m) * p.rows) =
+              make_uint4(c0[m], c1[m], c2[m], c3[m]);
+        }
+      } else {  // run == 8
+        uint32_t w[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) w[k] = words[(lr0 + k) * quads + q];
+        uint32_t c0[4], c1[4];
+        transpose_4x4(w[0], w[1], w[2], w[3], c0);
+        transpose_4x4(w[4], w[5], w[6], w[7], c1);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          *reinterpret_cast<uint2*>(dst + static_cast<size_t>(m) * p.rows) =
+              make_uint2(c0[m], c1[m]);
+        }
+      }
+    }
+    return;
+  }
   const int runs = p.group_rows / run;
   for (int i = threadIdx.x; i < H * runs; i += kThreads) {
-    const int c = i / runs;
-    const int lr0 = (i % runs) * run;
+    const int c = i % H;
+    const int lr0 = (i / H) * run;
     if (lr0 >= count) continue;
     uint8_t* dst = p.y_t + static_cast<size_t>(c) * p.rows + r0 + lr0;
-    if (run == 16 && p.vec_t && lr0 + 16 <= count) {
-      Vec<uint8_t, 16> v;
-#pragma unroll
-      for (int k = 0; k < 16; ++k) v.v[k] = tile[(lr0 + k) * H + c];
-      *reinterpret_cast<Vec<uint8_t, 16>*>(dst) = v;
-    } else {
-      const int m = count - lr0 < run ? count - lr0 : run;
-      for (int k = 0; k < m; ++k) dst[k] = tile[(lr0 + k) * H + c];
-    }
+    const int m = count - lr0 < run ? count - lr0 : run;
+    for (int k = 0; k < m; ++k) dst[k] = tile[(lr0 + k) * H + c];
   }
 }
 
-template <class Cfg, typename IType, typename WType, int kOut>
-__global__ void __launch_bounds__(Cfg::kThreads) norm_fwd_kernel(const FwdParams p) {
+/* The register-team kernel's rows (p.vec: whole 16-byte vectors). A block takes groups of
+ * group_rows rows (grid-stride; normally one group per block, the hardware scheduling the
+ * blocks); within a group team k takes rows k, k + kTeams, ... With 16-bit inputs each team
+ * loads its next row (possibly in the block's next group) while it normalizes the current one:
+ * two rows of loads in flight per team. The row stays in registers as x's raw bits and is
+ * converted in each of the three passes (sum, squared deviations, output), which keeps the
+ * register count low. */
+template <class Cfg, typename IType, bool kFp8>
+__device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, uint8_t* tile, float* scratch) {
+  constexpr bool kVecIO = true;
   constexpr int kTeam = Cfg::kTeam, kVecs = Cfg::kVecs, kThreads = Cfg::kThreads;
-  extern __shared__ __align__(16) uint8_t tile[];  // [group_rows][H] FP8 bytes (out_t only)
-  __shared__ float scratch[kThreads / 32];
+  constexpr int kTeams = Cfg::kTeams;
+  int phase = 0;
   const int team = threadIdx.x / kTeam;
   const int t = threadIdx.x % kTeam;
-  const float scale = fwd_scale<kOut>(p);
+  const float scale = fwd_scale<kFp8>(p);
   const float h = static_cast<float>(p.H);
-  const bool staged = kOut != kOutHigh && p.y_t != nullptr;
+  const bool staged = kFp8 && p.y_t != nullptr;
+  const size_t R = static_cast<size_t>(p.group_rows);
+  const IType* x_base = static_cast<const IType*>(p.x);
   float amax = 0.0f;
-  const size_t groups = (p.rows + p.group_rows - 1) / p.group_rows;
-  for (size_t g = blockIdx.x; g < groups; g += gridDim.x) {
-    const size_t r0 = g * p.group_rows;
-    const int count = static_cast<int>(min(static_cast<size_t>(p.group_rows), p.rows - r0));
-    // `lr` is uniform over a team, so a block team's __syncthreads see every thread.
-    for (int lr = team; lr < count; lr += Cfg::kTeams) {
-      const size_t row = r0 + lr;
-      const IType* xr = static_cast<const IType*>(p.x) + row * static_cast<size_t>(p.H);
-      float x[kVecs][kVec];
+  const size_t groups = (p.rows + R - 1) / R;
+  RawVec<IType> raw[kVecs];
+  auto fetch_row = [&](size_t row) {
+    const IType* xr = x_base + row * static_cast<size_t>(p.H);
 #pragma unroll
-      for (int v = 0; v < kVecs; ++v) {
-        const int c = (v * kTeam + t) * kVec;
-        load_vec(xr + c, p.vec, vec_count(c, p.H), x[v]);
+    for (int v = 0; v < kVecs; ++v) {
+      const int c = (v * kTeam + t) * kVec;
+      fetch_raw<IType, kVecIO>(xr + c, vec_count(c, p.H), raw[v]);
+    }
+  };
+  // 16-bit inputs prefetch the next row; float32 rows would take too many registers.
+  constexpr bool kPrefetch = sizeof(IType) == 2;
+  if (kPrefetch && blockIdx.x * R + team < p.rows) fetch_row(blockIdx.x * R + team);
+  for (size_t g = blockIdx.x; g < groups; g += gridDim.x) {
+    const size_t r0 = g * R;
+    const int count = static_cast<int>(min(R, p.rows - r0));
+    // `lr` is uniform over a team, so the team barriers see all of its threads.
+    for (int lr = team; lr < count; lr += kTeams) {
+      const size_t row = r0 + lr;
+      if (!kPrefetch) fetch_row(row);
+      RawVec<IType> cur[kVecs];
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) cur[v] = raw[v];
+      if (kPrefetch) {
+        const size_t next = lr + kTeams < count ? row + kTeams : (g + gridDim.x) * R + team;
+        if (next < p.rows) fetch_row(next);
       }
       float mean = 0.0f;
       if (!p.rms) {
@@ -175,9 +257,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) norm_fwd_kernel(const FwdParams
 #pragma unroll
         for (int v = 0; v < kVecs; ++v) {
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) s += x[v][j];  // padding is zero
+          for (int j = 0; j < kVec; ++j) s += raw_elem(cur[v], j);  // padding is zero
         }
-        mean = team_sum<kTeam, kThreads>(s, scratch) / h;
+        mean = team_sum<kTeam, kThreads>(s, scratch, phase) / h;
       }
       float ss = 0.0f;
 #pragma unroll
@@ -185,11 +267,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) norm_fwd_kernel(const FwdParams
         const int n = vec_count((v * kTeam + t) * kVec, p.H);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          const float d = x[v][j] - mean;
+          const float d = raw_elem(cur[v], j) - mean;
           ss += j < n ? d * d : 0.0f;
         }
       }
-      const float rsigma = rsqrtf(team_sum<kTeam, kThreads>(ss, scratch) / h + p.eps);
+      const float rsigma = rsqrtf(team_sum<kTeam, kThreads>(ss, scratch, phase) / h + p.eps);
       if (t == 0) {
         if (p.mean != nullptr) p.mean[row] = mean;
         if (p.rsigma != nullptr) p.rsigma[row] = rsigma;
@@ -200,7 +282,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) norm_fwd_kernel(const FwdParams
         const int c = (v * kTeam + t) * kVec;
         const int n = vec_count(c, p.H);
         if (n > 0) {
-          emit<IType, WType, kOut>(p, x[v], n, row, c, mean, rsigma, scale, amax, tile_row);
+          float x[kVec];
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) x[j] = raw_elem(cur[v], j);
+          emit<IType, kFp8, kVecIO>(p, x, n, row, c, mean, rsigma, scale, amax, tile_row);
         }
       }
     }
@@ -210,17 +295,27 @@ __global__ void __launch_bounds__(Cfg::kThreads) norm_fwd_kernel(const FwdParams
       __syncthreads();  // before the next group overwrites the tile
     }
   }
-  if constexpr (kOut != kOutHigh) {
+  if constexpr (kFp8) {
     if (p.amax != nullptr) block_amax_to_global<kThreads>(amax, p.amax);
   }
 }
 
+/* At most 64 registers a thread: half the SM's threads resident. */
+template <class Cfg, typename IType, bool kFp8>
+__global__ void __launch_bounds__(Cfg::kThreads, 1024 / Cfg::kThreads)
+    norm_fwd_kernel(const FwdParams p) {
+  extern __shared__ __align__(16) uint8_t tile[];  // [group_rows][H] FP8 bytes (out_t only)
+  __shared__ float scratch[kScratchFloats<Cfg::kThreads>];
+  norm_fwd_rows<Cfg, IType, kFp8>(p, tile, scratch);
+}
+
 /* Rows longer than the register teams: one block per row, three passes over x in global memory
  * (sum, squared deviations, output), the transposed bytes written directly. */
-template <typename IType, typename WType, int kOut>
+template <typename IType, bool kFp8>
 __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const FwdParams p) {
-  __shared__ float scratch[kLoopThreads / 32];
-  const float scale = fwd_scale<kOut>(p);
+  __shared__ float scratch[kScratchFloats<kLoopThreads>];
+  int phase = 0;
+  const float scale = fwd_scale<kFp8>(p);
   const float h = static_cast<float>(p.H);
   float amax = 0.0f;
   for (size_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
@@ -234,7 +329,7 @@ __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const Fwd
 #pragma unroll
         for (int j = 0; j < kVec; ++j) s += x[j];
       }
-      mean = team_sum<kLoopThreads, kLoopThreads>(s, scratch) / h;
+      mean = team_sum<kLoopThreads, kLoopThreads>(s, scratch, phase) / h;
     }
     float ss = 0.0f;
     for (int c = threadIdx.x * kVec; c < p.H; c += kLoopThreads * kVec) {
@@ -247,7 +342,7 @@ __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const Fwd
       }
     }
     const float rsigma =
-        rsqrtf(team_sum<kLoopThreads, kLoopThreads>(ss, scratch) / h + p.eps);
+        rsqrtf(team_sum<kLoopThreads, kLoopThreads>(ss, scratch, phase) / h + p.eps);
     if (threadIdx.x == 0) {
       if (p.mean != nullptr) p.mean[row] = mean;
       if (p.rsigma != nullptr) p.rsigma[row] = rsigma;
@@ -255,10 +350,10 @@ __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const Fwd
     for (int c = threadIdx.x * kVec; c < p.H; c += kLoopThreads * kVec) {
       const int n = vec_count(c, p.H);
       load_vec(xr + c, p.vec, n, x);
-      emit<IType, WType, kOut>(p, x, n, row, c, mean, rsigma, scale, amax, nullptr);
+      emit<IType, kFp8>(p, x, n, row, c, mean, rsigma, scale, amax, nullptr);
     }
   }
-  if constexpr (kOut != kOutHigh) {
+  if constexpr (kFp8) {
     if (p.amax != nullptr) block_amax_to_global<kLoopThreads>(amax, p.amax);
   }
 }
@@ -270,33 +365,68 @@ int transpose_group_rows(int H) {
   return r;
 }
 
-template <typename IType, typename WType, int kOut>
+/* The forward's teams: several rows per block (warp teams up to H = 512, teams of 2-8 warps
+ * above), up to 2 vectors of 8 a thread (64 registers without spills), so that a block keeps
+ * several rows in flight. Calls
+ * f(nullptr) past the largest team (the looped kernel). */
+template <typename F>
+void dispatch_forward_team(int H, F&& f) {
+  if (H <= 256) {
+    f(TeamConfig<32, 1, 256>{});
+  } else if (H <= 512) {
+    f(TeamConfig<32, 2, 256>{});
+  } else if (H <= 1024) {
+    f(TeamConfig<64, 2, 512>{});
+  } else if (H <= 2048) {
+    f(TeamConfig<128, 2, 512>{});
+  } else if (H <= 4096) {
+    f(TeamConfig<256, 2, 512>{});
+  } else if (H <= 8192) {
+    f(TeamConfig<512, 2, 512>{});
+  } else if (H <= 16384) {
+    f(TeamConfig<1024, 2, 1024>{});
+  } else {
+    f(nullptr);
+  }
+}
+
+constexpr int kRowsPerTeam = 4;  // rows a team takes per group without the transposed copy
+
+template <typename IType, bool kFp8>
 void launch_forward(CallContext& ctx, FwdParams p) {
   if (p.rows == 0) return;
-  dispatch_team<4>(p.H, [&](auto cfg) {
+  auto looped = [&]() {
+    const size_t blocks = std::min<size_t>(p.rows, static_cast<size_t>(ctx.sm_count()) * 4);
+    p.group_rows = 1;
+    norm_fwd_looped_kernel<IType, kFp8>
+        <<<static_cast<unsigned>(blocks), kLoopThreads, 0, ctx.stream()>>>(p);
+    ctx.check_launch("norm_fwd_looped_kernel launch");
+  };
+  dispatch_forward_team(p.H, [&](auto cfg) {
     using Cfg = decltype(cfg);
     if constexpr (std::is_same_v<Cfg, std::nullptr_t>) {
-      const size_t blocks = std::min<size_t>(p.rows, static_cast<size_t>(ctx.sm_count()) * 4);
-      p.group_rows = 1;
-      norm_fwd_looped_kernel<IType, WType, kOut>
-          <<<static_cast<unsigned>(blocks), kLoopThreads, 0, ctx.stream()>>>(p);
-      ctx.check_launch("norm_fwd_looped_kernel launch");
+      looped();
+    } else if (!p.vec) {
+      looped();  // H % 8 != 0 or unaligned inputs (the choice ignores the outputs' alignment)
     } else {
-      const bool staged = kOut != kOutHigh && p.y_t != nullptr;
-      p.group_rows = staged ? transpose_group_rows(p.H) : Cfg::kTeams;
+      const bool staged = kFp8 && p.y_t != nullptr;
+      p.group_rows = staged ? transpose_group_rows(p.H) : Cfg::kTeams * kRowsPerTeam;
       if (staged && p.group_rows < Cfg::kTeams) p.group_rows = Cfg::kTeams;  // warp teams: H small
+      if (staged) {
+        const int run = transposed_run(p.group_rows);
+        p.vec_t = (run == 8 || run == 16) && p.H % 4 == 0 && p.rows % run == 0 &&
+                  reinterpret_cast<uintptr_t>(p.y_t) % run == 0;
+      }
       const int smem = staged ? p.group_rows * p.H : 0;
-      auto kernel = norm_fwd_kernel<Cfg, IType, WType, kOut>;
+      auto kernel = norm_fwd_kernel<Cfg, IType, kFp8>;
       if (smem > 48 * 1024) {
         static std::atomic<uint64_t> done{0};
         allow_dynamic_smem(ctx, kernel, kTileBudget, done);
       }
+      // One group per block, scheduled by the hardware (the grid-stride loop only serves grids
+      // past the launch limit).
       const size_t groups = (p.rows + p.group_rows - 1) / p.group_rows;
-      // Resident blocks per SM: threads, and with the staging tile about 200 KiB of shared
-      // memory (the grid-stride loop takes the rest of the groups).
-      const int by_smem = smem > 0 ? std::max(1, 200 * 1024 / smem) : 2048;
-      const size_t per_sm = std::max(1, std::min(2048 / Cfg::kThreads, by_smem));
-      const size_t blocks = std::min<size_t>(groups, per_sm * ctx.sm_count());
+      const size_t blocks = std::min<size_t>(groups, size_t{1} << 30);
       kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem, ctx.stream()>>>(p);
       ctx.check_launch("norm_fwd_kernel launch");
     }
@@ -334,6 +464,7 @@ FwdParams check_forward(const char* op, const NVTEBuffer* input, const NVTEBuffe
   p.eps = epsilon;
   p.rms = rms != 0;
   p.zero_centered = zero_centered_gamma != 0;
+  p.w_fp32 = g.dtype == kNVTEFloat32;
   p.vec = shape.H % kVec == 0 && aligned_to(x.data, 16) && aligned_to(g.data, 16) &&
           (beta == nullptr || aligned_to(beta->data, 16));
   return p;
@@ -346,15 +477,6 @@ void check_inputs_on_device(CallContext& ctx, const NVTEBuffer* input, const NVT
   if (beta != nullptr) ctx.check_on_device("beta", *beta);
   if (mean != nullptr) ctx.check_on_device("mean", *mean);
   if (rsigma != nullptr) ctx.check_on_device("rsigma", *rsigma);
-}
-
-/* Calls f(IType{}, WType{}) for the input's and the parameters' dtypes. */
-template <typename F>
-void dispatch_types(const char* op, NVTEDType x_dtype, NVTEDType w_dtype, F&& f) {
-  dispatch_high_precision(op, x_dtype, [&](auto itype) {
-    using IType = decltype(itype);
-    dispatch_param<IType>(w_dtype, [&](auto wtype) { f(itype, wtype); });
-  });
 }
 
 }  // namespace
@@ -406,13 +528,12 @@ extern "C" void nvte_norm_forward(const NVTEBuffer* input, const NVTEBuffer* gam
   if (scale_inv != nullptr) ctx.check_on_device("scale_inv", *scale_inv);
 
   p.y = out.data;
-  p.vec = p.vec && aligned_to(out.data, fp8 ? 8 : 16);
+  p.vec_out = p.vec && aligned_to(out.data, fp8 ? 8 : 16);
   if (fp8) {
     p.scale = static_cast<const float*>(scale->data);
     p.amax = amax != nullptr ? static_cast<float*>(amax->data) : nullptr;
     p.scale_inv = scale_inv != nullptr ? static_cast<float*>(scale_inv->data) : nullptr;
     p.y_t = output_t != nullptr ? static_cast<uint8_t*>(output_t->data) : nullptr;
-    p.vec_t = p.y_t != nullptr && shape.rows % 16 == 0 && aligned_to(p.y_t, 16);
   }
   if (shape.rows == 0) {
     // No rows: nothing to normalize, but scale_inv is still published, as the casts do.
@@ -424,25 +545,24 @@ extern "C" void nvte_norm_forward(const NVTEBuffer* input, const NVTEBuffer* gam
       return;
     }
   }
-  dispatch_types(op, input->dtype, gamma->dtype, [&](auto itype, auto wtype) {
+  if (fp8) {
+    dispatch_fp8(op, out.dtype, [&](auto is_e4m3) { p.e5m2 = !decltype(is_e4m3)::value; });
+  }
+  dispatch_high_precision(op, input->dtype, [&](auto itype) {
     using IType = decltype(itype);
-    using WType = decltype(wtype);
     if (!fp8) {
-      launch_forward<IType, WType, kOutHigh>(ctx, p);
+      launch_forward<IType, false>(ctx, p);
       return;
     }
-    dispatch_fp8(op, out.dtype, [&](auto is_e4m3) {
-      constexpr int kOut = decltype(is_e4m3)::value ? kOutE4M3 : kOutE5M2;
-      if (shape.rows == 0) {
-        // One block of one row's worth of nothing: only block 0's scale_inv write happens.
-        FwdParams q = p;
-        q.rows = 0;
-        norm_fwd_looped_kernel<IType, WType, kOut><<<1, kLoopThreads, 0, ctx.stream()>>>(q);
-        ctx.check_launch("norm_fwd_looped_kernel launch");
-        return;
-      }
-      launch_forward<IType, WType, kOut>(ctx, p);
-    });
+    if (shape.rows == 0) {
+      // One block of one row's worth of nothing: only block 0's scale_inv write happens.
+      FwdParams q = p;
+      q.rows = 0;
+      norm_fwd_looped_kernel<IType, true><<<1, kLoopThreads, 0, ctx.stream()>>>(q);
+      ctx.check_launch("norm_fwd_looped_kernel launch");
+      return;
+    }
+    launch_forward<IType, true>(ctx, p);
   });
 }
 
@@ -462,7 +582,6 @@ extern "C" void nvte_norm_amax(const NVTEBuffer* input, const NVTEBuffer* gamma,
   p.amax = static_cast<float*>(amax->data);
   check_cuda(op, cudaMemsetAsync(p.amax, 0, sizeof(float), ctx.stream()), "cudaMemsetAsync");
   // The E4M3 kernel with no outputs: only the rounded values' amax (the format is irrelevant).
-  dispatch_types(op, input->dtype, gamma->dtype, [&](auto itype, auto wtype) {
-    launch_forward<decltype(itype), decltype(wtype), kOutE4M3>(ctx, p);
-  });
+  dispatch_high_precision(op, input->dtype,
+                          [&](auto itype) { launch_forward<decltype(itype), true>(ctx, p); });
 }
