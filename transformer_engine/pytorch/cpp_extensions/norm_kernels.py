@@ -16,7 +16,8 @@ These are CUDA-only entry points with no reference path: each validates its argu
 (raising ``TypeError``/``ValueError``/``DevicePlacementError`` that name the value and the fix),
 then returns ``None`` when the call cannot run natively (``x`` not on a CUDA device, or the
 native library unavailable, which warns once as the other wrappers do); the caller then runs
-its PyTorch path. ``x`` (and ``dz``) are made contiguous; the weight and bias must be 1-D
+its PyTorch path. ``x`` (and ``dz``) are made contiguous and 16-byte aligned (copied where
+they are not, so their bits do not depend on where they start); the weight and bias must be 1-D
 contiguous tensors of ``H`` elements in float32 or ``x``'s dtype (both in one dtype).
 ``zero_centered_gamma`` applies ``1 + weight``, formed in float32.
 """
@@ -100,6 +101,15 @@ def _stats(x: torch.Tensor, rms: bool):
     return mean, torch.empty(rows, dtype=torch.float32, device=x.device)
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and starting on a 16-byte boundary (a copy where it does not): the
+    kernels take 16-byte vector loads only from aligned rows and run a looped kernel, which
+    sums in another order, otherwise, so an input that is a view at an odd offset would give
+    other bits than the same values in their own allocation."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _native(op: str, x: torch.Tensor):
     """The binding when ``x`` can run natively (a CUDA tensor and the library loaded)."""
     return native_for(op, x.device)
@@ -114,7 +124,7 @@ def norm_forward(x, weight, bias, eps, zero_centered_gamma, *, rms: bool):
     native = _native(op, x)
     if native is None:
         return None
-    x = x.contiguous()
+    x = _aligned(x)
     y = torch.empty_like(x)
     mean, rsigma = _stats(x, rms)
     native.norm_forward(
@@ -151,7 +161,7 @@ def norm_forward_fp8(x, weight, bias, eps, zero_centered_gamma, *, rms: bool, sc
     native = _native(op, x)
     if native is None:
         return None
-    x = x.contiguous()
+    x = _aligned(x)
     device = x.device
     out = torch.empty(x.shape, dtype=fp8_dtype, device=device)
     out_t = None
@@ -179,7 +189,7 @@ def norm_amax(x, weight, bias, eps, zero_centered_gamma, *, rms: bool, amax):
     native = _native(op, x)
     if native is None:
         return None
-    x = x.contiguous()
+    x = _aligned(x)
     native.norm_amax(
         tensor_arg(x), tensor_arg(weight), tensor_arg(bias), eps, zero_centered_gamma, rms,
         tensor_arg(amax), *launch_args(x.device),
@@ -238,7 +248,7 @@ def norm_backward(dz, x, mean, rsigma, weight, zero_centered_gamma, *, rms: bool
     native = _native(op, x)
     if native is None:
         return None
-    x, dz = x.contiguous(), dz.contiguous()
+    x, dz = _aligned(x), _aligned(dz)
     mean = mean.contiguous() if mean is not None else None
     rsigma = rsigma.contiguous()
     device = x.device
