@@ -162,11 +162,12 @@ class NormState:
 
 _NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# The package's norm kernels serve the norms only on request (NVTE_NORM_KERNELS=native): on an
-# H200 they measured slower than PyTorch's (8192 x 4096 BF16 LayerNorm: forward 0.067 vs
-# 0.060 ms, backward 0.148 vs 0.123 ms; FP8 with the transposed copy 0.189 ms against 0.060 ms
-# for PyTorch's norm plus 0.04 ms for the cast), so by default the norms run PyTorch's kernels
-# and an FP8 output is the norm followed by the cast (benchmarks/mlp/benchmark_kernels.py).
+# The package's norm kernels serve the norms only on request (NVTE_NORM_KERNELS=native). On an
+# H200 (8192 x 4096 BF16, benchmarks/mlp/benchmark_kernels.py) their high-precision forward and
+# backward beat PyTorch's (0.056 vs 0.060 ms, 0.091 vs 0.122 ms), but their FP8 output with the
+# transposed copy (0.123 ms) is slower than PyTorch's norm plus the cast+transpose kernel, and
+# with the switch on the modules take that FP8 path; the MLP and LayerNormLinear steps measured
+# no faster with it, so the default stays PyTorch's kernels followed by the GEMM's cast.
 use_native_norm_kernels = os.environ.get("NVTE_NORM_KERNELS", "") == "native"
 
 
