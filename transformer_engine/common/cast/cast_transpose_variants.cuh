@@ -34,6 +34,7 @@
 #include <cstring>
 
 #include "cast/cast_transpose.cuh"
+#include "util/byte_transpose.cuh"
 
 namespace transformer_engine {
 namespace cast_detail {
@@ -58,19 +59,6 @@ constexpr int kWordColsT = kTile / 4 / (kThreads / 32 / 4);  // word columns a w
 static_assert(kTileWords % 2 == 1, "an odd stride in words spreads the word reads over 32 banks");
 static_assert(kTallRows * kTile == kThreads * kWordRowsT * 4, "the store covers the tile once");
 static_assert(kTallPasses == 2 * kSubTiles, "a 64-row tile's partials are two passes");
-
-/* Bytes k of words a, b, c, d (rows of 4 columns) become word k (a column of 4 rows). */
-__device__ __forceinline__ void transpose_4x4(const uint32_t a, const uint32_t b, const uint32_t c,
-                                              const uint32_t d, uint32_t (&col)[4]) {
-  const uint32_t ab_lo = __byte_perm(a, b, 0x5140);  // a0 b0 a1 b1
-  const uint32_t ab_hi = __byte_perm(a, b, 0x7362);  // a2 b2 a3 b3
-  const uint32_t cd_lo = __byte_perm(c, d, 0x5140);
-  const uint32_t cd_hi = __byte_perm(c, d, 0x7362);
-  col[0] = __byte_perm(ab_lo, cd_lo, 0x5410);  // a0 b0 c0 d0
-  col[1] = __byte_perm(ab_lo, cd_lo, 0x7632);  // a1 b1 c1 d1
-  col[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
-  col[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
-}
 
 /* The loads of a thread's kTallPasses row vectors of the tall tile at row r0. */
 template <class Loader>

@@ -22,6 +22,7 @@
 #include "util/device.h"
 #include "util/errors.h"
 #include "util/fp8_math.cuh"
+#include "util/byte_transpose.cuh"
 
 namespace transformer_engine {
 namespace norm_detail {
@@ -83,20 +84,6 @@ __device__ __forceinline__ float team_sum(float v, float* scratch, int& phase) {
     for (int w = 0; w < kWarps; ++w) total += s[w];
     return total;
   }
-}
-
-/* Four 32-bit words (4 bytes of 4 rows) to four columns of 4 row bytes: col[k] holds byte k of
- * a, b, c, d (in that order, low byte first). */
-__device__ __forceinline__ void transpose_4x4(const uint32_t a, const uint32_t b, const uint32_t c,
-                                              const uint32_t d, uint32_t (&col)[4]) {
-  const uint32_t ab_lo = __byte_perm(a, b, 0x5140);  // a0 b0 a1 b1
-  const uint32_t ab_hi = __byte_perm(a, b, 0x7362);  // a2 b2 a3 b3
-  const uint32_t cd_lo = __byte_perm(c, d, 0x5140);
-  const uint32_t cd_hi = __byte_perm(c, d, 0x7362);
-  col[0] = __byte_perm(ab_lo, cd_lo, 0x5410);  // a0 b0 c0 d0
-  col[1] = __byte_perm(ab_lo, cd_lo, 0x7632);  // a1 b1 c1 d1
-  col[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
-  col[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
 }
 
 /* Elements of the vector at column c that lie in the row (0..kVec). */
