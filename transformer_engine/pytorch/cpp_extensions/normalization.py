@@ -23,9 +23,9 @@ statistics' dtype: :func:`layernorm_backward_from_stats` and
 PyTorch backward applies).
 
 The same math runs on every device as PyTorch operations (these entry points do not call the
-native norm kernels of :mod:`.norm_kernels`); ``sm_margin`` (how many SMs upstream's kernels leave free for communication) is
-therefore accepted, checked and has no effect. The normalization modules do not call these:
-they differentiate through :mod:`transformer_engine.pytorch.functional.normalization`, which
+native norm kernels of :mod:`.norm_kernels`); ``sm_margin`` (how many SMs upstream's kernels
+leave free for communication) is therefore accepted, checked and has no effect. The
+normalization modules do not call these: they differentiate through :mod:`transformer_engine.pytorch.functional.normalization`, which
 computes the same formulas in the same precision.
 """
 

@@ -11,8 +11,9 @@ Kernels: PyTorch's ``native_layer_norm`` and ``_fused_rms_norm`` forward; backwa
 ``NVTE_NORM_KERNELS=native``, the package's own kernels of ``cpp_extensions.norm_kernels`` on
 CUDA instead, which also write an FP8 output in their own pass; see
 ``use_native_norm_kernels``). Elsewhere the backward
-runs the float32 formulas of ``cpp_extensions.normalization`` (``*_backward_from_stats``) (PyTorch's CPU LayerNorm backward accumulates the weight
-gradient of BF16 input in reduced precision, and its fused RMSNorm backward is CUDA-only), as
+runs the float32 formulas of ``cpp_extensions.normalization`` (``*_backward_from_stats``)
+(PyTorch's CPU LayerNorm backward accumulates the weight gradient of BF16 input in reduced
+precision, and its fused RMSNorm backward is CUDA-only), as
 are both directions of zero-centered gamma on CUDA with reduced-precision input (see
 ``_gamma``):
 
@@ -230,9 +231,10 @@ def norm_forward_fp8(x, weight, bias, eps: float, zero_centered_gamma: bool, *, 
     like :func:`norm_forward`. ``fp8`` has ``x``'s shape (a tensor, or internal storage as the
     quantizer's ``internal`` says) with the row-wise bytes and, with ``columnwise``, the
     transposed copy ``[H, rows]``; its bytes are those of :func:`norm_forward` followed by the
-    quantizer's cast (``x``'s last dimension must be the whole normalized size). Where the native kernels take the operands, the norm kernel writes the FP8 bytes
-    itself (delayed scaling: in its one pass; current scaling: after its amax pass); elsewhere
-    the norm runs, then the cast."""
+    quantizer's cast (``x``'s last dimension must be the whole normalized size). Where the
+    native kernels take the operands, the norm kernel writes the FP8 bytes itself (delayed
+    scaling: in its one pass; current scaling: after its amax pass); elsewhere the norm runs,
+    then the cast."""
     if weight.numel() != x.shape[-1]:
         raise ValueError(
             f"norm_forward_fp8: x has shape {tuple(x.shape)} but the weight normalizes "
@@ -289,7 +291,9 @@ class _NormToFP8(torch.autograd.Function):
     gradient comes back in high precision."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, zero_centered_gamma, rms, quantizer, columnwise):  # noqa: D102
+    def forward(  # noqa: D102
+        ctx, x, weight, bias, eps, zero_centered_gamma, rms, quantizer, columnwise
+    ):
         internal, quantizer.internal = quantizer.internal, False
         try:
             out, tensors, ctx.state = norm_forward_fp8(

@@ -85,9 +85,9 @@ def apply_norm_fp8(module, inp: torch.Tensor, config, *, columnwise: bool):
         return None
     # 2-D: the GEMM then takes the tensor as it is (no view of an FP8 tensor).
     out = norm_to_fp8(
-        inp.reshape(-1, inp.shape[-1]), module.layer_norm_weight, module.layer_norm_bias, module.eps,
-        module.zero_centered_gamma, rms=module.normalization == "RMSNorm", quantizer=quantizer,
-        columnwise=columnwise,
+        inp.reshape(-1, inp.shape[-1]), module.layer_norm_weight, module.layer_norm_bias,
+        module.eps, module.zero_centered_gamma, rms=module.normalization == "RMSNorm",
+        quantizer=quantizer, columnwise=columnwise,
     )  # fmt: skip
     config.input_produced = True  # the GEMM drops the row-wise bytes after use
     return out
