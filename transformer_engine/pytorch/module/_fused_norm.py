@@ -71,9 +71,9 @@ def apply_norm_fp8(module, inp: torch.Tensor, config, *, columnwise: bool):
     (its input quantizer's cast, in the norm's own kernel where it can), as the ``[rows, H]``
     tensor that GEMM takes as it is, with the transposed copy when ``columnwise``; ``None``
     where the norm kernels do not write FP8 (``norm_kernels_write_fp8``) or that GEMM does not
-    take a produced FP8 input (no FP8, a recipe whose quantizer
-    computes its scale some other way, a high-precision backward, or ``save_original_input``,
-    which quantizes the norm's output again in backward)."""
+    take a produced FP8 input (no FP8, a recipe whose quantizer computes its scale some other
+    way, a high-precision backward, or ``save_original_input``, which quantizes the norm's
+    output again in backward)."""
     quantizer = config.input_quantizer
     if (
         not norm_kernels_write_fp8()
