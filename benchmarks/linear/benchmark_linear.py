@@ -12,6 +12,11 @@ training under torch.compile is measured too when torchao is installed.
 
 ``--recipes`` picks among ``delayed``, ``current`` (the default pair) and ``block``
 (``Float8BlockScaling``, whose target at (16384, 4096, 14336) is 1.3x BF16).
+
+``--single-thread-backward`` runs every implementation's backward on the calling thread
+(``torch.autograd.set_multithreading_enabled(False)``) instead of autograd's per-device worker
+thread. Where the host is the bottleneck (small layers) this shows how much of a step the
+thread hand-off costs on the machine at hand (docs/modules.md, host overhead).
 """
 
 from __future__ import annotations
@@ -125,6 +130,11 @@ def main() -> int:
     parser.add_argument("--shapes", default=None,
                         help="semicolon-separated M,K,N (default: the three large shapes)")  # fmt: skip
     parser.add_argument(
+        "--single-thread-backward",
+        action="store_true",
+        help="run backward on the calling thread (torch.autograd.set_multithreading_enabled)",
+    )
+    parser.add_argument(
         "--kernel-profile",
         action="store_true",
         help="also print the GPU kernels of 5 FP8 (delayed) steps at the first shape",
@@ -135,8 +145,12 @@ def main() -> int:
         return 1
     device = torch.device(args.device)
     torch.cuda.set_device(device)
+    if args.single_thread_backward:
+        torch.autograd.set_multithreading_enabled(False)
     print(f"te.Linear benchmark on {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
     print(f"native: {transformer_engine.native_status()}")
+    if args.single_thread_backward:
+        print("backward on the calling thread (autograd multithreading disabled)")
     known = {
         "delayed": DelayedScaling,
         "current": Float8CurrentScaling,
