@@ -15,14 +15,24 @@ block): 80% of the copy for every fused activation and norm kernel.
 
 The last lines summarise the fused activation kernels: the lowest fraction of the copy and the
 kernels below the target.
+
+    python benchmarks/mlp/benchmark_kernels.py --cols 14336 --activations swiglu --variants 1 2
+
+--variants also times the FP8 backwards of the gated activations chosen under each listed
+NVTE_CAST_TRANSPOSE_VARIANT (1: gated backwards on the base cast+transpose kernel, 2: on their
+paired-halves kernel, the default; 0: the base kernel everywhere), each in a child process (the
+library reads the variable once per process), after the main table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +48,7 @@ from transformer_engine.pytorch.cpp_extensions.activation import (
 )
 
 ACTIVATIONS = ["gelu", "swiglu", "relu", "silu", "qgelu", "srelu", "geglu", "clamped_swiglu"]
+GATED = ("swiglu", "geglu", "clamped_swiglu")
 TARGET = 0.80
 
 
@@ -60,7 +71,7 @@ def activation_cases(name, rows, cols, dtype, device, scale, amax):
     """(name, function, bytes moved) for one activation's five kernels."""
     e = torch.tensor([], dtype=dtype).element_size()
     spec = activation_spec(name)
-    in_cols = 2 * cols if name in ("swiglu", "geglu", "clamped_swiglu") else cols
+    in_cols = 2 * cols if name in GATED else cols
     x = torch.randn(rows, in_cols, dtype=dtype, device=device)
     g = torch.randn(rows, cols, dtype=dtype, device=device)
     n_in, n_out = rows * in_cols, rows * cols
@@ -149,6 +160,20 @@ def native_norm_cases(h, w, b, dy, scale, amax):
     return cases
 
 
+def run_variant(args, gated, variant: int) -> list[dict]:
+    """The gated FP8 backwards' rows, timed in a child process under
+    NVTE_CAST_TRANSPOSE_VARIANT=variant (fractions of the child's own copy measurement)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rows.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--rows", str(args.rows), "--cols",
+               str(args.cols), "--dtype", args.dtype, "--iters", str(args.iters), "--no-others",
+               "--only", "bwd fp8", "--json", path, "--activations", *gated]  # fmt: skip
+        env = dict(os.environ, NVTE_CAST_TRANSPOSE_VARIANT=str(variant))
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+        with open(path) as f:
+            return json.load(f)["kernels"]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -161,6 +186,9 @@ def main() -> int:
     p.add_argument("--no-others", action="store_true",
                    help="skip the plain cast+transpose and the norms")  # fmt: skip
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--only", help="run only the kernels whose name contains this")
+    p.add_argument("--variants", nargs="+", type=int, default=[],
+                   help="also time the gated FP8 backwards under these cast+transpose variants")  # fmt: skip
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("benchmark_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -184,6 +212,9 @@ def main() -> int:
     fused = len(cases)
     if not args.no_others:
         cases += other_cases(args.rows, args.cols, dtype, device, scale, amax)
+    if args.only:
+        fused = sum(args.only in case[0] for case in cases[:fused])
+        cases = [case for case in cases if args.only in case[0]]
     for name, fn, nbytes in cases:
         ms = time_ms(fn, 3, args.iters, 3)
         gbs = nbytes / ms / 1e6
@@ -191,10 +222,16 @@ def main() -> int:
         flag = "" if frac >= TARGET else "  < target"
         print(f"{name:>32} {ms:8.3f} {gbs:7.0f} {frac:8.2f}{flag}")
         rows.append({"kernel": name, "ms": ms, "GBps": gbs, "fraction_of_copy": frac})
-    worst = min(rows[:fused], key=lambda row: row["fraction_of_copy"])
-    below = [row["kernel"] for row in rows[:fused] if row["fraction_of_copy"] < TARGET]
-    print(f"fused activation kernels: lowest {worst['fraction_of_copy']:.2f} of copy "
-          f"({worst['kernel']}); {len(below)} of {fused} below {TARGET}")  # fmt: skip
+    if fused:
+        worst = min(rows[:fused], key=lambda row: row["fraction_of_copy"])
+        below = [row["kernel"] for row in rows[:fused] if row["fraction_of_copy"] < TARGET]
+        print(f"fused activation kernels: lowest {worst['fraction_of_copy']:.2f} of copy "
+              f"({worst['kernel']}); {len(below)} of {fused} below {TARGET}")  # fmt: skip
+    gated = [name for name in args.activations if name in GATED]
+    for variant in args.variants if gated else []:
+        for row in run_variant(args, gated, variant):
+            print(f"{row['kernel'] + f' [variant {variant}]':>32} {row['ms']:8.3f} "
+                  f"{row['GBps']:7.0f} {row['fraction_of_copy']:8.2f}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_GBps": copy_gbs, "kernels": rows}, f, indent=1)

@@ -1,6 +1,9 @@
-"""The tall-tile cast+transpose kernel (the default, NVTE_CAST_TRANSPOSE_VARIANT=1) against the
-base kernel (forced by NVTE_CAST_TRANSPOSE_VARIANT=0), bit for bit: FP8 data, transposed data,
-amax, scale_inv and the bias gradient (gated backwards run the base kernel either way).
+"""The cast+transpose variants against the base kernel (forced by NVTE_CAST_TRANSPOSE_VARIANT=0),
+bit for bit: FP8 data, transposed data, amax, scale_inv and the bias gradient. Variant 1: the
+tall-tile kernel (gated backwards on the base kernel); variant 2 (the default): the same plus
+the gated backward's paired-halves kernel (activation/gated_cast_transpose.cuh), checked for
+every gated kind, input dtype and FP8 format, with and without the bias gradient and amax, on
+edge shapes (partial tiles, one row, widths below a vector) and unaligned inputs.
 
 The native library reads the variable once per process, so each variant runs every case in its
 own subprocess (this file run as a script), which saves its results with torch.save; the tests
@@ -20,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 DEVICE = "cuda"
-VARIANTS = [1]
+VARIANTS = [1, 2]
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 HIGH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Besides small and large shapes: rows a multiple of 16 (vector transposed stores) with a
@@ -29,6 +32,14 @@ HIGH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHAPES = [(1, 1), (17, 33), (64, 64), (130, 200), (1000, 1000), (2048, 4096), (400, 136),
           (384, 192)]  # fmt: skip
 ACT_SHAPES = [(17, 33), (130, 200), (1000, 1000), (2048, 4096), (400, 136)]  # (rows, out cols)
+GATED_KINDS = ["geglu", "qgeglu", "reglu", "sreglu", "swiglu", "glu", "clamped_swiglu"]
+# Gated backward, (rows, activation cols): one row; widths below a vector (3) and of one vector
+# (8); element-wise loads (33); partial row and column tiles with vectors (130 x 200, 400 x 136:
+# rows a multiple of 16 but not of 32, so vector transposed stores on full tiles); full tiles
+# only (384 x 192, 2048 x 512); rows not a multiple of 16 (1000).
+GATED_SHAPES = [(1, 8), (1, 3), (2, 1), (17, 33), (64, 64), (130, 200), (400, 136), (384, 192),
+                (2048, 512), (1000, 1000)]  # fmt: skip
+GATED_SHAPES_SHORT = [(1, 3), (17, 33), (400, 136), (384, 192)]  # fp16 / fp32 inputs
 
 
 def _input(shape, dtype, seed, specials=True) -> torch.Tensor:
@@ -47,6 +58,23 @@ def _offset(x: torch.Tensor) -> torch.Tensor:
     y = buf[1:].view(x.shape)
     y.copy_(x)
     return y
+
+
+def _gated_specs():
+    """(name, kind, input dtype name, fp8 name, (rows, cols), mode) of every gated backward case;
+    mode: "dbias" (bias gradient and amax), "plain" (neither), "offset-x" / "offset-grad" (that
+    input one element past an aligned address: element-wise loads)."""
+    specs = []
+    for fn in FP8:
+        for kind in GATED_KINDS:
+            for hn in HIGH:
+                shapes = GATED_SHAPES if hn == "bf16" else GATED_SHAPES_SHORT
+                modes = [(shape, mode) for shape in shapes for mode in ("dbias", "plain")]
+                modes += [((130, 200), "offset-x"), ((384, 192), "offset-grad")]
+                for shape, mode in modes:
+                    name = f"gated-bwd-{mode}-{kind}-{fn}-{hn}-{shape}"
+                    specs.append((name, kind, hn, fn, shape, mode))
+    return specs
 
 
 def _bits(t):
@@ -162,6 +190,26 @@ def _cases():
                     name = f"{act}-{fn}-{hn}-{(rows, cols)}"
                     cases.append((f"fwd-{name}", fwd))
                     cases.append((f"bwd-dbias-{name}", bwd))
+
+    for name, kind, hn, fn, (rows, cols), mode in _gated_specs():
+        seed = len(cases)
+        x = _input((rows, 2 * cols), HIGH[hn], seed=seed)
+        grad = _input((rows, cols), HIGH[hn], seed=seed + 1)
+        if mode == "offset-x":
+            x = _offset(x)
+        elif mode == "offset-grad":
+            grad = _offset(grad)
+
+        spec = activation_spec(kind)
+
+        def gated_bwd(x=x, grad=grad, spec=spec, fp8=FP8[fn], mode=mode):
+            amax = None if mode == "plain" else amax0()
+            res, dbias = activation_backward_fp8(
+                grad, x, spec, scale(), fp8, amax=amax, with_dbias=mode != "plain"
+            )
+            return _result(res, amax, dbias)
+
+        cases.append((name, gated_bwd))
     return cases
 
 
@@ -181,6 +229,7 @@ def _case_names():
             for hn in ("bf16", "fp32"):
                 for shape in ACT_SHAPES:
                     names += [f"fwd-{act}-{fn}-{hn}-{shape}", f"bwd-dbias-{act}-{fn}-{hn}-{shape}"]
+    names += [spec[0] for spec in _gated_specs()]
     return names
 
 

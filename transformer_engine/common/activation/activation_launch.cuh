@@ -3,8 +3,11 @@
  * choice of kernel for a result:
  * - the element-wise kernel (activation_elementwise.cuh) for a high-precision result, an FP8
  *   result without a transposed copy, or the amax alone;
- * - the 64x64-tiled cast+transpose kernel of the casts (cast/cast_transpose.cuh) for FP8 with
- *   the transposed copy a GEMM's wgrad needs, and in backward the bias gradient's column sums.
+ * - the tiled cast+transpose kernels of the casts (cast/cast_transpose.cuh) for FP8 with the
+ *   transposed copy a GEMM's wgrad needs, and in backward the bias gradient's column sums;
+ *   a gated backward's through its own tiled kernel (gated_cast_transpose.cuh), which writes
+ *   both halves of the result from one read of the inputs (NVTE_CAST_TRANSPOSE_VARIANT=0 or 1:
+ *   the base kernel instead, cast_transpose_variants.cuh).
  * The entry points live in three translation units (activation_forward.cu,
  * activation_backward.cu, activation_backward_amax.cu) so that their kernels, one per element
  * type, gating, kind and result, compile in parallel. */
@@ -20,6 +23,7 @@
 #include "activation/activation_checks.h"
 #include "activation/activation_elementwise.cuh"
 #include "activation/activation_math.cuh"
+#include "activation/gated_cast_transpose.cuh"
 #include "cast/cast_transpose.cuh"
 #include "cast/dispatch.cuh"
 #include "transformer_engine/activation.h"
@@ -133,6 +137,18 @@ void launch_result(CallContext& ctx, const Loader& loader, size_t rows, size_t c
       return;
     }
     auto* out_t = static_cast<uint8_t*>(output_t->data);
+    if constexpr (Loader::kParts == 2) {  // a gated backward: both halves a block
+      if (cast_detail::gated_pair_kernel_enabled()) {
+        if (column_sums != nullptr) {
+          launch_gated_cast_transpose<Loader, kE4M3, true>(loader, out, out_t, rows, cols, args,
+                                                           column_sums, ctx);
+        } else {
+          launch_gated_cast_transpose<Loader, kE4M3, false>(loader, out, out_t, rows, cols, args,
+                                                            nullptr, ctx);
+        }
+        return;
+      }
+    }
     if constexpr (kBackward) {  // the bias gradient exists in backward only
       if (column_sums != nullptr) {
         cast_detail::launch_cast_transpose_from<Loader, kE4M3, true>(

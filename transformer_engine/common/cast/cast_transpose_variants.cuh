@@ -6,7 +6,9 @@
  * vector) was slower with it (0.54 -> 0.47) and keeps the base kernel. A two-tile strip with
  * the next tile's loads in flight through the store phase was slower still and was dropped.
  * NVTE_CAST_TRANSPOSE_VARIANT=0 (read once per process) forces the base kernel everywhere, for
- * comparisons (tests/pytorch/kernels/test_cast_transpose_variants_gpu.py checks the bits agree).
+ * comparisons (tests/pytorch/kernels/test_cast_transpose_variants_gpu.py checks the bits agree);
+ * gated backwards have their own kernel (activation/gated_cast_transpose.cuh, variant 2, the
+ * default; variant 1 keeps them on the base kernel).
  *
  * It computes each value, FP8 byte, amax and per-64-row-tile column sum exactly as the base
  * kernel does: the same loader arithmetic, the same casts, and for the bias gradient the same
@@ -40,15 +42,22 @@ namespace transformer_engine {
 namespace cast_detail {
 
 /* NVTE_CAST_TRANSPOSE_VARIANT, read once per process: launches are CUDA-graph captured, so the
- * choice must not change between them. "0" forces the base kernel; anything else (the
- * default) takes the tall-tile kernel where it is faster. */
-inline bool tall_tile_kernel_enabled() {
-  static const bool enabled = [] {
+ * choice must not change between them. "0": the base kernel everywhere. "1": the tall-tile
+ * kernel where it replaces the base one, gated backwards on the base kernel. "2" (and anything
+ * else, and the default): as "1", with gated backwards on the paired-halves kernel of
+ * activation/gated_cast_transpose.cuh. */
+inline int cast_transpose_variant() {
+  static const int variant = [] {
     const char* value = std::getenv("NVTE_CAST_TRANSPOSE_VARIANT");
-    return value == nullptr || std::strcmp(value, "0") != 0;
+    if (value != nullptr && std::strcmp(value, "0") == 0) return 0;
+    if (value != nullptr && std::strcmp(value, "1") == 0) return 1;
+    return 2;
   }();
-  return enabled;
+  return variant;
 }
+
+inline bool tall_tile_kernel_enabled() { return cast_transpose_variant() >= 1; }
+inline bool gated_pair_kernel_enabled() { return cast_transpose_variant() >= 2; }
 
 constexpr int kSubTiles = 2;                                 // 64-row tiles in a tall tile
 constexpr int kTallRows = kSubTiles * kTile;                 // 128
