@@ -11,7 +11,8 @@
  * with the bias gradient, 8192 x 2 x 14336 BF16: 0.52 of copy bandwidth there, 0.77 here). Here
  * a block owns activation columns [c0, c0 + 64) of 64 rows and writes both halves of the result
  * (columns c0 + [0, 64) and cols + c0 + [0, 64)): each thread's 48 bytes of loads (16-bit
- * inputs) give 16 results, through the loaders' element-wise contract (fetch / compute / load_parts).
+ * inputs) give 16 results, through the loaders' element-wise contract (fetch / compute /
+ * load_parts).
  *
  * It gives the same bits as the base kernel (tests/pytorch/kernels/
  * test_cast_transpose_variants_gpu.py checks): the same loader arithmetic per element, the same
