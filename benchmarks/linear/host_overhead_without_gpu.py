@@ -17,8 +17,9 @@ views, launch nothing; the count includes them.)
 
 Configurations: ``linear-delayed``, ``linear-current``, ``linear-block`` (te.Linear under
 te.autocast with DelayedScaling / Float8CurrentScaling / Float8BlockScaling; the block recipe at
-128 features, its block size), ``linear-bf16`` (te.Linear without FP8) and ``mlp-delayed``
-(te.LayerNormMLP, DelayedScaling).
+128 features, its block size), ``linear-bf16`` (te.Linear without FP8), ``mlp-delayed``
+(te.LayerNormMLP, DelayedScaling) and ``ops-delayed`` (``te.ops.Sequential(te.ops.Linear)``,
+the fuser's path to the same GEMMs, DelayedScaling).
 
     python benchmarks/linear/host_overhead_without_gpu.py [--configs linear-delayed,...] [--profile]
 """
@@ -54,7 +55,8 @@ from transformer_engine.pytorch.cpp_extensions import (  # noqa: E402
 NATIVE_OPS = ("quantize", "quantize_dbias", "dequantize", "compute_amax", "compute_scale_from_amax",
               "delayed_scaling_update", "quantize_current_scaling", "block_scaled_quantize",
               "mxfp8_quantize")  # fmt: skip
-CONFIGS = ("linear-delayed", "linear-current", "linear-block", "linear-bf16", "mlp-delayed")
+CONFIGS = ("linear-delayed", "linear-current", "linear-block", "linear-bf16", "mlp-delayed",
+           "ops-delayed")  # fmt: skip
 RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling}
 native_calls = [0]  # native kernel calls made through the stubs
 
@@ -95,6 +97,8 @@ def make_step(config: str):
     width = 128 if config.endswith("block") else 16
     if config.startswith("mlp"):
         layer = te.LayerNormMLP(16, 32, device="cpu")
+    elif config.startswith("ops"):
+        layer = te.ops.Sequential(te.ops.Linear(width, width, device="cpu"))
     else:
         layer = te.Linear(width, width, device="cpu")
     x = torch.randn(width, width, requires_grad=True)

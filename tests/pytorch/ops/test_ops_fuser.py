@@ -476,3 +476,27 @@ def test_parameters_on_another_device_than_the_input_are_refused_by_name():
         ValueError, match=r"Bias: its parameters are on cpu but the input is on cuda:1"
     ):
         fuser._read_parameters(torch.device("cuda", 1))
+
+
+def test_fuser_reads_each_call_the_parameters_parameters_would_list():
+    # own_parameters is the fuser's fast read of op.parameters(): same order, a Parameter
+    # registered twice listed once, submodules' parameters included, replacements seen at once.
+    norm = ops.LayerNorm(8, device="cpu")
+    assert norm.own_parameters() == list(norm.parameters())
+    tied = ops.Bias(8, device="cpu")
+    tied.register_parameter("alias", tied.bias)
+    assert tied.own_parameters() == list(tied.parameters()) == [tied.bias]
+    nested = ops.Bias(8, device="cpu")
+    nested.add_module("inner", torch.nn.Linear(2, 2))
+    assert nested.own_parameters() == list(nested.parameters())
+    assert len(nested.own_parameters()) == 3
+
+    model = ops.Sequential(ops.Bias(8, device="cpu"))
+    x = torch.zeros(2, 8)
+    model(x)
+    replacement = torch.nn.Parameter(torch.full((8,), 3.0))
+    model[0].bias = replacement
+    out = model(x)
+    assert torch.equal(out, torch.full((2, 8), 3.0))
+    out.sum().backward()
+    assert torch.equal(replacement.grad, torch.full((8,), 2.0))

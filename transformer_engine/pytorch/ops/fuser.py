@@ -306,7 +306,7 @@ class OperationFuser:
 
     def _read_parameters(self, device: torch.device) -> list[list[torch.nn.Parameter]]:
         """The operations' current parameters (never cached), checked to be on ``device``."""
-        params = [list(op.parameters()) for op in self._basic_ops]
+        params = [op.own_parameters() for op in self._basic_ops]
         for op, op_params in zip(self._basic_ops, params):
             for p in op_params:
                 if p.device != device:

@@ -142,15 +142,29 @@ class BasicOperation(FusibleOperation):
         return False
 
     # -- parameters ------------------------------------------------------------------------------
+    def own_parameters(self) -> list[torch.nn.Parameter]:
+        """``list(self.parameters())``, read afresh on every call (parameters may be replaced
+        between calls): the fuser asks several times per forward, so an operation without
+        submodules reads its own parameter dict directly instead of through the
+        ``named_parameters`` generators (same order, duplicates dropped the same way)."""
+        if self._modules:
+            return list(self.parameters())
+        params = [p for p in self._parameters.values() if p is not None]
+        if len(params) > 1 and len({id(p) for p in params}) != len(params):
+            seen: set[int] = set()
+            params = [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+        return params
+
     def parameters_device(self) -> torch.device | None:
         """Device of the operation's own parameters (``None`` when it has none)."""
-        for p in self.parameters(recurse=False):
-            return p.device
+        for p in self._parameters.values():  # parameters(recurse=False), without generators
+            if p is not None:
+                return p.device
         return None
 
     def has_meta_parameters(self) -> bool:
         """Whether any parameter still lives on ``meta`` (holds no storage)."""
-        return any(p.is_meta for p in self.parameters(recurse=False))
+        return any(p is not None and p.is_meta for p in self._parameters.values())
 
     # -- quantizers ------------------------------------------------------------------------------
     def num_quantizers(self, mode: str) -> int:
