@@ -292,7 +292,18 @@ def test_runs_on_the_tensors_device_not_the_current_one():
         scale = torch.ones(1, device="cuda:1")
         res = activation_forward_fp8(x, spec, scale, torch.float8_e4m3fn, amax=None,
                                      with_transpose=True)  # fmt: skip
+        # the gated backward's own cast+transpose kernel, with the bias gradient
+        bwd, dbias = activation_backward_fp8(torch.ones_like(y), x, spec, scale,
+                                             torch.float8_e4m3fn, amax=None, with_dbias=True)  # fmt: skip
     assert y.device == dx.device == res.data.device == torch.device("cuda:1")
+    assert bwd.data.device == dbias.device == torch.device("cuda:1")
+    with torch.cuda.device(1):
+        same, same_dbias = activation_backward_fp8(torch.ones_like(y), x, spec, scale,
+                                                   torch.float8_e4m3fn, amax=None,
+                                                   with_dbias=True)  # fmt: skip
+    assert torch.equal(bwd.data.view(torch.uint8), same.data.view(torch.uint8))
+    assert torch.equal(bwd.transpose.view(torch.uint8), same.transpose.view(torch.uint8))
+    assert torch.equal(dbias, same_dbias)
     y_ref, _ = reference("swiglu", x, torch.ones(64, 64))
     assert_close(y, y_ref, torch.bfloat16, y_ref.abs().max().item())
 
