@@ -13,7 +13,7 @@ Two oracles, both independent of the emulation:
   Where oneDNN refuses a format pair on this CPU, that comparison skips with the reason.
 
 Every test here forces the emulation (``SCALED_MM_IS_NATIVE_ON_CPU = False``), so it is checked
-on every machine; test_gemm.py checks whichever path this CPU takes.
+on every machine; test_gemm_fp8.py checks whichever path this CPU takes.
 
 Where no sum is rounded (one nonzero product per output element) the emulation is exact, which
 is checked bitwise over every pair of finite E4M3 x E5M2 values.
