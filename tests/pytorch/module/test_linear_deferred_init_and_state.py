@@ -1,5 +1,6 @@
 """te.Linear on CPU: deferred initialization, device moves of the FP8 state, checkpoints, the
-device guard under exceptions, and argument errors. Numerics are in ``test_linear.py``."""
+device guard under exceptions, and argument errors. Numerics are in ``test_linear_numerics.py``,
+``test_linear_microbatches_and_options.py`` and ``test_linear_fp8_params_and_scaling.py``."""
 
 import fp8_oracle as oracle
 import pytest
