@@ -6,17 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemm_helpers import (
-    BF16,
-    E4M3,
-    E5M2,
-    FP32,
-    LAYOUTS,
-    SHAPES,
-    fp8_operand,
-    operands,
-    randn,
-)
+from gemm_helpers import BF16, E4M3, E5M2, FP32, LAYOUTS, SHAPES, fp8_operand, operands, randn
 
 from transformer_engine.pytorch.cpp_extensions import general_gemm
 

@@ -18,12 +18,7 @@ from recipe_config_helpers import (
     _sf,
 )
 
-from transformer_engine.common.recipe import (
-    DelayedScaling,
-    Float8CurrentScaling,
-    Format,
-    MMParams,
-)
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format, MMParams
 
 # ---------------------------------------------------------------- equality, hash
 

@@ -19,11 +19,7 @@ from recipe_config_helpers import (
 )
 from utils import REPO_ROOT
 
-from transformer_engine.common.recipe import (
-    DelayedScaling,
-    Float8CurrentScaling,
-    Format,
-)
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 
 # ---------------------------------------------------------------- validation
 

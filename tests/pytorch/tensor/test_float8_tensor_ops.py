@@ -13,10 +13,7 @@ from float8_tensor_helpers import E4M3, expected_bytes, fp8_param, sample
 
 from transformer_engine.pytorch import quantized_tensor as qt_module
 from transformer_engine.pytorch.constants import DType
-from transformer_engine.pytorch.tensor import (
-    Float8CurrentScalingQuantizer,
-    Float8Tensor,
-)
+from transformer_engine.pytorch.tensor import Float8CurrentScalingQuantizer, Float8Tensor
 
 # ---------------------------------------------------------------------- the tensor itself
 

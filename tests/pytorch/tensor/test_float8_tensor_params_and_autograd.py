@@ -14,10 +14,7 @@ import torch
 from float8_tensor_helpers import E4M3, E5M2, expected_bytes, fp8_param, sample
 from utils import float32_bits
 
-from transformer_engine.pytorch.tensor import (
-    Float8CurrentScalingQuantizer,
-    Float8Tensor,
-)
+from transformer_engine.pytorch.tensor import Float8CurrentScalingQuantizer, Float8Tensor
 from transformer_engine.pytorch.tensor.float8_tensor import _make_float8_tensor_in_reduce_ex
 
 
