@@ -151,8 +151,10 @@ class BasicOperation(FusibleOperation):
             return list(self.parameters())
         params = [p for p in self._parameters.values() if p is not None]
         if len(params) > 1 and len({id(p) for p in params}) != len(params):
-            seen: set[int] = set()
-            params = [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+            unique: dict[int, torch.nn.Parameter] = {}
+            for p in params:
+                unique.setdefault(id(p), p)  # first registration wins, as in parameters()
+            params = list(unique.values())
         return params
 
     def parameters_device(self) -> torch.device | None:
