@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -33,6 +34,7 @@ import torch.multiprocessing as mp
 
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import _tensor_parallel as tp
+from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 from transformer_engine.pytorch.tensor.float8_tensor import (
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
@@ -63,6 +65,10 @@ def run_worker(rank, world_size, backend, out_dir, init_method, label, checks):
             print(f"{label}_FAILURE rank={rank} {line}")
         return failures
     finally:
+        # No process group outlives the run in the package's state or in dead modules (a gloo
+        # group destroyed at interpreter finalization can abort the process).
+        FP8GlobalStateManager.reset()
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -10,6 +10,7 @@ them.
 
 from __future__ import annotations
 
+import atexit
 import operator
 from collections import deque
 from dataclasses import dataclass, field
@@ -382,3 +383,14 @@ class FP8GlobalStateManager:
     def set_model_init_state(cls, values: tuple) -> None:
         s = cls.quantization_state
         s.fp8_parameters, s.fp8_recipe, s.high_precision_init_val = values
+
+
+def _release_at_exit() -> None:
+    """Drop what the process-wide state holds (the registry's keys hold the amax reduction
+    groups) while the interpreter is still whole: a gloo process group that lives on until
+    interpreter finalization can abort the process there ("terminate called without an active
+    exception") after the script has finished."""
+    FP8GlobalStateManager.reset()
+
+
+atexit.register(_release_at_exit)
