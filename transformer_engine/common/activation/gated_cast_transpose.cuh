@@ -72,23 +72,6 @@ static_assert(kWordColsT * 2 == 32, "a warp's word reads: 2 row groups x 16 word
 template <class Loader>
 constexpr int kMinBlocks = sizeof(typename Loader::Raw) <= 48 ? 4 : 2;
 
-/* Casts one half's 8 values, writes them row-wise and to the shared tile, adds them to the
- * column sums. */
-template <bool kE4M3, bool kDbias>
-__device__ __forceinline__ void put_vector(const float (&x)[kVecElems], float scale,
-                                           float& local_amax, uint8_t* row_out, uint32_t* tile_row,
-                                           float (&colsum)[kVecElems]) {
-  Vec<uint16_t, kVecElems / 2> q;
-  cast_detail::cast_floats<kE4M3>(x, scale, local_amax, q);
-  *reinterpret_cast<Vec<uint16_t, kVecElems / 2>*>(row_out) = q;
-  tile_row[0] = static_cast<uint32_t>(q.v[0]) | (static_cast<uint32_t>(q.v[1]) << 16);
-  tile_row[1] = static_cast<uint32_t>(q.v[2]) | (static_cast<uint32_t>(q.v[3]) << 16);
-  if constexpr (kDbias) {
-#pragma unroll
-    for (int j = 0; j < kVecElems; ++j) colsum[j] += x[j];
-  }
-}
-
 /* Block b owns rows [64 (b / tiles_c), +64) and activation columns [64 (b % tiles_c), +64);
  * `cols` is the activation's width (the output gradient's), the result has 2 cols columns.
  * vector_rows: the loader is vectorizable and `out` 8-byte aligned (the base kernel's
@@ -131,8 +114,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<Loader>)
       uint8_t* row_out = out + (r0 + lr) * out_cols + c0 + lc;
 #pragma unroll
       for (int h = 0; h < kHalves; ++h) {
-        put_vector<kE4M3, kDbias>(x[h], scale, local_amax, row_out + h * cols, &tile[h][lr][lc / 4],
-                                  colsum[h]);
+        cast_detail::cast_store_vector<kE4M3, kDbias>(x[h], scale, local_amax, row_out + h * cols,
+                                                      &tile[h][lr][lc / 4], colsum[h]);
       }
     }
   } else {
@@ -148,8 +131,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<Loader>)
         loader.compute(loader.fetch(r, c), x);
 #pragma unroll
         for (int h = 0; h < kHalves; ++h) {
-          put_vector<kE4M3, kDbias>(x[h], scale, local_amax, out + r * out_cols + h * cols + c,
-                                    &tile[h][lr][lc / 4], colsum[h]);
+          cast_detail::cast_store_vector<kE4M3, kDbias>(x[h], scale, local_amax,
+                                                        out + r * out_cols + h * cols + c,
+                                                        &tile[h][lr][lc / 4], colsum[h]);
         }
       } else {
 #pragma unroll

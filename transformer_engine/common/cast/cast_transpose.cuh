@@ -64,6 +64,25 @@ __device__ __forceinline__ void cast_floats(const float (&v)[kVecElems], float s
   }
 }
 
+/* One row vector's share of every tiled cast+transpose kernel: cast the eight values, write
+ * them row-wise at `row_out`, stage them as two 32-bit words of the shared tile at `tile_words`
+ * (for the transposed store) and add them to the thread's column sums. */
+template <bool kE4M3, bool kDbias>
+__device__ __forceinline__ void cast_store_vector(const float (&x)[kVecElems], float scale,
+                                                  float& local_amax, uint8_t* row_out,
+                                                  uint32_t* tile_words,
+                                                  float (&colsum)[kVecElems]) {
+  Vec<uint16_t, kVecElems / 2> q;
+  cast_floats<kE4M3>(x, scale, local_amax, q);
+  *reinterpret_cast<Vec<uint16_t, kVecElems / 2>*>(row_out) = q;
+  tile_words[0] = static_cast<uint32_t>(q.v[0]) | (static_cast<uint32_t>(q.v[1]) << 16);
+  tile_words[1] = static_cast<uint32_t>(q.v[2]) | (static_cast<uint32_t>(q.v[3]) << 16);
+  if constexpr (kDbias) {
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) colsum[j] += x[j];
+  }
+}
+
 /* Where the tiled kernel's values come from: element (r, c) of a [rows, cols] matrix, as
  * float32. PlainLoad reads a high-precision tensor; the activation kernels pass loaders that
  * compute an activation (or its gradient) of their inputs on the fly, so the cast, transposed
@@ -131,16 +150,8 @@ __global__ void __launch_bounds__(kThreads)
     if (vector_rows && c + kVecElems <= cols) {
       float x[kVecElems];
       loader.load_vec(r, c, x);
-      Vec<uint16_t, kVecElems / 2> q;
-      cast_floats<kE4M3>(x, scale, local_amax, q);
-      *reinterpret_cast<Vec<uint16_t, kVecElems / 2>*>(out + r * cols + c) = q;
-      auto* tile_words = reinterpret_cast<uint32_t*>(&tile[lr][lc]);
-      tile_words[0] = static_cast<uint32_t>(q.v[0]) | (static_cast<uint32_t>(q.v[1]) << 16);
-      tile_words[1] = static_cast<uint32_t>(q.v[2]) | (static_cast<uint32_t>(q.v[3]) << 16);
-      if constexpr (kDbias) {
-#pragma unroll
-        for (int j = 0; j < kVecElems; ++j) colsum[j] += x[j];
-      }
+      cast_store_vector<kE4M3, kDbias>(x, scale, local_amax, out + r * cols + c,
+                                       reinterpret_cast<uint32_t*>(&tile[lr][lc]), colsum);
     } else {
       for (int j = 0; j < kVecElems && c + j < cols; ++j) {
         const float a = loader.load(r, c + j);

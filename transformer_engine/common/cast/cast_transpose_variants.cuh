@@ -129,16 +129,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<Loader, kIters>)
         const int lr = p * kLoadRowsPerPass + g;
         float x[kVecElems];
         loader.tile_compute(raw[p], c0 + lc, x);
-        Vec<uint16_t, kVecElems / 2> q;
-        cast_floats<kE4M3>(x, scale, local_amax, q);
-        *reinterpret_cast<Vec<uint16_t, kVecElems / 2>*>(out + (r0 + lr) * cols + c0 + lc) = q;
-        tile[lr][lc / 4] = static_cast<uint32_t>(q.v[0]) | (static_cast<uint32_t>(q.v[1]) << 16);
-        tile[lr][lc / 4 + 1] =
-            static_cast<uint32_t>(q.v[2]) | (static_cast<uint32_t>(q.v[3]) << 16);
-        if constexpr (kDbias) {
-#pragma unroll
-          for (int j = 0; j < kVecElems; ++j) colsum[p / 2][j] += x[j];
-        }
+        cast_store_vector<kE4M3, kDbias>(x, scale, local_amax, out + (r0 + lr) * cols + c0 + lc,
+                                         &tile[lr][lc / 4], colsum[p / 2]);
       }
     } else {
       // Unrolled, so that colsum is indexed by constants (registers, not a local array).
@@ -152,16 +144,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<Loader, kIters>)
         if (vector_rows && c + kVecElems <= cols) {
           float x[kVecElems];
           loader.load_vec(r, c, x);
-          Vec<uint16_t, kVecElems / 2> q;
-          cast_floats<kE4M3>(x, scale, local_amax, q);
-          *reinterpret_cast<Vec<uint16_t, kVecElems / 2>*>(out + r * cols + c) = q;
-          tile[lr][lc / 4] = static_cast<uint32_t>(q.v[0]) | (static_cast<uint32_t>(q.v[1]) << 16);
-          tile[lr][lc / 4 + 1] =
-              static_cast<uint32_t>(q.v[2]) | (static_cast<uint32_t>(q.v[3]) << 16);
-          if constexpr (kDbias) {
-#pragma unroll
-            for (int j = 0; j < kVecElems; ++j) colsum[p / 2][j] += x[j];
-          }
+          cast_store_vector<kE4M3, kDbias>(x, scale, local_amax, out + r * cols + c,
+                                           &tile[lr][lc / 4], colsum[p / 2]);
         } else {
 #pragma unroll
           for (int j = 0; j < kVecElems && c + j < cols; ++j) {
