@@ -115,6 +115,29 @@ def test_prepare_for_saving_helpers_round_trip_storages_and_tensors():
     assert out[0] is s and out[1] is plain and s._data is tensors[0]
 
 
+def test_prepare_for_saving_keeps_no_view_of_the_buffers():
+    """The typed FP8 views a cast hands over (and a GEMM operand read makes) share the buffers'
+    memory: after prepare_for_saving nothing in the storage may still reach that memory, or a
+    release of the saved tensors would not free it."""
+    q = Float8CurrentScalingQuantizer(E4M3)
+    q.internal = True
+    s = q(sample((32, 16)))
+    s.float8_gemm_input(columnwise=False)
+    s.float8_gemm_input(columnwise=True)
+    tensors, _ = s.prepare_for_saving()
+    saved = {t.untyped_storage().data_ptr() for t in tensors if t is not None}
+
+    def reachable(value):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                yield from reachable(item)
+
+    held = [t for value in vars(s).values() for t in reachable(value)]
+    assert not [t for t in held if t.untyped_storage().data_ptr() in saved]
+
+
 # ---------------------------------------------------------------------- make_empty
 
 

@@ -164,6 +164,13 @@ class LinearSaved:
         """How many of the tensors :meth:`pack` returned belong to ``x``."""
         return len(packed) if self._x_storage is not None else 1
 
+    def drop_input(self) -> None:
+        """Forget ``x`` once its gradient users are done: an FP8 storage's typed views (made
+        by the backward GEMMs) share its buffers' memory, so releasing the saved tensors alone
+        would not free the bytes while this object still holds the storage."""
+        self.x = None
+        self._x_storage = None
+
     def unpack(self, saved_tensors) -> None:
         """Put back the tensors :meth:`pack` took out (``ctx.saved_tensors``)."""
         if self._x_storage is not None:

@@ -132,6 +132,7 @@ class _MLPBody(torch.autograd.Function):
         ctx.spec, ctx.fc1_needed, ctx.fc1_bias_grad = spec, fc1_needed, fc1_bias_grad
         ctx.ln_shape, ctx.sp_group, ctx.out_sp_group = ln_out.shape, sp_group, out_sp_group
         ctx.backward_update = backward_update
+        ctx.released = False
         out = out.reshape(*leading, out.shape[-1])
         if out_sp_group is not None:
             out = reduce_scatter_along_first_dim(out, out_sp_group)[0]
@@ -139,6 +140,12 @@ class _MLPBody(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
+        if ctx.released:
+            raise RuntimeError(
+                "LayerNormMLP: a second backward through the same forward (retain_graph=True) is "
+                "not supported: the first one freed FC1's output and the activation it saved, "
+                "to save memory; run the forward again for each backward"
+            )
         with device_guard(grad_out.device):
             saved1, saved2 = ctx.saved
             tensors = ctx.saved_tensors
@@ -153,11 +160,13 @@ class _MLPBody(torch.autograd.Function):
                     rowwise=saved2.w is not None, columnwise=saved2.x is not None,
                 )  # fmt: skip
             d_act, dw2, db2 = linear_backward(saved2, grad_out)
+            ctx.released = True  # from here on saved tensors are freed (checked above)
             saved2.w = None  # FC2's FP8 weight copy (a cached one lives on in its workspace)
             # Saved tensors live until this node's backward returns; the ones this node made
             # and no longer needs give their memory back now (FC1's GEMMs run next).
             if saved2.config.wgrad_store is None:  # else backward_dw() still reads them
                 _release(tensors[ctx.split : ctx.split + ctx.act_tensors])
+                saved2.drop_input()
             d_ln = dw1 = db1 = None
             if ctx.fc1_needed:
                 if ctx.regather:

@@ -467,6 +467,9 @@ class Float8TensorStorage(QuantizedTensorStorage):
     def prepare_for_saving(self) -> tuple[list[torch.Tensor | None], Float8TensorStorage]:
         """Hand the buffers out as ``[_data, _transpose, _scale_inv]`` and drop them here."""
         tensors = [self._data, self._transpose, self._scale_inv]
+        # The typed views share the buffers' memory: kept here they would hold the bytes past
+        # a release of the saved tensors (and out of sight of saved-tensor hooks).
+        self._forget_fp8_views()
         self._data = None
         self._transpose = None
         self._scale_inv = None
