@@ -282,6 +282,8 @@ def delayed_scaling_update(
     offset = 0
     for history, scale in zip(amax_histories, scales):
         n = history.shape[-1]
+        if n == 0:
+            continue  # a history without slots: nothing to update
         h = history.view(-1, n)
         row0 = h[0].clone()
         if amax_reduction_buffer is not None:

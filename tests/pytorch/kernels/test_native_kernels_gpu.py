@@ -167,12 +167,17 @@ def test_compute_scale_from_amax_matches_reference(fp8, epsilon, pow2):
         assert bitwise_equal(scale, expected), (value, epsilon, pow2)
 
 
-def _random_states(num_pairs, length, seed, device):
+def _random_states(num_pairs, length, seed, device, slots=None):
     g = torch.Generator().manual_seed(seed)
     histories, scales = [], []
     for k in range(num_pairs):
-        n = 1 + (k * 7) % 9  # up to 9 slots: more slots than the kernel has warps per block
+        # Up to 9 slots by default (the widest module's), and none: pairs without slots.
+        n = slots(k) if slots is not None else (1 + (k * 7) % 9 if k % 50 != 49 else 0)
         h = torch.rand((length, n), generator=g) * 100
+        if n == 0:
+            histories.append(h.to(device))
+            scales.append(torch.rand(0).to(device))
+            continue
         h[0, 0] = [0.0, 1e-44, float("inf"), float("nan"), 5.0][k % 5]
         if length > 1 and k % 7 == 3:  # a NaN / Inf deep in the history must win the max
             h[length // 2, n - 1] = float("nan") if k % 2 else float("inf")
@@ -183,12 +188,20 @@ def _random_states(num_pairs, length, seed, device):
 
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
-@pytest.mark.parametrize("length", [1, 2, 16, 33, 257, 1024])  # 257: crosses a 256-row pass
+# 257 crosses a 256-row pass of the warp kernel; the group kernel's passes hold 8 rows a thread
+# of 1024 / slots threads (904 rows with 9 slots, 8192 with one: 8195 crosses that).
+@pytest.mark.parametrize("length", [1, 2, 16, 33, 257, 1024, 8195])
 @pytest.mark.parametrize("with_reduction", [False, True])
 @pytest.mark.parametrize("margin", [0, 1.5])
-def test_delayed_scaling_update_matches_reference(fp8, algo, length, with_reduction, margin):
+@pytest.mark.parametrize("wide", [False, True])
+def test_delayed_scaling_update_matches_reference(fp8, algo, length, with_reduction, margin, wide):
+    """Pairs of up to 9 slots take the group kernel (a block shares a pair's slots); a launch
+    with a pair of more than 64 slots takes the warp-per-slot kernel."""
+    if wide and length == 8195:
+        pytest.skip("the warp kernel's passes are covered by the shorter histories")
     num_pairs = 300  # more than one launch's worth of pairs
-    gpu_h, gpu_s = _random_states(num_pairs, length, seed=length, device="cuda:0")
+    slots = (lambda k: 1 + (k * 13) % 70) if wide else None  # up to 70 slots: both kernels
+    gpu_h, gpu_s = _random_states(num_pairs, length, seed=length, device="cuda:0", slots=slots)
     cpu_h, cpu_s = [h.cpu() for h in gpu_h], [s.cpu() for s in gpu_s]
     reduced_gpu = reduced_cpu = None
     if with_reduction:

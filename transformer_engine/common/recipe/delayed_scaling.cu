@@ -1,9 +1,12 @@
 /* nvte_delayed_scaling_update: the fused amax-history roll and scale update over many
  * (history, scale) pairs of one device. The pairs travel in the kernel's parameter block, one
- * CUDA block per pair and one warp per slot, so the update is one launch per kEntriesPerLaunch
- * pairs. */
+ * CUDA block per pair, so the update is one launch per kEntriesPerLaunch pairs. Pairs of up to
+ * kMaxGroupSlots slots (every module's): the whole block shares a pair's slots, each slot a
+ * group of threads, so a history of 1024 rows moves in one pass of loads and one of stores.
+ * Launches with wider pairs: one warp per slot, several passes of a warp's loads. */
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -101,6 +104,85 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+constexpr int kGroupThreads = 1024;
+constexpr int kGroupRowsPerThread = 8;
+constexpr uint32_t kMaxGroupSlots = 64;
+
+/* One CUDA block per (history, scale) pair of at most kMaxGroupSlots slots: slot i is owned by
+ * the tpc = kGroupThreads / slots threads [i * tpc, (i + 1) * tpc), thread j of the group taking
+ * rows 1 + j, 1 + j + tpc, ... of its column. A pass reads kGroupRowsPerThread * tpc rows of
+ * every slot (all reads of a pass before the block barrier, then the writes one row lower);
+ * later passes read only rows above those a pass wrote, as in the warp kernel. Row 0 (or the
+ * reduced amax) is read before any write. The group's maxima meet in shared memory (a tree over
+ * the group; max is exact and order-free, NaN wins), so the result is bitwise the warp kernel's.
+ * Every thread runs the same number of passes and tree steps: the barriers see the whole block. */
+__global__ void __launch_bounds__(kGroupThreads)
+    delayed_scaling_update_group_kernel(const UpdateBatch batch, const float* __restrict__ reduced,
+                                        bool algo_max, float scaled_max) {
+  __shared__ float current[kMaxGroupSlots];
+  __shared__ float partial[kGroupThreads];
+  const int k = blockIdx.x;
+  const uint32_t n = batch.slots[k];
+  const uint32_t length = batch.length[k];
+  float* const h = batch.history[k];
+  if (n == 0) return;  // block-uniform: no barrier is left waiting
+  const uint32_t tpc = kGroupThreads / n;
+  const uint32_t col = threadIdx.x / tpc;
+  const uint32_t j = threadIdx.x % tpc;
+  const bool mine = col < n;  // threads past n * tpc only join the barriers
+  if (threadIdx.x < n) {
+    float a = h[threadIdx.x];
+    if (reduced != nullptr) {
+      const float r = reduced[batch.reduced_offset[k] + threadIdx.x];
+      if (r != 0.0f) a = r;
+    }
+    current[threadIdx.x] = a;
+  }
+  __syncthreads();  // row 0 is read before the first pass overwrites it
+  const float a = mine ? current[col] : 0.0f;
+  const bool active = mine && a != 0.0f;  // a slot not exercised this step: no roll, scale kept
+  float candidate = a;
+  const uint32_t per_pass = kGroupRowsPerThread * tpc;
+  for (uint32_t base = 1; base < length; base += per_pass) {
+    float v[kGroupRowsPerThread];
+#pragma unroll
+    for (int u = 0; u < kGroupRowsPerThread; ++u) {
+      const uint32_t src = base + u * tpc + j;
+      v[u] = 0.0f;
+      if (active && src < length) {
+        v[u] = h[static_cast<size_t>(src) * n + col];
+        if (algo_max) candidate = max_propagating_nan(candidate, v[u]);
+      }
+    }
+    __syncthreads();  // the pass's rows are read before any of them is overwritten
+#pragma unroll
+    for (int u = 0; u < kGroupRowsPerThread; ++u) {
+      const uint32_t src = base + u * tpc + j;
+      if (active && src < length) h[static_cast<size_t>(src - 1) * n + col] = v[u];
+    }
+  }
+  partial[threadIdx.x] = candidate;
+  __syncthreads();  // also orders the passes' writes to row 0 before the final ones
+  uint32_t span = 1;
+  while (span < tpc) span *= 2;
+  for (uint32_t s = span / 2; s > 0; s /= 2) {
+    if (mine && j < s && j + s < tpc) {
+      partial[threadIdx.x] = max_propagating_nan(partial[threadIdx.x], partial[threadIdx.x + s]);
+    }
+    __syncthreads();
+  }
+  if (active && j == 0) {
+    const float best = partial[threadIdx.x];
+    h[static_cast<size_t>(length - 1) * n + col] = a;
+    h[col] = 0.0f;
+    if (isfinite(best) && best > 0.0f) {
+      float s = scaled_max / best;
+      if (isinf(s)) s = FLT_MAX;
+      batch.scale[k][col] = s;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace transformer_engine
 
@@ -170,6 +252,7 @@ extern "C" void nvte_delayed_scaling_update(const NVTEBuffer* amax_reduction_buf
   for (size_t begin = 0; begin < num_pairs; begin += kEntriesPerLaunch) {
     UpdateBatch batch{};
     int count = 0;
+    uint32_t widest = 0;
     for (size_t k = begin; k < num_pairs && count < kEntriesPerLaunch; ++k, ++count) {
       const NVTEBuffer& h = *amax_histories[k];
       batch.history[count] = static_cast<float*>(h.data);
@@ -178,9 +261,17 @@ extern "C" void nvte_delayed_scaling_update(const NVTEBuffer* amax_reduction_buf
       batch.length[count] = static_cast<uint32_t>(h.shape[0]);
       batch.reduced_offset[count] = static_cast<uint32_t>(offset);
       offset += h.shape[1];
+      widest = std::max(widest, batch.slots[count]);
     }
-    delayed_scaling_update_kernel<<<count, kThreads, 0, ctx.stream()>>>(
-        batch, reduced, algo == kNVTEAmaxMax, scaled_max);
-    ctx.check_launch("delayed_scaling_update_kernel launch");
+    if (widest == 0) continue;  // pairs without slots: nothing to update
+    if (widest <= kMaxGroupSlots) {
+      delayed_scaling_update_group_kernel<<<count, kGroupThreads, 0, ctx.stream()>>>(
+          batch, reduced, algo == kNVTEAmaxMax, scaled_max);
+      ctx.check_launch("delayed_scaling_update_group_kernel launch");
+    } else {
+      delayed_scaling_update_kernel<<<count, kThreads, 0, ctx.stream()>>>(
+          batch, reduced, algo == kNVTEAmaxMax, scaled_max);
+      ctx.check_launch("delayed_scaling_update_kernel launch");
+    }
   }
 }
