@@ -7,9 +7,11 @@ edge shapes (partial tiles, one row, widths below a vector) and unaligned inputs
 
 The native library reads the variable once per process, so each variant runs every case in its
 own subprocess (this file run as a script), which saves its results with torch.save; the tests
-compare them. Skipped without a CUDA GPU.
+compare them (under pytest-xdist one worker runs the subprocesses, the others read the files).
+Skipped without a CUDA GPU.
 """
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -247,9 +249,25 @@ def _run_variant(variant: int, path: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    base = tmp_path_factory.mktemp("cast_transpose_variants")
-    return {v: _run_variant(v, str(base / f"variant{v}.pt")) for v in [0, *VARIANTS]}
+def results(request, tmp_path_factory):
+    if not hasattr(request.config, "workerinput"):  # one process: its own directory
+        base = tmp_path_factory.mktemp("cast_transpose_variants")
+        return {v: _run_variant(v, str(base / f"variant{v}.pt")) for v in [0, *VARIANTS]}
+    # pytest-xdist: the workers of one session share their base directories' parent. The first
+    # worker to take the lock runs the variants (a minute of GPU work); the others wait and
+    # read its results, instead of every worker running them at once on the one GPU.
+    shared = tmp_path_factory.getbasetemp().parent / "cast_transpose_variants"
+    shared.mkdir(exist_ok=True)
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            out = {}
+            for v in [0, *VARIANTS]:
+                path = shared / f"variant{v}.pt"
+                out[v] = torch.load(path) if path.exists() else _run_variant(v, str(path))
+            return out
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
