@@ -186,21 +186,7 @@ def _random_states(num_pairs, length, seed, device, slots=None):
     return histories, scales
 
 
-@pytest.mark.parametrize("fp8", FP8)
-@pytest.mark.parametrize("algo", ["max", "most_recent"])
-# 257 crosses a 256-row pass of the warp kernel; the group kernel's passes hold 8 rows a thread
-# of 1024 / slots threads (904 rows with 9 slots, 8192 with one: 8195 crosses that).
-@pytest.mark.parametrize("length", [1, 2, 16, 33, 257, 1024, 8195])
-@pytest.mark.parametrize("with_reduction", [False, True])
-@pytest.mark.parametrize("margin", [0, 1.5])
-@pytest.mark.parametrize("wide", [False, True])
-def test_delayed_scaling_update_matches_reference(fp8, algo, length, with_reduction, margin, wide):
-    """Pairs of up to 9 slots take the group kernel (a block shares a pair's slots); a launch
-    with a pair of more than 64 slots takes the warp-per-slot kernel."""
-    if wide and length == 8195:
-        pytest.skip("the warp kernel's passes are covered by the shorter histories")
-    num_pairs = 300  # more than one launch's worth of pairs
-    slots = (lambda k: 1 + (k * 13) % 70) if wide else None  # up to 70 slots: both kernels
+def _check_update(fp8, algo, length, with_reduction, margin, num_pairs, slots=None):
     gpu_h, gpu_s = _random_states(num_pairs, length, seed=length, device="cuda:0", slots=slots)
     cpu_h, cpu_s = [h.cpu() for h in gpu_h], [s.cpu() for s in gpu_s]
     reduced_gpu = reduced_cpu = None
@@ -216,6 +202,34 @@ def test_delayed_scaling_update_matches_reference(fp8, algo, length, with_reduct
     for k in range(num_pairs):
         assert bitwise_equal(gpu_h[k], cpu_h[k]), k
         assert bitwise_equal(gpu_s[k], cpu_s[k]), k
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("length", [1, 2, 16, 33, 257, 1024])
+@pytest.mark.parametrize("with_reduction", [False, True])
+@pytest.mark.parametrize("margin", [0, 1.5])
+def test_delayed_scaling_update_matches_reference(fp8, algo, length, with_reduction, margin):
+    """Pairs of up to 9 slots (and none), the group kernel: a block shares a pair's slots, whose
+    passes hold 8 rows a thread of 1024 / slots threads (904 rows with 9 slots: 1024 crosses a
+    pass). 300 pairs: more than one launch's worth."""
+    _check_update(fp8, algo, length, with_reduction, margin, num_pairs=300)
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("with_reduction", [False, True])
+def test_delayed_scaling_update_long_history(algo, with_reduction):
+    """8195 rows cross a pass of the group kernel with one slot (8192 rows)."""
+    _check_update(torch.float8_e4m3fn, algo, 8195, with_reduction, 0.0, num_pairs=12)
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("length", [1, 33, 257, 1024])
+def test_delayed_scaling_update_wide_pairs(algo, length):
+    """A launch with a pair of more than 64 slots takes the warp-per-slot kernel (up to 70
+    slots here; 257 crosses its 256-row pass)."""
+    _check_update(torch.float8_e5m2, algo, length, True, 1.5, num_pairs=40,
+                  slots=lambda k: 1 + (k * 13) % 70)  # fmt: skip
 
 
 def test_work_goes_to_the_current_stream_of_the_tensors_device():
