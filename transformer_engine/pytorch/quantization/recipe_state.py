@@ -117,7 +117,10 @@ class RecipeState:
                 "Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling or "
                 "CustomRecipe"
             )
-        return cls(recipe, mode=mode, num_quantizers=num_quantizers, device=device, roles=roles)
+        # Never inference tensors, whatever mode the first forward runs in (a validation pass
+        # under torch.inference_mode before training): the state is updated in place later.
+        with torch.inference_mode(False):
+            return cls(recipe, mode=mode, num_quantizers=num_quantizers, device=device, roles=roles)
 
     def make_quantizers(self) -> list:
         raise NotImplementedError
@@ -190,6 +193,10 @@ class DelayedScalingRecipeState(RecipeState):
         if not isinstance(length, int) or length < 1:
             raise ValueError(f"amax_history_len={length!r} must be an int >= 1")
         current = self.amax_history.shape[0]
+        with torch.inference_mode(False):
+            self._resize_history(length, current)
+
+    def _resize_history(self, length: int, current: int) -> None:
         if length < current:
             self.amax_history = self.amax_history[:length].clone()
         elif length > current:
