@@ -6,7 +6,9 @@ For each configuration and implementation: the median time of a forward + backwa
 forward alone (CUDA events; steps issued back to back as in training), and the peak memory of one
 step beyond what was allocated before it (parameters, input and caches excluded: the step's own
 activations, gradients and workspaces). Ratios are to the plain block of the same configuration.
-Implementations are timed in turns over several rounds, so clock drift spreads over all of them.
+Implementations are timed in turns over several rounds, each round starting with the next
+implementation, so clock drift spreads over all of them (use as many rounds as implementations,
+4, for a full rotation).
 
 Configurations (issue 20):
   gelu       LayerNorm, FC1, tanh GELU, FC2: 8192 tokens, hidden 4096, FFN 16384
@@ -212,8 +214,12 @@ def run_config(config: dict, args, device: torch.device, clock: Clock) -> list[C
             candidate.skipped = f"{type(err).__name__}: {err}"
 
     running = [c for c in candidates if not c.skipped]
-    for _ in range(args.rounds):
-        for candidate in running:
+    for round_index in range(args.rounds):
+        # Each round starts with another implementation: on a power-capped GPU the one timed
+        # right after the heaviest runs at lower clocks, and a fixed order would always put the
+        # same one there.
+        start = round_index % len(running) if running else 0
+        for candidate in running[start:] + running[:start]:
             for _ in range(args.warmup):
                 candidate.step()
             candidate.step_times += clock.times(candidate.step, args.steps)
@@ -263,7 +269,7 @@ def main() -> int:
     parser.add_argument("--ffn", type=int, default=None, help="override the MLP configs'")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each turn")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--device", default="cuda:0", help="cpu: a smoke run, with small shapes")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args()
