@@ -3,6 +3,9 @@ float64 composition or against the same computation run the plain way.
 
 * A KV cache (and ``InferenceParams``' lengths) created under ``torch.inference_mode`` stays
   usable outside it: a prefill under inference mode followed by decoding under ``no_grad``.
+* Bad inputs are refused with messages naming the bad value: an arbitrary mask that does not
+  broadcast, ``cu_seqlens`` of the wrong dtype or rank, ``thd`` sides of different batch sizes,
+  and ``MultiheadAttention`` inputs of the wrong rank for their ``qkv_format``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
+from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention
 from transformer_engine.pytorch.attention.inference import InferenceParams
 from transformer_engine.pytorch.attention.multi_head_attention import MultiheadAttention
 
@@ -62,3 +66,61 @@ def test_kv_cache_made_under_inference_mode_decodes_outside_it(paged, params_und
     got = _decode(mha, params, prompt, tokens, torch.inference_mode)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+# --- error messages ------------------------------------------------------------------------------
+def test_arbitrary_mask_that_does_not_broadcast_is_named():
+    """It failed in the mask arithmetic with torch's 'The size of tensor a (3) must match the
+    size of tensor b (2) at non-singleton dimension 0'."""
+    dpa = DotProductAttention(2, 8, attn_mask_type="arbitrary")
+    x = torch.randn(5, 2, 2, 8)  # sbhd: b = 2, sq = skv = 5
+    bad = torch.zeros(3, 1, 5, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"shape \(3, 1, 5, 5\).*\[2, 2, 5, 5\]"):
+        dpa(x, x, x, attention_mask=bad)
+    with pytest.raises(ValueError, match=r"shape \(2, 1, 4, 5\)"):
+        dpa(x, x, x, attention_mask=torch.zeros(2, 1, 4, 5, dtype=torch.bool))
+    for good in ((2, 2, 5, 5), (1, 1, 5, 5), (5, 5), (2, 1, 1, 5)):  # still accepted
+        dpa(x, x, x, attention_mask=torch.zeros(good, dtype=torch.bool))
+
+
+@pytest.mark.parametrize(
+    "cu, got",
+    [
+        (torch.tensor([0, 2, 6]), r"torch.int64 \(3,\)"),
+        (torch.tensor([[0, 2, 6]], dtype=torch.int32), r"torch.int32 \(1, 3\)"),
+    ],
+)
+def test_cu_seqlens_error_names_what_was_passed(cu, got):
+    dpa = DotProductAttention(2, 8, qkv_format="thd", attn_mask_type="padding")
+    x = torch.randn(6, 2, 8)
+    with pytest.raises(TypeError, match=f"cu_seqlens_q must be a 1-D int32 tensor.*got {got}"):
+        dpa(x, x, x, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+
+
+def test_thd_batch_mismatch_names_the_cu_seqlens():
+    dpa = DotProductAttention(2, 8, qkv_format="thd", attn_mask_type="padding")
+    x = torch.randn(6, 2, 8)
+    cu_q = torch.tensor([0, 6], dtype=torch.int32)
+    cu_kv = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q and cu_seqlens_kv must both have"):
+        dpa(x, x, x, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
+def test_multihead_attention_input_rank_is_checked_against_qkv_format(fmt):
+    """A 2-D input to an sbhd/bshd module (or a 3-D one to thd) was reported by
+    DotProductAttention as the shape of an internal per-head view of the projection."""
+    heads, mask = 2, ("padding" if fmt == "thd" else "no_mask")
+    kwargs = dict(qkv_format=fmt, attn_mask_type=mask, device="cpu", attention_dropout=0.0)
+    wrong = torch.randn(2, 5, HIDDEN) if fmt == "thd" else torch.randn(5, HIDDEN)
+    right = torch.randn(5, HIDDEN) if fmt == "thd" else torch.randn(2, 5, HIDDEN)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32) if fmt == "thd" else None
+    seqlens = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    self_attn = MultiheadAttention(HIDDEN, heads, **kwargs)
+    with pytest.raises(ValueError, match=f"hidden_states has shape .*qkv_format='{fmt}' needs"):
+        self_attn(wrong, **seqlens)
+    assert self_attn(right, **seqlens).shape == right.shape
+    cross = MultiheadAttention(HIDDEN, heads, attention_type="cross", **kwargs)
+    with pytest.raises(ValueError, match=f"encoder_output has shape .*qkv_format='{fmt}'"):
+        cross(right, encoder_output=wrong, **seqlens)
+    assert cross(right, encoder_output=right, **seqlens).shape == right.shape

@@ -436,6 +436,17 @@ class MultiheadAttention(torch.nn.Module):
                 f"dimension (shape {tuple(hidden_states.shape)}), expected hidden_size="
                 f"{self.hidden_size}"
             )
+        # The rank per qkv_format, checked here: a wrong one used to surface from
+        # DotProductAttention as the shape of an internal per-head view (e.g. "query_layer has
+        # shape (5, 2, 8) but qkv_format 'bshd' needs 4 dimensions" for a [5, 16] input).
+        rank, layout = (2, "[tokens, hidden]") if self.qkv_format == "thd" else (3, "")
+        layout = layout or f"[{', '.join(self.qkv_format[:2])}, hidden]"
+        for label, t in (("hidden_states", hidden_states), ("encoder_output", encoder_output)):
+            if isinstance(t, torch.Tensor) and t.dim() != rank:
+                raise ValueError(
+                    f"{owner}: {label} has shape {tuple(t.shape)} but qkv_format="
+                    f"{self.qkv_format!r} needs {rank} dimensions {layout}"
+                )
         if attn_mask_type is None:
             attn_mask_type = self.attn_mask_type
         if window_size is None:

@@ -450,6 +450,11 @@ class DotProductAttention(TransformerEngineBaseModule):
             raise ValueError(
                 f"DotProductAttention: batch sizes differ (queries {qb.shape[0]}, keys/values "
                 f"{kb.shape[0]})"
+                + (
+                    "; cu_seqlens_q and cu_seqlens_kv must both have batch + 1 entries"
+                    if "thd" in (q_format, kv_format)
+                    else ""
+                )  # fmt: skip
             )
         problem = build_problem(
             qb, kb, vb, q_side=q_side, kv_side=kv_side, mask_type=mask_type, window=window,
