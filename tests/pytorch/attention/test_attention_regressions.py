@@ -3,6 +3,9 @@ float64 composition or against the same computation run the plain way.
 
 * A KV cache (and ``InferenceParams``' lengths) created under ``torch.inference_mode`` stays
   usable outside it: a prefill under inference mode followed by decoding under ``no_grad``.
+* ``MultiheadAttention`` on ``thd`` with padding between sequences (``cu_seqlens_*_padded``)
+  rotates by the padded offsets when ``pad_between_seqs`` is left at None (inferred), as the
+  core attention places the sequences.
 * Bad inputs are refused with messages naming the bad value: an arbitrary mask that does not
   broadcast, ``cu_seqlens`` of the wrong dtype or rank, ``thd`` sides of different batch sizes,
   and ``MultiheadAttention`` inputs of the wrong rank for their ``qkv_format``.
@@ -18,6 +21,7 @@ import torch
 from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention
 from transformer_engine.pytorch.attention.inference import InferenceParams
 from transformer_engine.pytorch.attention.multi_head_attention import MultiheadAttention
+from transformer_engine.pytorch.attention.rope import RotaryPositionEmbedding
 
 HIDDEN, HEADS, GROUPS = 16, 4, 2
 
@@ -66,6 +70,36 @@ def test_kv_cache_made_under_inference_mode_decodes_outside_it(paged, params_und
     got = _decode(mha, params, prompt, tokens, torch.inference_mode)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+# --- rotary embeddings with padding between thd sequences ---------------------------------------
+@pytest.mark.parametrize("pad_between_seqs", [None, True])
+def test_thd_rotary_follows_the_padded_offsets(pad_between_seqs):
+    """Sequences of 3 and 5 tokens stored at offsets 0 and 4 (one padding token between):
+    each sequence's output equals the module's bshd output on that sequence alone. With
+    pad_between_seqs=None the rotary positions of the second sequence were counted from the
+    unpadded offset 3, one token early, while the attention itself used the padded offsets."""
+    torch.manual_seed(0)
+    kwargs = dict(attention_dropout=0.0, device="cpu", input_layernorm=True)
+    packed = MultiheadAttention(HIDDEN, HEADS, qkv_format="thd", attn_mask_type="padding_causal",
+                                **kwargs)  # fmt: skip
+    alone = MultiheadAttention(HIDDEN, HEADS, qkv_format="bshd", attn_mask_type="causal", **kwargs)
+    with torch.no_grad():
+        for p in packed.parameters():
+            p.normal_(0.0, 0.5)  # large enough that one position of rotation shows
+    alone.load_state_dict(packed.state_dict())
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(2))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    cu_padded = torch.tensor([0, 4, 9], dtype=torch.int32)
+    freqs = RotaryPositionEmbedding(HIDDEN // HEADS)(16)
+    out = packed(x, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+                 cu_seqlens_kv_padded=cu_padded, rotary_pos_emb=freqs,
+                 pad_between_seqs=pad_between_seqs)  # fmt: skip
+    for start, length in ((0, 3), (4, 5)):
+        ref = alone(x[None, start : start + length], rotary_pos_emb=freqs)[0]
+        torch.testing.assert_close(out[start : start + length], ref, rtol=1e-5, atol=1e-5)
+    # the padding token between the sequences: zero attention, so the projection's bias
+    torch.testing.assert_close(out[3], packed.proj.bias, rtol=0, atol=0)
 
 
 # --- error messages ------------------------------------------------------------------------------

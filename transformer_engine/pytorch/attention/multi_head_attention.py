@@ -436,9 +436,7 @@ class MultiheadAttention(torch.nn.Module):
                 f"dimension (shape {tuple(hidden_states.shape)}), expected hidden_size="
                 f"{self.hidden_size}"
             )
-        # The rank per qkv_format, checked here: a wrong one used to surface from
-        # DotProductAttention as the shape of an internal per-head view (e.g. "query_layer has
-        # shape (5, 2, 8) but qkv_format 'bshd' needs 4 dimensions" for a [5, 16] input).
+        # A wrong rank used to surface as the shape of an internal per-head view of Q/K/V.
         rank, layout = (2, "[tokens, hidden]") if self.qkv_format == "thd" else (3, "")
         layout = layout or f"[{', '.join(self.qkv_format[:2])}, hidden]"
         for label, t in (("hidden_states", hidden_states), ("encoder_output", encoder_output)):
@@ -481,10 +479,18 @@ class MultiheadAttention(torch.nn.Module):
             if self.q_norm is not None and self.qk_norm_before_rope:
                 query, key = self.q_norm(query), self.k_norm(key)
             if rotary_pos_emb is not None:
+                # pad_between_seqs=None is "inferred": the core attention places sequences by
+                # the padded cu_seqlens, so RoPE must too (None used to mean the unpadded ones,
+                # shifting every sequence after a gap). Equal cu_seqlens give equal results.
+                padded = pad_between_seqs is None or bool(pad_between_seqs)
+                rope_cu_q, rope_cu_kv = (
+                    padded_cu if padded and padded_cu is not None else cu
+                    for cu, padded_cu in ((cu_seqlens_q, cu_seqlens_q_padded),
+                                          (cu_seqlens_kv, cu_seqlens_kv_padded))
+                )  # fmt: skip
                 query, key = self._rotary(
-                    query, key, rotary_pos_emb, inference_params, pad_between_seqs,
-                    cu_seqlens_q_padded if pad_between_seqs else cu_seqlens_q,
-                    cu_seqlens_kv_padded if pad_between_seqs else cu_seqlens_kv,
+                    query, key, rotary_pos_emb, inference_params, pad_between_seqs, rope_cu_q,
+                    rope_cu_kv,
                 )  # fmt: skip
             if self.q_norm is not None and not self.qk_norm_before_rope:
                 query, key = self.q_norm(query), self.k_norm(key)
