@@ -158,3 +158,15 @@ def test_multihead_attention_input_rank_is_checked_against_qkv_format(fmt):
     with pytest.raises(ValueError, match=f"encoder_output has shape .*qkv_format='{fmt}'"):
         cross(right, encoder_output=wrong, **seqlens)
     assert cross(right, encoder_output=right, **seqlens).shape == right.shape
+
+
+def test_kv_cache_dtype_mismatch_names_the_cache():
+    """The cache casts new K/V to its dtype; the mismatch was then reported as 'query/key/value
+    dtypes differ' between tensors the caller never passed."""
+    params = InferenceParams(2, 8, 2, 8, torch.float32, qkv_format="bshd", device="cpu")
+    params.allocate_memory(1)
+    params.pre_step(OrderedDict([(0, 3), (1, 3)]))
+    dpa = DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="padding_causal")
+    x = torch.randn(2, 3, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"KV cache holds torch.float32.*dtype=torch.bfloat16"):
+        dpa(x, x, x, inference_params=params)

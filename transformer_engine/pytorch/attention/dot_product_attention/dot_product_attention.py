@@ -408,6 +408,15 @@ class DotProductAttention(TransformerEngineBaseModule):
             )
         if mask_type == "padding_causal":
             mask_type = "padding_causal_bottom_right"
+        cache_dtype = getattr(inference_params, "dtype", None)
+        if cache_dtype is not None and cache_dtype != k.dtype:
+            # Named here: the cache casts the new K/V to its dtype, and check_qkv then reported
+            # dtypes the caller never passed ("query/key/value dtypes differ").
+            raise TypeError(
+                f"DotProductAttention: the KV cache holds {cache_dtype} (InferenceParams "
+                f"dtype) but the inputs are {k.dtype}; build InferenceParams with "
+                f"dtype={k.dtype}"
+            )
         self.attention_type = "cross"  # queries and keys differ in length from now on
         k_cache, v_cache, cu_q, cu_kv, _, out_format = inference_params.step(
             self.layer_number, k, v, fmt
