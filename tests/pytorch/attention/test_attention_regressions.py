@@ -170,3 +170,35 @@ def test_kv_cache_dtype_mismatch_names_the_cache():
     x = torch.randn(2, 3, 2, 8, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match=r"KV cache holds torch.float32.*dtype=torch.bfloat16"):
         dpa(x, x, x, inference_params=params)
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+def test_rotary_decoding_with_rows_past_the_live_batch(fmt):
+    """InferenceParams.step accepts a batch with rows past the live sequences (a fixed batch
+    whose sequence 1 has finished). With RoPE, MultiheadAttention handed apply_rotary_pos_emb
+    one start position per live sequence, and the call was refused ('start_positions has shape
+    (1,), expected (2,)'). Row 0 now equals the same decoding run with the exact batch."""
+    torch.manual_seed(0)
+    mha = MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=GROUPS, attention_dropout=0.0,
+                             attn_mask_type="padding_causal", qkv_format=fmt, device="cpu")  # fmt: skip
+    freqs = RotaryPositionEmbedding(HIDDEN // HEADS)(8)
+    gen = torch.Generator().manual_seed(1)
+    prompt, tokens = (
+        torch.randn(2, 3, HIDDEN, generator=gen),
+        torch.randn(2, 2, HIDDEN, generator=gen),
+    )
+    to_fmt = (lambda t: t) if fmt == "bshd" else (lambda t: t.transpose(0, 1))
+    runs = []
+    for rows in (2, 1):  # padded batch of 2 rows, then exactly the live batch
+        params = InferenceParams(2, 8, GROUPS, HIDDEN // HEADS, torch.float32, qkv_format=fmt,
+                                 device="cpu")  # fmt: skip
+        params.pre_step(OrderedDict([(0, 3), (1, 3)]))
+        mha(to_fmt(prompt), inference_params=params, rotary_pos_emb=freqs)
+        outputs = []
+        for step in range(tokens.shape[1]):
+            params.pre_step(OrderedDict([(0, 1)]))  # sequence 1 has finished
+            x = to_fmt(tokens[:rows, step : step + 1])
+            outputs.append(to_fmt(mha(x, inference_params=params, rotary_pos_emb=freqs))[0])
+        runs.append(outputs)
+    for padded, exact in zip(*runs):
+        torch.testing.assert_close(padded, exact, rtol=1e-6, atol=1e-6)

@@ -584,6 +584,11 @@ class MultiheadAttention(torch.nn.Module):
         if inference_params is not None:
             # Decoding: the new tokens sit after the ones already cached for each sequence.
             start_positions = inference_params.get_seqlens_pre_step()
+            # The batch may hold rows past the live sequences (InferenceParams.step ignores
+            # them); their RoPE offsets were missing, so apply_rotary_pos_emb refused the call.
+            extra = query.shape[0 if self.qkv_format == "bshd" else 1] - start_positions.numel()
+            if extra > 0:
+                start_positions = torch.nn.functional.pad(start_positions, (0, extra))
         rotate = dict(
             tensor_format=self.qkv_format, start_positions=start_positions,
             interleaved=self.rotary_pos_interleaved, fused=True,
