@@ -202,3 +202,38 @@ def test_rotary_decoding_with_rows_past_the_live_batch(fmt):
         runs.append(outputs)
     for padded, exact in zip(*runs):
         torch.testing.assert_close(padded, exact, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["non_paged", "paged"])
+def test_multihead_attention_decodes_thd_from_the_cache(paged):
+    """MultiheadAttention refused inference_params with qkv_format='thd' outright, though the
+    core attention decodes thd from the cache; only RoPE there stays refused (as upstream).
+    Prompts of 2 and 5 tokens, then one token per step: each output equals the module's causal
+    bshd output on that sequence alone."""
+    torch.manual_seed(1)
+    kwargs = dict(num_gqa_groups=GROUPS, attention_dropout=0.0, device="cpu", input_layernorm=True)
+    packed = MultiheadAttention(HIDDEN, HEADS, qkv_format="thd", attn_mask_type="padding_causal",
+                                **kwargs)  # fmt: skip
+    alone = MultiheadAttention(HIDDEN, HEADS, qkv_format="bshd", attn_mask_type="causal", **kwargs)
+    alone.load_state_dict(packed.state_dict())
+    totals, x = [6, 8], torch.randn(2, 8, HIDDEN, generator=torch.Generator().manual_seed(2))
+    expected = [alone(x[i : i + 1, :n])[0] for i, n in enumerate(totals)]
+    paging = dict(is_paged=True, page_size=4, total_num_pages=2 * 16 // 4) if paged else {}
+    params = InferenceParams(2, 16, GROUPS, HIDDEN // HEADS, torch.float32, qkv_format="thd",
+                             max_ctx_len=6, device="cpu", **paging)  # fmt: skip
+    done, new = [0, 0], [2, 5]
+    while done != totals:
+        live = [i for i in range(2) if done[i] < totals[i]]
+        params.pre_step(OrderedDict((i, new[i]) for i in live))
+        out = packed(torch.cat([x[i, done[i] : done[i] + new[i]] for i in live]),
+                     inference_params=params)  # fmt: skip
+        start = 0
+        for i in live:
+            want = expected[i][done[i] : done[i] + new[i]]
+            torch.testing.assert_close(out[start : start + new[i]], want, rtol=1e-5, atol=1e-5)
+            start, done[i] = start + new[i], done[i] + new[i]
+        new = [1, 1]
+    freqs = RotaryPositionEmbedding(HIDDEN // HEADS)(16)
+    params.pre_step(OrderedDict([(0, 1)]))
+    with pytest.raises(NotImplementedError, match="rotary_pos_emb with inference_params"):
+        packed(x[0, :1], inference_params=params, rotary_pos_emb=freqs)

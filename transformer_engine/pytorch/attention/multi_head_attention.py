@@ -454,10 +454,11 @@ class MultiheadAttention(torch.nn.Module):
         check_attention_mask(owner, attention_mask, attn_mask_type.replace(",", "_"))
         if self.attention_type == "cross" and encoder_output is None:
             raise ValueError(f"{owner}: attention_type='cross' needs encoder_output")
-        if inference_params is not None and self.qkv_format == "thd":
+        if inference_params is not None and self.qkv_format == "thd" and rotary_pos_emb is not None:
+            # thd decoding itself works (it was refused as a whole); RoPE is refused as upstream
             raise NotImplementedError(
-                f"{owner}: inference_params with qkv_format='thd' is not supported; use sbhd or "
-                "bshd inputs for KV-cache decoding"
+                f"{owner}: rotary_pos_emb with inference_params and qkv_format='thd' is not "
+                "supported; use sbhd or bshd inputs for KV-cache decoding with RoPE"
             )
 
         with device_guard(hidden_states.device):
