@@ -1,14 +1,18 @@
-"""Regressions found by probing the attention stack on the CPU, each against an independent
-float64 composition or against the same computation run the plain way.
+"""Regressions found by probing the attention stack on the CPU. Each test compares with the
+same computation made another way (a run under no_grad, the module on each sequence alone,
+the exact batch) or checks the error's message.
 
 * A KV cache (and ``InferenceParams``' lengths) created under ``torch.inference_mode`` stays
   usable outside it: a prefill under inference mode followed by decoding under ``no_grad``.
 * ``MultiheadAttention`` on ``thd`` with padding between sequences (``cu_seqlens_*_padded``)
   rotates by the padded offsets when ``pad_between_seqs`` is left at None (inferred), as the
   core attention places the sequences.
+* ``MultiheadAttention`` decoding with RoPE accepts a batch with rows past the live
+  sequences, and decodes ``thd`` inputs from the cache.
 * Bad inputs are refused with messages naming the bad value: an arbitrary mask that does not
   broadcast, ``cu_seqlens`` of the wrong dtype or rank, ``thd`` sides of different batch sizes,
-  and ``MultiheadAttention`` inputs of the wrong rank for their ``qkv_format``.
+  ``MultiheadAttention`` inputs of the wrong rank for their ``qkv_format``, and a KV cache
+  whose dtype differs from the inputs'.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ def _decoding_params(paged: bool) -> InferenceParams:
                            device="cpu", **paging)  # fmt: skip
 
 
-def _decode(mha, params, prompt, tokens, prefill_context, build_context=None):
+def _decode(mha, params, prompt, tokens, prefill_context):
     """Prefill ``prompt`` under ``prefill_context``, then decode ``tokens`` one step at a time
     under ``no_grad``; the order of the two sequences swaps after the prefill (rows move)."""
     outputs = []
