@@ -122,10 +122,15 @@ class _DeviceCacheManager(KVCacheManager):
         """Zeroed caches for ``layer_number`` on ``device`` (default: the manager's device)."""
         device = self.device if device is None else torch.device(device)
         slots = self.cache_shape[0] * self.cache_shape[1]
-        stores = tuple(
-            torch.zeros(slots + 1, self.num_heads, d, dtype=self.dtype, device=device)
-            for d in (self.head_dim_k, self.head_dim_v)
-        )
+        # Normal tensors even when a forward under torch.inference_mode allocates them (e.g.
+        # MultiheadAttention's lazy allocation): later steps write them in place, which torch
+        # refuses on inference tensors outside inference mode (a prefill under inference_mode
+        # followed by decoding under no_grad failed).
+        with torch.inference_mode(False):
+            stores = tuple(
+                torch.zeros(slots + 1, self.num_heads, d, dtype=self.dtype, device=device)
+                for d in (self.head_dim_k, self.head_dim_v)
+            )
         self._stores[layer_number] = stores
         self.cache[layer_number] = tuple(
             s[:slots].view(*self.cache_shape, *s.shape[1:]) for s in stores
@@ -230,9 +235,10 @@ class PagedKVCacheManager(_DeviceCacheManager):
         self.total_num_pages, self.page_size = total_num_pages, page_size
         self.max_batch_size, self.max_seqlen = max_batch_size, max_seqlen
         self.max_pages_per_seq = -(-max_seqlen // page_size)
-        self.page_table = torch.zeros(
-            max_batch_size, self.max_pages_per_seq, dtype=torch.int32, device=self.device
-        )
+        with torch.inference_mode(False):  # updated in place by every pre_step
+            self.page_table = torch.zeros(
+                max_batch_size, self.max_pages_per_seq, dtype=torch.int32, device=self.device
+            )
         self._page_tables: dict[torch.device, torch.Tensor] = {}
         self.reset()
 
@@ -393,9 +399,16 @@ class InferenceParams:
         self.max_ctx_len = max_ctx_len
         self.cache_qkv_format = "bshd"
         self._set_input_format(qkv_format)
-        self.cu_seqlens_q = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=self.device)
-        self.cu_seqlens_kv = torch.zeros_like(self.cu_seqlens_q)
-        self._lengths_pre_step = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
+        # Normal tensors even when built under torch.inference_mode: pre_step and reset update
+        # them in place, also outside inference mode.
+        with torch.inference_mode(False):
+            self.cu_seqlens_q = torch.zeros(
+                max_batch_size + 1, dtype=torch.int32, device=self.device
+            )
+            self.cu_seqlens_kv = torch.zeros_like(self.cu_seqlens_q)
+            self._lengths_pre_step = torch.zeros(
+                max_batch_size, dtype=torch.int32, device=self.device
+            )
         self.reset()
 
     def _set_input_format(self, qkv_format: str) -> None:

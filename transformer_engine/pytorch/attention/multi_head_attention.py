@@ -436,6 +436,15 @@ class MultiheadAttention(torch.nn.Module):
                 f"dimension (shape {tuple(hidden_states.shape)}), expected hidden_size="
                 f"{self.hidden_size}"
             )
+        # A wrong rank used to surface as the shape of an internal per-head view of Q/K/V.
+        rank, layout = (2, "[tokens, hidden]") if self.qkv_format == "thd" else (3, "")
+        layout = layout or f"[{', '.join(self.qkv_format[:2])}, hidden]"
+        for label, t in (("hidden_states", hidden_states), ("encoder_output", encoder_output)):
+            if isinstance(t, torch.Tensor) and t.dim() != rank:
+                raise ValueError(
+                    f"{owner}: {label} has shape {tuple(t.shape)} but qkv_format="
+                    f"{self.qkv_format!r} needs {rank} dimensions {layout}"
+                )
         if attn_mask_type is None:
             attn_mask_type = self.attn_mask_type
         if window_size is None:
@@ -445,10 +454,11 @@ class MultiheadAttention(torch.nn.Module):
         check_attention_mask(owner, attention_mask, attn_mask_type.replace(",", "_"))
         if self.attention_type == "cross" and encoder_output is None:
             raise ValueError(f"{owner}: attention_type='cross' needs encoder_output")
-        if inference_params is not None and self.qkv_format == "thd":
+        if inference_params is not None and self.qkv_format == "thd" and rotary_pos_emb is not None:
+            # thd decoding itself works (it was refused as a whole); RoPE is refused as upstream
             raise NotImplementedError(
-                f"{owner}: inference_params with qkv_format='thd' is not supported; use sbhd or "
-                "bshd inputs for KV-cache decoding"
+                f"{owner}: rotary_pos_emb with inference_params and qkv_format='thd' is not "
+                "supported; use sbhd or bshd inputs for KV-cache decoding with RoPE"
             )
 
         with device_guard(hidden_states.device):
@@ -470,10 +480,18 @@ class MultiheadAttention(torch.nn.Module):
             if self.q_norm is not None and self.qk_norm_before_rope:
                 query, key = self.q_norm(query), self.k_norm(key)
             if rotary_pos_emb is not None:
+                # pad_between_seqs=None is "inferred": the core attention places sequences by
+                # the padded cu_seqlens, so RoPE must too (None used to mean the unpadded ones,
+                # shifting every sequence after a gap). Equal cu_seqlens give equal results.
+                padded = pad_between_seqs is None or bool(pad_between_seqs)
+                rope_cu_q, rope_cu_kv = (
+                    padded_cu if padded and padded_cu is not None else cu
+                    for cu, padded_cu in ((cu_seqlens_q, cu_seqlens_q_padded),
+                                          (cu_seqlens_kv, cu_seqlens_kv_padded))
+                )  # fmt: skip
                 query, key = self._rotary(
-                    query, key, rotary_pos_emb, inference_params, pad_between_seqs,
-                    cu_seqlens_q_padded if pad_between_seqs else cu_seqlens_q,
-                    cu_seqlens_kv_padded if pad_between_seqs else cu_seqlens_kv,
+                    query, key, rotary_pos_emb, inference_params, pad_between_seqs, rope_cu_q,
+                    rope_cu_kv,
                 )  # fmt: skip
             if self.q_norm is not None and not self.qk_norm_before_rope:
                 query, key = self.q_norm(query), self.k_norm(key)
@@ -567,6 +585,11 @@ class MultiheadAttention(torch.nn.Module):
         if inference_params is not None:
             # Decoding: the new tokens sit after the ones already cached for each sequence.
             start_positions = inference_params.get_seqlens_pre_step()
+            # The batch may hold rows past the live sequences (InferenceParams.step ignores
+            # them); their RoPE offsets were missing, so apply_rotary_pos_emb refused the call.
+            extra = query.shape[0 if self.qkv_format == "bshd" else 1] - start_positions.numel()
+            if extra > 0:
+                start_positions = torch.nn.functional.pad(start_positions, (0, extra))
         rotate = dict(
             tensor_format=self.qkv_format, start_positions=start_positions,
             interleaved=self.rotary_pos_interleaved, fused=True,

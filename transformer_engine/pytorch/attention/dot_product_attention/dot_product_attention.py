@@ -408,6 +408,15 @@ class DotProductAttention(TransformerEngineBaseModule):
             )
         if mask_type == "padding_causal":
             mask_type = "padding_causal_bottom_right"
+        cache_dtype = getattr(inference_params, "dtype", None)
+        if cache_dtype is not None and cache_dtype != k.dtype:
+            # Named here: the cache casts the new K/V to its dtype, and check_qkv then reported
+            # dtypes the caller never passed ("query/key/value dtypes differ").
+            raise TypeError(
+                f"DotProductAttention: the KV cache holds {cache_dtype} (InferenceParams "
+                f"dtype) but the inputs are {k.dtype}; build InferenceParams with "
+                f"dtype={k.dtype}"
+            )
         self.attention_type = "cross"  # queries and keys differ in length from now on
         k_cache, v_cache, cu_q, cu_kv, _, out_format = inference_params.step(
             self.layer_number, k, v, fmt
@@ -450,6 +459,11 @@ class DotProductAttention(TransformerEngineBaseModule):
             raise ValueError(
                 f"DotProductAttention: batch sizes differ (queries {qb.shape[0]}, keys/values "
                 f"{kb.shape[0]})"
+                + (
+                    "; cu_seqlens_q and cu_seqlens_kv must both have batch + 1 entries"
+                    if "thd" in (q_format, kv_format)
+                    else ""
+                )  # fmt: skip
             )
         problem = build_problem(
             qb, kb, vb, q_side=q_side, kv_side=kv_side, mask_type=mask_type, window=window,

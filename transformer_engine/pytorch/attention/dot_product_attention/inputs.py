@@ -157,7 +157,12 @@ class SideLengths:
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor, device: torch.device) -> None:
     if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
-        raise TypeError(f"DotProductAttention: {name} must be a 1-D int32 tensor [batch + 1]")
+        # Names what was passed (the message used to state only the requirement).
+        got = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+        raise TypeError(
+            f"DotProductAttention: {name} must be a 1-D int32 tensor [batch + 1], got {got}; "
+            "pass e.g. cu.to(torch.int32).flatten()"
+        )
     if cu.device != device:
         raise ValueError(
             f"DotProductAttention: {name} is on {cu.device} but the inputs are on {device}; "
@@ -268,6 +273,16 @@ def build_problem(
             f"DotProductAttention: an arbitrary attention_mask must be bool (True = masked), "
             f"got {arbitrary_mask.dtype}"
         )
+    if arbitrary_mask is not None:
+        # Checked here: a mask that does not broadcast failed deep in keep_mask with torch's
+        # "The size of tensor a (3) must match the size of tensor b (2)", naming neither.
+        want = (b, heads, sq, skv)
+        have = tuple(arbitrary_mask.shape)
+        if len(have) > 4 or any(n not in (1, w) for n, w in zip(have[::-1], want[::-1])):
+            raise ValueError(
+                f"DotProductAttention: the arbitrary attention_mask has shape {have}; it must "
+                f"broadcast to [b, h, sq, skv] = {list(want)} (e.g. [b, 1, sq, skv])"
+            )
     plain = not padded and arbitrary_mask is None
     if plain and window == (-1, 0) and (not bottom_right or sq == skv):
         keep, implicit_causal = None, "top_left"
