@@ -427,7 +427,9 @@ class GroupedLinear(BasicOperation):
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx: OperationContext = basic_op_ctxs[0]
-        states = ctx.group_states
+        # a copy: the loop below lets go of each group's state when it is done, and a second
+        # backward through this forward (retain_graph=True) unpacks them again from ctx
+        states = list(ctx.group_states)
         saved_tensors, start = ctx.saved_tensors, 0
         for state, count in zip(states, ctx.saved_counts):
             state.unpack(saved_tensors[start : start + count])

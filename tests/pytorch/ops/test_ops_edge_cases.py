@@ -1,0 +1,79 @@
+"""Edge cases of te.ops found by probing: zero-token inputs through the FP8 producer fusions,
+a second backward through one forward (retain_graph=True), and similar corners.
+
+The oracle is plain PyTorch in float64 (or the same operations built afresh), never the
+operation under test against itself.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe as R
+from transformer_engine.pytorch import ops
+
+STATELESS_RECIPES = {
+    "bf16": None,
+    "current": R.Float8CurrentScaling(),
+    "block": R.Float8BlockScaling(),
+}
+
+
+def _autocast(recipe):
+    return te.autocast(enabled=recipe is not None, recipe=recipe)
+
+
+@pytest.mark.parametrize("recipe", [R.DelayedScaling(), R.Float8CurrentScaling()], ids=str)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", [(0,), (2, 0)])
+def test_zero_tokens_through_backward_activation_cast(recipe, bias, lead):
+    """Linear, GELU, Linear with no rows: the backward fusion (BackwardActivationCast) reshaped
+    the gradient with -1, which has no value for zero elements."""
+    torch.manual_seed(0)
+    seq = ops.Sequential(
+        ops.Linear(128, 128, bias=bias, device="cpu"),
+        ops.GELU(),
+        ops.Linear(128, 128, bias=bias, device="cpu"),
+    )
+    x = torch.randn(*lead, 128, requires_grad=True)
+    with _autocast(recipe):
+        y = seq(x)
+    assert y.shape == (*lead, 128)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    for p in seq.parameters():
+        assert p.grad is not None and p.grad.shape == p.shape
+        assert torch.count_nonzero(p.grad) == 0
+
+
+@pytest.mark.parametrize("name", list(STATELESS_RECIPES))
+def test_grouped_linear_backward_twice(name):
+    """A second backward through one GroupedLinear forward (retain_graph=True) gives the same
+    gradients (the first one threw away the per-group saved state)."""
+    recipe = STATELESS_RECIPES[name]
+    torch.manual_seed(0)
+    op = ops.GroupedLinear(3, 128, 128, device="cpu", dtype=torch.bfloat16)
+    x = torch.randn(384, 128, dtype=torch.bfloat16, requires_grad=True)
+    sizes = torch.tensor([128, 0, 256])
+    with _autocast(recipe):
+        y = op(x, sizes)
+    dy = torch.randn_like(y)
+    grads = []
+    for retain in (True, False):
+        y.backward(dy, retain_graph=retain)
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in op.parameters()])
+        x.grad = None
+        for p in op.parameters():
+            p.grad = None
+    for first, second in zip(*grads):
+        torch.testing.assert_close(first, second, rtol=0, atol=0)
+    if recipe is None:  # and against an independent computation
+        ref = torch.cat(
+            [
+                F.linear(rows.double(), getattr(op, f"weight{i}").double())
+                + getattr(op, f"bias{i}").double()
+                for i, rows in enumerate(x.detach().split([128, 0, 256]))
+            ]
+        )
+        torch.testing.assert_close(y.double(), ref, rtol=2e-2, atol=2e-2)
