@@ -77,3 +77,22 @@ def test_grouped_linear_backward_twice(name):
             ]
         )
         torch.testing.assert_close(y.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_sequential_setitem_keeps_name_and_checks_type():
+    """``seq[i] = module`` as in torch.nn.Sequential: the new module takes the replaced one's
+    name (the state-dict keys of a Sequential built from a dict stay), and a non-module is a
+    TypeError at once rather than "'int' object is not callable" at the next forward."""
+    seq = ops.Sequential({"norm": ops.LayerNorm(16, device="cpu"), "fc": ops.Linear(16, 16)})
+    x = torch.randn(4, 16)
+    seq(x)  # the groups exist before the replacement
+    fc = ops.Linear(16, 16, device="cpu")
+    seq[-1] = fc
+    assert list(seq._modules) == ["norm", "fc"] and seq.fc is fc
+    assert "fc.basic_ops.0.weight" in seq.state_dict()
+    y = seq(x)
+    ref = F.linear(F.layer_norm(x, (16,), seq.norm.weight, seq.norm.bias), fc.weight, fc.bias)
+    torch.testing.assert_close(y, ref)
+    with pytest.raises(TypeError, match="torch.nn.Modules, got int"):
+        seq[0] = 5
+    assert list(seq) == [seq.norm, fc]
