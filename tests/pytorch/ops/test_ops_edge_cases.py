@@ -96,3 +96,49 @@ def test_sequential_setitem_keeps_name_and_checks_type():
     with pytest.raises(TypeError, match="torch.nn.Modules, got int"):
         seq[0] = 5
     assert list(seq) == [seq.norm, fc]
+
+
+def _copy_of(seq, build):
+    fresh = build()
+    with torch.no_grad():
+        for p, q in zip(seq.parameters(), fresh.parameters()):
+            q.copy_(p)
+    return fresh
+
+
+@pytest.mark.parametrize("override", ["high_precision", "dequantized"])
+def test_fusion_plan_follows_backward_override(override):
+    """Switching between Float8CurrentScaling(backward_override=...) and Float8CurrentScaling()
+    (same recipe class) re-plans the fusions: the FP8 producer fusions, which apply only
+    without backward_override, were missing (or kept) after the switch, so the Sequential gave
+    other bits than a fresh one (BF16: the fusions round once)."""
+
+    def build():
+        torch.manual_seed(0)
+        return ops.Sequential(
+            ops.LayerNorm(64, device="cpu", dtype=torch.bfloat16),
+            ops.Linear(64, 128, device="cpu", dtype=torch.bfloat16),
+            ops.GELU(),
+            ops.Linear(128, 64, device="cpu", dtype=torch.bfloat16),
+        )
+
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    dy = torch.randn(32, 64, dtype=torch.bfloat16)
+
+    def step(seq, recipe):
+        for p in seq.parameters():
+            p.grad = None
+        inp = x.clone().requires_grad_()
+        with te.autocast(recipe=recipe):
+            y = seq(inp)
+        y.backward(dy)
+        return [y.detach(), inp.grad] + [p.grad for p in seq.parameters()]
+
+    plain_recipe = R.Float8CurrentScaling()
+    overridden = R.Float8CurrentScaling(backward_override=override)
+    for first, second in ((overridden, plain_recipe), (plain_recipe, overridden)):
+        seq = build()
+        step(seq, first)
+        fresh = _copy_of(seq, build)
+        for got, want in zip(step(seq, second), step(fresh, second)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -264,6 +264,9 @@ class OperationFuser:
         """Recompute the fused forward and backward lists when the configuration changed."""
         key = (
             type(recipe),
+            # the FP8 producer fusions apply only without backward_override: a plan made under
+            # one value must not outlive a switch to another recipe of the same class
+            getattr(recipe, "backward_override", None),
             first_op_requiring_backward,
             tuple(self.forward_backward_fusion_functions),
             tuple(self.forward_fusion_functions),
