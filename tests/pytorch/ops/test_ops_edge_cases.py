@@ -83,7 +83,9 @@ def test_sequential_setitem_keeps_name_and_checks_type():
     """``seq[i] = module`` as in torch.nn.Sequential: the new module takes the replaced one's
     name (the state-dict keys of a Sequential built from a dict stay), and a non-module is a
     TypeError at once rather than "'int' object is not callable" at the next forward."""
-    seq = ops.Sequential({"norm": ops.LayerNorm(16, device="cpu"), "fc": ops.Linear(16, 16)})
+    seq = ops.Sequential(
+        {"norm": ops.LayerNorm(16, device="cpu"), "fc": ops.Linear(16, 16, device="cpu")}
+    )
     x = torch.randn(4, 16)
     seq(x)  # the groups exist before the replacement
     fc = ops.Linear(16, 16, device="cpu")
@@ -142,3 +144,24 @@ def test_fusion_plan_follows_backward_override(override):
         fresh = _copy_of(seq, build)
         for got, want in zip(step(seq, second), step(fresh, second)):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_missing_extra_input_names_the_operation():
+    """A missing extra input names the operations that take them (the message was only
+    "expected 1 extra inputs, got 0")."""
+    seq = ops.Sequential(
+        ops.LayerNorm(16, device="cpu"), ops.GroupedLinear(2, 16, 16, device="cpu")
+    )
+    with pytest.raises(ValueError, match=r"got 0: .*GroupedLinear \(1\).*split sizes"):
+        seq(torch.randn(4, 16))
+    with pytest.raises(ValueError, match="got 1: no operation takes any; pass the input alone"):
+        ops.Linear(16, 16, device="cpu")(torch.randn(4, 16), torch.randn(16))
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_add_extra_input_shape_mismatch_names_both_shapes(in_place):
+    """An extra input that does not broadcast with the input is a ValueError naming the
+    operation and both shapes (it was torch's "The size of tensor a (4) must match ...")."""
+    seq = ops.Sequential(ops.Linear(16, 16, device="cpu"), ops.AddExtraInput(in_place=in_place))
+    with pytest.raises(ValueError, match=r"AddExtraInput: .* shape \(3, 16\).*\(4, 16\)"):
+        seq(torch.randn(4, 16), torch.randn(3, 16))

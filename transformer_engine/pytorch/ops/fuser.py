@@ -329,8 +329,21 @@ class OperationFuser:
                 "parameters are materialized onto the input's device)"
             )
         if len(extra_inputs) != self.num_extra_inputs:
+            # name the operations that take them: "expected 1, got 0" alone did not say that
+            # e.g. a GroupedLinear's split sizes were missing
+            takers = [
+                f"{type(op).__name__} ({count})"
+                for op, count in zip(self._basic_ops, self._num_extra_inputs)
+                if count
+            ]
+            hint = (
+                f"they are taken, in order, by {', '.join(takers)} (e.g. a GroupedLinear's "
+                "split sizes); pass them after the input"
+                if takers
+                else "no operation takes any; pass the input alone"
+            )
             raise ValueError(
-                f"expected {self.num_extra_inputs} extra inputs, got {len(extra_inputs)}"
+                f"expected {self.num_extra_inputs} extra inputs, got {len(extra_inputs)}: {hint}"
             )
         for i, extra in enumerate(extra_inputs):
             if not isinstance(extra, torch.Tensor):
