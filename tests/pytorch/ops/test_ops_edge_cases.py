@@ -165,3 +165,42 @@ def test_add_extra_input_shape_mismatch_names_both_shapes(in_place):
     seq = ops.Sequential(ops.Linear(16, 16, device="cpu"), ops.AddExtraInput(in_place=in_place))
     with pytest.raises(ValueError, match=r"AddExtraInput: .* shape \(3, 16\).*\(4, 16\)"):
         seq(torch.randn(4, 16), torch.randn(3, 16))
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_te_checkpoint_delayed_scaling_matches_plain_run(use_reentrant):
+    """te.checkpoint around an ops.Sequential under DelayedScaling: the recompute (in the
+    backward, after the autocast exit updated the scales) casts with the forward's scales, as
+    the modules' recompute does, so every step is bitwise the run without checkpointing (the
+    gradients were computed from activations quantized with the updated scales)."""
+
+    def build():
+        torch.manual_seed(0)
+        return ops.Sequential(
+            ops.LayerNorm(64, device="cpu"),
+            ops.Linear(64, 128, device="cpu"),
+            ops.GELU(),
+            ops.Linear(128, 64, device="cpu"),
+        )
+
+    plain, checkpointed = build(), build()
+    recipe = R.DelayedScaling()
+    for step in range(3):
+        torch.manual_seed(step + 1)
+        x, dy = torch.randn(32, 64), torch.randn(32, 64)
+        results = []
+        for seq, ckpt in ((plain, False), (checkpointed, True)):
+            for p in seq.parameters():
+                p.grad = None
+            inp = x.clone().requires_grad_()
+            with te.autocast(recipe=recipe):
+                if ckpt:
+                    y = te.checkpoint(seq, inp, use_reentrant=use_reentrant)
+                else:
+                    y = seq(inp)
+            y.backward(dy)
+            results.append([y.detach(), inp.grad] + [p.grad for p in seq.parameters()])
+        for got, want in zip(results[1], results[0]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for op in checkpointed.modules():
+        assert not op.__dict__.get("_recompute_stash"), "a stash outlived its recompute"

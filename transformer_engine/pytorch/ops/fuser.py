@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..device import device_guard
+from ..distributed import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
 from ..quantization import BackwardScaleUpdate, FP8GlobalStateManager, claim_backward_update
 from ..quantized_tensor import prepare_for_saving, restore_from_saved
 from .operation_context import OperationContext
@@ -367,8 +368,11 @@ class OperationFuser:
         first_module_flag = state.is_first_fp8_module
         device = input.device
         with device_guard(device):
+            swapped: list = []
             try:
                 self._prepare_operations(device, recipe)
+                if fp8:
+                    swapped = _recompute_swap_in(self._basic_ops)
                 params = self._read_parameters(device)
                 extras = _split(extra_inputs, self._num_extra_inputs)
                 first = count
@@ -415,7 +419,45 @@ class OperationFuser:
                 # leave the autocast region as it was: the first-module flag is handed back
                 state.is_first_fp8_module = first_module_flag
                 raise
+            finally:
+                _recompute_swap_out(swapped)
         return output
+
+
+def _recompute_swap_in(ops) -> list:
+    """Activation recompute (``te.checkpoint``) under delayed scaling, as the modules do it:
+    the original forward stashes the scales and amax histories it casts with; the recompute,
+    which runs in the backward after the autocast exit has updated them, casts with those
+    again, so that the backward reads the forward's activations (it read others, quantized
+    with the updated scales). Returns ``(state, up-to-date copy)`` pairs to put back."""
+    stashing = is_fp8_activation_recompute_enabled()
+    if not (stashing or in_fp8_activation_recompute_phase()):
+        return []
+    swapped = []
+    for op in ops:
+        state = op.recipe_state("forward")
+        state = state.delayed_scaling_state() if state is not None else None
+        if state is None:
+            continue
+        stash = op.__dict__.setdefault("_recompute_stash", [])
+        if stashing:
+            stash.append((state.scale.clone(), state.amax_history.clone()))
+        elif stash:
+            swapped.append((state, (state.scale.clone(), state.amax_history.clone())))
+            _restore_scaling(state, stash.pop(0))
+    return swapped
+
+
+def _recompute_swap_out(swapped: list) -> None:
+    """After a recompute: the up-to-date scales and histories again (its amaxes dropped)."""
+    for state, values in swapped:
+        _restore_scaling(state, values)
+
+
+def _restore_scaling(state, values) -> None:
+    with torch.no_grad():
+        state.scale.copy_(values[0])
+        state.amax_history.copy_(values[1])
 
 
 def _is_fusible(op) -> bool:
