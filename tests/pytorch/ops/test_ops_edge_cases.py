@@ -5,6 +5,8 @@ The oracle is plain PyTorch in float64 (or the same operations built afresh), ne
 operation under test against itself.
 """
 
+import io
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -204,3 +206,35 @@ def test_te_checkpoint_delayed_scaling_matches_plain_run(use_reentrant):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
     for op in checkpointed.modules():
         assert not op.__dict__.get("_recompute_stash"), "a stash outlived its recompute"
+
+
+def test_pickle_whole_sequential_after_delayed_scaling_forward():
+    """torch.save of a whole ops.Sequential (not its state dict) after a DelayedScaling step:
+    the operations held the process-wide amax registry, whose weak references cannot be
+    pickled. The loaded copy trains on bitwise like the original."""
+    torch.manual_seed(0)
+    seq = ops.Sequential(
+        ops.LayerNorm(64, device="cpu"),
+        ops.Linear(64, 64, device="cpu"),
+        ops.GELU(),
+        ops.GroupedLinear(2, 64, 64, device="cpu"),
+    )
+    recipe = R.DelayedScaling()
+    x, sizes, dy = torch.randn(32, 64), torch.tensor([16, 16]), torch.randn(32, 64)
+
+    def step(model):
+        for p in model.parameters():
+            p.grad = None
+        with te.autocast(recipe=recipe):
+            y = model(x, sizes)
+        y.backward(dy)
+        return [y.detach()] + [p.grad for p in model.parameters()]
+
+    step(seq)
+    buf = io.BytesIO()
+    torch.save(seq, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for _ in range(2):
+        for got, want in zip(step(loaded), step(seq)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -315,6 +315,23 @@ class BasicOperation(FusibleOperation):
                     meta["_registry"] = registry
                 FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(meta)
 
+    def __getstate__(self):
+        # The amax registry is process-wide, not the operation's: its reference and this
+        # operation's positions in it are left out of a pickle (torch.save of the whole
+        # module failed on the registry's weak references after a delayed-scaling forward)
+        # and of a deep copy (which copied the whole registry). The next FP8 forward of the
+        # restored or copied operation registers its own state, as register_recipe_state does
+        # for a state the registry does not know.
+        state = self.__dict__.copy()
+        metas = state.get("_fp8_metas")
+        if metas:
+            dropped = ("_registry", FP8GlobalStateManager.get_buffer_info())
+            state["_fp8_metas"] = {
+                mode: None if meta is None else {k: v for k, v in meta.items() if k not in dropped}
+                for mode, meta in metas.items()
+            }
+        return state
+
     # -- checkpoints ---------------------------------------------------------------------------
     def get_extra_state(self):
         """Delayed-scaling scales and histories as a ``torch.uint8`` tensor of bytes (no
