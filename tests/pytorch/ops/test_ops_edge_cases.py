@@ -5,7 +5,9 @@ The oracle is plain PyTorch in float64 (or the same operations built afresh), ne
 operation under test against itself.
 """
 
+import gc
 import io
+import weakref
 
 import pytest
 import torch
@@ -238,3 +240,47 @@ def test_pickle_whole_sequential_after_delayed_scaling_forward():
     for _ in range(2):
         for got, want in zip(step(loaded), step(seq)):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(STATELESS_RECIPES) + ["delayed"])
+def test_backward_releases_saved_tensors_while_output_lives(name):
+    """After a backward (without retain_graph) nothing keeps what the forward saved, though
+    the output (a loss still bound in a training loop during the next forward) keeps the
+    graph: the operations' contexts held the unpacked linear inputs and the refilled FP8
+    storages as long as the graph lived. A second backward with retain_graph=True still
+    gets the same gradients."""
+    recipe = R.DelayedScaling() if name == "delayed" else STATELESS_RECIPES[name]
+    torch.manual_seed(0)
+    seq = ops.Sequential(
+        ops.LayerNorm(128, device="cpu"),
+        ops.Linear(128, 128, device="cpu"),
+        ops.GELU(cache_quantized_input=True),
+        ops.GroupedLinear(2, 128, 128, device="cpu"),
+    )
+    params = {id(p) for p in seq.parameters()}
+    x = torch.randn(128, 128, requires_grad=True)
+    sizes = torch.tensor([64, 64])
+    saved = []
+
+    def pack(t):
+        if id(t) not in params and t is not x:
+            saved.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(recipe):
+        y = seq(x, sizes)
+    assert saved
+    dy = torch.randn_like(y)
+    grads = []
+    for retain in (True, False):
+        y.backward(dy, retain_graph=retain)
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in seq.parameters()])
+        x.grad = None
+        for p in seq.parameters():
+            p.grad = None
+    gc.collect()
+    assert y.grad_fn is not None  # the graph is still there ...
+    assert all(ref() is None for ref in saved)  # ... but what it saved is gone
+    if name != "delayed":  # delayed scaling updated its scales after the first backward
+        for first, second in zip(*grads):
+            torch.testing.assert_close(first, second, rtol=0, atol=0)

@@ -169,8 +169,14 @@ def _fuser_backward(func_ctx, call: _Call, grad_output, grad_extra_outputs):
         )
         for i, params, extras in zip(idxs, op_grad_params, op_grad_extra_inputs):
             grad_params[i], grad_extra_inputs[i] = params, extras
-    for ctx in ctxs:  # free what the operations saved as soon as possible
+    for op, ctx in zip(call.basic_ops, ctxs):  # free what the operations saved
         ctx.saved_tensors = ()
+        # the storages restore_from_saved refilled hand their buffers back (they would keep
+        # them as long as the graph lives); a second backward refills them
+        for storage in ctx._saved_objects:
+            if storage is not None:
+                storage.prepare_for_saving()
+        op.release_saved(ctx)
 
     flat_params: list = []
     for i, (grads, expected) in enumerate(zip(grad_params, call.num_params)):

@@ -395,6 +395,13 @@ class BasicOperation(FusibleOperation):
         grad_input, grad_params = self.op_backward(basic_op_ctxs[0], grad_output)
         return grad_input, [list(grad_params)], [()]
 
+    def release_saved(self, ctx: OperationContext) -> None:
+        """Hook run by the fuser after each backward: drop the references to saved tensors
+        that this operation put back into ``ctx`` itself (outside ``ctx.saved_tensors``), so
+        that they are freed with autograd's copies instead of living as long as the graph
+        (the output). A second backward (``retain_graph=True``) must find ``ctx`` as the
+        forward left it."""
+
     def forward(self, input: torch.Tensor, *extra_inputs: torch.Tensor, **kwargs):  # noqa: D102
         return OperationFuser([self])(input, *extra_inputs, basic_op_kwargs=[kwargs])
 

@@ -53,6 +53,7 @@ from ._common import (
     plain,
     quantize_weight_in_slot,
 )
+from .basic_linear import release_unpacked
 
 __all__ = ["GroupedLinear"]
 
@@ -424,6 +425,12 @@ class GroupedLinear(BasicOperation):
             ctx.needs_gemm = [ctx.input_requires_grad or w.requires_grad for w in weights]
         output = torch.cat(outputs, dim=0)
         return output.reshape(*ctx.input_shape[:-1], self.out_features), [()]
+
+    def release_saved(self, ctx: OperationContext) -> None:  # noqa: D102
+        # the deferred weight gradients (backward_dw) still read the saved inputs
+        if self.wgrad_store is None and getattr(ctx, "group_states", None):
+            for state in ctx.group_states:
+                release_unpacked(state)
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx: OperationContext = basic_op_ctxs[0]
