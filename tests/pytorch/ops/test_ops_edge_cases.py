@@ -284,3 +284,23 @@ def test_backward_releases_saved_tensors_while_output_lives(name):
     if name != "delayed":  # delayed scaling updated its scales after the first backward
         for first, second in zip(*grads):
             torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
+def test_grouped_linear_split_sizes_take_any_integers():
+    """GroupedLinear's split sizes as NumPy integers or 0-d integer tensors (they were refused
+    as "must be ints"); floats and bools are still refused, naming the fix."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    op = ops.GroupedLinear(2, 16, 16, device="cpu")
+    x = torch.randn(8, 16)
+    ref = torch.cat(
+        [
+            F.linear(x[:3], op.weight0, op.bias0),
+            F.linear(x[3:], op.weight1, op.bias1),
+        ]
+    )
+    for sizes in (np.array([3, 5]), [np.int32(3), np.int64(5)], [torch.tensor(3), 5]):
+        torch.testing.assert_close(op(x, sizes), ref)
+    for bad in ([3.0, 5.0], [True, 7]):
+        with pytest.raises(ValueError, match="must be integers.*list of ints or an integer"):
+            op(x, bad)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import warnings
 
 import torch
@@ -308,10 +309,20 @@ class GroupedLinear(BasicOperation):
                 f"GroupedLinear: the split sizes must be a 1-D integer tensor or a list of ints, "
                 f"got {type(split_sizes).__name__}"
             ) from None
+        ints = []
         for m in sizes:
-            if isinstance(m, bool) or not isinstance(m, int):
-                raise ValueError(f"GroupedLinear: the split sizes must be ints, got {sizes!r}")
-        return sizes
+            # any integer (operator.index): NumPy integers (iterating an array, e.g. of
+            # np.bincount) and 0-d integer tensors were refused as "must be ints"
+            try:
+                if isinstance(m, bool):
+                    raise TypeError
+                ints.append(operator.index(m))
+            except TypeError:
+                raise ValueError(
+                    f"GroupedLinear: the split sizes must be integers, got {sizes!r}; pass a "
+                    "list of ints or an integer tensor"
+                ) from None
+        return ints
 
     def _split_sizes(self, split_sizes, rows: int) -> list[int]:
         if not isinstance(split_sizes, torch.Tensor):
