@@ -5,6 +5,7 @@ The oracle is plain PyTorch in float64 (or the same operations built afresh), ne
 operation under test against itself.
 """
 
+import copy
 import gc
 import io
 import weakref
@@ -304,3 +305,16 @@ def test_grouped_linear_split_sizes_take_any_integers():
     for bad in ([3.0, 5.0], [True, 7]):
         with pytest.raises(ValueError, match="must be integers.*list of ints or an integer"):
             op(x, bad)
+
+
+def test_shallow_copy_shares_recipe_state():
+    """copy.copy of an operation shares its recipe state and registration (only pickles and
+    deep copies leave the amax registry out), so the same scales are never registered twice."""
+    op = ops.BasicLinear(64, 64, device="cpu")
+    with te.autocast(recipe=R.DelayedScaling()):
+        op(torch.randn(32, 64, requires_grad=True)).sum().backward()
+    shallow, deep = copy.copy(op), copy.deepcopy(op)
+    assert shallow._fp8_metas is op._fp8_metas and shallow.weight is op.weight
+    assert deep.recipe_state("forward").scale is not op.recipe_state("forward").scale
+    assert "_registry" in op._fp8_metas["forward"]
+    assert "_registry" not in deep._fp8_metas["forward"]

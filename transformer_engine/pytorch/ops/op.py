@@ -332,6 +332,13 @@ class BasicOperation(FusibleOperation):
             }
         return state
 
+    def __copy__(self):
+        # a shallow copy shares the recipe state and its registration, as before
+        # __getstate__ existed (separate metas would register the same tensors twice)
+        new = type(self).__new__(type(self))
+        new.__setstate__(self.__dict__.copy())
+        return new
+
     # -- checkpoints ---------------------------------------------------------------------------
     def get_extra_state(self):
         """Delayed-scaling scales and histories as a ``torch.uint8`` tensor of bytes (no
