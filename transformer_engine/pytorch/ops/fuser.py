@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..device import device_guard
+from ..distributed import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
 from ..quantization import BackwardScaleUpdate, FP8GlobalStateManager, claim_backward_update
 from ..quantized_tensor import prepare_for_saving, restore_from_saved
 from .operation_context import OperationContext
@@ -168,8 +169,14 @@ def _fuser_backward(func_ctx, call: _Call, grad_output, grad_extra_outputs):
         )
         for i, params, extras in zip(idxs, op_grad_params, op_grad_extra_inputs):
             grad_params[i], grad_extra_inputs[i] = params, extras
-    for ctx in ctxs:  # free what the operations saved as soon as possible
+    for op, ctx in zip(call.basic_ops, ctxs):  # free what the operations saved
         ctx.saved_tensors = ()
+        # the storages restore_from_saved refilled hand their buffers back (they would keep
+        # them as long as the graph lives); a second backward refills them
+        for storage in ctx._saved_objects:
+            if storage is not None:
+                storage.prepare_for_saving()
+        op.release_saved(ctx)
 
     flat_params: list = []
     for i, (grads, expected) in enumerate(zip(grad_params, call.num_params)):
@@ -264,6 +271,9 @@ class OperationFuser:
         """Recompute the fused forward and backward lists when the configuration changed."""
         key = (
             type(recipe),
+            # the FP8 producer fusions apply only without backward_override: a plan made under
+            # one value must not outlive a switch to another recipe of the same class
+            getattr(recipe, "backward_override", None),
             first_op_requiring_backward,
             tuple(self.forward_backward_fusion_functions),
             tuple(self.forward_fusion_functions),
@@ -326,8 +336,21 @@ class OperationFuser:
                 "parameters are materialized onto the input's device)"
             )
         if len(extra_inputs) != self.num_extra_inputs:
+            # name the operations that take them: "expected 1, got 0" alone did not say that
+            # e.g. a GroupedLinear's split sizes were missing
+            takers = [
+                f"{type(op).__name__} ({count})"
+                for op, count in zip(self._basic_ops, self._num_extra_inputs)
+                if count
+            ]
+            hint = (
+                f"they are taken, in order, by {', '.join(takers)} (e.g. a GroupedLinear's "
+                "split sizes); pass them after the input"
+                if takers
+                else "no operation takes any; pass the input alone"
+            )
             raise ValueError(
-                f"expected {self.num_extra_inputs} extra inputs, got {len(extra_inputs)}"
+                f"expected {self.num_extra_inputs} extra inputs, got {len(extra_inputs)}: {hint}"
             )
         for i, extra in enumerate(extra_inputs):
             if not isinstance(extra, torch.Tensor):
@@ -351,8 +374,11 @@ class OperationFuser:
         first_module_flag = state.is_first_fp8_module
         device = input.device
         with device_guard(device):
+            swapped: list = []
             try:
                 self._prepare_operations(device, recipe)
+                if fp8:
+                    swapped = _recompute_swap_in(self._basic_ops)
                 params = self._read_parameters(device)
                 extras = _split(extra_inputs, self._num_extra_inputs)
                 first = count
@@ -399,7 +425,45 @@ class OperationFuser:
                 # leave the autocast region as it was: the first-module flag is handed back
                 state.is_first_fp8_module = first_module_flag
                 raise
+            finally:
+                _recompute_swap_out(swapped)
         return output
+
+
+def _recompute_swap_in(ops) -> list:
+    """Activation recompute (``te.checkpoint``) under delayed scaling, as the modules do it:
+    the original forward stashes the scales and amax histories it casts with; the recompute,
+    which runs in the backward after the autocast exit has updated them, casts with those
+    again, so that the backward reads the forward's activations (it read others, quantized
+    with the updated scales). Returns ``(state, up-to-date copy)`` pairs to put back."""
+    stashing = is_fp8_activation_recompute_enabled()
+    if not (stashing or in_fp8_activation_recompute_phase()):
+        return []
+    swapped = []
+    for op in ops:
+        state = op.recipe_state("forward")
+        state = state.delayed_scaling_state() if state is not None else None
+        if state is None:
+            continue
+        stash = op.__dict__.setdefault("_recompute_stash", [])
+        if stashing:
+            stash.append((state.scale.clone(), state.amax_history.clone()))
+        elif stash:
+            swapped.append((state, (state.scale.clone(), state.amax_history.clone())))
+            _restore_scaling(state, stash.pop(0))
+    return swapped
+
+
+def _recompute_swap_out(swapped: list) -> None:
+    """After a recompute: the up-to-date scales and histories again (its amaxes dropped)."""
+    for state, values in swapped:
+        _restore_scaling(state, values)
+
+
+def _restore_scaling(state, values) -> None:
+    with torch.no_grad():
+        state.scale.copy_(values[0])
+        state.amax_history.copy_(values[1])
 
 
 def _is_fusible(op) -> bool:

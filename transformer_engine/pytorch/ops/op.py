@@ -315,6 +315,30 @@ class BasicOperation(FusibleOperation):
                     meta["_registry"] = registry
                 FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(meta)
 
+    def __getstate__(self):
+        # The amax registry is process-wide, not the operation's: its reference and this
+        # operation's positions in it are left out of a pickle (torch.save of the whole
+        # module failed on the registry's weak references after a delayed-scaling forward)
+        # and of a deep copy (which copied the whole registry). The next FP8 forward of the
+        # restored or copied operation registers its own state, as register_recipe_state does
+        # for a state the registry does not know.
+        state = self.__dict__.copy()
+        metas = state.get("_fp8_metas")
+        if metas:
+            dropped = ("_registry", FP8GlobalStateManager.get_buffer_info())
+            state["_fp8_metas"] = {
+                mode: None if meta is None else {k: v for k, v in meta.items() if k not in dropped}
+                for mode, meta in metas.items()
+            }
+        return state
+
+    def __copy__(self):
+        # a shallow copy shares the recipe state and its registration, as before
+        # __getstate__ existed (separate metas would register the same tensors twice)
+        new = type(self).__new__(type(self))
+        new.__setstate__(self.__dict__.copy())
+        return new
+
     # -- checkpoints ---------------------------------------------------------------------------
     def get_extra_state(self):
         """Delayed-scaling scales and histories as a ``torch.uint8`` tensor of bytes (no
@@ -377,6 +401,13 @@ class BasicOperation(FusibleOperation):
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         grad_input, grad_params = self.op_backward(basic_op_ctxs[0], grad_output)
         return grad_input, [list(grad_params)], [()]
+
+    def release_saved(self, ctx: OperationContext) -> None:
+        """Hook run by the fuser after each backward: drop the references to saved tensors
+        that this operation put back into ``ctx`` itself (outside ``ctx.saved_tensors``), so
+        that they are freed with autograd's copies instead of living as long as the graph
+        (the output). A second backward (``retain_graph=True``) must find ``ctx`` as the
+        forward left it."""
 
     def forward(self, input: torch.Tensor, *extra_inputs: torch.Tensor, **kwargs):  # noqa: D102
         return OperationFuser([self])(input, *extra_inputs, basic_op_kwargs=[kwargs])

@@ -60,9 +60,14 @@ class Sequential(torch.nn.Module):
         return modules[index]
 
     def __setitem__(self, index: int, module: torch.nn.Module) -> None:
-        modules = list(self._modules.values())
-        modules[index] = module
-        self._renumbered(modules)
+        # As torch.nn.Sequential: the module is checked (a non-module failed only at the next
+        # forward, as "'int' object is not callable") and takes the replaced one's name (a
+        # Sequential built from a dict kept its names, and its state-dict keys, until then)
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"Sequential holds torch.nn.Modules, got {type(module).__name__}")
+        keys = list(self._modules.keys())
+        self._modules[keys[index]] = module
+        self._module_groups = None
 
     def __delitem__(self, index: int | slice) -> None:
         modules = list(self._modules.values())

@@ -72,9 +72,18 @@ class AddExtraInput(BasicOperation):
         ctx = basic_op_ctxs[0]
         ctx.input_dtype, ctx.extra_dtype = x.dtype, extra.dtype
         ctx.input_shape, ctx.extra_shape = x.shape, extra.shape
+        try:
+            out_shape = torch.broadcast_shapes(x.shape, extra.shape)
+        except RuntimeError:
+            # torch's own message ("The size of tensor a (4) must match ...") names neither
+            # the operation nor which tensor is which
+            raise ValueError(
+                f"AddExtraInput: the extra input has shape {tuple(extra.shape)}, which does not "
+                f"broadcast with the input's shape {tuple(x.shape)}; pass an extra input of "
+                "the input's shape (or one that broadcasts to it)"
+            ) from None
         if not self.in_place:
             return x + extra, [()]
-        out_shape = torch.broadcast_shapes(x.shape, extra.shape)
         if out_shape != extra.shape:
             raise ValueError(
                 f"AddExtraInput(in_place=True): the extra input has shape {tuple(extra.shape)} "

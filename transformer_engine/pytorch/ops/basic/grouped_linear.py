@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import warnings
 
 import torch
@@ -53,6 +54,7 @@ from ._common import (
     plain,
     quantize_weight_in_slot,
 )
+from .basic_linear import release_unpacked
 
 __all__ = ["GroupedLinear"]
 
@@ -307,10 +309,20 @@ class GroupedLinear(BasicOperation):
                 f"GroupedLinear: the split sizes must be a 1-D integer tensor or a list of ints, "
                 f"got {type(split_sizes).__name__}"
             ) from None
+        ints = []
         for m in sizes:
-            if isinstance(m, bool) or not isinstance(m, int):
-                raise ValueError(f"GroupedLinear: the split sizes must be ints, got {sizes!r}")
-        return sizes
+            # any integer (operator.index): NumPy integers (iterating an array, e.g. of
+            # np.bincount) and 0-d integer tensors were refused as "must be ints"
+            try:
+                if isinstance(m, bool):
+                    raise TypeError
+                ints.append(operator.index(m))
+            except TypeError:
+                raise ValueError(
+                    f"GroupedLinear: the split sizes must be integers, got {sizes!r}; pass a "
+                    "list of ints or an integer tensor"
+                ) from None
+        return ints
 
     def _split_sizes(self, split_sizes, rows: int) -> list[int]:
         if not isinstance(split_sizes, torch.Tensor):
@@ -425,9 +437,17 @@ class GroupedLinear(BasicOperation):
         output = torch.cat(outputs, dim=0)
         return output.reshape(*ctx.input_shape[:-1], self.out_features), [()]
 
+    def release_saved(self, ctx: OperationContext) -> None:  # noqa: D102
+        # the deferred weight gradients (backward_dw) still read the saved inputs
+        if self.wgrad_store is None and getattr(ctx, "group_states", None):
+            for state in ctx.group_states:
+                release_unpacked(state)
+
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx: OperationContext = basic_op_ctxs[0]
-        states = ctx.group_states
+        # a copy: the loop below lets go of each group's state when it is done, and a second
+        # backward through this forward (retain_graph=True) unpacks them again from ctx
+        states = list(ctx.group_states)
         saved_tensors, start = ctx.saved_tensors, 0
         for state, count in zip(states, ctx.saved_counts):
             state.unpack(saved_tensors[start : start + count])

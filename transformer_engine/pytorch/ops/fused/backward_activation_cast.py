@@ -69,7 +69,8 @@ class BackwardActivationCast(FusedOperation):
         grad = grad if grad.dtype == h.dtype else grad.to(h.dtype)
         spec = activation._spec()
         h2 = h.reshape(-1, h.shape[-1])
-        grad2 = grad.reshape(h2.shape[0], -1)
+        # the width spelled out: -1 cannot be inferred when there are no rows (zero tokens)
+        grad2 = grad.reshape(h2.shape[0], grad.shape[-1])
         bias_ctx = basic_op_ctxs[1] if len(self.basic_ops) == 3 else None
         with_dbias = bias_ctx is not None and bias_ctx.bias_requires_grad
 
