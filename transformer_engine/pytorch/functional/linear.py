@@ -164,12 +164,20 @@ class LinearSaved:
         """How many of the tensors :meth:`pack` returned belong to ``x``."""
         return len(packed) if self._x_storage is not None else 1
 
-    def drop_input(self) -> None:
-        """Forget ``x`` once its gradient users are done: an FP8 storage's typed views (made
-        by the backward GEMMs) share its buffers' memory, so releasing the saved tensors alone
-        would not free the bytes while this object still holds the storage."""
-        self.x = None
-        self._x_storage = None
+    def release_unpacked(self) -> None:
+        """Undo :meth:`unpack` once a backward is done with the operands: what it put back
+        (``x``, an FP8 storage's buffers and the typed views the GEMMs made of them) would
+        otherwise hold the forward's saved input for as long as the graph lives, i.e. into the
+        next step's forward while the caller keeps the loss. The buffers stay autograd's: a
+        second backward (``retain_graph=True``) unpacks them again. An FP8 weight copy is
+        kept (it is not autograd's to give back)."""
+        if self._x_storage is not None:
+            for storage in self._x_storage:
+                if storage is not None:
+                    storage.prepare_for_saving()  # hands its buffers out, forgets its views
+            self.x = None
+        else:
+            self.x = self.w = None
 
     def unpack(self, saved_tensors) -> None:
         """Put back the tensors :meth:`pack` took out (``ctx.saved_tensors``)."""

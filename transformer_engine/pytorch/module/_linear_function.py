@@ -91,6 +91,8 @@ class _LinearFunction(torch.autograd.Function):
                     rowwise=saved.w is not None, columnwise=saved.x is not None,
                 )  # fmt: skip
             dx, dw, dbias = linear_backward(saved, grad_out)
+            if saved.config.wgrad_store is None:  # else backward_dw() still reads x
+                saved.release_unpacked()
             if dx is not None and ctx.sp_group is not None:
                 dx = reduce_scatter_along_first_dim(dx, ctx.sp_group)[0].view(ctx.inp_shape)
             if ctx.backward_update is not None:

@@ -165,8 +165,8 @@ class _MLPBody(torch.autograd.Function):
             # Saved tensors live until this node's backward returns; the ones this node made
             # and no longer needs give their memory back now (FC1's GEMMs run next).
             if saved2.config.wgrad_store is None:  # else backward_dw() still reads them
+                saved2.release_unpacked()  # the storage's views would keep the bytes
                 _release(tensors[ctx.split : ctx.split + ctx.act_tensors])
-                saved2.drop_input()
             d_ln = dw1 = db1 = None
             if ctx.fc1_needed:
                 if ctx.regather:
@@ -179,6 +179,8 @@ class _MLPBody(torch.autograd.Function):
                     d_ln = reduce_scatter_along_first_dim(d_ln, ctx.sp_group)[0]
                 if d_ln is not None:
                     d_ln = d_ln.reshape(ctx.ln_shape)
+            if saved1.config.wgrad_store is None:  # else backward_dw() still reads x
+                saved1.release_unpacked()
             if ctx.backward_update is not None:
                 ctx.backward_update.complete()
         return d_ln, dw1, db1, dw2, db2, None, None, None, None, None, None

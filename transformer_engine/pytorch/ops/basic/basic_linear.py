@@ -31,7 +31,7 @@ from ._common import (
     quantize_weight_in_slot,
 )
 
-__all__ = ["BasicLinear", "is_produced_input", "release_unpacked"]
+__all__ = ["BasicLinear", "is_produced_input"]
 
 # quantizer slots (upstream's layout): forward [input, weight], backward [grad_output]
 _INPUT, _WEIGHT, _GRAD_OUTPUT = 0, 1, 0
@@ -300,7 +300,7 @@ class BasicLinear(BasicOperation):
 
     def release_saved(self, ctx: OperationContext) -> None:  # noqa: D102
         if getattr(ctx, "linear_unpacked", False):
-            release_unpacked(ctx.linear_saved)
+            ctx.linear_saved.release_unpacked()
             ctx.linear_unpacked = False  # a second backward unpacks again
 
     def grad_output_layouts(self, ctx: OperationContext) -> tuple[bool, bool] | None:
@@ -330,20 +330,6 @@ class BasicLinear(BasicOperation):
         if grad_weight is not None and grad_weight.dtype != ctx.weight_dtype:
             grad_weight = grad_weight.to(ctx.weight_dtype)
         return grad_input, [grad_weight]
-
-
-def release_unpacked(saved) -> None:
-    """Undo ``LinearSaved.unpack`` after a backward: the operand it put back (and an FP8
-    storage's buffers) held the forward's saved input for as long as the graph lived, i.e.
-    into the next step's forward while the caller keeps the loss (the operation's context
-    outlives its backward). ``unpack`` puts them back from the autograd-saved tensors."""
-    if saved._x_storage is not None:
-        for storage in saved._x_storage:
-            if storage is not None:
-                storage.prepare_for_saving()  # hands its buffers out: they are autograd's
-        saved.x = None
-    else:
-        saved.x = saved.w = None
 
 
 def is_produced_input(tensor) -> bool:

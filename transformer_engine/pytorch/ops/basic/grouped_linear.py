@@ -54,7 +54,6 @@ from ._common import (
     plain,
     quantize_weight_in_slot,
 )
-from .basic_linear import release_unpacked
 
 __all__ = ["GroupedLinear"]
 
@@ -441,7 +440,7 @@ class GroupedLinear(BasicOperation):
         # the deferred weight gradients (backward_dw) still read the saved inputs
         if self.wgrad_store is None and getattr(ctx, "group_states", None):
             for state in ctx.group_states:
-                release_unpacked(state)
+                state.release_unpacked()
 
     def fuser_backward(self, basic_op_ctxs, grad_output, *, basic_op_grad_extra_outputs):
         ctx: OperationContext = basic_op_ctxs[0]
