@@ -273,6 +273,15 @@ class Float8TensorStorage(QuantizedTensorStorage):
         self.__dict__.pop("_data_fp8_view", None)
         self.__dict__.pop("_transpose_fp8_view", None)
 
+    def __getstate__(self) -> dict:
+        # Pickles leave out the typed FP8 views: torch cannot unpickle two dtypes of one
+        # storage ("'UntypedStorage' has no attribute 'dtype'" in pickle.loads), and
+        # float8_gemm_input makes them again from the loaded bytes.
+        state = dict(self.__dict__)
+        state.pop("_data_fp8_view", None)
+        state.pop("_transpose_fp8_view", None)
+        return state
+
     # ------------------------------------------------------------------ geometry
 
     def size(self, *args, **kwargs):
