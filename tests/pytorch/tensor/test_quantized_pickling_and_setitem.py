@@ -2,6 +2,7 @@
 holds typed FP8 views, and ``t[key] = value`` where ``t[key]`` is not a view of ``t``'s bytes."""
 
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -54,3 +55,67 @@ def test_pickled_float8_storage_loads_back(kind, columnwise):
     assert values.dtype == torch.float8_e4m3fn
     assert values.untyped_storage().data_ptr() == loaded._data.untyped_storage().data_ptr()
     assert torch.equal(scale_inv, storage._scale_inv)
+
+
+_KEYS = {
+    "column": (slice(None), slice(0, 4)),
+    "ellipsis_column": (Ellipsis, 3),
+    "strided_rows": (slice(None, None, 2),),
+    "row": (1,),
+    "rows": (slice(2, 6),),
+    "element": (1, 2),
+    "index_tensor": (torch.tensor([1, 3]),),
+}
+
+
+@pytest.mark.parametrize("kind", list(_quantizers()))
+@pytest.mark.parametrize("key", list(_KEYS))
+def test_indexed_write_reaches_the_tensor(kind, key):
+    # Indexing that gives a dequantized copy (a column, a strided slice, any index of a
+    # block-scaled tensor) made `t[key] = v` write into that copy: t silently kept its values.
+    index = _KEYS[key]
+    quantize = _quantizers()[kind]()
+    x = torch.randn(128, 256, dtype=torch.bfloat16)
+    y = torch.randn(128, 256, dtype=torch.bfloat16) * 4
+    t = quantize(x)
+    before = t.dequantize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t[index] = y[index]
+    got = t.dequantize()
+    assert type(t) is type(quantize(x)) and got.dtype == torch.bfloat16
+    expected = before.clone()
+    expected[index] = y[index]
+    if kind in ("delayed", "current") and key in ("row", "rows"):
+        # A dim-0 view of a Float8Tensor: its bytes are written with t's own scale.
+        scale_inv = t._scale_inv.float()
+        ref = torch.clamp(y[index].float() / scale_inv, -448, 448).to(torch.float8_e4m3fn)
+        torch.testing.assert_close(got[index], (ref.float() * scale_inv).bfloat16())
+        untouched = torch.ones(128, dtype=torch.bool)
+        untouched[index] = False
+        assert torch.equal(got[untouched], before[untouched])
+    else:
+        # Written through the dequantized values, then t re-quantized: t equals the cast of
+        # the written values.
+        torch.testing.assert_close(got, quantize(expected).dequantize(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["current", "mxfp8"])
+def test_indexed_write_with_autograd(kind):
+    quantize = _quantizers()[kind]()
+    leaf = torch.nn.Parameter(quantize(torch.randn(64, 64)))
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        leaf[:, 0] = 1.0
+    with torch.no_grad():
+        leaf[:, 0] = 1.0
+    assert torch.equal(leaf.dequantize(), quantize(leaf.dequantize()).dequantize())
+    torch.testing.assert_close(leaf.dequantize()[:, 0].float(), torch.ones(64), rtol=0.07, atol=0)
+    # A non-leaf: autograd records the write (no gradient reaches the overwritten column).
+    x = torch.randn(64, 64, requires_grad=True)
+    t = quantize(x)
+    t[:, 0] = 1.0
+    torch.testing.assert_close(t.dequantize()[:, 0].float(), torch.ones(64), rtol=0.07, atol=0)
+    t.dequantize().sum().backward()
+    expected = torch.ones(64, 64)
+    expected[:, 0] = 0
+    assert torch.equal(x.grad, expected)

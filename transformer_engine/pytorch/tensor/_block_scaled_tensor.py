@@ -16,6 +16,7 @@ import torch
 from ..constants import HIGH_PRECISION_DTYPES
 from ..quantized_tensor import QuantizedTensor
 from ._float8_quantize_into import high_precision_source
+from ._quantized_setitem import quantized_setitem
 
 __all__ = ["BlockScaledTensorMixin", "check_cast_input", "requantize_into", "storage_buffers"]
 
@@ -114,6 +115,11 @@ class BlockScaledTensorMixin:
 
         buffers = {n: move(getattr(self, n)) for n in self._buffer_names}
         return self._with_buffers(self.shape, buffers)
+
+    def __setitem__(self, key, value) -> None:
+        # Indexing gives a dequantized copy (blocks are not sliced in place), so torch's write
+        # into it never reached this tensor; the write is re-quantized into it instead.
+        quantized_setitem(self, key, value, writes_through=False)
 
     @property
     def data(self) -> torch.Tensor:

@@ -21,6 +21,7 @@ from ..constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
 from ..quantized_tensor import QuantizedTensor
 from ._float8_dispatch import FLOAT8_HANDLERS
 from ._float8_quantize_into import quantize_into
+from ._quantized_setitem import is_dim0_view_key, quantized_setitem
 from .storage.float8_tensor_storage import Float8TensorStorage, check_float8_buffers
 
 __all__ = ["Float8Tensor", "_make_float8_tensor_in_reduce_ex"]
@@ -286,6 +287,12 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
         )
 
     __str__ = __repr__
+
+    def __setitem__(self, key, value) -> None:
+        # Only dim-0 rows and slices of the row-wise bytes are views of them; any other index
+        # gives a copy, and a write into it must be re-quantized into this tensor.
+        writes_through = self._data is not None and is_dim0_view_key(key)
+        quantized_setitem(self, key, value, writes_through=writes_through)
 
     def __reduce_ex__(self, protocol):
         return (
