@@ -1,6 +1,7 @@
 """Round trips and writes that once went wrong silently or crashed: pickling a storage that
 holds typed FP8 views, and ``t[key] = value`` where ``t[key]`` is not a view of ``t``'s bytes."""
 
+import io
 import pickle
 import warnings
 
@@ -132,3 +133,39 @@ def test_multi_quantize_is_quantize_of_each(kind):
         ref = quantizer(x)
         assert type(got) is type(ref) and got.shape == x.shape and got.dtype == x.dtype
         assert torch.equal(got.dequantize(), ref.dequantize())
+
+
+@pytest.mark.parametrize("kind", list(_quantizers()))
+@pytest.mark.parametrize("how", ["pickle", "save", "save_weights_only"])
+def test_pickled_parameters_stay_trainable_parameters(kind, how):
+    # A pickled Float8Tensor parameter (torch.save of a module, of a parameter) came back a
+    # plain Float8Tensor with requires_grad=False: a loaded model trained no more.
+    if how == "save_weights_only" and kind not in ("delayed", "current"):
+        pytest.skip("only Float8Tensor is allowed by torch.load(weights_only=True)")
+    quantize = _quantizers()[kind]()
+    t = quantize(torch.randn(128, 256, dtype=torch.bfloat16))
+    param = torch.nn.Parameter(t)
+    trained = t.clone().requires_grad_()
+    frozen = t.clone()
+
+    def round_trip(obj):
+        if how == "pickle":
+            return pickle.loads(pickle.dumps(obj))
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=how == "save_weights_only")
+
+    got_param, got_trained, got_frozen = round_trip([param, trained, frozen])
+    for got, is_param, requires_grad in (
+        (got_param, True, True),
+        (got_trained, False, True),
+        (got_frozen, False, False),
+    ):
+        assert isinstance(got, type(t))
+        assert isinstance(got, torch.nn.Parameter) == is_param
+        assert got.requires_grad == requires_grad
+        assert got.shape == t.shape and got.dtype == t.dtype
+        assert torch.equal(got.dequantize(), t.dequantize())
+    got_param.dequantize().float().sum().backward()
+    assert got_param.grad is not None and got_param.grad.shape == t.shape

@@ -15,6 +15,8 @@ in high precision (see :class:`~transformer_engine.pytorch.quantized_tensor.Quan
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from ..constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
@@ -295,17 +297,21 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
         quantized_setitem(self, key, value, writes_through=writes_through)
 
     def __reduce_ex__(self, protocol):
-        return (
-            _make_float8_tensor_in_reduce_ex,
-            (
-                self._data,
-                int(self._fp8_dtype),
-                self._scale_inv,
-                self.dtype,
-                tuple(self.shape),
-                self._transpose,
-            ),
+        # A parameter pickles as torch's Parameter rebuild around a detached copy, and a tensor
+        # that requires grad says so: both came back plain tensors without requires_grad, so
+        # an FP8 parameter of a pickled module (torch.save(model)) silently trained no more.
+        if isinstance(self, torch.nn.Parameter):
+            rebuild = torch._utils._rebuild_parameter
+            return (rebuild, (self.detach(), self.requires_grad, OrderedDict()))
+        args = (
+            self._data,
+            int(self._fp8_dtype),
+            self._scale_inv,
+            self.dtype,
+            tuple(self.shape),
+            self._transpose,
         )
+        return (_make_float8_tensor_in_reduce_ex, args + ((True,) if self.requires_grad else ()))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -325,6 +331,7 @@ def _make_float8_tensor_in_reduce_ex(
     dtype: torch.dtype,
     shape,
     data_transpose: torch.Tensor | None = None,
+    requires_grad: bool = False,
 ) -> Float8Tensor:
     """Rebuild a pickled :class:`Float8Tensor` (no quantizer: it keeps its scale on re-quantize)."""
     return Float8Tensor(
@@ -334,6 +341,7 @@ def _make_float8_tensor_in_reduce_ex(
         fp8_scale_inv=fp8_scale_inv,
         fp8_dtype=DType(int(fp8_dtype)),
         data_transpose=data_transpose,
+        requires_grad=requires_grad,
     )
 
 
