@@ -71,6 +71,9 @@ def transpose_bytes(data: torch.Tensor) -> torch.Tensor:
     """
     if data.dim() == 0:
         return data.clone()
+    if data.numel() == 0:
+        # reshape(-1, 0) cannot infer the row count when the last dim is 0
+        return data.movedim(-1, 0).contiguous()
     cols = data.shape[-1]
     return data.reshape(-1, cols).t().contiguous().reshape(cols, *data.shape[:-1])
 
