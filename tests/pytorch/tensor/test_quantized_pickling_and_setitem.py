@@ -183,3 +183,30 @@ def test_transposed_copy_of_an_empty_tensor_whose_last_dim_is_0(shape):
     assert t._transpose.shape == (shape[-1], *shape[:-1]) and t._transpose.dtype == torch.uint8
     assert t.get_usages() == {"rowwise": True, "columnwise": True}
     assert t.dequantize().shape == shape
+
+
+@pytest.mark.parametrize("kind", list(_quantizers()))
+def test_module_half_gives_quantized_parameters_the_new_nominal_dtype(kind):
+    # module.half() assigns `weight.data = weight.half()`: a block-scaled weight (MXFP8,
+    # Float8Blockwise, NVFP4) re-quantized the values but kept calling itself bfloat16.
+    quantize = _quantizers()[kind]()
+    module = torch.nn.Linear(256, 128, bias=False)
+    x = torch.randn(128, 256, dtype=torch.bfloat16)
+    module.weight = torch.nn.Parameter(quantize(x))
+    before = module.weight
+    module.half()
+    weight = module.weight
+    assert weight is before and isinstance(weight, torch.nn.Parameter) and weight.requires_grad
+    assert weight.dtype == torch.float16 and weight.shape == x.shape
+    assert weight.dequantize().dtype == torch.float16
+    # The values are those of the re-quantized weight (within the format's error of x).
+    atol = 0.35 * float(x.abs().max())
+    torch.testing.assert_close(weight.dequantize().float(), x.float(), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("kind", ["block1d", "block2d", "mxfp8", "nvfp4"])
+def test_data_of_another_shape_is_refused_with_both_shapes(kind):
+    quantize = _quantizers()[kind]()
+    t = quantize(torch.randn(64, 128))
+    with pytest.raises(ValueError, match=r"shape \(128, 256\).*shape \(64, 128\)"):
+        t.data = torch.randn(128, 256)

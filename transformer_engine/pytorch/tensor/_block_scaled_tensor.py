@@ -130,6 +130,27 @@ class BlockScaledTensorMixin:
     def data(self, value: torch.Tensor) -> None:
         if self._adopt_buffers(value):
             return
+        owner = type(self).__name__
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{owner}.data must be set to a tensor, got {type(value)}")
+        if tuple(value.shape) != tuple(self.shape):
+            # (quantize_ would try to broadcast it: torch's expand error named neither shape)
+            raise ValueError(
+                f"{owner}.data: a tensor of shape {tuple(value.shape)} cannot be quantized into "
+                f"shape {tuple(self.shape)}; assign a tensor of shape {tuple(self.shape)}"
+            )
+        retyped = value.dtype != self.dtype and value.dtype in HIGH_PRECISION_DTYPES
+        if retyped and self._quantizer is not None:
+            # The nominal dtype follows the assigned tensor's, as torch's setter and
+            # Float8Tensor's do (module.half() left block-scaled weights calling themselves
+            # bfloat16): quantize into new buffers of that dtype and take them.
+            quantizer = self._quantizer.copy()
+            usages = self.get_usages()
+            quantizer.set_usage(rowwise=usages["rowwise"], columnwise=usages["columnwise"])
+            quantizer.internal = False
+            with torch.no_grad():
+                self._adopt_buffers(quantizer.quantize_impl(high_precision_source(value)))
+            return
         with torch.no_grad():
             self.quantize_(value)
 
