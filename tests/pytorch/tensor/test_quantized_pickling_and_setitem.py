@@ -210,3 +210,18 @@ def test_data_of_another_shape_is_refused_with_both_shapes(kind):
     t = quantize(torch.randn(64, 128))
     with pytest.raises(ValueError, match=r"shape \(128, 256\).*shape \(64, 128\)"):
         t.data = torch.randn(128, 256)
+
+
+@pytest.mark.parametrize("kind", ["block1d", "block2d", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("internal", [False, True])
+def test_dequantize_to_an_integer_dtype_is_refused(kind, internal):
+    # dequantize(dtype=torch.uint8) of a block-scaled tensor wrapped the values without a word
+    # (-3 became 253); Float8Tensor refuses such dtypes, and so do these now.
+    quantizer = _quantizers()[kind]()
+    quantizer.internal = internal
+    t = quantizer(torch.randn(64, 128))
+    for dtype in (torch.uint8, torch.int32, torch.bool):
+        with pytest.raises(TypeError, match=rf"dtype={dtype}.*floating-point"):
+            t.dequantize(dtype=dtype)
+    assert t.dequantize(dtype=torch.float16).dtype == torch.float16
+    assert t.dequantize().dtype == torch.float32
