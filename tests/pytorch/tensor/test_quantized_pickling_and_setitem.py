@@ -225,3 +225,17 @@ def test_dequantize_to_an_integer_dtype_is_refused(kind, internal):
             t.dequantize(dtype=dtype)
     assert t.dequantize(dtype=torch.float16).dtype == torch.float16
     assert t.dequantize().dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind", list(_quantizers()))
+def test_data_takes_a_quantized_tensor_of_another_shape(kind):
+    # Assigning a tensor of the same kind takes its buffers, shape and dtype (as torch's setter
+    # does); an NVFP4Tensor refused another shape (it fell through to a broadcasting re-cast).
+    quantize = _quantizers()[kind]()
+    param = torch.nn.Parameter(quantize(torch.randn(64, 128)))
+    value = quantize(torch.randn(128, 256, dtype=torch.bfloat16))
+    param.data = value
+    assert isinstance(param, torch.nn.Parameter) and param.requires_grad
+    assert param.shape == (128, 256) and param.dtype == torch.bfloat16
+    assert torch.equal(param.dequantize(), value.dequantize())
+    assert torch.equal(param.clone().dequantize(), value.dequantize())
