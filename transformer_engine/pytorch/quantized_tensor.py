@@ -1,27 +1,26 @@
 """Quantized tensors: the quantizer interface and the generic tensor-subclass behaviour.
 
-A :class:`Quantizer` turns a high-precision tensor into a quantized one. What it
-produces is either a :class:`QuantizedTensor` (a ``torch.Tensor`` subclass that
-presents the nominal high-precision dtype and shape, used for parameters and for
-tensors that leave the library) or, when the quantizer is ``internal``, a
-lightweight :class:`QuantizedTensorStorage` (a plain object that holds the same
-buffers, used inside modules where tensor-subclass overhead is not wanted).
+A :class:`Quantizer` turns a high-precision tensor into a quantized one. What it produces is
+either a :class:`QuantizedTensor` (a ``torch.Tensor`` subclass that presents the nominal
+high-precision dtype and shape, used for parameters and for tensors that leave the library) or,
+when the quantizer is ``internal``, a lightweight :class:`QuantizedTensorStorage` (a plain
+object that holds the same buffers, used inside modules where tensor-subclass overhead is not
+wanted).
 
-Aten operations on a :class:`QuantizedTensor` go through ``__torch_dispatch__``.
-Concrete formats (``Float8Tensor``) handle the operations they can do on the
-quantized bytes; everything else falls back to the rules implemented here:
+Aten operations on a :class:`QuantizedTensor` go through ``__torch_dispatch__``. Concrete
+formats (``Float8Tensor``) handle the operations they can do on the quantized bytes;
+everything else falls back to the rules implemented here:
 
-* ``copy_``: a quantized destination is re-quantized from the source; a plain
-  destination receives the dequantized source.
-* ``_to_copy`` without a dtype change moves the buffers to the target device and
-  keeps the subclass; with a dtype change it dequantizes (an explicit request for
-  high precision, so no warning).
-* ``new_empty`` / ``empty_like`` build an empty quantized tensor through the
-  quantizer.
-* any other in-place op: dequantize every quantized argument, run the op, and
-  re-quantize into each mutated quantized argument (``quantize_``).
-* any other op: dequantize and return ordinary tensors, warning once per op name
-  that it ran in high precision.
+* ``copy_``: a quantized destination is re-quantized from the source; a plain destination
+  receives the dequantized source.
+* ``_to_copy`` without a dtype change moves the buffers to the target device and keeps the
+  subclass; with a dtype change it dequantizes (an explicit request for high precision, so no
+  warning).
+* ``new_empty`` / ``empty_like`` build an empty quantized tensor through the quantizer.
+* any other in-place op: dequantize every quantized argument, run the op, and re-quantize into
+  each mutated quantized argument (``quantize_``).
+* any other op: dequantize and return ordinary tensors, warning once per op name that it ran in
+  high precision.
 """
 
 from __future__ import annotations
@@ -83,17 +82,16 @@ class Quantizer(abc.ABC):
     rowwise : bool
         Produce the row-wise layout (the operand as it is, "TN" orientation).
     columnwise : bool
-        Produce the column-wise layout (the transposed operand). On GPUs without
-        non-TN FP8 GEMMs (Hopper, Ada, sm_120) and on CPU this is a physically
-        transposed copy.
+        Produce the column-wise layout (the transposed operand). On GPUs without non-TN FP8
+        GEMMs (Hopper, Ada, sm_120) and on CPU this is a physically transposed copy.
 
     Attributes
     ----------
     rowwise_usage, columnwise_usage : bool
         The usages the next quantization produces.
     internal : bool
-        When True, :meth:`quantize` returns a lightweight ``*TensorStorage`` object
-        instead of a ``torch.Tensor`` subclass (no autograd, no dispatch).
+        When True, :meth:`quantize` returns a lightweight ``*TensorStorage`` object instead of
+        a ``torch.Tensor`` subclass (no autograd, no dispatch).
     optimize_for_gemm : bool
         Reserved for GEMM-only layouts; unused by per-tensor FP8.
     """
@@ -116,15 +114,14 @@ class Quantizer(abc.ABC):
         out : QuantizedTensorStorage, optional
             Existing quantized tensor to overwrite in place (see :meth:`update_quantized`).
         dtype : torch.dtype, optional
-            Nominal high-precision dtype of the result (what it dequantizes to);
-            defaults to ``tensor.dtype``.
+            Nominal dtype of the result (what it dequantizes to); defaults to ``tensor.dtype``.
 
         Returns
         -------
         QuantizedTensor or QuantizedTensorStorage
-            ``out`` when given. Otherwise a new quantized tensor; when this quantizer
-            is not ``internal`` and grad mode is on, it is the output of a
-            straight-through autograd function (the gradient passes unchanged).
+            ``out`` when given, else a new one: when this quantizer is not ``internal`` and
+            grad mode is on, the output of a straight-through autograd function (the gradient
+            passes unchanged).
         """
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(
@@ -142,6 +139,10 @@ class Quantizer(abc.ABC):
     def __call__(self, tensor: torch.Tensor, *, out=None, dtype: torch.dtype | None = None):
         """Same as :meth:`quantize`."""
         return self.quantize(tensor, out=out, dtype=dtype)
+
+    def multi_quantize(self, list_of_tensors) -> list:
+        """:meth:`quantize` of each tensor (upstream's API; no fused multi-tensor cast)."""
+        return [self.quantize(tensor) for tensor in list_of_tensors]
 
     @abc.abstractmethod
     def quantize_impl(self, tensor: torch.Tensor, *, dtype: torch.dtype | None = None):
@@ -268,9 +269,9 @@ class Quantizer(abc.ABC):
 class QuantizedTensorStorage:
     """Marker base of quantized buffers, with or without a ``torch.Tensor`` wrapper.
 
-    Subclasses hold the quantized buffers and a ``_quantizer`` and implement
-    :meth:`dequantize`, :meth:`update_usage`, :meth:`get_usages`,
-    :meth:`prepare_for_saving` and :meth:`restore_from_saved`.
+    Subclasses hold the quantized buffers and a ``_quantizer`` and implement :meth:`dequantize`,
+    :meth:`update_usage`, :meth:`get_usages`, :meth:`prepare_for_saving` and
+    :meth:`restore_from_saved`.
     """
 
     _quantizer: Quantizer | None = None
@@ -299,9 +300,8 @@ class QuantizedTensorStorage:
 def prepare_for_saving(*tensors) -> tuple[list[torch.Tensor | None], list[Any]]:
     """Split tensors and quantized storages into plain tensors for ``save_for_backward``.
 
-    Returns ``(tensor_list, objects)``: ``objects[i]`` is ``None`` for a plain tensor
-    (its tensor is in ``tensor_list``) or the emptied storage object to pass to
-    :func:`restore_from_saved`.
+    Returns ``(tensor_list, objects)``: ``objects[i]`` is ``None`` for a plain tensor (its
+    tensor is in ``tensor_list``) or the emptied storage to pass to :func:`restore_from_saved`.
     """
     tensor_list: list[torch.Tensor | None] = []
     objects: list[Any] = []
@@ -320,8 +320,8 @@ def restore_from_saved(objects: list[Any], saved_tensors, return_saved_tensors: 
     """Inverse of :func:`prepare_for_saving`: the original tensors and storages, in order.
 
     Each storage takes its buffers from the front of ``saved_tensors``. With
-    ``return_saved_tensors=True`` the result is ``(restored, leftover)``, ``leftover`` being
-    the saved tensors no object consumed (for callers that saved more after them).
+    ``return_saved_tensors=True`` the result is ``(restored, leftover)``, ``leftover`` being the
+    saved tensors no object consumed (for callers that saved more after them).
     """
     saved = list(saved_tensors)
     out = []

@@ -16,6 +16,7 @@ import torch
 from ..constants import HIGH_PRECISION_DTYPES
 from ..quantized_tensor import QuantizedTensor
 from ._float8_quantize_into import high_precision_source
+from ._quantized_setitem import quantized_setitem
 
 __all__ = ["BlockScaledTensorMixin", "check_cast_input", "requantize_into", "storage_buffers"]
 
@@ -115,6 +116,11 @@ class BlockScaledTensorMixin:
         buffers = {n: move(getattr(self, n)) for n in self._buffer_names}
         return self._with_buffers(self.shape, buffers)
 
+    def __setitem__(self, key, value) -> None:
+        # Indexing gives a dequantized copy (blocks are not sliced in place), so torch's write
+        # into it never reached this tensor; the write is re-quantized into it instead.
+        quantized_setitem(self, key, value, writes_through=False)
+
     @property
     def data(self) -> torch.Tensor:
         """Detached alias sharing the buffers."""
@@ -123,6 +129,27 @@ class BlockScaledTensorMixin:
     @data.setter
     def data(self, value: torch.Tensor) -> None:
         if self._adopt_buffers(value):
+            return
+        owner = type(self).__name__
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{owner}.data must be set to a tensor, got {type(value)}")
+        if tuple(value.shape) != tuple(self.shape):
+            # (quantize_ would try to broadcast it: torch's expand error named neither shape)
+            raise ValueError(
+                f"{owner}.data: a tensor of shape {tuple(value.shape)} cannot be quantized into "
+                f"shape {tuple(self.shape)}; assign a tensor of shape {tuple(self.shape)}"
+            )
+        retyped = value.dtype != self.dtype and value.dtype in HIGH_PRECISION_DTYPES
+        if retyped and self._quantizer is not None:
+            # The nominal dtype follows the assigned tensor's, as torch's setter and
+            # Float8Tensor's do (module.half() left block-scaled weights calling themselves
+            # bfloat16): quantize into new buffers of that dtype and take them.
+            quantizer = self._quantizer.copy()
+            usages = self.get_usages()
+            quantizer.set_usage(rowwise=usages["rowwise"], columnwise=usages["columnwise"])
+            quantizer.internal = False
+            with torch.no_grad():
+                self._adopt_buffers(quantizer.quantize_impl(high_precision_source(value)))
             return
         with torch.no_grad():
             self.quantize_(value)

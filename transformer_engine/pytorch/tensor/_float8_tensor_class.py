@@ -15,12 +15,15 @@ in high precision (see :class:`~transformer_engine.pytorch.quantized_tensor.Quan
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from ..constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
 from ..quantized_tensor import QuantizedTensor
 from ._float8_dispatch import FLOAT8_HANDLERS
 from ._float8_quantize_into import quantize_into
+from ._quantized_setitem import is_dim0_view_key, quantized_setitem
 from .storage.float8_tensor_storage import Float8TensorStorage, check_float8_buffers
 
 __all__ = ["Float8Tensor", "_make_float8_tensor_in_reduce_ex"]
@@ -287,18 +290,28 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
 
     __str__ = __repr__
 
+    def __setitem__(self, key, value) -> None:
+        # Only dim-0 rows and slices of the row-wise bytes are views of them; any other index
+        # gives a copy, and a write into it must be re-quantized into this tensor.
+        writes_through = self._data is not None and is_dim0_view_key(key)
+        quantized_setitem(self, key, value, writes_through=writes_through)
+
     def __reduce_ex__(self, protocol):
-        return (
-            _make_float8_tensor_in_reduce_ex,
-            (
-                self._data,
-                int(self._fp8_dtype),
-                self._scale_inv,
-                self.dtype,
-                tuple(self.shape),
-                self._transpose,
-            ),
+        # A parameter pickles as torch's Parameter rebuild around a detached copy, and a tensor
+        # that requires grad says so: both came back plain tensors without requires_grad, so
+        # an FP8 parameter of a pickled module (torch.save(model)) silently trained no more.
+        if isinstance(self, torch.nn.Parameter):
+            rebuild = torch._utils._rebuild_parameter
+            return (rebuild, (self.detach(), self.requires_grad, OrderedDict()))
+        args = (
+            self._data,
+            int(self._fp8_dtype),
+            self._scale_inv,
+            self.dtype,
+            tuple(self.shape),
+            self._transpose,
         )
+        return (_make_float8_tensor_in_reduce_ex, args + ((True,) if self.requires_grad else ()))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -318,6 +331,7 @@ def _make_float8_tensor_in_reduce_ex(
     dtype: torch.dtype,
     shape,
     data_transpose: torch.Tensor | None = None,
+    requires_grad: bool = False,
 ) -> Float8Tensor:
     """Rebuild a pickled :class:`Float8Tensor` (no quantizer: it keeps its scale on re-quantize)."""
     return Float8Tensor(
@@ -327,6 +341,7 @@ def _make_float8_tensor_in_reduce_ex(
         fp8_scale_inv=fp8_scale_inv,
         fp8_dtype=DType(int(fp8_dtype)),
         data_transpose=data_transpose,
+        requires_grad=requires_grad,
     )
 
 

@@ -94,7 +94,9 @@ class NVFP4Tensor(BlockScaledTensorMixin, NVFP4TensorStorage, QuantizedTensor):
     # ------------------------------------------------------------------ Python protocol
 
     def _adopt_buffers(self, value) -> bool:
-        if not isinstance(value, NVFP4Tensor) or tuple(value.shape) != tuple(self.shape):
+        # Any shape, as the other quantized tensors and torch's setter take (a shape check here
+        # sent other shapes to a re-cast that cannot change the shape).
+        if not isinstance(value, NVFP4Tensor):
             return False
         torch._C.TensorBase.data.__set__(self, value)
         meta = value.get_metadata()

@@ -33,6 +33,18 @@ class BlockScaledTensorStorage(QuantizedTensorStorage):
         """Logical shape."""
         return self.size()
 
+    def _dequantize_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
+        """The dtype a dequantize returns: ``dtype``, default the nominal one."""
+        if dtype is None:
+            return self._dtype
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            # An integer or bool result truncated or wrapped the values without a word.
+            raise TypeError(
+                f"{type(self).__name__}.dequantize: dtype={dtype} is not a floating-point dtype; "
+                "use torch.float32, torch.float16 or torch.bfloat16"
+            )
+        return dtype
+
     @property
     def device(self) -> torch.device:
         """Device of the buffers."""

@@ -180,7 +180,7 @@ class Float8BlockwiseQTensorStorage(BlockScaledTensorStorage):
         return reference.block_dequantize_1d(matrix, scale, dtype)
 
     def _dequantize_plain(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dtype = self._dtype if dtype is None else dtype
+        dtype = self._dequantize_dtype(dtype)
         shape = self.size()
         if self.device.type == "meta":
             return torch.empty(shape, dtype=dtype, device="meta")

@@ -71,6 +71,9 @@ def transpose_bytes(data: torch.Tensor) -> torch.Tensor:
     """
     if data.dim() == 0:
         return data.clone()
+    if data.numel() == 0:
+        # reshape(-1, 0) cannot infer the row count when the last dim is 0
+        return data.movedim(-1, 0).contiguous()
     cols = data.shape[-1]
     return data.reshape(-1, cols).t().contiguous().reshape(cols, *data.shape[:-1])
 
@@ -272,6 +275,15 @@ class Float8TensorStorage(QuantizedTensorStorage):
         # Instance attributes only where they were set: a Float8Tensor never sets them.
         self.__dict__.pop("_data_fp8_view", None)
         self.__dict__.pop("_transpose_fp8_view", None)
+
+    def __getstate__(self) -> dict:
+        # Pickles leave out the typed FP8 views: torch cannot unpickle two dtypes of one
+        # storage ("'UntypedStorage' has no attribute 'dtype'" in pickle.loads), and
+        # float8_gemm_input makes them again from the loaded bytes.
+        state = dict(self.__dict__)
+        state.pop("_data_fp8_view", None)
+        state.pop("_transpose_fp8_view", None)
+        return state
 
     # ------------------------------------------------------------------ geometry
 

@@ -142,7 +142,7 @@ class MXFP8TensorStorage(BlockScaledTensorStorage):
         return reference.mxfp8_dequantize(data, self._rowwise_scale_inv, dtype)
 
     def _dequantize_plain(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dtype = self._dtype if dtype is None else dtype
+        dtype = self._dequantize_dtype(dtype)
         shape = self.size()
         if self.device.type == "meta":
             return torch.empty(shape, dtype=dtype, device="meta")

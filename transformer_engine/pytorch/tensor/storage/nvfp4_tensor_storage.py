@@ -190,7 +190,7 @@ class NVFP4TensorStorage(BlockScaledTensorStorage):
         return fp4.nvfp4_dequantize(codes, self._rowwise_scale_inv, self._amax_rowwise), None
 
     def _dequantize_plain(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dtype = self._dtype if dtype is None else dtype
+        dtype = self._dequantize_dtype(dtype)
         shape = self.size()
         if self.device.type == "meta":
             return torch.empty(shape, dtype=dtype, device="meta")
