@@ -113,6 +113,11 @@ def checkpoint(
             "checkpoint: distribute_saved_activations=True recomputes through a reentrant "
             "autograd function; pass use_reentrant=True (the default)"
         )
+    if not torch.is_grad_enabled():
+        # Nothing to recompute: no graph is recorded. Entering the forward phase here would make
+        # every module stash its scales for a recompute that never comes (an evaluation loop
+        # through checkpointed layers grew those stashes by one entry per call).
+        return function(*args, **kwargs)
     calls = {"count": 0}
     autocast_state = FP8GlobalStateManager.get_autocast_state()
     tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else None

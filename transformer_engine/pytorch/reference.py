@@ -146,7 +146,8 @@ def transpose_last_dim_first(
     if data.dim() == 0:
         raise ValueError("a 0-d tensor has no last dimension to transpose")
     cols = data.shape[-1]
-    flat = data.reshape(-1, cols)
+    rows = math.prod(data.shape[:-1])  # not reshape(-1, cols): no -1 is inferred when cols is 0
+    flat = data.reshape(rows, cols)
     if data.element_size() == 1:
         # FP8 through uint8: copies of FP8 tensors are not supported on every torch version.
         flat = flat.view(torch.uint8)

@@ -61,3 +61,23 @@ def test_distribute_saved_activations_without_a_tensor_parallel_group_changes_no
     assert x.shape == (3, 5)
     y.sum().backward()
     assert torch.equal(x.grad, 2 * x.detach().cos())
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoint_without_grad_runs_the_function_and_stashes_nothing(use_reentrant):
+    """Under no_grad there is nothing to recompute: the output is the function's, and no module
+    keeps scales for a recompute (an evaluation loop through checkpointed layers grew the
+    modules' stashes by one entry per call)."""
+    torch.manual_seed(0)
+    layer = Linear(64, 64, device="cpu")
+    ops = te.ops.Sequential(te.ops.Linear(64, 64, device="cpu"))
+    x = torch.randn(32, 64)
+    for module in (layer, ops):
+        with torch.no_grad(), te.autocast(recipe=DelayedScaling()):
+            expected = module(x)
+        for _ in range(3):
+            with torch.no_grad(), te.autocast(recipe=DelayedScaling()):
+                out = te.distributed.checkpoint(module, x, use_reentrant=use_reentrant)
+            assert torch.equal(out, expected)
+        for m in module.modules():
+            assert not m.__dict__.get("_recompute_stash"), type(m).__name__

@@ -185,6 +185,14 @@ def test_transposed_copy_of_an_empty_tensor_whose_last_dim_is_0(shape):
     assert t.dequantize().shape == shape
 
 
+@pytest.mark.parametrize("shape", [(0,), (3, 0), (2, 3, 0)])
+def test_cast_with_transposed_copy_of_an_empty_tensor_whose_last_dim_is_0(shape):
+    # The reference cast's transpose reshaped to (-1, 0), which torch cannot infer.
+    t = Float8CurrentScalingQuantizer(E4M3, torch.device("cpu"))(torch.zeros(shape))
+    assert t._transpose.shape == (shape[-1], *shape[:-1])
+    assert t.dequantize().shape == shape
+
+
 @pytest.mark.parametrize("kind", list(_quantizers()))
 def test_module_half_gives_quantized_parameters_the_new_nominal_dtype(kind):
     # module.half() assigns `weight.data = weight.half()`: a block-scaled weight (MXFP8,
