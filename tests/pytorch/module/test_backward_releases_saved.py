@@ -84,6 +84,33 @@ def test_nothing_saved_outlives_the_backward(name, precision):
     assert not _addresses_alive(addresses), "saved buffers still held after the backward"
 
 
+@pytest.mark.parametrize("name", list(MODULES))
+def test_weight_copies_under_torch_autocast_are_let_go(name):
+    """Float32 parameters under torch.autocast: the GEMMs read bfloat16 copies of the weights,
+    which must not outlive the backward either (a second copy of every weight)."""
+    torch.manual_seed(0)
+    module = {
+        "Linear": lambda: te.Linear(WIDTH, WIDTH, device="cpu"),
+        "LayerNormLinear": lambda: te.LayerNormLinear(WIDTH, WIDTH, device="cpu"),
+        "LayerNormMLP": lambda: te.LayerNormMLP(WIDTH, 2 * WIDTH, device="cpu"),
+    }[name]()
+    x = torch.randn(TOKENS, WIDTH, requires_grad=True)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return module(x * 2)
+
+    addresses, y = _saved_buffers(run, list(module.parameters()))
+    y.float().sum().backward()
+    gc.collect()
+    assert not _addresses_alive(addresses), "saved buffers still held after the backward"
+    first = [p.grad.clone() for p in module.parameters()]
+    for p in module.parameters():
+        p.grad = None
+    run().float().sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(first, module.parameters()))
+
+
 @pytest.mark.parametrize("precision", [None, "current"])
 @pytest.mark.parametrize("name", ["Linear", "LayerNormLinear"])
 def test_second_backward_still_works(name, precision):

@@ -178,6 +178,12 @@ class LinearSaved:
             self.x = None
         else:
             self.x = self.w = None
+        weight = self.weight
+        if not isinstance(weight, torch.nn.Parameter):
+            # A copy the GEMM saw (cast under torch.autocast, concatenated QKV): only its shape,
+            # dtype and device are read again, so a one-element stand-in keeps them.
+            stand_in = torch.empty((), dtype=weight.dtype, device=weight.device)
+            self.weight = stand_in.expand(weight.shape)
 
     def unpack(self, saved_tensors) -> None:
         """Put back the tensors :meth:`pack` took out (``ctx.saved_tensors``)."""
