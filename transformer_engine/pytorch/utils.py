@@ -9,6 +9,7 @@ CUDA), and the CPU is treated as what it is here, the reference execution path.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -31,11 +32,9 @@ __all__ = [
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
     """An initializer that fills a tensor in place from N(0, ``sigma``) and returns it."""
-
-    def init_(tensor: torch.Tensor) -> torch.Tensor:
-        return torch.nn.init.normal_(tensor, mean=0.0, std=sigma)
-
-    return init_
+    # A partial of a module-level function, not a closure: modules keep their init method, and
+    # torch.save of a whole model pickles it.
+    return functools.partial(torch.nn.init.normal_, mean=0.0, std=sigma)
 
 
 def scaled_init_method_normal(sigma: float, num_layers: int) -> Callable:
@@ -51,16 +50,13 @@ def get_default_init_method() -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def init_method_constant(val: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An initializer that fills a tensor in place with ``val`` and returns it."""
-
-    def init_(tensor: torch.Tensor) -> torch.Tensor:
-        if val == 1.0:
-            return torch.nn.init.ones_(tensor)
-        if val == 0.0:
-            return torch.nn.init.zeros_(tensor)
-        return torch.nn.init.constant_(tensor, val)
-
-    return init_
+    """An initializer that fills a tensor in place with ``val`` and returns it (picklable, as
+    :func:`init_method_normal`)."""
+    if val == 1.0:
+        return torch.nn.init.ones_
+    if val == 0.0:
+        return torch.nn.init.zeros_
+    return functools.partial(torch.nn.init.constant_, val=val)
 
 
 # ------------------------------------------------------------------ capability probes

@@ -23,6 +23,7 @@ The formulas, with ``u`` the activated input:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -118,9 +119,7 @@ def get_activation(owner: str, name: str, params: dict | None) -> tuple[Callable
     """``(fn, is_glu)`` for ``name``, with ``params`` bound; clear errors for unknown names or
     parameters."""
     spec = get_activation_spec(owner, name, params)
-
-    def bound(x: torch.Tensor) -> torch.Tensor:
-        return apply_activation(x, spec)
-
+    # A partial, not a closure: the module keeps it, and torch.save of a whole model pickles it.
+    bound = functools.partial(apply_activation, spec=spec)
     bound.__name__ = name
     return bound, spec.gated
