@@ -47,18 +47,6 @@ def default_init_method(weight: torch.Tensor) -> None:
     torch.nn.init.normal_(weight, mean=0.0, std=0.023)
 
 
-def snapshot_scaling_state(state) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of a delayed-scaling state's scales and amax history (for a later recompute)."""
-    return state.scale.clone(), state.amax_history.clone()
-
-
-def restore_scaling_state(state, snapshot) -> None:
-    """Write a :func:`snapshot_scaling_state` back into the state's own tensors, in place."""
-    with torch.no_grad():
-        state.scale.copy_(snapshot[0])
-        state.amax_history.copy_(snapshot[1])
-
-
 class TransformerEngineBaseModule(torch.nn.Module):
     """Base of ``Linear``, ``LayerNormLinear``, ``LayerNormMLP`` and ``GroupedLinear``."""
 
@@ -374,17 +362,17 @@ class TransformerEngineBaseModule(torch.nn.Module):
             return
         stash = self.__dict__.setdefault("_recompute_stash", [])
         if is_fp8_activation_recompute_enabled():
-            stash.append(snapshot_scaling_state(state))
+            stash.append(state.snapshot())
         elif in_fp8_activation_recompute_phase() and stash:
-            self._recompute_updated = snapshot_scaling_state(state)
-            restore_scaling_state(state, stash.pop(0))
+            self._recompute_updated = state.snapshot()
+            state.restore(stash.pop(0))
 
     def _recompute_swap_out(self) -> None:
         """After a recompute: back to the up-to-date values (dropping the recompute's amaxes)."""
         updated = self.__dict__.pop("_recompute_updated", None)
         state = self._delayed_forward_state()
         if updated is not None and state is not None:
-            restore_scaling_state(state, updated)
+            state.restore(updated)
 
     def _register_fp8_state(self) -> None:
         """Put the delayed-scaling state into the amax registry (after a successful forward)."""

@@ -46,8 +46,6 @@ from ._tensor_parallel_setup import (
 from .base import (
     TransformerEngineBaseModule,
     default_init_method,
-    restore_scaling_state,
-    snapshot_scaling_state,
 )
 
 __all__ = ["LayerNormMLP"]
@@ -334,18 +332,18 @@ class LayerNormMLP(TransformerEngineBaseModule):
         is counted twice).
         """
         state = self._delayed_forward_state()
-        snapshot = None if state is None else snapshot_scaling_state(state)
+        snapshot = None if state is None else state.snapshot()
         runs = {"count": 0}
 
         def fc1_and_activation(x):
             runs["count"] += 1
             if runs["count"] == 1 or snapshot is None:
                 return self.activation_fn(linear(fc1_weight, x, fc1_bias, fc1_config, update))
-            current = snapshot_scaling_state(state)
-            restore_scaling_state(state, snapshot)
+            current = state.snapshot()
+            state.restore(snapshot)
             try:
                 return self.activation_fn(linear(fc1_weight, x, fc1_bias, fc1_config, update))
             finally:
-                restore_scaling_state(state, current)
+                state.restore(current)
 
         return torch.utils.checkpoint.checkpoint(fc1_and_activation, ln_out, use_reentrant=False)

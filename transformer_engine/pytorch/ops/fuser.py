@@ -447,23 +447,17 @@ def _recompute_swap_in(ops) -> list:
             continue
         stash = op.__dict__.setdefault("_recompute_stash", [])
         if stashing:
-            stash.append((state.scale.clone(), state.amax_history.clone()))
+            stash.append(state.snapshot())
         elif stash:
-            swapped.append((state, (state.scale.clone(), state.amax_history.clone())))
-            _restore_scaling(state, stash.pop(0))
+            swapped.append((state, state.snapshot()))
+            state.restore(stash.pop(0))
     return swapped
 
 
 def _recompute_swap_out(swapped: list) -> None:
     """After a recompute: the up-to-date scales and histories again (its amaxes dropped)."""
     for state, values in swapped:
-        _restore_scaling(state, values)
-
-
-def _restore_scaling(state, values) -> None:
-    with torch.no_grad():
-        state.scale.copy_(values[0])
-        state.amax_history.copy_(values[1])
+        state.restore(values)
 
 
 def _is_fusible(op) -> bool:

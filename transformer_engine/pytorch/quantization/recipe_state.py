@@ -168,6 +168,16 @@ class DelayedScalingRecipeState(RecipeState):
     def delayed_scaling_state(self) -> DelayedScalingRecipeState:
         return self
 
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the scales and amax history (activation recompute casts with them later)."""
+        return self.scale.clone(), self.amax_history.clone()
+
+    def restore(self, snapshot: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Write a :meth:`snapshot` back into this state's own tensors, in place."""
+        with torch.no_grad():
+            self.scale.copy_(snapshot[0])
+            self.amax_history.copy_(snapshot[1])
+
     def inherit_state_from(self, other: RecipeState) -> None:
         """Take over ``other``'s scale and history when they are compatible.
 
