@@ -9,8 +9,10 @@ tests/pytorch/conftest.py puts this folder on ``sys.path``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import subprocess
+import warnings
 from pathlib import Path
 
 import fp8_oracle as oracle
@@ -156,6 +158,22 @@ REFERENCE_ACTIVATIONS = {
     "swiglu": first_half_gated(F.silu),
     "clamped_swiglu": clamped_swiglu,
 }
+
+
+# --- what is still alive ------------------------------------------------------------------------
+def live_cpu_tensors_on(addresses) -> list[torch.Tensor]:
+    """Every live CPU tensor (of at least one element) whose memory starts at one of
+    ``addresses``: whether something still holds a buffer, seen through the objects Python can
+    reach."""
+    addresses = set(addresses)
+    found = []
+    with warnings.catch_warnings():  # isinstance touches deprecated module attributes
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.numel() > 0:
+                if obj.untyped_storage().data_ptr() in addresses:
+                    found.append(obj)
+    return found
 
 
 # --- subprocesses --------------------------------------------------------------------------------

@@ -12,26 +12,14 @@ second backward through the graph (``retain_graph=True``) still works where it d
 from __future__ import annotations
 
 import gc
-import warnings
 
 import pytest
 import torch
-from utils import autocast_by_name
+from utils import autocast_by_name, live_cpu_tensors_on
 
 import transformer_engine.pytorch as te
 
 TOKENS, WIDTH = 64, 128
-
-
-def _addresses_alive(addresses: set[int]) -> list[tuple]:
-    found = []
-    with warnings.catch_warnings():  # isinstance touches deprecated module attributes
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.numel() > 0:
-                if obj.untyped_storage().data_ptr() in addresses:
-                    found.append((tuple(obj.shape), obj.dtype))
-    return found
 
 
 def _saved_buffers(run, parameters):
@@ -77,11 +65,11 @@ def test_nothing_saved_outlives_the_backward(name, precision):
             return module(h)
 
     addresses, y = _saved_buffers(run, list(module.parameters()))
-    assert addresses and _addresses_alive(addresses)
+    assert addresses and live_cpu_tensors_on(addresses)
     y.float().sum().backward()
     gc.collect()
     assert y.grad_fn is not None  # the graph is alive
-    assert not _addresses_alive(addresses), "saved buffers still held after the backward"
+    assert not live_cpu_tensors_on(addresses), "saved buffers still held after the backward"
 
 
 @pytest.mark.parametrize("name", list(MODULES))
@@ -103,7 +91,7 @@ def test_weight_copies_under_torch_autocast_are_let_go(name):
     addresses, y = _saved_buffers(run, list(module.parameters()))
     y.float().sum().backward()
     gc.collect()
-    assert not _addresses_alive(addresses), "saved buffers still held after the backward"
+    assert not live_cpu_tensors_on(addresses), "saved buffers still held after the backward"
     first = [p.grad.clone() for p in module.parameters()]
     for p in module.parameters():
         p.grad = None

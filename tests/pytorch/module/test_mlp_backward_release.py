@@ -12,11 +12,10 @@ FP8 view kept by the storage would keep the bytes alive although the saved tenso
 from __future__ import annotations
 
 import gc
-import warnings
 
 import pytest
 import torch
-from utils import autocast_by_name
+from utils import autocast_by_name, live_cpu_tensors_on
 
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch.module import _mlp_function
@@ -29,18 +28,6 @@ def _module(activation: str) -> te.LayerNormMLP:
     return te.LayerNormMLP(
         HIDDEN, FFN, activation=activation, device="cpu", params_dtype=torch.bfloat16
     )
-
-
-def _tensors_on(address: int) -> list[torch.Tensor]:
-    """Every live tensor whose memory starts at ``address``."""
-    found = []
-    with warnings.catch_warnings():  # isinstance touches deprecated module attributes
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.numel() > 0:
-                if obj.untyped_storage().data_ptr() == address:
-                    found.append(obj)
-    return found
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
@@ -68,13 +55,13 @@ def test_saved_activation_is_freed_before_the_activation_gradient(
     # GELU): the first matching buffer is the activation's.
     assert saved, "the activation must be saved for backward"
     act_address = saved[0]
-    assert _tensors_on(act_address), "the activation must be alive after forward"
+    assert live_cpu_tensors_on([act_address]), "the activation must be alive after forward"
     still_held = []
     original = _mlp_function._activation_gradient
 
     def spy(ctx, saved1, d_act, h2):
         gc.collect()
-        still_held.extend((tuple(t.shape), t.dtype) for t in _tensors_on(act_address))
+        still_held.extend((tuple(t.shape), t.dtype) for t in live_cpu_tensors_on([act_address]))
         return original(ctx, saved1, d_act, h2)
 
     monkeypatch.setattr(_mlp_function, "_activation_gradient", spy)
