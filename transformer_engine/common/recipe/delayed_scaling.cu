@@ -49,6 +49,20 @@ __device__ __forceinline__ float warp_max_propagating_nan(float v) {
   return v;
 }
 
+/* The end of one slot's update, after the roll: `a` lands in the last row, row 0 starts over
+ * at 0, and the scale becomes scaled_max / candidate when the candidate is finite and positive
+ * (+Inf becomes FLT_MAX), else stays. `column` is the slot's row-0 element (row j at j * n). */
+__device__ __forceinline__ void finish_slot(float* column, size_t n, uint32_t length, float a,
+                                            float candidate, float scaled_max, float* scale) {
+  column[static_cast<size_t>(length - 1) * n] = a;
+  column[0] = 0.0f;
+  if (isfinite(candidate) && candidate > 0.0f) {
+    float s = scaled_max / candidate;
+    if (isinf(s)) s = FLT_MAX;
+    *scale = s;
+  }
+}
+
 /* One CUDA block per (history, scale) pair; one warp per slot (column of the history). The warp
  * reads each history row once: the value of row j + 1 feeds the max and is written to row j (the
  * roll). Rows are read a pass of kRowsPerPass at a time, all reads of a pass before any of its
@@ -91,15 +105,7 @@ __global__ void __launch_bounds__(kThreads)
       __syncwarp();
     }
     candidate = warp_max_propagating_nan(candidate);
-    if (lane == 0) {
-      h[static_cast<size_t>(length - 1) * n] = a;
-      h[0] = 0.0f;
-      if (isfinite(candidate) && candidate > 0.0f) {
-        float s = scaled_max / candidate;
-        if (isinf(s)) s = FLT_MAX;
-        batch.scale[k][i] = s;
-      }
-    }
+    if (lane == 0) finish_slot(h, n, length, a, candidate, scaled_max, &batch.scale[k][i]);
     __syncwarp();
   }
 }
@@ -172,14 +178,7 @@ __global__ void __launch_bounds__(kGroupThreads)
     __syncthreads();
   }
   if (active && j == 0) {
-    const float best = partial[threadIdx.x];
-    h[static_cast<size_t>(length - 1) * n + col] = a;
-    h[col] = 0.0f;
-    if (isfinite(best) && best > 0.0f) {
-      float s = scaled_max / best;
-      if (isinf(s)) s = FLT_MAX;
-      batch.scale[k][col] = s;
-    }
+    finish_slot(h + col, n, length, a, partial[threadIdx.x], scaled_max, &batch.scale[k][col]);
   }
 }
 
