@@ -79,13 +79,16 @@ struct AmaxOnlyStore {
  * 64 registers) and launched with: sm_count * kBlocksPerSm blocks, fewer for small tensors. */
 constexpr int kBlocksPerSm = 4;
 
-/* Positions a thread fetches before it computes the first: two, or one when a position's
- * loads alone are 48 bytes or more (a 16-bit gated backward's three vectors, float32 with
- * two or three). That keeps 32-96 bytes of loads in flight per thread, which the 1024
- * resident threads of an SM need to cover the memory latency, within the 64 registers:
- * four positions of a 16-bit forward, or two of a 16-bit gated backward, spill. */
+/* Positions a thread fetches before it computes the first: four when a position's loads are
+ * one 16-byte vector (a 16-bit forward), one when they are 48 bytes or more (a 16-bit gated
+ * backward's three vectors, float32 with two or three), else two. That keeps 32-96 bytes of
+ * loads in flight per thread, which the 1024 resident threads of an SM need to cover the
+ * memory latency (a 16-bit GELU forward with two positions in flight read at 0.66 of the copy
+ * bandwidth), within 64 registers: none of these spills. */
 template <class Loader>
-constexpr int kUnroll = sizeof(typename Loader::Raw) >= 48 ? 1 : 2;
+constexpr int kUnroll = sizeof(typename Loader::Raw) >= 48   ? 1
+                        : sizeof(typename Loader::Raw) <= 16 ? 4
+                                                             : 2;
 
 /* A vector position of the walk, stepped through the grid-stride sequence without dividing:
  * the grid's thread count is (step_r rows, step_c vectors), step_c < vecs_per_row, so one

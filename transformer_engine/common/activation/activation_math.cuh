@@ -26,21 +26,50 @@ constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kGeluCubic = 0.044715f;
 constexpr float kQGeluSlope = 1.702f;
 
-/* The logistic function s = 1 / (1 + e), e = exp(-x), and 1 - s = e s computed without the
- * cancellation of 1 - s (x = -inf gives e s = inf * 0, and fminf(NaN, 1) = 1 is the limit).
- * kFast (bf16/fp16 activations, whose results round to 2^-9 / 2^-12): the special-function
- * unit's exponential (__expf, a few float32 ulps) and a correctly rounded reciprocal; float32
- * activations keep libm's expf and IEEE division. The kernels are bound by this arithmetic,
- * not by memory, with the libm forms. */
+/* The logistic function s = 1 / (1 + e) of k x, e = exp(-k x), and 1 - s = e s computed
+ * without the cancellation of 1 - s (k x = -inf gives e s = inf * 0, and fminf(NaN, 1) = 1 is
+ * the limit).
+ *
+ * kFast (bf16/fp16 activations, whose results round to 2^-9 / 2^-12): e = 2^t with
+ * t = x (-k log2 e), k log2 e folded into one constant, and the special-function unit's
+ * exponential and reciprocal (ex2/rcp.approx.ftz: within two float32 ulps, subnormals flushed;
+ * s then differs from the exact value by a few 1e-7 relative). The kernels are bound by their
+ * instruction count, and this is four instructions where expf and a correctly rounded division
+ * take about twenty. float32 activations keep libm's expf and IEEE division. */
 struct Logistic {
   float s, one_minus_s;
 };
 
-template <bool kFast>
-__device__ __forceinline__ Logistic logistic(float x) {
-  const float e = kFast ? __expf(-x) : expf(-x);
-  const float s = kFast ? __frcp_rn(1.0f + e) : 1.0f / (1.0f + e);
+constexpr float kNegLog2e = -1.4426950408889634f;
+
+__device__ __forceinline__ float exp2_approx(float t) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(t));
+  return y;
+}
+
+__device__ __forceinline__ float rcp_approx(float d) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(d));
+  return y;
+}
+
+/* kFast's logistic from t = -x log2 e directly (callers that fold more into t). */
+__device__ __forceinline__ Logistic logistic_exp2(float t) {
+  const float e = exp2_approx(t);
+  const float s = rcp_approx(1.0f + e);
   return {s, fminf(e * s, 1.0f)};
+}
+
+template <bool kFast>
+__device__ __forceinline__ Logistic logistic(float x, float k = 1.0f) {
+  if constexpr (kFast) {
+    return logistic_exp2(x * (k * kNegLog2e));
+  } else {
+    const float e = expf(-(k * x));
+    const float s = 1.0f / (1.0f + e);
+    return {s, fminf(e * s, 1.0f)};
+  }
 }
 
 /* NaN stays NaN (as torch.relu), everything at or below 0 becomes 0. */
@@ -53,13 +82,18 @@ template <int kKind, bool kFast>
 __device__ __forceinline__ void act_value_and_derivative(float u, float& y, float& dy) {
   switch (kKind) {
     case kNVTEActGelu: {
-      const float z = kSqrt2OverPi * (u + kGeluCubic * u * u * u);
-      const float dz = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * u * u);
       if constexpr (kFast) {
-        const Logistic l = logistic<true>(2.0f * z);
+        // logistic(2 z), z = sqrt(2/pi) (u + c u^3): its exponent 2^t, t = u (a + a c u^2),
+        // a = -2 sqrt(2/pi) log2 e; dz = sqrt(2/pi) + 3 c sqrt(2/pi) u^2.
+        constexpr float a = 2.0f * kSqrt2OverPi * kNegLog2e;
+        const float u2 = u * u;
+        const Logistic l = logistic_exp2(u * fmaf(a * kGeluCubic, u2, a));
+        const float dz = fmaf(3.0f * kGeluCubic * kSqrt2OverPi, u2, kSqrt2OverPi);
         y = u * l.s;
-        dy = l.s + 2.0f * u * l.s * l.one_minus_s * dz;
+        dy = fmaf(2.0f * u * l.s * l.one_minus_s, dz, l.s);
       } else {
+        const float z = kSqrt2OverPi * (u + kGeluCubic * u * u * u);
+        const float dz = kSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * u * u);
         const float t = tanhf(z);
         y = 0.5f * u * (1.0f + t);
         dy = 0.5f * (1.0f + t) + 0.5f * u * (1.0f - t * t) * dz;
@@ -67,7 +101,7 @@ __device__ __forceinline__ void act_value_and_derivative(float u, float& y, floa
       return;
     }
     case kNVTEActQGelu: {
-      const Logistic l = logistic<kFast>(kQGeluSlope * u);
+      const Logistic l = logistic<kFast>(u, kQGeluSlope);
       y = u * l.s;
       dy = l.s + kQGeluSlope * u * l.s * l.one_minus_s;
       return;
@@ -113,7 +147,7 @@ __device__ __forceinline__ float forward_value(const NVTEActivation& act, bool g
   if constexpr (kKind == kNVTEActClampedSilu) {
     const float a = u > act.limit ? act.limit : u;
     const float b = v > act.limit ? act.limit : (v < -act.limit ? -act.limit : v);
-    return a * logistic<kFast>(act.alpha * a).s * (b + act.glu_linear_offset);
+    return a * logistic<kFast>(a, act.alpha).s * (b + act.glu_linear_offset);
   } else {
     const float y = act_value<kKind, kFast>(u);
     return gated ? y * v : y;
@@ -129,7 +163,7 @@ __device__ __forceinline__ void backward_values(const NVTEActivation& act, bool 
     const float a = u > act.limit ? act.limit : u;
     const bool v_inside = v >= -act.limit && v <= act.limit;
     const float b = v_inside ? v : (v > act.limit ? act.limit : -act.limit);
-    const Logistic l = logistic<kFast>(act.alpha * a);
+    const Logistic l = logistic<kFast>(a, act.alpha);
     const float swish = a * l.s;
     du = u <= act.limit
              ? g * (b + act.glu_linear_offset) * (l.s + act.alpha * a * l.s * l.one_minus_s)
@@ -300,8 +334,7 @@ struct DActivationLoad {
     if constexpr (kGated) raw.x[2] = load_readonly<IType, kVecElems>(row(r) + cols + c);
     return raw;
   }
-  __device__ __forceinline__ void compute(const Raw& raw,
-                                          float (&out)[kParts][kVecElems]) const {
+  __device__ __forceinline__ void compute(const Raw& raw, float (&out)[kParts][kVecElems]) const {
     float g[kVecElems], u[kVecElems], v[kVecElems] = {};
     to_floats(raw.x[0], g);
     to_floats(raw.x[1], u);
@@ -318,7 +351,7 @@ struct DActivationLoad {
     const float v = kGated ? to_float(row(r)[cols + c]) : 0.0f;
     float du, dv;
     backward_values<kKind, kFastMath<IType>>(act, kGated, to_float(grad[r * cols + c]),
-                                              to_float(row(r)[c]), v, du, dv);
+                                             to_float(row(r)[c]), v, du, dv);
     out[0] = du;
     if constexpr (kGated) out[kParts - 1] = dv;
   }
@@ -328,4 +361,3 @@ struct DActivationLoad {
 }  // namespace transformer_engine
 
 #endif  // TRANSFORMER_ENGINE_COMMON_ACTIVATION_ACTIVATION_MATH_CUH_
-

@@ -52,11 +52,11 @@ struct FwdParams {
   float eps;
   bool rms;
   bool zero_centered;
-  bool w_fp32;  // gamma/beta are float32 (else x's dtype)
-  bool e5m2;    // FP8 outputs: E5M2 (else E4M3)
+  bool w_fp32;   // gamma/beta are float32 (else x's dtype)
+  bool e5m2;     // FP8 outputs: E5M2 (else E4M3)
   bool vec;      // 16-byte vector loads (H % 8 == 0, x, gamma, beta aligned)
   bool vec_out;  // vector stores of whole vectors (vec, and the output aligned)
-  bool vec_t;   // word-wise transposed runs (see write_transposed)
+  bool vec_t;    // word-wise transposed runs (see write_transposed)
 };
 
 /* A parameter vector (gamma or beta) at column c, float32 or x's dtype. */
@@ -70,9 +70,16 @@ __device__ __forceinline__ void load_param(const FwdParams& p, const void* base,
   }
 }
 
+/* Byte j (compile-time) of kVec FP8 bytes packed two a word. */
+__device__ __forceinline__ uint8_t fp8_byte(const Vec<uint16_t, kVec / 2>& q, int j) {
+  return static_cast<uint8_t>(q.v[j / 2] >> (8 * (j % 2)));
+}
+
 /* Normalizes the vector at column c of `row` (n valid elements) and writes it: y in x's dtype,
  * or its FP8 bytes (+ amax of the rounded values, + the transposed copy: staged in `tile_row`
- * when given, else written directly). kVecIO: p.vec holds and n == kVec (the register kernel). */
+ * when given, else written directly). kVecIO: p.vec holds and n == kVec (the register kernel).
+ * Partial vectors store byte by byte with unrolled constant indices, so the bytes stay in
+ * registers (a run-time index would put them in local memory). */
 template <typename IType, bool kFp8, bool kVecIO = false>
 __device__ __forceinline__ void emit(const FwdParams& p, const float (&x)[kVec], int n_in,
                                      size_t row, int c, float mean, float rsigma, float scale,
@@ -104,13 +111,15 @@ __device__ __forceinline__ void emit(const FwdParams& p, const float (&x)[kVec],
       q.v[j] = p.e5m2 ? Fp8Format<false>::cast_pair(r[2 * j] * scale, r[2 * j + 1] * scale)
                       : Fp8Format<true>::cast_pair(r[2 * j] * scale, r[2 * j + 1] * scale);
     }
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&q);
     if (p.y != nullptr) {
       uint8_t* out = static_cast<uint8_t*>(p.y) + offset;
       if (p.vec_out && n == kVec) {
         *reinterpret_cast<uint2*>(out) = *reinterpret_cast<const uint2*>(&q);
       } else {
-        for (int j = 0; j < n; ++j) out[j] = bytes[j];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          if (j < n) out[j] = fp8_byte(q, j);
+        }
       }
     }
     if (p.y_t != nullptr) {
@@ -118,10 +127,16 @@ __device__ __forceinline__ void emit(const FwdParams& p, const float (&x)[kVec],
         if ((kVecIO || p.vec) && n == kVec) {
           *reinterpret_cast<uint2*>(tile_row + c) = *reinterpret_cast<const uint2*>(&q);
         } else {
-          for (int j = 0; j < n; ++j) tile_row[c + j] = bytes[j];
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            if (j < n) tile_row[c + j] = fp8_byte(q, j);
+          }
         }
       } else {
-        for (int j = 0; j < n; ++j) p.y_t[static_cast<size_t>(c + j) * p.rows + row] = bytes[j];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          if (j < n) p.y_t[static_cast<size_t>(c + j) * p.rows + row] = fp8_byte(q, j);
+        }
       }
     }
   }
@@ -493,8 +508,8 @@ extern "C" void nvte_norm_forward(const NVTEBuffer* input, const NVTEBuffer* gam
   using namespace transformer_engine::norm_detail;
   const char* op = "nvte_norm_forward";
   NormShape shape{};
-  FwdParams p = check_forward(op, input, gamma, beta, epsilon, zero_centered_gamma, rms, mean,
-                              rsigma, shape);
+  FwdParams p =
+      check_forward(op, input, gamma, beta, epsilon, zero_centered_gamma, rms, mean, rsigma, shape);
   const NVTEBuffer& out = require(op, "output", output);
   const bool fp8 = is_fp8(out.dtype);
   check_matrix(op, "output", out, shape.rows, shape.H, fp8 ? out.dtype : input->dtype);

@@ -50,14 +50,16 @@ struct Fp8Format {
   static constexpr float kMax = kE4M3 ? 448.0f : 57344.0f;
   static constexpr __nv_fp8_interpretation_t kInterp = kE4M3 ? __NV_E4M3 : __NV_E5M2;
 
-  /* Two saturating casts at once (the hardware converts pairs). NaN is patched to the canonical
-   * byte afterwards; clamping first makes +-Inf saturate regardless of the intrinsic's rules. */
+  /* Two saturating casts at once (the hardware converts pairs; .satfinite takes values past
+   * the format's range, +-Inf included, to +-kMax). NaN is patched to the canonical byte
+   * afterwards, on a branch a pair only takes when it holds a NaN: the casts are the inner loop
+   * of every FP8 kernel, which are bound by their instruction count. */
   static __device__ __forceinline__ uint16_t cast_pair(float a, float b) {
-    const float ca = fminf(fmaxf(a, -kMax), kMax);
-    const float cb = fminf(fmaxf(b, -kMax), kMax);
-    uint16_t bits = __nv_cvt_float2_to_fp8x2(make_float2(ca, cb), __NV_SATFINITE, kInterp);
-    if (isnan(a)) bits = (bits & 0xFF00u) | kFp8CanonicalNaN;
-    if (isnan(b)) bits = (bits & 0x00FFu) | (static_cast<uint16_t>(kFp8CanonicalNaN) << 8);
+    uint16_t bits = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kInterp);
+    if (isnan(a) || isnan(b)) {
+      if (isnan(a)) bits = (bits & 0xFF00u) | kFp8CanonicalNaN;
+      if (isnan(b)) bits = (bits & 0x00FFu) | (static_cast<uint16_t>(kFp8CanonicalNaN) << 8);
+    }
     return bits;
   }
 
