@@ -217,6 +217,37 @@ def test_current_scaling_amax_reduction_is_a_max_all_reduce_over_the_group(monke
     assert q.amax_reduction_group is group
 
 
+def test_current_scaling_quantizers_compare_and_hash_by_their_settings():
+    # Upstream's current-scaling quantizer is a value quantizer: equal settings, equal quantizers.
+    a = Float8CurrentScalingQuantizer(E4M3, force_pow_2_scales=True, amax_epsilon=1e-3)
+    b = Float8CurrentScalingQuantizer(E4M3, force_pow_2_scales=True, amax_epsilon=1e-3)
+    assert a is not b and a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a.copy() == a
+    for other in (
+        Float8CurrentScalingQuantizer(E5M2, force_pow_2_scales=True, amax_epsilon=1e-3),
+        Float8CurrentScalingQuantizer(E4M3, amax_epsilon=1e-3),
+        Float8CurrentScalingQuantizer(E4M3, force_pow_2_scales=True),
+        Float8CurrentScalingQuantizer(
+            E4M3, force_pow_2_scales=True, amax_epsilon=1e-3, columnwise=False
+        ),
+        Float8CurrentScalingQuantizer(
+            E4M3, force_pow_2_scales=True, amax_epsilon=1e-3, with_amax_reduction=True
+        ),
+    ):
+        assert a != other
+    group = object()  # a stand-in process group: compared by identity
+    c = Float8CurrentScalingQuantizer(E4M3, with_amax_reduction=True, amax_reduction_group=group)
+    d = Float8CurrentScalingQuantizer(E4M3, with_amax_reduction=True, amax_reduction_group=group)
+    e = Float8CurrentScalingQuantizer(E4M3, with_amax_reduction=True, amax_reduction_group=object())
+    assert c == d and hash(c) == hash(d) and c != e
+    b.set_usage(columnwise=False)  # settings change: so does equality
+    assert a != b
+    # Delayed-scaling quantizers hold their own state: compared by identity, as upstream's.
+    scale, amax = torch.ones(1), torch.zeros(1)
+    assert Float8Quantizer(scale, amax, E4M3) != Float8Quantizer(scale, amax, E4M3)
+    assert a != Float8Quantizer(scale, amax, E4M3)
+
+
 def test_compatible_recipes():
     from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 

@@ -547,6 +547,31 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         state["amax_reduction_group"] = None  # process groups do not pickle
         return state
 
+    # A value quantizer, as upstream's: it holds no state between casts, so two with the same
+    # settings cast alike and compare equal (and hash alike); the process group by identity.
+    def _value_key(self) -> tuple:
+        return (
+            self.dtype,
+            self.rowwise_usage,
+            self.columnwise_usage,
+            self.internal,
+            self.optimize_for_gemm,
+            self.with_amax_reduction,
+            self.force_pow_2_scales,
+            self.amax_epsilon,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return (
+            self._value_key() == other._value_key()
+            and self.amax_reduction_group is other.amax_reduction_group
+        )
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._value_key(), id(self.amax_reduction_group)))
+
     def __repr__(self) -> str:
         return (
             f"Float8CurrentScalingQuantizer(fp8_dtype={self.dtype.name}, "
