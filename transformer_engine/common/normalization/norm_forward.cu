@@ -70,16 +70,20 @@ __device__ __forceinline__ void load_param(const FwdParams& p, const void* base,
   }
 }
 
-/* Byte j (compile-time) of kVec FP8 bytes packed two a word. */
-__device__ __forceinline__ uint8_t fp8_byte(const Vec<uint16_t, kVec / 2>& q, int j) {
-  return static_cast<uint8_t>(q.v[j / 2] >> (8 * (j % 2)));
+/* The first n of kVec FP8 bytes (packed two a word) to dst[0], dst[stride], ...: unrolled, so
+ * each byte is taken from its word with a constant shift (a run-time index into the bytes would
+ * put them in local memory). */
+__device__ __forceinline__ void store_fp8_bytes(uint8_t* dst, size_t stride,
+                                                const Vec<uint16_t, kVec / 2>& q, int n) {
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    if (j < n) dst[j * stride] = static_cast<uint8_t>(q.v[j / 2] >> (8 * (j % 2)));
+  }
 }
 
 /* Normalizes the vector at column c of `row` (n valid elements) and writes it: y in x's dtype,
  * or its FP8 bytes (+ amax of the rounded values, + the transposed copy: staged in `tile_row`
- * when given, else written directly). kVecIO: p.vec holds and n == kVec (the register kernel).
- * Partial vectors store byte by byte with unrolled constant indices, so the bytes stay in
- * registers (a run-time index would put them in local memory). */
+ * when given, else written directly). kVecIO: p.vec holds and n == kVec (the register kernel). */
 template <typename IType, bool kFp8, bool kVecIO = false>
 __device__ __forceinline__ void emit(const FwdParams& p, const float (&x)[kVec], int n_in,
                                      size_t row, int c, float mean, float rsigma, float scale,
@@ -116,10 +120,7 @@ __device__ __forceinline__ void emit(const FwdParams& p, const float (&x)[kVec],
       if (p.vec_out && n == kVec) {
         *reinterpret_cast<uint2*>(out) = *reinterpret_cast<const uint2*>(&q);
       } else {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          if (j < n) out[j] = fp8_byte(q, j);
-        }
+        store_fp8_bytes(out, 1, q, n);
       }
     }
     if (p.y_t != nullptr) {
@@ -127,16 +128,10 @@ __device__ __forceinline__ void emit(const FwdParams& p, const float (&x)[kVec],
         if ((kVecIO || p.vec) && n == kVec) {
           *reinterpret_cast<uint2*>(tile_row + c) = *reinterpret_cast<const uint2*>(&q);
         } else {
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            if (j < n) tile_row[c + j] = fp8_byte(q, j);
-          }
+          store_fp8_bytes(tile_row + c, 1, q, n);
         }
       } else {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          if (j < n) p.y_t[static_cast<size_t>(c + j) * p.rows + row] = fp8_byte(q, j);
-        }
+        store_fp8_bytes(p.y_t + static_cast<size_t>(c) * p.rows + row, p.rows, q, n);
       }
     }
   }
