@@ -33,9 +33,9 @@ constexpr float kQGeluSlope = 1.702f;
  * kFast (bf16/fp16 activations, whose results round to 2^-9 / 2^-12): e = 2^t with
  * t = x (-k log2 e), k log2 e folded into one constant, and the special-function unit's
  * exponential and reciprocal (ex2/rcp.approx.ftz: within two float32 ulps, subnormals flushed;
- * s then differs from the exact value by a few 1e-7 relative). The kernels are bound by their
- * instruction count, and this is four instructions where expf and a correctly rounded division
- * take about twenty. float32 activations keep libm's expf and IEEE division. */
+ * s then differs from the exact value by a few 1e-7 relative). Four instructions where expf
+ * and a correctly rounded division take about twenty, which had bound the kernels by their
+ * instruction count. float32 activations keep libm's expf and IEEE division. */
 struct Logistic {
   float s, one_minus_s;
 };

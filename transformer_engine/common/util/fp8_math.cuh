@@ -52,8 +52,8 @@ struct Fp8Format {
 
   /* Two saturating casts at once (the hardware converts pairs; .satfinite takes values past
    * the format's range, +-Inf included, to +-kMax). NaN is patched to the canonical byte
-   * afterwards, on a branch a pair only takes when it holds a NaN: the casts are the inner loop
-   * of every FP8 kernel, which are bound by their instruction count. */
+   * afterwards, on a branch a pair only takes when it holds a NaN (the casts are in the inner
+   * loop of every FP8 kernel: fewer instructions there pay everywhere). */
   static __device__ __forceinline__ uint16_t cast_pair(float a, float b) {
     uint16_t bits = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kInterp);
     if (isnan(a) || isnan(b)) {
