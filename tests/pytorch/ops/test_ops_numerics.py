@@ -247,11 +247,9 @@ def test_activation_cache_quantized_input(recipe):
     assert_close_by_table(x2.grad, x.grad, ("e4m3", torch.float32))
 
 
-def test_gated_activation_needs_an_even_size_and_interleave_is_refused():
+def test_gated_activation_needs_an_even_size():
     with pytest.raises(ValueError, match="even"):
         ops.SwiGLU()(torch.randn(4, 31))
-    with pytest.raises(NotImplementedError, match="glu_interleave_size"):
-        ops.SwiGLU(glu_interleave_size=32)
 
 
 # ------------------------------------------------------------------------------------------

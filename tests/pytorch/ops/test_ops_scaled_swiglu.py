@@ -40,8 +40,3 @@ def test_scales_of_the_wrong_size_are_refused():
     model = te.ops.Sequential(te.ops.ScaledSwiGLU())
     with pytest.raises(ValueError, match="one scale per row"):
         model(torch.randn(4, 8), torch.ones(3))
-
-
-def test_interleaved_layout_is_refused_by_name():
-    with pytest.raises(NotImplementedError, match="glu_interleave_size"):
-        te.ops.ScaledSwiGLU(glu_interleave_size=32)

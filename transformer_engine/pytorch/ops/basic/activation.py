@@ -20,6 +20,46 @@ from ...tensor import Float8CurrentScalingQuantizer
 from ..op import BasicOperation, OperationContext
 from ._common import plain
 
+
+def check_glu_interleave_size(owner: str, size) -> int | None:
+    """``size`` as a positive int, or None; a clear error otherwise."""
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ValueError(
+            f"{owner}: glu_interleave_size={size!r} must be a positive int (columns per block of "
+            "the interleaved halves) or None (contiguous halves)"
+        )
+    return size
+
+
+def glu_to_halves(owner: str, x: torch.Tensor, k: int | None) -> torch.Tensor:
+    """``x`` with contiguous halves: blocks ``[G0:k, V0:k, Gk:2k, Vk:2k, ...]`` of the last
+    dimension (upstream's interleaved GLU layout, which an FC1 weight reordered by
+    :func:`transformer_engine.pytorch.interleave_glu_tensor` gives) reordered to ``[G, V]``;
+    ``x`` itself when ``k`` is None."""
+    if k is None:
+        return x
+    n = x.shape[-1]
+    if n % (2 * k) != 0:
+        raise ValueError(
+            f"{owner}: the input's last dimension {n} is not a multiple of "
+            f"2 * glu_interleave_size = {2 * k}; the interleaved layout holds whole pairs of "
+            f"{k}-column blocks"
+        )
+    blocks = x.reshape(*x.shape[:-1], n // (2 * k), 2, k)
+    return blocks.transpose(-3, -2).reshape(x.shape)
+
+
+def glu_from_halves(g: torch.Tensor, k: int | None) -> torch.Tensor:
+    """The inverse of :func:`glu_to_halves`."""
+    if k is None:
+        return g
+    n = g.shape[-1]
+    halves = g.reshape(*g.shape[:-1], 2, n // (2 * k), k)
+    return halves.transpose(-3, -2).reshape(g.shape)
+
+
 __all__ = [
     "ActivationOperation",
     "GELU",
@@ -49,6 +89,8 @@ class ActivationOperation(BasicOperation):
     """
 
     _activation_name: str = ""
+    # Gated kinds whose input may come with its halves interleaved (SwiGLU and its variants).
+    glu_interleave_size: int | None = None
 
     def __init__(self, *, cache_quantized_input: bool = False) -> None:
         super().__init__()
@@ -57,9 +99,23 @@ class ActivationOperation(BasicOperation):
     def _spec(self) -> ActivationSpec:
         return activation_spec(self._activation_name)
 
+    @property
+    def fusible(self) -> bool:
+        """Whether the fused activation ops may take this op's place: not with an interleaved
+        input, as their kernels read the two halves contiguous."""
+        return self.glu_interleave_size is None
+
+    def to_halves(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with contiguous halves (see :func:`glu_to_halves`)."""
+        return glu_to_halves(type(self).__name__, x, self.glu_interleave_size)
+
+    def from_halves(self, g: torch.Tensor) -> torch.Tensor:
+        """The input gradient back to the input's layout (see :func:`glu_from_halves`)."""
+        return glu_from_halves(g, self.glu_interleave_size)
+
     def activation_forward(self, ctx: OperationContext, input_: torch.Tensor) -> torch.Tensor:
         """Apply the activation and save what :meth:`op_backward` needs into ``ctx``."""
-        x = plain(input_)
+        x = self.to_halves(plain(input_))
         output = activation_forward(x, self._spec())
         self.save_input(ctx, x)
         return output
@@ -94,9 +150,9 @@ class ActivationOperation(BasicOperation):
         return self.activation_forward(ctx, input_)
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
-        x = self.saved_input(ctx)
+        x = self.saved_input(ctx)  # contiguous halves
         grad = plain(grad_output)
-        return activation_backward(grad.to(x.dtype), x, self._spec()), []
+        return self.from_halves(activation_backward(grad.to(x.dtype), x, self._spec())), []
 
 
 class GELU(ActivationOperation):
@@ -169,8 +225,11 @@ class SwiGLU(ActivationOperation):
     ----------
     cache_quantized_input : bool, default False
     glu_interleave_size : int, optional
-        Upstream's interleaved layout of the two halves; only ``None`` (contiguous halves) is
-        implemented.
+        The input's halves interleaved in blocks of this many columns,
+        ``[G0:k, V0:k, Gk:2k, Vk:2k, ...]`` (what an FC1 weight reordered by
+        :func:`transformer_engine.pytorch.interleave_glu_tensor` produces); ``None``: contiguous
+        halves ``[G, V]``. The input is reordered to contiguous halves for the kernels and the
+        gradient back, so the op then runs outside the fused activation ops.
     """
 
     _activation_name = "swiglu"
@@ -178,13 +237,10 @@ class SwiGLU(ActivationOperation):
     def __init__(
         self, *, cache_quantized_input: bool = False, glu_interleave_size: int | None = None
     ) -> None:
-        if glu_interleave_size is not None:
-            raise NotImplementedError(
-                f"SwiGLU: glu_interleave_size={glu_interleave_size!r} is not implemented yet; "
-                "use None (contiguous halves)"
-            )
         super().__init__(cache_quantized_input=cache_quantized_input)
-        self.glu_interleave_size = None
+        self.glu_interleave_size = check_glu_interleave_size(
+            type(self).__name__, glu_interleave_size
+        )
 
 
 class ClampedSwiGLU(SwiGLU):

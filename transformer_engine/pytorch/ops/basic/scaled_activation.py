@@ -14,6 +14,7 @@ import torch
 from ...functional.activation import activation_backward, activation_forward, activation_spec
 from ..op import BasicOperation
 from ._common import plain
+from .activation import check_glu_interleave_size, glu_from_halves, glu_to_halves
 
 __all__ = ["ScaledSwiGLU"]
 
@@ -24,20 +25,15 @@ class ScaledSwiGLU(BasicOperation):
     Parameters
     ----------
     glu_interleave_size : int, optional
-        Upstream's interleaved layout of the two halves; only ``None`` (contiguous halves) is
-        implemented.
+        The input's halves interleaved in blocks of this many columns, as for
+        :class:`~transformer_engine.pytorch.ops.SwiGLU`; ``None``: contiguous halves.
     """
 
     num_extra_inputs = 1
 
     def __init__(self, glu_interleave_size: int | None = None) -> None:
-        if glu_interleave_size is not None:
-            raise NotImplementedError(
-                f"ScaledSwiGLU: glu_interleave_size={glu_interleave_size!r} is not implemented "
-                "yet; use None (contiguous halves)"
-            )
         super().__init__()
-        self.glu_interleave_size = None
+        self.glu_interleave_size = check_glu_interleave_size("ScaledSwiGLU", glu_interleave_size)
         self._spec = activation_spec("swiglu")
 
     def op_forward(self, *args, **kwargs):
@@ -72,7 +68,10 @@ class ScaledSwiGLU(BasicOperation):
         basic_op_kwargs,
     ):
         (scales,) = basic_op_extra_inputs[0]
-        x, scales = plain(input_), plain(scales)
+        x, scales = (
+            glu_to_halves("ScaledSwiGLU", plain(input_), self.glu_interleave_size),
+            plain(scales),
+        )
         row_scales = self._row_scales(x, scales)
         out = activation_forward(x, self._spec) * row_scales.to(x.dtype)
         ctx = basic_op_ctxs[0]
@@ -85,7 +84,10 @@ class ScaledSwiGLU(BasicOperation):
         x, scales = ctx.saved_tensors
         grad = plain(grad_output).to(x.dtype)
         row_scales = self._row_scales(x, scales)
-        grad_input = activation_backward(grad * row_scales.to(x.dtype), x, self._spec)
+        grad_input = glu_from_halves(
+            activation_backward(grad * row_scales.to(x.dtype), x, self._spec),
+            self.glu_interleave_size,
+        )
         swiglu = activation_forward(x, self._spec)  # recomputed: the forward keeps only x
         grad_scales = (grad.float() * swiglu.float()).sum(dim=-1)
         return grad_input, [[]], [(grad_scales.reshape(scales.shape).to(scales.dtype),)]

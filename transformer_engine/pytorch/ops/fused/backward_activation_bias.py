@@ -45,6 +45,6 @@ def fuse_backward_activation_bias(ops, *, recipe=None):
 
 def _match_backward_activation_bias(ops, i):
     op, activation = ops[i], op_at(ops, i + 1)
-    if type(op) is Bias and isinstance(activation, ActivationOperation):
+    if type(op) is Bias and isinstance(activation, ActivationOperation) and activation.fusible:
         return BackwardActivationBias(bias=op, activation=activation), 2
     return None

@@ -113,9 +113,9 @@ def _match_backward_activation_cast(ops, i):
         return None
     bias, activation = op_at(ops, i + 1), op_at(ops, i + 2)
     if type(bias) is Bias and bias.size == linear.out_features:
-        if isinstance(activation, ActivationOperation):
+        if isinstance(activation, ActivationOperation) and activation.fusible:
             return BackwardActivationCast(linear=linear, bias=bias, activation=activation), 3
         return None
-    if isinstance(bias, ActivationOperation):
+    if isinstance(bias, ActivationOperation) and bias.fusible:
         return BackwardActivationCast(linear=linear, activation=bias), 2
     return None

@@ -104,6 +104,6 @@ def fuse_forward_activation_cast(ops, *, recipe=None):
 
 def _match_forward_activation_cast(ops, i):
     op, linear = ops[i], op_at(ops, i + 1)
-    if isinstance(op, ActivationOperation) and type(linear) is BasicLinear:
+    if isinstance(op, ActivationOperation) and op.fusible and type(linear) is BasicLinear:
         return ForwardActivationCast(activation=op, linear=linear), 1
     return None

@@ -69,7 +69,7 @@ def _match_forward_linear_bias_activation(ops, i):
     if not (type(op) is BasicLinear and type(bias) is Bias and bias.size == op.out_features):
         return None
     activation = op_at(ops, i + 2)
-    if not isinstance(activation, ActivationOperation):
+    if not (isinstance(activation, ActivationOperation) and activation.fusible):
         activation = None
     fused = ForwardLinearBiasActivation(linear=op, bias=bias, activation=activation)
     return fused, 2 if activation is None else 3
