@@ -29,6 +29,19 @@ def _autocast(recipe):
     return te.autocast(enabled=recipe is not None, recipe=recipe)
 
 
+def _backward_twice(y, dy, x, module):
+    """Two backwards through ``y`` (the first with ``retain_graph``): for each, the gradients of
+    ``x`` and of ``module``'s parameters, which are reset in between."""
+    grads = []
+    for retain in (True, False):
+        y.backward(dy, retain_graph=retain)
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in module.parameters()])
+        x.grad = None
+        for p in module.parameters():
+            p.grad = None
+    return grads
+
+
 @pytest.mark.parametrize("recipe", [R.DelayedScaling(), R.Float8CurrentScaling()], ids=str)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("lead", [(0,), (2, 0)])
@@ -64,13 +77,7 @@ def test_grouped_linear_backward_twice(name):
     with _autocast(recipe):
         y = op(x, sizes)
     dy = torch.randn_like(y)
-    grads = []
-    for retain in (True, False):
-        y.backward(dy, retain_graph=retain)
-        grads.append([x.grad.clone()] + [p.grad.clone() for p in op.parameters()])
-        x.grad = None
-        for p in op.parameters():
-            p.grad = None
+    grads = _backward_twice(y, dy, x, op)
     for first, second in zip(*grads):
         torch.testing.assert_close(first, second, rtol=0, atol=0)
     if recipe is None:  # and against an independent computation
@@ -272,13 +279,7 @@ def test_backward_releases_saved_tensors_while_output_lives(name):
         y = seq(x, sizes)
     assert saved
     dy = torch.randn_like(y)
-    grads = []
-    for retain in (True, False):
-        y.backward(dy, retain_graph=retain)
-        grads.append([x.grad.clone()] + [p.grad.clone() for p in seq.parameters()])
-        x.grad = None
-        for p in seq.parameters():
-            p.grad = None
+    grads = _backward_twice(y, dy, x, seq)
     gc.collect()
     assert y.grad_fn is not None  # the graph is still there ...
     assert all(ref() is None for ref in saved)  # ... but what it saved is gone

@@ -15,7 +15,7 @@ import torch
 
 from ..constants import HIGH_PRECISION_DTYPES
 from ..quantized_tensor import QuantizedTensor
-from ._float8_quantize_into import high_precision_source
+from ._float8_quantize_into import check_data_value, high_precision_source
 from ._quantized_setitem import quantized_setitem
 
 __all__ = ["BlockScaledTensorMixin", "check_cast_input", "requantize_into", "storage_buffers"]
@@ -130,15 +130,7 @@ class BlockScaledTensorMixin:
     def data(self, value: torch.Tensor) -> None:
         if self._adopt_buffers(value):
             return
-        owner = type(self).__name__
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{owner}.data must be set to a tensor, got {type(value)}")
-        if tuple(value.shape) != tuple(self.shape):
-            # (quantize_ would try to broadcast it: torch's expand error named neither shape)
-            raise ValueError(
-                f"{owner}.data: a tensor of shape {tuple(value.shape)} cannot be quantized into "
-                f"shape {tuple(self.shape)}; assign a tensor of shape {tuple(self.shape)}"
-            )
+        check_data_value(type(self).__name__, value, self.shape)
         retyped = value.dtype != self.dtype and value.dtype in HIGH_PRECISION_DTYPES
         if retyped and self._quantizer is not None:
             # The nominal dtype follows the assigned tensor's, as torch's setter and

@@ -19,7 +19,7 @@ from ..device import is_non_tn_fp8_gemm_supported
 from ..quantized_tensor import QuantizedTensor, QuantizedTensorStorage
 from .storage.float8_tensor_storage import Float8TensorStorage
 
-__all__ = ["float8_layouts", "high_precision_source", "quantize_into"]
+__all__ = ["check_data_value", "float8_layouts", "high_precision_source", "quantize_into"]
 
 # ``scale_and_amax(src) -> (scale, amax buffer or None)``: the scale to cast ``src`` with (a
 # one-element float32 tensor on its device) and where the cast max-accumulates its amax.
@@ -39,6 +39,19 @@ def high_precision_source(tensor) -> torch.Tensor:
     if tensor.requires_grad and torch.is_grad_enabled():
         return tensor.detach()
     return tensor
+
+
+def check_data_value(owner: str, value, shape) -> None:
+    """What a quantized tensor's ``.data = value`` setter quantizes into its own buffers must be
+    a tensor of the same shape (``quantize_`` would try to broadcast another shape, and torch's
+    expand error named neither shape)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{owner}.data must be set to a tensor, got {type(value)}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(
+            f"{owner}.data: a tensor of shape {tuple(value.shape)} cannot be quantized into "
+            f"shape {tuple(shape)}; assign a tensor of shape {tuple(shape)}"
+        )
 
 
 def float8_layouts(

@@ -22,7 +22,7 @@ import torch
 from ..constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
 from ..quantized_tensor import QuantizedTensor
 from ._float8_dispatch import FLOAT8_HANDLERS
-from ._float8_quantize_into import quantize_into
+from ._float8_quantize_into import check_data_value, quantize_into
 from ._quantized_setitem import is_dim0_view_key, quantized_setitem
 from .storage.float8_tensor_storage import Float8TensorStorage, check_float8_buffers
 
@@ -260,13 +260,7 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
                 shape=value.shape, **{**value.get_metadata(), "fake_dtype": value.dtype}
             )
             return
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"Float8Tensor.data must be set to a tensor, got {type(value)}")
-        if tuple(value.shape) != tuple(self.shape):
-            raise ValueError(
-                f"Float8Tensor.data: a plain tensor of shape {tuple(value.shape)} cannot be "
-                f"quantized into shape {tuple(self.shape)}"
-            )
+        check_data_value("Float8Tensor", value, self.shape)
         with torch.no_grad():
             self.quantize_(value)
         if value.dtype != self.dtype and value.dtype in HIGH_PRECISION_DTYPES:
