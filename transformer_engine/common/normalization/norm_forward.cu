@@ -11,7 +11,7 @@
  * are those of casting the high-precision output.
  *
  * The transposed FP8 copy: a block handles a group of R rows (32, fewer when H is long so that
- * R * H bytes fit kTileBudget), staging their FP8 bytes in dynamic shared memory, then writes
+ * R * H bytes fit tile_budget()), staging their FP8 bytes in dynamic shared memory, then writes
  * each column's run of 16 (or 8) rows with one store, from 4-byte shared-memory words transposed
  * 4x4 with byte permutes. Rows too long for the register teams, and unaligned inputs or H % 8 != 0,
  * go through a looped kernel that reads x once per pass (three passes) and writes the transposed
@@ -25,14 +25,14 @@
 
 #include "cast/dispatch.cuh"
 #include "normalization/norm_common.cuh"
+#include "normalization/norm_transpose_tile.cuh"
 #include "transformer_engine/normalization.h"
 
 namespace transformer_engine {
 namespace norm_detail {
 namespace {
 
-constexpr int kTileBudget = 96 * 1024;  // staging bytes for the transposed copy: 2 blocks/SM
-constexpr int kMaxGroupRows = 32;       // a 32-byte sector of out_t per column
+constexpr int kMaxGroupRows = 32;  // a 32-byte sector of out_t per column
 constexpr int kLoopThreads = 512;
 
 struct FwdParams {
@@ -91,12 +91,20 @@ __device__ __forceinline__ void emit(const FwdParams& p, const float (&x)[kVec],
   const int n = kVecIO ? kVec : n_in;
   float g[kVec], b[kVec], y[kVec];
   load_param<IType, kVecIO>(p, p.gamma, c, n, g);
-  if (p.beta != nullptr) load_param<IType, kVecIO>(p, p.beta, c, n, b);
+  // Uniform branches rather than a select per element; no beta adds +0.0 as a beta of zeros
+  // would (a -0.0 product becomes +0.0 either way).
+  if (p.zero_centered) {
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    const float beta = p.beta != nullptr ? b[j] : 0.0f;
-    y[j] = (x[j] - mean) * rsigma * effective_gamma(g[j], p.zero_centered) + beta;
+    for (int j = 0; j < kVec; ++j) g[j] = effective_gamma(g[j], true);
   }
+  if (p.beta != nullptr) {
+    load_param<IType, kVecIO>(p, p.beta, c, n, b);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) b[j] = 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) y[j] = (x[j] - mean) * rsigma * g[j] + b[j];
   const size_t offset = row * static_cast<size_t>(p.H) + c;
   if constexpr (!kFp8) {
     store_vec(static_cast<IType*>(p.y) + offset, p.vec_out, n, y);
@@ -149,77 +157,14 @@ __device__ __forceinline__ float fwd_scale(const FwdParams& p) {
   }
 }
 
-/* Rows per transposed store run: up to 16 (one 16-byte store per column and run). */
-__host__ __device__ __forceinline__ int transposed_run(int group_rows) {
-  return group_rows < 16 ? group_rows : 16;
-}
-
-/* The staged FP8 bytes of rows [r0, r0 + count) to out_t: column c's bytes are one contiguous
- * run of out_t. Fast path (vec_t: H % 4 == 0, runs of 8 or 16 rows, rows % run == 0, out_t
- * aligned to the run; a whole group): a thread reads a run's 4-byte words of 4 columns from the
- * tile (consecutive threads on consecutive words: no bank conflicts), transposes them 4x4 with
- * byte permutes and writes each column's run with one 8- or 16-byte store. Else a byte at a
- * time. */
-template <int kThreads>
-__device__ void write_transposed(const FwdParams& p, const uint8_t* tile, size_t r0, int count) {
-  const int H = p.H;
-  const int run = transposed_run(p.group_rows);
-  if (p.vec_t && count == p.group_rows) {
-    const int quads = H / 4;
-    const int runs = p.group_rows / run;
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(tile);
-    for (int i = threadIdx.x; i < quads * runs; i += kThreads) {
-      const int q = i % quads;
-      const int lr0 = (i / quads) * run;
-      uint8_t* dst = p.y_t + static_cast<size_t>(4 * q) * p.rows + r0 + lr0;
-      if (run == 16) {
-        uint32_t w[16];
-#pragma unroll
-        for (int k = 0; k < 16; ++k) w[k] = words[(lr0 + k) * quads + q];
-        uint32_t c0[4], c1[4], c2[4], c3[4];
-        transpose_4x4(w[0], w[1], w[2], w[3], c0);
-        transpose_4x4(w[4], w[5], w[6], w[7], c1);
-        transpose_4x4(w[8], w[9], w[10], w[11], c2);
-        transpose_4x4(w[12], w[13], w[14], w[15], c3);
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          *reinterpret_cast<uint4*>(dst + static_cast<size_t>(m) * p.rows) =
-              make_uint4(c0[m], c1[m], c2[m], c3[m]);
-        }
-      } else {  // run == 8
-        uint32_t w[8];
-#pragma unroll
-        for (int k = 0; k < 8; ++k) w[k] = words[(lr0 + k) * quads + q];
-        uint32_t c0[4], c1[4];
-        transpose_4x4(w[0], w[1], w[2], w[3], c0);
-        transpose_4x4(w[4], w[5], w[6], w[7], c1);
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          *reinterpret_cast<uint2*>(dst + static_cast<size_t>(m) * p.rows) =
-              make_uint2(c0[m], c1[m]);
-        }
-      }
-    }
-    return;
-  }
-  const int runs = p.group_rows / run;
-  for (int i = threadIdx.x; i < H * runs; i += kThreads) {
-    const int c = i % H;
-    const int lr0 = (i / H) * run;
-    if (lr0 >= count) continue;
-    uint8_t* dst = p.y_t + static_cast<size_t>(c) * p.rows + r0 + lr0;
-    const int m = count - lr0 < run ? count - lr0 : run;
-    for (int k = 0; k < m; ++k) dst[k] = tile[(lr0 + k) * H + c];
-  }
-}
-
 /* The register-team kernel's rows (p.vec: whole 16-byte vectors). A block takes groups of
  * group_rows rows (grid-stride; normally one group per block, the hardware scheduling the
  * blocks); within a group team k takes rows k, k + kTeams, ... With 16-bit inputs each team
  * loads its next row (possibly in the block's next group) while it normalizes the current one:
- * two rows of loads in flight per team. The row stays in registers as x's raw bits and is
- * converted in each of the three passes (sum, squared deviations, output), which keeps the
- * register count low. */
+ * two rows of loads in flight per team. The next row waits in registers as x's raw bits; the
+ * current one is converted to float32 once for its three passes (sum, squared deviations,
+ * output). The kernels are bound by the instructions they issue (ncu: a scheduler issues in
+ * about 80% of cycles), so converting once and the uniform branches in emit() count. */
 template <class Cfg, typename IType, bool kFp8>
 __device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, uint8_t* tile, float* scratch) {
   constexpr bool kVecIO = true;
@@ -254,9 +199,14 @@ __device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, uint8_t* tile,
     for (int lr = team; lr < count; lr += kTeams) {
       const size_t row = r0 + lr;
       if (!kPrefetch) fetch_row(row);
-      RawVec<IType> cur[kVecs];
+      // The row as float32, converted once (padding vectors are +0.0: they add nothing to the
+      // sum and are skipped below).
+      float xf[kVecs][kVec];
 #pragma unroll
-      for (int v = 0; v < kVecs; ++v) cur[v] = raw[v];
+      for (int v = 0; v < kVecs; ++v) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) xf[v][j] = raw_elem(raw[v], j);
+      }
       if (kPrefetch) {
         const size_t next = lr + kTeams < count ? row + kTeams : (g + gridDim.x) * R + team;
         if (next < p.rows) fetch_row(next);
@@ -267,18 +217,20 @@ __device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, uint8_t* tile,
 #pragma unroll
         for (int v = 0; v < kVecs; ++v) {
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) s += raw_elem(cur[v], j);  // padding is zero
+          for (int j = 0; j < kVec; ++j) s += xf[v][j];
         }
         mean = team_sum<kTeam, kThreads>(s, scratch, phase) / h;
       }
+      // Whole vectors only (p.vec: H % 8 == 0), so a vector is in the row or not at all.
       float ss = 0.0f;
 #pragma unroll
       for (int v = 0; v < kVecs; ++v) {
-        const int n = vec_count((v * kTeam + t) * kVec, p.H);
+        if ((v * kTeam + t) * kVec < p.H) {
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const float d = raw_elem(cur[v], j) - mean;
-          ss += j < n ? d * d : 0.0f;
+          for (int j = 0; j < kVec; ++j) {
+            const float d = xf[v][j] - mean;
+            ss = __fadd_rn(ss, __fmul_rn(d, d));  // unfused: the bits of every other path
+          }
         }
       }
       const float rsigma = rsqrtf(team_sum<kTeam, kThreads>(ss, scratch, phase) / h + p.eps);
@@ -292,10 +244,7 @@ __device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, uint8_t* tile,
         const int c = (v * kTeam + t) * kVec;
         const int n = vec_count(c, p.H);
         if (n > 0) {
-          float x[kVec];
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) x[j] = raw_elem(cur[v], j);
-          emit<IType, kFp8, kVecIO>(p, x, n, row, c, mean, rsigma, scale, amax, tile_row);
+          emit<IType, kFp8, kVecIO>(p, xf[v], n, row, c, mean, rsigma, scale, amax, tile_row);
         }
       }
     }
@@ -368,10 +317,14 @@ __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const Fwd
   }
 }
 
+/* Staging bytes a block may take for the transposed copy: blocks of 1024 threads (one a SM)
+ * take 128 KiB, smaller blocks (two a SM) 96 KiB. */
+constexpr int tile_budget(int threads) { return threads >= 1024 ? 128 * 1024 : 96 * 1024; }
+
 /* Rows per block iteration with the transposed copy: R = 32, halved until R * H fits. */
-int transpose_group_rows(int H) {
+int transpose_group_rows(int H, int budget) {
   int r = kMaxGroupRows;
-  while (r > 1 && static_cast<size_t>(r) * H > static_cast<size_t>(kTileBudget)) r /= 2;
+  while (r > 1 && static_cast<size_t>(r) * H > static_cast<size_t>(budget)) r /= 2;
   return r;
 }
 
@@ -380,7 +333,7 @@ int transpose_group_rows(int H) {
  * several rows in flight. Calls
  * f(nullptr) past the largest team (the looped kernel). */
 template <typename F>
-void dispatch_forward_team(int H, F&& f) {
+void dispatch_forward_team(int H, bool staged, F&& f) {
   if (H <= 256) {
     f(TeamConfig<32, 1, 256>{});
   } else if (H <= 512) {
@@ -392,7 +345,14 @@ void dispatch_forward_team(int H, F&& f) {
   } else if (H <= 4096) {
     f(TeamConfig<256, 2, 512>{});
   } else if (H <= 8192) {
-    f(TeamConfig<512, 2, 512>{});
+    // With the transposed copy, one block of 1024 threads a SM stages 16 rows (128 KiB) where
+    // two blocks of 512 would stage 8 each (measured at 8192 x 8192: 216 against 272 us);
+    // at H <= 4096 the two blocks of 512 are faster (110 against 134 us at 8192 x 4096).
+    if (staged) {
+      f(TeamConfig<512, 2, 1024>{});
+    } else {
+      f(TeamConfig<512, 2, 512>{});
+    }
   } else if (H <= 16384) {
     f(TeamConfig<1024, 2, 1024>{});
   } else {
@@ -400,7 +360,14 @@ void dispatch_forward_team(int H, F&& f) {
   }
 }
 
-constexpr int kRowsPerTeam = 4;  // rows a team takes per group without the transposed copy
+/* Rows a team takes per group without the transposed copy: up to 16 (fewer blocks, each
+ * paying its first row's load latency once), while the grid still fills every SM. */
+int rows_per_team(size_t rows, int teams, int threads, int sm_count) {
+  const size_t slots = static_cast<size_t>(sm_count) * (1024 / threads);
+  int r = 16;
+  while (r > 1 && (rows + static_cast<size_t>(teams) * r - 1) / (teams * r) < slots) r /= 2;
+  return r;
+}
 
 template <typename IType, bool kFp8>
 void launch_forward(CallContext& ctx, FwdParams p) {
@@ -412,15 +379,18 @@ void launch_forward(CallContext& ctx, FwdParams p) {
         <<<static_cast<unsigned>(blocks), kLoopThreads, 0, ctx.stream()>>>(p);
     ctx.check_launch("norm_fwd_looped_kernel launch");
   };
-  dispatch_forward_team(p.H, [&](auto cfg) {
+  const bool staged = kFp8 && p.y_t != nullptr;
+  dispatch_forward_team(p.H, staged, [&](auto cfg) {
     using Cfg = decltype(cfg);
     if constexpr (std::is_same_v<Cfg, std::nullptr_t>) {
       looped();
     } else if (!p.vec) {
       looped();  // H % 8 != 0 or unaligned inputs (the choice ignores the outputs' alignment)
     } else {
-      const bool staged = kFp8 && p.y_t != nullptr;
-      p.group_rows = staged ? transpose_group_rows(p.H) : Cfg::kTeams * kRowsPerTeam;
+      constexpr int kBudget = tile_budget(Cfg::kThreads);
+      p.group_rows =
+          staged ? transpose_group_rows(p.H, kBudget)
+                 : Cfg::kTeams * rows_per_team(p.rows, Cfg::kTeams, Cfg::kThreads, ctx.sm_count());
       if (staged && p.group_rows < Cfg::kTeams) p.group_rows = Cfg::kTeams;  // warp teams: H small
       if (staged) {
         const int run = transposed_run(p.group_rows);
@@ -431,7 +401,7 @@ void launch_forward(CallContext& ctx, FwdParams p) {
       auto kernel = norm_fwd_kernel<Cfg, IType, kFp8>;
       if (smem > 48 * 1024) {
         static std::atomic<uint64_t> done{0};
-        allow_dynamic_smem(ctx, kernel, kTileBudget, done);
+        allow_dynamic_smem(ctx, kernel, kBudget, done);
       }
       // One group per block, scheduled by the hardware (the grid-stride loop only serves grids
       // past the launch limit).
