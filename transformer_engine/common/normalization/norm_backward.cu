@@ -61,12 +61,16 @@ __device__ __forceinline__ void row_vector(const BwdParams& p, int c, int n, flo
                                            float (&db)[kVec], float& s_dy, float& s_dyx) {
   float g[kVec];
   load_vec(static_cast<const WType*>(p.gamma) + c, p.vec, n, g);
+  if (p.zero_centered) {  // a uniform branch, not a select per element (the kernels issue-bound)
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) g[j] = effective_gamma(g[j], true);
+  }
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
     const float xhat = (x[j] - mu) * rs;
     dg[j] += dz[j] * xhat;
     db[j] += dz[j];
-    const float dy = dz[j] * effective_gamma(g[j], p.zero_centered);
+    const float dy = dz[j] * g[j];
     s_dy += dy;
     s_dyx += dy * xhat;
     x[j] = xhat;
