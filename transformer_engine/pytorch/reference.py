@@ -148,23 +148,19 @@ def transpose_last_dim_first(
     cols = data.shape[-1]
     rows = math.prod(data.shape[:-1])  # not reshape(-1, cols): no -1 is inferred when cols is 0
     flat = data.reshape(rows, cols)
-    if data.element_size() == 1:
-        # FP8 through uint8: copies of FP8 tensors are not supported on every torch version.
-        flat = flat.view(torch.uint8)
     if data.element_size() != 1:
-        if out is not None:
-            out.view(cols, rows).copy_(flat.t())
-            return out
-        return flat.t().contiguous().reshape(cols, *data.shape[:-1])
+        if out is None:
+            return flat.t().contiguous().reshape(cols, *data.shape[:-1])
+        out.view(cols, rows).copy_(flat.t())
+        return out
     if out is None:
         out = torch.empty((cols, *data.shape[:-1]), dtype=data.dtype, device=data.device)
-    _copy_transposed_bytes(flat, out.view(torch.uint8).view(cols, rows))
+    # FP8 through uint8: copies of FP8 tensors are not supported on every torch version.
+    _copy_transposed_bytes(flat.view(torch.uint8), out.view(torch.uint8).view(cols, rows))
     return out
 
 
-# Byte transposes at least this large take the word route of _copy_transposed_bytes.
-_WORD_TRANSPOSE_MIN_BYTES = 1 << 14
-_WORD_DTYPES = {8: torch.int64, 4: torch.int32}
+_WORD_TRANSPOSE_MIN_BYTES = 1 << 14  # smaller byte transposes take the plain copy
 
 
 def _copy_transposed_bytes(flat: torch.Tensor, target: torch.Tensor) -> None:
@@ -174,27 +170,26 @@ def _copy_transposed_bytes(flat: torch.Tensor, target: torch.Tensor) -> None:
     per million bytes on this 2-core CPU). Where a row is a whole number of 8- (or 4-) byte
     words, two multithreaded copies move the same bytes in about 0.23 ms: the words are
     transposed as words (``[rows, cols/w] -> [cols/w, rows]``, each still holding ``w``
-    consecutive bytes of one input row), then each run of ``w``-byte words is split into ``w``
-    output rows (byte ``j`` of word ``[c, r]`` is ``flat[r, c*w + j]``, i.e. goes to
+    consecutive bytes of one input row), then each word is split across ``w`` output rows
+    (byte ``j`` of word ``[c, r]`` is ``flat[r, c*w + j]``, so it goes to
     ``target[c*w + j, r]``). Only whole bytes are copied, so every byte lands unchanged.
     """
     rows, cols = flat.shape
-    word = 8 if cols % 8 == 0 else 4 if cols % 4 == 0 else 0
-    fast = (
-        word
+    word = torch.int64 if cols % 8 == 0 else torch.int32 if cols % 4 == 0 else None
+    if not (
+        word is not None
         and flat.device.type == "cpu"
         and flat.numel() >= _WORD_TRANSPOSE_MIN_BYTES
         and flat.is_contiguous()
-        and flat.storage_offset() % word == 0  # view() as words needs aligned rows
-    )
-    if not fast:
+        and flat.storage_offset() % word.itemsize == 0  # view() as words needs aligned rows
+    ):
         target.copy_(flat.t())
         return
-    n = cols // word
-    words = torch.empty(n, 1, rows, dtype=_WORD_DTYPES[word], device=flat.device)
+    w, n = word.itemsize, cols // word.itemsize
+    words = torch.empty(n, 1, rows, dtype=word, device=flat.device)
     # 3-D on purpose: a 2-D transposed source would take torch's single-threaded tiled copy.
-    words.copy_(flat.view(_WORD_DTYPES[word]).t().unsqueeze(1))
-    target.view(n, word, rows).copy_(words.view(torch.uint8).view(n, rows, word).transpose(1, 2))
+    words.copy_(flat.view(word).t().unsqueeze(1))
+    target.view(n, w, rows).copy_(words.view(torch.uint8).view(n, rows, w).transpose(1, 2))
 
 
 def column_sum(x: torch.Tensor) -> torch.Tensor:
@@ -239,10 +234,9 @@ def fp8_to_float32_unscaled(data: torch.Tensor) -> tuple[torch.Tensor, float]:
       (the emulated GEMM's scale) folds it into its own factor and saves the pass.
 
     NaN bytes are the exception: the float16 route gives other NaN bits than torch (E5M2), or
-    +-1.875 (E4M3's ``0x7F``/``0xFF``). Two one-byte reductions over the raw bytes detect them
-    (the largest byte as int8 and as uint8: E4M3's NaNs are 127 and 255, E5M2's 125..127 and
-    253..255, and no other byte reaches those), and only then does torch's own upcast run
-    instead, with ``factor`` 1.
+    +-480 after the factor (E4M3's ``0x7F``/``0xFF``). The largest byte as int8 and as uint8
+    finds them (E4M3's NaNs are 127 and 255, E5M2's 125..127 and 253..255; no other byte
+    reaches those); only then does torch's own upcast run instead, with ``factor`` 1.
     """
     if data.dtype == torch.float8_e5m2:
         nan_bytes, shift, factor = (125, 253), 8, 1.0
@@ -255,9 +249,8 @@ def fp8_to_float32_unscaled(data: torch.Tensor) -> tuple[torch.Tensor, float]:
         or int(data.view(torch.uint8).max()) >= nan_bytes[1]
     ):
         return data.float(), 1.0
-    # int8 -> int16 sign-extends: bits 8..15 repeat the FP8 sign bit. Shifted left by 8 (E5M2)
-    # the byte is the float16's upper byte; by 7 (E4M3) bit 15 is the sign and bit 14 a copy of
-    # it, cleared by the mask. In place: one int16 buffer, then the float32 result.
+    # int8 -> int16 sign-extends (bits 8..15 = the sign). Shifted by 8 (E5M2) the byte is the
+    # float16's upper byte; by 7 (E4M3) bit 15 is the sign and bit 14 a sign copy, masked off.
     bits = data.view(torch.int8).to(torch.int16).bitwise_left_shift_(shift)
     if shift == 7:
         bits.bitwise_and_(_E4M3_TO_FP16_MASK)
