@@ -35,6 +35,7 @@ __all__ = [
     "cast_to_fp8",
     "cast_to_fp8_with_amax",
     "fp8_to_float32",
+    "fp8_to_float32_unscaled",
     "transpose_last_dim_first",
     "column_sum",
     "reciprocal",
@@ -58,7 +59,6 @@ FP8_CANONICAL_NAN = 0x7F
 FLOAT32_MAX = torch.finfo(torch.float32).max
 _SIGN_AND_EXPONENT_MASK = -8388608  # 0xFF800000 as a signed int32
 _E4M3_TO_FP16_MASK = -16385  # 0xBFFF as a signed int16
-_E4M3_MAX = 448.0
 # Inputs whose float32 upcast is exact (and cheap): the cast multiplies in float32 after it.
 _NARROW_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -148,14 +148,48 @@ def transpose_last_dim_first(
     cols = data.shape[-1]
     rows = math.prod(data.shape[:-1])  # not reshape(-1, cols): no -1 is inferred when cols is 0
     flat = data.reshape(rows, cols)
-    if data.element_size() == 1:
-        # FP8 through uint8: copies of FP8 tensors are not supported on every torch version.
-        flat = flat.view(torch.uint8)
-    if out is not None:
-        target = out.view(torch.uint8) if data.element_size() == 1 else out
-        target.view(cols, flat.shape[0]).copy_(flat.t())
+    if data.element_size() != 1:
+        if out is None:
+            return flat.t().contiguous().reshape(cols, *data.shape[:-1])
+        out.view(cols, rows).copy_(flat.t())
         return out
-    return flat.t().contiguous().view(data.dtype).reshape(cols, *data.shape[:-1])
+    if out is None:
+        out = torch.empty((cols, *data.shape[:-1]), dtype=data.dtype, device=data.device)
+    # FP8 through uint8: copies of FP8 tensors are not supported on every torch version.
+    _copy_transposed_bytes(flat.view(torch.uint8), out.view(torch.uint8).view(cols, rows))
+    return out
+
+
+_WORD_TRANSPOSE_MIN_BYTES = 1 << 14  # smaller byte transposes take the plain copy
+
+
+def _copy_transposed_bytes(flat: torch.Tensor, target: torch.Tensor) -> None:
+    """``target [cols, rows]`` (contiguous uint8) = ``flat [rows, cols]`` (uint8) transposed.
+
+    torch copies a transposed 2-D byte matrix with a single-threaded tiled loop (about 0.55 ms
+    per million bytes on this 2-core CPU). Where a row is a whole number of 8- (or 4-) byte
+    words, two multithreaded copies move the same bytes in about 0.23 ms: the words are
+    transposed as words (``[rows, cols/w] -> [cols/w, rows]``, each still holding ``w``
+    consecutive bytes of one input row), then each word is split across ``w`` output rows
+    (byte ``j`` of word ``[c, r]`` is ``flat[r, c*w + j]``, so it goes to
+    ``target[c*w + j, r]``). Only whole bytes are copied, so every byte lands unchanged.
+    """
+    rows, cols = flat.shape
+    word = torch.int64 if cols % 8 == 0 else torch.int32 if cols % 4 == 0 else None
+    if not (
+        word is not None
+        and flat.device.type == "cpu"
+        and flat.numel() >= _WORD_TRANSPOSE_MIN_BYTES
+        and flat.is_contiguous()
+        and flat.storage_offset() % word.itemsize == 0  # view() as words needs aligned rows
+    ):
+        target.copy_(flat.t())
+        return
+    w, n = word.itemsize, cols // word.itemsize
+    words = torch.empty(n, 1, rows, dtype=word, device=flat.device)
+    # 3-D on purpose: a 2-D transposed source would take torch's single-threaded tiled copy.
+    words.copy_(flat.view(word).t().unsqueeze(1))
+    target.view(n, w, rows).copy_(words.view(torch.uint8).view(n, rows, w).transpose(1, 2))
 
 
 def column_sum(x: torch.Tensor) -> torch.Tensor:
@@ -179,34 +213,48 @@ def reciprocal(scale: torch.Tensor) -> torch.Tensor:
 def fp8_to_float32(data: torch.Tensor) -> torch.Tensor:
     """The exact float32 value of every FP8 element, bitwise equal to ``data.float()``.
 
-    torch's own E4M3 upcast converts element by element (about 4.4 ms per million elements on
-    one core, against 0.6 ms for the bit moves below). Both formats go through float16, which
-    holds every FP8 value exactly and whose upcast to float32 is vectorized:
+    :func:`fp8_to_float32_unscaled` times its power-of-two factor (an exact multiply).
+    """
+    value, factor = fp8_to_float32_unscaled(data)
+    return value if factor == 1.0 else value.mul_(factor)
 
-    * E5M2 is the upper byte of a float16: ``byte << 8``.
+
+def fp8_to_float32_unscaled(data: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``(value, factor)``: float32 ``value`` with ``value * factor`` bitwise equal to
+    ``data.float()``; ``factor`` is 256.0 (E4M3 without NaN) or 1.0.
+
+    torch's own E4M3 upcast converts element by element (about 4.4 ms per million elements on
+    one core, against about 0.2 ms for the bit moves below). Both formats go through float16,
+    which holds every FP8 value exactly and whose upcast to float32 is vectorized:
+
+    * E5M2 is the upper byte of a float16: ``byte << 8`` (``factor`` 1).
     * E4M3 ``s eeee mmm`` moves to float16 bits ``s 0 eeee mmm 0000000``; that float16 is the
       value times ``2**-8`` (exponent bias 15 against 7; E4M3 subnormals land on float16
-      subnormals with the same factor), so the float32 is multiplied by 256 (exact).
+      subnormals with the same factor), so ``factor`` is 256. A caller that multiplies anyway
+      (the emulated GEMM's scale) folds it into its own factor and saves the pass.
 
     NaN bytes are the exception: the float16 route gives other NaN bits than torch (E5M2), or
-    +-480 (E4M3's ``0x7F``/``0xFF``, beyond every finite E4M3 value, 448). One reduction
-    detects them, and only then does torch's own upcast run instead.
+    +-480 after the factor (E4M3's ``0x7F``/``0xFF``). The largest byte as int8 and as uint8
+    finds them (E4M3's NaNs are 127 and 255, E5M2's 125..127 and 253..255; no other byte
+    reaches those); only then does torch's own upcast run instead, with ``factor`` 1.
     """
     if data.dtype == torch.float8_e5m2:
-        value = (data.view(torch.uint8).to(torch.int16) << 8).view(torch.float16).float()
-        if value.numel() and bool(torch.isnan(value.amax())):
-            return data.float()
-        return value
-    if data.dtype != torch.float8_e4m3fn:
+        nan_bytes, shift, factor = (125, 253), 8, 1.0
+    elif data.dtype == torch.float8_e4m3fn:
+        nan_bytes, shift, factor = (127, 255), 7, 256.0
+    else:
         raise TypeError(f"fp8_to_float32: data has dtype {data.dtype}; pass an FP8 tensor")
-    signed = data.view(torch.int8).to(torch.int16)  # sign-extended: bits 8..15 = sign
-    bits = (signed << 7).bitwise_and_(_E4M3_TO_FP16_MASK)  # clear bit 14 (a sign copy)
-    value = bits.view(torch.float16).float().mul_(256.0)
-    if value.numel():
-        lo, hi = torch.aminmax(value)
-        if float(hi) > _E4M3_MAX or float(lo) < -_E4M3_MAX:
-            return data.float()
-    return value
+    if data.numel() and (
+        int(data.view(torch.int8).max()) >= nan_bytes[0]
+        or int(data.view(torch.uint8).max()) >= nan_bytes[1]
+    ):
+        return data.float(), 1.0
+    # int8 -> int16 sign-extends (bits 8..15 = the sign). Shifted by 8 (E5M2) the byte is the
+    # float16's upper byte; by 7 (E4M3) bit 15 is the sign and bit 14 a sign copy, masked off.
+    bits = data.view(torch.int8).to(torch.int16).bitwise_left_shift_(shift)
+    if shift == 7:
+        bits.bitwise_and_(_E4M3_TO_FP16_MASK)
+    return bits.view(torch.float16).float(), factor
 
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -198,3 +198,75 @@ def test_emulated_gemm_matches_the_torch_upcast_gemm(x_dtype, y_dtype, out_dtype
             # Same float32 operands into the same torch.mm: equal, NaN where NaN.
             assert torch.equal(got.isnan(), expected.isnan())
             same_bits(torch.nan_to_num(got, nan=0.0), torch.nan_to_num(expected, nan=0.0))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_unscaled_fp8_upcast_times_its_factor_is_torch_upcast(fp8_dtype):
+    every_byte = torch.arange(256, dtype=torch.uint8)
+    nan_byte = 0x7F if fp8_dtype == torch.float8_e4m3fn else 0x7D
+    finite = every_byte[(every_byte & 0x7F) < nan_byte]  # Inf stays on the fast route (E5M2)
+    cases = [
+        finite.view(fp8_dtype),  # every non-NaN byte: zeros, subnormals, the maxima
+        finite.view(fp8_dtype).reshape(-1, 2).t(),  # non-contiguous
+        every_byte.view(fp8_dtype)[:0],
+        torch.randint(0, 256, (33, 17), dtype=torch.uint8).view(fp8_dtype),
+    ]
+    for nan in (0x7F, 0xFF, 0x7D, 0xFD, 0x7E, 0xFE):  # each NaN byte alone among finite ones
+        cases.append(torch.cat((finite, torch.tensor([nan], dtype=torch.uint8))).view(fp8_dtype))
+    for data in cases:
+        value, factor = reference.fp8_to_float32_unscaled(data)
+        is_nan_byte = (data.view(torch.uint8) & 0x7F) >= nan_byte
+        expected_factor = 256.0 if fp8_dtype == torch.float8_e4m3fn else 1.0
+        assert factor == (1.0 if bool(is_nan_byte.any()) else expected_factor)
+        same_bits(value * factor, data.float())
+        same_bits(reference.fp8_to_float32(data), data.float())
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1024, 256), (256, 1024), (64, 72, 8), (129, 130, 4), (300, 68), (200, 100), (17, 1023)],
+)
+def test_word_route_byte_transpose_matches_the_copying_transpose(shape):
+    # Large enough for the word route (8- or 4-byte words; odd row counts), and sizes that
+    # fall back to the byte copy (a row that is no whole number of 4-byte words).
+    data = torch.randint(0, 256, shape, dtype=torch.uint8).view(torch.float8_e5m2)
+    expected = old_transpose(data)
+    same_bits(reference.transpose_last_dim_first(data), expected)
+    out = torch.empty(expected.shape, dtype=data.dtype)
+    assert reference.transpose_last_dim_first(data, out=out) is out
+    same_bits(out, expected)
+    # Rows starting at an offset that is no whole word (falls back), and non-contiguous input.
+    shifted = torch.randint(0, 256, (data.numel() + 1,), dtype=torch.uint8)[1:].view(shape)
+    same_bits(reference.transpose_last_dim_first(shifted), old_transpose(shifted))
+    strided = torch.randint(0, 256, (shape[-1], data.numel() // shape[-1]), dtype=torch.uint8)
+    same_bits(reference.transpose_last_dim_first(strided.t()), old_transpose(strided.t()))
+
+
+# Scales around the fold of the E4M3 upcast's 2**8 factors into the scale product: normal,
+# subnormal (not folded), near FLT_MAX (folding would overflow), 0, Inf, NaN.
+FOLD_SCALES = (0.37, 2.0**-10, 2.0**-140, 1e-38, 3.0e38, 2.0**112, 0.0, float("inf"), float("nan"))
+
+
+@pytest.mark.parametrize("x_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("y_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("scale", FOLD_SCALES)
+def test_emulated_gemm_folds_the_upcast_factor_exactly(x_dtype, y_dtype, scale):
+    g = torch.Generator().manual_seed(3)
+    every = torch.arange(256, dtype=torch.uint8)
+    # Every finite byte of each format (subnormals included) on the diagonal of K: products of
+    # the smallest subnormals and partial sums across the whole range.
+    x_bytes = every[(every & 0x7F) < (0x7F if x_dtype == torch.float8_e4m3fn else 0x7C)]
+    k = x_bytes.numel()
+    x = torch.cat(
+        (x_bytes.view(1, k), torch.randint(0, 256, (5, k), generator=g, dtype=torch.uint8))
+    )
+    x = torch.where((x & 0x7F) >= 0x7C, x & 0x3F, x).view(x_dtype)  # no NaN/Inf: the fold
+    y = torch.randn(7, k, generator=g).mul(2.0 ** torch.randint(-12, 8, (7, k), generator=g))
+    y = torch.cat((y, torch.full((1, k), 2.0**-16), torch.full((1, k), 2.0**-9))).to(y_dtype)
+    sx, sy = torch.tensor([scale]), torch.tensor([1.0])
+    for out_dtype in INPUT_DTYPES:
+        for bias in (None, torch.randn(y.shape[0], generator=g)):
+            got = fp8_gemm_emulated(x, y, sx, sy, bias=bias, out_dtype=out_dtype)
+            same_bits(got, old_gemm_emulated(x, y, sx, sy, bias, out_dtype))
+            got = fp8_gemm_emulated(y, x, sy, sx, bias=None, out_dtype=out_dtype)
+            same_bits(got, old_gemm_emulated(y, x, sy, sx, None, out_dtype))

@@ -12,8 +12,19 @@ The emulation needs no special instructions and is exact up to the float32 accum
 
 * every E4M3 and E5M2 value is exactly representable in float32, so the upcast is exact
   (nothing is dequantized: the scales stay out of the operands); it goes through float16 bit
-  moves (:func:`reference.fp8_to_float32`, bitwise equal to ``x.float()``), since torch's own
-  E4M3 upcast converts element by element and cost more than the GEMM;
+  moves (:func:`reference.fp8_to_float32_unscaled`), since torch's own E4M3 upcast converts
+  element by element and cost more than the GEMM. Those give an E4M3 operand times ``2**-8``;
+  the factor ``2**8`` (``2**16`` for two E4M3 operands) is applied to the accumulator, folded
+  into the scale product, which gives the same bits as upcasting each operand exactly: every
+  product and every partial sum of the scaled GEMM is the unscaled one times ``2**-8`` or
+  ``2**-16`` *exactly*, because a float32 rounding commutes with a power of two as long as
+  nothing is subnormal or overflows, and nothing is: the scaled operands are multiples of
+  ``2**-17`` (E4M3's smallest subnormal ``2**-9`` times ``2**-8``), so every product and
+  every rounded sum is 0 or a multiple of ``2**-34`` (a float32 normal: at least ``2**-126``),
+  and the unscaled sums stay below ``K * 448 * 57344``, far from overflow. Multiplying the
+  float32 scale product by the factor is exact for a normal scale whose product stays finite;
+  any other scale (0, subnormal, huge, Inf, NaN) takes the factor on the accumulator first,
+  exact for the same reasons, then the scale;
 * the product of two FP8 values has at most 8 significant bits, so every product is exact in
   float32 and the only rounding inside ``torch.mm`` is the float32 accumulation (always full
   float32: ``use_split_accumulator`` has nothing to select here);
@@ -40,7 +51,7 @@ import os
 
 import torch
 
-from ..reference import fp8_to_float32
+from ..reference import fp8_to_float32_unscaled
 
 __all__ = ["fp8_gemm_emulated", "SCALED_MM_IS_NATIVE_ON_CPU"]
 
@@ -52,6 +63,9 @@ def _onednn_compiles_fp8() -> bool:
     amx_fp16 = getattr(torch.cpu, "_is_amx_fp16_supported", None)  # private: absent -> emulate
     return bool(amx_fp16 and amx_fp16() and torch.backends.mkldnn.is_available())
 
+
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 # Read by gemm._fp8_gemm on every CPU call, so a benchmark or test may set it to pick a path.
 SCALED_MM_IS_NATIVE_ON_CPU = _onednn_compiles_fp8()
@@ -72,9 +86,20 @@ def fp8_gemm_emulated(
     as ``alpha`` already folded in); ``bias`` is ``[N]`` of any float dtype or ``None``. The
     arguments are not checked: :func:`general_gemm` and the linear core have done that.
     """
-    xf, yf = fp8_to_float32(x), fp8_to_float32(y)
-    product = torch.mm(xf, yf.t())
-    product.mul_(x_scale_inv * y_scale_inv)
+    (xf, x_factor), (yf, y_factor) = fp8_to_float32_unscaled(x), fp8_to_float32_unscaled(y)
+    product = torch.mm(xf, yf.t())  # the true float32 product over x_factor * y_factor
+    scale = x_scale_inv * y_scale_inv
+    factor = x_factor * y_factor  # 1, 2**8 or 2**16
+    if factor != 1.0:
+        # The upcast's power-of-two factors, applied to the accumulator instead of to each
+        # operand (module docstring: the result is the same, bit for bit). Folded into the
+        # scale where that is exact: a normal scale whose product with the factor stays finite.
+        s = abs(float(scale))
+        if _FLOAT32_TINY <= s <= _FLOAT32_MAX / factor:
+            scale = scale * factor
+        else:
+            product.mul_(factor)
+    product.mul_(scale)
     if bias is not None:
         product.add_(bias)  # in-place into float32: the bias is upcast exactly, one rounding
     return product if out_dtype == torch.float32 else product.to(out_dtype)
