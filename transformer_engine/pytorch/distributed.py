@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -101,7 +102,21 @@ def checkpoint(
         The tensor-parallel group ``distribute_saved_activations`` splits over.
     use_reentrant : bool, default True
         Passed to ``torch.utils.checkpoint.checkpoint``.
+    context_fn, determinism_check, debug
+        Passed to ``torch.utils.checkpoint.checkpoint`` when given (not to ``function``).
+
+    The deprecated form ``checkpoint(function, distribute_saved_activations,
+    get_rng_state_tracker, tp_group, *args)`` is still accepted, with a ``DeprecationWarning``.
     """
+    args, distribute_saved_activations, get_rng_state_tracker, tp_group = (
+        _split_deprecated_positional_arguments(
+            args, distribute_saved_activations, get_rng_state_tracker, tp_group
+        )
+    )
+    # torch's own checkpoint options are not arguments of ``function``.
+    torch_checkpoint_options = {
+        name: kwargs.pop(name) for name in _TORCH_CHECKPOINT_OPTIONS if name in kwargs
+    }
     distribute = (
         distribute_saved_activations
         and tp_group is not None
@@ -145,7 +160,38 @@ def checkpoint(
 
     if distribute:
         return distributed_checkpoint(run, args, tp_group)
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=use_reentrant)
+    return torch.utils.checkpoint.checkpoint(
+        run, *args, use_reentrant=use_reentrant, **torch_checkpoint_options
+    )
+
+
+_TORCH_CHECKPOINT_OPTIONS = ("context_fn", "determinism_check", "debug")
+
+
+def _split_deprecated_positional_arguments(
+    args: tuple, distribute_saved_activations, get_rng_state_tracker, tp_group
+):
+    """Recognize upstream's old call form ``checkpoint(function, distribute_saved_activations,
+    get_rng_state_tracker, tp_group, *args)`` by the test upstream applies (more than three
+    positional arguments, a bool, a callable, then ``None`` or a process group), so code written
+    against older TE releases keeps running; otherwise return the arguments unchanged."""
+    group_types = (type(None),)
+    if torch.distributed.is_available():
+        group_types += (torch.distributed.ProcessGroup,)
+    if not (
+        len(args) > 3
+        and isinstance(args[0], bool)
+        and callable(args[1])
+        and isinstance(args[2], group_types)
+    ):
+        return args, distribute_saved_activations, get_rng_state_tracker, tp_group
+    warnings.warn(
+        "Passing distribute_saved_activations, get_rng_state_tracker and tp_group positionally "
+        "to checkpoint is deprecated; pass them as keyword arguments",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return args[3:], args[0], args[1], args[2]
 
 
 # ---------------------------------------------------------------------------------------------
