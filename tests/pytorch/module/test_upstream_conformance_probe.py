@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling
 
 
 def float64_linear(layer, x):
@@ -55,3 +56,70 @@ def test_checkpoint_passes_torch_options_to_torch_not_to_the_function():
     y.sum().backward()
     assert context_fn_calls == [1]
     torch.testing.assert_close(y.double(), float64_linear(layer, x), rtol=0, atol=1e-5)
+
+
+def delayed_step(layer, x, recipe):
+    with te.autocast(recipe=recipe):
+        layer(x).sum().backward()
+
+
+def test_reset_fp8_meta_tensors_to_defaults_and_to_saved_values():
+    # Upstream's base module: reset_fp8_meta_tensors() sets scale 1 and history 0;
+    # reset_fp8_meta_tensors(saved) copies saved[key] = [scale, amax_history] back in place.
+    recipe = DelayedScaling(amax_history_len=4)
+    layer = te.Linear(32, 32, device="cpu")
+    x = torch.randn(16, 32) * 3
+    delayed_step(layer, x, recipe)
+    saved = {
+        key: [layer.fp8_meta[key].scale.clone(), layer.fp8_meta[key].amax_history.clone()]
+        for key in ("scaling_fwd", "scaling_bwd")
+    }
+    assert not torch.all(saved["scaling_fwd"][0] == 1)  # the step moved the scales
+    quantizer_scale = layer.quantizers["scaling_fwd"][0].scale
+    layer.reset_fp8_meta_tensors()
+    for key in saved:
+        assert torch.all(layer.fp8_meta[key].scale == 1)
+        assert torch.all(layer.fp8_meta[key].amax_history == 0)
+    assert quantizer_scale.item() == 1.0  # in place: the quantizers see the reset
+    layer.reset_fp8_meta_tensors(saved)
+    for key, (scale, history) in saved.items():
+        assert torch.equal(layer.fp8_meta[key].scale, scale)
+        assert torch.equal(layer.fp8_meta[key].amax_history, history)
+
+
+def test_a_new_amax_history_len_keeps_the_scales():
+    # Upstream's set_meta_tensor only adjusts the history length when the new recipe is still
+    # delayed scaling: the scales computed so far stay.
+    layer = te.Linear(32, 32, device="cpu")
+    x = torch.randn(16, 32) * 3
+    for _ in range(2):
+        delayed_step(layer, x, DelayedScaling(amax_history_len=8))
+    scale = layer.fp8_meta["scaling_fwd"].scale.clone()
+    history = layer.fp8_meta["scaling_fwd"].amax_history.clone()
+    with torch.no_grad(), te.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        layer(x)
+    state = layer.fp8_meta["scaling_fwd"]
+    assert state.amax_history.shape == (4, 3)
+    assert torch.equal(state.scale, scale)
+    # rows 1..3 are the old ones; row 0 also holds this forward's amaxes (max-accumulated)
+    assert torch.equal(state.amax_history[1:], history[1:4])
+
+
+def test_adjust_amax_history_length_pads_and_later_updates_use_the_new_history():
+    recipe = DelayedScaling(amax_history_len=2)
+    layer = te.Linear(32, 32, device="cpu")
+    x = torch.randn(16, 32) * 3
+    delayed_step(layer, x, recipe)
+    before = layer.fp8_meta["scaling_fwd"].amax_history.clone()
+    layer.adjust_amax_history_length(5, fwd=True)
+    after = layer.fp8_meta["scaling_fwd"].amax_history
+    assert after.shape == (5, 3) and layer.fp8_meta["scaling_bwd"].amax_history.shape == (2, 2)
+    assert torch.equal(after[:2], before) and torch.all(after[2:] == 0)
+    layer.reset_fp8_meta_tensors()
+    delayed_step(layer, x, recipe)
+    # amax_compute_algo="max", margin 0: scale = E4M3 max / max over the history
+    expected_input_scale = 448.0 / x.abs().max().item()
+    torch.testing.assert_close(
+        layer.fp8_meta["scaling_fwd"].scale[0].item(), expected_input_scale, rtol=1e-6, atol=0
+    )
+    assert layer.fp8_meta["scaling_fwd"].amax_history[-1, 0].item() == x.abs().max().item()

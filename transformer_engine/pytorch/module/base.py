@@ -268,6 +268,48 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 out[key] = [state.scale.clone(), state.amax_history.clone()]
         return out or None
 
+    def reset_fp8_meta_tensors(self, fp8_meta_tensors: dict | None = None) -> None:
+        """Delayed-scaling scales back to 1 and amax histories to 0, or, given the dict
+        :meth:`get_fp8_meta_tensors` returned, those values; in place, so quantizers and the
+        amax registry keep pointing at the module's tensors."""
+        if not self.fp8_meta_tensors_initialized:
+            return
+        with torch.no_grad():
+            for key in ("scaling_fwd", "scaling_bwd"):
+                state = self.fp8_meta[key].delayed_scaling_state()
+                if state is None:
+                    continue
+                if fp8_meta_tensors is None:
+                    state.scale.fill_(1.0)
+                    state.amax_history.zero_()
+                elif key not in fp8_meta_tensors:
+                    raise KeyError(
+                        f"reset_fp8_meta_tensors: no {key!r} entry in fp8_meta_tensors; pass "
+                        "the dict get_fp8_meta_tensors() returned"
+                    )
+                else:
+                    scale, amax_history = fp8_meta_tensors[key]
+                    state.scale.copy_(scale)
+                    state.amax_history.copy_(amax_history)
+
+    def adjust_amax_history_length(self, length: int, fwd: bool | None = None) -> None:
+        """Truncate or zero-pad the delayed-scaling amax history of the forward (``fwd=True``),
+        backward (``False``) or both (``None``) directions to ``length`` rows."""
+        if not self.fp8_meta_tensors_initialized:
+            return
+        directions = (True, False) if fwd is None else (fwd,)
+        for forward in directions:
+            key = FP8GlobalStateManager.get_meta_tensor_key(forward)
+            state = self.fp8_meta[key].delayed_scaling_state()
+            if state is None:
+                continue
+            state.adjust_amax_history_length(length)
+            # The quantizers hold views of the replaced history; the amax registry re-points
+            # its entry at the module's next forward.
+            self.quantizers[key] = self.fp8_meta[key].make_quantizers()
+        self._fp8_workspaces.clear()
+        self._rebind_fp8_parameter_quantizers()
+
     # -- forward -------------------------------------------------------------------------------
     def set_activation_dtype(self, inp: torch.Tensor) -> None:
         if torch.is_autocast_enabled(inp.device.type):

@@ -187,6 +187,18 @@ class DelayedScalingRecipeState(RecipeState):
         """
         if not isinstance(other, DelayedScalingRecipeState):
             return
+        if (
+            self.scale.shape == other.scale.shape
+            and self.amax_history.shape[1:] == other.amax_history.shape[1:]
+            and self.amax_history.shape[0] != other.amax_history.shape[0]
+        ):
+            # Only amax_history_len changed: upstream keeps the scales and adjusts the history
+            # length (first rows kept, zero-padded) instead of starting over from scale 1.
+            rows = min(self.amax_history.shape[0], other.amax_history.shape[0])
+            with torch.no_grad():
+                self.scale.copy_(other.scale)
+                self.amax_history[:rows].copy_(other.amax_history[:rows])
+            return
         for name in self._persistent_state_buffers:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
