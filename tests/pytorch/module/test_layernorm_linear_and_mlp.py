@@ -317,10 +317,10 @@ def test_layernorm_linear_parameters_split(recipe_name, split):
 
 def test_no_bias():
     module = LayerNormLinear(32, 16, bias=False, normalization="RMSNorm", device="cpu")
-    assert module.bias is None and module.layer_norm_bias is None
+    assert module.bias.numel() == 0 and module.layer_norm_bias is None
     assert [n for n, _ in module.named_parameters()] == ["layer_norm_weight", "weight"]
     mlp = LayerNormMLP(32, 16, bias=False, device="cpu")
-    assert mlp.fc1_bias is None and mlp.fc2_bias is None
+    assert mlp.fc1_bias.numel() == 0 and mlp.fc2_bias.numel() == 0
     assert mlp(torch.randn(4, 32)).shape == (4, 32)
 
 

@@ -123,3 +123,34 @@ def test_adjust_amax_history_length_pads_and_later_updates_use_the_new_history()
         layer.fp8_meta["scaling_fwd"].scale[0].item(), expected_input_scale, rtol=1e-6, atol=0
     )
     assert layer.fp8_meta["scaling_fwd"].amax_history[-1, 0].item() == x.abs().max().item()
+
+
+@pytest.mark.parametrize(
+    "make, bias_names",
+    [
+        (lambda: te.Linear(32, 16, bias=False, device="cpu"), ["bias"]),
+        (lambda: te.LayerNormLinear(32, 16, bias=False, device="cpu"), ["bias"]),
+        (
+            lambda: te.Linear(32, 16, bias=False, parameters_split=("q", "k"), device="cpu"),
+            ["q_bias", "k_bias"],
+        ),
+        (lambda: te.LayerNormMLP(32, 16, bias=False, device="cpu"), ["fc1_bias", "fc2_bias"]),
+        (lambda: te.GroupedLinear(2, 32, 16, bias=False, device="cpu"), ["bias0", "bias1"]),
+    ],
+)
+def test_without_bias_the_bias_attribute_is_an_empty_tensor(make, bias_names):
+    # Upstream: without bias, the bias attribute is an empty tensor, not a Parameter (code that
+    # calls .numel() / .to() on it must keep working); it is not in the state dict.
+    layer = make()
+    state_dict = layer.state_dict()
+    for name in bias_names:
+        bias = getattr(layer, name)
+        assert isinstance(bias, torch.Tensor) and not isinstance(bias, torch.nn.Parameter)
+        assert bias.numel() == 0
+        assert name not in state_dict
+    x = torch.randn(8, 32)
+    out = layer(x, [4, 4]) if isinstance(layer, te.GroupedLinear) else layer(x)
+    if bias_names == ["bias"] and isinstance(layer, te.Linear):  # no bias added: x @ W^T
+        torch.testing.assert_close(
+            out.double(), x.double() @ layer.weight.double().t(), rtol=0, atol=1e-5
+        )

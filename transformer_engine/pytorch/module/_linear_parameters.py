@@ -89,8 +89,9 @@ def register_linear_parameters(
         if bias:
             b = torch.empty(rows, dtype=params_dtype, device=device)
             module.register_parameter(f"{prefix}bias", torch.nn.Parameter(b), init_fn=None)
-    if not bias and "" in module.sizes:
-        module.bias = None
+        else:
+            # No bias: an empty tensor, as upstream (no Parameter, not in the state dict).
+            setattr(module, f"{prefix}bias", torch.empty(0, dtype=params_dtype, device=device))
 
 
 def linear_weight(module) -> torch.Tensor:

@@ -224,7 +224,8 @@ class GroupedLinear(TransformerEngineBaseModule):
                 b = torch.empty(out_features, dtype=params_dtype, device=device)
                 self.register_parameter(f"bias{i}", torch.nn.Parameter(b), init_fn=None)
             else:
-                setattr(self, f"bias{i}", None)
+                # No bias: an empty tensor, as upstream (no Parameter, not in the state dict).
+                setattr(self, f"bias{i}", torch.empty(0, dtype=params_dtype, device=device))
         for i in range(num_gemms):  # upstream's partition attributes
             mark_partitioned(self, f"weight{i}", 1 if self.parallel_mode == "row" else 0)
             if bias and self.parallel_mode == "column":
@@ -304,8 +305,8 @@ class GroupedLinear(TransformerEngineBaseModule):
                 for i in range(self.num_gemms)
             ]
             biases = [
-                None if b is None else b.to(dtype)
-                for b in (getattr(self, f"bias{i}") for i in range(self.num_gemms))
+                getattr(self, f"bias{i}").to(dtype) if self.use_bias else None
+                for i in range(self.num_gemms)
             ]
             configs = [
                 make_linear_config(

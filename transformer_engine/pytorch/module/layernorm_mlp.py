@@ -199,7 +199,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 b = torch.empty(rows, dtype=params_dtype, device=device)
                 self.register_parameter(f"{layer}_bias", torch.nn.Parameter(b), init_fn=None)
             else:
-                setattr(self, f"{layer}_bias", None)
+                # No bias: an empty tensor, as upstream (no Parameter, not in the state dict).
+                setattr(self, f"{layer}_bias", torch.empty(0, dtype=params_dtype, device=device))
         mark_partitioned(self, "fc1_weight", 0)
         mark_partitioned(self, "fc1_bias", 0)
         mark_partitioned(self, "fc2_weight", 1)
@@ -256,8 +257,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 )
             fc1_weight = gemm_weight("LayerNormMLP", self.fc1_weight, dtype, fp8)
             fc2_weight = gemm_weight("LayerNormMLP", self.fc2_weight, dtype, fp8)
-            fc1_bias = self.fc1_bias.to(dtype) if self.fc1_bias is not None else None
-            fc2_bias = self.fc2_bias.to(dtype) if self.fc2_bias is not None else None
+            fc1_bias = self.fc1_bias.to(dtype) if self.use_bias else None
+            fc2_bias = self.fc2_bias.to(dtype) if self.use_bias else None
             # Both configs before any GEMM: shape errors surface before work is done. FC2 sees
             # as many tokens as FC1 (the gathered ones, when the body gathers a shard).
             fc1_config = make_linear_config(
