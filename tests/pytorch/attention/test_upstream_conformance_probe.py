@@ -1,0 +1,56 @@
+"""Upstream-conformance probes of te.DotProductAttention, te.MultiheadAttention and
+te.TransformerLayer on the CPU path, each against an expectation written from the formulas
+(float64 PyTorch), not from the code under test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+
+HIDDEN, FFN, HEADS, HEAD_DIM, BATCH = 32, 64, 4, 8, 2
+
+
+@pytest.mark.parametrize("softmax_type", ["vanilla", "off-by-one", "learnable"])
+@pytest.mark.parametrize(("sq", "skv"), [(0, 0), (4, 0), (0, 4)])
+def test_zero_length_sequences(softmax_type, sq, skv):
+    """A query over no keys attends to nothing: its output is zero (the convention for fully
+    masked rows), and empty queries give an empty output; neither may raise."""
+    dpa = te.DotProductAttention(
+        HEADS, HEAD_DIM, qkv_format="bshd", attn_mask_type="no_mask", softmax_type=softmax_type
+    )
+    q = torch.randn(BATCH, sq, HEADS, HEAD_DIM, requires_grad=True)
+    k = torch.randn(BATCH, skv, HEADS, HEAD_DIM, requires_grad=True)
+    v = torch.randn(BATCH, skv, HEADS, HEAD_DIM, requires_grad=True)
+    out = dpa(q, k, v)
+    assert out.shape == (BATCH, sq, HEADS * HEAD_DIM)
+    torch.testing.assert_close(out, torch.zeros(BATCH, sq, HEADS * HEAD_DIM))
+    out.sum().backward()
+    torch.testing.assert_close(q.grad, torch.zeros_like(q))
+
+
+def test_zero_length_max_logit_is_minus_infinity():
+    """``return_max_logit`` over no scores: the max of nothing, ``-inf`` per head."""
+    dpa = te.DotProductAttention(
+        HEADS, HEAD_DIM, qkv_format="bshd", attn_mask_type="no_mask", return_max_logit=True
+    )
+    empty = torch.randn(BATCH, 0, HEADS, HEAD_DIM)
+    out, max_logit = dpa(empty, empty, empty)
+    assert out.shape == (BATCH, 0, HEADS * HEAD_DIM)
+    torch.testing.assert_close(max_logit, torch.full((HEADS,), float("-inf")))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "shape"), [("sbhd", (0, BATCH, HIDDEN)), ("bshd", (BATCH, 0, HIDDEN))]
+)
+def test_transformer_layer_on_an_empty_sequence(fmt, shape):
+    """Zero tokens in, zero tokens out (the input's shape), and zero gradients."""
+    layer = te.TransformerLayer(HIDDEN, FFN, HEADS, attn_input_format=fmt, device="cpu")
+    x = torch.randn(shape, requires_grad=True)
+    out = layer(x)
+    assert out.shape == shape
+    out.sum().backward()
+    assert x.grad.shape == shape
+    fc1_grad = layer.layernorm_mlp.fc1_weight.grad
+    torch.testing.assert_close(fc1_grad, torch.zeros_like(fc1_grad))
