@@ -4,8 +4,12 @@ te.TransformerLayer on the CPU path, each against an expectation written from th
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
+import transformer_oracle as oracle
+from test_multi_head_attention import randomize
 
 import transformer_engine.pytorch as te
 
@@ -54,3 +58,40 @@ def test_transformer_layer_on_an_empty_sequence(fmt, shape):
     assert x.grad.shape == shape
     fc1_grad = layer.layernorm_mlp.fc1_weight.grad
     torch.testing.assert_close(fc1_grad, torch.zeros_like(fc1_grad))
+
+
+@pytest.mark.parametrize("enc_dec_mask_type", ["no_mask", "padding"])
+def test_decoder_layer_kv_cache_decoding_matches_the_oracle(enc_dec_mask_type):
+    """A decoder layer decoding with a KV cache (a 3-token prompt, then one token a step)
+    gives, at every position, the float64 full causal forward: the cross attention attends
+    over the whole encoder_output each step (its keys must not enter the self attention's
+    cache, which shares the layer_number)."""
+    total, prompt, enc_len, groups = 6, 3, 5, 2
+    layer = te.TransformerLayer(
+        HIDDEN, FFN, HEADS, num_gqa_groups=groups, layer_type="decoder", layer_number=2,
+        attn_input_format="bshd", enc_dec_attn_mask_type=enc_dec_mask_type, device="cpu",
+    ).eval()  # fmt: skip
+    randomize(layer)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(BATCH, total, HIDDEN, generator=gen)
+    enc = torch.randn(BATCH, enc_len, HIDDEN, generator=gen)
+    enc_unpadded = torch.zeros(BATCH, 1, 1, enc_len, dtype=torch.bool)  # the oracle: no mask
+
+    def enc_dec_mask(queries):
+        if enc_dec_mask_type == "no_mask":
+            return None
+        return torch.zeros(BATCH, 1, 1, queries, dtype=torch.bool), enc_unpadded
+
+    params = te.InferenceParams(BATCH, 8, groups, HIDDEN // HEADS, torch.float32, qkv_format="bshd")
+    outputs = []
+    for start, count in [(0, prompt)] + [(t, 1) for t in range(prompt, total)]:
+        params.pre_step(OrderedDict((seq, count) for seq in range(BATCH)))
+        outputs.append(
+            layer(x[:, start : start + count], encoder_output=enc,
+                  enc_dec_attn_mask=enc_dec_mask(count), self_attn_mask_type="padding_causal",
+                  inference_params=params)
+        )  # fmt: skip
+    expected = oracle.transformer_layer(
+        layer, x.double(), encoder_output=enc.double(), mask_type="causal"
+    )  # fmt: skip
+    torch.testing.assert_close(torch.cat(outputs, dim=1).double(), expected, rtol=1e-5, atol=1e-5)
