@@ -457,10 +457,6 @@ class TransformerLayer(torch.nn.Module):
                 hidden_states = self._bias_dropout_add(out, out_bias, residual, drop_cu, True)
 
             if self.layer_type == "decoder":
-                # The KV cache is not handed to the cross attention: it shares the layer's
-                # layer_number, so it would append the encoder's keys to the self attention's
-                # cache, and those keys come whole from encoder_output on every call anyway.
-                cross_shared = dict(shared, inference_params=None)
                 cross_outputs = self.inter_attention(
                     hidden_states, attention_mask=enc_dec_attn_mask,
                     attn_mask_type=enc_dec_attn_mask_type, window_size=enc_dec_window_size,
@@ -468,7 +464,7 @@ class TransformerLayer(torch.nn.Module):
                     encoder_output=encoder_output, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
                     cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q,
-                    max_seqlen_kv=max_seqlen_kv, **cross_shared,
+                    max_seqlen_kv=max_seqlen_kv, **shared,
                 )  # fmt: skip
                 if self.apply_residual_connection_post_layernorm:
                     out, out_bias, residual = cross_outputs

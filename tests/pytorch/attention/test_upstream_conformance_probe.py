@@ -95,3 +95,28 @@ def test_decoder_layer_kv_cache_decoding_matches_the_oracle(enc_dec_mask_type):
         layer, x.double(), encoder_output=enc.double(), mask_type="causal"
     )  # fmt: skip
     torch.testing.assert_close(torch.cat(outputs, dim=1).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cross_attention_ignores_the_kv_cache():
+    """A standalone cross-attention MultiheadAttention handed inference_params while decoding:
+    each step's queries attend over the whole encoder_output (the float64 oracle), and the
+    cache is neither allocated nor written for it."""
+    total, prompt, enc_len = 5, 3, 4
+    mha = te.MultiheadAttention(
+        HIDDEN, HEADS, attention_type="cross", attn_mask_type="no_mask", layer_number=1,
+        qkv_format="bshd", attention_dropout=0.0, input_layernorm=True, device="cpu",
+    )  # fmt: skip
+    randomize(mha)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(BATCH, total, HIDDEN, generator=gen)
+    enc = torch.randn(BATCH, enc_len, HIDDEN, generator=gen)
+    params = te.InferenceParams(BATCH, 8, HEADS, HIDDEN // HEADS, torch.float32)
+    outputs = []
+    for start, count in [(0, prompt)] + [(t, 1) for t in range(prompt, total)]:
+        params.pre_step(OrderedDict((seq, count) for seq in range(BATCH)))
+        outputs.append(
+            mha(x[:, start : start + count], encoder_output=enc, inference_params=params)
+        )
+    expected, _, _ = oracle.mha(mha, x.double(), encoder_output=enc.double())
+    torch.testing.assert_close(torch.cat(outputs, dim=1).double(), expected, rtol=1e-5, atol=1e-5)
+    assert 1 not in params.cache_manager.cache
