@@ -120,3 +120,19 @@ def test_cross_attention_ignores_the_kv_cache():
     expected, _, _ = oracle.mha(mha, x.double(), encoder_output=enc.double())
     torch.testing.assert_close(torch.cat(outputs, dim=1).double(), expected, rtol=1e-5, atol=1e-5)
     assert 1 not in params.cache_manager.cache
+
+
+def test_backend_cache_importable_from_the_package():
+    """Upstream's attention tests do ``from transformer_engine.pytorch.attention
+    .dot_product_attention import DotProductAttention, _attention_backends`` and set
+    ``_attention_backends["backend_selection_requires_update"] = True``: the name must be the
+    module's cache itself, not a copy."""
+    import importlib
+
+    from transformer_engine.pytorch.attention.dot_product_attention import _attention_backends
+
+    module = importlib.import_module(
+        "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention"
+    )
+    assert _attention_backends is module._attention_backends
+    assert "backend_selection_requires_update" in _attention_backends
