@@ -136,3 +136,19 @@ def test_backend_cache_importable_from_the_package():
     )
     assert _attention_backends is module._attention_backends
     assert "backend_selection_requires_update" in _attention_backends
+
+
+def test_flash_attention_utils_reads_as_not_installed():
+    """Upstream's attention tests import ``FlashAttentionUtils`` from
+    ``dot_product_attention.utils`` and skip flash-attn-only cases on its flags and versions
+    (compared with packaging's Version); this package never calls the flash-attn package."""
+    from packaging.version import Version
+
+    from transformer_engine.pytorch.attention.dot_product_attention.utils import (
+        FlashAttentionUtils,
+    )
+
+    assert not FlashAttentionUtils.is_installed and not FlashAttentionUtils.v3_is_installed
+    assert not FlashAttentionUtils.v2_plus and not FlashAttentionUtils.use_v3
+    assert FlashAttentionUtils.version < Version("2.1.1") <= FlashAttentionUtils.version_required
+    assert FlashAttentionUtils.fa3_version < Version("3.0.0b1")
