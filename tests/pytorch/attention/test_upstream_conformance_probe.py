@@ -34,6 +34,28 @@ def test_zero_length_sequences(softmax_type, sq, skv):
     torch.testing.assert_close(q.grad, torch.zeros_like(q))
 
 
+@pytest.mark.parametrize("sequences", [1, 3])
+def test_thd_with_only_empty_sequences(sequences):
+    """Packed (thd) input with zero tokens, all of its sequences empty: an empty output, and
+    the backward runs (zero gradients of nothing)."""
+    dpa = te.DotProductAttention(HEADS, HEAD_DIM, qkv_format="thd", attn_mask_type="padding_causal")
+    cu_seqlens = torch.zeros(sequences + 1, dtype=torch.int32)
+    q = torch.randn(0, HEADS, HEAD_DIM, requires_grad=True)
+    out = dpa(q, q, q, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens)
+    assert out.shape == (0, HEADS * HEAD_DIM)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+
+    layer = te.TransformerLayer(
+        HIDDEN, FFN, HEADS, attn_input_format="thd", self_attn_mask_type="padding_causal",
+        device="cpu",
+    )  # fmt: skip
+    x = torch.randn(0, HIDDEN, requires_grad=True)
+    y = layer(x, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens)
+    assert y.shape == (0, HIDDEN)
+    y.sum().backward()
+
+
 def test_zero_length_max_logit_is_minus_infinity():
     """``return_max_logit`` over no scores: the max of nothing, ``-inf`` per head."""
     dpa = te.DotProductAttention(
