@@ -174,3 +174,13 @@ def test_flash_attention_utils_reads_as_not_installed():
     assert not FlashAttentionUtils.v2_plus and not FlashAttentionUtils.use_v3
     assert FlashAttentionUtils.version < Version("2.1.1") <= FlashAttentionUtils.version_required
     assert FlashAttentionUtils.fa3_version < Version("3.0.0b1")
+
+
+def test_residual_add_skips_an_empty_bias():
+    """Upstream's modules built with ``bias=False`` return an empty tensor as their bias
+    (``return_bias``); the layer's residual add must skip it, as upstream's ``numel() != 0``
+    check does, rather than broadcast ``[s, b, h] + [0]``."""
+    layer = te.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, device="cpu")
+    out, residual = torch.randn(3, BATCH, HIDDEN), torch.randn(3, BATCH, HIDDEN)
+    added = layer._bias_dropout_add(out, torch.empty(0), residual, None, True)
+    torch.testing.assert_close(added, residual + out)
