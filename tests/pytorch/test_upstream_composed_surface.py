@@ -26,6 +26,8 @@ COMPOSED_NAMES = [
     "transformer_engine.pytorch.attention.dot_product_attention.backends.UnfusedDotProductAttention",
     "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention._attention_backends",
     "transformer_engine.pytorch.attention.dot_product_attention.utils.get_attention_backend",
+    "transformer_engine.pytorch.attention.dot_product_attention.utils.FlashAttentionUtils",
+    "transformer_engine.pytorch.attention.dot_product_attention._attention_backends",
     "transformer_engine.pytorch.attention.multi_head_attention.MultiheadAttention",
     "transformer_engine.pytorch.transformer.TransformerLayer",
     "transformer_engine.pytorch.graph.make_graphed_callables",

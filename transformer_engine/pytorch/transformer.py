@@ -490,7 +490,8 @@ class TransformerLayer(torch.nn.Module):
     def _bias_dropout_add(self, out, bias, residual, cu_seqlens, drop_path: bool):
         """``residual + drop_path(dropout(out + bias))`` (drop path on self attention and MLP
         branches only, as upstream)."""
-        if bias is not None:
+        # A layer without biases hands back None or, as upstream's modules do, an empty tensor.
+        if bias is not None and bias.numel() != 0:
             out = out + bias
         if self.hidden_dropout > 0.0:
             out = F.dropout(out, p=self.hidden_dropout, training=self.training)

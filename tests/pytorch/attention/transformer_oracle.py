@@ -48,7 +48,10 @@ def differentiable(module):
 
 
 def param(module, name):
-    return f64(getattr(module, name, None))
+    """``module.<name>`` in float64; None when absent or empty (a module without biases holds
+    None or, as upstream's do, an empty tensor)."""
+    t = getattr(module, name, None)
+    return None if t is None or t.numel() == 0 else f64(t)
 
 
 # --- pieces ----------------------------------------------------------------------------------------

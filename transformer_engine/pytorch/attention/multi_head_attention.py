@@ -472,10 +472,12 @@ class MultiheadAttention(torch.nn.Module):
                     hidden_states, encoder_output, is_first_microbatch
                 )
 
-            if inference_params is not None:
-                layer = self.layer_number or 1
-                if layer not in inference_params.cache_manager.cache:
-                    inference_params.allocate_memory(layer)
+            # The KV cache appends each step's self-attention keys; cross-attention keys come
+            # whole from encoder_output on every call, so they neither enter nor read it.
+            kv_cache = inference_params if self.attention_type == "self" else None
+            layer = self.layer_number or 1
+            if kv_cache is not None and layer not in kv_cache.cache_manager.cache:
+                kv_cache.allocate_memory(layer)
 
             if self.q_norm is not None and self.qk_norm_before_rope:
                 query, key = self.q_norm(query), self.k_norm(key)
@@ -506,7 +508,7 @@ class MultiheadAttention(torch.nn.Module):
                 checkpoint_core_attention=checkpoint_core_attention,
                 core_attention_bias_type=core_attention_bias_type,
                 core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
-                fast_zero_fill=fast_zero_fill, inference_params=inference_params,
+                fast_zero_fill=fast_zero_fill, inference_params=kv_cache,
                 pad_between_seqs=pad_between_seqs,
             )  # fmt: skip
             projection = self.proj(context, is_first_microbatch=is_first_microbatch)
@@ -542,11 +544,8 @@ class MultiheadAttention(torch.nn.Module):
         else:
             # All Q rows, then all K rows, then all V rows.
             query, key, value = mixed.split((heads * d, groups * d, groups * d), dim=-1)
-            query, key, value = (
-                self._heads(query, heads),
-                self._heads(key, groups),
-                self._heads(value, groups),
-            )
+            query = self._heads(query, heads)
+            key, value = self._heads(key, groups), self._heads(value, groups)
         return query, key, value, layernorm_output
 
     def _cross_qkv(self, hidden_states, encoder_output, is_first_microbatch):

@@ -54,10 +54,23 @@ def causal_bias_api():
     return _CAUSAL_BIAS[0], _CAUSAL_BIAS[1]
 
 
+def _amax_or_neg_inf(scores: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
+    """``scores.amax(dim)``, with ``-inf`` (the max of nothing) where a reduced dim is empty:
+    zero-length sequences must not make ``amax`` raise."""
+    if scores.numel() > 0:
+        return scores.amax(dim=dim, keepdim=keepdim)
+    reduced = {d % scores.dim() for d in ((dim,) if isinstance(dim, int) else dim)}
+    shape = [
+        1 if d in reduced else n for d, n in enumerate(scores.shape) if keepdim or d not in reduced
+    ]
+    return scores.new_full(shape, float("-inf"))
+
+
 def _float_softmax_with_offset(scores: torch.Tensor, offset: torch.Tensor | None):
     """``exp(s_j) / (exp(offset) + sum_j exp(s_j))`` over the last dim (offset ``None``: the
-    vanilla softmax). Rows whose scores are all ``-inf`` give zeros, never NaN."""
-    row_max = scores.amax(dim=-1, keepdim=True)
+    vanilla softmax). Rows whose scores are all ``-inf`` give zeros, never NaN; so do rows
+    without any key (a zero-length key sequence), where ``amax`` has nothing to reduce."""
+    row_max = _amax_or_neg_inf(scores, dim=-1, keepdim=True)
     if offset is not None:
         row_max = torch.maximum(row_max, offset)
     # Softmax does not depend on the shift: a constant for autograd, and 0 for empty rows.
@@ -103,7 +116,7 @@ class UnfusedDotProductAttention(torch.nn.Module):
         max_logit = None
         if problem.return_max_logit:
             with torch.no_grad():
-                max_logit = scores.amax(dim=(0, 2, 3)).float()
+                max_logit = _amax_or_neg_inf(scores, dim=(0, 2, 3)).float()
         offset = None
         if problem.softmax_type != "vanilla":
             heads = q.shape[1]

@@ -60,6 +60,10 @@ def thd_to_padded(x: torch.Tensor, layout: ThdLayout) -> torch.Tensor:
     """``[t, h, d]`` -> ``[b, max_len, h, d]`` (slots past a sequence's end hold other tokens'
     values; the masks built from ``layout.lengths`` keep them out of the result)."""
     batch = layout.lengths.shape[0]
+    if x.shape[0] == 0:
+        # No tokens (every sequence is empty): every slot is masked, but index_select needs a
+        # row to read; one zero row serves, and x stays in the autograd graph.
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
     return x.index_select(0, layout.gather_index).view(batch, layout.max_len, *x.shape[1:])
 
 

@@ -24,10 +24,16 @@ from typing import Any, NamedTuple
 
 import torch
 
+try:  # upstream's tests compare FlashAttentionUtils' versions with packaging's Version
+    from packaging.version import Version as PkgVersion
+except ImportError:  # pragma: no cover - packaging is not a dependency; torch's version type
+    from torch.torch_version import TorchVersion as PkgVersion
+
 from ...device import device_compute_capability
 from .backends import SDPBackend, causal_bias_api, sdpa_supports
 
 __all__ = [
+    "FlashAttentionUtils",
     "AttentionParams",
     "AttentionBackends",
     "SDPAKernel",
@@ -57,6 +63,25 @@ CUDNN_NOT_AUTOMATIC = (
     "(max error 4.03 against an allowed 0.04) for bshd inputs on torch 2.11; the "
     "memory-efficient kernel runs instead"
 )
+
+
+class FlashAttentionUtils:
+    """Upstream's record of the flash-attn package (versions 2 and 3) that its FlashAttention
+    backend calls. This implementation never uses that package (its ``FlashAttention`` is
+    PyTorch SDPA's flash kernel), so it reads as not installed whether or not it is; upstream
+    code and tests branch on these attributes (for instance, to skip flash-attn-only cases)."""
+
+    is_installed = False
+    version = PkgVersion("0")
+    version_required = PkgVersion("2.1.1")
+    version_required_blackwell = PkgVersion("2.7.3")
+    max_version = PkgVersion("2.8.3")
+    v2_plus = v2_1_plus = v2_3_plus = v2_4_plus = v2_4_1_plus = False
+    v2_5_7_plus = v2_6_0_plus = v2_7_0_plus = False
+    v3_is_installed = False
+    fa3_version = PkgVersion("0")
+    v3_0_0_beta = False
+    use_v3 = False
 
 
 class AttentionParams(NamedTuple):
