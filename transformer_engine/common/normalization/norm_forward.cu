@@ -318,8 +318,11 @@ __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const Fwd
 }
 
 /* Staging bytes a block may take for the transposed copy: blocks of 1024 threads (one a SM)
- * take 128 KiB, smaller blocks (two a SM) 96 KiB. */
-constexpr int tile_budget(int threads) { return threads >= 1024 ? 128 * 1024 : 96 * 1024; }
+ * take 128 KiB, smaller blocks (two a SM) 96 KiB; never more than the device allows a block
+ * (`optin`, less 1 KiB for the kernel's static shared memory). */
+int tile_budget(int threads, int optin) {
+  return std::min(threads >= 1024 ? 128 * 1024 : 96 * 1024, optin - 1024);
+}
 
 /* Rows per block iteration with the transposed copy: R = 32, halved until R * H fits. */
 int transpose_group_rows(int H, int budget) {
@@ -330,10 +333,11 @@ int transpose_group_rows(int H, int budget) {
 
 /* The forward's teams: several rows per block (warp teams up to H = 512, teams of 2-8 warps
  * above), up to 2 vectors of 8 a thread (64 registers without spills), so that a block keeps
- * several rows in flight. Calls
- * f(nullptr) past the largest team (the looped kernel). */
+ * several rows in flight. `wide_tile`: the transposed copy is staged and the device lets a
+ * block take 128 KiB of shared memory. Calls f(nullptr) past the largest team (the looped
+ * kernel). */
 template <typename F>
-void dispatch_forward_team(int H, bool staged, F&& f) {
+void dispatch_forward_team(int H, bool wide_tile, F&& f) {
   if (H <= 256) {
     f(TeamConfig<32, 1, 256>{});
   } else if (H <= 512) {
@@ -348,7 +352,7 @@ void dispatch_forward_team(int H, bool staged, F&& f) {
     // With the transposed copy, one block of 1024 threads a SM stages 16 rows (128 KiB) where
     // two blocks of 512 would stage 8 each (measured at 8192 x 8192: 216 against 272 us);
     // at H <= 4096 the two blocks of 512 are faster (110 against 134 us at 8192 x 4096).
-    if (staged) {
+    if (wide_tile) {
       f(TeamConfig<512, 2, 1024>{});
     } else {
       f(TeamConfig<512, 2, 512>{});
@@ -380,16 +384,19 @@ void launch_forward(CallContext& ctx, FwdParams p) {
     ctx.check_launch("norm_fwd_looped_kernel launch");
   };
   const bool staged = kFp8 && p.y_t != nullptr;
-  dispatch_forward_team(p.H, staged, [&](auto cfg) {
+  const int optin = ctx.max_shared_memory_per_block();
+  // The 1024-thread staging block only where its 128 KiB tile fits (Hopper; not Ada's 99 KiB).
+  const bool wide_tile = staged && tile_budget(1024, optin) >= 128 * 1024;
+  dispatch_forward_team(p.H, wide_tile, [&](auto cfg) {
     using Cfg = decltype(cfg);
     if constexpr (std::is_same_v<Cfg, std::nullptr_t>) {
       looped();
     } else if (!p.vec) {
       looped();  // H % 8 != 0 or unaligned inputs (the choice ignores the outputs' alignment)
     } else {
-      constexpr int kBudget = tile_budget(Cfg::kThreads);
+      const int budget = tile_budget(Cfg::kThreads, optin);
       p.group_rows =
-          staged ? transpose_group_rows(p.H, kBudget)
+          staged ? transpose_group_rows(p.H, budget)
                  : Cfg::kTeams * rows_per_team(p.rows, Cfg::kTeams, Cfg::kThreads, ctx.sm_count());
       if (staged && p.group_rows < Cfg::kTeams) p.group_rows = Cfg::kTeams;  // warp teams: H small
       if (staged) {
@@ -401,7 +408,7 @@ void launch_forward(CallContext& ctx, FwdParams p) {
       auto kernel = norm_fwd_kernel<Cfg, IType, kFp8>;
       if (smem > 48 * 1024) {
         static std::atomic<uint64_t> done{0};
-        allow_dynamic_smem(ctx, kernel, kBudget, done);
+        allow_dynamic_smem(ctx, kernel, budget, done);
       }
       // One group per block, scheduled by the hardware (the grid-stride loop only serves grids
       // past the launch limit).

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "util/errors.h"
@@ -92,19 +93,38 @@ void CallContext::check_launch(const char* kernel) const {
   check_cuda(op_, cudaGetLastError(), kernel);
 }
 
-int CallContext::sm_count() const {
-  // Process-global caches are keyed by device: GPUs of one process may differ
-  // (docs/architecture.md, the device contract).
+namespace {
+
+/* A device attribute, cached per device and attribute: GPUs of one process may differ
+ * (docs/architecture.md, the device contract). cudaDeviceGetAttribute is allowed during capture. */
+int cached_attribute(const char* op, int device, cudaDeviceAttr attribute, const char* what) {
   static std::mutex mutex;
-  static std::vector<int> counts;
+  static std::vector<std::pair<cudaDeviceAttr, std::vector<int>>> caches;
   std::lock_guard<std::mutex> lock(mutex);
-  if (static_cast<size_t>(device_) >= counts.size()) counts.resize(device_ + 1, 0);
-  if (counts[device_] == 0) {
-    check_cuda(op_,
-               cudaDeviceGetAttribute(&counts[device_], cudaDevAttrMultiProcessorCount, device_),
-               "cudaDeviceGetAttribute(MultiProcessorCount)");
+  std::vector<int>* values = nullptr;
+  for (auto& entry : caches) {
+    if (entry.first == attribute) values = &entry.second;
   }
-  return counts[device_];
+  if (values == nullptr) {
+    caches.emplace_back(attribute, std::vector<int>{});
+    values = &caches.back().second;
+  }
+  if (static_cast<size_t>(device) >= values->size()) values->resize(device + 1, 0);
+  int& value = (*values)[device];
+  if (value == 0) check_cuda(op, cudaDeviceGetAttribute(&value, attribute, device), what);
+  return value;
+}
+
+}  // namespace
+
+int CallContext::sm_count() const {
+  return cached_attribute(op_, device_, cudaDevAttrMultiProcessorCount,
+                          "cudaDeviceGetAttribute(MultiProcessorCount)");
+}
+
+int CallContext::max_shared_memory_per_block() const {
+  return cached_attribute(op_, device_, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                          "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
 }
 
 }  // namespace transformer_engine

@@ -47,6 +47,9 @@ class CallContext {
   void check_launch(const char* kernel) const;
   /* Number of multiprocessors of this call's device (cached per device). */
   int sm_count() const;
+  /* Shared memory one block may take on this call's device, after cudaFuncSetAttribute
+   * (cached per device): 227 KiB on Hopper, 99 KiB on Ada. */
+  int max_shared_memory_per_block() const;
 
  private:
   const char* op_;
