@@ -61,10 +61,7 @@ __device__ __forceinline__ void row_vector(const BwdParams& p, int c, int n, flo
                                            float (&db)[kVec], float& s_dy, float& s_dyx) {
   float g[kVec];
   load_vec(static_cast<const WType*>(p.gamma) + c, p.vec, n, g);
-  if (p.zero_centered) {  // a uniform branch, not a select per element (the kernels issue-bound)
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) g[j] = effective_gamma(g[j], true);
-  }
+  make_effective_gamma(g, p.zero_centered);
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
     const float xhat = (x[j] - mu) * rs;

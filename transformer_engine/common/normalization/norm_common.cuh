@@ -192,10 +192,15 @@ __device__ __forceinline__ float raw_elem(const RawVec<T>& r, int j) {
   }
 }
 
-/* The effective scale: gamma, or 1 + gamma (zero-centered gamma, formed in float32 so that it
- * never rounds to the parameter's dtype). */
-__device__ __forceinline__ float effective_gamma(float gamma, bool zero_centered) {
-  return zero_centered ? 1.0f + gamma : gamma;
+/* Gamma's vector as the effective scale: gamma, or 1 + gamma for zero-centered gamma (formed
+ * in float32 so that it never rounds to the parameter's dtype). One uniform branch for the
+ * vector rather than a select per element: the norm kernels are bound by the instructions they
+ * issue. */
+__device__ __forceinline__ void make_effective_gamma(float (&g)[kVec], bool zero_centered) {
+  if (zero_centered) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) g[j] = 1.0f + g[j];
+  }
 }
 
 /* Calls f(Config{}) with the team for rows of H elements, or f(nullptr) when H is longer than

@@ -91,12 +91,9 @@ __device__ __forceinline__ void emit(const FwdParams& p, const float (&x)[kVec],
   const int n = kVecIO ? kVec : n_in;
   float g[kVec], b[kVec], y[kVec];
   load_param<IType, kVecIO>(p, p.gamma, c, n, g);
-  // Uniform branches rather than a select per element; no beta adds +0.0 as a beta of zeros
+  make_effective_gamma(g, p.zero_centered);
+  // A uniform branch rather than a select per element; no beta adds +0.0 as a beta of zeros
   // would (a -0.0 product becomes +0.0 either way).
-  if (p.zero_centered) {
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) g[j] = effective_gamma(g[j], true);
-  }
   if (p.beta != nullptr) {
     load_param<IType, kVecIO>(p, p.beta, c, n, b);
   } else {
@@ -384,7 +381,8 @@ void launch_forward(CallContext& ctx, FwdParams p) {
     ctx.check_launch("norm_fwd_looped_kernel launch");
   };
   const bool staged = kFp8 && p.y_t != nullptr;
-  const int optin = ctx.max_shared_memory_per_block();
+  // Only the staged transposed copy takes more than 48 KiB of shared memory.
+  const int optin = staged ? ctx.max_shared_memory_per_block() : 0;
   // The 1024-thread staging block only where its 128 KiB tile fits (Hopper; not Ada's 99 KiB).
   const bool wide_tile = staged && tile_budget(1024, optin) >= 128 * 1024;
   dispatch_forward_team(p.H, wide_tile, [&](auto cfg) {
@@ -394,7 +392,7 @@ void launch_forward(CallContext& ctx, FwdParams p) {
     } else if (!p.vec) {
       looped();  // H % 8 != 0 or unaligned inputs (the choice ignores the outputs' alignment)
     } else {
-      const int budget = tile_budget(Cfg::kThreads, optin);
+      const int budget = staged ? tile_budget(Cfg::kThreads, optin) : 0;
       p.group_rows =
           staged ? transpose_group_rows(p.H, budget)
                  : Cfg::kTeams * rows_per_team(p.rows, Cfg::kTeams, Cfg::kThreads, ctx.sm_count());

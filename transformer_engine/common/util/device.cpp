@@ -2,7 +2,6 @@
 
 #include <atomic>
 #include <mutex>
-#include <utility>
 #include <vector>
 
 #include "util/errors.h"
@@ -95,36 +94,32 @@ void CallContext::check_launch(const char* kernel) const {
 
 namespace {
 
-/* A device attribute, cached per device and attribute: GPUs of one process may differ
- * (docs/architecture.md, the device contract). cudaDeviceGetAttribute is allowed during capture. */
-int cached_attribute(const char* op, int device, cudaDeviceAttr attribute, const char* what) {
+/* A device attribute through `cache` (one entry per device, 0 until asked): GPUs of one process
+ * may differ (docs/architecture.md, the device contract). cudaDeviceGetAttribute is allowed
+ * during capture. */
+int cached_attribute(const char* op, int device, cudaDeviceAttr attribute, const char* what,
+                     std::vector<int>& cache) {
   static std::mutex mutex;
-  static std::vector<std::pair<cudaDeviceAttr, std::vector<int>>> caches;
   std::lock_guard<std::mutex> lock(mutex);
-  std::vector<int>* values = nullptr;
-  for (auto& entry : caches) {
-    if (entry.first == attribute) values = &entry.second;
+  if (static_cast<size_t>(device) >= cache.size()) cache.resize(device + 1, 0);
+  if (cache[device] == 0) {
+    check_cuda(op, cudaDeviceGetAttribute(&cache[device], attribute, device), what);
   }
-  if (values == nullptr) {
-    caches.emplace_back(attribute, std::vector<int>{});
-    values = &caches.back().second;
-  }
-  if (static_cast<size_t>(device) >= values->size()) values->resize(device + 1, 0);
-  int& value = (*values)[device];
-  if (value == 0) check_cuda(op, cudaDeviceGetAttribute(&value, attribute, device), what);
-  return value;
+  return cache[device];
 }
 
 }  // namespace
 
 int CallContext::sm_count() const {
+  static std::vector<int> counts;
   return cached_attribute(op_, device_, cudaDevAttrMultiProcessorCount,
-                          "cudaDeviceGetAttribute(MultiProcessorCount)");
+                          "cudaDeviceGetAttribute(MultiProcessorCount)", counts);
 }
 
 int CallContext::max_shared_memory_per_block() const {
+  static std::vector<int> bytes;
   return cached_attribute(op_, device_, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                          "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+                          "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)", bytes);
 }
 
 }  // namespace transformer_engine
