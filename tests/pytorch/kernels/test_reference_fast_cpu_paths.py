@@ -133,14 +133,20 @@ def test_cast_leaves_a_float32_input_untouched():
     same_bits(x, before)
 
 
-@pytest.mark.parametrize("shape", [(5, 7), (2, 3, 4), (1, 9), (6,)])
-def test_transpose_into_out_matches_the_copying_transpose(shape):
-    data = torch.randint(0, 256, shape, dtype=torch.uint8).view(torch.float8_e4m3fn)
+def assert_transposes_like_the_copy(data):
+    """transpose_last_dim_first, returning a new tensor and into ``out``, gives the bytes of the
+    plain copying transpose."""
     expected = old_transpose(data)
     same_bits(reference.transpose_last_dim_first(data), expected)
     out = torch.empty(expected.shape, dtype=data.dtype)
     assert reference.transpose_last_dim_first(data, out=out) is out
     same_bits(out, expected)
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (2, 3, 4), (1, 9), (6,)])
+def test_transpose_into_out_matches_the_copying_transpose(shape):
+    data = torch.randint(0, 256, shape, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert_transposes_like_the_copy(data)
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
@@ -230,11 +236,7 @@ def test_word_route_byte_transpose_matches_the_copying_transpose(shape):
     # Large enough for the word route (8- or 4-byte words; odd row counts), and sizes that
     # fall back to the byte copy (a row that is no whole number of 4-byte words).
     data = torch.randint(0, 256, shape, dtype=torch.uint8).view(torch.float8_e5m2)
-    expected = old_transpose(data)
-    same_bits(reference.transpose_last_dim_first(data), expected)
-    out = torch.empty(expected.shape, dtype=data.dtype)
-    assert reference.transpose_last_dim_first(data, out=out) is out
-    same_bits(out, expected)
+    assert_transposes_like_the_copy(data)
     # Rows starting at an offset that is no whole word (falls back), and non-contiguous input.
     shifted = torch.randint(0, 256, (data.numel() + 1,), dtype=torch.uint8)[1:].view(shape)
     same_bits(reference.transpose_last_dim_first(shifted), old_transpose(shifted))
