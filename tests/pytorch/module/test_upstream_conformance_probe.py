@@ -87,6 +87,21 @@ def test_reset_fp8_meta_tensors_to_defaults_and_to_saved_values():
         assert torch.equal(layer.fp8_meta[key].amax_history, history)
 
 
+def test_reset_fp8_meta_tensors_with_a_missing_direction_changes_nothing():
+    layer = te.Linear(32, 32, device="cpu")
+    delayed_step(layer, torch.randn(16, 32) * 3, DelayedScaling(amax_history_len=4))
+    before = {
+        key: [layer.fp8_meta[key].scale.clone(), layer.fp8_meta[key].amax_history.clone()]
+        for key in ("scaling_fwd", "scaling_bwd")
+    }
+    forward_only = {"scaling_fwd": [torch.ones(3), torch.zeros(4, 3)]}
+    with pytest.raises(KeyError, match="scaling_bwd"):
+        layer.reset_fp8_meta_tensors(forward_only)
+    for key, (scale, history) in before.items():
+        assert torch.equal(layer.fp8_meta[key].scale, scale)
+        assert torch.equal(layer.fp8_meta[key].amax_history, history)
+
+
 def test_a_new_amax_history_len_keeps_the_scales():
     # Upstream's set_meta_tensor only adjusts the history length when the new recipe is still
     # delayed scaling: the scales computed so far stay.

@@ -271,22 +271,28 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def reset_fp8_meta_tensors(self, fp8_meta_tensors: dict | None = None) -> None:
         """Delayed-scaling scales back to 1 and amax histories to 0, or, given the dict
         :meth:`get_fp8_meta_tensors` returned, those values; in place, so quantizers and the
-        amax registry keep pointing at the module's tensors."""
+        amax registry keep pointing at the module's tensors. A dict without an entry for a
+        direction changes nothing and raises ``KeyError``."""
         if not self.fp8_meta_tensors_initialized:
             return
+        states = {}
+        for forward in (True, False):
+            key = FP8GlobalStateManager.get_meta_tensor_key(forward)
+            state = self.fp8_meta[key].delayed_scaling_state()
+            if state is not None:
+                states[key] = state
+        if fp8_meta_tensors is not None:
+            missing = [key for key in states if key not in fp8_meta_tensors]
+            if missing:
+                raise KeyError(
+                    f"reset_fp8_meta_tensors: no {missing[0]!r} entry in fp8_meta_tensors; pass "
+                    "the dict get_fp8_meta_tensors() returned"
+                )
         with torch.no_grad():
-            for key in ("scaling_fwd", "scaling_bwd"):
-                state = self.fp8_meta[key].delayed_scaling_state()
-                if state is None:
-                    continue
+            for key, state in states.items():
                 if fp8_meta_tensors is None:
                     state.scale.fill_(1.0)
                     state.amax_history.zero_()
-                elif key not in fp8_meta_tensors:
-                    raise KeyError(
-                        f"reset_fp8_meta_tensors: no {key!r} entry in fp8_meta_tensors; pass "
-                        "the dict get_fp8_meta_tensors() returned"
-                    )
                 else:
                     scale, amax_history = fp8_meta_tensors[key]
                     state.scale.copy_(scale)
