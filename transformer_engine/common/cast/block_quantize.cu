@@ -139,10 +139,90 @@ struct CastShared {
   float warpmax[kThreads / 32];  // per-warp maxima (2-D)
 };
 
-/* Casts one tile, the thread's sub-tile `x` of it in registers. */
+/* The row scales of a 1x128 tile: lane cc of a half-warp computes row cc/2's scale once from the
+ * reduced maxima (and writes its scale_inv) and returns it; row_scale gets row i's from it. */
+template <typename IType, bool kE4M3>
+__device__ __forceinline__ float row_scale_of_lane(const float (&row_max)[kSub],
+                                                   const BlockCastParams& P, const TilePos& p) {
+  const float mine = block_scale<IType, kE4M3>(row_maxima(row_max, p.cc), P.epsilon, P.pow2);
+  const size_t r_mine = p.r0 + p.rg * kSub + p.cc / 2;
+  if (p.cc % 2 == 0 && r_mine < P.row_si_cols) {
+    // scale_inv [KB, roundup(M, 4)], entry [tile, row]; rows past M are padding. Lanes
+    // 0, 2, .., 14 write 8 consecutive entries.
+    P.row_si[p.tc * P.row_si_cols + r_mine] = r_mine < P.g.M ? __fdiv_rn(1.0f, mine) : 0.0f;
+  }
+  return mine;
+}
+
+/* The scale of the thread's row i (of its half-warp's 8 rows), from row_scale_of_lane's value:
+ * fetched where it is used, so that the 8 scales are not all live at once. */
+__device__ __forceinline__ float row_scale(float lane_scale, int i) {
+  return __shfl_sync(0xffffffffu, lane_scale, (threadIdx.x & 16) | (2 * i));
+}
+
+/* The column scales of a 1x128 tile along M: a tile column spans all 16 row groups (2 per warp,
+ * 8 warps). Each warp's maxima go to shared memory; then thread cl < 128 reduces column cl and
+ * computes its scale once (and writes its scale_inv: 128 consecutive floats), and every thread
+ * reads back the 8 scales of its columns. */
+template <typename IType, bool kE4M3>
+__device__ __forceinline__ void column_scales_1d(const float (&col_max)[kSub],
+                                                 const BlockCastParams& P, const TilePos& p,
+                                                 CastShared& sh, float (&scales)[kSub]) {
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  float m[kSub];
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) m[j] = fmaxf(col_max[j], __shfl_xor_sync(0xffffffffu, col_max[j], 16));
+  if (lane < 16) {
+    float4* dst = reinterpret_cast<float4*>(&sh.colmax[warp][p.cc * kSub]);
+    dst[0] = make_float4(m[0], m[1], m[2], m[3]);
+    dst[1] = make_float4(m[4], m[5], m[6], m[7]);
+  }
+  __syncthreads();
+  if (threadIdx.x < kTile) {
+    const int cl = threadIdx.x;
+    float a = sh.colmax[0][cl];
+#pragma unroll
+    for (int w = 1; w < kThreads / 32; ++w) a = fmaxf(a, sh.colmax[w][cl]);
+    const float scale = block_scale<IType, kE4M3>(a, P.epsilon, P.pow2);
+    sh.colscale[cl] = scale;
+    const size_t c = p.c0 + cl;
+    if (c < P.col_si_cols) {
+      // scale_inv [MB, roundup(K, 4)], entry [tile, column]; columns past K are padding.
+      P.col_si[p.tr * P.col_si_cols + c] = c < P.g.K ? __fdiv_rn(1.0f, scale) : 0.0f;
+    }
+  }
+  __syncthreads();
+  const float4* src = reinterpret_cast<const float4*>(&sh.colscale[p.cc * kSub]);
+  const float4 s0 = src[0], s1 = src[1];
+  scales[0] = s0.x, scales[1] = s0.y, scales[2] = s0.z, scales[3] = s0.w;
+  scales[4] = s1.x, scales[5] = s1.y, scales[6] = s1.z, scales[7] = s1.w;
+}
+
+/* Column j of the thread's sub-tile, cast, is 8 consecutive bytes of transposed row
+ * c0 + cc*8 + j (input rows rg*8..rg*8+7): word h holds rows 4h..4h+3, added a pair of rows
+ * (a cast pair, rows 2a and 2a + 1) at a time by put_pair. */
+__device__ __forceinline__ void put_pair(uint32_t (&words)[2], int a, uint16_t pair) {
+  if (a % 2 == 0) {
+    words[a / 2] = pair;
+  } else {
+    words[a / 2] |= static_cast<uint32_t>(pair) << 16;
+  }
+}
+
+__device__ __forceinline__ void stage_column(uint8_t* stage, const TilePos& p, int j,
+                                             const uint32_t (&words)[2]) {
+  *reinterpret_cast<uint2*>(stage + stage_offset(p.cc * kSub + j, p.rg * kSub)) =
+      make_uint2(words[0], words[1]);
+}
+
+/* Casts one tile, the thread's sub-tile `x` of it in registers. Each path casts through a
+ * generic lambda called with std::true_type where the sub-tile holds Inf or NaN (the
+ * NaN-patching cast) and std::false_type elsewhere (the plain conversion). */
 template <typename IType, bool kE4M3, bool kTwoD>
 __device__ __forceinline__ void cast_tile(const SubTile<IType>& x, const BlockCastParams& P,
                                           const TilePos& p, CastShared& sh) {
+  using F = Fp8Format<kE4M3>;
   uint8_t* stage = sh.stage;
   const TileGeometry& g = P.g;
   const int warp = threadIdx.x / 32;
@@ -150,12 +230,10 @@ __device__ __forceinline__ void cast_tile(const SubTile<IType>& x, const BlockCa
 
   if constexpr (kTwoD) {
     // One scale for the whole 128x128 block.
-    float m = 0.0f;
+    const SubTileMaxima mx = sub_tile_maxima<IType, true, false>(x);
+    float m = mx.row[0];
 #pragma unroll
-    for (int i = 0; i < kSub; ++i) {
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) m = amax_step(m, x.at(i, j));
-    }
+    for (int i = 1; i < kSub; ++i) m = fmaxf(m, mx.row[i]);
     m = half_warp_max(m);
     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
     if (lane == 0) sh.warpmax[warp] = m;
@@ -164,31 +242,36 @@ __device__ __forceinline__ void cast_tile(const SubTile<IType>& x, const BlockCa
 #pragma unroll
     for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, sh.warpmax[w]);
     const float scale = block_scale<IType, kE4M3>(m, P.epsilon, P.pow2);
-    Vec<uint16_t, kSub / 2> q[kSub];
+    auto cast = [&](auto may_be_nan) {
+      constexpr bool kNaN = decltype(may_be_nan)::value;
+      Vec<uint16_t, kSub / 2> q[kSub];
 #pragma unroll
-    for (int i = 0; i < kSub; ++i) {
+      for (int i = 0; i < kSub; ++i) {
 #pragma unroll
-      for (int k = 0; k < kSub / 2; ++k) {
-        q[i].v[k] =
-            Fp8Format<kE4M3>::cast_pair(x.at(i, 2 * k) * scale, x.at(i, 2 * k + 1) * scale);
-      }
-      if (P.row_data != nullptr) store_row(P.row_data, g, p, i, q[i]);
-    }
-    if (P.col_data != nullptr) {
-      // The same bytes, transposed: column j of the sub-tile is 8 consecutive staged bytes.
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) {
-        uint32_t word[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          word[h] = static_cast<uint32_t>(byte_of(q[4 * h], j)) |
-                    (static_cast<uint32_t>(byte_of(q[4 * h + 1], j)) << 8) |
-                    (static_cast<uint32_t>(byte_of(q[4 * h + 2], j)) << 16) |
-                    (static_cast<uint32_t>(byte_of(q[4 * h + 3], j)) << 24);
+        for (int k = 0; k < kSub / 2; ++k) {
+          q[i].v[k] = F::template cast_pair_as<kNaN>(x.at(i, 2 * k) * scale,
+                                                     x.at(i, 2 * k + 1) * scale);
         }
-        *reinterpret_cast<uint2*>(stage + stage_offset(p.cc * kSub + j, p.rg * kSub)) =
-            make_uint2(word[0], word[1]);
+        if (P.row_data != nullptr) store_row(P.row_data, g, p, i, q[i]);
       }
+      if (P.col_data != nullptr) {
+        // The same bytes, transposed: column j of the sub-tile is 8 consecutive staged bytes.
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) {
+          uint32_t words[2];
+#pragma unroll
+          for (int a = 0; a < kSub / 2; ++a) {
+            put_pair(words, a, static_cast<uint16_t>(byte_of(q[2 * a], j) |
+                                                     (byte_of(q[2 * a + 1], j) << 8)));
+          }
+          stage_column(stage, p, j, words);
+        }
+      }
+    };
+    if (mx.non_finite) {
+      cast(std::true_type{});
+    } else {
+      cast(std::false_type{});
     }
     if (threadIdx.x == 0) {
       const float scale_inv = __fdiv_rn(1.0f, scale);
@@ -207,94 +290,89 @@ __device__ __forceinline__ void cast_tile(const SubTile<IType>& x, const BlockCa
         }
       }
     }
-  } else {
-    if (P.row_data != nullptr) {
-      // 1x128 tiles along K: a tile row is one half-warp's 16 x 8 elements. The half-warp
-      // reduces its 8 rows at once (row_maxima: lane cc ends with row cc/2's maximum), so each
-      // lane computes one scale, and the 8 scales are then shuffled back to all 16 lanes.
-      float m[kSub];
+  } else if (P.row_data != nullptr && P.col_data != nullptr) {
+    // Both 1x128 copies: each element is converted to float32 once and cast twice (row scale,
+    // column scale), in 2x2 groups so that the row-wise pairs (i, 2b..2b+1) and the column-wise
+    // pairs (2a..2a+1, j) come from the same four values.
+    const SubTileMaxima mx = sub_tile_maxima<IType, true, true>(x);
+    const float lane_scale = row_scale_of_lane<IType, kE4M3>(mx.row, P, p);
+    float cs[kSub];
+    column_scales_1d<IType, kE4M3>(mx.col, P, p, sh, cs);
+    auto cast = [&](auto may_be_nan) {
+      constexpr bool kNaN = decltype(may_be_nan)::value;
+      uint32_t col_words[kSub][2];  // column j's staged bytes
+#pragma unroll
+      for (int a = 0; a < kSub / 2; ++a) {
+        Vec<uint16_t, kSub / 2> q0, q1;  // rows 2a and 2a + 1
+        const float rs0 = row_scale(lane_scale, 2 * a), rs1 = row_scale(lane_scale, 2 * a + 1);
+#pragma unroll
+        for (int b = 0; b < kSub / 2; ++b) {
+          const float v00 = x.at(2 * a, 2 * b), v01 = x.at(2 * a, 2 * b + 1);
+          const float v10 = x.at(2 * a + 1, 2 * b), v11 = x.at(2 * a + 1, 2 * b + 1);
+          q0.v[b] = F::template cast_pair_as<kNaN>(v00 * rs0, v01 * rs0);
+          q1.v[b] = F::template cast_pair_as<kNaN>(v10 * rs1, v11 * rs1);
+          put_pair(col_words[2 * b], a,
+                   F::template cast_pair_as<kNaN>(v00 * cs[2 * b], v10 * cs[2 * b]));
+          put_pair(col_words[2 * b + 1], a,
+                   F::template cast_pair_as<kNaN>(v01 * cs[2 * b + 1], v11 * cs[2 * b + 1]));
+        }
+        store_row(P.row_data, g, p, 2 * a, q0);
+        store_row(P.row_data, g, p, 2 * a + 1, q1);
+      }
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) stage_column(stage, p, j, col_words[j]);
+    };
+    if (mx.non_finite) {
+      cast(std::true_type{});
+    } else {
+      cast(std::false_type{});
+    }
+  } else if (P.row_data != nullptr) {
+    // 1x128 tiles along K: a tile row is one half-warp's 16 x 8 elements. The half-warp
+    // reduces its 8 rows at once (row_maxima: lane cc ends with row cc/2's maximum), so each
+    // lane computes one scale, and the 8 scales are then shuffled back to all 16 lanes.
+    const SubTileMaxima mx = sub_tile_maxima<IType, true, false>(x);
+    const float lane_scale = row_scale_of_lane<IType, kE4M3>(mx.row, P, p);
+    auto cast = [&](auto may_be_nan) {
+      constexpr bool kNaN = decltype(may_be_nan)::value;
 #pragma unroll
       for (int i = 0; i < kSub; ++i) {
-        m[i] = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) m[i] = amax_step(m[i], x.at(i, j));
-      }
-      const float mine = block_scale<IType, kE4M3>(row_maxima(m, p.cc), P.epsilon, P.pow2);
-      const size_t r_mine = p.r0 + p.rg * kSub + p.cc / 2;
-      if (p.cc % 2 == 0 && r_mine < P.row_si_cols) {
-        // scale_inv [KB, roundup(M, 4)], entry [tile, row]; rows past M are padding. Lanes
-        // 0, 2, .., 14 write 8 consecutive entries.
-        P.row_si[p.tc * P.row_si_cols + r_mine] = r_mine < g.M ? __fdiv_rn(1.0f, mine) : 0.0f;
-      }
-#pragma unroll
-      for (int i = 0; i < kSub; ++i) {
-        const float scale = __shfl_sync(0xffffffffu, mine, (lane & 16) | (2 * i));
         Vec<uint16_t, kSub / 2> q;
+        const float rs = row_scale(lane_scale, i);
 #pragma unroll
         for (int k = 0; k < kSub / 2; ++k) {
-          q.v[k] =
-              Fp8Format<kE4M3>::cast_pair(x.at(i, 2 * k) * scale, x.at(i, 2 * k + 1) * scale);
+          q.v[k] = F::template cast_pair_as<kNaN>(x.at(i, 2 * k) * rs, x.at(i, 2 * k + 1) * rs);
         }
         store_row(P.row_data, g, p, i, q);
       }
+    };
+    if (mx.non_finite) {
+      cast(std::true_type{});
+    } else {
+      cast(std::false_type{});
     }
-    if (P.col_data != nullptr) {
-      // 1x128 tiles along M: a tile column spans all 16 row groups (2 per warp, 8 warps).
-      // Each warp's maxima go to shared memory; then thread cl < 128 reduces column cl and
-      // computes its scale once (and writes its scale_inv: 128 consecutive floats), and every
-      // thread reads back the 8 scales of its columns.
-      float m[kSub];
+  } else {
+    // The column-wise copy alone: 1x128 tiles along M.
+    const SubTileMaxima mx = sub_tile_maxima<IType, false, true>(x);
+    float cs[kSub];
+    column_scales_1d<IType, kE4M3>(mx.col, P, p, sh, cs);
+    auto cast = [&](auto may_be_nan) {
+      constexpr bool kNaN = decltype(may_be_nan)::value;
 #pragma unroll
       for (int j = 0; j < kSub; ++j) {
-        m[j] = 0.0f;
+        uint32_t words[2];
 #pragma unroll
-        for (int i = 0; i < kSub; ++i) m[j] = amax_step(m[j], x.at(i, j));
-        m[j] = fmaxf(m[j], __shfl_xor_sync(0xffffffffu, m[j], 16));
-      }
-      if (lane < 16) {
-        float4* dst = reinterpret_cast<float4*>(&sh.colmax[warp][p.cc * kSub]);
-        dst[0] = make_float4(m[0], m[1], m[2], m[3]);
-        dst[1] = make_float4(m[4], m[5], m[6], m[7]);
-      }
-      __syncthreads();
-      if (threadIdx.x < kTile) {
-        const int cl = threadIdx.x;
-        float a = sh.colmax[0][cl];
-#pragma unroll
-        for (int w = 1; w < kThreads / 32; ++w) a = fmaxf(a, sh.colmax[w][cl]);
-        const float scale = block_scale<IType, kE4M3>(a, P.epsilon, P.pow2);
-        sh.colscale[cl] = scale;
-        const size_t c = p.c0 + cl;
-        if (c < P.col_si_cols) {
-          // scale_inv [MB, roundup(K, 4)], entry [tile, column]; columns past K are padding.
-          P.col_si[p.tr * P.col_si_cols + c] = c < g.K ? __fdiv_rn(1.0f, scale) : 0.0f;
+        for (int a = 0; a < kSub / 2; ++a) {
+          put_pair(words, a, F::template cast_pair_as<kNaN>(x.at(2 * a, j) * cs[j],
+                                                            x.at(2 * a + 1, j) * cs[j]));
         }
+        stage_column(stage, p, j, words);
       }
-      __syncthreads();
-      float scales[kSub];
-      {
-        const float4* src = reinterpret_cast<const float4*>(&sh.colscale[p.cc * kSub]);
-        const float4 s0 = src[0], s1 = src[1];
-        scales[0] = s0.x, scales[1] = s0.y, scales[2] = s0.z, scales[3] = s0.w;
-        scales[4] = s1.x, scales[5] = s1.y, scales[6] = s1.z, scales[7] = s1.w;
-      }
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) {
-        const int cl = p.cc * kSub + j;
-        const float scale = scales[j];
-        // Rows rg*8..rg*8+7 of column cl: 8 consecutive bytes of the transposed row.
-        uint32_t word[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t lo = Fp8Format<kE4M3>::cast_pair(x.at(4 * h, j) * scale,
-                                                          x.at(4 * h + 1, j) * scale);
-          const uint32_t hi = Fp8Format<kE4M3>::cast_pair(x.at(4 * h + 2, j) * scale,
-                                                          x.at(4 * h + 3, j) * scale);
-          word[h] = lo | (hi << 16);
-        }
-        *reinterpret_cast<uint2*>(stage + stage_offset(cl, p.rg * kSub)) =
-            make_uint2(word[0], word[1]);
-      }
+    };
+    if (mx.non_finite) {
+      cast(std::true_type{});
+    } else {
+      cast(std::false_type{});
     }
   }
   if (P.col_data != nullptr) {

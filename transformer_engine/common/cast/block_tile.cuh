@@ -115,6 +115,125 @@ __device__ __forceinline__ float half_warp_max(float value) {
   return value;
 }
 
+/* ---- the sub-tile's absolute maxima ------------------------------------------------------
+ * 16-bit inputs keep two elements in each 32-bit register, and the maxima are taken on those
+ * pairs as they are (PTX max.bf16x2 / max.f16x2, sm_80+): one instruction serves two elements,
+ * the sign bits cleared once serve the row and the column maxima alike, and nothing is converted
+ * to float32 before the maxima are known (the maximum of 16-bit values is exact in either type).
+ * Float32 inputs take the scalar amax_step. */
+
+/* Elementwise maximum of two packed pairs, NaN-propagating (.NaN): a sub-tile holding a NaN ends
+ * with a NaN maximum, which is how sub_tile_maxima notices it. */
+template <typename IType>
+__device__ __forceinline__ uint32_t max_nan_x2(uint32_t a, uint32_t b);
+template <>
+__device__ __forceinline__ uint32_t max_nan_x2<__nv_bfloat16>(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+template <>
+__device__ __forceinline__ uint32_t max_nan_x2<__half>(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+/* The low (element 2k) and high (element 2k + 1) halves of a packed pair, as float32. */
+template <typename IType>
+__device__ __forceinline__ float low_as_float(uint32_t pair) {
+  if constexpr (std::is_same_v<IType, __nv_bfloat16>) {
+    return __uint_as_float(pair << 16);
+  } else {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(pair & 0xFFFFu)));
+  }
+}
+template <typename IType>
+__device__ __forceinline__ float high_as_float(uint32_t pair) {
+  if constexpr (std::is_same_v<IType, __nv_bfloat16>) {
+    return __uint_as_float(pair & 0xFFFF0000u);
+  } else {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(pair >> 16)));
+  }
+}
+
+/* Magnitude bits (sign cleared) from which a 16-bit value is Inf or NaN. */
+template <typename IType>
+constexpr uint32_t non_finite_bits() {
+  return std::is_same_v<IType, __nv_bfloat16> ? 0x7F80u : 0x7C00u;
+}
+
+/* Pair k (elements 2k, 2k + 1) of row i of a 16-bit sub-tile, as the 32 bits it is held in. */
+template <typename IType>
+__device__ __forceinline__ uint32_t pair_bits(const SubTile<IType>& x, int i, int k) {
+  static_assert(sizeof(IType) == 2, "packed pairs of 16-bit values");
+  return reinterpret_cast<const uint32_t*>(&x.row[i])[k];
+}
+
+/* The absolute maxima of a thread's sub-tile: of each row (kRows) and of each column (kCols),
+ * NaN ignored (amax_step's rule); and whether the sub-tile holds Inf or NaN. Only such an
+ * element's cast can produce a NaN (a product of finite values by a finite scale is finite or
+ * saturates; an infinite amax gives the scale 0, and Inf * 0 is NaN), so a sub-tile without one
+ * casts with Fp8Format::cast_pair_not_nan. Float32 inputs report non_finite always (they keep
+ * the NaN-patching cast). */
+struct SubTileMaxima {
+  float row[kSub];
+  float col[kSub];
+  bool non_finite;
+};
+
+template <typename IType, bool kRows, bool kCols>
+__device__ __forceinline__ SubTileMaxima sub_tile_maxima(const SubTile<IType>& x) {
+  SubTileMaxima m;
+  if constexpr (sizeof(IType) == 2) {
+    uint32_t col[kSub / 2];
+    uint32_t all = 0;  // the maximum over the sub-tile, per half
+#pragma unroll
+    for (int i = 0; i < kSub; ++i) {
+      uint32_t a[kSub / 2];
+#pragma unroll
+      for (int k = 0; k < kSub / 2; ++k) {
+        a[k] = pair_bits(x, i, k) & 0x7FFF7FFFu;
+        if constexpr (kCols) col[k] = i == 0 ? a[k] : max_nan_x2<IType>(col[k], a[k]);
+      }
+      if constexpr (kRows) {
+        const uint32_t r =
+            max_nan_x2<IType>(max_nan_x2<IType>(a[0], a[1]), max_nan_x2<IType>(a[2], a[3]));
+        m.row[i] = fmaxf(low_as_float<IType>(r), high_as_float<IType>(r));
+        all = i == 0 ? r : max_nan_x2<IType>(all, r);
+      }
+    }
+    if constexpr (kCols) {
+#pragma unroll
+      for (int k = 0; k < kSub / 2; ++k) {
+        m.col[2 * k] = low_as_float<IType>(col[k]);
+        m.col[2 * k + 1] = high_as_float<IType>(col[k]);
+        if constexpr (!kRows) all = k == 0 ? col[k] : max_nan_x2<IType>(all, col[k]);
+      }
+    }
+    // The canonical NaN the .NaN maximum returns has magnitude bits above Inf's.
+    m.non_finite = max(all >> 16, all & 0xFFFFu) >= non_finite_bits<IType>();
+    if (!m.non_finite) return m;
+    // Rare: a NaN maximum above must become the maximum of the other values. Scalar, as below.
+  } else {
+    m.non_finite = true;
+  }
+#pragma unroll
+  for (int k = 0; k < kSub; ++k) {
+    m.row[k] = 0.0f;
+    m.col[k] = 0.0f;
+  }
+#pragma unroll
+  for (int i = 0; i < kSub; ++i) {
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      if constexpr (kRows) m.row[i] = amax_step(m.row[i], x.at(i, j));
+      if constexpr (kCols) m.col[j] = amax_step(m.col[j], x.at(i, j));
+    }
+  }
+  return m;
+}
+
 /* ---- host side ---------------------------------------------------------------------------- */
 
 inline size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }

@@ -60,13 +60,27 @@ __device__ __forceinline__ float e8m0_multiplier(uint32_t e) {
   return e == 0u ? 1.0f : __uint_as_float((254u - e) << 23);
 }
 
-template <bool kE4M3>
+/* Casts a row of 8 values, each by its multiplier; kMayBeNaN as in Fp8Format::cast_pair_as. */
+template <bool kE4M3, bool kMayBeNaN>
 __device__ __forceinline__ Vec<uint16_t, kSub / 2> cast_row(const float (&v)[kSub],
                                                             const float (&mult)[kSub]) {
   Vec<uint16_t, kSub / 2> q;
 #pragma unroll
   for (int k = 0; k < kSub / 2; ++k) {
-    q.v[k] = Fp8Format<kE4M3>::cast_pair(v[2 * k] * mult[2 * k], v[2 * k + 1] * mult[2 * k + 1]);
+    q.v[k] = Fp8Format<kE4M3>::template cast_pair_as<kMayBeNaN>(v[2 * k] * mult[2 * k],
+                                                                v[2 * k + 1] * mult[2 * k + 1]);
+  }
+  return q;
+}
+
+/* The same, all by one multiplier. */
+template <bool kE4M3, bool kMayBeNaN>
+__device__ __forceinline__ Vec<uint16_t, kSub / 2> cast_row(const float (&v)[kSub], float mult) {
+  Vec<uint16_t, kSub / 2> q;
+#pragma unroll
+  for (int k = 0; k < kSub / 2; ++k) {
+    q.v[k] = Fp8Format<kE4M3>::template cast_pair_as<kMayBeNaN>(v[2 * k] * mult,
+                                                                v[2 * k + 1] * mult);
   }
   return q;
 }
@@ -88,12 +102,10 @@ __device__ __forceinline__ void cast_tile(const SubTile<IType>& x, const MxParam
 
   if constexpr (kTwoD) {
     // 32x32 blocks: 4x4 sub-tiles.
-    float m = 0.0f;
+    const SubTileMaxima mx = sub_tile_maxima<IType, true, false>(x);
+    float m = mx.row[0];
 #pragma unroll
-    for (int i = 0; i < kSub; ++i) {
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) m = amax_step(m, x.at(i, j));
-    }
+    for (int i = 1; i < kSub; ++i) m = fmaxf(m, mx.row[i]);
     part[p.rg][p.cc] = m;
     __syncthreads();
     const int rg0 = p.rg / kSubsPerBlock * kSubsPerBlock;
@@ -105,17 +117,22 @@ __device__ __forceinline__ void cast_tile(const SubTile<IType>& x, const MxParam
       for (int w = 0; w < kSubsPerBlock; ++w) a = fmaxf(a, part[rg0 + u][cc0 + w]);
     }
     const uint32_t e = e8m0_exponent<kE4M3>(a);
-    float mult[kSub];
+    const float mult = e8m0_multiplier(e);
+    auto cast = [&](auto may_be_nan) {
 #pragma unroll
-    for (int j = 0; j < kSub; ++j) mult[j] = e8m0_multiplier(e);
+      for (int i = 0; i < kSub; ++i) {
+        float v[kSub];
 #pragma unroll
-    for (int i = 0; i < kSub; ++i) {
-      float v[kSub];
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) v[j] = x.at(i, j);
-      const Vec<uint16_t, kSub / 2> q = cast_row<kE4M3>(v, mult);
-      if (P.row_data != nullptr) store_row(P.row_data, g, p, i, q);
-      if (P.col_data != nullptr) store_row(P.col_data, g, p, i, q);
+        for (int j = 0; j < kSub; ++j) v[j] = x.at(i, j);
+        const Vec<uint16_t, kSub / 2> q = cast_row<kE4M3, decltype(may_be_nan)::value>(v, mult);
+        if (P.row_data != nullptr) store_row(P.row_data, g, p, i, q);
+        if (P.col_data != nullptr) store_row(P.col_data, g, p, i, q);
+      }
+    };
+    if (mx.non_finite) {
+      cast(std::true_type{});
+    } else {
+      cast(std::false_type{});
     }
     // Row-wise scales: the block's byte at each of its rows; column-wise: at each column.
     if (P.row_data != nullptr && p.cc % kSubsPerBlock == 0) {
@@ -135,44 +152,38 @@ __device__ __forceinline__ void cast_tile(const SubTile<IType>& x, const MxParam
       }
     }
   } else {
-    if (P.row_data != nullptr) {
-      // 1x32 blocks along K: 4 adjacent lanes (cc = 4b..4b+3) per block.
+    const bool rows = P.row_data != nullptr, cols = P.col_data != nullptr;
+    SubTileMaxima mx;
+    if (rows && cols) {
+      mx = sub_tile_maxima<IType, true, true>(x);
+    } else if (rows) {
+      mx = sub_tile_maxima<IType, true, false>(x);
+    } else {
+      mx = sub_tile_maxima<IType, false, true>(x);
+    }
+    // 1x32 blocks along K: 4 adjacent lanes (cc = 4b..4b+3) per block.
+    uint32_t row_e[kSub];
+    if (rows) {
 #pragma unroll
       for (int i = 0; i < kSub; ++i) {
-        float v[kSub];
-        float m = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) {
-          v[j] = x.at(i, j);
-          m = amax_step(m, v[j]);
-        }
+        float m = mx.row[i];
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        const uint32_t e = e8m0_exponent<kE4M3>(m);
-        float mult[kSub];
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) mult[j] = e8m0_multiplier(e);
-        store_row(P.row_data, g, p, i, cast_row<kE4M3>(v, mult));
+        row_e[i] = e8m0_exponent<kE4M3>(m);
         if (p.cc % kSubsPerBlock == 0) {
           const size_t r = r_first + i;
           P.row_scale[r * P.row_scale_cols + kblock] =
-              static_cast<uint8_t>(r < g.M && kblock_in ? e : 0u);
+              static_cast<uint8_t>(r < g.M && kblock_in ? row_e[i] : 0u);
         }
       }
     }
-    if (P.col_data != nullptr) {
-      // 32x1 blocks along M: 4 row groups per block, reduced through shared memory.
-      // The thread's 8 column maxima as two 16-byte stores, read back the same way.
-      float m[kSub];
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) {
-        m[j] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kSub; ++i) m[j] = amax_step(m[j], x.at(i, j));
-      }
+    // 32x1 blocks along M: 4 row groups per block, reduced through shared memory.
+    // The thread's 8 column maxima as two 16-byte stores, read back the same way.
+    float col_mult[kSub];
+    if (cols) {
       float4* mine = reinterpret_cast<float4*>(&part[p.rg][p.cc * kSub]);
-      mine[0] = make_float4(m[0], m[1], m[2], m[3]);
-      mine[1] = make_float4(m[4], m[5], m[6], m[7]);
+      mine[0] = make_float4(mx.col[0], mx.col[1], mx.col[2], mx.col[3]);
+      mine[1] = make_float4(mx.col[4], mx.col[5], mx.col[6], mx.col[7]);
       __syncthreads();
       const int rg0 = p.rg / kSubsPerBlock * kSubsPerBlock;
       float a[kSub];
@@ -187,28 +198,35 @@ __device__ __forceinline__ void cast_tile(const SubTile<IType>& x, const MxParam
         a[4] = fmaxf(a[4], hi.x), a[5] = fmaxf(a[5], hi.y);
         a[6] = fmaxf(a[6], hi.z), a[7] = fmaxf(a[7], hi.w);
       }
-      float mult[kSub];
-      uint32_t e[kSub];
 #pragma unroll
       for (int j = 0; j < kSub; ++j) {
-        e[j] = e8m0_exponent<kE4M3>(a[j]);
-        mult[j] = e8m0_multiplier(e[j]);
+        const uint32_t e = e8m0_exponent<kE4M3>(a[j]);
+        col_mult[j] = e8m0_multiplier(e);
+        if (p.rg % kSubsPerBlock == 0) {
+          const size_t c = c_first + j;
+          P.col_scale[mblock * P.col_scale_cols + c] =
+              static_cast<uint8_t>(c < g.K && mblock_in ? e : 0u);
+        }
       }
+    }
+    // Both copies from one float32 conversion of each row.
+    auto cast = [&](auto may_be_nan) {
+      constexpr bool kNaN = decltype(may_be_nan)::value;
 #pragma unroll
       for (int i = 0; i < kSub; ++i) {
         float v[kSub];
 #pragma unroll
         for (int j = 0; j < kSub; ++j) v[j] = x.at(i, j);
-        store_row(P.col_data, g, p, i, cast_row<kE4M3>(v, mult));
-      }
-      if (p.rg % kSubsPerBlock == 0) {
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) {
-          const size_t c = c_first + j;
-          P.col_scale[mblock * P.col_scale_cols + c] =
-              static_cast<uint8_t>(c < g.K && mblock_in ? e[j] : 0u);
+        if (rows) {
+          store_row(P.row_data, g, p, i, cast_row<kE4M3, kNaN>(v, e8m0_multiplier(row_e[i])));
         }
+        if (cols) store_row(P.col_data, g, p, i, cast_row<kE4M3, kNaN>(v, col_mult));
       }
+    };
+    if (mx.non_finite) {
+      cast(std::true_type{});
+    } else {
+      cast(std::false_type{});
     }
   }
 }

@@ -63,6 +63,22 @@ struct Fp8Format {
     return bits;
   }
 
+  /* cast_pair for values the caller knows are not NaN: the conversion alone, without the
+   * NaN test and patch (two instructions a pair, as many as the conversion itself). */
+  static __device__ __forceinline__ uint16_t cast_pair_not_nan(float a, float b) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kInterp);
+  }
+
+  /* cast_pair, or cast_pair_not_nan where kMayBeNaN is false. */
+  template <bool kMayBeNaN>
+  static __device__ __forceinline__ uint16_t cast_pair_as(float a, float b) {
+    if constexpr (kMayBeNaN) {
+      return cast_pair(a, b);
+    } else {
+      return cast_pair_not_nan(a, b);
+    }
+  }
+
   static __device__ __forceinline__ uint8_t cast(float a) {
     return static_cast<uint8_t>(cast_pair(a, 0.0f) & 0xFFu);
   }
