@@ -1,6 +1,7 @@
 """general_gemm on CUDA: the same numerics as the CPU tests (FP8, high precision and mixed), with
-the rows of tests/pytorch/tolerances.py; outputs land on the operands' device, and a GEMM on a
-second GPU while the first is current leaves the current device unchanged. Skips without a GPU
+the rows of tests/pytorch/tolerances.py, including a wgrad GEMM whose K (the token count) is not
+a multiple of 16; outputs land on the operands' device, and a GEMM on a second GPU while the
+first is current leaves the current device unchanged. Skips without a GPU
 (two GPUs for the second-device test) through marks; runs on the GPU machine through
 qa/L0_pytorch_gpu/test.sh."""
 
@@ -29,7 +30,7 @@ from gemm_helpers import (
 from tolerances import assert_close_by_table
 from utils import current_device_unchanged, needs_cuda, needs_two_gpus
 
-from transformer_engine.pytorch.cpp_extensions import general_gemm
+from transformer_engine.pytorch.cpp_extensions import Float8GemmOperand, general_gemm
 
 # ---------------------------------------------------------------------------------------------
 # GPU: same numerics on CUDA, outputs on the operands' device, current device unchanged
@@ -86,6 +87,51 @@ def test_gpu_fp8_bias_accumulate_alpha(out_dtype):
     before = acc.float().cpu()
     general_gemm(qa, qb, out=acc, accumulate=True, use_split_accumulator=True)
     assert_close_by_table(acc.cpu(), before + expected, ("fp8_dequantized", out_dtype))
+
+
+@needs_cuda
+@pytest.mark.parametrize("split", [False, True], ids=["fast_accum", "split_accum"])
+@pytest.mark.parametrize("k", [8, 24, 40, 1000])
+def test_gpu_fp8_wgrad_gemm_takes_any_token_count(k, split):
+    # NT (wgrad): K is the token count. Not a multiple of 16, it is zero-padded for
+    # torch._scaled_mm; the result has the numerics of every other FP8 GEMM: against the CPU
+    # emulation of the same FP8 bytes and the float64 GEMM of the dequantized operands.
+    a = randn((k, 48), 0)  # the input [K, N]
+    b = randn((k, 40), 1, k**-0.5)  # the output gradient [K, M]
+    qa_cpu, da = fp8_operand(a, E4M3)
+    qb_cpu, db = fp8_operand(b, E5M2)
+    device = torch.device("cuda", 0)
+    qa, _ = fp8_operand(a, E4M3, device=device)
+    qb, _ = fp8_operand(b, E5M2, device=device)
+    with current_device_unchanged():
+        out = general_gemm(qa, qb, FP32, layout="NT", use_split_accumulator=split)[0]
+    assert out.device == device and out.shape == (40, 48)
+    cpu = general_gemm(qa_cpu, qb_cpu, FP32, layout="NT")[0]
+    assert_close_by_table(out.cpu(), cpu, (fp8_row(split), FP32))
+    assert_close_by_table(out.cpu(), reference_gemm("NT", da, db), (fp8_row(split), FP32))
+
+    # Small integers with unit scales: every product and partial sum is exact in float32, so
+    # with full float32 accumulation the CUDA result, the CPU emulation and the float64 GEMM
+    # agree bit for bit (a nonzero padding byte, or a missed row of K, would show).
+    g = torch.Generator().manual_seed(k)
+    x = torch.randint(-3, 4, (k, 40), generator=g).float()
+    y = torch.randint(-3, 4, (k, 48), generator=g).float()
+
+    def integer_operand(values, dev):
+        fp8 = values.to(torch.float8_e4m3fn)
+        return Float8GemmOperand(
+            data=fp8.to(dev),
+            transpose=fp8.t().contiguous().to(dev),
+            scale_inv=torch.ones(1, device=dev),
+        )
+
+    exact = (x.double().t() @ y.double()).float()
+    for dev in (device, torch.device("cpu")):
+        got = general_gemm(
+            integer_operand(y, dev), integer_operand(x, dev), FP32, layout="NT",
+            use_split_accumulator=True,
+        )[0]  # fmt: skip
+        assert torch.equal(got.cpu(), exact), dev
 
 
 @needs_cuda

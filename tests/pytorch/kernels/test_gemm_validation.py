@@ -1,14 +1,28 @@
 """general_gemm's validation: every refusal happens before any work, with a message that names
-the problem (FP8 dims not multiples of 16, K mismatch, meta tensors, devices that differ, ``out``
-shape and dtype, argument and FP8 operand errors), and a refused call leaves ``out`` untouched."""
+the problem (an FP8 N that is not a multiple of 16, K mismatch, meta tensors, devices that
+differ, ``out`` shape and dtype, argument and FP8 operand errors), and a refused call leaves
+``out`` untouched. An FP8 K that is not a multiple of 16 is accepted (zero-padded for
+``torch._scaled_mm``) and checked against float64."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from gemm_helpers import BF16, E4M3, E5M2, FP32, LAYOUTS, SHAPES, fp8_operand, operands, randn
+from gemm_helpers import (
+    BF16,
+    E4M3,
+    E5M2,
+    FP32,
+    LAYOUTS,
+    SHAPES,
+    fp8_operand,
+    operands,
+    randn,
+    reference_gemm,
+)
+from tolerances import assert_close_by_table
 
-from transformer_engine.pytorch.cpp_extensions import general_gemm
+from transformer_engine.pytorch.cpp_extensions import fp8_gemm_cpu, general_gemm
 
 # ---------------------------------------------------------------------------------------------
 # Validation: every refusal happens before any work, with a message that names the problem
@@ -18,19 +32,53 @@ from transformer_engine.pytorch.cpp_extensions import general_gemm
 @pytest.mark.parametrize(
     ("layout", "a_shape", "b_shape", "message"),
     [
-        ("TN", (16, 24), (32, 24), r"K \(the reduction dimension\) to be a multiple of 16, got K=24"),
         ("TN", (24, 32), (32, 32), r"N \(the output's last dimension\) to be a multiple of 16, got N=24"),
-        ("NN", (24, 16), (32, 24), "K .* multiple of 16, got K=24"),
         ("NN", (16, 24), (32, 16), "N .* multiple of 16, got N=24"),
-        ("NT", (3, 8, 16), (3, 8, 16), "K .* multiple of 16, got K=24"),  # K = 3 * 8 tokens
         ("NT", (2, 8, 24), (2, 8, 16), "N .* multiple of 16, got N=24"),
     ],
 )  # fmt: skip
-def test_fp8_dims_must_be_multiples_of_16(layout, a_shape, b_shape, message):
+def test_fp8_n_must_be_a_multiple_of_16(layout, a_shape, b_shape, message):
     qa, _ = fp8_operand(randn(a_shape, 0), E4M3)
     qb, _ = fp8_operand(randn(b_shape, 1), E4M3)
     with pytest.raises(ValueError, match=message):
         general_gemm(qa, qb, layout=layout)
+
+
+# K = 24, not a multiple of 16: in NT (wgrad) K is the token count (3 * 8 here).
+K_NOT_16 = [("TN", (16, 24), (32, 24)), ("NN", (24, 16), (32, 24)), ("NT", (3, 8, 16), (3, 8, 16))]
+
+
+@pytest.mark.parametrize(("layout", "a_shape", "b_shape"), K_NOT_16)
+def test_fp8_k_need_not_be_a_multiple_of_16(layout, a_shape, b_shape):
+    qa, da = fp8_operand(randn(a_shape, 0), E4M3)
+    qb, db = fp8_operand(randn(b_shape, 1), E5M2)
+    out = general_gemm(qa, qb, FP32, layout=layout)[0]
+    assert_close_by_table(out, reference_gemm(layout, da, db), ("fp8_dequantized", FP32))
+
+
+@pytest.mark.parametrize(("layout", "a_shape", "b_shape"), K_NOT_16)
+def test_fp8_k_is_zero_padded_for_scaled_mm(layout, a_shape, b_shape, monkeypatch):
+    # The torch._scaled_mm path (CUDA; here the CPU's oneDNN kernel, forced) gets both
+    # operands zero-padded along K to 32, and the product is unchanged.
+    monkeypatch.setattr(fp8_gemm_cpu, "SCALED_MM_IS_NATIVE_ON_CPU", True)
+    seen = []
+    real = torch._scaled_mm
+
+    def spy(x, y, **kwargs):
+        seen.append((x.clone(), y.t().clone()))
+        return real(x, y, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    qa, da = fp8_operand(randn(a_shape, 0), E4M3)
+    qb, db = fp8_operand(randn(b_shape, 1), E4M3)
+    try:
+        out = general_gemm(qa, qb, FP32, layout=layout, use_split_accumulator=True)[0]
+    except RuntimeError as error:  # oneDNN without an FP8 kernel on this CPU
+        pytest.skip(f"torch._scaled_mm refuses FP8 on this CPU: {str(error)[:120]}")
+    ((x, y),) = seen
+    assert x.shape[1] == y.shape[1] == 32
+    assert not x[:, 24:].view(torch.uint8).any() and not y[:, 24:].view(torch.uint8).any()
+    assert_close_by_table(out, reference_gemm(layout, da, db), ("fp8_dequantized", FP32))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -103,10 +103,12 @@ def run(module, x, dy, recipe, **kwargs):
     return out, x.grad
 
 
-def check_against_reference(module, reference_fn, recipe_name, dtype, in_size, out_size):
+def check_against_reference(
+    module, reference_fn, recipe_name, dtype, in_size, out_size, lead=(TOKENS // 16, 16)
+):
     g = torch.Generator().manual_seed(SEED)
-    x = torch.randn(TOKENS // 16, 16, in_size, generator=g).to(dtype)
-    dy = torch.randn(TOKENS // 16, 16, out_size, generator=g).to(dtype)
+    x = torch.randn(*lead, in_size, generator=g).to(dtype)
+    dy = torch.randn(*lead, out_size, generator=g).to(dtype)
     params = reference_params(module)
     x_ref = x.double().requires_grad_()
     y_ref, _ = reference_fn(module, params, x_ref)
@@ -154,7 +156,7 @@ def dequantized(recipe, forward):
     return lambda t: quantizer.quantize_impl(t.detach()).dequantize(dtype=torch.float32).double()
 
 
-def check_mlp_stages(module, activation_ref, recipe_name, dtype):
+def check_mlp_stages(module, activation_ref, recipe_name, dtype, lead=(TOKENS // 16, 16)):
     """Every stage of the MLP against float64 on exactly the values the module fed it.
 
     The norm output, the activation's input and output and their gradients are captured, and
@@ -177,8 +179,8 @@ def check_mlp_stages(module, activation_ref, recipe_name, dtype):
     module.activation_fn = capturing
     module.return_layernorm_output = True
     g = torch.Generator().manual_seed(SEED)
-    x = torch.randn(TOKENS // 16, 16, module.hidden_size, generator=g).to(dtype)
-    dy = torch.randn(TOKENS // 16, 16, module.hidden_size, generator=g).to(dtype)
+    x = torch.randn(*lead, module.hidden_size, generator=g).to(dtype)
+    dy = torch.randn(*lead, module.hidden_size, generator=g).to(dtype)
     recipe = make_recipe(recipe_name)
     x_in = x.clone().requires_grad_()
     with te.autocast(enabled=recipe is not None, recipe=recipe):
@@ -526,23 +528,32 @@ def test_errors():
 
 
 @pytest.mark.parametrize(
-    "build, tokens",
+    "build",
     [
-        (lambda: LayerNormLinear(24, 32, device="cpu"), 16),
-        (lambda: LayerNormLinear(32, 40, device="cpu"), 16),
-        (lambda: LayerNormLinear(32, 32, device="cpu"), 12),
-        (lambda: LayerNormMLP(40, 32, device="cpu"), 16),
-        (lambda: LayerNormMLP(32, 40, device="cpu"), 16),
-        (lambda: LayerNormMLP(32, 32, device="cpu"), 8),
+        lambda: LayerNormLinear(24, 32, device="cpu"),
+        lambda: LayerNormLinear(32, 40, device="cpu"),
+        lambda: LayerNormMLP(40, 32, device="cpu"),
+        lambda: LayerNormMLP(32, 40, device="cpu"),
     ],
 )
-def test_fp8_needs_multiples_of_16(build, tokens):
+def test_fp8_needs_feature_sizes_multiple_of_16(build):
     module = build()
     hidden = module.in_features if isinstance(module, LayerNormLinear) else module.hidden_size
-    x = torch.randn(tokens, hidden, requires_grad=True)
+    x = torch.randn(16, hidden, requires_grad=True)
     with te.autocast(recipe=Float8CurrentScaling()):
         with pytest.raises(ValueError, match="multiple of 16"):
             module(x)
         # the failed forward handed the first-module flag back to the region
         assert FP8GlobalStateManager.quantization_state.is_first_fp8_module
     module(x)  # high precision has no such restriction
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_fp8_takes_any_token_count(recipe_name):
+    # 12 and 8 tokens: the weight-gradient GEMMs reduce over counts not a multiple of 16.
+    module = randomize(LayerNormLinear(32, 32, device="cpu"))
+    check_against_reference(
+        module, reference_layernorm_linear, recipe_name, torch.float32, 32, 32, lead=(3, 4)
+    )
+    module = randomize(LayerNormMLP(32, 32, device="cpu"))
+    check_mlp_stages(module, REFERENCE_ACTIVATIONS["gelu"], recipe_name, torch.float32, (2, 4))

@@ -5,7 +5,9 @@ device guard under exceptions, and argument errors. Numerics are in ``test_linea
 import fp8_oracle as oracle
 import pytest
 import torch
-from utils import FP8_RECIPES, materialization_device
+import torch.nn.functional as F
+from tolerances import assert_close_by_table
+from utils import FP8_RECIPES, current_scale, fake_quant, materialization_device
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
@@ -16,6 +18,7 @@ from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 from transformer_engine.pytorch.tensor import Float8Tensor
 
 IN, OUT = 64, 48
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def fp8_step(module, x, recipe=None, optimizer=None):
@@ -367,10 +370,11 @@ def test_exceptions_raised_during_preparation_close_the_guard():
     with pytest.raises(TypeError):
         m(torch.randn(32, IN, dtype=torch.bfloat16))
     assert guard_depth() == 0
+    odd = Linear(IN, 40, device="cpu")  # FP8 GEMMs refuse out_features=40 in preparation
     with te.autocast(recipe=DelayedScaling()):
         first = FP8GlobalStateManager.quantization_state.is_first_fp8_module
-        with pytest.raises(ValueError, match="tokens"):
-            m(torch.randn(10, IN, requires_grad=True))
+        with pytest.raises(ValueError, match="out_features"):
+            odd(torch.randn(10, IN, requires_grad=True))
         assert guard_depth() == 0
         assert FP8GlobalStateManager.quantization_state.is_first_fp8_module == first
         assert len(FP8GlobalStateManager.quantization_state.amax_registry) == 0
@@ -478,13 +482,26 @@ def test_fp8_needs_features_multiple_of_16(in_features, out_features, name):
     m(torch.randn(32, in_features))  # fine outside FP8
 
 
-def test_fp8_training_needs_tokens_multiple_of_16():
+def test_fp8_training_takes_any_token_count():
+    # 10 tokens: the weight-gradient GEMM reduces over a K that is not a multiple of 16.
+    torch.manual_seed(3)
     m = Linear(IN, OUT, device="cpu")
+    x = torch.randn(2, 5, IN, requires_grad=True)
+    dy = torch.randn(2, 5, OUT)
     with te.autocast(recipe=Float8CurrentScaling()):
-        with pytest.raises(ValueError, match=r"multiple of 16.*10 tokens"):
-            m(torch.randn(2, 5, IN))
-        with torch.no_grad():
-            assert m(torch.randn(2, 5, IN)).shape == (2, 5, OUT)  # inference: no wgrad GEMM
+        y = m(x)
+    y.backward(dy)
+    assert guard_depth() == 0
+    w = m.weight.detach()
+    # against float32 on the original values: the FP8 rows of the table
+    assert_close_by_table(y, F.linear(x.detach(), w, m.bias.detach()), ("e4m3", torch.float32))
+    assert_close_by_table(m.weight.grad, dy.reshape(-1, OUT).t() @ x.detach().reshape(-1, IN),
+                          ("hybrid", torch.float32))  # fmt: skip
+    assert_close_by_table(x.grad, dy @ w, ("hybrid", torch.float32))
+    # against the dequantized operands the GEMMs saw (independent oracle): tight
+    xq = fake_quant(x.detach(), current_scale(x.detach(), E4M3), E4M3).reshape(-1, IN)
+    dyq = fake_quant(dy, current_scale(dy, E5M2), E5M2).reshape(-1, OUT)
+    assert_close_by_table(m.weight.grad, dyq.t() @ xq, ("fp8_dequantized", torch.float32))
 
 
 @pytest.mark.parametrize("features", [(0, OUT), (IN, -1), (IN, 2.0)])

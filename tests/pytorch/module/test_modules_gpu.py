@@ -1,4 +1,5 @@
-"""Every module on cuda:1 while cuda:0 is current, and other multi-GPU placements.
+"""Every module on cuda:1 while cuda:0 is current, and other multi-GPU placements; FP8 numerics
+of te.Linear on one GPU (with a token count that is not a multiple of 16).
 
 Skipped without CUDA (reason given); most tests need two GPUs in one process.
 """
@@ -7,6 +8,7 @@ import io
 
 import pytest
 import torch
+from tolerances import assert_close_by_table
 from utils import bitwise_equal, needs_cuda, needs_two_gpus
 
 import transformer_engine.pytorch as te
@@ -172,3 +174,41 @@ def test_linear_fp8_numerics_on_gpu(recipe):
             y = module(x)
     error = (y.float() - reference).norm() / reference.norm()
     assert error < 0.05, error
+
+
+@pytest.mark.parametrize(
+    "recipe", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "current"]
+)
+def test_linear_fp8_any_token_count_on_gpu(recipe):
+    """200 tokens, not a multiple of 16: the weight-gradient GEMM's K is zero-padded on CUDA.
+    Against the same module on the CPU (the same FP8 bytes, the GEMMs emulated there) and plain
+    float32 PyTorch on the original values."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 25, 256, generator=g)
+    dy = torch.randn(8, 25, 512, generator=g)
+    torch.manual_seed(0)
+    cpu = te.Linear(256, 512, device="cpu")
+    results = {}
+    for device in ("cpu", "cuda:0"):
+        FP8GlobalStateManager.reset()
+        module = cpu if device == "cpu" else te.Linear(256, 512, device=device)
+        with torch.no_grad():
+            for p, q in zip(module.parameters(), cpu.parameters()):
+                p.copy_(q)
+        x_in = x.clone().to(device).requires_grad_(True)
+        with te.autocast(recipe=recipe):
+            y = module(x_in)
+        y.backward(dy.to(device))
+        results[device] = [t.detach().cpu() for t in (y, x_in.grad, module.weight.grad)]
+        results[device].append(module.bias.grad.cpu())
+    (y, dx, dw, db), (y_cpu, dx_cpu, dw_cpu, db_cpu) = results["cuda:0"], results["cpu"]
+    # fprop runs with fast accumulation, dgrad and wgrad with split accumulation (the recipe's)
+    assert_close_by_table(y, y_cpu, ("fp8_dequantized_fast_accum", torch.float32))
+    assert_close_by_table(dx, dx_cpu, ("fp8_dequantized", torch.float32))
+    assert_close_by_table(dw, dw_cpu, ("fp8_dequantized", torch.float32))
+    assert_close_by_table(db, db_cpu, ("same_values", torch.float32))
+    w, b = cpu.weight.detach(), cpu.bias.detach()
+    rows_x, rows_dy = x.reshape(200, 256), dy.reshape(200, 512)
+    assert_close_by_table(y, torch.nn.functional.linear(x, w, b), ("e4m3", torch.float32))
+    assert_close_by_table(dx, dy @ w, ("hybrid", torch.float32))
+    assert_close_by_table(dw, rows_dy.t() @ rows_x, ("hybrid", torch.float32))

@@ -58,8 +58,11 @@ _LAYOUTS = ("TN", "NN", "NT")
 # cuBLASLt FP8 GEMMs need the leading dimensions of their operands and output to be multiples
 # of 16 (16-byte alignment of FP8 rows). With X [M, K], Y [N, K] and out [M, N] row-major the
 # leading dimensions are K (X and Y) and N (out); M is never a leading dimension and may be
-# anything. torch._scaled_mm on CUDA enforces exactly K % 16 and N % 16; on CPU it enforces
-# nothing, and the same rule is applied there so a shape that works on CPU works on a GPU.
+# anything. torch._scaled_mm on CUDA enforces exactly K % 16 and N % 16. K is made to fit by
+# zero-padding both operands (see _fp8_gemm), so any K works; N is the output's row length and
+# cannot be padded without a copy of the output, so it must be a multiple of 16. torch's CPU
+# kernel enforces nothing, and the N rule is applied there too so a shape that works on CPU
+# works on a GPU.
 FP8_GEMM_DIM_MULTIPLE = 16
 
 
@@ -90,17 +93,21 @@ def _dims(layout: str, a_shape: tuple, b_shape: tuple) -> tuple[int, int, int, t
     return m, n, k_a, out_shape
 
 
-def _check_fp8_dims(layout: str, n: int, k: int) -> None:
-    for dim, value, what in (
-        ("K", k, "the reduction dimension"),
-        ("N", n, "the output's last dimension"),
-    ):
-        if value % FP8_GEMM_DIM_MULTIPLE:
-            raise ValueError(
-                f"{_OP}: FP8 GEMM needs {dim} ({what}) to be a multiple of "
-                f"{FP8_GEMM_DIM_MULTIPLE}, got {dim}={value} for layout {layout!r}; pad the "
-                "operands or run this GEMM in high precision"
-            )
+def _check_fp8_dims(layout: str, n: int) -> None:
+    """N (the output's last dimension) must be a multiple of 16; K may be anything (the
+    operands are zero-padded along K for ``torch._scaled_mm``, see :func:`_fp8_gemm`)."""
+    if n % FP8_GEMM_DIM_MULTIPLE:
+        raise ValueError(
+            f"{_OP}: FP8 GEMM needs N (the output's last dimension) to be a multiple of "
+            f"{FP8_GEMM_DIM_MULTIPLE}, got N={n} for layout {layout!r}; pad the operands or run "
+            "this GEMM in high precision"
+        )
+
+
+def _pad_k(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """``t`` (FP8, ``[rows, K]``) with ``pad`` zero columns appended. Padded through a uint8 view
+    (torch's pad has no FP8 kernels); a zero byte is +0.0 in E4M3 and E5M2."""
+    return torch.nn.functional.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)
 
 
 def _fp8_matrices(
@@ -148,6 +155,13 @@ def _fp8_gemm(x, y, x_scale_inv, y_scale_inv, *, out_dtype, bias, alpha, fast_ac
         if fused_bias:
             product += bias
     else:
+        pad = -x.shape[1] % FP8_GEMM_DIM_MULTIPLE
+        if pad:
+            # cuBLASLt needs 16-byte-aligned leading dimensions of FP8 operands: K (the row
+            # length of X and Y) a multiple of 16. The wgrad GEMM reduces over the tokens, which
+            # may be any count, so both operands get zero columns up to the next multiple: each
+            # added term is 0 * 0 = +0.0, so the product is exactly unchanged.
+            x, y = _pad_k(x, pad), _pad_k(y, pad)
         product = torch._scaled_mm(
             x,
             y.t(),
@@ -211,9 +225,11 @@ def general_gemm(
         three are always ``None`` (no bias-gradient, GELU or communication-overlap epilogues).
 
     Paths:
-        * FP8 x FP8: ``torch._scaled_mm`` on the buffers listed in the module docstring. K and
-          N must be multiples of 16 (``ValueError`` naming the dimension); M is free. At least
-          one operand must be E4M3 (FP8 GEMMs do not take E5M2 x E5M2).
+        * FP8 x FP8: ``torch._scaled_mm`` on the buffers listed in the module docstring. N must
+          be a multiple of 16 (``ValueError``); M and K are free (a K that is not a multiple of
+          16 is zero-padded to one for ``torch._scaled_mm``, which leaves the product unchanged;
+          the CPU emulation takes any K as it is). At least one operand must be E4M3 (FP8
+          GEMMs do not take E5M2 x E5M2).
         * both high precision: ``torch.mm``/``torch.addmm`` in the operands' common dtype, then
           cast to ``out_dtype``; in float32 (operands upcast) when the output is float32 or
           ``accumulate=True``, so the product is never rounded to a narrower type than the
@@ -300,7 +316,7 @@ def general_gemm(
                 f"{_OP}: A and B are both E5M2; FP8 GEMMs need at least one E4M3 operand "
                 "(HYBRID uses E4M3 weights with E5M2 gradients)"
             )
-        _check_fp8_dims(layout, n, k)
+        _check_fp8_dims(layout, n)
     elif not a_fp8 and not b_fp8 and a.dtype != b.dtype:
         raise TypeError(
             f"{_OP}: A is {a.dtype} but B is {b.dtype}; high-precision operands must share "
@@ -381,11 +397,11 @@ def fp8_gemm_prevalidated(
 ) -> torch.Tensor:
     """:func:`general_gemm`'s FP8 x FP8 path for 2-D operands, without argument validation.
 
-    For the linear core, which checks shapes (multiples of 16) and placement (the module's
-    device checks) before it quantizes the operands: skipping the re-validation here saves
-    tens of microseconds of host time per GEMM. Anything unusual (an operand that is not 2-D,
-    a missing transposed copy, e.g. on GPUs with non-TN FP8 GEMMs) takes the validated
-    :func:`general_gemm` path, which gives the same result.
+    For the linear core, which checks shapes (in and out features multiples of 16) and
+    placement (the module's device checks) before it quantizes the operands: skipping the
+    re-validation here saves tens of microseconds of host time per GEMM. Anything unusual (an
+    operand that is not 2-D, a missing transposed copy, e.g. on GPUs with non-TN FP8 GEMMs)
+    takes the validated :func:`general_gemm` path, which gives the same result.
 
     ``A`` and ``B`` are read only through ``float8_gemm_input`` (one layout each), whose
     implementations keep the typed views, so this path makes no view per call.

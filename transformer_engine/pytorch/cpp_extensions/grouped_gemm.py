@@ -4,10 +4,12 @@
 inputs or output gradients) for every group ``i``, in the layout naming of
 :mod:`~transformer_engine.pytorch.cpp_extensions.gemm` (``"TN"`` fprop, ``"NN"`` dgrad,
 ``"NT"`` wgrad). Each group is a separate GEMM call here (upstream launches them on several
-streams); the numerics of every group are exactly those of :func:`general_gemm`.
+streams); the numerics and shape rules of every group are exactly those of
+:func:`general_gemm`: in FP8 a group may have any row count (in the wgrad GEMM the rows are
+the reduction dimension, which ``general_gemm`` zero-pads), while N must be a multiple of 16.
 
 Every group is computed before any output is written, so a group that is refused (a shape
-mismatch, an FP8 size that is not a multiple of 16, ...) leaves every output untouched.
+mismatch, an FP8 N that is not a multiple of 16, ...) leaves every output untouched.
 """
 
 from __future__ import annotations

@@ -97,19 +97,16 @@ def check_input_features(owner: str, inp: torch.Tensor, size: int, name: str) ->
         )
 
 
-def check_fp8_gemm_shapes(tokens: int, in_features: int, out_features: int, needs_wgrad: bool):
-    """FP8 GEMMs need the reduction and output dimensions to be multiples of 16."""
+def check_fp8_gemm_shapes(in_features: int, out_features: int) -> None:
+    """FP8 GEMMs need the layer's sizes to be multiples of 16 (each is the row length of an
+    output of one of the three GEMMs). The token count is free: the weight-gradient GEMM reduces
+    over it, and the FP8 GEMM zero-pads a reduction dimension that is not a multiple of 16."""
     for name, value in (("in_features", in_features), ("out_features", out_features)):
         if value % 16:
             raise ValueError(
                 f"FP8 GEMMs need {name} to be a multiple of 16, got {value}; pad the layer or "
                 "run it outside te.autocast"
             )
-    if needs_wgrad and tokens % 16:
-        raise ValueError(
-            f"FP8 weight-gradient GEMMs reduce over the tokens, which must be a multiple of 16; "
-            f"got {tokens} tokens (product of the input's leading dimensions); pad the batch"
-        )
 
 
 class LinearSaved:

@@ -30,7 +30,6 @@ __all__ = [
 
 def make_linear_config(
     module,
-    inp: torch.Tensor,
     weight: torch.Tensor,
     is_first_microbatch: bool | None,
     *,
@@ -41,7 +40,6 @@ def make_linear_config(
     in_features: int,
     out_features: int,
     main_grad_param: torch.Tensor | None = None,
-    gathered_by: int = 1,
 ) -> LinearConfig:
     """The ``LinearConfig`` of one GEMM of ``module`` in the current forward.
 
@@ -50,8 +48,6 @@ def make_linear_config(
     module : TransformerEngineBaseModule
         Inside ``prepare_forward_ctx``: its ``fp8``, ``activation_dtype``, quantizers and
         recipe are read, and its weight workspace is used for ``is_first_microbatch``.
-    inp : torch.Tensor
-        The GEMM's input; only its token count (product of the leading dimensions) is used.
     weight : torch.Tensor
         The weight the GEMM will use (a ``QuantizedTensor`` for FP8 parameters).
     is_first_microbatch : bool or None
@@ -69,15 +65,12 @@ def make_linear_config(
         The GEMM's reduction and output sizes (checked to be multiples of 16 in FP8).
     main_grad_param : torch.nn.Parameter, optional
         The parameter whose ``main_grad`` a fused weight-gradient GEMM writes.
-    gathered_by : int, default 1
-        How many ranks' rows the GEMM sees per row of ``inp``: ``tp_size`` when ``inp`` is a
-        sequence-parallel shard that is all-gathered before the GEMM (the GEMM's token count,
-        which FP8 needs to be a multiple of 16, is that of the gathered input).
 
     Raises
     ------
     ValueError
-        In FP8, sizes that are not multiples of 16 (see ``check_fp8_gemm_shapes``).
+        In FP8, ``in_features`` or ``out_features`` not a multiple of 16 (see
+        ``check_fp8_gemm_shapes``; the token count is free).
     """
     fp8 = module.fp8
     options = dict(
@@ -91,10 +84,7 @@ def make_linear_config(
     )
     if not fp8:
         return config_from_recipe(None, module.activation_dtype, **options)
-    tokens = inp.numel() // max(inp.shape[-1], 1) * gathered_by
-    check_fp8_gemm_shapes(
-        tokens, in_features, out_features, torch.is_grad_enabled() and weight.requires_grad
-    )
+    check_fp8_gemm_shapes(in_features, out_features)
     fwd, bwd = module.quantizers["scaling_fwd"], module.quantizers["scaling_bwd"]
     config = config_from_recipe(
         module.fp8_meta["recipe"],

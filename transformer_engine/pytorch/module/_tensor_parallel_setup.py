@@ -92,15 +92,6 @@ def mark_sequence_parallel(module, name: str, value: bool) -> None:
     module._param_attributes.setdefault(name, {})["sequence_parallel"] = value
 
 
-def input_gathered_by(module) -> int:
-    """How many ranks' rows the GEMM of a ``Linear``/``LayerNormLinear`` sees per input row:
-    ``tp_size`` for a column-parallel layer under sequence parallelism (its input shard is
-    all-gathered before the GEMM), else 1."""
-    if module.tp_size > 1 and module.sequence_parallel and module.parallel_mode == "column":
-        return module.tp_size
-    return 1
-
-
 def check_tensor_parallel_ready(module, *, gathers_input: bool = True) -> None:
     """Before a forward with ``tp_size > 1``: a group must be set and have ``tp_size`` ranks;
     under delayed scaling with sequence parallelism the amaxes must be reduced over a group that

@@ -1,10 +1,16 @@
 """``Fp8Padding``: pad each group of rows up to the FP8 alignment before a ``GroupedLinear``.
 
-FP8 GEMMs need every group's row count to be a multiple of 16 (per-tensor recipes) when weight
-gradients are computed. A mixture-of-experts layer routes arbitrary token counts to its experts;
-``Fp8Padding`` appends zero rows to each group so the counts align, and ``Fp8Unpadding``
-(``fp8_unpadding.py``) drops them from the output again. Both are plain row copies on the input's
-device, differentiable (the padding rows get no gradient).
+A mixture-of-experts layer routes arbitrary token counts to its experts; ``Fp8Padding`` appends
+zero rows to each group up to the recipe's alignment (``get_align_size_for_quantization``: 16
+for the per-tensor and Float8BlockScaling recipes, 32 for MXFP8, 128 for NVFP4), and
+``Fp8Unpadding`` (``fp8_unpadding.py``) drops them from the output again. Both are plain row
+copies on the input's device, differentiable (the padding rows get no gradient).
+
+No GEMM here needs the padding: ``GroupedLinear`` takes groups of any row count under every
+recipe (the per-tensor FP8 GEMM zero-pads its reduction dimension, which in the weight-gradient
+GEMM is the group's rows; the block-scaled GEMMs are emulated for shapes their native kernels do
+not take). The modules pad as upstream's do, whose grouped FP8 GEMMs need aligned groups, so code
+written for upstream runs unchanged and sees the same padded sizes.
 """
 
 from __future__ import annotations

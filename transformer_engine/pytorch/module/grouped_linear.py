@@ -311,7 +311,6 @@ class GroupedLinear(TransformerEngineBaseModule):
             configs = [
                 make_linear_config(
                     self,
-                    x,
                     weights[i],
                     is_first_microbatch,
                     input_slot=3 * i,
@@ -322,7 +321,7 @@ class GroupedLinear(TransformerEngineBaseModule):
                     out_features=self.out_features,
                     main_grad_param=getattr(self, f"weight{i}"),
                 )  # fmt: skip
-                for i, x in enumerate(groups)
+                for i in range(self.num_gemms)
             ]
             for config in configs:
                 config.wgrad_store = self.wgrad_store

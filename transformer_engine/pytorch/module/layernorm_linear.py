@@ -38,7 +38,6 @@ from ._quantizer_roles import gemm_quantizer_roles
 from ._tensor_parallel_setup import (
     check_tensor_parallel_ready,
     configure_tensor_parallel,
-    input_gathered_by,
     local_parameters_split,
     mark_partitioned,
     mark_sequence_parallel,
@@ -212,12 +211,11 @@ class LayerNormLinear(TransformerEngineBaseModule):
             bias = linear_bias(self)
             gemm_bias = None if (bias is None or self.return_bias) else bias.to(dtype)
             config = make_linear_config(
-                self, inp, weight, is_first_microbatch,
+                self, weight, is_first_microbatch,
                 input_slot=GEMM1_INPUT, weight_slot=GEMM1_WEIGHT, grad_output_slot=GRAD_OUTPUT1,
                 workspace_key="weight", in_features=self.in_features,
                 out_features=self.out_features,
                 main_grad_param=self.weight if "" in self.sizes else None,
-                gathered_by=input_gathered_by(self),
             )  # fmt: skip
             config.wgrad_store = self.wgrad_store
             reduce_split_amaxes(

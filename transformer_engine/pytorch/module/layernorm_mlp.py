@@ -259,23 +259,20 @@ class LayerNormMLP(TransformerEngineBaseModule):
             fc2_weight = gemm_weight("LayerNormMLP", self.fc2_weight, dtype, fp8)
             fc1_bias = self.fc1_bias.to(dtype) if self.use_bias else None
             fc2_bias = self.fc2_bias.to(dtype) if self.use_bias else None
-            # Both configs before any GEMM: shape errors surface before work is done. FC2 sees
-            # as many tokens as FC1 (the gathered ones, when the body gathers a shard).
+            # Both configs before any GEMM: shape errors surface before work is done.
             fc1_config = make_linear_config(
-                self, gemm_in, fc1_weight, is_first_microbatch,
+                self, fc1_weight, is_first_microbatch,
                 input_slot=GEMM1_INPUT, weight_slot=GEMM1_WEIGHT, grad_output_slot=GRAD_OUTPUT1,
                 workspace_key="fc1_weight", in_features=self.hidden_size,
                 out_features=self.fc1_out_features,
                 main_grad_param=self.fc1_weight,
-                gathered_by=self.tp_size if body_gathers else 1,
             )  # fmt: skip
             fc2_config = make_linear_config(
-                self, gemm_in, fc2_weight, is_first_microbatch,
+                self, fc2_weight, is_first_microbatch,
                 input_slot=GEMM2_INPUT, weight_slot=GEMM2_WEIGHT, grad_output_slot=GRAD_OUTPUT2,
                 workspace_key="fc2_weight", in_features=self.ffn_hidden_size,
                 out_features=self.hidden_size,
                 main_grad_param=self.fc2_weight,
-                gathered_by=self.tp_size if body_gathers else 1,
             )  # fmt: skip
             fc1_config.wgrad_store = fc2_config.wgrad_store = self.wgrad_store
             # FC1's backward runs after FC2's: it completes the region's backward update.

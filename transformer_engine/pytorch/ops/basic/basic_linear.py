@@ -64,7 +64,7 @@ class BasicLinear(BasicOperation):
     The weight starts like ``torch.nn.Linear``'s (Kaiming-uniform with ``a = sqrt(5)``). Under
     ``te.quantized_model_init`` it is an FP8 parameter quantized on its own device with this
     operation's weight quantizer. FP8 needs ``in_features`` and ``out_features`` to be
-    multiples of 16 (and the token count too when the weight needs a gradient).
+    multiples of 16; the token count is free.
     """
 
     def __init__(
@@ -253,8 +253,7 @@ class BasicLinear(BasicOperation):
         quantizers = (None, None, None)
         recipe = None
         if fp8:
-            tokens = math.prod(input_shape) // self.in_features
-            check_fp8_gemm_shapes(tokens, self.in_features, self.out_features, needs_wgrad)
+            check_fp8_gemm_shapes(self.in_features, self.out_features)
             quantizers = (
                 self.get_quantizer("forward", _INPUT),
                 self.get_quantizer("forward", _WEIGHT),

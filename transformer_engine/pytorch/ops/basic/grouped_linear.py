@@ -109,8 +109,7 @@ class GroupedLinear(BasicOperation):
     Weights start like ``torch.nn.Linear``'s (Kaiming-uniform with ``a = sqrt(5)``), drawn in
     group order. Under ``te.quantized_model_init`` they are FP8 parameters, each quantized on
     its own device with its group's weight quantizer. FP8 needs ``in_features`` and
-    ``out_features`` to be multiples of 16, and every group's row count too when the weights
-    need gradients.
+    ``out_features`` to be multiples of 16; the groups' row counts are free.
     """
 
     num_extra_inputs = 1
@@ -391,12 +390,13 @@ class GroupedLinear(BasicOperation):
         rows = x.reshape(-1, self.in_features)
 
         recipe = self._fp8_metas["forward"]["recipe"] if fp8 else None
+        if fp8:
+            check_fp8_gemm_shapes(self.in_features, self.out_features)
         outputs, states, to_save, counts = [], [], [], []
         for i, (group_rows, weight, bias) in enumerate(zip(rows.split(sizes), weights, biases)):
             needs_wgrad = ctx.requires_grad and weight.requires_grad
             quantizers = (None, None, None)
             if fp8:
-                check_fp8_gemm_shapes(sizes[i], self.in_features, self.out_features, needs_wgrad)
                 quantizers = (
                     self.get_quantizer("forward", _input_slot(i)),
                     self.get_quantizer("forward", _weight_slot(i)),

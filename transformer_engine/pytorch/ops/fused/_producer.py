@@ -69,10 +69,8 @@ class ForwardProducerFusion(FusedOperation):
         )
 
     @staticmethod
-    def check_linear_shapes(ctx, linear: BasicLinear, out) -> bool:
-        """Run ``linear``'s FP8 GEMM shape checks for an input shaped like ``out`` before
-        anything is written; returns whether the transposed copy (weight gradient) is needed."""
-        needs_wgrad = ctx.requires_grad and linear.weight.requires_grad
-        tokens = out.numel() // max(out.shape[-1], 1)
-        check_fp8_gemm_shapes(tokens, linear.in_features, linear.out_features, needs_wgrad)
-        return needs_wgrad
+    def check_linear_shapes(ctx, linear: BasicLinear) -> bool:
+        """Run ``linear``'s FP8 GEMM shape checks before anything is written; returns whether
+        the transposed copy (weight gradient) is needed."""
+        check_fp8_gemm_shapes(linear.in_features, linear.out_features)
+        return ctx.requires_grad and linear.weight.requires_grad

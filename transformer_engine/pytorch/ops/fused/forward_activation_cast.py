@@ -64,7 +64,7 @@ class ForwardActivationCast(ForwardProducerFusion):
             # the chain's errors: the activation's (odd gated width) or the linear's
             return activation.activation_forward(ctx, x)
         # the linear's checks before anything is written (no amax recorded for a refused call)
-        needs_wgrad = self.check_linear_shapes(ctx, linear, x)
+        needs_wgrad = self.check_linear_shapes(ctx, linear)
         shape = (*x.shape[:-1], cols)
 
         # the kernels take the rows as a 2-D tensor (as LayerNormMLP's FC1 output)

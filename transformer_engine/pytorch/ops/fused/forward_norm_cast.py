@@ -61,7 +61,7 @@ class ForwardNormCast(ForwardProducerFusion):
             and len(norm.normalized_shape) == 1
         ):
             return norm.op_forward(ctx, input_)
-        needs_wgrad = self.check_linear_shapes(ctx, linear, x)
+        needs_wgrad = self.check_linear_shapes(ctx, linear)
         if norm_kernels_write_fp8():
             return norm.op_forward_fp8(ctx, input_, quantizer, columnwise=needs_wgrad)
         y = norm.op_forward(ctx, input_)
