@@ -210,6 +210,37 @@ def _cpu_row_step(width: int) -> int:
     return max(1, _CPU_BLOCK_ELEMENTS // max(width, 1))
 
 
+def _cpu_forward(x: torch.Tensor, spec: ActivationSpec, cols: int, out_dtype) -> torch.Tensor:
+    """The activation's float32 values (float64 for float64 input), rounded once to
+    ``out_dtype``, computed in blocks of rows."""
+    out = torch.empty(*x.shape[:-1], cols, dtype=out_dtype, device=x.device)
+    rows = x.shape[:-1].numel()
+    rows_in, rows_out = x.reshape(rows, x.shape[-1]), out.view(rows, cols)
+    step = _cpu_row_step(x.shape[-1])
+    for r in range(0, rows, step):
+        rows_out[r : r + step] = _forward_cpu(rows_in[r : r + step], spec)
+    return out
+
+
+def _cpu_backward(grad, x: torch.Tensor, spec: ActivationSpec, cols: int, out_dtype):
+    """The input gradient's float32 values (float64 for float64 input), rounded once to
+    ``out_dtype``, computed in blocks of rows."""
+    dx = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    rows = x.shape[:-1].numel()
+    rows_in, rows_grad = x.reshape(rows, x.shape[-1]), grad.reshape(rows, cols)
+    rows_out = dx.view(rows, x.shape[-1])
+    step = _cpu_row_step(x.shape[-1])
+    for r in range(0, rows, step):
+        sl = slice(r, r + step)
+        _backward_cpu(rows_grad[sl], rows_in[sl], spec, out=rows_out[sl])
+    return dx
+
+
+def _values_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the CPU path computes ``x``'s activation in."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 # --- Entry points ------------------------------------------------------------------------------
 
 
@@ -219,15 +250,10 @@ def activation_forward(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
     _check_input(op, x)
     cols = _out_cols(spec, x)
     native = _native(op, x)
-    out = torch.empty(*x.shape[:-1], cols, dtype=x.dtype, device=x.device)
     if native is None:
-        rows = x.shape[:-1].numel()
-        rows_in, rows_out = x.reshape(rows, x.shape[-1]), out.view(rows, cols)
-        step = _cpu_row_step(x.shape[-1])
-        for r in range(0, rows, step):
-            rows_out[r : r + step] = _forward_cpu(rows_in[r : r + step], spec)
-        return out
+        return _cpu_forward(x, spec, cols, x.dtype)
     x = x.contiguous()
+    out = torch.empty(*x.shape[:-1], cols, dtype=x.dtype, device=x.device)
     native.activation(
         tensor_arg(x), *spec.native_args(), tensor_arg(out), None, None, None, None,
         *launch_args(x.device),
@@ -248,15 +274,7 @@ def activation_backward(grad: torch.Tensor, x: torch.Tensor, spec: ActivationSpe
     grad = grad if grad.dtype == x.dtype else grad.to(x.dtype)
     native = _native(op, x)
     if native is None:
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        rows = x.shape[:-1].numel()
-        rows_in, rows_grad = x.reshape(rows, x.shape[-1]), grad.reshape(rows, cols)
-        rows_out = dx.view(rows, x.shape[-1])
-        step = _cpu_row_step(x.shape[-1])
-        for r in range(0, rows, step):
-            sl = slice(r, r + step)
-            _backward_cpu(rows_grad[sl], rows_in[sl], spec, out=rows_out[sl])
-        return dx
+        return _cpu_backward(grad, x, spec, cols, x.dtype)
     x, grad = x.contiguous(), grad.contiguous()
     dx = torch.empty_like(x)
     native.dactivation(
@@ -286,7 +304,7 @@ def activation_forward_fp8(
     cols = _out_cols(spec, x)
     native = _native(op, x)
     if native is None:
-        y = _forward_cpu(x, spec)
+        y = _forward_cpu(x, spec)  # whole: one buffer, computed in place
         y = y if y.dtype == torch.float32 else y.float()
         return quantize_prevalidated(y, scale, fp8_dtype, amax=amax, with_transpose=with_transpose)
     x = x.contiguous()
@@ -328,7 +346,7 @@ def activation_backward_fp8(
         )
     native = _native(op, x)
     if native is None:
-        dx = _backward_cpu(grad, x, spec)
+        dx = _cpu_backward(grad, x, spec, cols, _values_dtype(x))
         dx = dx if dx.dtype == torch.float32 else dx.float()
         res = quantize_prevalidated(dx, scale, fp8_dtype, amax=amax, with_transpose=True)
         return res, column_sum(dx).to(grad.dtype) if with_dbias else None
@@ -371,10 +389,11 @@ def activation_backward_amax(
     """The same for :func:`activation_backward_fp8`'s values: ``max |d loss / d x|``."""
     op = "activation_backward_amax"
     _check_input(op, x)
-    _out_cols(spec, x)
+    cols = _out_cols(spec, x)
     native = _native(op, x)
     if native is None:
-        amax.copy_(reference.amax(_backward_cpu(grad, x, spec).float()).reshape(1))
+        values = _cpu_backward(grad, x, spec, cols, _values_dtype(x))
+        amax.copy_(reference.amax(values.float()).reshape(1))
         return
     native.dactivation_amax(
         tensor_arg(grad.contiguous()), tensor_arg(x.contiguous()), *spec.native_args(),
