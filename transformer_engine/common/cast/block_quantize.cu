@@ -217,8 +217,7 @@ __device__ __forceinline__ void stage_column(uint8_t* stage, const TilePos& p, i
 }
 
 /* Casts one tile, the thread's sub-tile `x` of it in registers. Each path casts through a
- * generic lambda called with std::true_type where the sub-tile holds Inf or NaN (the
- * NaN-patching cast) and std::false_type elsewhere (the plain conversion). */
+ * generic lambda that cast_by_finiteness calls with the sub-tile's NaN-patching flag. */
 template <typename IType, bool kE4M3, bool kTwoD>
 __device__ __forceinline__ void cast_tile(const SubTile<IType>& x, const BlockCastParams& P,
                                           const TilePos& p, CastShared& sh) {
@@ -268,11 +267,7 @@ __device__ __forceinline__ void cast_tile(const SubTile<IType>& x, const BlockCa
         }
       }
     };
-    if (mx.non_finite) {
-      cast(std::true_type{});
-    } else {
-      cast(std::false_type{});
-    }
+    cast_by_finiteness(mx, cast);
     if (threadIdx.x == 0) {
       const float scale_inv = __fdiv_rn(1.0f, scale);
       if (P.row_si != nullptr) {
@@ -322,11 +317,7 @@ __device__ __forceinline__ void cast_tile(const SubTile<IType>& x, const BlockCa
 #pragma unroll
       for (int j = 0; j < kSub; ++j) stage_column(stage, p, j, col_words[j]);
     };
-    if (mx.non_finite) {
-      cast(std::true_type{});
-    } else {
-      cast(std::false_type{});
-    }
+    cast_by_finiteness(mx, cast);
   } else if (P.row_data != nullptr) {
     // 1x128 tiles along K: a tile row is one half-warp's 16 x 8 elements. The half-warp
     // reduces its 8 rows at once (row_maxima: lane cc ends with row cc/2's maximum), so each
@@ -346,11 +337,7 @@ __device__ __forceinline__ void cast_tile(const SubTile<IType>& x, const BlockCa
         store_row(P.row_data, g, p, i, q);
       }
     };
-    if (mx.non_finite) {
-      cast(std::true_type{});
-    } else {
-      cast(std::false_type{});
-    }
+    cast_by_finiteness(mx, cast);
   } else {
     // The column-wise copy alone: 1x128 tiles along M.
     const SubTileMaxima mx = sub_tile_maxima<IType, false, true>(x);
@@ -369,11 +356,7 @@ __device__ __forceinline__ void cast_tile(const SubTile<IType>& x, const BlockCa
         stage_column(stage, p, j, words);
       }
     };
-    if (mx.non_finite) {
-      cast(std::true_type{});
-    } else {
-      cast(std::false_type{});
-    }
+    cast_by_finiteness(mx, cast);
   }
   if (P.col_data != nullptr) {
     __syncthreads();

@@ -234,6 +234,17 @@ __device__ __forceinline__ SubTileMaxima sub_tile_maxima(const SubTile<IType>& x
   return m;
 }
 
+/* Calls `cast(std::true_type{})` (the NaN-patching conversion) where the sub-tile holds Inf or
+ * NaN, else `cast(std::false_type{})`: the casts take the answer as a compile-time flag. */
+template <typename Cast>
+__device__ __forceinline__ void cast_by_finiteness(const SubTileMaxima& m, Cast&& cast) {
+  if (m.non_finite) {
+    cast(std::true_type{});
+  } else {
+    cast(std::false_type{});
+  }
+}
+
 /* ---- host side ---------------------------------------------------------------------------- */
 
 inline size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }

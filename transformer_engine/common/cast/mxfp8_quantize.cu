@@ -129,11 +129,7 @@ __device__ __forceinline__ void cast_tile(const SubTile<IType>& x, const MxParam
         if (P.col_data != nullptr) store_row(P.col_data, g, p, i, q);
       }
     };
-    if (mx.non_finite) {
-      cast(std::true_type{});
-    } else {
-      cast(std::false_type{});
-    }
+    cast_by_finiteness(mx, cast);
     // Row-wise scales: the block's byte at each of its rows; column-wise: at each column.
     if (P.row_data != nullptr && p.cc % kSubsPerBlock == 0) {
 #pragma unroll
@@ -223,11 +219,7 @@ __device__ __forceinline__ void cast_tile(const SubTile<IType>& x, const MxParam
         if (cols) store_row(P.col_data, g, p, i, cast_row<kE4M3, kNaN>(v, col_mult));
       }
     };
-    if (mx.non_finite) {
-      cast(std::true_type{});
-    } else {
-      cast(std::false_type{});
-    }
+    cast_by_finiteness(mx, cast);
   }
 }
 
