@@ -155,9 +155,14 @@ def _dact(name: str, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return g * s * (1 - s)
 
 
+def _values_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the CPU path computes ``x``'s activation in."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _forward_cpu(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
     """Float32 values of the activation (float64 stays float64)."""
-    dtype = torch.promote_types(x.dtype, torch.float32)
+    dtype = _values_dtype(x)
     if not spec.gated:
         return _act_(spec.name, x.to(dtype, copy=True))
     a, b = x.chunk(2, dim=-1)
@@ -171,7 +176,7 @@ def _forward_cpu(x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
 def _backward_cpu(grad: torch.Tensor, x: torch.Tensor, spec: ActivationSpec, out=None):
     """The input's gradient: its float32 values (float64 for float64), or written (rounded once,
     for a 16-bit ``out``) into ``out``."""
-    dtype = torch.promote_types(x.dtype, torch.float32)
+    dtype = _values_dtype(x)
     g = grad.to(dtype)
     if not spec.gated:
         dx = _dact(spec.name, g, x.to(dtype))
@@ -234,11 +239,6 @@ def _cpu_backward(grad, x: torch.Tensor, spec: ActivationSpec, cols: int, out_dt
         sl = slice(r, r + step)
         _backward_cpu(rows_grad[sl], rows_in[sl], spec, out=rows_out[sl])
     return dx
-
-
-def _values_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the CPU path computes ``x``'s activation in."""
-    return torch.promote_types(x.dtype, torch.float32)
 
 
 # --- Entry points ------------------------------------------------------------------------------
