@@ -63,6 +63,20 @@ def delayed_step(layer, x, recipe):
         layer(x).sum().backward()
 
 
+def meta_snapshot(layer):
+    """Copies of each direction's ``[scale, amax_history]`` (reset_fp8_meta_tensors' format)."""
+    return {
+        key: [layer.fp8_meta[key].scale.clone(), layer.fp8_meta[key].amax_history.clone()]
+        for key in ("scaling_fwd", "scaling_bwd")
+    }
+
+
+def assert_meta_equals(layer, snapshot):
+    for key, (scale, history) in snapshot.items():
+        assert torch.equal(layer.fp8_meta[key].scale, scale)
+        assert torch.equal(layer.fp8_meta[key].amax_history, history)
+
+
 def test_reset_fp8_meta_tensors_to_defaults_and_to_saved_values():
     # Upstream's base module: reset_fp8_meta_tensors() sets scale 1 and history 0;
     # reset_fp8_meta_tensors(saved) copies saved[key] = [scale, amax_history] back in place.
@@ -70,10 +84,7 @@ def test_reset_fp8_meta_tensors_to_defaults_and_to_saved_values():
     layer = te.Linear(32, 32, device="cpu")
     x = torch.randn(16, 32) * 3
     delayed_step(layer, x, recipe)
-    saved = {
-        key: [layer.fp8_meta[key].scale.clone(), layer.fp8_meta[key].amax_history.clone()]
-        for key in ("scaling_fwd", "scaling_bwd")
-    }
+    saved = meta_snapshot(layer)
     assert not torch.all(saved["scaling_fwd"][0] == 1)  # the step moved the scales
     quantizer_scale = layer.quantizers["scaling_fwd"][0].scale
     layer.reset_fp8_meta_tensors()
@@ -82,24 +93,17 @@ def test_reset_fp8_meta_tensors_to_defaults_and_to_saved_values():
         assert torch.all(layer.fp8_meta[key].amax_history == 0)
     assert quantizer_scale.item() == 1.0  # in place: the quantizers see the reset
     layer.reset_fp8_meta_tensors(saved)
-    for key, (scale, history) in saved.items():
-        assert torch.equal(layer.fp8_meta[key].scale, scale)
-        assert torch.equal(layer.fp8_meta[key].amax_history, history)
+    assert_meta_equals(layer, saved)
 
 
 def test_reset_fp8_meta_tensors_with_a_missing_direction_changes_nothing():
     layer = te.Linear(32, 32, device="cpu")
     delayed_step(layer, torch.randn(16, 32) * 3, DelayedScaling(amax_history_len=4))
-    before = {
-        key: [layer.fp8_meta[key].scale.clone(), layer.fp8_meta[key].amax_history.clone()]
-        for key in ("scaling_fwd", "scaling_bwd")
-    }
+    before = meta_snapshot(layer)
     forward_only = {"scaling_fwd": [torch.ones(3), torch.zeros(4, 3)]}
     with pytest.raises(KeyError, match="scaling_bwd"):
         layer.reset_fp8_meta_tensors(forward_only)
-    for key, (scale, history) in before.items():
-        assert torch.equal(layer.fp8_meta[key].scale, scale)
-        assert torch.equal(layer.fp8_meta[key].amax_history, history)
+    assert_meta_equals(layer, before)
 
 
 def test_a_new_amax_history_len_keeps_the_scales():
