@@ -13,13 +13,17 @@ Two oracles, both independent of the emulation:
   Where oneDNN refuses a format pair on this CPU, that comparison skips with the reason.
 
 Every test here forces the emulation (``SCALED_MM_IS_NATIVE_ON_CPU = False``), so it is checked
-on every machine; test_gemm_fp8.py checks whichever path this CPU takes.
+on every machine, once with its GEMM in oneDNN's BF16 math mode (where the CPU has it) and once in
+plain float32; test_gemm_fp8.py checks whichever path this CPU takes. Two more tests pin when the
+process-wide BF16 mode is set: only around the GEMM, and never while another thread runs.
 
 Where no sum is rounded (one nonzero product per output element) the emulation is exact, which
 is checked bitwise over every pair of finite E4M3 x E5M2 values.
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -116,9 +120,17 @@ def old_scaled_mm_path(x, y, sx, sy, bias, out_dtype):
 BIASES = ["none", "same", "fp32"]
 
 
-@pytest.fixture(autouse=True)
-def emulated(monkeypatch):
+BF16_MATH_AVAILABLE = fp8_gemm_cpu._onednn_has_bf16_math()
+
+
+@pytest.fixture(autouse=True, params=["bf16_math", "float32_math"])
+def emulated(request, monkeypatch):
+    """Every test runs the emulation with its GEMM in oneDNN's BF16 math mode (where this CPU
+    has it) and in plain float32: both must meet the same float32-accumulation oracles."""
+    if request.param == "bf16_math" and not BF16_MATH_AVAILABLE:
+        pytest.skip("oneDNN has no BF16 math mode on this CPU / torch")
     monkeypatch.setattr(fp8_gemm_cpu, "SCALED_MM_IS_NATIVE_ON_CPU", False)
+    monkeypatch.setattr(fp8_gemm_cpu, "USE_BF16_MATH", request.param == "bf16_math")
 
 
 def scaled_mm_or_skip(*args):
@@ -247,3 +259,47 @@ def test_native_route_calls_scaled_mm(monkeypatch):
     a, b, x, y = operands("TN", E4, E4)
     general_gemm(a, b, FP32)
     assert calls == [1]
+
+
+def precision_seen_by_the_gemm(monkeypatch, raise_inside=False):
+    """Runs the emulated product of two small FP8 operands with ``torch.mm`` replaced by a
+    wrapper that records oneDNN's float32 math mode at the moment of the call."""
+    seen = []
+    plain_mm = torch.mm
+
+    def recording_mm(*args, **kwargs):
+        seen.append(torch.backends.mkldnn.matmul.fp32_precision)
+        if raise_inside:
+            raise RuntimeError("GEMM failed")
+        return plain_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", recording_mm)
+    x, y = fp8_values((M, K), E4, 7), fp8_values((N, K), E5, 8)
+    fp8_gemm_cpu.fp8_gemm_emulated(x, y, scale_inv(1.0), scale_inv(1.0), bias=None, out_dtype=FP32)
+    return seen
+
+
+def test_bf16_math_mode_is_set_only_around_the_gemm(monkeypatch):
+    # One Python thread: the mode is BF16 during the GEMM (where available) and restored after,
+    # also when the GEMM raises.
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    expected = "bf16" if fp8_gemm_cpu.USE_BF16_MATH else before
+    assert precision_seen_by_the_gemm(monkeypatch) == [expected]
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+    with pytest.raises(RuntimeError, match="GEMM failed"):
+        precision_seen_by_the_gemm(monkeypatch, raise_inside=True)
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+
+
+def test_bf16_math_mode_is_not_set_while_another_thread_runs(monkeypatch):
+    # The mode is process-wide: with a second Python thread alive (which could run a float32
+    # matmul of its own meanwhile), the GEMM keeps plain float32 math.
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        before = torch.backends.mkldnn.matmul.fp32_precision
+        assert precision_seen_by_the_gemm(monkeypatch) == [before]
+    finally:
+        release.set()
+        other.join()

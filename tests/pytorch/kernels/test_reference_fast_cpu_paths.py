@@ -13,7 +13,10 @@ import torch
 
 from transformer_engine.pytorch import reference
 from transformer_engine.pytorch.cpp_extensions import cast
-from transformer_engine.pytorch.cpp_extensions.fp8_gemm_cpu import fp8_gemm_emulated
+from transformer_engine.pytorch.cpp_extensions.fp8_gemm_cpu import (
+    float32_product_of_fp8_values,
+    fp8_gemm_emulated,
+)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,8 +54,9 @@ def old_dequantize(data, scale_inv, out_dtype):
 
 
 def old_gemm_emulated(x, y, sx, sy, bias, out_dtype):
-    # The same float32 torch.mm on the same operands, so the same accumulation order.
-    product = torch.mm(x.to(torch.float32), y.to(torch.float32).t())
+    # torch's own upcast into the same float32 GEMM (same math mode), so the same accumulation
+    # order: what is compared is the upcast through float16 bit moves and the folded factor.
+    product = float32_product_of_fp8_values(x.to(torch.float32), y.to(torch.float32))
     product.mul_(sx * sy)
     if bias is not None:
         product.add_(bias)
