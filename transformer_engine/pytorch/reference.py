@@ -101,9 +101,19 @@ def cast_to_fp8(
 
 
 def cast_to_fp8_with_amax(
-    x: torch.Tensor, scale: torch.Tensor, fp8_dtype, *, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype,
+    *,
+    out: torch.Tensor | None = None,
+    consume_input: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`cast_to_fp8` and :func:`amax` of ``x`` together (the amax is needed anyway).
+
+    ``consume_input``: ``x`` is a float32 buffer the caller gives up, so the scaled values are
+    computed in it instead of a new tensor (a fresh multi-MiB buffer costs the CPU more in page
+    faults than the multiply itself); it holds garbage afterwards. A ``x`` of another dtype is
+    converted into a new buffer either way.
 
     The amax decides how much work the cast needs: ``x * scale`` holds no NaN when ``x`` has
     none and both ``max |x|`` and ``scale`` are finite, and needs no clamp when
@@ -119,7 +129,8 @@ def cast_to_fp8_with_amax(
     x_amax, has_nan = _amax_and_nan(xd)
     s = scale.detach().float().reshape(())
     v = xd.float()
-    v = v * s if v is xd else v.mul_(s)  # never in place on the caller's float32 tensor
+    # Never in place on the caller's float32 tensor, unless it is given up.
+    v = v * s if v is xd and not consume_input else v.mul_(s)
     if out is None:
         out = torch.empty(v.shape, dtype=dtype, device=v.device)
     a, s_value = float(x_amax), abs(float(s))

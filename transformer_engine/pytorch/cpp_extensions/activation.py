@@ -304,9 +304,11 @@ def activation_forward_fp8(
     cols = _out_cols(spec, x)
     native = _native(op, x)
     if native is None:
-        y = _forward_cpu(x, spec)  # whole: one buffer, computed in place
+        y = _forward_cpu(x, spec)  # whole: one buffer, computed in place, and scaled in place
         y = y if y.dtype == torch.float32 else y.float()
-        return quantize_prevalidated(y, scale, fp8_dtype, amax=amax, with_transpose=with_transpose)
+        return quantize_prevalidated(
+            y, scale, fp8_dtype, amax=amax, with_transpose=with_transpose, consume_input=True
+        )
     x = x.contiguous()
     shape = (*x.shape[:-1], cols)
     out = torch.empty(shape, dtype=fp8_dtype, device=x.device)
@@ -348,8 +350,11 @@ def activation_backward_fp8(
     if native is None:
         dx = _cpu_backward(grad, x, spec, cols, _values_dtype(x))
         dx = dx if dx.dtype == torch.float32 else dx.float()
-        res = quantize_prevalidated(dx, scale, fp8_dtype, amax=amax, with_transpose=True)
-        return res, column_sum(dx).to(grad.dtype) if with_dbias else None
+        dbias = column_sum(dx).to(grad.dtype) if with_dbias else None  # before dx is scaled
+        res = quantize_prevalidated(
+            dx, scale, fp8_dtype, amax=amax, with_transpose=True, consume_input=True
+        )
+        return res, dbias
     x, grad = x.contiguous(), grad.contiguous()
     device = x.device
     out = torch.empty(x.shape, dtype=fp8_dtype, device=device)

@@ -123,16 +123,18 @@ def quantize_prevalidated(
     *,
     amax: torch.Tensor | None,
     with_transpose: bool,
+    consume_input: bool = False,
 ) -> QuantizeResult:
     """:func:`quantize` for quantizers, whose ``scale`` and ``amax`` are their own state.
 
     The caller has checked the input's dtype and that ``fp8_dtype`` is a torch FP8 dtype; the
     one thing left to check is where the state lives relative to the input (one comparison
-    each), so the per-call host cost stays small.
+    each), so the per-call host cost stays small. ``consume_input``: the input is a float32
+    temporary the caller gives up; the CPU cast scales it in place (garbage afterwards).
     """
     input, result = _prevalidated_outputs(input, scale, fp8_dtype, amax, with_transpose)
     _run_quantize(input, scale, fp8_dtype, amax, result.scale_inv, result.data, result.transpose,
-                  None)  # fmt: skip
+                  None, consume_input=consume_input)  # fmt: skip
     return result
 
 
@@ -272,8 +274,11 @@ def column_sum(input: torch.Tensor) -> torch.Tensor:
     return reference.column_sum(input)
 
 
-def _run_quantize(input, scale, dtype, amax, scale_inv, out_fp8, out_t_fp8, noop_flag) -> None:
-    """The cast itself: native on CUDA, the reference elsewhere (arguments already checked)."""
+def _run_quantize(
+    input, scale, dtype, amax, scale_inv, out_fp8, out_t_fp8, noop_flag, *, consume_input=False
+) -> None:
+    """The cast itself: native on CUDA, the reference elsewhere (arguments already checked;
+    ``consume_input`` as in :func:`reference.cast_to_fp8_with_amax`)."""
     native = native_for("quantize", input.device)
     if native is not None:
         native.quantize(
@@ -283,7 +288,9 @@ def _run_quantize(input, scale, dtype, amax, scale_inv, out_fp8, out_t_fp8, noop
         )  # fmt: skip
     elif noop_flag is None or float(noop_flag.reshape(())) != 1.0:
         # Written straight into the outputs (no intermediate FP8 tensor or transposed copy).
-        _, input_amax = reference.cast_to_fp8_with_amax(input, scale, dtype, out=out_fp8)
+        _, input_amax = reference.cast_to_fp8_with_amax(
+            input, scale, dtype, out=out_fp8, consume_input=consume_input
+        )
         if out_t_fp8 is not None:
             reference.transpose_last_dim_first(out_fp8, out=out_t_fp8)
         if amax is not None:
