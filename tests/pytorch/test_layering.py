@@ -45,6 +45,7 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
     (2, "pure-PyTorch kernel specification", (
         "transformer_engine.pytorch.reference",
         "transformer_engine.pytorch.reference_fp4",
+        "transformer_engine.pytorch.reference_blocks",
     )),
     (3, "kernel wrappers", (
         "transformer_engine.pytorch.cpp_extensions",

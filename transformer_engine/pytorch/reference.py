@@ -26,7 +26,6 @@ import torch
 
 from .constants import fp8_max as _fp8_max
 from .constants import to_torch_fp8_dtype
-from .utils import round_up_to_nearest_multiple as round_up
 
 __all__ = [
     "FP8_CANONICAL_NAN",
@@ -43,23 +42,13 @@ __all__ = [
     "scaled_fp8_max",
     "compute_scale_from_amax",
     "delayed_scaling_update",
-    "BLOCK_SCALING_BLOCK_LEN",
-    "block_scale_from_amax",
-    "block_cast_1d",
-    "block_cast_2d",
-    "block_dequantize_1d",
-    "block_dequantize_2d",
-    "MXFP8_BLOCK_LEN",
-    "mxfp8_scale_exponent",
-    "mxfp8_cast",
-    "mxfp8_dequantize",
 ]
 
 FP8_CANONICAL_NAN = 0x7F
 FLOAT32_MAX = torch.finfo(torch.float32).max
-_SIGN_AND_EXPONENT_MASK = -8388608  # 0xFF800000 as a signed int32
 _E4M3_TO_FP16_MASK = -16385  # 0xBFFF as a signed int16
 # Inputs whose float32 upcast is exact (and cheap): the cast multiplies in float32 after it.
+SIGN_AND_EXPONENT_MASK = -8388608  # 0xFF800000 as a signed int32: clears a float32's mantissa
 _NARROW_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -301,7 +290,7 @@ def compute_scale_from_amax(
     scale = torch.where(bad, torch.ones_like(a), limit / torch.where(bad, torch.ones_like(a), a))
     scale = torch.where(torch.isposinf(scale), torch.full_like(scale, FLOAT32_MAX), scale)
     if force_pow_2_scales:
-        scale = (scale.view(torch.int32) & _SIGN_AND_EXPONENT_MASK).view(torch.float32)
+        scale = (scale.view(torch.int32) & SIGN_AND_EXPONENT_MASK).view(torch.float32)
     return scale
 
 
@@ -367,243 +356,3 @@ def delayed_scaling_update(
             torch.isposinf(new_scale), torch.full_like(new_scale, FLOAT32_MAX), new_scale
         )
         scale.copy_(torch.where(good, new_scale, scale.float()).to(scale.dtype))
-
-
-# ------------------------------------------------------------------ block scaling (Float8BlockScaling)
-#
-# A tensor is cast as a matrix ``[R, C]`` cut into blocks: 1-D blocks are 1x128 tiles along C
-# (one scale per row and 128 columns), 2-D blocks 128x128 squares. Partial blocks at the edges
-# are zero-padded, which changes no amax. Each block's float32 scale comes from its own amax
-# (:func:`block_scale_from_amax`); the cast multiplies in float32, saturates and rounds to
-# nearest even, exactly as the per-tensor cast does. The scale-inverses are stored in the
-# "GEMM_READY" layout the block-scaled GEMMs read (zeros in the padding):
-#
-# * 1-D: ``[ceil(C/128), roundup(R, 4)]``, entry ``[j, i]`` for tile (row i, tile j): already
-#   transposed, so each tile column's scales are contiguous;
-# * 2-D: ``[ceil(R/128), roundup(ceil(C/128), 4)]``, entry ``[i, j]`` for block (i, j).
-
-BLOCK_SCALING_BLOCK_LEN = 128
-
-
-def block_scale_from_amax(
-    block_amax: torch.Tensor,
-    fp8_dtype,
-    *,
-    epsilon: float = 0.0,
-    force_pow_2_scales: bool = True,
-    value_for_inf: float = FLOAT32_MAX,
-) -> torch.Tensor:
-    """Float32 scales of blocks from their amaxes (any shape; NaN-free amaxes).
-
-    ``a = max(amax, epsilon)``; ``scale = fp8_max / a``; an infinite quotient (``a`` zero or
-    tiny) becomes ``value_for_inf`` (the largest value of the input's dtype); with
-    ``force_pow_2_scales`` the mantissa is cleared (rounded down to a power of 2); finally
-    ``a == 0`` (an all-zero block, no epsilon) gives scale 1. An infinite amax gives scale 0.
-    """
-    a = block_amax.float()
-    a = torch.clamp_min(a, float(epsilon)) if epsilon > 0 else a
-    # A tensor divided by a tensor: IEEE float32 division (``scalar / tensor`` would be
-    # computed as ``reciprocal(tensor) * scalar``, one rounding more).
-    scale = torch.full_like(a, _fp8_max(fp8_dtype)) / a
-    scale = torch.where(torch.isposinf(scale), torch.full_like(scale, value_for_inf), scale)
-    if force_pow_2_scales:
-        scale = (scale.view(torch.int32) & _SIGN_AND_EXPONENT_MASK).view(torch.float32)
-    return torch.where(a == 0, torch.ones_like(scale), scale)
-
-
-def _saturating_cast(v: torch.Tensor, fp8_dtype) -> torch.Tensor:
-    """``v`` (float32, already scaled) clamped to the format's range and rounded; NaN bytes
-    canonical."""
-    dtype = to_torch_fp8_dtype(fp8_dtype)
-    limit = _fp8_max(dtype)
-    nan = torch.isnan(v)
-    out = v.clamp(-limit, limit).to(dtype)
-    if bool(nan.any()):
-        bits = out.view(torch.uint8)
-        bits.copy_(torch.where(nan, torch.full_like(bits, FP8_CANONICAL_NAN), bits))
-    return out
-
-
-def _padded_blocks(a: torch.Tensor, rows: int) -> torch.Tensor:
-    """``a [R, C]`` as float32, zero-padded to ``[roundup(R, rows), roundup(C, 128)]``."""
-    r, c = a.shape
-    n = BLOCK_SCALING_BLOCK_LEN
-    v = a.detach().float()
-    pad_r, pad_c = round_up(r, rows) - r, round_up(c, n) - c
-    return torch.nn.functional.pad(v, (0, pad_c, 0, pad_r)) if pad_r or pad_c else v
-
-
-def _block_amax(blocks: torch.Tensor, dims) -> torch.Tensor:
-    """``max |x|`` over ``dims``, NaN ignored (like ``fmaxf``), +-Inf counted."""
-    mag = blocks.abs()
-    mag = torch.where(torch.isnan(mag), torch.zeros_like(mag), mag)
-    return mag.amax(dim=dims) if mag.numel() else mag.sum(dim=dims)
-
-
-def block_cast_1d(
-    a: torch.Tensor,
-    fp8_dtype,
-    *,
-    epsilon: float = 0.0,
-    force_pow_2_scales: bool = True,
-    value_for_inf: float = FLOAT32_MAX,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """1x128-tile cast of the matrix ``a [R, C]``: ``(data [R, C] FP8, scale_inv)`` with
-    ``scale_inv`` of shape ``[ceil(C/128), roundup(R, 4)]`` (see the section comment)."""
-    r, c = a.shape
-    n = BLOCK_SCALING_BLOCK_LEN
-    v = _padded_blocks(a, 1)
-    cb = v.shape[1] // n
-    v = v.reshape(r, cb, n)
-    scale = block_scale_from_amax(
-        _block_amax(v, 2), fp8_dtype, epsilon=epsilon,
-        force_pow_2_scales=force_pow_2_scales, value_for_inf=value_for_inf,
-    )  # fmt: skip
-    data = _saturating_cast(v * scale.unsqueeze(-1), fp8_dtype).reshape(r, cb * n)[:, :c]
-    scale_inv = torch.zeros(cb, round_up(r, 4), dtype=torch.float32, device=a.device)
-    scale_inv[:, :r] = reciprocal_elementwise(scale).t()
-    return data.contiguous(), scale_inv
-
-
-def block_cast_2d(
-    a: torch.Tensor,
-    fp8_dtype,
-    *,
-    epsilon: float = 0.0,
-    force_pow_2_scales: bool = True,
-    value_for_inf: float = FLOAT32_MAX,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """128x128-block cast of the matrix ``a [R, C]``: ``(data [R, C] FP8, scale_inv)`` with
-    ``scale_inv`` of shape ``[ceil(R/128), roundup(ceil(C/128), 4)]``."""
-    r, c = a.shape
-    n = BLOCK_SCALING_BLOCK_LEN
-    v = _padded_blocks(a, n)
-    rb, cb = v.shape[0] // n, v.shape[1] // n
-    blocks = v.reshape(rb, n, cb, n)
-    scale = block_scale_from_amax(
-        _block_amax(blocks, (1, 3)), fp8_dtype, epsilon=epsilon,
-        force_pow_2_scales=force_pow_2_scales, value_for_inf=value_for_inf,
-    )  # fmt: skip
-    scaled = blocks * scale.reshape(rb, 1, cb, 1)
-    data = _saturating_cast(scaled, fp8_dtype).reshape(rb * n, cb * n)[:r, :c]
-    scale_inv = torch.zeros(rb, round_up(cb, 4), dtype=torch.float32, device=a.device)
-    scale_inv[:, :cb] = reciprocal_elementwise(scale)
-    return data.contiguous(), scale_inv
-
-
-def reciprocal_elementwise(scale: torch.Tensor) -> torch.Tensor:
-    """``1 / scale`` per element in float32 (IEEE division: scale 0 gives +Inf)."""
-    return torch.ones_like(scale) / scale
-
-
-def block_dequantize_1d(
-    data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """Inverse of :func:`block_cast_1d`: ``fp8 * scale_inv`` per tile in float32, rounded once
-    to ``out_dtype``; ``data`` is ``[R, C]``."""
-    r, c = data.shape
-    n = BLOCK_SCALING_BLOCK_LEN
-    cb = -(-c // n)
-    s = scale_inv[:cb, :r].t().float()  # [R, Cb]
-    v = fp8_to_float32(data)
-    if cb * n != c:
-        v = torch.nn.functional.pad(v, (0, cb * n - c))
-    value = (v.reshape(r, cb, n) * s.unsqueeze(-1)).reshape(r, cb * n)[:, :c]
-    return value.contiguous() if out_dtype == torch.float32 else value.to(out_dtype)
-
-
-def block_dequantize_2d(
-    data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """Inverse of :func:`block_cast_2d` (``data`` is ``[R, C]``)."""
-    r, c = data.shape
-    n = BLOCK_SCALING_BLOCK_LEN
-    rb, cb = -(-r // n), -(-c // n)
-    s = scale_inv[:rb, :cb].float()
-    v = torch.nn.functional.pad(fp8_to_float32(data), (0, cb * n - c, 0, rb * n - r))
-    value = (v.reshape(rb, n, cb, n) * s.reshape(rb, 1, cb, 1)).reshape(rb * n, cb * n)
-    value = value[:r, :c]
-    return value.contiguous() if out_dtype == torch.float32 else value.to(out_dtype)
-
-
-# ------------------------------------------------------------------ MXFP8 (32-element blocks)
-#
-# One E8M0 byte ``e`` per 32 consecutive elements of a row of ``a [R, C]`` (the row-wise copy;
-# the column-wise copy is this cast of the transpose). The rule is upstream's
-# ``float_to_e8m0(amax * (1 / fp8_max))``: the float32 quotient's exponent field, plus one when
-# its mantissa is non-zero (round up, so ``amax / 2^(e-127) <= fp8_max``), except that exponent
-# 254 is not bumped (saturate) and a denormal quotient ``<= 2^-127`` keeps exponent 0; amax 0 ->
-# 0, an infinite quotient -> 254, NaN -> 255. Values are multiplied by ``2^(127-e)`` (1 when
-# ``e == 0``; upstream's ``exp2f_rcp``) in float32 and rounded to FP8; the scale-inverse read
-# back is ``2^(e-127)``.
-
-MXFP8_BLOCK_LEN = 32
-
-
-def mxfp8_scale_exponent(block_amax: torch.Tensor, fp8_dtype) -> torch.Tensor:
-    """E8M0 bytes (``torch.uint8``) of blocks from their float32 amaxes (NaN-free)."""
-    one = torch.ones((), dtype=torch.float32, device=block_amax.device)
-    rcp = one / torch.full_like(one, _fp8_max(fp8_dtype))  # float32 1 / fp8_max, as upstream
-    q = block_amax.float() * rcp
-    bits = q.view(torch.int32)
-    exponent = (bits >> 23) & 0xFF
-    mantissa = bits & 0x7FFFFF
-    bump = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
-    e = exponent + bump.to(torch.int32)
-    e = torch.where(torch.isposinf(q), torch.full_like(e, 0xFE), e)
-    e = torch.where(torch.isnan(q), torch.full_like(e, 0xFF), e)
-    return torch.where(q == 0, torch.zeros_like(e), e).to(torch.uint8)
-
-
-def _e8m0_multiplier(e: torch.Tensor) -> torch.Tensor:
-    """``2^(127-e)`` in float32 by its bits (``e == 0`` -> 1), as upstream's ``exp2f_rcp``."""
-    e = e.to(torch.int32)
-    m = ((254 - e) << 23).view(torch.float32)
-    return torch.where(e == 0, torch.ones_like(m), m)
-
-
-def _e8m0_value(e: torch.Tensor) -> torch.Tensor:
-    """``2^(e-127)`` in float32 (``e == 0`` -> the denormal ``2^-127``, 255 -> NaN)."""
-    e = e.to(torch.int32)
-    v = (e << 23).view(torch.float32)
-    v = torch.where(e == 0, torch.full_like(v, 2.0**-127), v)
-    return torch.where(e == 0xFF, torch.full_like(v, float("nan")), v)
-
-
-def mxfp8_cast(
-    a: torch.Tensor, fp8_dtype, *, two_d: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP8 cast of the matrix ``a [R, C]``: ``(data [R, C] FP8, exponents)``.
-
-    1x32 blocks along ``C`` (``exponents [R, ceil(C/32)]``), or with ``two_d`` 32x32 blocks
-    (``exponents [ceil(R/32), ceil(C/32)]``). Partial blocks are zero-padded for the amax.
-    """
-    r, c = a.shape
-    n = MXFP8_BLOCK_LEN
-    rows = n if two_d else 1
-    v = a.detach().float()
-    pad_r, pad_c = round_up(r, rows) - r, round_up(c, n) - c
-    if pad_r or pad_c:
-        v = torch.nn.functional.pad(v, (0, pad_c, 0, pad_r))
-    rb, cb = v.shape[0] // rows, v.shape[1] // n
-    blocks = v.reshape(rb, rows, cb, n)
-    e = mxfp8_scale_exponent(_block_amax(blocks, (1, 3)), fp8_dtype)
-    scaled = blocks * _e8m0_multiplier(e).reshape(rb, 1, cb, 1)
-    data = _saturating_cast(scaled, fp8_dtype).reshape(rb * rows, cb * n)[:r, :c]
-    return data.contiguous(), e
-
-
-def mxfp8_dequantize(
-    data: torch.Tensor, exponents: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """Inverse of :func:`mxfp8_cast` with 1x32 blocks: ``fp8 * 2^(e-127)`` in float32, rounded
-    once to ``out_dtype``; ``data`` is ``[R, C]``, ``exponents`` at least ``[R, ceil(C/32)]``."""
-    r, c = data.shape
-    n = MXFP8_BLOCK_LEN
-    cb = -(-c // n)
-    s = _e8m0_value(exponents[:r, :cb])
-    v = fp8_to_float32(data)
-    if cb * n != c:
-        v = torch.nn.functional.pad(v, (0, cb * n - c))
-    value = (v.reshape(r, cb, n) * s.unsqueeze(-1)).reshape(r, cb * n)[:, :c]
-    return value.contiguous() if out_dtype == torch.float32 else value.to(out_dtype)

@@ -3,7 +3,7 @@ reference, bit for bit: every layout, shape edge, input dtype, FP8 format and sc
 no-op flag, another device than the current one, CUDA graph capture and empty inputs.
 
 The oracle is the same wrapper run on a CPU copy of the input, which routes to the pure-PyTorch
-reference (reference.block_cast_1d / block_cast_2d / mxfp8_cast); the CPU tests in
+reference (reference_blocks.block_cast_1d / block_cast_2d / mxfp8_cast); the CPU tests in
 test_block_cast_wrappers.py hold that route to the reference functions themselves.
 
 Runs on a CUDA machine; without a GPU every test here is skipped with that reason.
@@ -251,7 +251,7 @@ def test_cuda_graph_capture_of_a_block_cast(kind):
 def test_quantizers_run_the_native_cast(dim, monkeypatch):
     """The quantizers' CUDA casts go through the native kernels (the reference functions are
     not called) and store what the CPU quantizer stores."""
-    from transformer_engine.pytorch import reference
+    from transformer_engine.pytorch import reference_blocks
 
     x = make_input((3, 100, 200), torch.bfloat16, seed=14)
     q = Float8BlockQuantizer(FP8[0], rowwise=True, columnwise=True, block_scaling_dim=dim)
@@ -263,7 +263,7 @@ def test_quantizers_run_the_native_cast(dim, monkeypatch):
         raise AssertionError("the reference cast ran for a CUDA tensor")
 
     for name in ("block_cast_1d", "block_cast_2d", "mxfp8_cast"):
-        monkeypatch.setattr(reference, name, forbidden)
+        monkeypatch.setattr(reference_blocks, name, forbidden)
     got = q.quantize(x)
     got_mx = mx.quantize(x)
     for name in ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data",

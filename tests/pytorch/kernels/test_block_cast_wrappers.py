@@ -9,7 +9,7 @@ import torch
 from utils import bitwise_equal
 
 from transformer_engine.common.native import native_module
-from transformer_engine.pytorch import reference
+from transformer_engine.pytorch import reference_blocks
 from transformer_engine.pytorch.cpp_extensions import block_cast
 from transformer_engine.pytorch.cpp_extensions.block_cast import (
     BlockCastResult,
@@ -38,8 +38,8 @@ def test_float8_1d_is_the_reference_in_the_stored_layouts(shape):
     got = float8_block_cast(x, E4M3, block_scaling_dim=1, rowwise=True, columnwise=True,
                             epsilon=0.0, force_pow_2_scales=False)  # fmt: skip
     opts = dict(epsilon=0.0, force_pow_2_scales=False, value_for_inf=torch.finfo(x.dtype).max)
-    row, row_s = reference.block_cast_1d(x, E4M3, **opts)
-    col, col_s = reference.block_cast_1d(x.t(), E4M3, **opts)
+    row, row_s = reference_blocks.block_cast_1d(x, E4M3, **opts)
+    col, col_s = reference_blocks.block_cast_1d(x.t(), E4M3, **opts)
     assert got.rowwise_data.dtype == torch.uint8
     assert bitwise_equal(got.rowwise_data, row.view(torch.uint8))
     assert bitwise_equal(got.rowwise_scale_inv, row_s)
@@ -52,7 +52,7 @@ def test_float8_1d_is_the_reference_in_the_stored_layouts(shape):
 def test_float8_2d_columnwise_is_the_transposed_rowwise():
     x = rand((200, 300))
     got = float8_block_cast(x, E5M2, block_scaling_dim=2, rowwise=True, columnwise=True)
-    data, scale = reference.block_cast_2d(x, E5M2)
+    data, scale = reference_blocks.block_cast_2d(x, E5M2)
     assert bitwise_equal(got.rowwise_data, data.view(torch.uint8))
     assert bitwise_equal(got.rowwise_scale_inv, scale)
     assert bitwise_equal(got.columnwise_data, data.view(torch.uint8).t().contiguous())
@@ -77,7 +77,7 @@ def test_mxfp8_is_the_reference_in_the_stored_layouts(two_d):
     assert got.rowwise_scale_inv.shape == mxfp8_scale_shape(x.shape, False) == (128, 4)
     assert got.columnwise_scale_inv.shape == mxfp8_scale_shape(x.shape, True) == (4, 128)
     if two_d:
-        data, e = reference.mxfp8_cast(x, E4M3, two_d=True)
+        data, e = reference_blocks.mxfp8_cast(x, E4M3, two_d=True)
         assert bitwise_equal(got.rowwise_data, data.view(torch.uint8))
         assert bitwise_equal(got.columnwise_data, data.view(torch.uint8))
         assert bitwise_equal(got.rowwise_scale_inv[:70, :4], e.repeat_interleave(32, 0)[:70])
@@ -85,10 +85,10 @@ def test_mxfp8_is_the_reference_in_the_stored_layouts(two_d):
             got.columnwise_scale_inv[:3, :100], e.repeat_interleave(32, 1)[:, :100]
         )
     else:
-        data, e = reference.mxfp8_cast(x, E4M3)
+        data, e = reference_blocks.mxfp8_cast(x, E4M3)
         assert bitwise_equal(got.rowwise_data, data.view(torch.uint8))
         assert bitwise_equal(got.rowwise_scale_inv[:70, :4], e)
-        cdata, ce = reference.mxfp8_cast(x.t(), E4M3)
+        cdata, ce = reference_blocks.mxfp8_cast(x.t(), E4M3)
         assert bitwise_equal(got.columnwise_data, cdata.view(torch.uint8).t().contiguous())
         assert bitwise_equal(got.columnwise_scale_inv[:3, :100], ce.t().contiguous())
     assert torch.all(got.rowwise_scale_inv[70:] == 0)

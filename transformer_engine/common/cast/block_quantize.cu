@@ -4,7 +4,7 @@
  * from registers, block_tile.cuh's 8x8 sub-tile per thread): the row-wise bytes go straight from
  * registers to memory; the column-wise bytes (the transposed matrix [K, M]) are staged in shared
  * memory and written as whole 16-byte pieces of rows of the transposed output. The arithmetic is
- * reference.block_cast_1d/_2d's. */
+ * reference_blocks.block_cast_1d/_2d's. */
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -57,7 +57,7 @@ __device__ __forceinline__ float input_max_finite<__nv_bfloat16>() {
   return __uint_as_float(0x7F7F0000u);
 }
 
-/* reference.block_scale_from_amax, one block. */
+/* reference_blocks.block_scale_from_amax, one block. */
 template <typename IType, bool kE4M3>
 __device__ __forceinline__ float block_scale(float amax, float epsilon, bool pow2) {
   const float a = epsilon > 0.0f ? fmaxf(amax, epsilon) : amax;

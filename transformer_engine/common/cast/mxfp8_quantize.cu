@@ -3,7 +3,7 @@
  * of the input (tile_pipeline.cuh, block_tile.cuh); a thread's 8x8 sub-tile is a quarter of a
  * 32-element row block (the 4 threads of a row block are adjacent lanes) and an eighth of a
  * column block (4 row groups, reduced through shared memory). The arithmetic is
- * reference.mxfp8_cast's. */
+ * reference_blocks.mxfp8_cast's. */
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -38,7 +38,7 @@ struct MxParams {
   const float* noop;
 };
 
-/* reference.mxfp8_scale_exponent, one block (amax is NaN-free and >= 0). */
+/* reference_blocks.mxfp8_scale_exponent, one block (amax is NaN-free and >= 0). */
 template <bool kE4M3>
 __device__ __forceinline__ uint32_t e8m0_exponent(float amax) {
   const float rcp = __fdiv_rn(1.0f, Fp8Format<kE4M3>::kMax);
@@ -55,7 +55,7 @@ __device__ __forceinline__ uint32_t e8m0_exponent(float amax) {
   return e;
 }
 
-/* 2^(127 - e) by its bits (1 for e == 0), as reference._e8m0_multiplier. */
+/* 2^(127 - e) by its bits (1 for e == 0), as reference_blocks._e8m0_multiplier. */
 __device__ __forceinline__ float e8m0_multiplier(uint32_t e) {
   return e == 0u ? 1.0f : __uint_as_float((254u - e) << 23);
 }

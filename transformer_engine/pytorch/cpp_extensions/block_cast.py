@@ -4,7 +4,7 @@ and MXFP8 (32-element blocks, E8M0 scales).
 Each function validates its tensors, then runs the native kernel for CUDA tensors
 (``nvte_block_scaled_quantize`` / ``nvte_mxfp8_quantize``: every requested copy and its scales in
 one pass, on ``input.device``, in that device's current stream) or the reference
-(:func:`reference.block_cast_1d`, :func:`reference.block_cast_2d`, :func:`reference.mxfp8_cast`)
+(:func:`reference_blocks.block_cast_1d`, :func:`reference_blocks.block_cast_2d`, :func:`reference_blocks.mxfp8_cast`)
 otherwise; the two agree bit for bit. Outputs are the buffers the quantized tensors store
 (layouts in ``tensor/storage/float8_blockwise_tensor_storage.py`` and
 ``tensor/storage/mxfp8_tensor_storage.py``): FP8 bytes as ``torch.uint8``, scales as float32
@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import reference
+from .. import reference_blocks
 from ..constants import HIGH_PRECISION_DTYPES, to_torch_fp8_dtype
 from ..utils import ceil_div
 from ..utils import round_up_to_nearest_multiple as round_up
@@ -45,8 +45,8 @@ __all__ = [
     "mxfp8_block_cast",
 ]
 
-_BLOCK = reference.BLOCK_SCALING_BLOCK_LEN  # 128
-_MX = reference.MXFP8_BLOCK_LEN  # 32
+_BLOCK = reference_blocks.BLOCK_SCALING_BLOCK_LEN  # 128
+_MX = reference_blocks.MXFP8_BLOCK_LEN  # 32
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -214,7 +214,7 @@ def _float8_reference(input, fp8, dim, rowwise, columnwise, epsilon, pow2) -> Bl
     }
     row = col = (None, None)
     if dim == 2:
-        data, scale = reference.block_cast_2d(matrix, fp8, **options)
+        data, scale = reference_blocks.block_cast_2d(matrix, fp8, **options)
         if rowwise:
             row = data.view(torch.uint8).reshape(shape), scale
         if columnwise:
@@ -226,10 +226,10 @@ def _float8_reference(input, fp8, dim, rowwise, columnwise, epsilon, pow2) -> Bl
             col = col_data, col_scale
         return BlockCastResult(*row, *col)
     if rowwise:
-        data, scale = reference.block_cast_1d(matrix, fp8, **options)
+        data, scale = reference_blocks.block_cast_1d(matrix, fp8, **options)
         row = data.view(torch.uint8).reshape(shape), scale
     if columnwise:
-        data, scale = reference.block_cast_1d(matrix.t(), fp8, **options)
+        data, scale = reference_blocks.block_cast_1d(matrix.t(), fp8, **options)
         col = data.view(torch.uint8).reshape(_columnwise_shape(shape)), scale
     return BlockCastResult(*row, *col)
 
@@ -292,7 +292,7 @@ def _mxfp8_reference(input, fp8, rowwise, columnwise, two_d) -> BlockCastResult:
                            device=input.device)  # fmt: skip
 
     if two_d:
-        data, e = reference.mxfp8_cast(matrix, fp8, two_d=True)  # e: [mb, kb]
+        data, e = reference_blocks.mxfp8_cast(matrix, fp8, two_d=True)  # e: [mb, kb]
         data = data.view(torch.uint8).reshape(shape)
         if rowwise:
             s = scales(False)
@@ -304,12 +304,12 @@ def _mxfp8_reference(input, fp8, rowwise, columnwise, two_d) -> BlockCastResult:
             col = data.clone(), s
         return BlockCastResult(*row, *col)
     if rowwise:
-        data, e = reference.mxfp8_cast(matrix, fp8)
+        data, e = reference_blocks.mxfp8_cast(matrix, fp8)
         s = scales(False)
         s[:m, :kb] = e
         row = data.view(torch.uint8).reshape(shape), s
     if columnwise:
-        data, e = reference.mxfp8_cast(matrix.t(), fp8)  # [k, m], blocks along m
+        data, e = reference_blocks.mxfp8_cast(matrix.t(), fp8)  # [k, m], blocks along m
         s = scales(True)
         s[:mb, :k] = e.t()
         col = data.t().contiguous().view(torch.uint8).reshape(shape), s

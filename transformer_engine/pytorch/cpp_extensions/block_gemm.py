@@ -34,13 +34,13 @@ import threading
 
 import torch
 
-from .. import reference
+from .. import reference_blocks
 from ..device import device_compute_capability
 
 __all__ = ["is_block_float8_operand", "block_general_gemm", "native_block_gemm_refusals"]
 
 _OP = "general_gemm"
-_BLOCK = reference.BLOCK_SCALING_BLOCK_LEN
+_BLOCK = reference_blocks.BLOCK_SCALING_BLOCK_LEN
 
 # (device index, x 2-D, y 2-D, out dtype, bias fused) kinds torch._scaled_mm refused: emulated from then on.
 _refused: set = set()
@@ -60,8 +60,8 @@ def is_block_float8_operand(operand) -> bool:
 
 def _dequantize(values, scale_inv, is_2d) -> torch.Tensor:
     if is_2d:
-        return reference.block_dequantize_2d(values, scale_inv, torch.float32)
-    return reference.block_dequantize_1d(values, scale_inv, torch.float32)
+        return reference_blocks.block_dequantize_2d(values, scale_inv, torch.float32)
+    return reference_blocks.block_dequantize_1d(values, scale_inv, torch.float32)
 
 
 def _rows_by_kblocks(scales, is_2d, rows, kb) -> torch.Tensor:

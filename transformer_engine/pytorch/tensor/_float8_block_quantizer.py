@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...common.recipe import Float8BlockScaling
-from .. import reference
+from .. import reference_blocks
 from ..constants import DType, to_torch_fp8_dtype
 from ..cpp_extensions.block_cast import float8_block_cast, float8_block_scale_shape
 from ..quantized_tensor import Quantizer, _check_high_precision_dtype
@@ -28,7 +28,7 @@ from .storage.float8_blockwise_tensor_storage import (
 
 __all__ = ["Float8BlockQuantizer"]
 
-_BLOCK = reference.BLOCK_SCALING_BLOCK_LEN
+_BLOCK = reference_blocks.BLOCK_SCALING_BLOCK_LEN
 
 
 class Float8BlockQuantizer(Quantizer):

@@ -4,7 +4,7 @@
   elements: along the last dim for the row-wise copy, along the leading dims for the
   column-wise copy, each quantized from the input (the cast is
   :func:`transformer_engine.pytorch.cpp_extensions.block_cast.mxfp8_block_cast`: the native
-  kernel on CUDA, :func:`transformer_engine.pytorch.reference.mxfp8_cast` elsewhere, bit for
+  kernel on CUDA, :func:`transformer_engine.pytorch.reference_blocks.mxfp8_cast` elsewhere, bit for
   bit the same);
 * :class:`MXFP8Tensor` (in :mod:`._mxfp8_tensor_class`) is the result;
 * its buffers are described in :mod:`transformer_engine.pytorch.tensor.storage.mxfp8_tensor_storage`.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ...common.recipe import MXFP8BlockScaling
-from .. import reference
+from .. import reference_blocks
 from ..constants import DType, to_torch_fp8_dtype
 from ..cpp_extensions.block_cast import mxfp8_block_cast
 from ..quantized_tensor import Quantizer, _check_high_precision_dtype
@@ -27,7 +27,7 @@ from .storage.mxfp8_tensor_storage import MXFP8TensorStorage, mxfp8_scale_shape
 
 __all__ = ["MXFP8Quantizer", "MXFP8Tensor"]
 
-_N = reference.MXFP8_BLOCK_LEN
+_N = reference_blocks.MXFP8_BLOCK_LEN
 
 
 class MXFP8Quantizer(Quantizer):

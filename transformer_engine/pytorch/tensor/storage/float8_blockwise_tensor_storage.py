@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from ... import reference
+from ... import reference_blocks
 from ...constants import DType, to_torch_fp8_dtype
 from ._block_scaled_storage import BlockScaledTensorStorage, check_nominal_dtype, resolve_view_shape
 
@@ -176,8 +176,8 @@ class Float8BlockwiseQTensorStorage(BlockScaledTensorStorage):
             data, scale, rows, cols = self._rowwise_data, self._rowwise_scale_inv, m, k
         matrix = data.view(fp8).reshape(rows, cols)
         if self._is_2D_scaled:
-            return reference.block_dequantize_2d(matrix, scale, dtype)
-        return reference.block_dequantize_1d(matrix, scale, dtype)
+            return reference_blocks.block_dequantize_2d(matrix, scale, dtype)
+        return reference_blocks.block_dequantize_1d(matrix, scale, dtype)
 
     def _dequantize_plain(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = self._dequantize_dtype(dtype)
@@ -319,7 +319,7 @@ def _transposed_2d(data: torch.Tensor, scale_inv: torch.Tensor, shape):
     """The other layout of 2-D-block bytes: transposed bytes ``(last, *leading)`` of the
     matrix ``[M, K]`` of ``shape``, and the transposed block scales, padded as GEMM_READY."""
     m, k = block_matrix_dims(shape)
-    n = reference.BLOCK_SCALING_BLOCK_LEN
+    n = reference_blocks.BLOCK_SCALING_BLOCK_LEN
     mb, kb = -(-m // n), -(-k // n)
     t = data.reshape(m, k).t().contiguous().reshape(columnwise_shape(tuple(shape)))
     s = torch.zeros(kb, -(-mb // 4) * 4, dtype=torch.float32, device=scale_inv.device)

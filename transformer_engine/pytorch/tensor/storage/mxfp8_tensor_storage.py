@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import reference
+from ... import reference_blocks
 from ...constants import DType, to_torch_fp8_dtype
 from ...utils import round_up_to_nearest_multiple as round_up
 from ._block_scaled_storage import (
@@ -33,7 +33,7 @@ from .float8_blockwise_tensor_storage import block_matrix_dims
 
 __all__ = ["MXFP8TensorStorage", "mxfp8_scale_shape", "check_mxfp8_view"]
 
-_N = reference.MXFP8_BLOCK_LEN
+_N = reference_blocks.MXFP8_BLOCK_LEN
 
 
 def mxfp8_scale_shape(shape, columnwise: bool) -> tuple[int, int]:
@@ -135,11 +135,11 @@ class MXFP8TensorStorage(BlockScaledTensorStorage):
                 return None
             data = self._columnwise_data.view(fp8).reshape(m, k).t()
             scale = self._columnwise_scale_inv.t()
-            return reference.mxfp8_dequantize(data, scale, dtype).t()
+            return reference_blocks.mxfp8_dequantize(data, scale, dtype).t()
         if self._rowwise_data is None:
             return None
         data = self._rowwise_data.view(fp8).reshape(m, k)
-        return reference.mxfp8_dequantize(data, self._rowwise_scale_inv, dtype)
+        return reference_blocks.mxfp8_dequantize(data, self._rowwise_scale_inv, dtype)
 
     def _dequantize_plain(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = self._dequantize_dtype(dtype)
