@@ -69,33 +69,62 @@ def block_scale_from_amax(
     return torch.where(a == 0, torch.ones_like(scale), scale)
 
 
-def _saturating_cast(v: torch.Tensor, fp8_dtype) -> torch.Tensor:
-    """``v`` (float32, already scaled) clamped to the format's range and rounded; NaN bytes
-    canonical."""
+def _saturating_cast_(v: torch.Tensor, fp8_dtype, may_hold_nan: bool) -> torch.Tensor:
+    """``v`` (float32, already scaled; clamped in place) clamped to the format's range and
+    rounded; NaN bytes canonical. ``may_hold_nan=False`` (the caller knows every value is
+    finite or +-Inf) skips the NaN search."""
     dtype = to_torch_fp8_dtype(fp8_dtype)
     limit = _fp8_max(dtype)
-    nan = torch.isnan(v)
-    out = v.clamp(-limit, limit).to(dtype)
-    if bool(nan.any()):
-        bits = out.view(torch.uint8)
-        bits.copy_(torch.where(nan, torch.full_like(bits, FP8_CANONICAL_NAN), bits))
+    out = v.clamp_(-limit, limit).to(dtype)  # clamp keeps NaN
+    if may_hold_nan:
+        nan = torch.isnan(v)
+        if bool(nan.any()):
+            bits = out.view(torch.uint8)
+            bits.copy_(torch.where(nan, torch.full_like(bits, FP8_CANONICAL_NAN), bits))
     return out
 
 
-def _padded_blocks(a: torch.Tensor, rows: int) -> torch.Tensor:
-    """``a [R, C]`` as float32, zero-padded to ``[roundup(R, rows), roundup(C, 128)]``."""
+def _padded_blocks(a: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, bool]:
+    """``a [R, C]`` as a contiguous float32 matrix zero-padded to ``[roundup(R, rows),
+    roundup(C, cols)]``, and whether that is a new buffer (the cast may then scale it in place;
+    ``a`` itself, float32 and contiguous, is never written). One pass over ``a`` whatever its
+    dtype and strides: the transposed view of the column-wise cast becomes contiguous here, so
+    no later pass walks it with a long stride."""
     r, c = a.shape
-    n = BLOCK_SCALING_BLOCK_LEN
-    v = a.detach().float()
-    pad_r, pad_c = round_up(r, rows) - r, round_up(c, n) - c
-    return torch.nn.functional.pad(v, (0, pad_c, 0, pad_r)) if pad_r or pad_c else v
+    x = a.detach()
+    pad_r, pad_c = round_up(r, rows) - r, round_up(c, cols) - c
+    if pad_r or pad_c:
+        v = torch.zeros(r + pad_r, c + pad_c, dtype=torch.float32, device=a.device)
+        v[:r, :c] = x
+        return v, True
+    v = x.to(torch.float32, memory_format=torch.contiguous_format)
+    return v, v is not x
 
 
-def _block_amax(blocks: torch.Tensor, dims) -> torch.Tensor:
-    """``max |x|`` over ``dims``, NaN ignored (like ``fmaxf``), +-Inf counted."""
-    mag = blocks.abs()
-    mag = torch.where(torch.isnan(mag), torch.zeros_like(mag), mag)
-    return mag.amax(dim=dims) if mag.numel() else mag.sum(dim=dims)
+def _block_amax(blocks: torch.Tensor, dims) -> tuple[torch.Tensor, bool]:
+    """``max |x|`` over ``dims``, NaN ignored (like ``fmaxf``), +-Inf counted; and whether a
+    block holds NaN or +-Inf (then the scaled values may hold NaN).
+
+    ``max(max x, -min x)`` needs no ``|x|`` buffer; both reductions propagate NaN, so only a
+    tensor with NaN in it takes the NaN-ignoring pass."""
+    if blocks.numel() == 0:
+        return blocks.sum(dim=dims), False  # zeros of the reduced shape
+    if isinstance(dims, int):
+        low, high = torch.aminmax(blocks, dim=dims)
+    else:
+        low, high = blocks.amin(dim=dims), blocks.amax(dim=dims)
+    amax = torch.maximum(high, low.neg_()).abs_()  # abs_: +0 for an all-zero block
+    finite = bool(torch.isfinite(amax).all())
+    if not finite and bool(torch.isnan(amax).any()):
+        mag = blocks.abs()
+        amax = torch.where(torch.isnan(mag), torch.zeros_like(mag), mag).amax(dim=dims)
+    return amax, not finite
+
+
+def _scale_blocks(blocks: torch.Tensor, owned: bool, factor: torch.Tensor) -> torch.Tensor:
+    """``blocks * factor`` (broadcast per block) in float32: in place when ``blocks`` is the
+    cast's own buffer (a fresh multi-MiB product costs the CPU page faults), else new."""
+    return blocks.mul_(factor) if owned else blocks * factor
 
 
 def block_cast_1d(
@@ -110,14 +139,16 @@ def block_cast_1d(
     ``scale_inv`` of shape ``[ceil(C/128), roundup(R, 4)]`` (see the section comment)."""
     r, c = a.shape
     n = BLOCK_SCALING_BLOCK_LEN
-    v = _padded_blocks(a, 1)
+    v, owned = _padded_blocks(a, 1, n)
     cb = v.shape[1] // n
     v = v.reshape(r, cb, n)
+    amax, not_finite = _block_amax(v, 2)
     scale = block_scale_from_amax(
-        _block_amax(v, 2), fp8_dtype, epsilon=epsilon,
+        amax, fp8_dtype, epsilon=epsilon,
         force_pow_2_scales=force_pow_2_scales, value_for_inf=value_for_inf,
     )  # fmt: skip
-    data = _saturating_cast(v * scale.unsqueeze(-1), fp8_dtype).reshape(r, cb * n)[:, :c]
+    scaled = _scale_blocks(v, owned, scale.unsqueeze(-1))
+    data = _saturating_cast_(scaled, fp8_dtype, not_finite).reshape(r, cb * n)[:, :c]
     scale_inv = torch.zeros(cb, round_up(r, 4), dtype=torch.float32, device=a.device)
     scale_inv[:, :r] = reciprocal_elementwise(scale).t()
     return data.contiguous(), scale_inv
@@ -135,15 +166,16 @@ def block_cast_2d(
     ``scale_inv`` of shape ``[ceil(R/128), roundup(ceil(C/128), 4)]``."""
     r, c = a.shape
     n = BLOCK_SCALING_BLOCK_LEN
-    v = _padded_blocks(a, n)
+    v, owned = _padded_blocks(a, n, n)
     rb, cb = v.shape[0] // n, v.shape[1] // n
     blocks = v.reshape(rb, n, cb, n)
+    amax, not_finite = _block_amax(blocks, (1, 3))
     scale = block_scale_from_amax(
-        _block_amax(blocks, (1, 3)), fp8_dtype, epsilon=epsilon,
+        amax, fp8_dtype, epsilon=epsilon,
         force_pow_2_scales=force_pow_2_scales, value_for_inf=value_for_inf,
     )  # fmt: skip
-    scaled = blocks * scale.reshape(rb, 1, cb, 1)
-    data = _saturating_cast(scaled, fp8_dtype).reshape(rb * n, cb * n)[:r, :c]
+    scaled = _scale_blocks(blocks, owned, scale.reshape(rb, 1, cb, 1))
+    data = _saturating_cast_(scaled, fp8_dtype, not_finite).reshape(rb * n, cb * n)[:r, :c]
     scale_inv = torch.zeros(rb, round_up(cb, 4), dtype=torch.float32, device=a.device)
     scale_inv[:, :cb] = reciprocal_elementwise(scale)
     return data.contiguous(), scale_inv
@@ -166,7 +198,7 @@ def block_dequantize_1d(
     v = fp8_to_float32(data)
     if cb * n != c:
         v = torch.nn.functional.pad(v, (0, cb * n - c))
-    value = (v.reshape(r, cb, n) * s.unsqueeze(-1)).reshape(r, cb * n)[:, :c]
+    value = v.reshape(r, cb, n).mul_(s.unsqueeze(-1)).reshape(r, cb * n)[:, :c]  # v is new
     return value.contiguous() if out_dtype == torch.float32 else value.to(out_dtype)
 
 
@@ -179,7 +211,7 @@ def block_dequantize_2d(
     rb, cb = -(-r // n), -(-c // n)
     s = scale_inv[:rb, :cb].float()
     v = torch.nn.functional.pad(fp8_to_float32(data), (0, cb * n - c, 0, rb * n - r))
-    value = (v.reshape(rb, n, cb, n) * s.reshape(rb, 1, cb, 1)).reshape(rb * n, cb * n)
+    value = v.reshape(rb, n, cb, n).mul_(s.reshape(rb, 1, cb, 1)).reshape(rb * n, cb * n)
     value = value[:r, :c]
     return value.contiguous() if out_dtype == torch.float32 else value.to(out_dtype)
 
@@ -239,15 +271,13 @@ def mxfp8_cast(
     r, c = a.shape
     n = MXFP8_BLOCK_LEN
     rows = n if two_d else 1
-    v = a.detach().float()
-    pad_r, pad_c = round_up(r, rows) - r, round_up(c, n) - c
-    if pad_r or pad_c:
-        v = torch.nn.functional.pad(v, (0, pad_c, 0, pad_r))
+    v, owned = _padded_blocks(a, rows, n)
     rb, cb = v.shape[0] // rows, v.shape[1] // n
     blocks = v.reshape(rb, rows, cb, n)
-    e = mxfp8_scale_exponent(_block_amax(blocks, (1, 3)), fp8_dtype)
-    scaled = blocks * _e8m0_multiplier(e).reshape(rb, 1, cb, 1)
-    data = _saturating_cast(scaled, fp8_dtype).reshape(rb * rows, cb * n)[:r, :c]
+    amax, not_finite = _block_amax(blocks, (1, 3) if two_d else 3)
+    e = mxfp8_scale_exponent(amax.reshape(rb, cb), fp8_dtype)
+    scaled = _scale_blocks(blocks, owned, _e8m0_multiplier(e).reshape(rb, 1, cb, 1))
+    data = _saturating_cast_(scaled, fp8_dtype, not_finite).reshape(rb * rows, cb * n)[:r, :c]
     return data.contiguous(), e
 
 
@@ -263,5 +293,5 @@ def mxfp8_dequantize(
     v = fp8_to_float32(data)
     if cb * n != c:
         v = torch.nn.functional.pad(v, (0, cb * n - c))
-    value = (v.reshape(r, cb, n) * s.unsqueeze(-1)).reshape(r, cb * n)[:, :c]
+    value = v.reshape(r, cb, n).mul_(s.unsqueeze(-1)).reshape(r, cb * n)[:, :c]  # v is new
     return value.contiguous() if out_dtype == torch.float32 else value.to(out_dtype)
