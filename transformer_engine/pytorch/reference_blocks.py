@@ -109,10 +109,8 @@ def _block_amax(blocks: torch.Tensor, dims) -> tuple[torch.Tensor, bool]:
     tensor with NaN in it takes the NaN-ignoring pass."""
     if blocks.numel() == 0:
         return blocks.sum(dim=dims), False  # zeros of the reduced shape
-    if isinstance(dims, int):
-        low, high = torch.aminmax(blocks, dim=dims)
-    else:
-        low, high = blocks.amin(dim=dims), blocks.amax(dim=dims)
+    # Two reductions: torch's aminmax over one dimension is several times slower on the CPU.
+    low, high = blocks.amin(dim=dims), blocks.amax(dim=dims)
     amax = torch.maximum(high, low.neg_()).abs_()  # abs_: +0 for an all-zero block
     finite = bool(torch.isfinite(amax).all())
     if not finite and bool(torch.isnan(amax).any()):
