@@ -63,9 +63,16 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 def global_amax(a: torch.Tensor) -> torch.Tensor:
     """float32 ``(1,)`` amax of ``a``: ``max |x|`` with NaN elements ignored (0 when empty), so
     one NaN poisons only its own block (whose block amax is NaN), not the global scale."""
+    if a.numel() == 0:
+        return torch.zeros(1, device=a.device)
+    if a.device.type == "cpu":  # no |x| buffer (aminmax propagates NaN: then the pass below)
+        low, high = torch.aminmax(a.detach())
+        amax = torch.maximum(high.float(), low.float().neg()).abs()
+        if not bool(torch.isnan(amax)):
+            return amax.reshape(1)
+    # One pass without a host sync elsewhere (this cast runs, and may be captured, on GPUs).
     v = a.detach().float().abs()
-    v = torch.where(torch.isnan(v), torch.zeros_like(v), v)
-    return v.amax().reshape(1) if v.numel() else torch.zeros(1, device=a.device)
+    return torch.where(torch.isnan(v), torch.zeros_like(v), v).amax().reshape(1)
 
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -78,29 +85,39 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_encode(v: torch.Tensor, *, stochastic: bool = False, generator=None) -> torch.Tensor:
-    """4-bit codes (``torch.uint8``, values 0..15) of float32 ``v`` (already scaled)."""
+    """4-bit codes (``torch.uint8``, values 0..15) of float32 ``v`` (already scaled).
+
+    The magnitude (NaN as 0, clamped to 6) is rounded to the E2M1 grid: to nearest with ties
+    to the even code, or stochastically up to the next grid point with probability ``(|v| -
+    lo) / (hi - lo)``. The grid is every multiple of ``step = 2**(max(E, 0) - 1)`` in the
+    binade ``[2**E, 2**(E+1))`` of the magnitude (0.5 below 2, 1 in ``[2, 4)``, 2 in ``[4,
+    6]``) and the code of a grid point is ``magnitude / step + 2 * max(E, 0)``, so with ``q =
+    magnitude / step`` (exact: a power of two) the code is ``round_half_even(q) + 2 max(E,
+    0)``, whose parity is that of ``q``, or ``floor(q) + 2 max(E, 0)`` plus one with
+    probability ``q - floor(q)`` (0 at 6, the top). A rounding up to ``4 * step`` lands on the
+    next binade's first point, whose code the formula also gives."""
     v = v.float()
-    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=v.device)
-    mag = torch.nan_to_num(v.abs(), nan=0.0).clamp(max=E2M1_MAX).contiguous()
-    lo = (torch.bucketize(mag, grid, right=True) - 1).clamp(0, 7)
-    hi = (lo + 1).clamp(max=7)
-    below, above = mag - grid[lo], grid[hi] - mag
+    q = torch.nan_to_num(v.abs(), nan=0.0).clamp_(max=E2M1_MAX).contiguous()
+    e = ((q.view(torch.int32) >> 23) - 127).clamp_(0, 2)  # 0 below 2 (and for 0)
+    q.div_(((e + 126) << 23).view(torch.float32))  # / 2**(e - 1)
     if stochastic:
-        gap = grid[hi] - grid[lo]
-        p = torch.where(gap > 0, below / torch.where(gap > 0, gap, 1.0), 0.0)
-        u = torch.rand(mag.shape, generator=generator, device=v.device, dtype=torch.float32)
-        up = u < p
+        u = torch.rand(q.shape, generator=generator, device=v.device, dtype=torch.float32)
+        lo = torch.floor(q)
+        code = lo.add_((u < q.sub_(lo)).float())
     else:
-        up = (above < below) | ((above == below) & (hi % 2 == 0) & (hi != lo))
-    code = torch.where(up, hi, lo).to(torch.uint8)
+        code = torch.round(q)  # half to even
+    code = code.to(torch.uint8).add_((e << 1).to(torch.uint8))
     sign = torch.signbit(v) & ~torch.isnan(v)
     return code | (sign.to(torch.uint8) << 3)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """float32 values of 4-bit codes."""
-    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    mag = grid[(codes & 7).long()]
+    """float32 values of 4-bit codes: magnitude ``m / 2`` for ``m = code & 7`` below 2, else
+    ``2**((m >> 1) - 1) * (1 + (m & 1) / 2)`` (a float32 built from its bits); bit 3 the
+    sign."""
+    m = (codes & 7).to(torch.int32)
+    normal = (((m >> 1) + 126) << 23 | (m & 1) << 22).view(torch.float32)
+    mag = torch.where(m < 2, m.float() * 0.5, normal)
     return torch.where((codes & 8) != 0, -mag, mag)
 
 
@@ -121,9 +138,21 @@ def unpack_fp4(packed: torch.Tensor, length: int) -> torch.Tensor:
     return codes[..., :length]
 
 
+_RHT_CACHE: dict = {}  # (with_random_sign_mask, device) -> the matrix (a constant)
+
+
 def rht_matrix(with_random_sign_mask: bool = True, device=None) -> torch.Tensor:
     """``R = H16 @ diag(signs) / 4`` (float32, ``[16, 16]``): entry ``[i, j]`` is
-    ``(-1)^popcount(i & j) * signs[j] / 4``."""
+    ``(-1)^popcount(i & j) * signs[j] / 4``. A new tensor each call (callers may write it); built
+    once per device (from Python lists: thousands of tiny torch operations)."""
+    key = (bool(with_random_sign_mask), torch.device(device) if device is not None else None)
+    cached = _RHT_CACHE.get(key)
+    if cached is None:
+        cached = _RHT_CACHE[key] = _build_rht_matrix(with_random_sign_mask, device)
+    return cached.clone()
+
+
+def _build_rht_matrix(with_random_sign_mask: bool, device) -> torch.Tensor:
     idx = torch.arange(NVFP4_BLOCK_LEN, device=device)
     bits = idx.reshape(-1, 1) & idx.reshape(1, -1)
     parity = torch.zeros_like(bits)

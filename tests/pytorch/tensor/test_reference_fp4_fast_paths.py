@@ -1,0 +1,130 @@
+"""The NVFP4 reference's arithmetic E2M1 encode/decode, cached RHT matrix and buffer-free amax
+against their former forms (``torch.bucketize`` over the grid, gathers, a matrix built per call),
+bit for bit.
+
+``reference_fp4`` is NVFP4's cast on every device, so its faster forms must give the very same
+codes, values and amaxes; stochastic rounding must consume the same random draws.
+"""
+
+import pytest
+import torch
+
+from transformer_engine.pytorch import reference_fp4 as fp4
+
+GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+# ---- the former implementations (oracles) -------------------------------------------------
+
+
+def old_e2m1_encode(v, stochastic=False, generator=None):
+    v = v.float()
+    grid = torch.tensor(GRID, dtype=torch.float32)
+    mag = torch.nan_to_num(v.abs(), nan=0.0).clamp(max=6.0).contiguous()
+    lo = (torch.bucketize(mag, grid, right=True) - 1).clamp(0, 7)
+    hi = (lo + 1).clamp(max=7)
+    below, above = mag - grid[lo], grid[hi] - mag
+    if stochastic:
+        gap = grid[hi] - grid[lo]
+        p = torch.where(gap > 0, below / torch.where(gap > 0, gap, 1.0), 0.0)
+        u = torch.rand(mag.shape, generator=generator, dtype=torch.float32)
+        up = u < p
+    else:
+        up = (above < below) | ((above == below) & (hi % 2 == 0) & (hi != lo))
+    code = torch.where(up, hi, lo).to(torch.uint8)
+    sign = torch.signbit(v) & ~torch.isnan(v)
+    return code | (sign.to(torch.uint8) << 3)
+
+
+def old_e2m1_decode(codes):
+    grid = torch.tensor(GRID, dtype=torch.float32)
+    mag = grid[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
+def old_global_amax(a):
+    v = a.detach().float().abs()
+    v = torch.where(torch.isnan(v), torch.zeros_like(v), v)
+    return v.amax().reshape(1) if v.numel() else torch.zeros(1)
+
+
+def old_rht_matrix(with_random_sign_mask=True):
+    idx = torch.arange(16)
+    bits = idx.reshape(-1, 1) & idx.reshape(1, -1)
+    parity = torch.zeros_like(bits)
+    for shift in range(4):
+        parity ^= (bits >> shift) & 1
+    h = 1.0 - 2.0 * parity.float()
+    if with_random_sign_mask:
+        h = h * torch.tensor(fp4.RHT_SIGNS, dtype=torch.float32)
+    return h * 0.25
+
+
+# ---- inputs -------------------------------------------------------------------------------
+
+
+def encode_inputs():
+    """Every multiple of 2**-12 in [-7, 7] (all grid points, all ties, both sides of every
+    binade edge), float32 neighbours of the grid points and ties, subnormals, +-0, +-Inf, NaN,
+    and random values of several magnitudes."""
+    fine = torch.arange(-7 * 4096, 7 * 4096 + 1, dtype=torch.float32) / 4096
+    points = torch.tensor(GRID + (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0), dtype=torch.float32)
+    neighbours = torch.cat([torch.nextafter(points, torch.tensor(d)) for d in (-1.0, 10.0)])
+    specials = torch.tensor([0.0, -0.0, 1e-45, 1e-40, float("inf"), -float("inf"), float("nan")])
+    g = torch.Generator().manual_seed(5)
+    random = torch.randn(4096, generator=g) * torch.exp2(torch.randint(-6, 6, (4096,), generator=g))
+    values = torch.cat([fine, points, neighbours, specials, random])
+    return torch.cat([values, -values]).reshape(-1, 2)
+
+
+# ---- tests ----------------------------------------------------------------------------------
+
+
+def same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    view = {1: torch.uint8, 4: torch.int32}[a.element_size()]
+    assert torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+def test_round_to_nearest_encode_gives_the_former_codes():
+    v = encode_inputs()
+    same_bits(fp4.e2m1_encode(v), old_e2m1_encode(v))
+    same_bits(fp4.e2m1_encode(v.t()), old_e2m1_encode(v.t()))  # strided
+
+
+def test_stochastic_encode_gives_the_former_codes_from_the_same_draws():
+    v = encode_inputs()
+    for seed in range(3):
+        got = fp4.e2m1_encode(v, stochastic=True, generator=torch.Generator().manual_seed(seed))
+        want = old_e2m1_encode(v, stochastic=True, generator=torch.Generator().manual_seed(seed))
+        same_bits(got, want)
+
+
+def test_decode_gives_the_former_values():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8) & 0xF
+    same_bits(fp4.e2m1_decode(codes), old_e2m1_decode(codes))
+    same_bits(
+        fp4.e2m1_decode(codes.reshape(16, 16).t()), old_e2m1_decode(codes.reshape(16, 16).t())
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_global_amax_gives_the_former_amax(dtype):
+    g = torch.Generator().manual_seed(7)
+    cases = [torch.randn(33, 70, generator=g, dtype=torch.float64) * 1e3, torch.zeros(4, 4).neg()]
+    with_nan = torch.randn(10, 10, generator=g, dtype=torch.float64)
+    with_nan[3, 4] = float("nan")
+    with_inf = torch.randn(10, 10, generator=g, dtype=torch.float64)
+    with_inf[1, 1] = -float("inf")
+    cases += [with_nan, with_inf, torch.full((3, 3), float("nan")), torch.zeros(0, 5)]
+    for a in cases:
+        a = a.to(dtype)
+        same_bits(fp4.global_amax(a), old_global_amax(a))
+
+
+@pytest.mark.parametrize("signs", [True, False])
+def test_cached_rht_matrix_is_the_former_matrix_and_a_fresh_tensor(signs):
+    first = fp4.rht_matrix(signs)
+    same_bits(first, old_rht_matrix(signs))
+    first.zero_()  # a caller may write its copy; the next call is unaffected
+    same_bits(fp4.rht_matrix(signs), old_rht_matrix(signs))
