@@ -1,6 +1,7 @@
-"""The emulated block-scaled GEMM's BF16 math on the CPU (cpp_extensions/block_gemm.py).
+"""The emulated block-scaled GEMMs' BF16 math on the CPU (cpp_extensions/block_gemm.py for
+Float8BlockScaling, mxfp8_gemm.py for MXFP8).
 
-With power-of-two scales every dequantized operand value is a BF16 number, so oneDNN's BF16
+With power-of-two scales (MXFP8's E8M0 always) every dequantized operand value is a BF16 number, so oneDNN's BF16
 math mode multiplies them exactly, as plain float32 does; only the float32 accumulation order
 differs. The mode flushes subnormals to zero, so it must be refused where an operand value, a
 product or a partial sum could be subnormal, or a sum could overflow, and with non-power-of-two
@@ -14,6 +15,7 @@ import torch
 from transformer_engine.pytorch.cpp_extensions import block_gemm, fp8_gemm_cpu
 from transformer_engine.pytorch.cpp_extensions.gemm import general_gemm
 from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 BF16_MATH_AVAILABLE = fp8_gemm_cpu._onednn_has_bf16_math()
@@ -121,3 +123,48 @@ def test_bf16_math_needs_normal_power_of_two_scales():
         scales[1, 2] = bad
         assert not block_gemm._bf16_math_is_exact(x, scales, x, good)
         assert not block_gemm._bf16_math_is_exact(x, good, x, scales)
+
+
+@pytest.mark.parametrize("bf16_math", [True, False], ids=["bf16_math", "float32_math"])
+@pytest.mark.parametrize("layout", ["TN", "NN", "NT"])
+def test_emulated_mxfp8_gemm_meets_the_float64_bound_in_either_mode(layout, bf16_math, monkeypatch):
+    # E8M0 scales are powers of two: BF16 math whenever the exponents allow it.
+    if bf16_math and not BF16_MATH_AVAILABLE:
+        pytest.skip("oneDNN has no BF16 math mode on this CPU / torch")
+    monkeypatch.setattr(fp8_gemm_cpu, "USE_BF16_MATH", bf16_math)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(96, 128, generator=g) * torch.exp2(torch.randint(-6, 6, (96, 1), generator=g))
+    w = torch.randn(64, 128, generator=g)
+    dy = torch.randn(96, 64, generator=g) * 1e-3
+    quantizer = MXFP8Quantizer(E4M3, rowwise=True, columnwise=True)
+    xq, wq, dyq = quantizer(x), quantizer(w), quantizer(dy)
+    a, b, b_columnwise, a_columnwise = {
+        "TN": (wq, xq, False, False),
+        "NN": (wq, dyq, False, True),
+        "NT": (xq, dyq, True, True),
+    }[layout]
+    ref_x = b.mxfp8_gemm_input(b_columnwise).reshape(-1, b.size()[-1])
+    ref_y = a.mxfp8_gemm_input(a_columnwise)
+    ref_x, ref_y = {"TN": (ref_x, ref_y), "NN": (ref_x, ref_y.t()), "NT": (ref_x.t(), ref_y.t())}[
+        layout
+    ]
+    seen = record_math_modes(monkeypatch)
+    out = general_gemm(a, b, torch.float32, layout=layout)[0]
+    assert_within_accumulation_bound(out, ref_x, ref_y)
+    assert seen == ["bf16" if bf16_math else "none"]
+    assert torch.backends.mkldnn.matmul.fp32_precision == "none"
+
+
+def test_mxfp8_bf16_math_is_refused_for_denormal_scales():
+    # A block of values below 2**-127 * 448 gets the E8M0 byte 0 (the denormal scale 2**-127):
+    # its dequantized values may be subnormal, which BF16 math would flush.
+    x = torch.randn(32, 64)
+    x[5, :32] = 1e-39
+    t = MXFP8Quantizer(E4M3, rowwise=True, columnwise=True)(x)
+    assert t.mxfp8_gemm_scale_exponents(False) is None
+    assert (
+        MXFP8Quantizer(E4M3, rowwise=True, columnwise=True)(
+            torch.randn(32, 64)
+        ).mxfp8_gemm_scale_exponents(False)
+        is not None
+    )

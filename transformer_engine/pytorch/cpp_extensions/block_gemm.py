@@ -29,8 +29,8 @@ Paths:
   With power-of-two scales (the recipe's default) every dequantized value is an FP8 value times
   a power of two, a BF16 number, so the CPU GEMM may run in oneDNN's BF16 math mode
   (:func:`.fp8_gemm_cpu.float32_product_of_fp8_values`: one Python thread only) with the same
-  exactness, about 4x faster, when :func:`_bf16_math_is_exact` also rules out subnormal
-  operands, products and sums (which BF16 math flushes to zero) and overflow.
+  exactness, about 4x faster, when :func:`.fp8_gemm_cpu.bf16_math_is_exact` also rules out
+  subnormal operands, products and sums (which BF16 math flushes to zero) and overflow.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 
 from .. import reference_blocks
 from ..device import device_compute_capability
-from .fp8_gemm_cpu import float32_product_of_fp8_values
+from .fp8_gemm_cpu import bf16_math_is_exact, float32_product_of_fp8_values
 
 __all__ = ["is_block_float8_operand", "block_general_gemm", "native_block_gemm_refusals"]
 
@@ -70,11 +70,6 @@ def _dequantize(values, scale_inv, is_2d) -> torch.Tensor:
     return reference_blocks.block_dequantize_1d(values, scale_inv, torch.float32)
 
 
-# Per FP8 format: exponents of its smallest positive value and of a power of two above its
-# largest (E4M3: 2**-9 and 448 < 2**9; E5M2: 2**-16 and 57344 < 2**16).
-_EXPONENT_RANGE = {torch.float8_e4m3fn: (-9, 9), torch.float8_e5m2: (-16, 16)}
-
-
 def _scale_exponents(scale_inv: torch.Tensor) -> tuple[int, int] | None:
     """``(min, max)`` binary exponents of the nonzero scale-inverses (zeros pad the GEMM_READY
     layouts), or ``None`` when one is not a normal power of two (or there are none)."""
@@ -89,21 +84,13 @@ def _scale_exponents(scale_inv: torch.Tensor) -> tuple[int, int] | None:
 
 
 def _bf16_math_is_exact(x, xs, y, ys) -> bool:
-    """Whether the float32 GEMM of the two dequantized operands is exact up to the float32
-    accumulation order also in BF16 math: every scale-inverse a normal power of two (so every
-    operand value is a BF16 number), no operand value, product or nonzero partial sum below the
-    smallest normal float32 (all are multiples of the smallest product), and no sum near
-    overflow (``K`` products of the largest magnitudes)."""
-    ranges = (_EXPONENT_RANGE.get(x.dtype), _EXPONENT_RANGE.get(y.dtype))
-    if None in ranges:
-        return False
-    (x_lo, x_hi), (y_lo, y_hi) = ranges
+    """:func:`.fp8_gemm_cpu.bf16_math_is_exact` for two block-scaled operands: FP8 values
+    ``x``, ``y`` ``[rows, K]`` and their scale-inverses (``None``: not all normal powers of
+    two)."""
     x_exp, y_exp = _scale_exponents(xs), _scale_exponents(ys)
     if x_exp is None or y_exp is None:
         return False
-    smallest = (x_exp[0] + x_lo, y_exp[0] + y_lo)
-    largest_sum = x_exp[1] + x_hi + y_exp[1] + y_hi + max(x.shape[1], 1).bit_length()
-    return min(smallest) >= -126 and sum(smallest) >= -126 and largest_sum <= 127
+    return bf16_math_is_exact(x.dtype, x_exp, y.dtype, y_exp, x.shape[1])
 
 
 def _emulated_product(x, xs, x2d, y, ys, y2d) -> torch.Tensor:

@@ -59,7 +59,12 @@ import torch
 
 from ..reference import fp8_to_float32_unscaled
 
-__all__ = ["fp8_gemm_emulated", "float32_product_of_fp8_values", "SCALED_MM_IS_NATIVE_ON_CPU"]
+__all__ = [
+    "fp8_gemm_emulated",
+    "float32_product_of_fp8_values",
+    "bf16_math_is_exact",
+    "SCALED_MM_IS_NATIVE_ON_CPU",
+]
 
 
 def _onednn_compiles_fp8() -> bool:
@@ -92,6 +97,30 @@ def _onednn_has_bf16_math() -> bool:
 
 # Read on every call, so a benchmark or test may set it to pick a path.
 USE_BF16_MATH = _onednn_has_bf16_math()
+
+
+# Per FP8 format: exponents of its smallest positive value and of a power of two above its
+# largest (E4M3: 2**-9 and 448 < 2**9; E5M2: 2**-16 and 57344 < 2**16).
+_EXPONENT_RANGE = {torch.float8_e4m3fn: (-9, 9), torch.float8_e5m2: (-16, 16)}
+
+
+def bf16_math_is_exact(
+    x_dtype: torch.dtype, x_scale_exponents, y_dtype: torch.dtype, y_scale_exponents, k: int
+) -> bool:
+    """Whether the float32 GEMM over ``k`` of two operands whose values are FP8 values (of
+    ``x_dtype`` / ``y_dtype``) times powers of two ``2**s``, ``s`` within the ``(min, max)``
+    scale exponents given, is exact up to the float32 accumulation order also in BF16 math:
+    every value is then a BF16 number; required here, no operand value, product or nonzero
+    partial sum below the smallest normal float32 (BF16 math flushes those; all are multiples
+    of the smallest product), and no sum near overflow (``k`` products of the largest
+    magnitudes). Block-scaled GEMMs (Float8 block, MXFP8) read their scales' exponents."""
+    ranges = (_EXPONENT_RANGE.get(x_dtype), _EXPONENT_RANGE.get(y_dtype))
+    if None in ranges:
+        return False
+    (x_lo, x_hi), (y_lo, y_hi) = ranges
+    smallest = (x_scale_exponents[0] + x_lo, y_scale_exponents[0] + y_lo)
+    largest_sum = x_scale_exponents[1] + x_hi + y_scale_exponents[1] + y_hi + max(k, 1).bit_length()
+    return min(smallest) >= -126 and sum(smallest) >= -126 and largest_sum <= 127
 
 
 def float32_product_of_fp8_values(xf: torch.Tensor, yf: torch.Tensor) -> torch.Tensor:

@@ -141,6 +141,26 @@ class MXFP8TensorStorage(BlockScaledTensorStorage):
         data = self._rowwise_data.view(fp8).reshape(m, k)
         return reference_blocks.mxfp8_dequantize(data, self._rowwise_scale_inv, dtype)
 
+    def mxfp8_gemm_scale_exponents(self, columnwise: bool = False) -> tuple[int, int] | None:
+        """``(min, max)`` of the binary exponents ``e - 127`` of the E8M0 scales of one copy's
+        blocks (the copy :meth:`mxfp8_gemm_input` reads), or ``None`` when the copy is absent or
+        empty or a scale is the denormal ``2**-127`` (byte 0) or NaN (255): what the emulated
+        GEMM needs to decide whether BF16 math is exact (``fp8_gemm_cpu.bf16_math_is_exact``)."""
+        m, k = block_matrix_dims(self.size())
+        if columnwise:
+            scale, rows, cols = self._columnwise_scale_inv, m, k
+            exponents = None if scale is None else scale.t()[:cols, : -(-rows // 32)]
+        else:
+            scale, rows, cols = self._rowwise_scale_inv, m, k
+            exponents = None if scale is None else scale[:rows, : -(-cols // 32)]
+        if exponents is None or exponents.numel() == 0:
+            return None
+        low, high = torch.aminmax(exponents.to(torch.int32))
+        low, high = int(low), int(high)
+        if low == 0 or high == 255:
+            return None
+        return low - 127, high - 127
+
     def _dequantize_plain(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = self._dequantize_dtype(dtype)
         shape = self.size()
