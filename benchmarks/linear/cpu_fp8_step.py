@@ -9,7 +9,9 @@ tokens:
 * ``fp8 emulated``: FP8 under ``te.autocast`` (DelayedScaling), the GEMMs on the exact float32
   emulation (cpp_extensions.fp8_gemm_cpu);
 * ``fp8 _scaled_mm``: the same step with the GEMMs on ``torch._scaled_mm`` (the only CPU path
-  before the emulation).
+  before the emulation);
+* with ``--recipes``: the step under Float8CurrentScaling, Float8BlockScaling, MXFP8 or NVFP4
+  (each on the library's own CPU route).
 
 The script forces each route through ``fp8_gemm_cpu.SCALED_MM_IS_NATIVE_ON_CPU`` and prints the
 one the library takes on this CPU.
@@ -30,13 +32,27 @@ import time
 import torch
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling
+from transformer_engine.common.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 from transformer_engine.pytorch.cpp_extensions import fp8_gemm_cpu
 
 
 def scaled_mm_gemm(x, y, scale, out_dtype=torch.bfloat16):
     return torch._scaled_mm(x, y.t(), scale_a=scale, scale_b=scale, out_dtype=out_dtype)
 
+
+# --recipes: the step under the other recipes (library route), beside DelayedScaling's.
+OTHER_RECIPES = {
+    "current": Float8CurrentScaling,
+    "block": Float8BlockScaling,
+    "mxfp8": MXFP8BlockScaling,
+    "nvfp4": NVFP4BlockScaling,
+}
 
 # Variant name -> fp8_gemm_cpu.SCALED_MM_IS_NATIVE_ON_CPU while it runs.
 GEMM_PATHS = {"fp8 emulated": False, "fp8 _scaled_mm": True}
@@ -86,7 +102,17 @@ def main() -> int:
         help="leave out the whole step on torch._scaled_mm (seconds per step where oneDNN has "
         "no FP8 kernel); its bare GEMMs are still timed",
     )
+    parser.add_argument(
+        "--recipes",
+        default="",
+        help="also time the emulated step under these other recipes, comma-separated: "
+        f"{', '.join(OTHER_RECIPES)} (MXFP8 and NVFP4 warn once that their GEMMs are emulated)",
+    )
     args = parser.parse_args()
+    others = [r for r in args.recipes.split(",") if r]
+    for name in others:
+        if name not in OTHER_RECIPES:
+            parser.error(f"unknown recipe {name!r}; choose from {', '.join(OTHER_RECIPES)}")
     global clock
     clock = CLOCK[args.clock]
     if args.threads:
@@ -118,6 +144,17 @@ def main() -> int:
     default_route = fp8_gemm_cpu.SCALED_MM_IS_NATIVE_ON_CPU
     paths = [p for p in GEMM_PATHS if not (args.skip_scaled_mm_step and GEMM_PATHS[p])]
     variants = {"bf16": bf16_step, **{path: with_gemm(path) for path in paths}}
+
+    def recipe_step(other):
+        def step():
+            with te.autocast(recipe=other):
+                y = mlp(x)
+            y.sum().backward()
+
+        return step
+
+    for name in others:
+        variants[f"fp8 {name}"] = recipe_step(OTHER_RECIPES[name]())
     results = {name: [] for name in variants}
     for name, step in variants.items():  # warm-up: allocator, oneDNN kernels, FP8 history
         try:

@@ -303,3 +303,30 @@ def test_bf16_math_mode_is_not_set_while_another_thread_runs(monkeypatch):
     finally:
         release.set()
         other.join()
+
+
+def test_bf16_math_setting_always_ignores_other_threads(monkeypatch):
+    # NVTE_CPU_GEMM_BF16_MATH=1: the user vouches for the other threads (a progress bar's).
+    if not BF16_MATH_AVAILABLE:
+        pytest.skip("oneDNN has no BF16 math mode on this CPU / torch")
+    monkeypatch.setattr(fp8_gemm_cpu, "USE_BF16_MATH", True)
+    monkeypatch.setattr(fp8_gemm_cpu, "BF16_MATH_SETTING", "1")
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert precision_seen_by_the_gemm(monkeypatch) == ["bf16"]
+    finally:
+        release.set()
+        other.join()
+
+
+@pytest.mark.parametrize(
+    ("value", "setting"), [("", "auto"), ("AUTO", "auto"), (" 1", "1"), ("0", "0")]
+)
+def test_bf16_math_setting_is_read_from_the_environment(value, setting, monkeypatch):
+    monkeypatch.setenv("NVTE_CPU_GEMM_BF16_MATH", value)
+    assert fp8_gemm_cpu._bf16_math_setting() == setting
+    monkeypatch.setenv("NVTE_CPU_GEMM_BF16_MATH", "yes")
+    with pytest.raises(ValueError, match="NVTE_CPU_GEMM_BF16_MATH='yes'"):
+        fp8_gemm_cpu._bf16_math_setting()

@@ -40,7 +40,8 @@ occurs, as above); it is about 4x faster on a CPU with BF16 instructions (1024x2
 project's 2-core VM: 0.4 ms against 1.6 ms). The mode is a process-wide setting, so flipping it
 around the call would change the precision of another thread's float32 matmuls running at the
 same moment: it is used only while this process runs one Python thread, and a process with more
-keeps the plain float32 GEMM (same exactness, slower).
+keeps the plain float32 GEMM (same exactness, slower), unless ``NVTE_CPU_GEMM_BF16_MATH=1``
+(the user vouches that no other thread runs float32 CPU matmuls meanwhile; ``0`` turns it off).
 
 It differs from ``torch._scaled_mm`` only by the order of the float32 accumulation
 (``tests/pytorch/kernels/test_fp8_gemm_cpu.py`` pins it against ``torch._scaled_mm`` and a
@@ -95,8 +96,23 @@ def _onednn_has_bf16_math() -> bool:
     return bool(bf16_supported is not None and bf16_supported())
 
 
-# Read on every call, so a benchmark or test may set it to pick a path.
-USE_BF16_MATH = _onednn_has_bf16_math()
+def _bf16_math_setting() -> str:
+    """``NVTE_CPU_GEMM_BF16_MATH``: ``auto`` (default: BF16 math while the process runs one
+    Python thread), ``1`` (always: the user vouches that no other thread runs float32 CPU
+    matmuls while an FP8 GEMM runs; progress-bar, logging or data-loading threads do not) or
+    ``0`` (never)."""
+    value = os.environ.get("NVTE_CPU_GEMM_BF16_MATH", "auto").strip().lower() or "auto"
+    if value not in ("auto", "1", "0"):
+        raise ValueError(
+            f"NVTE_CPU_GEMM_BF16_MATH={value!r}: use 'auto' (BF16 math while one Python thread "
+            "runs), '1' (always) or '0' (never)"
+        )
+    return value
+
+
+# Read on every call, so a benchmark or test may set them to pick a path.
+BF16_MATH_SETTING = _bf16_math_setting()
+USE_BF16_MATH = _onednn_has_bf16_math() and BF16_MATH_SETTING != "0"
 
 
 # Per FP8 format: exponents of its smallest positive value and of a power of two above its
@@ -127,9 +143,9 @@ def float32_product_of_fp8_values(xf: torch.Tensor, yf: torch.Tensor) -> torch.T
     """``xf @ yf.T`` in float32 for operands whose every value is an FP8 value times a power of
     two (module docstring): in oneDNN's BF16 math mode while this process runs one Python thread
     (nothing else can issue a matmul while the process-wide mode is set; it is restored even if
-    the GEMM raises), else the plain float32 GEMM. Both are exact up to the float32 accumulation
-    order."""
-    if not (USE_BF16_MATH and threading.active_count() == 1):
+    the GEMM raises), else the plain float32 GEMM (``NVTE_CPU_GEMM_BF16_MATH``: see
+    :func:`_bf16_math_setting`). Both are exact up to the float32 accumulation order."""
+    if not USE_BF16_MATH or (BF16_MATH_SETTING == "auto" and threading.active_count() > 1):
         return torch.mm(xf, yf.t())
     settings = torch.backends.mkldnn.matmul
     previous = settings.fp32_precision
