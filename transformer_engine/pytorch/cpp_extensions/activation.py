@@ -292,19 +292,23 @@ def activation_forward_fp8(
     *,
     amax: torch.Tensor | None,
     with_transpose: bool,
+    values: torch.Tensor | None = None,
 ) -> QuantizeResult:
     """``act(x)`` cast to FP8 with ``scale`` (amax of the float32 values max-accumulated into
     ``amax``), with the transposed copy when asked: on CUDA in the activation's own pass.
 
     The caller (a delayed-scaling quantizer) has checked ``scale``/``amax`` (float32 scalars)
-    and ``fp8_dtype`` (a torch FP8 dtype).
+    and ``fp8_dtype`` (a torch FP8 dtype). ``values``: what :func:`activation_amax` returned
+    for this ``x`` on the CPU (its float32 values, given up to this cast), so they are not
+    computed twice.
     """
     op = "activation_forward_fp8"
     _check_input(op, x)
     cols = _out_cols(spec, x)
     native = _native(op, x)
     if native is None:
-        y = _forward_cpu(x, spec)  # whole: one buffer, computed in place, and scaled in place
+        # whole: one buffer, computed in place, and scaled in place
+        y = values if values is not None else _forward_cpu(x, spec)
         y = y if y.dtype == torch.float32 else y.float()
         return quantize_prevalidated(
             y, scale, fp8_dtype, amax=amax, with_transpose=with_transpose, consume_input=True
@@ -334,10 +338,12 @@ def activation_backward_fp8(
     *,
     amax: torch.Tensor | None,
     with_dbias: bool,
+    values: torch.Tensor | None = None,
 ) -> tuple[QuantizeResult, torch.Tensor | None]:
     """``d loss / d x`` cast to FP8 with ``scale``, with its transposed copy and (``with_dbias``)
     its sum over the rows (the bias gradient of the layer that produced ``x``), in ``grad``'s
-    dtype. Same caller contract as :func:`activation_forward_fp8`."""
+    dtype. Same caller contract as :func:`activation_forward_fp8` (``values``: what
+    :func:`activation_backward_amax` returned on the CPU)."""
     op = "activation_backward_fp8"
     _check_input(op, x)
     cols = _out_cols(spec, x)
@@ -348,7 +354,7 @@ def activation_backward_fp8(
         )
     native = _native(op, x)
     if native is None:
-        dx = _cpu_backward(grad, x, spec, cols, _values_dtype(x))
+        dx = values if values is not None else _cpu_backward(grad, x, spec, cols, _values_dtype(x))
         dx = dx if dx.dtype == torch.float32 else dx.float()
         dbias = column_sum(dx).to(grad.dtype) if with_dbias else None  # before dx is scaled
         res = quantize_prevalidated(
@@ -373,16 +379,21 @@ def activation_backward_fp8(
     return QuantizeResult(out, out_t, scale_inv), dbias
 
 
-def activation_amax(x: torch.Tensor, spec: ActivationSpec, amax: torch.Tensor) -> None:
+def activation_amax(
+    x: torch.Tensor, spec: ActivationSpec, amax: torch.Tensor
+) -> torch.Tensor | None:
     """Overwrite the one-element float32 ``amax`` (on ``x``'s device) with ``max |act(x)|`` of
-    the float32 values :func:`activation_forward_fp8` casts; nothing else is written."""
+    the float32 values :func:`activation_forward_fp8` casts; nothing else is written. Returns
+    those values on the CPU (computed anyway; ``activation_forward_fp8(values=...)`` casts them
+    instead of computing them again), ``None`` on CUDA (its amax pass keeps nothing)."""
     op = "activation_amax"
     _check_input(op, x)
     _out_cols(spec, x)
     native = _native(op, x)
     if native is None:
-        amax.copy_(reference.amax(_forward_cpu(x, spec).float()).reshape(1))
-        return
+        values = _forward_cpu(x, spec).float()
+        amax.copy_(reference.amax(values).reshape(1))
+        return values
     native.activation_amax(
         tensor_arg(x.contiguous()), *spec.native_args(), tensor_arg(amax), *launch_args(x.device)
     )
@@ -390,16 +401,17 @@ def activation_amax(x: torch.Tensor, spec: ActivationSpec, amax: torch.Tensor) -
 
 def activation_backward_amax(
     grad: torch.Tensor, x: torch.Tensor, spec: ActivationSpec, amax: torch.Tensor
-) -> None:
-    """The same for :func:`activation_backward_fp8`'s values: ``max |d loss / d x|``."""
+) -> torch.Tensor | None:
+    """The same for :func:`activation_backward_fp8`'s values: ``max |d loss / d x|`` (and, on
+    the CPU, the float32 values for ``activation_backward_fp8(values=...)``)."""
     op = "activation_backward_amax"
     _check_input(op, x)
     cols = _out_cols(spec, x)
     native = _native(op, x)
     if native is None:
-        values = _cpu_backward(grad, x, spec, cols, _values_dtype(x))
-        amax.copy_(reference.amax(values.float()).reshape(1))
-        return
+        values = _cpu_backward(grad, x, spec, cols, _values_dtype(x)).float()
+        amax.copy_(reference.amax(values).reshape(1))
+        return values
     native.dactivation_amax(
         tensor_arg(grad.contiguous()), tensor_arg(x.contiguous()), *spec.native_args(),
         tensor_arg(amax), *launch_args(x.device),

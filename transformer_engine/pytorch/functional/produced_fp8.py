@@ -12,7 +12,21 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["can_produce", "cast_for_linear", "produce_fp8", "per_tensor_fp8_recipe"]
+from ..cpp_extensions.activation import (
+    activation_amax,
+    activation_backward_amax,
+    activation_backward_fp8,
+    activation_forward_fp8,
+)
+
+__all__ = [
+    "can_produce",
+    "cast_for_linear",
+    "produce_fp8",
+    "per_tensor_fp8_recipe",
+    "activation_producer",
+    "activation_gradient_producer",
+]
 
 
 def per_tensor_fp8_recipe(recipe) -> bool:
@@ -62,3 +76,43 @@ def cast_for_linear(quantizer, tensor: torch.Tensor, *, rowwise: bool, columnwis
         return quantizer.quantize_impl(tensor)
     finally:
         quantizer.internal = internal
+
+
+# The producers of an activation (its output as the next linear's input) and of its gradient
+# (as the previous linear's grad output): ``(produce, amax_of)`` for :func:`produce_fp8`. On
+# the CPU the amax pass returns the float32 values it computed and the cast takes them (current
+# scaling computes the activation once); on CUDA each pass is its own kernel and keeps nothing.
+
+
+def activation_producer(x2: torch.Tensor, spec):
+    """``(produce, amax_of)`` writing ``act(x2)`` (2-D) in FP8."""
+    kept = []
+
+    def amax_of(amax):  # current scaling's first pass
+        kept[:] = [activation_amax(x2, spec, amax)]
+
+    def produce(scale, amax, fp8_dtype, with_transpose):
+        values = kept.pop() if kept else None
+        res = activation_forward_fp8(
+            x2, spec, scale, fp8_dtype, amax=amax, with_transpose=with_transpose, values=values
+        )
+        return res, None
+
+    return produce, amax_of
+
+
+def activation_gradient_producer(grad2: torch.Tensor, x2: torch.Tensor, spec, with_dbias: bool):
+    """``(produce, amax_of)`` writing the activation's input gradient (2-D) in FP8, with the
+    previous layer's bias gradient as ``produce``'s extra result when ``with_dbias``."""
+    kept = []
+
+    def amax_of(amax):  # current scaling's first pass
+        kept[:] = [activation_backward_amax(grad2, x2, spec, amax)]
+
+    def produce(scale, amax, fp8_dtype, with_transpose):
+        values = kept.pop() if kept else None
+        return activation_backward_fp8(
+            grad2, x2, spec, scale, fp8_dtype, amax=amax, with_dbias=with_dbias, values=values
+        )
+
+    return produce, amax_of

@@ -35,12 +35,6 @@ from .._tensor_parallel import (
     sequence_parallel_gemm_input,
     sequence_parallel_grad_output,
 )
-from ..cpp_extensions.activation import (
-    activation_amax,
-    activation_backward_amax,
-    activation_backward_fp8,
-    activation_forward_fp8,
-)
 from ..device import device_guard
 from ..functional.activation import (
     ActivationSpec,
@@ -48,7 +42,11 @@ from ..functional.activation import (
     activation_forward,
 )
 from ..functional.linear import LinearConfig, linear_backward, linear_forward
-from ..functional.produced_fp8 import produce_fp8
+from ..functional.produced_fp8 import (
+    activation_gradient_producer,
+    activation_producer,
+    produce_fp8,
+)
 from ..quantization import BackwardScaleUpdate
 
 __all__ = ["fc1_activation_fc2"]
@@ -71,15 +69,7 @@ def _fc2_input(h2, spec, fc2_config, fc2_weight, *, columnwise: bool):
     if not _fusable(fc2_config, quantizer):
         return activation_forward(h2, spec)
 
-    def produce(scale, amax, fp8_dtype, with_transpose):
-        res = activation_forward_fp8(
-            h2, spec, scale, fp8_dtype, amax=amax, with_transpose=with_transpose
-        )
-        return res, None
-
-    def amax_of(amax):  # current scaling's first pass
-        activation_amax(h2, spec, amax)
-
+    produce, amax_of = activation_producer(h2, spec)
     shape = (h2.shape[0], fc2_weight.shape[-1])
     act, _ = produce_fp8(
         quantizer, produce, amax_of, shape, h2.dtype, h2.device,
@@ -204,15 +194,7 @@ def _activation_gradient(ctx, saved1, d_act, h2):
         d_act = d_act.to(h2.dtype)
     gemms_read_grad = saved1.w is not None or saved1.x is not None
     if gemms_read_grad and not saved1.high_precision_backward and _fusable(config, quantizer):
-
-        def produce(scale, amax, fp8_dtype, with_transpose):
-            return activation_backward_fp8(
-                d_act, h2, spec, scale, fp8_dtype, amax=amax, with_dbias=ctx.fc1_bias_grad
-            )
-
-        def amax_of(amax):  # current scaling's first pass
-            activation_backward_amax(d_act, h2, spec, amax)
-
+        produce, amax_of = activation_gradient_producer(d_act, h2, spec, ctx.fc1_bias_grad)
         return produce_fp8(
             quantizer, produce, amax_of, tuple(h2.shape), h2.dtype, h2.device,
             rowwise=saved1.w is not None, columnwise=saved1.x is not None,

@@ -11,8 +11,7 @@ gradient the same way.
 
 from __future__ import annotations
 
-from ...cpp_extensions.activation import activation_backward_amax, activation_backward_fp8
-from ...functional.produced_fp8 import can_produce, produce_fp8
+from ...functional.produced_fp8 import activation_gradient_producer, can_produce, produce_fp8
 from ..basic._common import plain
 from ..basic.activation import ActivationOperation
 from ..basic.basic_linear import BasicLinear
@@ -74,14 +73,7 @@ class BackwardActivationCast(FusedOperation):
         bias_ctx = basic_op_ctxs[1] if len(self.basic_ops) == 3 else None
         with_dbias = bias_ctx is not None and bias_ctx.bias_requires_grad
 
-        def produce(scale, amax, fp8_dtype, with_transpose):
-            return activation_backward_fp8(
-                grad2, h2, spec, scale, fp8_dtype, amax=amax, with_dbias=with_dbias
-            )
-
-        def amax_of(amax):  # current scaling's first pass
-            activation_backward_amax(grad2, h2, spec, amax)
-
+        produce, amax_of = activation_gradient_producer(grad2, h2, spec, with_dbias)
         rowwise, columnwise = layouts
         dh, dbias = produce_fp8(
             quantizer, produce, amax_of, tuple(h2.shape), h2.dtype, h2.device,

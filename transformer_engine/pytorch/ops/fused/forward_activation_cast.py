@@ -10,8 +10,7 @@ same way.
 
 from __future__ import annotations
 
-from ...cpp_extensions.activation import activation_amax, activation_forward_fp8
-from ...functional.produced_fp8 import produce_fp8
+from ...functional.produced_fp8 import activation_producer, produce_fp8
 from ..basic._common import plain
 from ..basic.activation import ActivationOperation
 from ..basic.basic_linear import BasicLinear
@@ -70,15 +69,7 @@ class ForwardActivationCast(ForwardProducerFusion):
         # the kernels take the rows as a 2-D tensor (as LayerNormMLP's FC1 output)
         x2 = x.reshape(-1, x.shape[-1])
 
-        def produce(scale, amax, fp8_dtype, with_transpose):
-            res = activation_forward_fp8(
-                x2, spec, scale, fp8_dtype, amax=amax, with_transpose=with_transpose
-            )
-            return res, None
-
-        def amax_of(amax):  # current scaling's first pass
-            activation_amax(x2, spec, amax)
-
+        produce, amax_of = activation_producer(x2, spec)
         out, _ = produce_fp8(
             quantizer, produce, amax_of, (x2.shape[0], cols), x.dtype, x.device,
             rowwise=True, columnwise=needs_wgrad,
