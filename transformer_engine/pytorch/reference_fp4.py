@@ -96,19 +96,20 @@ def e2m1_encode(v: torch.Tensor, *, stochastic: bool = False, generator=None) ->
     0)``, whose parity is that of ``q``, or ``floor(q) + 2 max(E, 0)`` plus one with
     probability ``q - floor(q)`` (0 at 6, the top). A rounding up to ``4 * step`` lands on the
     next binade's first point, whose code the formula also gives."""
-    v = v.float()
-    q = torch.nan_to_num(v.abs(), nan=0.0).clamp_(max=E2M1_MAX).contiguous()
-    e = ((q.view(torch.int32) >> 23) - 127).clamp_(0, 2)  # 0 below 2 (and for 0)
-    q.div_(((e + 126) << 23).view(torch.float32))  # / 2**(e - 1)
+    # One new buffer, then in place: NaN as +0 (no sign bit), +-Inf as +-max (clamped to 6).
+    q = torch.nan_to_num(v.float(), nan=0.0).contiguous()
+    sign = torch.signbit(q)
+    q.abs_().clamp_(max=E2M1_MAX)
+    e = (q.view(torch.int32) >> 23).sub_(127).clamp_(0, 2)  # 0 below 2 (and for 0)
+    q.div_((e + 126).bitwise_left_shift_(23).view(torch.float32))  # / 2**(e - 1)
     if stochastic:
-        u = torch.rand(q.shape, generator=generator, device=v.device, dtype=torch.float32)
+        u = torch.rand(q.shape, generator=generator, device=q.device, dtype=torch.float32)
         lo = torch.floor(q)
         code = lo.add_((u < q.sub_(lo)).float())
     else:
         code = torch.round(q)  # half to even
-    code = code.to(torch.uint8).add_((e << 1).to(torch.uint8))
-    sign = torch.signbit(v) & ~torch.isnan(v)
-    return code | (sign.to(torch.uint8) << 3)
+    code = code.to(torch.uint8).add_(e.to(torch.uint8).bitwise_left_shift_(1))
+    return code.bitwise_or_(sign.to(torch.uint8).bitwise_left_shift_(3))
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
