@@ -131,6 +131,7 @@ def emulated(request, monkeypatch):
         pytest.skip("oneDNN has no BF16 math mode on this CPU / torch")
     monkeypatch.setattr(fp8_gemm_cpu, "SCALED_MM_IS_NATIVE_ON_CPU", False)
     monkeypatch.setattr(fp8_gemm_cpu, "USE_BF16_MATH", request.param == "bf16_math")
+    monkeypatch.setattr(fp8_gemm_cpu, "BF16_MATH_SETTING", "auto")  # whatever the environment
 
 
 def scaled_mm_or_skip(*args):
@@ -330,3 +331,10 @@ def test_bf16_math_setting_is_read_from_the_environment(value, setting, monkeypa
     monkeypatch.setenv("NVTE_CPU_GEMM_BF16_MATH", "yes")
     with pytest.raises(ValueError, match="NVTE_CPU_GEMM_BF16_MATH='yes'"):
         fp8_gemm_cpu._bf16_math_setting()
+
+
+def test_bf16_math_setting_never_keeps_float32_math(monkeypatch):
+    # NVTE_CPU_GEMM_BF16_MATH=0: plain float32 even in a one-thread process.
+    monkeypatch.setattr(fp8_gemm_cpu, "USE_BF16_MATH", True)
+    monkeypatch.setattr(fp8_gemm_cpu, "BF16_MATH_SETTING", "0")
+    assert precision_seen_by_the_gemm(monkeypatch) == [torch.backends.mkldnn.matmul.fp32_precision]

@@ -58,6 +58,7 @@ def test_emulated_block_gemm_meets_the_float64_bound_in_either_mode(
     if bf16_math and not BF16_MATH_AVAILABLE:
         pytest.skip("oneDNN has no BF16 math mode on this CPU / torch")
     monkeypatch.setattr(fp8_gemm_cpu, "USE_BF16_MATH", bf16_math)
+    monkeypatch.setattr(fp8_gemm_cpu, "BF16_MATH_SETTING", "auto")
     g = torch.Generator().manual_seed(11)
     x = torch.randn(192, 256, generator=g) * torch.exp2(torch.randint(-6, 6, (192, 1), generator=g))
     w = torch.randn(160, 256, generator=g)
@@ -75,12 +76,13 @@ def test_emulated_block_gemm_meets_the_float64_bound_in_either_mode(
         return block_gemm._dequantize(values, scale_inv, is_2d)
 
     ref_x, ref_y = dequantized(b, b_columnwise), dequantized(a, a_columnwise)
+    before = torch.backends.mkldnn.matmul.fp32_precision
     seen = record_math_modes(monkeypatch)
     out = general_gemm(a, b, torch.float32, layout=layout)[0]
     assert_within_accumulation_bound(out, ref_x, ref_y)
     # BF16 math exactly where it is exact and wanted; the mode is restored afterwards.
-    assert seen == ["bf16" if bf16_math and pow2 else "none"]
-    assert torch.backends.mkldnn.matmul.fp32_precision == "none"
+    assert seen == ["bf16" if bf16_math and pow2 else before]
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
 
 
 def power_of_two_scales(exponent, shape=(2, 4)):
@@ -132,6 +134,7 @@ def test_emulated_mxfp8_gemm_meets_the_float64_bound_in_either_mode(layout, bf16
     if bf16_math and not BF16_MATH_AVAILABLE:
         pytest.skip("oneDNN has no BF16 math mode on this CPU / torch")
     monkeypatch.setattr(fp8_gemm_cpu, "USE_BF16_MATH", bf16_math)
+    monkeypatch.setattr(fp8_gemm_cpu, "BF16_MATH_SETTING", "auto")
     g = torch.Generator().manual_seed(12)
     x = torch.randn(96, 128, generator=g) * torch.exp2(torch.randint(-6, 6, (96, 1), generator=g))
     w = torch.randn(64, 128, generator=g)
@@ -148,11 +151,12 @@ def test_emulated_mxfp8_gemm_meets_the_float64_bound_in_either_mode(layout, bf16
     ref_x, ref_y = {"TN": (ref_x, ref_y), "NN": (ref_x, ref_y.t()), "NT": (ref_x.t(), ref_y.t())}[
         layout
     ]
+    before = torch.backends.mkldnn.matmul.fp32_precision
     seen = record_math_modes(monkeypatch)
     out = general_gemm(a, b, torch.float32, layout=layout)[0]
     assert_within_accumulation_bound(out, ref_x, ref_y)
-    assert seen == ["bf16" if bf16_math else "none"]
-    assert torch.backends.mkldnn.matmul.fp32_precision == "none"
+    assert seen == ["bf16" if bf16_math else before]
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
 
 
 def test_mxfp8_bf16_math_is_refused_for_denormal_scales():

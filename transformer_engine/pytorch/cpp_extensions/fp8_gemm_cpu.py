@@ -112,7 +112,7 @@ def _bf16_math_setting() -> str:
 
 # Read on every call, so a benchmark or test may set them to pick a path.
 BF16_MATH_SETTING = _bf16_math_setting()
-USE_BF16_MATH = _onednn_has_bf16_math() and BF16_MATH_SETTING != "0"
+USE_BF16_MATH = _onednn_has_bf16_math()  # whether the mode exists here
 
 
 # Per FP8 format: exponents of its smallest positive value and of a power of two above its
@@ -145,7 +145,11 @@ def float32_product_of_fp8_values(xf: torch.Tensor, yf: torch.Tensor) -> torch.T
     (nothing else can issue a matmul while the process-wide mode is set; it is restored even if
     the GEMM raises), else the plain float32 GEMM (``NVTE_CPU_GEMM_BF16_MATH``: see
     :func:`_bf16_math_setting`). Both are exact up to the float32 accumulation order."""
-    if not USE_BF16_MATH or (BF16_MATH_SETTING == "auto" and threading.active_count() > 1):
+    if (
+        not USE_BF16_MATH
+        or BF16_MATH_SETTING == "0"
+        or (BF16_MATH_SETTING == "auto" and threading.active_count() > 1)
+    ):
         return torch.mm(xf, yf.t())
     settings = torch.backends.mkldnn.matmul
     previous = settings.fp32_precision
