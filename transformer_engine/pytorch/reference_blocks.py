@@ -119,10 +119,35 @@ def _block_amax(blocks: torch.Tensor, dims) -> tuple[torch.Tensor, bool]:
     return amax, not finite
 
 
-def _scale_blocks(blocks: torch.Tensor, owned: bool, factor: torch.Tensor) -> torch.Tensor:
-    """``blocks * factor`` (broadcast per block) in float32: in place when ``blocks`` is the
-    cast's own buffer (a fresh multi-MiB product costs the CPU page faults), else new."""
-    return blocks.mul_(factor) if owned else blocks * factor
+def _matrix_blocks(a: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, bool]:
+    """``a [R, C]`` as float32 blocks ``[Rb, rows, Cb, cols]`` (zero-padded; a 1-D tile is a
+    block of one row) and whether they are a new buffer (see :func:`_padded_blocks`)."""
+    v, owned = _padded_blocks(a, rows, cols)
+    return v.reshape(v.shape[0] // rows, rows, v.shape[1] // cols, cols), owned
+
+
+def _cast_blocks(
+    blocks: torch.Tensor, owned: bool, factor: torch.Tensor, fp8_dtype, may_hold_nan: bool, shape
+) -> torch.Tensor:
+    """``blocks [Rb, rows, Cb, cols]`` times their ``factor [Rb, Cb]``, saturated and rounded to
+    FP8, as the contiguous matrix of ``shape`` (the padding cut off). The product is computed in
+    place when ``blocks`` is the cast's own buffer (a fresh multi-MiB product costs the CPU page
+    faults), else new."""
+    rb, rows, cb, cols = blocks.shape
+    factor = factor.reshape(rb, 1, cb, 1)
+    scaled = blocks.mul_(factor) if owned else blocks * factor
+    data = _saturating_cast_(scaled, fp8_dtype, may_hold_nan).reshape(rb * rows, cb * cols)
+    return data[: shape[0], : shape[1]].contiguous()
+
+
+def _float8_block_cast(a: torch.Tensor, fp8_dtype, rows: int, options) -> tuple:
+    """The cast of ``a [R, C]`` in blocks of ``rows x 128``: ``(data [R, C], scale [Rb, Cb])``
+    (the float32 scales, before the layouts :func:`block_cast_1d` / :func:`block_cast_2d`
+    store their inverses in)."""
+    blocks, owned = _matrix_blocks(a, rows, BLOCK_SCALING_BLOCK_LEN)
+    amax, not_finite = _block_amax(blocks, (1, 3))
+    scale = block_scale_from_amax(amax, fp8_dtype, **options)
+    return _cast_blocks(blocks, owned, scale, fp8_dtype, not_finite, a.shape), scale
 
 
 def block_cast_1d(
@@ -135,21 +160,13 @@ def block_cast_1d(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128-tile cast of the matrix ``a [R, C]``: ``(data [R, C] FP8, scale_inv)`` with
     ``scale_inv`` of shape ``[ceil(C/128), roundup(R, 4)]`` (see the section comment)."""
-    r, c = a.shape
-    n = BLOCK_SCALING_BLOCK_LEN
-    v, owned = _padded_blocks(a, 1, n)
-    cb = v.shape[1] // n
-    v = v.reshape(r, cb, n)
-    amax, not_finite = _block_amax(v, 2)
-    scale = block_scale_from_amax(
-        amax, fp8_dtype, epsilon=epsilon,
-        force_pow_2_scales=force_pow_2_scales, value_for_inf=value_for_inf,
-    )  # fmt: skip
-    scaled = _scale_blocks(v, owned, scale.unsqueeze(-1))
-    data = _saturating_cast_(scaled, fp8_dtype, not_finite).reshape(r, cb * n)[:, :c]
+    options = {"epsilon": epsilon, "force_pow_2_scales": force_pow_2_scales,
+               "value_for_inf": value_for_inf}  # fmt: skip
+    data, scale = _float8_block_cast(a, fp8_dtype, 1, options)  # scale [R, Cb]
+    r, cb = scale.shape
     scale_inv = torch.zeros(cb, round_up(r, 4), dtype=torch.float32, device=a.device)
     scale_inv[:, :r] = reciprocal_elementwise(scale).t()
-    return data.contiguous(), scale_inv
+    return data, scale_inv
 
 
 def block_cast_2d(
@@ -162,21 +179,13 @@ def block_cast_2d(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """128x128-block cast of the matrix ``a [R, C]``: ``(data [R, C] FP8, scale_inv)`` with
     ``scale_inv`` of shape ``[ceil(R/128), roundup(ceil(C/128), 4)]``."""
-    r, c = a.shape
-    n = BLOCK_SCALING_BLOCK_LEN
-    v, owned = _padded_blocks(a, n, n)
-    rb, cb = v.shape[0] // n, v.shape[1] // n
-    blocks = v.reshape(rb, n, cb, n)
-    amax, not_finite = _block_amax(blocks, (1, 3))
-    scale = block_scale_from_amax(
-        amax, fp8_dtype, epsilon=epsilon,
-        force_pow_2_scales=force_pow_2_scales, value_for_inf=value_for_inf,
-    )  # fmt: skip
-    scaled = _scale_blocks(blocks, owned, scale.reshape(rb, 1, cb, 1))
-    data = _saturating_cast_(scaled, fp8_dtype, not_finite).reshape(rb * n, cb * n)[:r, :c]
+    options = {"epsilon": epsilon, "force_pow_2_scales": force_pow_2_scales,
+               "value_for_inf": value_for_inf}  # fmt: skip
+    data, scale = _float8_block_cast(a, fp8_dtype, BLOCK_SCALING_BLOCK_LEN, options)
+    rb, cb = scale.shape
     scale_inv = torch.zeros(rb, round_up(cb, 4), dtype=torch.float32, device=a.device)
     scale_inv[:, :cb] = reciprocal_elementwise(scale)
-    return data.contiguous(), scale_inv
+    return data, scale_inv
 
 
 def reciprocal_elementwise(scale: torch.Tensor) -> torch.Tensor:
@@ -266,17 +275,11 @@ def mxfp8_cast(
     1x32 blocks along ``C`` (``exponents [R, ceil(C/32)]``), or with ``two_d`` 32x32 blocks
     (``exponents [ceil(R/32), ceil(C/32)]``). Partial blocks are zero-padded for the amax.
     """
-    r, c = a.shape
-    n = MXFP8_BLOCK_LEN
-    rows = n if two_d else 1
-    v, owned = _padded_blocks(a, rows, n)
-    rb, cb = v.shape[0] // rows, v.shape[1] // n
-    blocks = v.reshape(rb, rows, cb, n)
-    amax, not_finite = _block_amax(blocks, (1, 3) if two_d else 3)
-    e = mxfp8_scale_exponent(amax.reshape(rb, cb), fp8_dtype)
-    scaled = _scale_blocks(blocks, owned, _e8m0_multiplier(e).reshape(rb, 1, cb, 1))
-    data = _saturating_cast_(scaled, fp8_dtype, not_finite).reshape(rb * rows, cb * n)[:r, :c]
-    return data.contiguous(), e
+    rows = MXFP8_BLOCK_LEN if two_d else 1
+    blocks, owned = _matrix_blocks(a, rows, MXFP8_BLOCK_LEN)
+    amax, not_finite = _block_amax(blocks, (1, 3))
+    e = mxfp8_scale_exponent(amax, fp8_dtype)
+    return _cast_blocks(blocks, owned, _e8m0_multiplier(e), fp8_dtype, not_finite, a.shape), e
 
 
 def mxfp8_dequantize(
