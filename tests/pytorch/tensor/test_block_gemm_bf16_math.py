@@ -49,16 +49,34 @@ def assert_within_accumulation_bound(out, x, y):
     assert bool(((out.double() - exact).abs() <= bound).all())
 
 
+def use_math_mode(monkeypatch, bf16_math: bool) -> None:
+    """The emulated GEMMs in BF16 math (skipped where this CPU / torch lacks it) or in plain
+    float32, with the default thread rule whatever the environment says."""
+    if bf16_math and not BF16_MATH_AVAILABLE:
+        pytest.skip("oneDNN has no BF16 math mode on this CPU / torch")
+    monkeypatch.setattr(fp8_gemm_cpu, "USE_BF16_MATH", bf16_math)
+    monkeypatch.setattr(fp8_gemm_cpu, "BF16_MATH_SETTING", "auto")
+
+
+def gemm_in_recorded_mode(monkeypatch, a, b, layout, ref_x, ref_y, expected_mode: str) -> None:
+    """``general_gemm(a, b)`` in float32 within the accumulation bound of ``ref_x @ ref_y^T``,
+    with one GEMM in ``expected_mode`` ("bf16", or "before": the mode found before) and the
+    mode restored afterwards."""
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    seen = record_math_modes(monkeypatch)
+    out = general_gemm(a, b, torch.float32, layout=layout)[0]
+    assert_within_accumulation_bound(out, ref_x, ref_y)
+    assert seen == [before if expected_mode == "before" else expected_mode]
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+
+
 @pytest.mark.parametrize("pow2", [True, False], ids=["pow2", "fp32_scales"])
 @pytest.mark.parametrize("bf16_math", [True, False], ids=["bf16_math", "float32_math"])
 @pytest.mark.parametrize("layout", ["TN", "NN", "NT"])
 def test_emulated_block_gemm_meets_the_float64_bound_in_either_mode(
     layout, bf16_math, pow2, monkeypatch
 ):
-    if bf16_math and not BF16_MATH_AVAILABLE:
-        pytest.skip("oneDNN has no BF16 math mode on this CPU / torch")
-    monkeypatch.setattr(fp8_gemm_cpu, "USE_BF16_MATH", bf16_math)
-    monkeypatch.setattr(fp8_gemm_cpu, "BF16_MATH_SETTING", "auto")
+    use_math_mode(monkeypatch, bf16_math)
     g = torch.Generator().manual_seed(11)
     x = torch.randn(192, 256, generator=g) * torch.exp2(torch.randint(-6, 6, (192, 1), generator=g))
     w = torch.randn(160, 256, generator=g)
@@ -76,13 +94,9 @@ def test_emulated_block_gemm_meets_the_float64_bound_in_either_mode(
         return block_gemm._dequantize(values, scale_inv, is_2d)
 
     ref_x, ref_y = dequantized(b, b_columnwise), dequantized(a, a_columnwise)
-    before = torch.backends.mkldnn.matmul.fp32_precision
-    seen = record_math_modes(monkeypatch)
-    out = general_gemm(a, b, torch.float32, layout=layout)[0]
-    assert_within_accumulation_bound(out, ref_x, ref_y)
     # BF16 math exactly where it is exact and wanted; the mode is restored afterwards.
-    assert seen == ["bf16" if bf16_math and pow2 else before]
-    assert torch.backends.mkldnn.matmul.fp32_precision == before
+    expected = "bf16" if bf16_math and pow2 else "before"
+    gemm_in_recorded_mode(monkeypatch, a, b, layout, ref_x, ref_y, expected)
 
 
 def power_of_two_scales(exponent, shape=(2, 4)):
@@ -131,10 +145,7 @@ def test_bf16_math_needs_normal_power_of_two_scales():
 @pytest.mark.parametrize("layout", ["TN", "NN", "NT"])
 def test_emulated_mxfp8_gemm_meets_the_float64_bound_in_either_mode(layout, bf16_math, monkeypatch):
     # E8M0 scales are powers of two: BF16 math whenever the exponents allow it.
-    if bf16_math and not BF16_MATH_AVAILABLE:
-        pytest.skip("oneDNN has no BF16 math mode on this CPU / torch")
-    monkeypatch.setattr(fp8_gemm_cpu, "USE_BF16_MATH", bf16_math)
-    monkeypatch.setattr(fp8_gemm_cpu, "BF16_MATH_SETTING", "auto")
+    use_math_mode(monkeypatch, bf16_math)
     g = torch.Generator().manual_seed(12)
     x = torch.randn(96, 128, generator=g) * torch.exp2(torch.randint(-6, 6, (96, 1), generator=g))
     w = torch.randn(64, 128, generator=g)
@@ -151,12 +162,8 @@ def test_emulated_mxfp8_gemm_meets_the_float64_bound_in_either_mode(layout, bf16
     ref_x, ref_y = {"TN": (ref_x, ref_y), "NN": (ref_x, ref_y.t()), "NT": (ref_x.t(), ref_y.t())}[
         layout
     ]
-    before = torch.backends.mkldnn.matmul.fp32_precision
-    seen = record_math_modes(monkeypatch)
-    out = general_gemm(a, b, torch.float32, layout=layout)[0]
-    assert_within_accumulation_bound(out, ref_x, ref_y)
-    assert seen == ["bf16" if bf16_math else before]
-    assert torch.backends.mkldnn.matmul.fp32_precision == before
+    expected = "bf16" if bf16_math else "before"
+    gemm_in_recorded_mode(monkeypatch, a, b, layout, ref_x, ref_y, expected)
 
 
 def test_mxfp8_bf16_math_is_refused_for_denormal_scales():
