@@ -147,13 +147,13 @@ class MXFP8TensorStorage(BlockScaledTensorStorage):
         empty or a scale is the denormal ``2**-127`` (byte 0) or NaN (255): what the emulated
         GEMM needs to decide whether BF16 math is exact (``fp8_gemm_cpu.bf16_math_is_exact``)."""
         m, k = block_matrix_dims(self.size())
-        if columnwise:
-            scale, rows, cols = self._columnwise_scale_inv, m, k
-            exponents = None if scale is None else scale.t()[:cols, : -(-rows // 32)]
-        else:
-            scale, rows, cols = self._rowwise_scale_inv, m, k
-            exponents = None if scale is None else scale[:rows, : -(-cols // 32)]
-        if exponents is None or exponents.numel() == 0:
+        n = reference_blocks.MXFP8_BLOCK_LEN
+        scale = self._columnwise_scale_inv if columnwise else self._rowwise_scale_inv
+        if scale is None:
+            return None
+        # the blocks' region of the (padded) scales, as mxfp8_gemm_input reads them
+        exponents = scale.t()[:k, : -(-m // n)] if columnwise else scale[:m, : -(-k // n)]
+        if exponents.numel() == 0:
             return None
         low, high = torch.aminmax(exponents.to(torch.int32))
         low, high = int(low), int(high)
