@@ -2,12 +2,12 @@
 """Bandwidth of the MLP block's elementwise kernels on one CUDA GPU, against a device copy.
 
 For each activation (forward and backward, high precision and FP8 with the transposed copy),
-the activation's amax pass (current scaling), the plain FP8 cast+transpose, and LayerNorm /
-RMSNorm forward and backward (PyTorch's kernels and the package's, the latter also writing FP8
-with the transposed copy), it reports the bytes a kernel must move (inputs read once plus
-outputs written once), its time (CUDA events, median over batches) and that bandwidth as a
-fraction of a device-to-device copy's, measured in the same run. Target (issue: the MLP
-block): 80% of the copy for every fused activation and norm kernel.
+the activation's amax pass (current scaling), the plain FP8 cast+transpose and amax pass, and
+LayerNorm / RMSNorm forward and backward (PyTorch's kernels and the package's, the latter also
+writing FP8 with the transposed copy), it reports the bytes a kernel must move (inputs read
+once plus outputs written once), its time (CUDA events, median over batches) and that
+bandwidth as a fraction of a device-to-device copy's, measured in the same run. Target (issue:
+the MLP block): 80% of the copy for every fused activation and norm kernel.
 
     python benchmarks/mlp/benchmark_kernels.py                      # 8192 x 16384 bf16
     python benchmarks/mlp/benchmark_kernels.py --rows 16384 --cols 4096 --json out.json
@@ -37,7 +37,7 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-from transformer_engine.pytorch.cpp_extensions import norm_kernels, quantize
+from transformer_engine.pytorch.cpp_extensions import compute_amax, norm_kernels, quantize
 from transformer_engine.pytorch.cpp_extensions.activation import (
     activation_amax,
     activation_backward,
@@ -90,8 +90,8 @@ def activation_cases(name, rows, cols, dtype, device, scale, amax):
 
 
 def other_cases(rows, cols, dtype, device, scale, amax):
-    """The plain FP8 cast+transpose, and the norms over a [rows, cols / 4] input (the MLP's
-    hidden size is a quarter of its FFN size)."""
+    """The plain FP8 cast+transpose and amax pass (current scaling's casts), and the norms over
+    a [rows, cols / 4] input (the MLP's hidden size is a quarter of its FFN size)."""
     e = torch.tensor([], dtype=dtype).element_size()
     x = torch.randn(rows, cols, dtype=dtype, device=device)
     hidden = cols // 4
@@ -104,6 +104,7 @@ def other_cases(rows, cols, dtype, device, scale, amax):
     return [
         (f"cast+T {rows}x{cols}", lambda: quantize(
             x, scale, torch.float8_e4m3fn, amax=amax, with_transpose=True), x.numel() * (e + 2)),
+        (f"amax {rows}x{cols}", lambda: compute_amax(x, out=amax), x.numel() * e),
         (f"layer_norm fwd {rows}x{hidden}",
          lambda: torch.native_layer_norm(h, (hidden,), w, b, 1e-5), 2 * n * e),
         ("layer_norm bwd", lambda: torch.ops.aten.native_layer_norm_backward(

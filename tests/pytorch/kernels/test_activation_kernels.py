@@ -305,6 +305,51 @@ def test_large_and_odd_shapes_against_float64(name, shape):
 
 
 # --- device contract (GPU machine) -------------------------------------------------------------
+def amax_pass_inputs(dtype, seed=0):
+    """Inputs for the amax pass's skip of positions no larger than an amax already found:
+    near-normal values (most positions skipped), the same sorted ascending along the
+    grid-stride walk (every position raises the amax: none skipped), sorted descending, one
+    large value placed last, and for 16-bit types every bit pattern (NaN and Inf too) shuffled.
+    2048 x 8192 gives each thread of the pass several unrolled groups."""
+    n = 2048 * 8192
+    g = torch.Generator("cuda").manual_seed(seed)
+    x = (3 * torch.randn(n, generator=g, device="cuda")).to(dtype)
+    last = x.clone()
+    last[-1] = 1000.0
+    cases = {
+        "normal": x,
+        "ascending": x.sort().values,
+        "descending": x.sort(descending=True).values,
+        "largest_last": last,
+    }
+    if dtype != torch.float32:
+        bits = torch.arange(-(2**15), 2**15, dtype=torch.int16).view(dtype)
+        order = torch.randperm(bits.numel(), generator=g, device="cuda")
+        every = bits.cuda()[order].repeat(64)
+        cases["every_value"] = torch.cat([x[: n - every.numel()], every])
+    return {name: t.reshape(2048, 8192) for name, t in cases.items()}
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["gelu", "qgelu", "silu"])
+def test_amax_pass_skip_gives_the_amax_of_every_value(name, dtype):
+    """The amax pass of an activation bounded by its input skips the arithmetic of positions
+    whose inputs cannot raise the amax found so far; its result must be bit for bit the amax
+    of every value, which the FP8 forward (element-wise, no transposed copy) records while it
+    casts every element with the same arithmetic."""
+    spec = activation_spec(name)
+    scale = torch.ones(1, device="cuda")
+    for case, x in amax_pass_inputs(dtype).items():
+        amax = torch.zeros(1, device="cuda")
+        activation_amax(x, spec, amax)
+        expected = torch.zeros(1, device="cuda")
+        activation_forward_fp8(
+            x, spec, scale, torch.float8_e5m2, amax=expected, with_transpose=False
+        )
+        assert torch.equal(amax, expected), (case, amax.item(), expected.item())
+
+
 @needs_two_gpus
 def test_runs_on_the_tensors_device_not_the_current_one():
     x = make_input((64, 128), torch.bfloat16, "cuda:1")

@@ -153,6 +153,24 @@ def test_compute_amax_matches_reference_and_overwrites(dtype, shape):
     assert bitwise_equal(out, reference.amax(x.cpu()))
 
 
+@pytest.mark.parametrize("dtype", HIGH)
+@pytest.mark.parametrize("where", ["first", "middle", "last_vector", "scalar_tail"])
+def test_compute_amax_large_tensors_find_the_max_anywhere(dtype, where):
+    """Large enough that every thread of the pass runs its unrolled loop several times, then
+    its remainder, then (odd length) the scalar tail: one planted maximum is found wherever it
+    lies, NaN elsewhere is ignored, and an unaligned view takes the element-wise path."""
+    n = 9 * 2**21 + 5
+    g = torch.Generator("cuda:0").manual_seed(3)
+    x = torch.rand(n, generator=g, device="cuda:0").to(dtype)
+    at = {"first": 0, "middle": n // 2 + 3, "last_vector": n - 6, "scalar_tail": n - 1}[where]
+    x[at] = -7.0
+    x[at // 2 + 1] = float("nan")
+    for view in (x, x[1:]):
+        out = compute_amax(view)
+        assert out.item() == 7.0 or (view is not x and at == 0)
+        assert bitwise_equal(out, reference.amax(view.cpu()))
+
+
 AMAX_CASES = [0.0, 1e-45, 1e-40, 1e-30, 1.0, 3.0, 448.0, 1e30, float("inf"), float("nan")]
 
 

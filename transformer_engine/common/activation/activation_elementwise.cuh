@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "activation/activation_math.cuh"
 #include "cast/cast_transpose.cuh"
@@ -75,6 +76,22 @@ struct AmaxOnlyStore {
   }
 };
 
+/* The amax-only pass of an activation bounded by its input (ActivationLoad::kBoundedByInput)
+ * computes a position only when one of its inputs exceeds the largest amax its warp has found
+ * so far, less a relative 2^-20 (which covers the approximate reciprocal's error in that
+ * bound): any other position's values are at most that amax and cannot raise it. The result is
+ * the amax of every value, bit for bit. On FC1 outputs (near-normal values) most positions are
+ * skipped after a warp's first few, which takes GELU's pass from waiting on the special-function
+ * unit to reading at the memory's speed; on inputs that keep growing along the walk (sorted
+ * ascending) every position is computed, as before. */
+__device__ __forceinline__ float warp_amax_bound(float local_amax) {
+  unsigned bits = __float_as_uint(local_amax);  // amaxes are >= 0 (or +inf): uint order
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  bits = __reduce_max_sync(__activemask(), bits);
+#endif
+  return __uint_as_float(bits) * (1.0f - 0x1p-20f);
+}
+
 /* Resident blocks per SM the kernel is compiled for (__launch_bounds__ then caps a thread at
  * 64 registers) and launched with: sm_count * kBlocksPerSm blocks, fewer for small tensors. */
 constexpr int kBlocksPerSm = 4;
@@ -122,6 +139,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
                        CastArgs args) {
   constexpr int kParts = Loader::kParts;
   constexpr int kU = kUnroll<Loader>;
+  constexpr bool kSkipBelowAmax =
+      std::is_same<Store, AmaxOnlyStore>::value && Loader::kBoundedByInput;
   float local_amax = 0.0f;
   if constexpr (kFp8) store.scale = cast_detail::load_scale(args);
   const size_t cols = shape.cols;
@@ -150,8 +169,16 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
         raw[u] = loader.fetch(at.r, at.c * kVecElems);
         at.advance(shape.step_r, shape.step_c, vpr);
       }
+      if constexpr (kSkipBelowAmax) {
+        const float bound = warp_amax_bound(local_amax);
 #pragma unroll
-      for (int u = 0; u < kU; ++u) put(pos[u], raw[u]);
+        for (int u = 0; u < kU; ++u) {
+          if (!loader.inputs_within(raw[u], bound)) put(pos[u], raw[u]);
+        }
+      } else {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) put(pos[u], raw[u]);
+      }
     }
     for (; v < n; v += stride) {  // fewer than kU positions left for this thread
       put(at, loader.fetch(at.r, at.c * kVecElems));

@@ -214,6 +214,15 @@ struct ActivationLoad {
   using InputType = IType;
   static constexpr int kParts = 1;
   static constexpr int kOperands = kGated ? 2 : 1;  // u (and v)
+  /* |act(u)| <= |u| for every u, as computed: act(u) = u s with s in [0, 1] (GELU's logistic
+   * form or 0.5 (1 + tanhf), QGELU's and SiLU's logistic; a float product by s <= 1 rounds to
+   * at most |u|; rcp.approx may put s a few ulps above 1, which the amax pass's relative margin
+   * of 2^-20, 16 ulps, covers). The amax-only pass (activation_elementwise.cuh) then skips the
+   * arithmetic of inputs no larger than an amax already found: their values cannot raise it.
+   * Only the activations whose arithmetic is worth skipping (two special-function operations
+   * an element) claim it. */
+  static constexpr bool kBoundedByInput =
+      !kGated && (kKind == kNVTEActGelu || kKind == kNVTEActQGelu || kKind == kNVTEActSilu);
   struct Raw {
     Vec<IType, kVecElems> x[kOperands];
   };
@@ -270,6 +279,13 @@ struct ActivationLoad {
     const float v = kGated ? to_float(row(r)[cols + c]) : 0.0f;
     out[0] = forward_value<kKind, kFastMath<IType>>(act, kGated, to_float(row(r)[c]), v);
   }
+  /* Whether every input of the position is at most `bound` in magnitude (NaN is not). */
+  __device__ __forceinline__ bool inputs_within(const Raw& raw, float bound) const {
+    bool within = true;
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) within &= fabsf(to_float(raw.x[0].v[j])) <= bound;
+    return within;
+  }
 };
 
 /* The backward. Tiled contract: element (r, c) of d loss / d input as a [rows, in_cols] matrix,
@@ -283,6 +299,7 @@ struct DActivationLoad {
   using InputType = IType;
   static constexpr int kParts = kGated ? 2 : 1;
   static constexpr int kOperands = kGated ? 3 : 2;  // grad, u (and v)
+  static constexpr bool kBoundedByInput = false;  // see ActivationLoad
   struct Raw {
     Vec<IType, kVecElems> x[kOperands];
   };
