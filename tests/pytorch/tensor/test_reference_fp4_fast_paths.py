@@ -1,6 +1,6 @@
-"""The NVFP4 reference's arithmetic E2M1 encode/decode, cached RHT matrix and buffer-free amax
-against their former forms (``torch.bucketize`` over the grid, gathers; the cached matrix against
-a fresh build), bit for bit.
+"""The NVFP4 reference's arithmetic E2M1 encode/decode, cached RHT matrix, buffer-free amax and
+one-GEMM RHT against their former forms (``torch.bucketize`` over the grid, gathers; the cached
+matrix against a fresh build; a batched product over the input's own layout), bit for bit.
 
 ``reference_fp4`` is NVFP4's cast on every device, so its faster forms must give the very same
 codes, values and amaxes; stochastic rounding must consume the same random draws.
@@ -46,6 +46,18 @@ def old_global_amax(a):
     v = a.detach().float().abs()
     v = torch.where(torch.isnan(v), torch.zeros_like(v), v)
     return v.amax().reshape(1) if v.numel() else torch.zeros(1)
+
+
+def old_apply_rht(a, inverse=False, with_random_sign_mask=True):
+    r, c = a.shape
+    full = (c // 16) * 16
+    mat = fp4.rht_matrix(with_random_sign_mask, a.device)
+    if not inverse:
+        mat = mat.t()
+    out = a.float().clone()
+    blocks = out[:, :full].reshape(r, full // 16, 16)
+    out[:, :full] = (blocks @ mat).reshape(r, full)
+    return out
 
 
 # ---- inputs -------------------------------------------------------------------------------
@@ -118,3 +130,22 @@ def test_cached_rht_matrix_is_a_fresh_build_and_a_fresh_tensor(signs):
     same_bits(first, built)
     first.zero_()  # a caller may write its copy; the next call is unaffected
     same_bits(fp4.rht_matrix(signs), built)
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("signs", [True, False])
+def test_rht_gives_the_former_values_in_the_inputs_layout(inverse, signs):
+    """Values of wide dynamic range (every 16-term sum rounds), row-major and transposed (the
+    column-wise casts' view) inputs, a trailing partial block, a sliced view, bfloat16; the
+    input is never written, and a transposed input gives a transposed (column-major) result,
+    the layout the callers' GEMMs had read."""
+    g = torch.Generator().manual_seed(9)
+    for shape in [(256, 512), (64, 96), (40, 33), (7, 5), (1, 16)]:
+        a = torch.randn(shape, generator=g) * torch.exp(3 * torch.randn(shape, generator=g))
+        for view in (a, a.t(), a[:, 1:], a.to(torch.bfloat16), a.to(torch.bfloat16).t()):
+            before = view.clone()
+            new = fp4.apply_rht(view, inverse=inverse, with_random_sign_mask=signs)
+            same_bits(new, old_apply_rht(view, inverse, signs))
+            assert torch.equal(view, before)
+            if view.dim() == 2 and min(view.shape) > 1 and view.t().is_contiguous():
+                assert new.t().is_contiguous()
