@@ -81,6 +81,21 @@ def test_dequantize_bounds_and_columnwise(fp8):
     assert torch.equal(t.dequantize().double(), col)
 
 
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("shape", [(1, 33), (5, 70), (33, 64), (96, 64), (3, 40, 40), (256, 512)])
+def test_columnwise_gemm_input_values_and_layout(fp8, shape):
+    """The column-wise copy's GEMM input (its FP8 bytes transposed first, then dequantized row
+    by row) equals the float64 oracle's dequantize of the column-wise cast, partial blocks
+    included, and comes column-major: the layout the emulated GEMM has always been given."""
+    x = _sample(shape, torch.float32, seed=7)
+    t = MXFP8Quantizer(fp8)(x)
+    col = t.mxfp8_gemm_input(columnwise=True)
+    m = x.numel() // shape[-1]
+    assert col.shape == (m, shape[-1]) and col.dtype == torch.float32
+    assert torch.equal(col.double(), oracle_dequantize(x.reshape(m, -1), fp8, columnwise=True))
+    assert col.t().is_contiguous()
+
+
 def test_two_d_blocks_shared_by_both_copies():
     x = _sample((40, 70), torch.float32, seed=4)
     t = MXFP8Quantizer(E4M3, with_2d_quantization=True)(x)

@@ -22,6 +22,7 @@ import torch
 
 from ... import reference_blocks
 from ...constants import DType, to_torch_fp8_dtype
+from ...reference import transpose_last_dim_first
 from ...utils import round_up_to_nearest_multiple as round_up
 from ._block_scaled_storage import (
     BUFFERS,
@@ -133,9 +134,13 @@ class MXFP8TensorStorage(BlockScaledTensorStorage):
         if columnwise:
             if self._columnwise_data is None:
                 return None
-            data = self._columnwise_data.view(fp8).reshape(m, k).t()
-            scale = self._columnwise_scale_inv.t()
-            return reference_blocks.mxfp8_dequantize(data, scale, dtype).t()
+            # The row-wise dequantize of the transpose, transposed back (column-major: the
+            # layout the emulated GEMM reads). The FP8 bytes are transposed first (a fast
+            # multithreaded byte copy on the CPU), so no float32 pass walks a strided view
+            # (4.8 -> 0.8 ms at 1024 x 1024); the values are exact either way.
+            data_t = transpose_last_dim_first(self._columnwise_data.view(fp8).reshape(m, k))
+            scale_t = self._columnwise_scale_inv.t()
+            return reference_blocks.mxfp8_dequantize(data_t, scale_t, dtype).t()
         if self._rowwise_data is None:
             return None
         data = self._rowwise_data.view(fp8).reshape(m, k)
