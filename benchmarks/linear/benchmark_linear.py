@@ -16,7 +16,7 @@ training under torch.compile is measured too when torchao is installed.
 ``--single-thread-backward`` runs every implementation's backward on the calling thread
 (``torch.autograd.set_multithreading_enabled(False)``) instead of autograd's per-device worker
 thread. Where the host is the bottleneck (small layers) this shows how much of a step the
-thread hand-off costs on the machine at hand (docs/modules.md, host overhead).
+thread hand-off costs on the machine at hand (docs/performance.md, host overhead).
 """
 
 from __future__ import annotations
