@@ -178,8 +178,9 @@ def apply_rht(
     if not inverse:
         mat = mat.t()  # row-vector form: v @ R.T == (R @ v).T
     # The blocks as the rows of one row-major [R * C / 16, 16] matrix: one GEMM. The column-wise
-    # casts pass a transposed view, whose blocks were a strided batch (30x slower on the CPU;
-    # the 16 products of a block are summed in the same order either way: same bits).
+    # casts pass a transposed view, whose blocks were a strided batch (30x slower on the CPU).
+    # Both forms sum a block's 16 products in the same order (same bits: pinned against the
+    # batched form in test_reference_fp4_fast_paths, and CPU against CUDA in test_nvfp4_tensor).
     rows_major = a.to(torch.float32, memory_format=torch.contiguous_format)
     if full == c:
         out = (rows_major.reshape(-1, NVFP4_BLOCK_LEN) @ mat).reshape(r, c)
