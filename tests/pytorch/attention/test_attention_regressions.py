@@ -95,7 +95,7 @@ def test_thd_rotary_follows_the_padded_offsets(pad_between_seqs):
     x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(2))
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     cu_padded = torch.tensor([0, 4, 9], dtype=torch.int32)
-    freqs = RotaryPositionEmbedding(HIDDEN // HEADS)(16)
+    freqs = RotaryPositionEmbedding(HIDDEN // HEADS, device="cpu")(16)
     out = packed(x, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
                  cu_seqlens_kv_padded=cu_padded, rotary_pos_emb=freqs,
                  pad_between_seqs=pad_between_seqs)  # fmt: skip
@@ -185,7 +185,7 @@ def test_rotary_decoding_with_rows_past_the_live_batch(fmt):
     torch.manual_seed(0)
     mha = MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=GROUPS, attention_dropout=0.0,
                              attn_mask_type="padding_causal", qkv_format=fmt, device="cpu")  # fmt: skip
-    freqs = RotaryPositionEmbedding(HIDDEN // HEADS)(8)
+    freqs = RotaryPositionEmbedding(HIDDEN // HEADS, device="cpu")(8)
     gen = torch.Generator().manual_seed(1)
     prompt, tokens = (
         torch.randn(2, 3, HIDDEN, generator=gen),
@@ -237,7 +237,7 @@ def test_multihead_attention_decodes_thd_from_the_cache(paged):
             torch.testing.assert_close(out[start : start + new[i]], want, rtol=1e-5, atol=1e-5)
             start, done[i] = start + new[i], done[i] + new[i]
         new = [1, 1]
-    freqs = RotaryPositionEmbedding(HIDDEN // HEADS)(16)
+    freqs = RotaryPositionEmbedding(HIDDEN // HEADS, device="cpu")(16)
     params.pre_step(OrderedDict([(0, 1)]))
     with pytest.raises(NotImplementedError, match="rotary_pos_emb with inference_params"):
         packed(x[0, :1], inference_params=params, rotary_pos_emb=freqs)

@@ -399,3 +399,16 @@ def test_second_gpu_while_first_is_current():
     assert out.device == t.device
     expected = oracle_batched(t.cpu(), "sbhd", 12, False)
     torch.testing.assert_close(out.double().cpu(), expected, **FP32_TOL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (two devices)")
+@pytest.mark.parametrize("fused", [False, True])
+def test_table_on_another_device_is_named(fused):
+    """RotaryPositionEmbedding builds its table on the current CUDA device by default (as
+    upstream), so a CPU input with that table is refused with both devices named and the fix,
+    not left to fail inside an indexing or a multiplication."""
+    t, table = random_input("sbhd"), angle_table(9, 12, False)
+    with pytest.raises(ValueError, match=r"freqs is on cuda:\d+ but t is on cpu.*device=t.device"):
+        apply_rotary_pos_emb(t, table.cuda(), fused=fused)
+    with pytest.raises(ValueError, match=r"freqs is on cpu but t is on cuda"):
+        apply_rotary_pos_emb(t.cuda(), table, fused=fused)

@@ -379,6 +379,14 @@ def _check_arguments(t, freqs, tensor_format, start_positions, cu_seqlens, cp_si
     if not t.is_floating_point():
         raise TypeError(f"apply_rotary_pos_emb: t has dtype {t.dtype}; it must be floating point")
     reject_meta("apply_rotary_pos_emb", t=t, freqs=freqs)
+    if freqs.device != t.device:
+        # RotaryPositionEmbedding builds its table on the current CUDA device by default (as
+        # upstream), so CPU inputs on a GPU machine need the table built or moved to the CPU.
+        raise ValueError(
+            f"apply_rotary_pos_emb: freqs is on {freqs.device} but t is on {t.device}; build "
+            "the table where t lives (RotaryPositionEmbedding(..., device=t.device), or "
+            "freqs.to(t.device))"
+        )
     expected_dims = 3 if tensor_format == "thd" else 4
     if t.dim() != expected_dims:
         raise ValueError(

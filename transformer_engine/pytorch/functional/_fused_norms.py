@@ -6,16 +6,15 @@ the input and the per-row statistics (no float32 copy of the input). The effecti
 ``gamma`` (``weight``, or ``1 + weight`` with zero-centered gamma) is formed in float32 for
 reduced-precision input, so ``1 + weight`` never rounds to BF16.
 
-Kernels: PyTorch's ``native_layer_norm`` and ``_fused_rms_norm`` forward; backward through
-``native_layer_norm_backward`` / ``_fused_rms_norm_backward`` on CUDA (with
-``NVTE_NORM_KERNELS=native``, the package's own kernels of ``cpp_extensions.norm_kernels`` on
-CUDA instead, which also write an FP8 output in their own pass; see
-``use_native_norm_kernels``). Elsewhere the backward
-runs the float32 formulas of ``cpp_extensions.normalization`` (``*_backward_from_stats``)
-(PyTorch's CPU LayerNorm backward accumulates the weight gradient of BF16 input in reduced
-precision, and its fused RMSNorm backward is CUDA-only), as
-are both directions of zero-centered gamma on CUDA with reduced-precision input (see
-``_gamma``):
+Kernels (``NORM_KERNELS``, from ``NVTE_NORM_KERNELS``): on CUDA, by default, the package's own
+kernels of ``cpp_extensions.norm_kernels`` for float32/16 and bfloat16 input, forward and
+backward; with ``NVTE_NORM_KERNELS=native`` they also write an FP8 output in their own pass
+(``use_native_norm_kernels``). Elsewhere (the CPU, ``NVTE_NORM_KERNELS=torch``, other dtypes)
+the forward is PyTorch's ``native_layer_norm`` / ``_fused_rms_norm``, the backward PyTorch's
+on CUDA and on the CPU the float32 formulas of ``cpp_extensions.normalization``
+(``*_backward_from_stats``: PyTorch's CPU LayerNorm backward accumulates the weight gradient of
+BF16 input in reduced precision, and its fused RMSNorm backward is CUDA-only); zero-centered
+gamma with reduced-precision CUDA input runs those formulas both ways (see ``_gamma``):
 
 * ``xhat = (x - mean) * rstd`` (LayerNorm) or ``x * rstd`` (RMSNorm), ``dy = grad * gamma``;
 * ``dx = rstd * (dy - mean(dy) - xhat * mean(dy * xhat))`` (RMSNorm without ``mean(dy)``);
@@ -163,20 +162,37 @@ class NormState:
 
 _NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# The package's norm kernels serve the norms only on request (NVTE_NORM_KERNELS=native). On an
-# H200 (8192 x 4096 BF16, benchmarks/mlp/benchmark_kernels.py) their high-precision forward and
-# backward beat PyTorch's (0.056 vs 0.060 ms, 0.091 vs 0.122 ms), but their FP8 output with the
-# transposed copy (0.123 ms) is slower than PyTorch's norm plus the cast+transpose kernel, and
-# with the switch on the modules take that FP8 path; the MLP and LayerNormLinear steps measured
-# no faster with it, so the default stays PyTorch's kernels followed by the GEMM's cast.
-use_native_norm_kernels = os.environ.get("NVTE_NORM_KERNELS", "") == "native"
+
+def _norm_kernels_setting() -> str:
+    """``NVTE_NORM_KERNELS``: ``auto`` (the default), ``native`` or ``torch``."""
+    value = os.environ.get("NVTE_NORM_KERNELS", "") or "auto"
+    if value not in ("auto", "native", "torch"):
+        raise ValueError(
+            f"NVTE_NORM_KERNELS={value!r} is not a norm-kernel setting; use 'auto' (the "
+            "default), 'native' or 'torch'"
+        )
+    return value
+
+
+# Which kernels run the norms on CUDA (docs/performance.md has the figures). By default
+# (``auto``) the package's kernels compute the high-precision forward and the backward: on an
+# H200 they move more bytes per second than PyTorch's at the hidden sizes of transformers.
+# Before an FP8 GEMM the norm's high-precision output is then cast by the GEMM's quantizer,
+# because the package's norm kernels writing FP8 themselves (``native``: with the transposed
+# copy and the amax) measured slower than the norm followed by the cast+transpose kernel.
+# ``torch`` keeps PyTorch's kernels throughout.
+NORM_KERNELS = _norm_kernels_setting()
+use_native_norm_kernels = NORM_KERNELS == "native"  # the norm kernels write the FP8 output
+use_native_high_precision_norms = NORM_KERNELS != "torch"
 
 
 def _native_operands(x, weight, bias):
     """``(x as [rows, H], weight, bias as 1-D)`` when the native kernels take these operands
     (CUDA, float32/16 or bfloat16 input, parameters in float32 or the input's dtype, both in
     one dtype), else ``None``."""
-    if not use_native_norm_kernels or not x.is_cuda or x.dtype not in _NATIVE_DTYPES:
+    if not (use_native_high_precision_norms or use_native_norm_kernels):
+        return None
+    if not x.is_cuda or x.dtype not in _NATIVE_DTYPES:
         return None
     if x.numel() == 0:
         return None
@@ -241,7 +257,7 @@ def norm_forward_fp8(x, weight, bias, eps: float, zero_centered_gamma: bool, *, 
             f"{weight.numel()} elements; the FP8 output needs the last dimension to be the "
             "whole normalized size"
         )
-    operands = _native_operands(x, weight, bias)
+    operands = _native_operands(x, weight, bias) if use_native_norm_kernels else None
     if operands is not None and native_module() is not None:
         x2, w, b = operands
         produced = []
@@ -401,14 +417,12 @@ def fused_layernorm(x, weight, bias, eps: float, zero_centered_gamma: bool) -> t
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     ):
         return _LayerNorm.apply(x, weight, bias, eps, zero_centered_gamma)
-    gamma, fused = _gamma(weight, x, zero_centered_gamma)
-    beta = None if bias is None else bias.to(gamma.dtype)
-    return _layernorm_forward(x, gamma, beta, eps, fused)[0]
+    # The same kernels as with autograd, so that inference gives the training forward's bits.
+    return norm_forward(x, weight, bias, eps, zero_centered_gamma, rms=False)[0]
 
 
 def fused_rmsnorm(x, weight, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
     """RMSNorm over ``weight.dim()`` trailing dimensions (operands already checked)."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNorm.apply(x, weight, eps, zero_centered_gamma)
-    gamma, fused = _gamma(weight, x, zero_centered_gamma)
-    return _rmsnorm_forward(x, gamma, eps, fused)[0]
+    return norm_forward(x, weight, None, eps, zero_centered_gamma, rms=True)[0]
