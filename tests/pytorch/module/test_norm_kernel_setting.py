@@ -34,7 +34,8 @@ def test_unknown_setting_names_the_value_and_the_choices(monkeypatch):
 
 def _calls(monkeypatch):
     calls = {"forward": 0, "backward": 0}
-    forward, backward = norm_kernels.norm_forward, norm_kernels.norm_backward
+    forward = norm_kernels.norm_forward_prevalidated
+    backward = norm_kernels.norm_backward_prevalidated
 
     def spy_forward(*args, **kwargs):
         calls["forward"] += 1
@@ -44,8 +45,8 @@ def _calls(monkeypatch):
         calls["backward"] += 1
         return backward(*args, **kwargs)
 
-    monkeypatch.setattr(norm_kernels, "norm_forward", spy_forward)
-    monkeypatch.setattr(norm_kernels, "norm_backward", spy_backward)
+    monkeypatch.setattr(norm_kernels, "norm_forward_prevalidated", spy_forward)
+    monkeypatch.setattr(norm_kernels, "norm_backward_prevalidated", spy_backward)
     return calls
 
 

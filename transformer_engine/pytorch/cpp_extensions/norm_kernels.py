@@ -38,7 +38,9 @@ __all__ = [
     "norm_forward_fp8",
     "norm_amax",
     "norm_backward",
+    "norm_backward_prevalidated",
     "norm_backward_workspace_elements",
+    "norm_forward_prevalidated",
 ]
 
 
@@ -121,7 +123,16 @@ def norm_forward(x, weight, bias, eps, zero_centered_gamma, *, rms: bool):
     op = "norm_forward"
     eps = _check_common(op, x, weight, bias, eps, zero_centered_gamma, rms)
     check_tensors_on(op, "x", x, weight=weight, bias=bias)
-    native = _native(op, x)
+    return norm_forward_prevalidated(x, weight, bias, eps, zero_centered_gamma, rms=rms)
+
+
+def norm_forward_prevalidated(x, weight, bias, eps: float, zero_centered_gamma: bool, *,
+                              rms: bool):  # fmt: skip
+    """:func:`norm_forward` for callers that checked its arguments themselves (the norms of
+    ``functional``, which run at every step of every LayerNorm* module): the Python checks
+    would cost more host time than PyTorch's whole norm call. The native entry point still
+    checks dtypes, shapes and devices."""
+    native = _native("norm_forward", x)
     if native is None:
         return None
     x = _aligned(x)
@@ -245,7 +256,16 @@ def norm_backward(dz, x, mean, rsigma, weight, zero_centered_gamma, *, rms: bool
         _check_stat(op, "mean", mean, _rows(x))
     _check_stat(op, "rsigma", rsigma, _rows(x))
     check_tensors_on(op, "x", x, dz=dz, mean=mean, rsigma=rsigma, weight=weight)
-    native = _native(op, x)
+    return norm_backward_prevalidated(
+        dz, x, mean, rsigma, weight, zero_centered_gamma, rms=rms, with_dbeta=with_dbeta
+    )
+
+
+def norm_backward_prevalidated(dz, x, mean, rsigma, weight, zero_centered_gamma: bool, *,
+                               rms: bool, with_dbeta: bool):  # fmt: skip
+    """:func:`norm_backward` for callers that checked its arguments themselves (see
+    :func:`norm_forward_prevalidated`)."""
+    native = _native("norm_backward", x)
     if native is None:
         return None
     x, dz = _aligned(x), _aligned(dz)

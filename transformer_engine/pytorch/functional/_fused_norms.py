@@ -223,7 +223,7 @@ def norm_forward(x, weight, bias, eps: float, zero_centered_gamma: bool, *, rms:
     operands = _native_operands(x, weight, bias)
     if operands is not None:
         x2, w, b = operands
-        result = native_norms.norm_forward(x2, w, b, eps, zero_centered_gamma, rms=rms)
+        result = native_norms.norm_forward_prevalidated(x2, w, b, eps, zero_centered_gamma, rms=rms)
         if result is not None:
             y, mean, rsigma = result
             state = _native_state(x, weight, bias, rms, zero_centered_gamma)
@@ -367,7 +367,7 @@ def _native_backward(grad, tensors, state: NormState, needs):
     if dz.dtype != x2.dtype:
         dz = dz.to(x2.dtype)
     with_dbeta = state.has_bias and needs_b
-    dx, dgamma, dbeta = native_norms.norm_backward(
+    dx, dgamma, dbeta = native_norms.norm_backward_prevalidated(
         dz, x2, mean, rsigma, w, state.zero_centered_gamma, rms=state.rms, with_dbeta=with_dbeta
     )
     return (
