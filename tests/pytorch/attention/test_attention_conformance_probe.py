@@ -22,7 +22,12 @@ def test_zero_length_sequences(softmax_type, sq, skv):
     """A query over no keys attends to nothing: its output is zero (the convention for fully
     masked rows), and empty queries give an empty output; neither may raise."""
     dpa = te.DotProductAttention(
-        HEADS, HEAD_DIM, qkv_format="bshd", attn_mask_type="no_mask", softmax_type=softmax_type
+        HEADS,
+        HEAD_DIM,
+        qkv_format="bshd",
+        attn_mask_type="no_mask",
+        softmax_type=softmax_type,
+        device="cpu",  # the learnable offset would go to the current CUDA device by default
     )
     q = torch.randn(BATCH, sq, HEADS, HEAD_DIM, requires_grad=True)
     k = torch.randn(BATCH, skv, HEADS, HEAD_DIM, requires_grad=True)
