@@ -86,3 +86,22 @@ def test_default_runs_the_package_kernels_on_cuda(monkeypatch, kind, native):
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2**-6, atol=2**-6)
     # A sum over 64 rows of bf16-rounded terms.
     torch.testing.assert_close(layer.weight.grad.double(), w64.grad, rtol=2**-6, atol=0.05)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or native_module() is None,
+    reason="needs a CUDA GPU and the native library; runs on the GPU machine",
+)
+@pytest.mark.parametrize("native", [False, True], ids=["auto", "native"])
+def test_float32_input_takes_the_package_kernels_only_with_native(monkeypatch, native):
+    """``auto`` gives the package's kernels the 16-bit inputs it was measured on; float32 input
+    keeps PyTorch's unless NVTE_NORM_KERNELS=native."""
+    monkeypatch.setattr(_fused_norms, "use_native_norm_kernels", native)
+    calls = _calls(monkeypatch)
+    layer = te.LayerNorm(256, device="cuda", params_dtype=torch.float32)
+    x = torch.randn(32, 256, device="cuda", requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert calls == ({"forward": 1, "backward": 1} if native else {"forward": 0, "backward": 0})
+    ref = torch.nn.functional.layer_norm(x.detach(), (256,), layer.weight, layer.bias, layer.eps)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)

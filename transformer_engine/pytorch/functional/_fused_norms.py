@@ -7,9 +7,9 @@ the input and the per-row statistics (no float32 copy of the input). The effecti
 reduced-precision input, so ``1 + weight`` never rounds to BF16.
 
 Kernels (``NORM_KERNELS``, from ``NVTE_NORM_KERNELS``): on CUDA, by default, the package's own
-kernels of ``cpp_extensions.norm_kernels`` for float32/16 and bfloat16 input, forward and
-backward; with ``NVTE_NORM_KERNELS=native`` they also write an FP8 output in their own pass
-(``use_native_norm_kernels``). Elsewhere (the CPU, ``NVTE_NORM_KERNELS=torch``, other dtypes)
+kernels of ``cpp_extensions.norm_kernels`` for bfloat16 and float16 input, forward and
+backward; with ``NVTE_NORM_KERNELS=native`` also for float32 input, and they also write an FP8
+output in their own pass (``use_native_norm_kernels``). Elsewhere (the CPU, ``NVTE_NORM_KERNELS=torch``, other dtypes)
 the forward is PyTorch's ``native_layer_norm`` / ``_fused_rms_norm``, the backward PyTorch's
 on CUDA and on the CPU the float32 formulas of ``cpp_extensions.normalization``
 (``*_backward_from_stats``: PyTorch's CPU LayerNorm backward accumulates the weight gradient of
@@ -161,6 +161,9 @@ class NormState:
 
 
 _NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The input dtypes ``auto`` gives the package's kernels: the 16-bit ones, where they were
+# measured against PyTorch's (float32 input keeps PyTorch's kernels unless ``native``).
+_AUTO_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _norm_kernels_setting() -> str:
@@ -188,11 +191,15 @@ use_native_high_precision_norms = NORM_KERNELS != "torch"
 
 def _native_operands(x, weight, bias):
     """``(x as [rows, H], weight, bias as 1-D)`` when the native kernels take these operands
-    (CUDA, float32/16 or bfloat16 input, parameters in float32 or the input's dtype, both in
-    one dtype), else ``None``."""
-    if not (use_native_high_precision_norms or use_native_norm_kernels):
+    (CUDA; bfloat16 or float16 input, also float32 with ``native``; parameters in float32 or
+    the input's dtype, both in one dtype), else ``None``."""
+    if use_native_norm_kernels:
+        dtypes = _NATIVE_DTYPES
+    elif use_native_high_precision_norms:
+        dtypes = _AUTO_DTYPES
+    else:
         return None
-    if not x.is_cuda or x.dtype not in _NATIVE_DTYPES:
+    if not x.is_cuda or x.dtype not in dtypes:
         return None
     if x.numel() == 0:
         return None
