@@ -12,6 +12,7 @@ the MLP block): 80% of the copy for every fused activation and norm kernel.
     python benchmarks/mlp/benchmark_kernels.py                      # 8192 x 16384 bf16
     python benchmarks/mlp/benchmark_kernels.py --rows 16384 --cols 4096 --json out.json
     python benchmarks/mlp/benchmark_kernels.py --cols 14336 --activations swiglu gelu
+    python benchmarks/mlp/benchmark_kernels.py --norm-shapes 8192x4096 16384x2048 --batch 10
 
 The last lines summarise the fused activation kernels: the lowest fraction of the copy and the
 kernels below the target.
@@ -94,7 +95,17 @@ def other_cases(rows, cols, dtype, device, scale, amax):
     a [rows, cols / 4] input (the MLP's hidden size is a quarter of its FFN size)."""
     e = torch.tensor([], dtype=dtype).element_size()
     x = torch.randn(rows, cols, dtype=dtype, device=device)
-    hidden = cols // 4
+    return [
+        (f"cast+T {rows}x{cols}", lambda: quantize(
+            x, scale, torch.float8_e4m3fn, amax=amax, with_transpose=True), x.numel() * (e + 2)),
+        (f"amax {rows}x{cols}", lambda: compute_amax(x, out=amax), x.numel() * e),
+    ] + norm_cases(rows, cols // 4, dtype, device, scale, amax)  # fmt: skip
+
+
+def norm_cases(rows, hidden, dtype, device, scale, amax):
+    """LayerNorm / RMSNorm forward and backward over a [rows, hidden] input: PyTorch's kernels,
+    then the package's."""
+    e = torch.tensor([], dtype=dtype).element_size()
     h = torch.randn(rows, hidden, dtype=dtype, device=device)
     w = torch.ones(hidden, dtype=dtype, device=device)
     b = torch.zeros(hidden, dtype=dtype, device=device)
@@ -102,9 +113,6 @@ def other_cases(rows, cols, dtype, device, scale, amax):
     dy = torch.randn_like(out)
     n = h.numel()
     return [
-        (f"cast+T {rows}x{cols}", lambda: quantize(
-            x, scale, torch.float8_e4m3fn, amax=amax, with_transpose=True), x.numel() * (e + 2)),
-        (f"amax {rows}x{cols}", lambda: compute_amax(x, out=amax), x.numel() * e),
         (f"layer_norm fwd {rows}x{hidden}",
          lambda: torch.native_layer_norm(h, (hidden,), w, b, 1e-5), 2 * n * e),
         ("layer_norm bwd", lambda: torch.ops.aten.native_layer_norm_backward(
@@ -114,7 +122,9 @@ def other_cases(rows, cols, dtype, device, scale, amax):
 
 
 def native_norm_cases(h, w, b, dy, scale, amax):
-    """The package's LayerNorm / RMSNorm kernels on the same input as PyTorch's above."""
+    """The package's LayerNorm / RMSNorm kernels on the same input as PyTorch's above; the
+    high-precision forward and the backward through the entries the modules call (no Python
+    argument checks, whose host time would rival the kernel's at the smaller shapes)."""
     e, n = h.element_size(), h.numel()
     cases = []
     for kind, rms, bias in (("native layer_norm", False, b), ("native rms_norm", True, None)):
@@ -122,7 +132,7 @@ def native_norm_cases(h, w, b, dy, scale, amax):
         cases += [
             (
                 f"{kind} fwd",
-                lambda rms=rms, bias=bias: norm_kernels.norm_forward(
+                lambda rms=rms, bias=bias: norm_kernels.norm_forward_prevalidated(
                     h, w, bias, 1e-5, False, rms=rms
                 ),
                 2 * n * e,
@@ -152,8 +162,10 @@ def native_norm_cases(h, w, b, dy, scale, amax):
             ),
             (
                 f"{kind} bwd",
-                lambda rms=rms, bias=bias, mean=mean, rsigma=rsigma: norm_kernels.norm_backward(
-                    dy, h, mean, rsigma, w, False, rms=rms, with_dbeta=bias is not None
+                lambda rms=rms, bias=bias, mean=mean, rsigma=rsigma: (
+                    norm_kernels.norm_backward_prevalidated(
+                        dy, h, mean, rsigma, w, False, rms=rms, with_dbeta=bias is not None
+                    )
                 ),
                 3 * n * e,
             ),
@@ -190,7 +202,16 @@ def main() -> int:
     p.add_argument("--only", help="run only the kernels whose name contains this")
     p.add_argument("--variants", nargs="+", type=int, default=[],
                    help="also time the gated FP8 backwards under these cast+transpose variants")  # fmt: skip
+    p.add_argument("--norm-shapes", nargs="+", default=[], metavar="ROWSxHIDDEN",
+                   help="time only the norms, at each of these shapes (e.g. 8192x4096)")  # fmt: skip
+    p.add_argument("--batch", type=int, default=3, help="calls per timed batch")
     args = p.parse_args()
+    try:
+        norm_shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.norm_shapes]
+    except ValueError:
+        p.error(f"--norm-shapes {args.norm_shapes}: each must be ROWSxHIDDEN, e.g. 8192x4096")
+    if any(len(shape) != 2 for shape in norm_shapes):
+        p.error(f"--norm-shapes {args.norm_shapes}: each must be ROWSxHIDDEN, e.g. 8192x4096")
     if not torch.cuda.is_available():
         print("benchmark_kernels: needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -205,19 +226,23 @@ def main() -> int:
     rows = []
     scale = torch.ones(1, device=device)
     amax = torch.zeros(1, device=device)
-    cases = [
-        case
-        for name in args.activations
-        for case in activation_cases(name, args.rows, args.cols, dtype, device, scale, amax)
-    ]
-    fused = len(cases)
-    if not args.no_others:
+    if norm_shapes:
+        cases = [case for r, h in norm_shapes
+                 for case in norm_cases(r, h, dtype, device, scale, amax)]  # fmt: skip
+    else:
+        cases = [
+            case
+            for name in args.activations
+            for case in activation_cases(name, args.rows, args.cols, dtype, device, scale, amax)
+        ]
+    fused = 0 if norm_shapes else len(cases)
+    if not args.no_others and not norm_shapes:
         cases += other_cases(args.rows, args.cols, dtype, device, scale, amax)
     if args.only:
         fused = sum(args.only in case[0] for case in cases[:fused])
         cases = [case for case in cases if args.only in case[0]]
     for name, fn, nbytes in cases:
-        ms = time_ms(fn, 3, args.iters, 3)
+        ms = time_ms(fn, 3, args.iters, args.batch)
         gbs = nbytes / ms / 1e6
         frac = gbs / copy_gbs
         flag = "" if frac >= TARGET else "  < target"
