@@ -81,6 +81,22 @@ def current_device_unchanged():
 
 # --- bitwise comparisons -------------------------------------------------------------------------
 # Bit patterns compare exactly where values cannot: NaN == NaN, -0.0 != 0.0, FP8 payloads.
+def count_calls(monkeypatch, module, **functions: str) -> dict[str, int]:
+    """Wraps ``module``'s functions so that each call is counted: ``functions`` maps a label to
+    an attribute name; returns ``{label: calls}``, updated as the wrapped functions run (the
+    originals still do the work; ``monkeypatch`` restores them)."""
+    calls = dict.fromkeys(functions, 0)
+    for label, name in functions.items():
+        original = getattr(module, name)
+
+        def counting(*args, _label=label, _original=original, **kwargs):
+            calls[_label] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counting)
+    return calls
+
+
 def uint8_view(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as uint8, on its own device (FP8 data, raw buffers)."""
     return t.contiguous().view(torch.uint8)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from utils import count_calls
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.native import native_module
@@ -33,21 +34,8 @@ def test_unknown_setting_names_the_value_and_the_choices(monkeypatch):
 
 
 def _calls(monkeypatch):
-    calls = {"forward": 0, "backward": 0}
-    forward = norm_kernels.norm_forward_prevalidated
-    backward = norm_kernels.norm_backward_prevalidated
-
-    def spy_forward(*args, **kwargs):
-        calls["forward"] += 1
-        return forward(*args, **kwargs)
-
-    def spy_backward(*args, **kwargs):
-        calls["backward"] += 1
-        return backward(*args, **kwargs)
-
-    monkeypatch.setattr(norm_kernels, "norm_forward_prevalidated", spy_forward)
-    monkeypatch.setattr(norm_kernels, "norm_backward_prevalidated", spy_backward)
-    return calls
+    return count_calls(monkeypatch, norm_kernels, forward="norm_forward_prevalidated",
+                       backward="norm_backward_prevalidated")  # fmt: skip
 
 
 @pytest.mark.skipif(

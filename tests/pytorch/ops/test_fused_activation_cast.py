@@ -24,7 +24,14 @@ import fp8_oracle as oracle
 import pytest
 import torch
 from fusion_harness import fuser_of, fusions_off, plan, run, saved
-from utils import REFERENCE_ACTIVATIONS, autocast_by_name, bitwise_equal, current_scale, needs_cuda
+from utils import (
+    REFERENCE_ACTIVATIONS,
+    autocast_by_name,
+    bitwise_equal,
+    count_calls,
+    current_scale,
+    needs_cuda,
+)
 
 from transformer_engine.pytorch import ops
 from transformer_engine.pytorch.ops.basic import activation as activation_module
@@ -244,19 +251,8 @@ def test_bfloat16_fp8_input_is_the_cast_of_the_float32_activation(
 
 
 def test_high_precision_activation_is_never_computed(monkeypatch):
-    calls = {"forward": 0, "backward": 0}
-    forward, backward = activation_module.activation_forward, activation_module.activation_backward
-
-    def counting_forward(*args, **kwargs):
-        calls["forward"] += 1
-        return forward(*args, **kwargs)
-
-    def counting_backward(*args, **kwargs):
-        calls["backward"] += 1
-        return backward(*args, **kwargs)
-
-    monkeypatch.setattr(activation_module, "activation_forward", counting_forward)
-    monkeypatch.setattr(activation_module, "activation_backward", counting_backward)
+    calls = count_calls(monkeypatch, activation_module, forward="activation_forward",
+                        backward="activation_backward")  # fmt: skip
     model = build("geglu", "cpu", torch.bfloat16)
     x = torch.randn(TOKENS, IN, dtype=torch.bfloat16, requires_grad=True)
     with autocast_by_name("current"):
