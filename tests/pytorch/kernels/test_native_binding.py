@@ -82,6 +82,15 @@ def test_version_matches_the_package():
                                                  (FAKE, [1], F32), None, 0.0, False,
                                                  (FAKE, [4], BF16), (FAKE, [11], F32), 0, 0),
          r"nvte_quantize_current_scaling: workspace has 11 elements"),
+        (lambda: native.quantize_current_scaling((FAKE, [2, 4], BF16), (FAKE, [2, 4], E4M3), None,
+                                                 (FAKE, [1], F32), (FAKE, [1], F32), None, 0.0,
+                                                 False, None, None, 0, 0, (FAKE, [1023], F32)),
+         r"nvte_quantize_current_scaling: amax_workspace has 1023 elements; it needs "
+         r"nvte_amax_workspace_elements\(\) = 1024"),
+        (lambda: native.quantize_current_scaling((FAKE, [2, 4], BF16), (FAKE, [2, 4], E4M3), None,
+                                                 (FAKE, [1], F32), (FAKE, [1], F32), None, 0.0,
+                                                 False, None, None, 0, 0, (FAKE, [1024], BF16)),
+         r"nvte_quantize_current_scaling: amax_workspace has dtype BFloat16"),
         (lambda: native.dequantize((FAKE, [4], BF16), (FAKE, [1], F32), (FAKE, [4], F32), 0, 0),
          r"nvte_dequantize: input has dtype BFloat16; expected one of Float8E4M3, Float8E5M2"),
         (lambda: native.compute_scale_from_amax((FAKE, [1], F32), (FAKE, [1], F32), BF16, 0.0,
@@ -126,3 +135,9 @@ def test_dbias_workspace_size_matches_the_python_side(rows, cols):
 
     expected = -(-rows // DBIAS_TILE_ROWS) * cols
     assert native.quantize_dbias_workspace_elements(rows, cols) == expected
+
+
+def test_amax_workspace_size_matches_the_python_side():
+    from transformer_engine.pytorch.cpp_extensions.cast import AMAX_WORKSPACE_ELEMENTS
+
+    assert native.amax_workspace_elements() == AMAX_WORKSPACE_ELEMENTS

@@ -393,7 +393,7 @@ def test_launch_args_name_the_current_stream_of_each_device():
 # nvte_quantize_dbias: nvte_quantize's cast + transpose, plus the sum over rows
 
 
-DBIAS_SHAPES = [(1, 16), (17, 33), (64, 64), (255, 130), (4097, 64), (3, 65, 128), (64, 4096),
+DBIAS_SHAPES = [(1, 16), (17, 33), (64, 64), (255, 130), (4097, 64), (3, 65, 128), (64, 4096), (8192, 520), (2100, 131),
                 (130, 7)]  # fmt: skip
 
 

@@ -14,6 +14,7 @@ import torch
 from transformer_engine.pytorch.constants import TE_DType
 from transformer_engine.pytorch.cpp_extensions import cast, scaling
 from transformer_engine.pytorch.cpp_extensions.cast import (
+    AMAX_WORKSPACE_ELEMENTS,
     DBIAS_TILE_ROWS,
     quantize,
     quantize_current_scaling_prevalidated,
@@ -160,12 +161,15 @@ def test_current_scaling_cast_is_one_native_call(recorder, with_transpose, with_
     )  # fmt: skip
     ((name, args),) = recorder
     assert name == "quantize_current_scaling"
-    inp, out, out_t, amax, scale, scale_inv, eps, pow2, db, workspace, *launch = args
+    inp, out, out_t, amax, scale, scale_inv, eps, pow2, db, workspace, *launch, maxima = args
     assert inp == arg(x) and out == arg(result.data) and scale_inv == arg(result.scale_inv)
     assert out[2] == int(TE_DType[torch.float8_e5m2])
     assert (eps, pow2, tuple(launch)) == (0.25, True, DEVICE_AND_STREAM)
-    # amax and scale: consecutive float32 slots of one scratch buffer, after the workspace
+    # the amax pass's per-block maxima, the amax and the scale: consecutive float32 slots of one
+    # scratch buffer, after the dbias workspace
+    assert maxima[1:] == ([AMAX_WORKSPACE_ELEMENTS], F32_CODE)
     assert amax[1:] == scale[1:] == ([1], F32_CODE) and scale[0] == amax[0] + 4
+    assert amax[0] == maxima[0] + 4 * AMAX_WORKSPACE_ELEMENTS
     if with_transpose:
         assert out_t == arg(result.transpose) and out_t[1] == [32, 3, 65]
     else:
@@ -174,7 +178,7 @@ def test_current_scaling_cast_is_one_native_call(recorder, with_transpose, with_
         assert db == arg(dbias) and db[1:] == ([32], int(TE_DType[torch.bfloat16]))
         tiles = -(-195 // DBIAS_TILE_ROWS)
         assert workspace[1:] == ([tiles * 32], F32_CODE)
-        assert amax[0] == workspace[0] + 4 * tiles * 32
+        assert maxima[0] == workspace[0] + 4 * tiles * 32
     else:
         assert db is None and workspace is None and dbias is None
 

@@ -89,6 +89,34 @@ def _arg(t):
     return (t.data_ptr(), list(t.shape), int(TE_DType[t.dtype]))
 
 
+@pytest.mark.parametrize("shape", [(0, 64), (3, 5), (4096, 4096), (8191, 1031)])
+@pytest.mark.parametrize("where", [0, -1])
+def test_the_amax_from_per_block_maxima_equals_the_atomic_one(shape, where):
+    """With amax_workspace the amax pass writes one maximum per block and the scale kernel
+    reduces them (no memset); amax, scale and bytes match the memset + atomics path and the
+    CPU reference, with the largest element first or last (the first or the last block)."""
+    native = transformer_engine.common.native.native_module()
+    x = make_input(shape, torch.bfloat16, "cuda:0", seed=11)
+    x.view(-1)[:4] = 1.0
+    if x.numel() > 0:
+        x.view(-1)[where] = -4096.0
+    stream = torch.cuda.current_stream(0).cuda_stream
+    fp8 = lambda t: (t.data_ptr(), list(t.shape), int(TE_DType[torch.float8_e4m3fn]))  # noqa: E731
+    results = []
+    for maxima in (None, torch.full((1024,), 1e30, device="cuda:0")):  # stale slots: wrong amax
+        out = torch.empty(shape, dtype=torch.uint8, device="cuda:0")
+        amax, scale, scale_inv = (torch.full((1,), 7.0, device="cuda:0") for _ in range(3))
+        native.quantize_current_scaling(
+            _arg(x), fp8(out), None, _arg(amax), _arg(scale), _arg(scale_inv), 0.0, False, None,
+            None, 0, stream, None if maxima is None else _arg(maxima),
+        )  # fmt: skip
+        results.append((out.cpu(), amax.cpu(), scale.cpu(), scale_inv.cpu()))
+    expected_amax = reference.amax(x.cpu()).reshape(1)
+    for out, amax, scale, scale_inv in results:
+        assert torch.equal(cpu_bytes(amax), cpu_bytes(expected_amax))
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
+
+
 def test_a_refused_call_writes_nothing():
     native = transformer_engine.common.native.native_module()
     x = make_input((64, 32), torch.bfloat16, "cuda:0")

@@ -1,4 +1,6 @@
-/* nvte_compute_amax: amax = max |x| (float32, NaN ignored), overwriting the buffer. */
+/* nvte_compute_amax: amax = max |x| (float32, NaN ignored), overwriting the buffer; and the
+ * per-block maxima of the same pass that nvte_quantize_current_scaling reduces with its scale
+ * (no zeroed buffer needed, so no memset launch before the pass). */
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -23,10 +25,15 @@ constexpr int kAmaxVecElems = 8;
  * bandwidth on an H200. */
 constexpr int kAmaxUnroll = 4;
 constexpr int kAmaxBlocksPerSm = 4;
+/* The grid's cap (the pass is grid-strided), so that the per-block maxima of
+ * nvte_quantize_current_scaling fit a workspace of fixed size: 1024 blocks cover every SM four
+ * times over on GPUs of up to 256 SMs. */
+constexpr size_t kAmaxMaxBlocks = 1024;
 
 template <typename IType, bool kVectorized>
 __global__ void __launch_bounds__(kAmaxThreads, kAmaxBlocksPerSm)
-    amax_kernel(const IType* __restrict__ in, size_t n, float* __restrict__ amax) {
+    amax_kernel(const IType* __restrict__ in, size_t n, float* __restrict__ amax,
+                float* __restrict__ block_maxima) {
   using V = Vec<IType, kAmaxVecElems>;
   float local_amax = 0.0f;
   const size_t first = static_cast<size_t>(blockIdx.x) * kAmaxThreads + threadIdx.x;
@@ -58,7 +65,38 @@ __global__ void __launch_bounds__(kAmaxThreads, kAmaxBlocksPerSm)
   for (size_t i = scalar_begin + first; i < n; i += stride) {
     local_amax = amax_step(local_amax, to_float(in[i]));
   }
-  block_amax_to_global<kAmaxThreads>(local_amax, amax);
+  if (block_maxima != nullptr) {
+    const float block_amax = block_max<kAmaxThreads>(local_amax);
+    if (threadIdx.x == 0) block_maxima[blockIdx.x] = block_amax;
+  } else {
+    block_amax_to_global<kAmaxThreads>(local_amax, amax);
+  }
+}
+
+/* The amax pass over `in` (n > 0): atomics into `amax` (zeroed by the caller), or, with
+ * `block_maxima`, one maximum per block there. Returns the number of blocks. */
+size_t launch_amax_kernel(CallContext& ctx, const NVTEBuffer& in, float* amax,
+                          float* block_maxima) {
+  const size_t n = numel(in);
+  size_t blocks = 0;
+  dispatch_high_precision(ctx.op(), in.dtype, [&](auto itype) {
+    using IType = decltype(itype);
+    const auto* in_data = static_cast<const IType*>(in.data);
+    const bool vectorized = aligned_to(in_data, sizeof(IType) * kAmaxVecElems);
+    const size_t work = vectorized ? n / kAmaxVecElems + n % kAmaxVecElems : n;
+    const size_t wanted = std::max<size_t>(1, (work + kAmaxThreads - 1) / kAmaxThreads);
+    blocks = std::min<size_t>({wanted, static_cast<size_t>(ctx.sm_count()) * kAmaxBlocksPerSm,
+                               kAmaxMaxBlocks});
+    if (vectorized) {
+      amax_kernel<IType, true>
+          <<<blocks, kAmaxThreads, 0, ctx.stream()>>>(in_data, n, amax, block_maxima);
+    } else {
+      amax_kernel<IType, false>
+          <<<blocks, kAmaxThreads, 0, ctx.stream()>>>(in_data, n, amax, block_maxima);
+    }
+    ctx.check_launch("amax_kernel launch");
+  });
+  return blocks;
 }
 
 }  // namespace
@@ -68,25 +106,12 @@ namespace transformer_engine {
 namespace cast_detail {
 
 void launch_amax(CallContext& ctx, const NVTEBuffer& in, float* amax) {
-  const char* op = ctx.op();
-  check_cuda(op, cudaMemsetAsync(amax, 0, sizeof(float), ctx.stream()), "cudaMemsetAsync");
-  const size_t n = numel(in);
-  if (n == 0) return;
-  dispatch_high_precision(op, in.dtype, [&](auto itype) {
-    using IType = decltype(itype);
-    const auto* in_data = static_cast<const IType*>(in.data);
-    const bool vectorized = aligned_to(in_data, sizeof(IType) * kAmaxVecElems);
-    const size_t work = vectorized ? n / kAmaxVecElems + n % kAmaxVecElems : n;
-    const size_t wanted = std::max<size_t>(1, (work + kAmaxThreads - 1) / kAmaxThreads);
-    const size_t blocks =
-        std::min<size_t>(wanted, static_cast<size_t>(ctx.sm_count()) * kAmaxBlocksPerSm);
-    if (vectorized) {
-      amax_kernel<IType, true><<<blocks, kAmaxThreads, 0, ctx.stream()>>>(in_data, n, amax);
-    } else {
-      amax_kernel<IType, false><<<blocks, kAmaxThreads, 0, ctx.stream()>>>(in_data, n, amax);
-    }
-    ctx.check_launch("amax_kernel launch");
-  });
+  check_cuda(ctx.op(), cudaMemsetAsync(amax, 0, sizeof(float), ctx.stream()), "cudaMemsetAsync");
+  if (numel(in) > 0) launch_amax_kernel(ctx, in, amax, nullptr);
+}
+
+size_t launch_block_amaxes(CallContext& ctx, const NVTEBuffer& in, float* block_maxima) {
+  return numel(in) > 0 ? launch_amax_kernel(ctx, in, nullptr, block_maxima) : 0;
 }
 
 }  // namespace cast_detail
@@ -105,3 +130,5 @@ extern "C" void nvte_compute_amax(const NVTEBuffer* input, NVTEBuffer* amax, int
   ctx.check_on_device("amax", *amax);
   cast_detail::launch_amax(ctx, in, static_cast<float*>(amax->data));
 }
+
+extern "C" size_t nvte_amax_workspace_elements(void) { return transformer_engine::kAmaxMaxBlocks; }

@@ -33,12 +33,23 @@ void launch_dbias_from_column_sums(CallContext& ctx, const float* column_sums, N
 /* nvte_compute_amax's work: zero `amax`, then max-reduce |input| into it. */
 void launch_amax(CallContext& ctx, const NVTEBuffer& input, float* amax);
 
+/* The same pass writing one maximum per block into `block_maxima` (at least
+ * nvte_amax_workspace_elements() floats; nothing to zero first). Returns how many it wrote (0
+ * for an empty input). */
+size_t launch_block_amaxes(CallContext& ctx, const NVTEBuffer& input, float* block_maxima);
+
 /* Throws unless `epsilon` is finite and >= 0. */
 void check_scale_epsilon(const char* op, float epsilon);
 
 /* nvte_compute_scale_from_amax's kernel: `scale = fp8_max / max(amax, epsilon)` on the device. */
 void launch_scale_from_amax(CallContext& ctx, const float* amax, float* scale, float fp8_max,
                             float epsilon, bool force_pow_2_scales);
+
+/* The same scale from `count` per-block maxima (launch_block_amaxes), whose maximum it also
+ * writes to `amax` (0 when count is 0). */
+void launch_scale_from_block_amaxes(CallContext& ctx, const float* block_maxima, size_t count,
+                                    float* amax, float* scale, float fp8_max, float epsilon,
+                                    bool force_pow_2_scales);
 
 }  // namespace cast_detail
 }  // namespace transformer_engine

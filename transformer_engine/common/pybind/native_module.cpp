@@ -55,13 +55,14 @@ void quantize_current_scaling(const TensorArg& input, const TensorArg& output,
                               const TensorArg& scale, const OptionalTensorArg& scale_inv,
                               float epsilon, bool force_pow_2_scales,
                               const OptionalTensorArg& dbias, const OptionalTensorArg& workspace,
-                              int device, std::uintptr_t stream) {
+                              int device, std::uintptr_t stream,
+                              const OptionalTensorArg& amax_workspace) {
   const NVTEBuffer in = to_buffer(input);
   NVTEBuffer out = to_buffer(output), am = to_buffer(amax), sc = to_buffer(scale);
-  OptionalBuffer out_t(output_t), si(scale_inv), db(dbias), ws(workspace);
+  OptionalBuffer out_t(output_t), si(scale_inv), db(dbias), ws(workspace), aw(amax_workspace);
   py::gil_scoped_release no_gil;
   nvte_quantize_current_scaling(&in, &out, out_t.get(), &am, &sc, si.get(), epsilon,
-                                force_pow_2_scales ? 1 : 0, db.get(), ws.get(), device,
+                                force_pow_2_scales ? 1 : 0, db.get(), ws.get(), aw.get(), device,
                                 to_stream(stream));
 }
 
@@ -189,7 +190,8 @@ PYBIND11_MODULE(_native, m) {
   m.def("quantize_current_scaling", &quantize_current_scaling, py::arg("input"), py::arg("output"),
         py::arg("output_t"), py::arg("amax"), py::arg("scale"), py::arg("scale_inv"),
         py::arg("epsilon"), py::arg("force_pow_2_scales"), py::arg("dbias"), py::arg("workspace"),
-        py::arg("device"), py::arg("stream"));
+        py::arg("device"), py::arg("stream"), py::arg("amax_workspace") = py::none());
+  m.def("amax_workspace_elements", &nvte_amax_workspace_elements);
   m.def("dequantize", &dequantize, py::arg("input"), py::arg("scale_inv"), py::arg("output"),
         py::arg("device"), py::arg("stream"));
   m.def("compute_amax", &compute_amax, py::arg("input"), py::arg("amax"), py::arg("device"),

@@ -8,20 +8,42 @@
 #include "util/buffer.h"
 #include "util/device.h"
 #include "util/errors.h"
+#include "util/fp8_math.cuh"
 
 namespace transformer_engine {
 namespace {
 
 constexpr unsigned kSignAndExponentMask = 0xFF800000u;
 
-__global__ void compute_scale_from_amax_kernel(const float* amax, float* scale, float fp8_max,
-                                               float epsilon, bool force_pow_2_scales) {
-  float a = *amax;
+constexpr int kBlockAmaxThreads = 256;
+
+__device__ __forceinline__ float scale_from_amax(float a, float fp8_max, float epsilon,
+                                                 bool force_pow_2_scales) {
   if (a < epsilon) a = epsilon;  // NaN compares false and passes through
   float s = (a == 0.0f || isinf(a) || isnan(a)) ? 1.0f : fp8_max / a;
   if (isinf(s) && s > 0.0f) s = FLT_MAX;
   if (force_pow_2_scales) s = __uint_as_float(__float_as_uint(s) & kSignAndExponentMask);
-  *scale = s;
+  return s;
+}
+
+__global__ void compute_scale_from_amax_kernel(const float* amax, float* scale, float fp8_max,
+                                               float epsilon, bool force_pow_2_scales) {
+  *scale = scale_from_amax(*amax, fp8_max, epsilon, force_pow_2_scales);
+}
+
+/* One block: the maximum of the per-block maxima (each >= 0, so the max over them in any order
+ * is the amax the atomic path gives), then the scale from it. */
+__global__ void __launch_bounds__(kBlockAmaxThreads)
+    scale_from_block_amaxes_kernel(const float* block_maxima, size_t count, float* amax,
+                                   float* scale, float fp8_max, float epsilon,
+                                   bool force_pow_2_scales) {
+  float m = 0.0f;
+  for (size_t i = threadIdx.x; i < count; i += kBlockAmaxThreads) m = fmaxf(m, block_maxima[i]);
+  m = block_max<kBlockAmaxThreads>(m);
+  if (threadIdx.x == 0) {
+    *amax = m;
+    *scale = scale_from_amax(m, fp8_max, epsilon, force_pow_2_scales);
+  }
 }
 
 }  // namespace
@@ -41,6 +63,14 @@ void launch_scale_from_amax(CallContext& ctx, const float* amax, float* scale, f
   compute_scale_from_amax_kernel<<<1, 1, 0, ctx.stream()>>>(amax, scale, fp8_max, epsilon,
                                                             force_pow_2_scales);
   ctx.check_launch("compute_scale_from_amax_kernel launch");
+}
+
+void launch_scale_from_block_amaxes(CallContext& ctx, const float* block_maxima, size_t count,
+                                    float* amax, float* scale, float fp8_max, float epsilon,
+                                    bool force_pow_2_scales) {
+  scale_from_block_amaxes_kernel<<<1, kBlockAmaxThreads, 0, ctx.stream()>>>(
+      block_maxima, count, amax, scale, fp8_max, epsilon, force_pow_2_scales);
+  ctx.check_launch("scale_from_block_amaxes_kernel launch");
 }
 
 }  // namespace cast_detail

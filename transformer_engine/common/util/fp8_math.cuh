@@ -94,10 +94,10 @@ __device__ __forceinline__ float amax_step(float running, float value) {
   return fmaxf(running, fabsf(value));
 }
 
-/* Reduce `value` over the block and max-accumulate it into `*amax` (one atomic per block).
- * Valid because amaxes are non-negative: their float order equals their int bit-pattern order. */
+/* The maximum of `value` over the block (NaN ignored), valid in thread 0. Every thread of the
+ * block must call it. */
 template <int kThreads>
-__device__ __forceinline__ void block_amax_to_global(float value, float* amax) {
+__device__ __forceinline__ float block_max(float value) {
   static_assert(kThreads % 32 == 0, "whole warps only");
   __shared__ float warp_max[kThreads / 32];
   for (int offset = 16; offset > 0; offset /= 2) {
@@ -112,7 +112,17 @@ __device__ __forceinline__ void block_amax_to_global(float value, float* amax) {
     for (int offset = 16; offset > 0; offset /= 2) {
       value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
     }
-    if (lane == 0 && value > 0.0f) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(value));
+  }
+  return value;
+}
+
+/* Reduce `value` over the block and max-accumulate it into `*amax` (one atomic per block).
+ * Valid because amaxes are non-negative: their float order equals their int bit-pattern order. */
+template <int kThreads>
+__device__ __forceinline__ void block_amax_to_global(float value, float* amax) {
+  value = block_max<kThreads>(value);
+  if (threadIdx.x == 0 && value > 0.0f) {
+    atomicMax(reinterpret_cast<int*>(amax), __float_as_int(value));
   }
 }
 

@@ -165,6 +165,12 @@ def _empty_outputs(input, fp8_dtype, with_transpose: bool):
 DBIAS_TILE_ROWS = 64
 
 
+# Float32 slots for the amax pass's per-block maxima in nvte_quantize_current_scaling
+# (nvte_amax_workspace_elements; tests/pytorch/kernels/test_native_binding.py checks the two
+# agree): with them the call needs no memset launch to zero the amax first.
+AMAX_WORKSPACE_ELEMENTS = 1024
+
+
 def dbias_workspace_elements(input: torch.Tensor) -> int:
     """Float32 elements of the native dbias workspace: one column sum per tile of rows."""
     cols = input.shape[-1]
@@ -243,19 +249,21 @@ def quantize_current_scaling_prevalidated(
         dbias = torch.empty(input.shape[-1], dtype=input.dtype, device=device)
         dbias_arg = tensor_arg(dbias)
     # One float32 allocation for the dbias workspace (first, so it keeps the allocator's
-    # alignment), then the amax and the scale: pointers into it, no tensor views. Freeing it
-    # while the kernels run is safe: the allocator hands the block only to later work on this
-    # stream.
-    scratch = torch.empty(workspace_elements + 2, dtype=torch.float32, device=device)
+    # alignment), the amax pass's per-block maxima, then the amax and the scale: pointers into
+    # it, no tensor views. Freeing it while the kernels run is safe: the allocator hands the
+    # block only to later work on this stream.
+    blocks = AMAX_WORKSPACE_ELEMENTS
+    scratch = torch.empty(workspace_elements + blocks + 2, dtype=torch.float32, device=device)
     base, f32 = scratch.data_ptr(), _FLOAT32_CODE
     if with_dbias:
         workspace_arg = (base, [workspace_elements], f32)
-    amax_arg = (base + 4 * workspace_elements, [1], f32)
-    scale_arg = (base + 4 * workspace_elements + 4, [1], f32)
+    maxima_arg = (base + 4 * workspace_elements, [blocks], f32)
+    amax_arg = (base + 4 * (workspace_elements + blocks), [1], f32)
+    scale_arg = (base + 4 * (workspace_elements + blocks) + 4, [1], f32)
     native.quantize_current_scaling(
         tensor_arg(input), tensor_arg(result.data), tensor_arg(result.transpose), amax_arg,
         scale_arg, tensor_arg(result.scale_inv), float(epsilon), bool(force_pow_2_scales),
-        dbias_arg, workspace_arg, *launch_args(device),
+        dbias_arg, workspace_arg, *launch_args(device), maxima_arg,
     )  # fmt: skip
     return result, dbias
 

@@ -83,6 +83,9 @@ NVTE_API void nvte_quantize_dbias(const NVTEBuffer* input, const NVTEBuffer* sca
  *  \param[in]  force_pow_2_scales Non-zero: round the scale down to a power of 2.
  *  \param[out] dbias     Optional: the bias gradient, as in nvte_quantize_dbias.
  *  \param[out] workspace Required with `dbias`: as in nvte_quantize_dbias.
+ *  \param[out] amax_workspace Optional: Float32 scratch of at least
+ *                        nvte_amax_workspace_elements() elements for the amax pass's per-block
+ *                        maxima (saves the launch that zeroes `amax` first; same bits).
  *  \param[in]  device    CUDA device index all buffers live on.
  *  \param[in]  stream    Stream of `device` to launch on.
  */
@@ -90,7 +93,11 @@ NVTE_API void nvte_quantize_current_scaling(const NVTEBuffer* input, NVTEBuffer*
                                             NVTEBuffer* output_t, NVTEBuffer* amax,
                                             NVTEBuffer* scale, NVTEBuffer* scale_inv, float epsilon,
                                             int force_pow_2_scales, NVTEBuffer* dbias,
-                                            NVTEBuffer* workspace, int device, NVTEStream stream);
+                                            NVTEBuffer* workspace, NVTEBuffer* amax_workspace,
+                                            int device, NVTEStream stream);
+
+/*! \brief Float32 elements of nvte_quantize_current_scaling's `amax_workspace`. */
+NVTE_API size_t nvte_amax_workspace_elements(void);
 
 /*! \brief Dequantize FP8 to Float32, Float16 or BFloat16: `out = round(float(q) * scale_inv)`.
  *
