@@ -112,8 +112,12 @@ def test_the_amax_from_per_block_maxima_equals_the_atomic_one(shape, where):
         )  # fmt: skip
         results.append((out.cpu(), amax.cpu(), scale.cpu(), scale_inv.cpu()))
     expected_amax = reference.amax(x.cpu()).reshape(1)
-    for out, amax, scale, scale_inv in results:
+    expected_scale = reference.compute_scale_from_amax(
+        expected_amax, torch.float8_e4m3fn, 0.0, False
+    ).reshape(1)
+    for _, amax, scale, _ in results:
         assert torch.equal(cpu_bytes(amax), cpu_bytes(expected_amax))
+        assert torch.equal(cpu_bytes(scale), cpu_bytes(expected_scale))
     assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
 
 
