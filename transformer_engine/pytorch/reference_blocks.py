@@ -9,13 +9,20 @@ import torch
 
 from .constants import fp8_max as _fp8_max
 from .constants import to_torch_fp8_dtype
-from .reference import FLOAT32_MAX, FP8_CANONICAL_NAN, SIGN_AND_EXPONENT_MASK, fp8_to_float32
+from .reference import (
+    FLOAT32_MAX,
+    FP8_CANONICAL_NAN,
+    SIGN_AND_EXPONENT_MASK,
+    fp8_to_float32,
+    transpose_last_dim_first,
+)
 from .utils import round_up_to_nearest_multiple as round_up
 
 __all__ = [
     "BLOCK_SCALING_BLOCK_LEN",
     "block_scale_from_amax",
     "block_cast_1d",
+    "block_cast_1d_of_transpose",
     "block_cast_2d",
     "block_dequantize_1d",
     "block_dequantize_2d",
@@ -169,6 +176,32 @@ def block_cast_1d(
     return data, scale_inv
 
 
+def block_cast_1d_of_transpose(
+    a: torch.Tensor,
+    fp8_dtype,
+    *,
+    epsilon: float = 0.0,
+    force_pow_2_scales: bool = True,
+    value_for_inf: float = FLOAT32_MAX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_cast_1d` of ``a.t()`` (the column-wise copy of ``a [R, C]``), bit for bit,
+    computed in ``a``'s own layout: a tile of ``a.t()`` is 128 consecutive rows of one column
+    of ``a``, so the amaxes, scales and casts run over ``a`` as it lies and only the FP8 bytes
+    are transposed at the end. On the CPU that replaces a float32 conversion of the transposed
+    view (a strided pass, about 1 ms per million elements) with contiguous passes and a byte
+    transpose. Returns ``(data [C, R] FP8, scale_inv [ceil(R/128), roundup(C, 4)])``."""
+    options = {"epsilon": epsilon, "force_pow_2_scales": force_pow_2_scales,
+               "value_for_inf": value_for_inf}  # fmt: skip
+    r, c = a.shape
+    blocks, owned = _matrix_blocks(a, BLOCK_SCALING_BLOCK_LEN, 1)  # [Rb, 128, C, 1]
+    amax, not_finite = _block_amax(blocks, (1, 3))
+    scale = block_scale_from_amax(amax, fp8_dtype, **options)  # [Rb, C]
+    data = _cast_blocks(blocks, owned, scale, fp8_dtype, not_finite, (r, c))
+    scale_inv = torch.zeros(scale.shape[0], round_up(c, 4), dtype=torch.float32, device=a.device)
+    scale_inv[:, :c] = reciprocal_elementwise(scale)
+    return transpose_last_dim_first(data), scale_inv
+
+
 def block_cast_2d(
     a: torch.Tensor,
     fp8_dtype,
@@ -268,15 +301,20 @@ def _e8m0_value(e: torch.Tensor) -> torch.Tensor:
 
 
 def mxfp8_cast(
-    a: torch.Tensor, fp8_dtype, *, two_d: bool = False
+    a: torch.Tensor, fp8_dtype, *, two_d: bool = False, columnwise: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 cast of the matrix ``a [R, C]``: ``(data [R, C] FP8, exponents)``.
 
-    1x32 blocks along ``C`` (``exponents [R, ceil(C/32)]``), or with ``two_d`` 32x32 blocks
-    (``exponents [ceil(R/32), ceil(C/32)]``). Partial blocks are zero-padded for the amax.
+    1x32 blocks along ``C`` (``exponents [R, ceil(C/32)]``), with ``columnwise`` 32x1 blocks
+    along ``R`` (the column-wise copy, bit for bit the transpose of the cast of ``a.t()``, but
+    computed in ``a``'s own layout: ``exponents [ceil(R/32), C]``), or with ``two_d`` 32x32
+    blocks (``exponents [ceil(R/32), ceil(C/32)]``). Partial blocks are zero-padded for the
+    amax.
     """
-    rows = MXFP8_BLOCK_LEN if two_d else 1
-    blocks, owned = _matrix_blocks(a, rows, MXFP8_BLOCK_LEN)
+    if two_d and columnwise:
+        raise ValueError("mxfp8_cast: two_d and columnwise exclude each other")
+    rows = MXFP8_BLOCK_LEN if two_d or columnwise else 1
+    blocks, owned = _matrix_blocks(a, rows, 1 if columnwise else MXFP8_BLOCK_LEN)
     amax, not_finite = _block_amax(blocks, (1, 3))
     e = mxfp8_scale_exponent(amax, fp8_dtype)
     return _cast_blocks(blocks, owned, _e8m0_multiplier(e), fp8_dtype, not_finite, a.shape), e

@@ -282,3 +282,50 @@ def test_emulated_gemm_folds_the_upcast_factor_exactly(x_dtype, y_dtype, scale):
             same_bits(got, old_gemm_emulated(x, y, sx, sy, bias, out_dtype))
             got = fp8_gemm_emulated(y, x, sy, sx, bias=None, out_dtype=out_dtype)
             same_bits(got, old_gemm_emulated(y, x, sy, sx, None, out_dtype))
+
+
+# ---- the column-wise block casts, computed in the input's own layout --------------------------
+
+
+def _block_input(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(shape, generator=g) * 50).to(dtype)
+    if a.numel() > 8:  # Inf, NaN, zero and a huge value in the first blocks
+        a.view(-1)[[1, 3, 5, 7]] = torch.tensor([float("inf"), float("nan"), 0.0, -3e38]).to(dtype)
+    return a
+
+
+BLOCK_SHAPES = [(1024, 256), (1000, 300), (1, 5), (129, 128), (0, 16), (16, 0), (70, 31)]
+
+
+@pytest.mark.parametrize("shape", BLOCK_SHAPES)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("pow2, epsilon", [(True, 0.0), (False, 0.5)])
+def test_block_cast_of_the_transpose_is_the_cast_of_the_transposed_input(
+    shape, dtype, fp8_dtype, pow2, epsilon
+):
+    from transformer_engine.pytorch import reference_blocks
+
+    a = _block_input(shape, dtype, seed=shape[0] + shape[1])
+    options = {"epsilon": epsilon, "force_pow_2_scales": pow2, "value_for_inf": 1e30}
+    data, scale_inv = reference_blocks.block_cast_1d_of_transpose(a, fp8_dtype, **options)
+    want_data, want_scale_inv = reference_blocks.block_cast_1d(a.t(), fp8_dtype, **options)
+    assert data.shape == want_data.shape and data.is_contiguous()
+    assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
+    assert torch.equal(scale_inv.view(torch.int32), want_scale_inv.view(torch.int32))
+
+
+@pytest.mark.parametrize("shape", BLOCK_SHAPES)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_mxfp8_columnwise_cast_is_the_transposed_cast_of_the_transpose(shape, dtype, fp8_dtype):
+    from transformer_engine.pytorch import reference_blocks
+
+    a = _block_input(shape, dtype, seed=7 + shape[0])
+    data, exponents = reference_blocks.mxfp8_cast(a, fp8_dtype, columnwise=True)
+    want_data, want_exponents = reference_blocks.mxfp8_cast(a.t(), fp8_dtype)
+    assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8).t())
+    assert torch.equal(exponents, want_exponents.t())
+    with pytest.raises(ValueError, match="two_d and columnwise exclude each other"):
+        reference_blocks.mxfp8_cast(a, fp8_dtype, two_d=True, columnwise=True)

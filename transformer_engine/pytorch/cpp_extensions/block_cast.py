@@ -25,6 +25,7 @@ import torch
 
 from .. import reference_blocks
 from ..constants import HIGH_PRECISION_DTYPES, to_torch_fp8_dtype
+from ..reference import transpose_last_dim_first
 from ..utils import ceil_div
 from ..utils import round_up_to_nearest_multiple as round_up
 from ._routing import launch_args, native_for, tensor_arg
@@ -222,14 +223,16 @@ def _float8_reference(input, fp8, dim, rowwise, columnwise, epsilon, pow2) -> Bl
             mb, kb = ceil_div(m, _BLOCK), ceil_div(k, _BLOCK)
             col_scale = torch.zeros(kb, round_up(mb, 4), dtype=torch.float32, device=input.device)
             col_scale[:, :mb] = scale[:mb, :kb].t()
-            col_data = data.view(torch.uint8).t().contiguous().reshape(_columnwise_shape(shape))
+            col_data = transpose_last_dim_first(data.view(torch.uint8)).reshape(
+                _columnwise_shape(shape)
+            )
             col = col_data, col_scale
         return BlockCastResult(*row, *col)
     if rowwise:
         data, scale = reference_blocks.block_cast_1d(matrix, fp8, **options)
         row = data.view(torch.uint8).reshape(shape), scale
     if columnwise:
-        data, scale = reference_blocks.block_cast_1d(matrix.t(), fp8, **options)
+        data, scale = reference_blocks.block_cast_1d_of_transpose(matrix, fp8, **options)
         col = data.view(torch.uint8).reshape(_columnwise_shape(shape)), scale
     return BlockCastResult(*row, *col)
 
@@ -309,10 +312,10 @@ def _mxfp8_reference(input, fp8, rowwise, columnwise, two_d) -> BlockCastResult:
         s[:m, :kb] = e
         row = data.view(torch.uint8).reshape(shape), s
     if columnwise:
-        data, e = reference_blocks.mxfp8_cast(matrix.t(), fp8)  # [k, m], blocks along m
+        data, e = reference_blocks.mxfp8_cast(matrix, fp8, columnwise=True)  # e: [mb, k]
         s = scales(True)
-        s[:mb, :k] = e.t()
-        col = data.t().contiguous().view(torch.uint8).reshape(shape), s
+        s[:mb, :k] = e
+        col = data.view(torch.uint8).reshape(shape), s
     return BlockCastResult(*row, *col)
 
 
