@@ -46,6 +46,11 @@ __all__ = [
 # * 1-D: ``[ceil(C/128), roundup(R, 4)]``, entry ``[j, i]`` for tile (row i, tile j): already
 #   transposed, so each tile column's scales are contiguous;
 # * 2-D: ``[ceil(R/128), roundup(ceil(C/128), 4)]``, entry ``[i, j]`` for block (i, j).
+#
+# A finite block's scaled values need no clamp: ``scale = RN(fp8_max / a)`` with ``a >= amax``
+# (epsilon only raises ``a``; power-of-2 scales only round down; ``value_for_inf`` replaces a
+# quotient only when ``a`` is tiny), so ``|x * scale| <= fp8_max * (1 + 2**-24)**2``, which
+# torch's conversion rounds to ``fp8_max`` exactly as the saturating cast does.
 
 BLOCK_SCALING_BLOCK_LEN = 128
 
@@ -76,12 +81,18 @@ def block_scale_from_amax(
     return torch.where(a == 0, torch.ones_like(scale), scale)
 
 
-def _saturating_cast_(v: torch.Tensor, fp8_dtype, may_hold_nan: bool) -> torch.Tensor:
+def _saturating_cast_(
+    v: torch.Tensor, fp8_dtype, may_hold_nan: bool, in_range: bool = False
+) -> torch.Tensor:
     """``v`` (float32, already scaled; clamped in place) clamped to the format's range and
     rounded; NaN bytes canonical. ``may_hold_nan=False`` (the caller knows every value is
-    finite or +-Inf) skips the NaN search."""
+    finite or +-Inf) skips the NaN search; with it, ``in_range`` (the caller knows every
+    ``|v|`` is at most the format's largest value times ``1 + 2**-23``) skips the clamp, which
+    changes no byte then: torch rounds such a value to the largest value, as the clamp does."""
     dtype = to_torch_fp8_dtype(fp8_dtype)
     limit = _fp8_max(dtype)
+    if in_range and not may_hold_nan:
+        return v.to(dtype)
     out = v.clamp_(-limit, limit).to(dtype)  # clamp keeps NaN
     if may_hold_nan:
         nan = torch.isnan(v)
@@ -134,16 +145,23 @@ def _matrix_blocks(a: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor,
 
 
 def _cast_blocks(
-    blocks: torch.Tensor, owned: bool, factor: torch.Tensor, fp8_dtype, may_hold_nan: bool, shape
+    blocks: torch.Tensor,
+    owned: bool,
+    factor: torch.Tensor,
+    fp8_dtype,
+    may_hold_nan: bool,
+    shape,
+    in_range: bool = False,
 ) -> torch.Tensor:
     """``blocks [Rb, rows, Cb, cols]`` times their ``factor [Rb, Cb]``, saturated and rounded to
     FP8, as the contiguous matrix of ``shape`` (the padding cut off). The product is computed in
     place when ``blocks`` is the cast's own buffer (a fresh multi-MiB product costs the CPU page
-    faults), else new."""
+    faults), else new. ``in_range``: see :func:`_saturating_cast_`."""
     rb, rows, cb, cols = blocks.shape
     factor = factor.reshape(rb, 1, cb, 1)
     scaled = blocks.mul_(factor) if owned else blocks * factor
-    data = _saturating_cast_(scaled, fp8_dtype, may_hold_nan).reshape(rb * rows, cb * cols)
+    data = _saturating_cast_(scaled, fp8_dtype, may_hold_nan, in_range)
+    data = data.reshape(rb * rows, cb * cols)
     return data[: shape[0], : shape[1]].contiguous()
 
 
@@ -154,7 +172,8 @@ def _float8_block_cast(a: torch.Tensor, fp8_dtype, rows: int, options) -> tuple:
     blocks, owned = _matrix_blocks(a, rows, BLOCK_SCALING_BLOCK_LEN)
     amax, not_finite = _block_amax(blocks, (1, 3))
     scale = block_scale_from_amax(amax, fp8_dtype, **options)
-    return _cast_blocks(blocks, owned, scale, fp8_dtype, not_finite, a.shape), scale
+    data = _cast_blocks(blocks, owned, scale, fp8_dtype, not_finite, a.shape, in_range=True)
+    return data, scale
 
 
 def block_cast_1d(
@@ -196,7 +215,7 @@ def block_cast_1d_of_transpose(
     blocks, owned = _matrix_blocks(a, BLOCK_SCALING_BLOCK_LEN, 1)  # [Rb, 128, C, 1]
     amax, not_finite = _block_amax(blocks, (1, 3))
     scale = block_scale_from_amax(amax, fp8_dtype, **options)  # [Rb, C]
-    data = _cast_blocks(blocks, owned, scale, fp8_dtype, not_finite, (r, c))
+    data = _cast_blocks(blocks, owned, scale, fp8_dtype, not_finite, (r, c), in_range=True)
     scale_inv = torch.zeros(scale.shape[0], round_up(c, 4), dtype=torch.float32, device=a.device)
     scale_inv[:, :c] = reciprocal_elementwise(scale)
     return transpose_last_dim_first(data), scale_inv

@@ -329,3 +329,29 @@ def test_mxfp8_columnwise_cast_is_the_transposed_cast_of_the_transpose(shape, dt
     assert torch.equal(exponents, want_exponents.t())
     with pytest.raises(ValueError, match="two_d and columnwise exclude each other"):
         reference_blocks.mxfp8_cast(a, fp8_dtype, two_d=True, columnwise=True)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_block_cast_without_a_clamp_gives_the_saturating_cast(fp8_dtype, columnwise):
+    """Finite Float8BlockScaling casts skip the clamp: non-power-of-2 scales put ``amax *
+    scale`` a rounding above the format's maximum in about one block in ten (checked below),
+    and torch's conversion must round those to the maximum, as the clamp-then-cast oracle."""
+    from transformer_engine.pytorch import reference_blocks
+
+    g = torch.Generator().manual_seed(3)
+    a = torch.rand(512, 1024, generator=g) * 100 + 1e-3
+    limit = FP8_MAX[fp8_dtype]
+    m = a.t() if columnwise else a
+    blocks = m.reshape(m.shape[0], -1, 128)
+    amax = blocks.amax(dim=-1, keepdim=True)
+    scale = torch.full_like(amax, limit) / amax
+    scaled = blocks * scale
+    assert bool((scaled.amax(dim=-1) > limit).any())  # the case the test is about occurs
+    want = scaled.clamp(-limit, limit).to(fp8_dtype).reshape(m.shape)
+    options = {"force_pow_2_scales": False}
+    if columnwise:
+        data, _ = reference_blocks.block_cast_1d_of_transpose(a, fp8_dtype, **options)
+    else:
+        data, _ = reference_blocks.block_cast_1d(a, fp8_dtype, **options)
+    assert torch.equal(data.view(torch.uint8), want.view(torch.uint8))

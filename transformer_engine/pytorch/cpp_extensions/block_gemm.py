@@ -72,15 +72,20 @@ def _dequantize(values, scale_inv, is_2d) -> torch.Tensor:
 
 def _scale_exponents(scale_inv: torch.Tensor) -> tuple[int, int] | None:
     """``(min, max)`` binary exponents of the nonzero scale-inverses (zeros pad the GEMM_READY
-    layouts), or ``None`` when one is not a normal power of two (or there are none)."""
-    s = scale_inv[scale_inv != 0]
-    if s.numel() == 0:
+    layouts), or ``None`` when one is not a normal power of two (or there are none).
+
+    On the magnitude bits (sign cleared): a normal power of two has no mantissa bits, so the
+    smallest and largest nonzero magnitudes carry the exponent range, and one mask test finds
+    any mantissa; few torch operations, since this runs for both operands of every GEMM."""
+    magnitude = scale_inv.view(torch.int32) & 0x7FFFFFFF
+    largest = int(magnitude.max()) if magnitude.numel() else 0
+    if largest == 0 or bool((magnitude & 0x7FFFFF).any()):
         return None
-    bits = s.view(torch.int32)
-    exponent = (bits >> 23) & 0xFF
-    if bool(((bits & 0x7FFFFF) != 0).any()) or bool(((exponent == 0) | (exponent == 255)).any()):
+    smallest = int(torch.where(magnitude == 0, largest, magnitude).min())
+    low, high = smallest >> 23, largest >> 23
+    if low == 0 or high == 255:  # subnormal (no mantissa bits: zero, excluded) or Inf
         return None
-    return int(exponent.min()) - 127, int(exponent.max()) - 127
+    return low - 127, high - 127
 
 
 def _bf16_math_is_exact(x, xs, y, ys) -> bool:
