@@ -355,3 +355,41 @@ def test_block_cast_without_a_clamp_gives_the_saturating_cast(fp8_dtype, columnw
     else:
         data, _ = reference_blocks.block_cast_1d(a, fp8_dtype, **options)
     assert torch.equal(data.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("shape", [(300, 260), (128, 128), (1, 1), (0, 5)])
+@pytest.mark.parametrize(
+    "scales", [(2.0**-20, 1.0, 3.0), (2.0**125, 0.5, 1.0), (float("inf"), 1.0, 2.0),
+               (1e-45, 1.0, 7.0), (0.37, 1e30, 5e-39)],
+)  # fmt: skip
+@pytest.mark.parametrize("with_nan_bytes", [False, True])
+def test_block_dequantize_is_torch_upcast_times_the_block_scale(
+    fp8_dtype, shape, scales, with_nan_bytes
+):
+    """The block dequantizers fold the FP8 upcast's power-of-two factor into the scales (or
+    not, for scales it would overflow): the bits of torch's upcast times the scale."""
+    from transformer_engine.pytorch import reference_blocks
+
+    g = torch.Generator().manual_seed(shape[0] + len(scales))
+    top = 256 if with_nan_bytes else (127 if fp8_dtype == torch.float8_e4m3fn else 125)
+    magnitude = torch.randint(0, min(top, 128), shape, generator=g, dtype=torch.int16)
+    sign = torch.randint(0, 2, shape, generator=g, dtype=torch.int16) * 128
+    data = (magnitude + sign).to(torch.uint8).view(fp8_dtype)
+    r, c = shape
+    rb, cb = -(-r // 128), -(-c // 128)
+    table = torch.tensor(scales, dtype=torch.float32)
+    s1 = table[torch.randint(0, 3, (cb, max(r, 1)), generator=g)]
+    s2 = table[torch.randint(0, 3, (max(rb, 1), cb), generator=g)]
+
+    def same(got, want):
+        nan = torch.isnan(want)
+        return torch.equal(torch.isnan(got), nan) and torch.equal(
+            got.view(torch.int32)[~nan], want.view(torch.int32)[~nan]
+        )
+
+    got = reference_blocks.block_dequantize_1d(data, s1, torch.float32)
+    assert same(got, data.float() * s1[:cb, :r].t().repeat_interleave(128, dim=1)[:, :c])
+    got = reference_blocks.block_dequantize_2d(data, s2, torch.float32)
+    expanded = s2.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)[:r, :c]
+    assert same(got, data.float() * expanded)
