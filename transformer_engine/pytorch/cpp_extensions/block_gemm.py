@@ -173,10 +173,12 @@ def _block_product(x_op, y_op, *, out_dtype, bias, alpha, to_fp32):
         product = _native_product(x, xs, x2d, y, ys, y2d, torch.float32)
     if product is None:
         product = _emulated_product(x, xs, x2d, y, ys, y2d)
+    # The product is this call's own float32 buffer: scaled and biased in place (the same
+    # roundings as the out-of-place forms; a fresh multi-MiB tensor costs the CPU page faults).
     if alpha != 1.0:
-        product = product * alpha
+        product.mul_(alpha)
     if bias is not None:
-        product = product + bias.float()
+        product.add_(bias.float())
     return product if to_fp32 else product.to(out_dtype)
 
 
