@@ -393,3 +393,31 @@ def test_block_dequantize_is_torch_upcast_times_the_block_scale(
     got = reference_blocks.block_dequantize_2d(data, s2, torch.float32)
     expanded = s2.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)[:r, :c]
     assert same(got, data.float() * expanded)
+
+
+def old_block_scale_from_amax(amax, fp8_dtype, epsilon, pow2, value_for_inf):
+    a = torch.clamp_min(amax, epsilon) if epsilon > 0 else amax
+    scale = torch.full_like(a, FP8_MAX[fp8_dtype]) / a
+    scale = torch.where(torch.isposinf(scale), torch.full_like(scale, value_for_inf), scale)
+    if pow2:
+        scale = (scale.view(torch.int32) & reference.SIGN_AND_EXPONENT_MASK).view(torch.float32)
+    return torch.where(a == 0, torch.ones_like(scale), scale)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("epsilon", [0.0, 1e-3, 1e-38])
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("value_for_inf", [reference.FLOAT32_MAX, 65504.0])
+def test_block_scales_match_the_out_of_place_form(fp8_dtype, epsilon, pow2, value_for_inf):
+    from transformer_engine.pytorch import reference_blocks
+
+    g = torch.Generator().manual_seed(5)
+    special = [0.0, 1e-45, 1e-40, 1.3e-36, 1.0, 3.0, 448.0, 3e38, float("inf"), 2.0**-126]
+    exponents = torch.randint(-40, 38, (400,), generator=g).float()
+    amax = torch.cat([torch.tensor(special), torch.rand(400, generator=g) * 10.0**exponents])
+    amax = amax.reshape(-1, 5)
+    got = reference_blocks.block_scale_from_amax(
+        amax, fp8_dtype, epsilon=epsilon, force_pow_2_scales=pow2, value_for_inf=value_for_inf
+    )
+    want = old_block_scale_from_amax(amax, fp8_dtype, epsilon, pow2, value_for_inf)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
