@@ -167,15 +167,26 @@ def _cast_blocks(
     return data[: shape[0], : shape[1]].contiguous()
 
 
-def _float8_block_cast(a: torch.Tensor, fp8_dtype, rows: int, options) -> tuple:
-    """The cast of ``a [R, C]`` in blocks of ``rows x 128``: ``(data [R, C], scale [Rb, Cb])``
+def _float8_block_cast(
+    a: torch.Tensor, fp8_dtype, rows: int, options, cols: int = BLOCK_SCALING_BLOCK_LEN
+) -> tuple:
+    """The cast of ``a [R, C]`` in blocks of ``rows x cols``: ``(data [R, C], scale [Rb, Cb])``
     (the float32 scales, before the layouts :func:`block_cast_1d` / :func:`block_cast_2d`
     store their inverses in)."""
-    blocks, owned = _matrix_blocks(a, rows, BLOCK_SCALING_BLOCK_LEN)
+    blocks, owned = _matrix_blocks(a, rows, cols)
     amax, not_finite = _block_amax(blocks, (1, 3))
     scale = block_scale_from_amax(amax, fp8_dtype, **options)
     data = _cast_blocks(blocks, owned, scale, fp8_dtype, not_finite, a.shape, in_range=True)
     return data, scale
+
+
+def _scale_inv_layout(scale: torch.Tensor) -> torch.Tensor:
+    """The GEMM_READY scale-inverses of ``scale [n, m]`` (already in the stored orientation):
+    ``[n, roundup(m, 4)]``, zeros in the padding."""
+    n, m = scale.shape
+    scale_inv = torch.zeros(n, round_up(m, 4), dtype=torch.float32, device=scale.device)
+    scale_inv[:, :m] = reciprocal_elementwise(scale)
+    return scale_inv
 
 
 def block_cast_1d(
@@ -191,10 +202,7 @@ def block_cast_1d(
     options = {"epsilon": epsilon, "force_pow_2_scales": force_pow_2_scales,
                "value_for_inf": value_for_inf}  # fmt: skip
     data, scale = _float8_block_cast(a, fp8_dtype, 1, options)  # scale [R, Cb]
-    r, cb = scale.shape
-    scale_inv = torch.zeros(cb, round_up(r, 4), dtype=torch.float32, device=a.device)
-    scale_inv[:, :r] = reciprocal_elementwise(scale).t()
-    return data, scale_inv
+    return data, _scale_inv_layout(scale.t())
 
 
 def block_cast_1d_of_transpose(
@@ -213,14 +221,9 @@ def block_cast_1d_of_transpose(
     transpose. Returns ``(data [C, R] FP8, scale_inv [ceil(R/128), roundup(C, 4)])``."""
     options = {"epsilon": epsilon, "force_pow_2_scales": force_pow_2_scales,
                "value_for_inf": value_for_inf}  # fmt: skip
-    r, c = a.shape
-    blocks, owned = _matrix_blocks(a, BLOCK_SCALING_BLOCK_LEN, 1)  # [Rb, 128, C, 1]
-    amax, not_finite = _block_amax(blocks, (1, 3))
-    scale = block_scale_from_amax(amax, fp8_dtype, **options)  # [Rb, C]
-    data = _cast_blocks(blocks, owned, scale, fp8_dtype, not_finite, (r, c), in_range=True)
-    scale_inv = torch.zeros(scale.shape[0], round_up(c, 4), dtype=torch.float32, device=a.device)
-    scale_inv[:, :c] = reciprocal_elementwise(scale)
-    return transpose_last_dim_first(data), scale_inv
+    # 128x1 blocks: scale [Rb, C]
+    data, scale = _float8_block_cast(a, fp8_dtype, BLOCK_SCALING_BLOCK_LEN, options, cols=1)
+    return transpose_last_dim_first(data), _scale_inv_layout(scale)
 
 
 def block_cast_2d(
@@ -236,10 +239,7 @@ def block_cast_2d(
     options = {"epsilon": epsilon, "force_pow_2_scales": force_pow_2_scales,
                "value_for_inf": value_for_inf}  # fmt: skip
     data, scale = _float8_block_cast(a, fp8_dtype, BLOCK_SCALING_BLOCK_LEN, options)
-    rb, cb = scale.shape
-    scale_inv = torch.zeros(rb, round_up(cb, 4), dtype=torch.float32, device=a.device)
-    scale_inv[:, :cb] = reciprocal_elementwise(scale)
-    return data, scale_inv
+    return data, _scale_inv_layout(scale)
 
 
 def reciprocal_elementwise(scale: torch.Tensor) -> torch.Tensor:
