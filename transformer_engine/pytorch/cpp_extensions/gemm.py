@@ -43,7 +43,7 @@ import torch
 
 from ..constants import HIGH_PRECISION_DTYPES
 from ..device import check_same_device, reject_meta
-from . import fp8_gemm_cpu
+from . import fp8_gemm_cpu, hp_gemm_cpu
 from ._validation import check_dtype, check_output, check_tensor
 from .block_gemm import block_general_gemm, is_block_float8_operand
 from .float8_gemm_operand import CheckedFloat8Operand, Float8GemmOperand, is_float8_operand
@@ -233,7 +233,8 @@ def general_gemm(
         * both high precision: ``torch.mm``/``torch.addmm`` in the operands' common dtype, then
           cast to ``out_dtype``; in float32 (operands upcast) when the output is float32 or
           ``accumulate=True``, so the product is never rounded to a narrower type than the
-          output and an accumulation rounds once.
+          output and an accumulation rounds once; in float32 too, rounded once, for 16-bit
+          operands on a CPU without 16-bit matrix math (:mod:`.hp_gemm_cpu`).
         * mixed (one FP8, one plain tensor): the FP8 operand is dequantized to the other
           operand's dtype (from whichever buffer it holds) and the high-precision path runs.
 
@@ -358,7 +359,9 @@ def general_gemm(
             a = a.dequantized(b.dtype)
         elif b_fp8:
             b = b.dequantized(a.dtype)
-        compute_dtype = torch.float32 if accumulate or out_dtype == torch.float32 else a.dtype
+        compute_dtype = a.dtype
+        if accumulate or out_dtype == torch.float32 or hp_gemm_cpu.runs_in_float32(a, b):
+            compute_dtype = torch.float32
         x, w = _hp_gemm(layout, a, b, m, n, k, dtype=compute_dtype)
         if bias is not None:
             result = torch.addmm(bias.to(compute_dtype), x, w, alpha=alpha)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..cpp_extensions import hp_gemm_cpu
 from ..cpp_extensions.gemm import fp8_gemm_prevalidated
 from ..device import device_guard
 from ..quantized_tensor import (
@@ -250,7 +251,7 @@ def linear_forward(
     x = inp if two_dim else inp.reshape(-1, in_features)
     saved = LinearSaved(config, None, None, weight, inp.shape, bias, bias_requires_grad)
     if not config.fp8:
-        out = torch.nn.functional.linear(x, weight, bias)
+        out = hp_gemm_cpu.linear(x, weight, bias)
         saved.high_precision_backward = True
         saved.x = x if needs_wgrad else None
         saved.w = weight if needs_dgrad else None
@@ -403,7 +404,7 @@ def linear_backward(saved: LinearSaved, grad_out, dbias_of_grad: torch.Tensor | 
                 use_split_accumulator=config.dgrad_split_accumulator,
             )
     elif saved_w is not None:
-        dx = dy @ saved_w
+        dx = hp_gemm_cpu.matmul(dy, saved_w)
     if saved.bias_requires_grad:
         dbias = _as_dtype(dy.sum(dim=0) if dbias is None else dbias, saved.bias_dtype)
     if saved_x is not None:
@@ -466,7 +467,7 @@ def _weight_gradient(config, saved_x, grad_operand, weight, fuse, fp8):
         else:
             weight.main_grad.copy_(update)
         return None
-    return grad_operand.t() @ saved_x
+    return hp_gemm_cpu.matmul(grad_operand.t(), saved_x)
 
 
 def _placeholder_wgrad(param, gemm_weight):
