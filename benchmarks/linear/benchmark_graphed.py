@@ -10,6 +10,7 @@ the copy into the static input, as a model would. Ratios are BF16 eager time / t
 faster than BF16). Interleaved rounds, median of each implementation's per-round medians.
 
     python benchmarks/linear/benchmark_graphed.py [--rounds 5] [--iters 20] [--json out.json]
+        [--single-thread-backward]   # every implementation's backward on the calling thread
 """
 
 from __future__ import annotations
@@ -55,13 +56,22 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--single-thread-backward",
+        action="store_true",
+        help="run backward on the calling thread (torch.autograd.set_multithreading_enabled)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmark_graphed.py needs a CUDA GPU", file=sys.stderr)
         return 1
     device = torch.device(args.device)
     torch.cuda.set_device(device)
+    if args.single_thread_backward:
+        torch.autograd.set_multithreading_enabled(False)
     print(f"graphed te.Linear on {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    if args.single_thread_backward:
+        print("backward on the calling thread (autograd multithreading disabled)")
     print(f"native: {transformer_engine.native_status()}")
     m, k, n = SHAPE
     torch.manual_seed(0)
