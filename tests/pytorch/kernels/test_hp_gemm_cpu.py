@@ -67,6 +67,19 @@ def test_linear_and_matmul_round_once(float32_route, dtype):
     )
 
 
+def test_route_holds_under_cpu_autocast(float32_route):
+    """torch.autocast("cpu") would cast the float32 operands back to BF16; the route keeps
+    them float32."""
+    x, w = exact_values((8, 32), 12, torch.bfloat16), exact_values((16, 32), 13, torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), MatmulDtypes() as seen:
+        out = hp_gemm_cpu.linear(x, w, None)
+        hp_gemm_cpu.matmul(x, w.t())
+        assert torch.is_autocast_enabled("cpu")  # the caller's autocast is back on
+    assert seen.dtypes == [torch.float32] * 2
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, (x.double() @ w.double().t()).bfloat16())
+
+
 def test_product_and_bias_are_rounded_together(float32_route):
     # 1 + 2**-8 is a BF16 tie: alone it rounds to 1, so adding the bias 2**-8 afterwards gives
     # 1 again; rounded once with the bias, the sum 1 + 2**-7 is a BF16 number.

@@ -47,14 +47,36 @@ def runs_in_float32(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def _cpu_autocast_enabled() -> bool:
+    try:
+        return torch.is_autocast_enabled("cpu")
+    except TypeError:  # torch < 2.4
+        return torch.is_autocast_cpu_enabled()
+
+
+class _NoCpuAutocast:
+    """Turns CPU autocast off while the float32 product runs (autocast would cast its float32
+    operands back to the 16-bit dtype); does nothing when it is off."""
+
+    def __enter__(self):
+        self._ctx = torch.autocast("cpu", enabled=False) if _cpu_autocast_enabled() else None
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``torch.nn.functional.linear(x, weight, bias)``, through float32 where
     :func:`runs_in_float32` (one rounding of product plus bias)."""
     if not runs_in_float32(x, weight) or (bias is not None and bias.dtype != x.dtype):
         return torch.nn.functional.linear(x, weight, bias)
-    out = torch.nn.functional.linear(
-        x.float(), weight.float(), None if bias is None else bias.float()
-    )
+    with _NoCpuAutocast():
+        out = torch.nn.functional.linear(
+            x.float(), weight.float(), None if bias is None else bias.float()
+        )
     return out.to(x.dtype)
 
 
@@ -62,4 +84,6 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b``, through float32 where :func:`runs_in_float32`."""
     if not runs_in_float32(a, b):
         return a @ b
-    return (a.float() @ b.float()).to(a.dtype)
+    with _NoCpuAutocast():
+        out = a.float() @ b.float()
+    return out.to(a.dtype)
