@@ -164,3 +164,21 @@ def test_module_step_on_float32_route(float32_route, dtype, module):
     tol = {"atol": 0.05, "rtol": 0.05}
     torch.testing.assert_close(x.grad.double(), x64.grad, **tol)
     torch.testing.assert_close(layer.fc1_weight.grad.double(), ref.fc1_weight.grad, **tol)
+
+
+def test_general_gemm_float32_product_ignores_autocast():
+    """A float32 output (or accumulation) is computed in float32 even inside a CPU autocast
+    region, which would otherwise run torch.mm in BF16; the compute dtype is general_gemm's,
+    as with upstream's C++ GEMM."""
+    a = exact_values((24, 200), 14, torch.bfloat16)
+    b = exact_values((40, 200), 15, torch.bfloat16)
+    b = b + 2.0**-12  # BF16 can hold b, not the products' sums: a BF16 product would round
+    oracle = b.double() @ a.double().t()
+    with torch.autocast("cpu", dtype=torch.bfloat16), MatmulDtypes() as seen:
+        out = general_gemm(a, b, torch.float32, layout="TN")[0]
+        acc = torch.ones(40, 24)
+        general_gemm(a, b, torch.float32, layout="TN", out=acc, accumulate=True)
+    assert seen.dtypes == [torch.float32] * 2
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), oracle, atol=1e-4, rtol=1e-6)
+    torch.testing.assert_close(acc.double(), oracle + 1, atol=1e-4, rtol=1e-6)

@@ -44,6 +44,7 @@ import torch
 from ..constants import HIGH_PRECISION_DTYPES
 from ..device import check_same_device, reject_meta
 from . import fp8_gemm_cpu, hp_gemm_cpu
+from ._autocast_off import autocast_off
 from ._validation import check_dtype, check_output, check_tensor
 from .block_gemm import block_general_gemm, is_block_float8_operand
 from .float8_gemm_operand import CheckedFloat8Operand, Float8GemmOperand, is_float8_operand
@@ -234,7 +235,9 @@ def general_gemm(
           cast to ``out_dtype``; in float32 (operands upcast) when the output is float32 or
           ``accumulate=True``, so the product is never rounded to a narrower type than the
           output and an accumulation rounds once; in float32 too, rounded once, for 16-bit
-          operands on a CPU without 16-bit matrix math (:mod:`.hp_gemm_cpu`).
+          operands on a CPU without 16-bit matrix math (:mod:`.hp_gemm_cpu`). A
+          ``torch.autocast`` region changes none of these dtypes (it is off while the product
+          runs), as it cannot change upstream's C++ GEMM.
         * mixed (one FP8, one plain tensor): the FP8 operand is dequantized to the other
           operand's dtype (from whichever buffer it holds) and the high-precision path runs.
 
@@ -363,14 +366,15 @@ def general_gemm(
         if accumulate or out_dtype == torch.float32 or hp_gemm_cpu.runs_in_float32(a, b):
             compute_dtype = torch.float32
         x, w = _hp_gemm(layout, a, b, m, n, k, dtype=compute_dtype)
-        if bias is not None:
-            result = torch.addmm(bias.to(compute_dtype), x, w, alpha=alpha)
-        elif alpha != 1.0:
-            # beta=0 ignores the input entirely, so one rounding covers product and alpha.
-            zero = torch.zeros((), dtype=compute_dtype, device=device)
-            result = torch.addmm(zero, x, w, beta=0, alpha=alpha)
-        else:
-            result = torch.mm(x, w)
+        with autocast_off(device.type):  # the compute dtype is chosen here, as upstream's GEMM
+            if bias is not None:
+                result = torch.addmm(bias.to(compute_dtype), x, w, alpha=alpha)
+            elif alpha != 1.0:
+                # beta=0 ignores the input entirely, so one rounding covers product and alpha.
+                zero = torch.zeros((), dtype=compute_dtype, device=device)
+                result = torch.addmm(zero, x, w, beta=0, alpha=alpha)
+            else:
+                result = torch.mm(x, w)
         if not accumulate:
             result = result.to(out_dtype)
 

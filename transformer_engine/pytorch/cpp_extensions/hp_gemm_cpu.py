@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ._autocast_off import autocast_off
+
 __all__ = ["NATIVE_16BIT_GEMM", "runs_in_float32", "linear", "matmul"]
 
 
@@ -47,33 +49,12 @@ def runs_in_float32(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _cpu_autocast_enabled() -> bool:
-    try:
-        return torch.is_autocast_enabled("cpu")
-    except TypeError:  # torch < 2.4
-        return torch.is_autocast_cpu_enabled()
-
-
-class _NoCpuAutocast:
-    """Turns CPU autocast off while the float32 product runs (autocast would cast its float32
-    operands back to the 16-bit dtype); does nothing when it is off."""
-
-    def __enter__(self):
-        self._ctx = torch.autocast("cpu", enabled=False) if _cpu_autocast_enabled() else None
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``torch.nn.functional.linear(x, weight, bias)``, through float32 where
     :func:`runs_in_float32` (one rounding of product plus bias)."""
     if not runs_in_float32(x, weight) or (bias is not None and bias.dtype != x.dtype):
         return torch.nn.functional.linear(x, weight, bias)
-    with _NoCpuAutocast():
+    with autocast_off("cpu"):
         out = torch.nn.functional.linear(
             x.float(), weight.float(), None if bias is None else bias.float()
         )
@@ -84,6 +65,6 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b``, through float32 where :func:`runs_in_float32`."""
     if not runs_in_float32(a, b):
         return a @ b
-    with _NoCpuAutocast():
+    with autocast_off("cpu"):
         out = a.float() @ b.float()
     return out.to(a.dtype)
