@@ -59,6 +59,7 @@ import threading
 import torch
 
 from ..reference import fp8_to_float32_unscaled
+from .hp_gemm_cpu import onednn_has_16bit_kernels
 
 __all__ = [
     "fp8_gemm_emulated",
@@ -87,13 +88,9 @@ def _onednn_has_bf16_math() -> bool:
     """Whether oneDNN can run float32 matmuls in BF16 math here (torch >= 2.9's setting, a CPU
     with BF16 instructions); elsewhere setting the mode would only cost time."""
     settings = getattr(torch.backends.mkldnn, "matmul", None)
-    if (
-        getattr(settings, "fp32_precision", None) is None
-        or not torch.backends.mkldnn.is_available()
-    ):
+    if getattr(settings, "fp32_precision", None) is None:
         return False
-    bf16_supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(bf16_supported is not None and bf16_supported())
+    return onednn_has_16bit_kernels(torch.bfloat16) is True  # unknown: no BF16 math
 
 
 def _bf16_math_setting() -> str:

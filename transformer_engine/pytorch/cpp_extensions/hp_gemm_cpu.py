@@ -22,20 +22,30 @@ import torch
 
 from ._autocast_off import autocast_off
 
-__all__ = ["NATIVE_16BIT_GEMM", "runs_in_float32", "linear", "matmul"]
+__all__ = [
+    "NATIVE_16BIT_GEMM",
+    "onednn_has_16bit_kernels",
+    "runs_in_float32",
+    "linear",
+    "matmul",
+]
 
 
-def _onednn_supports(dtype: torch.dtype) -> bool:
-    """Whether PyTorch's CPU matmul hands ``dtype`` to oneDNN here (module docstring)."""
+def onednn_has_16bit_kernels(dtype: torch.dtype) -> bool | None:
+    """Whether oneDNN has ``dtype`` (BF16 or FP16) matmul kernels for this CPU, so that
+    PyTorch's CPU matmul hands it such products (module docstring); ``None`` where this torch
+    lacks the private query that tells."""
     if not torch.backends.mkldnn.is_available():
         return False
     name = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
-    check = getattr(torch.ops.mkldnn, name[dtype], None)  # private: absent -> assume native
-    return True if check is None else bool(check())
+    check = getattr(torch.ops.mkldnn, name[dtype], None)
+    return None if check is None else bool(check())
 
 
-# Read on every call (see the module docstring).
-NATIVE_16BIT_GEMM = {dtype: _onednn_supports(dtype) for dtype in (torch.bfloat16, torch.float16)}
+# Read on every call (see the module docstring). An unknown answer keeps PyTorch's kernels.
+NATIVE_16BIT_GEMM = {
+    dtype: onednn_has_16bit_kernels(dtype) is not False for dtype in (torch.bfloat16, torch.float16)
+}
 
 
 def runs_in_float32(a: torch.Tensor, b: torch.Tensor) -> bool:
