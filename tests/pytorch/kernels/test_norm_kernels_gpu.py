@@ -183,6 +183,32 @@ def test_backward_matches_float64(shape, wdtype_is_x, dtype, zero_centered, rms)
     assert torch.equal(dx2, dx) and torch.equal(dgamma2, dgamma)
 
 
+# Long rows, with more rows than the persistent grid has blocks (264 on an H200), so every block
+# adds several rows into its column partials: the wide-row team (16-bit, H in (8192, 16384],
+# partials in shared memory) and the looped kernel (longer rows, H % 8 != 0, float32 past 8192).
+LONG_ROW_CASES = [((600, 12288), torch.bfloat16), ((600, 16384), torch.float16),
+                  ((300, 20000), torch.bfloat16), ((300, 20003), torch.bfloat16),
+                  ((300, 12288), torch.float32)]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape,dtype", LONG_ROW_CASES, ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
+def test_backward_of_long_rows_matches_float64(shape, dtype, rms):
+    x, w, b, dz = make_case(shape, dtype, torch.float32, rms, False, seed=3)
+    _, mean, rsigma = norm_forward(x, w, b, EPS, False, rms=rms)
+    dx, dgamma, dbeta = norm_backward(dz, x, mean, rsigma, w, False, rms=rms, with_dbeta=not rms)
+    ref_dx, ref_dg, ref_db = oracle_backward(x, w, b, dz, rms, False)
+    dx_rtol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}[dtype]
+    terms = dz.double().cpu() * w.double().cpu()
+    terms = (terms.abs().amax(dim=1) * rsigma.double().cpu()).max().item()
+    assert_close_to_max(dx, ref_dx, dx_rtol, scale=terms)
+    assert_close_to_max(dgamma, ref_dg, 1e-4)
+    if not rms:
+        assert_close_to_max(dbeta, ref_db, 1e-4)
+    dx2, dgamma2, _ = norm_backward(dz, x, mean, rsigma, w, False, rms=rms, with_dbeta=not rms)
+    assert torch.equal(dx2, dx) and torch.equal(dgamma2, dgamma)
+
+
 def _unaligned_copy(t):
     """A contiguous copy of t whose storage starts one element past an aligned allocation."""
     buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)

@@ -4,13 +4,15 @@
  *    A team (norm_common.cuh) takes one row at a time, holding x and dz in registers as raw bits
  *    and loading its next row's meanwhile: it forms xhat and dy = dz * g (kept in float32
  *    registers for 16-bit inputs, formed again for float32 ones), the row sums of dy and
- *    dy * xhat, and writes dx from them. Every thread also
+ *    dy * xhat (one team reduction for both), and writes dx from them. Every thread also
  *    accumulates, in float32 registers, dz * xhat and dz for the columns it owns, over all the
  *    rows its block takes; at the end the block's teams add theirs up in shared memory (in team
  *    order) and the block writes one row of partial dgamma and one of partial dbeta into the
- *    workspace, [blocks, H] each. Rows too long for the register teams go through a looped
- *    kernel that reads x and dz twice and accumulates straight into its block's workspace row
- *    (each element has one owning thread, so no atomics).
+ *    workspace, [blocks, H] each. Rows of 8193-16384 16-bit elements take the wide-row team
+ *    (4 vectors a thread), whose column sums live in shared memory instead of registers, each
+ *    element owned by one thread. Longer rows, and float32 or odd-width rows past 8192, go
+ *    through a looped kernel that reads x and dz twice and accumulates straight into its block's
+ *    workspace row (each element has one owning thread, so no atomics).
  * 2. norm_bwd_finalize_kernel: adds the blocks' partial rows up column by column, in a fixed
  *    order independent of scheduling (deterministic), and writes dgamma/dbeta in gamma's dtype.
  */
@@ -83,23 +85,38 @@ __device__ __forceinline__ void dx_vector(float rs, float m_dy, float m_dyx,
   for (int j = 0; j < kVec; ++j) dx[j] = rs * (dy[j] - m_dy - xhat[j] * m_dyx);
 }
 
-template <class Cfg, typename IType, typename WType>
+/* kSmemParts: the column partials live in dynamic shared memory ([2][H] floats, each element
+ * owned by one thread) instead of registers, and xhat and dy are formed again for dx: what lets
+ * rows of up to 16384 16-bit elements stay in registers (4 vectors a thread, blocks of 512). */
+template <class Cfg, typename IType, typename WType, bool kSmemParts>
 __global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads))
     norm_bwd_kernel(const BwdParams p) {
   constexpr int kTeam = Cfg::kTeam, kVecs = Cfg::kVecs, kThreads = Cfg::kThreads;
   constexpr int kTeams = Cfg::kTeams;
-  __shared__ float scratch[kScratchFloats<kThreads>];
+  __shared__ __align__(8) float scratch[kScratchFloats<kThreads>];
   int phase = 0;
   // Warp teams: each team's column partials, added up in team order at the end.
   __shared__ float team_parts[kTeams > 1 ? kTeams * Cfg::kMaxH : 1];
   const int team = threadIdx.x / kTeam;
   const int t = threadIdx.x % kTeam;
   const float h = static_cast<float>(p.H);
-  float dg[kVecs][kVec] = {}, db[kVecs][kVec] = {};
+  extern __shared__ __align__(16) float smem_parts[];  // kSmemParts: dgamma's [H], dbeta's [H]
+  static_assert(!kSmemParts || kTeams == 1, "shared partials: one team a block");
+  float dg[kSmemParts ? 1 : kVecs][kVec] = {}, db[kSmemParts ? 1 : kVecs][kVec] = {};
+  if constexpr (kSmemParts) {
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int c = (v * kTeam + t) * kVec;
+      if (c < p.H) {  // p.vec: whole vectors
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) smem_parts[c + j] = smem_parts[p.H + c + j] = 0.0f;
+      }
+    }
+  }
   const IType* x_base = static_cast<const IType*>(p.x);
   const IType* dz_base = static_cast<const IType*>(p.dz);
   // 16-bit inputs keep xhat and dy for dx (below); float32 rows would take too many registers.
-  constexpr bool kKeep = sizeof(IType) == 2;
+  constexpr bool kKeep = sizeof(IType) == 2 && !kSmemParts;
   // The team's rows: row, row + stride, ... The next row's x, dz and statistics are loaded while
   // the current one is worked on (two rows of loads in flight per team); rows wait in registers
   // as raw bits. The kernel is bound by the instructions it issues, so (16-bit inputs) xhat and
@@ -149,12 +166,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads
         xv[j] = raw_elem(cx[v], j);
         dyv[j] = raw_elem(cz[v], j);
       }
-      row_vector<WType>(p, c, n, mu, rs, xv, dyv, dg[v], db[v], s_dy, s_dyx);
+      if constexpr (kSmemParts) {
+        float pg[kVec] = {}, pb[kVec] = {};
+        row_vector<WType>(p, c, n, mu, rs, xv, dyv, pg, pb, s_dy, s_dyx);
+        float4* sg = reinterpret_cast<float4*>(smem_parts + c);
+        float4* sb = reinterpret_cast<float4*>(smem_parts + p.H + c);
+#pragma unroll
+        for (int i = 0; i < kVec / 4; ++i) {
+          float4 a = sg[i], b = sb[i];
+          a.x += pg[4 * i], a.y += pg[4 * i + 1], a.z += pg[4 * i + 2], a.w += pg[4 * i + 3];
+          b.x += pb[4 * i], b.y += pb[4 * i + 1], b.z += pb[4 * i + 2], b.w += pb[4 * i + 3];
+          sg[i] = a;
+          sb[i] = b;
+        }
+      } else {
+        row_vector<WType>(p, c, n, mu, rs, xv, dyv, dg[v], db[v], s_dy, s_dyx);
+      }
     }
-    // RMSNorm has no mean(dy) term.
-    const float m_dy =
-        p.mean != nullptr ? team_sum<kTeam, kThreads>(s_dy, scratch, phase) / h : 0.0f;
-    const float m_dyx = team_sum<kTeam, kThreads>(s_dyx, scratch, phase) / h;
+    // RMSNorm has no mean(dy) term; LayerNorm's two sums share one barrier.
+    float m_dy = 0.0f, m_dyx;
+    if (p.mean != nullptr) {
+      const float2 sums = team_sum2<kTeam, kThreads>(make_float2(s_dy, s_dyx), scratch, phase);
+      m_dy = sums.x / h;
+      m_dyx = sums.y / h;
+    } else {
+      m_dyx = team_sum<kTeam, kThreads>(s_dyx, scratch, phase) / h;
+    }
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
       const int c = (v * kTeam + t) * kVec;
@@ -178,19 +215,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads
     }
   }
   // The block's partial row of each sum.
-  float* dst[2] = {p.part_dgamma + static_cast<size_t>(blockIdx.x) * p.H,
-                   p.part_dbeta != nullptr ? p.part_dbeta + static_cast<size_t>(blockIdx.x) * p.H
-                                           : nullptr};
+  float* dst[2] = {
+      p.part_dgamma + static_cast<size_t>(blockIdx.x) * p.H,
+      p.part_dbeta != nullptr ? p.part_dbeta + static_cast<size_t>(blockIdx.x) * p.H : nullptr};
 #pragma unroll
   for (int which = 0; which < 2; ++which) {
     if (dst[which] == nullptr) continue;
-    const float(&acc)[kVecs][kVec] = which == 0 ? dg : db;
-    if constexpr (kTeams == 1) {
+    const float(&acc)[kSmemParts ? 1 : kVecs][kVec] = which == 0 ? dg : db;
+    if constexpr (kSmemParts) {
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        const int c = (v * kTeam + t) * kVec;
+        if (c < p.H) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) dst[which][c + j] = smem_parts[which * p.H + c + j];
+        }
+      }
+    } else if constexpr (kTeams == 1) {
 #pragma unroll
       for (int v = 0; v < kVecs; ++v) {
         const int c = (v * kTeam + t) * kVec;
         const int n = vec_count(c, p.H);
-        for (int j = 0; j < n; ++j) dst[which][c + j] = acc[v][j];
+        // Unrolled with constant indices: a run-time index would put acc in local memory.
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          if (j < n) dst[which][c + j] = acc[v][j];
+        }
       }
     } else {
 #pragma unroll
@@ -211,17 +261,42 @@ __global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads
   }
 }
 
+/* part[0..n) += add[0..n) for the looped kernel's workspace rows: every load issued before any
+ * store (16-byte accesses when vec: p.vec makes H, and so each partial row, a multiple of 8
+ * floats), not one dependent read-modify-write per element (which serialized the kernel on L2
+ * round trips: 2.3x slower at 2048 x 32768 BF16 on an H200).
+ * Plain loads: the kernel itself wrote these rows. */
+__device__ __forceinline__ void add_partials(float* __restrict__ part, bool vec, int n,
+                                             const float (&add)[kVec]) {
+  if (vec && n == kVec) {
+    float4* q = reinterpret_cast<float4*>(part);
+    float4 a = q[0], b = q[1];
+    a.x += add[0], a.y += add[1], a.z += add[2], a.w += add[3];
+    b.x += add[4], b.y += add[5], b.z += add[6], b.w += add[7];
+    q[0] = a;
+    q[1] = b;
+  } else {
+    float cur[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) cur[j] = j < n ? part[j] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      if (j < n) part[j] = cur[j] + add[j];
+    }
+  }
+}
+
 /* Rows longer than the register teams: a block per row; pass 1 reads x and dz for the row sums
  * and accumulates the column partials into the block's workspace row, pass 2 reads them again
  * for dx. */
 template <typename IType, typename WType>
 __global__ void __launch_bounds__(kLoopThreads) norm_bwd_looped_kernel(const BwdParams p) {
-  __shared__ float scratch[kScratchFloats<kLoopThreads>];
+  __shared__ __align__(8) float scratch[kScratchFloats<kLoopThreads>];
   int phase = 0;
   const float h = static_cast<float>(p.H);
   float* pg = p.part_dgamma + static_cast<size_t>(blockIdx.x) * p.H;
-  float* pb = p.part_dbeta != nullptr ? p.part_dbeta + static_cast<size_t>(blockIdx.x) * p.H
-                                      : nullptr;
+  float* pb =
+      p.part_dbeta != nullptr ? p.part_dbeta + static_cast<size_t>(blockIdx.x) * p.H : nullptr;
   // Every element of the block's rows is later touched by the thread that zeroes it here.
   for (int c = threadIdx.x * kVec; c < p.H; c += kLoopThreads * kVec) {
     for (int j = 0; j < vec_count(c, p.H); ++j) {
@@ -241,14 +316,18 @@ __global__ void __launch_bounds__(kLoopThreads) norm_bwd_looped_kernel(const Bwd
       load_vec(static_cast<const IType*>(p.dz) + base + c, p.vec, n, dz);
       float dg[kVec] = {}, db[kVec] = {};
       row_vector<WType>(p, c, n, mu, rs, x, dz, dg, db, s_dy, s_dyx);
-      for (int j = 0; j < n; ++j) {
-        pg[c + j] += dg[j];
-        if (pb != nullptr) pb[c + j] += db[j];
-      }
+      add_partials(pg + c, p.vec, n, dg);
+      if (pb != nullptr) add_partials(pb + c, p.vec, n, db);
     }
-    const float m_dy =
-        p.mean != nullptr ? team_sum<kLoopThreads, kLoopThreads>(s_dy, scratch, phase) / h : 0.0f;
-    const float m_dyx = team_sum<kLoopThreads, kLoopThreads>(s_dyx, scratch, phase) / h;
+    float m_dy = 0.0f, m_dyx;
+    if (p.mean != nullptr) {
+      const float2 sums =
+          team_sum2<kLoopThreads, kLoopThreads>(make_float2(s_dy, s_dyx), scratch, phase);
+      m_dy = sums.x / h;
+      m_dyx = sums.y / h;
+    } else {
+      m_dyx = team_sum<kLoopThreads, kLoopThreads>(s_dyx, scratch, phase) / h;
+    }
     for (int c = threadIdx.x * kVec; c < p.H; c += kLoopThreads * kVec) {
       const int n = vec_count(c, p.H);
       load_vec(static_cast<const IType*>(p.x) + base + c, p.vec, n, x);
@@ -317,24 +396,78 @@ size_t backward_blocks(size_t rows, size_t rows_per_block, int sm_count,
   return std::min(wanted, static_cast<size_t>(blocks_per_sm) * sm_count);
 }
 
+/* Calls f(Config{}) with the register kernel's team for rows of H elements, or f(nullptr) when
+ * H is longer than those teams hold (the looped kernel). At most 2 vectors a thread: the
+ * backward keeps two rows (x and dz) plus the per-column sums in registers. Up to H = 4096 the
+ * blocks have 256 threads (two a SM: 16 warps): on an H200 the backward at H = 256-2048 ran at
+ * 0.46-0.75 of the copy with blocks of 128 and at 0.65-0.77 with 256 (the same within noise at
+ * H = 1024, 0.1-0.2 faster at the other sizes); teams of one vector a thread with twice the
+ * warps measured 0.54-0.68 where these gave 0.61-0.85. */
+template <typename F>
+void dispatch_backward_team(int H, F&& f) {
+  if (H <= 256) {
+    f(TeamConfig<32, 1, 256>{});
+  } else if (H <= 512) {
+    f(TeamConfig<32, 2, 256>{});
+  } else if (H <= 1024) {
+    f(TeamConfig<64, 2, 256>{});
+  } else if (H <= 2048) {
+    f(TeamConfig<128, 2, 256>{});
+  } else if (H <= 4096) {
+    f(TeamConfig<256, 2, 256>{});
+  } else if (H <= 8192) {
+    f(TeamConfig<512, 2, 512>{});
+  } else {
+    f(nullptr);
+  }
+}
+
+/* The team of rows of 8193-16384 16-bit elements (kSmemParts): 4 vectors a thread, one block of
+ * 512 a SM (on an H200 at 4096 x 16384 BF16: 0.52 of the copy, against 0.40 for teams of 1024
+ * holding 2 vectors each, and 0.07 for the looped kernel). */
+using WideRowTeam = TeamConfig<512, 4, 512>;
+
 template <typename IType, typename WType>
 void launch_backward(CallContext& ctx, BwdParams p, WType* dgamma, WType* dbeta, int sm_count) {
   size_t blocks = 0;
   if (p.rows > 0) {
-    dispatch_team<2>(p.H, [&](auto cfg) {
-      using Cfg = decltype(cfg);
-      if constexpr (std::is_same_v<Cfg, std::nullptr_t>) {
-        blocks = backward_blocks(p.rows, 1, sm_count);
-        norm_bwd_looped_kernel<IType, WType>
-            <<<static_cast<unsigned>(blocks), kLoopThreads, 0, ctx.stream()>>>(p);
-        ctx.check_launch("norm_bwd_looped_kernel launch");
-      } else {
-        blocks = backward_blocks(p.rows, Cfg::kTeams, sm_count, bwd_blocks_per_sm(Cfg::kThreads));
-        norm_bwd_kernel<Cfg, IType, WType>
-            <<<static_cast<unsigned>(blocks), Cfg::kThreads, 0, ctx.stream()>>>(p);
+    auto looped = [&]() {
+      blocks = backward_blocks(p.rows, 1, sm_count);
+      norm_bwd_looped_kernel<IType, WType>
+          <<<static_cast<unsigned>(blocks), kLoopThreads, 0, ctx.stream()>>>(p);
+      ctx.check_launch("norm_bwd_looped_kernel launch");
+    };
+    // Rows of 8193-16384 16-bit elements in whole vectors: the wide-row team, with the column
+    // partials in shared memory where the device lets a block take them (Hopper: 227 KiB; Ada's
+    // 99 KiB take them up to H = 12544).
+    const int parts_bytes = 2 * p.H * static_cast<int>(sizeof(float));
+    bool big = false;
+    if constexpr (sizeof(IType) == 2) {
+      big = p.vec && p.H > 8192 && p.H <= 16384 &&
+            parts_bytes + 1024 <= ctx.max_shared_memory_per_block();
+      if (big) {
+        using Cfg = WideRowTeam;
+        auto kernel = norm_bwd_kernel<Cfg, IType, WType, true>;
+        static std::atomic<uint64_t> done{0};
+        allow_dynamic_smem(ctx, kernel, parts_bytes, done);
+        blocks = backward_blocks(p.rows, 1, sm_count, 1);
+        kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, parts_bytes, ctx.stream()>>>(p);
         ctx.check_launch("norm_bwd_kernel launch");
       }
-    });
+    }
+    if (!big) {
+      dispatch_backward_team(p.H, [&](auto cfg) {
+        using Cfg = decltype(cfg);
+        if constexpr (std::is_same_v<Cfg, std::nullptr_t>) {
+          looped();
+        } else {
+          blocks = backward_blocks(p.rows, Cfg::kTeams, sm_count, bwd_blocks_per_sm(Cfg::kThreads));
+          norm_bwd_kernel<Cfg, IType, WType, false>
+              <<<static_cast<unsigned>(blocks), Cfg::kThreads, 0, ctx.stream()>>>(p);
+          ctx.check_launch("norm_bwd_kernel launch");
+        }
+      });
+    }
   }
   const dim3 grid((p.H + kFinalCols - 1) / kFinalCols, dbeta != nullptr ? 2 : 1);
   norm_bwd_finalize_kernel<WType><<<grid, dim3(kFinalCols, kFinalSlices), 0, ctx.stream()>>>(

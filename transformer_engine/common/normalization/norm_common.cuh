@@ -19,10 +19,10 @@
 
 #include "transformer_engine/transformer_engine.h"
 #include "util/buffer.h"
+#include "util/byte_transpose.cuh"
 #include "util/device.h"
 #include "util/errors.h"
 #include "util/fp8_math.cuh"
-#include "util/byte_transpose.cuh"
 
 namespace transformer_engine {
 namespace norm_detail {
@@ -43,10 +43,11 @@ struct TeamConfig {
   static_assert(kTeam == 32 || kTeam == kThreads || kTeams <= 15, "a named barrier per team");
 };
 
-/* Floats of scratch team_sum needs: two buffers (alternate calls use alternate buffers, so one
- * barrier per call suffices). */
+/* Floats of scratch team_sum and team_sum2 need: two buffers of a float pair per warp (alternate
+ * calls use alternate buffers, so one barrier per call suffices; both functions lay the buffers
+ * out alike, so calls of either may follow each other). Declare it __align__(8). */
 template <int kThreads>
-constexpr int kScratchFloats = 2 * kThreads / 32;
+constexpr int kScratchFloats = 4 * kThreads / 32;
 
 /* Waits for the calling thread's team (kTeam threads; the block when kTeam == kThreads). */
 template <int kTeam, int kThreads>
@@ -75,13 +76,43 @@ __device__ __forceinline__ float team_sum(float v, float* scratch, int& phase) {
     return v;
   } else {
     constexpr int kWarps = kTeam / 32;
-    float* s = scratch + phase * (kThreads / 32) + (threadIdx.x / kTeam) * kWarps;
+    float* s = scratch + phase * (2 * kThreads / 32) + (threadIdx.x / kTeam) * kWarps;
     phase ^= 1;
     if (threadIdx.x % 32 == 0) s[(threadIdx.x % kTeam) / 32] = v;
     team_barrier<kTeam, kThreads>();
     float total = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) total += s[w];
+    return total;
+  }
+}
+
+/* Two team sums with one barrier: each component's bits equal those of team_sum on it (same
+ * additions in the same order). The backward's per-row latency is largely its barriers, so
+ * LayerNorm's two row sums go through one. Same contract as team_sum. */
+template <int kTeam, int kThreads>
+__device__ __forceinline__ float2 team_sum2(float2 v, float* scratch, int& phase) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    v.x += __shfl_xor_sync(0xffffffffu, v.x, offset);
+    v.y += __shfl_xor_sync(0xffffffffu, v.y, offset);
+  }
+  if constexpr (kTeam == 32) {
+    return v;
+  } else {
+    constexpr int kWarps = kTeam / 32;
+    float2* s = reinterpret_cast<float2*>(scratch + phase * (2 * kThreads / 32)) +
+                (threadIdx.x / kTeam) * kWarps;
+    phase ^= 1;
+    if (threadIdx.x % 32 == 0) s[(threadIdx.x % kTeam) / 32] = v;
+    team_barrier<kTeam, kThreads>();
+    float2 total = make_float2(0.0f, 0.0f);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float2 part = s[w];
+      total.x += part.x;
+      total.y += part.y;
+    }
     return total;
   }
 }
@@ -203,41 +234,6 @@ __device__ __forceinline__ void make_effective_gamma(float (&g)[kVec], bool zero
   }
 }
 
-/* Calls f(Config{}) with the backward's team for rows of H elements, or f(nullptr) when H is
- * longer than every team holds in registers (the looped kernels). kMaxVecs caps the registers
- * per thread: the backward keeps two rows (x and dz) plus the per-column sums. Up to H = 4096
- * the blocks have 256 threads (two a SM: 16 warps): on an H200 the backward at H = 256-2048 ran
- * at 0.46-0.75 of the copy with blocks of 128 and at 0.65-0.77 with 256 (the same within noise
- * at H = 1024, 0.1-0.2 faster at the other sizes). */
-template <int kMaxVecs, typename F>
-void dispatch_team(int H, F&& f) {
-  if (H <= 256) {
-    f(TeamConfig<32, 1, 256>{});
-  } else if (H <= 512) {
-    f(TeamConfig<32, 2, 256>{});
-  } else if (H <= 1024) {
-    f(TeamConfig<64, 2, 256>{});
-  } else if (H <= 2048) {
-    f(TeamConfig<128, 2, 256>{});
-  } else if (H <= 4096) {
-    f(TeamConfig<256, 2, 256>{});
-  } else if (H <= 8192) {
-    f(TeamConfig<512, 2, 512>{});
-  } else {
-    if constexpr (kMaxVecs >= 4) {
-      if (H <= 16384) {
-        f(TeamConfig<512, 4, 512>{});
-        return;
-      }
-      if (H <= 32768) {
-        f(TeamConfig<1024, 4, 1024>{});
-        return;
-      }
-    }
-    f(nullptr);
-  }
-}
-
 /* ---- host-side checks ---------------------------------------------------------------------- */
 
 struct NormShape {
@@ -284,8 +280,8 @@ inline void check_stat(const char* op, const char* name, const NVTEBuffer& s, si
 }
 
 /* A [rows, H] tensor of dtype `dtype` (dz, dx, a high-precision output). */
-inline void check_matrix(const char* op, const char* name, const NVTEBuffer& b, size_t rows,
-                         int H, NVTEDType dtype) {
+inline void check_matrix(const char* op, const char* name, const NVTEBuffer& b, size_t rows, int H,
+                         NVTEDType dtype) {
   check_well_formed(op, name, b);
   if (b.dtype != dtype) {
     throw_invalid(op, name, " has dtype ", dtype_name(b.dtype), "; expected the input's ",

@@ -261,7 +261,7 @@ template <class Cfg, typename IType, bool kFp8>
 __global__ void __launch_bounds__(Cfg::kThreads, 1024 / Cfg::kThreads)
     norm_fwd_kernel(const FwdParams p) {
   extern __shared__ __align__(16) uint8_t tile[];  // [group_rows][H] FP8 bytes (out_t only)
-  __shared__ float scratch[kScratchFloats<Cfg::kThreads>];
+  __shared__ __align__(8) float scratch[kScratchFloats<Cfg::kThreads>];
   norm_fwd_rows<Cfg, IType, kFp8>(p, tile, scratch);
 }
 
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1024 / Cfg::kThreads)
  * (sum, squared deviations, output), the transposed bytes written directly. */
 template <typename IType, bool kFp8>
 __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const FwdParams p) {
-  __shared__ float scratch[kScratchFloats<kLoopThreads>];
+  __shared__ __align__(8) float scratch[kScratchFloats<kLoopThreads>];
   int phase = 0;
   const float scale = fwd_scale<kFp8>(p);
   const float h = static_cast<float>(p.H);
