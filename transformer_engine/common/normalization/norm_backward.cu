@@ -441,21 +441,25 @@ void launch_backward(CallContext& ctx, BwdParams p, WType* dgamma, WType* dbeta,
     // partials in shared memory where the device lets a block take them (Hopper: 227 KiB; Ada's
     // 99 KiB take them up to H = 12544).
     const int parts_bytes = 2 * p.H * static_cast<int>(sizeof(float));
-    bool big = false;
+    bool wide = false;
     if constexpr (sizeof(IType) == 2) {
-      big = p.vec && p.H > 8192 && p.H <= 16384 &&
-            parts_bytes + 1024 <= ctx.max_shared_memory_per_block();
-      if (big) {
+      // The kernel's shared-memory limit is set once per device, so to the most any width takes
+      // (a later, wider call must not find a smaller limit): 2 x 16384 floats, or what the
+      // device lets a block take beside the kernel's static shared memory.
+      const int limit = std::min(2 * 16384 * static_cast<int>(sizeof(float)),
+                                 ctx.max_shared_memory_per_block() - 1024);
+      wide = p.vec && p.H > 8192 && p.H <= 16384 && parts_bytes <= limit;
+      if (wide) {
         using Cfg = WideRowTeam;
         auto kernel = norm_bwd_kernel<Cfg, IType, WType, true>;
         static std::atomic<uint64_t> done{0};
-        allow_dynamic_smem(ctx, kernel, parts_bytes, done);
+        allow_dynamic_smem(ctx, kernel, limit, done);
         blocks = backward_blocks(p.rows, 1, sm_count, 1);
         kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, parts_bytes, ctx.stream()>>>(p);
         ctx.check_launch("norm_bwd_kernel launch");
       }
     }
-    if (!big) {
+    if (!wide) {
       dispatch_backward_team(p.H, [&](auto cfg) {
         using Cfg = decltype(cfg);
         if constexpr (std::is_same_v<Cfg, std::nullptr_t>) {
