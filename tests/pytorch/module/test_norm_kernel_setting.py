@@ -42,6 +42,24 @@ def _calls(monkeypatch):
     not torch.cuda.is_available() or native_module() is None,
     reason="needs a CUDA GPU and the native library; runs on the GPU machine",
 )
+@pytest.mark.parametrize("hidden,expected", [(16384, 1), (16392, 0)])
+def test_auto_keeps_pytorch_kernels_past_16384_features(monkeypatch, hidden, expected):
+    """Rows longer than 16384 go to PyTorch's kernels under ``auto`` (the package's looped
+    kernels are slower there); ``native`` still takes them."""
+    calls = _calls(monkeypatch)
+    layer = te.LayerNorm(hidden, device="cuda", params_dtype=torch.bfloat16)
+    x = torch.randn(4, hidden, device="cuda").to(torch.bfloat16).requires_grad_(True)
+    layer(x).sum().backward()
+    assert calls == {"forward": expected, "backward": expected}
+    monkeypatch.setattr(_fused_norms, "use_native_norm_kernels", True)
+    layer(x).sum().backward()
+    assert calls == {"forward": expected + 1, "backward": expected + 1}
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or native_module() is None,
+    reason="needs a CUDA GPU and the native library; runs on the GPU machine",
+)
 @pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("native", [True, False], ids=["auto", "torch"])
 def test_default_runs_the_package_kernels_on_cuda(monkeypatch, kind, native):
