@@ -90,6 +90,32 @@ def test_forward_matches_float64(shape, wdtype_is_x, dtype, zero_centered, rms):
         assert same >= 0.999, f"only {same:.5f} of y equal the float64 oracle rounded"
 
 
+@pytest.mark.parametrize("hidden", [24, 1000, 4096, 12288], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tiny", [False, True], ids=["integers", "subnormal_means"])
+def test_mean_is_the_correctly_rounded_quotient(hidden, dtype, tiny):
+    """Rows whose sums are exact in float32 (small integers, or small multiples of 2^-126 whose
+    means fall among the subnormals): the mean must be the float32 quotient sum / H correctly
+    rounded, as IEEE division gives it. The kernels multiply by 1 / H where H is a power of two
+    (4096; bitwise the quotient) and divide otherwise (24, 12288; 1000 takes the looped
+    kernel)."""
+    if tiny and dtype == torch.float16:
+        pytest.skip("float16 holds no value whose mean is a float32 subnormal (its least is 2^-24)")
+    g = torch.Generator().manual_seed(7)
+    k = torch.randint(-8, 9, (64, hidden), generator=g).double()
+    x64 = k * 2.0**-126 if tiny else k
+    x = x64.to(dtype)
+    assert torch.equal(x.double(), x64), "the inputs must be exact in the input dtype"
+    w = torch.ones(hidden)
+    _, mean, _ = norm_forward(x.cuda(), w.cuda(), None, EPS, False, rms=False)
+    # The float64 sum is exact and so is its float32 value (|sum| < 2^24 units); the float32
+    # division on the CPU is correctly rounded, subnormal results included.
+    expected = x64.sum(dim=1).float() / hidden
+    if tiny:
+        assert (expected.abs() < torch.finfo(torch.float32).tiny).any()
+    assert torch.equal(mean.cpu().view(torch.int32), expected.view(torch.int32))
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -117,6 +117,18 @@ __device__ __forceinline__ float2 team_sum2(float2 v, float* scratch, int& phase
   }
 }
 
+/* 1 / H when H is a power of two, else 0 (host side). Then s * (1 / H) is bitwise s / H (both
+ * are the correctly rounded value of one real number), and a multiply costs one instruction where
+ * an IEEE division costs about ten: the kernels are bound by the instructions they issue. */
+inline float exact_reciprocal(int H) {
+  return (H & (H - 1)) == 0 ? 1.0f / static_cast<float>(H) : 0.0f;
+}
+
+/* s / h, through the exact reciprocal when there is one (a uniform branch). */
+__device__ __forceinline__ float divide_by_features(float s, float h, float inv_h) {
+  return inv_h != 0.0f ? s * inv_h : s / h;
+}
+
 /* Elements of the vector at column c that lie in the row (0..kVec). */
 __device__ __forceinline__ int vec_count(int c, int H) {
   return c >= H ? 0 : (H - c < kVec ? H - c : kVec);
