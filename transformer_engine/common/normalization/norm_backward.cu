@@ -52,35 +52,9 @@ struct BwdParams {
   float* part_dbeta;   // [blocks, H], or null
   size_t rows;
   int H;
-  float inv_h;  // exact_reciprocal(H)
   bool zero_centered;
   bool vec;
 };
-
-/* part[0..n) += add[0..n) for the column partials (the looped kernel's workspace rows in global
- * memory, the wide-row team's in shared memory): every load issued before any store (16-byte
- * accesses when vec: p.vec makes H, and so each partial row, a multiple of 8 floats), not one
- * dependent read-modify-write per element (which serialized the looped kernel on L2 round trips:
- * 2.3x slower at 2048 x 32768 BF16 on an H200). Plain loads: the kernel itself wrote these rows. */
-__device__ __forceinline__ void add_partials(float* __restrict__ part, bool vec, int n,
-                                             const float (&add)[kVec]) {
-  if (vec && n == kVec) {
-    float4* q = reinterpret_cast<float4*>(part);
-    float4 a = q[0], b = q[1];
-    a.x += add[0], a.y += add[1], a.z += add[2], a.w += add[3];
-    b.x += add[4], b.y += add[5], b.z += add[6], b.w += add[7];
-    q[0] = a;
-    q[1] = b;
-  } else {
-    float cur[kVec];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) cur[j] = j < n ? part[j] : 0.0f;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      if (j < n) part[j] = cur[j] + add[j];
-    }
-  }
-}
 
 /* The per-row arithmetic of one vector: x becomes xhat and dz becomes dy; the column partials
  * and the row sums take their share. Padding (dz = 0) adds nothing anywhere. */
@@ -195,8 +169,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads
       if constexpr (kSmemParts) {
         float pg[kVec] = {}, pb[kVec] = {};
         row_vector<WType>(p, c, n, mu, rs, xv, dyv, pg, pb, s_dy, s_dyx);
-        add_partials(smem_parts + c, true, kVec, pg);
-        add_partials(smem_parts + p.H + c, true, kVec, pb);
+        // Inline rather than through add_partials (below): the same loads, stores and additions,
+        // scheduled differently, and 0.5-1% faster on an H200 at 4096 x 12288 and 4096 x 16384.
+        float4* sg = reinterpret_cast<float4*>(smem_parts + c);
+        float4* sb = reinterpret_cast<float4*>(smem_parts + p.H + c);
+#pragma unroll
+        for (int i = 0; i < kVec / 4; ++i) {
+          float4 a = sg[i], b = sb[i];
+          a.x += pg[4 * i], a.y += pg[4 * i + 1], a.z += pg[4 * i + 2], a.w += pg[4 * i + 3];
+          b.x += pb[4 * i], b.y += pb[4 * i + 1], b.z += pb[4 * i + 2], b.w += pb[4 * i + 3];
+          sg[i] = a;
+          sb[i] = b;
+        }
       } else {
         row_vector<WType>(p, c, n, mu, rs, xv, dyv, dg[v], db[v], s_dy, s_dyx);
       }
@@ -205,10 +189,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads
     float m_dy = 0.0f, m_dyx;
     if (p.mean != nullptr) {
       const float2 sums = team_sum2<kTeam, kThreads>(make_float2(s_dy, s_dyx), scratch, phase);
-      m_dy = divide_by_features(sums.x, h, p.inv_h);
-      m_dyx = divide_by_features(sums.y, h, p.inv_h);
+      m_dy = sums.x / h;
+      m_dyx = sums.y / h;
     } else {
-      m_dyx = divide_by_features(team_sum<kTeam, kThreads>(s_dyx, scratch, phase), h, p.inv_h);
+      m_dyx = team_sum<kTeam, kThreads>(s_dyx, scratch, phase) / h;
     }
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
@@ -279,6 +263,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads
   }
 }
 
+/* part[0..n) += add[0..n) for the looped kernel's workspace rows: every load issued before any
+ * store (16-byte accesses when vec: p.vec makes H, and so each partial row, a multiple of 8
+ * floats), not one dependent read-modify-write per element (which serialized the kernel on L2
+ * round trips: 2.3x slower at 2048 x 32768 BF16 on an H200).
+ * Plain loads: the kernel itself wrote these rows. */
+__device__ __forceinline__ void add_partials(float* __restrict__ part, bool vec, int n,
+                                             const float (&add)[kVec]) {
+  if (vec && n == kVec) {
+    float4* q = reinterpret_cast<float4*>(part);
+    float4 a = q[0], b = q[1];
+    a.x += add[0], a.y += add[1], a.z += add[2], a.w += add[3];
+    b.x += add[4], b.y += add[5], b.z += add[6], b.w += add[7];
+    q[0] = a;
+    q[1] = b;
+  } else {
+    float cur[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) cur[j] = j < n ? part[j] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      if (j < n) part[j] = cur[j] + add[j];
+    }
+  }
+}
+
 /* Rows longer than the register teams: a block per row; pass 1 reads x and dz for the row sums
  * and accumulates the column partials into the block's workspace row, pass 2 reads them again
  * for dx. */
@@ -316,11 +325,10 @@ __global__ void __launch_bounds__(kLoopThreads) norm_bwd_looped_kernel(const Bwd
     if (p.mean != nullptr) {
       const float2 sums =
           team_sum2<kLoopThreads, kLoopThreads>(make_float2(s_dy, s_dyx), scratch, phase);
-      m_dy = divide_by_features(sums.x, h, p.inv_h);
-      m_dyx = divide_by_features(sums.y, h, p.inv_h);
+      m_dy = sums.x / h;
+      m_dyx = sums.y / h;
     } else {
-      m_dyx = divide_by_features(team_sum<kLoopThreads, kLoopThreads>(s_dyx, scratch, phase), h,
-                                 p.inv_h);
+      m_dyx = team_sum<kLoopThreads, kLoopThreads>(s_dyx, scratch, phase) / h;
     }
     for (int c = threadIdx.x * kVec; c < p.H; c += kLoopThreads * kVec) {
       const int n = vec_count(c, p.H);
@@ -543,7 +551,6 @@ extern "C" void nvte_norm_backward(const NVTEBuffer* dz, const NVTEBuffer* input
   p.part_dbeta = dbeta != nullptr ? static_cast<float*>(ws.data) + half : nullptr;
   p.rows = shape.rows;
   p.H = shape.H;
-  p.inv_h = exact_reciprocal(shape.H);
   p.zero_centered = zero_centered_gamma != 0;
   p.vec = shape.H % kVec == 0 && aligned_to(x.data, 16) && aligned_to(dz->data, 16) &&
           aligned_to(dx->data, 16) && aligned_to(g.data, 16);
