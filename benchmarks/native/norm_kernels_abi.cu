@@ -15,7 +15,9 @@
  * and y written (2 + 2 bytes an element; FP8: 2 + 1 + 1), backward x and dz read and dx written
  * (2 + 2 + 2). Also a checksum of the outputs, to check that two builds agree.
  *
- * Usage: norm_fwd [label] / norm_bwd [label]; the label prefixes every line. */
+ * Usage: norm_fwd [label [ROWSxH ...]] / norm_bwd [label [ROWSxH ...]]; the label prefixes every
+ * line; shapes (ROWS * H <= 2^27, H <= 32768, ROWS <= 131072) replace the default
+ * list. */
 #ifdef NORM_ABI_FORWARD
 #include "normalization/norm_forward.cu"
 #else
@@ -27,6 +29,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -125,6 +128,20 @@ float median_ms(F&& f, int calls) {
 
 int main(int argc, char** argv) {
   const char* label = argc > 1 ? argv[1] : "norm";
+  std::vector<std::pair<size_t, size_t>> shapes;
+  for (int i = 2; i < argc; ++i) {
+    size_t rows = 0, H = 0;
+    if (std::sscanf(argv[i], "%zux%zu", &rows, &H) != 2 || rows == 0 || H == 0 || H > kMaxH ||
+        rows > kMaxRows || rows * H > kMaxElems) {
+      std::printf("bad shape %s: ROWSxH, H <= %zu, ROWS <= %zu, ROWS * H <= %zu\n", argv[i], kMaxH,
+                  kMaxRows, kMaxElems);
+      return 2;
+    }
+    shapes.emplace_back(rows, H);
+  }
+  if (shapes.empty()) {
+    for (const auto& shape : kShapes) shapes.emplace_back(shape[0], shape[1]);
+  }
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   void *x, *dz, *y, *gamma, *beta, *dgamma, *dbeta, *copy_src, *copy_dst;
   float *mean, *rsigma;
@@ -153,8 +170,7 @@ int main(int argc, char** argv) {
   const double copy_bytes_per_s = 2.0 * copy_bytes / (copy_ms * 1e-3);
   std::printf("[%s] copy %.3f ms, %.0f GB/s\n", label, copy_ms, copy_bytes_per_s / 1e9);
 
-  for (const auto& shape : kShapes) {
-    const size_t rows = shape[0], H = shape[1];
+  for (const auto& [rows, H] : shapes) {
     for (int rms = 0; rms < 2; ++rms) {
       NVTEBuffer bx = buffer(x, kNVTEBFloat16, rows, H), by = buffer(y, kNVTEBFloat16, rows, H);
       NVTEBuffer bg = buffer(gamma, kNVTEBFloat16, H), bb = buffer(beta, kNVTEBFloat16, H);
