@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from transformer_engine.common.native import native_module
+from transformer_engine.pytorch.cpp_extensions._routing import launch_args, tensor_arg
 from transformer_engine.pytorch.cpp_extensions.cast import quantize
 from transformer_engine.pytorch.cpp_extensions.norm_kernels import (
     norm_amax,
@@ -279,6 +280,33 @@ def test_unaligned_input_gives_the_same_bits(shape, dtype, rms):
     gu = norm_backward(dzu, xu, meanu, rsigmau, w, False, rms=rms, with_dbeta=not rms)
     for a, c in zip(g, gu):
         assert (a is None and c is None) or torch.equal(a, c)
+
+
+@pytest.mark.parametrize("shape", [(700, 1024), (600, 4096), (300, 12288)], ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
+def test_workspace_at_an_unaligned_address_gives_the_same_bits(shape, rms):
+    """The blocks write their partial column sums with 16-byte stores only into a 16-byte
+    aligned workspace (the wrappers allocate one); a caller's workspace at a 4-byte offset takes
+    the 4-byte stores and must give the same dx, dgamma and dbeta bits (warp teams, one team a
+    block, the wide-row team)."""
+    x, w, b, dz = make_case(shape, torch.bfloat16, torch.float32, rms, False, seed=3)
+    _, mean, rsigma = norm_forward(x, w, b, EPS, False, rms=rms)
+    expected = norm_backward(dz, x, mean, rsigma, w, False, rms=rms, with_dbeta=not rms)
+    native = native_module()
+    rows, hidden = shape
+    elements = native.norm_backward_workspace_elements(rows, hidden, x.device.index)
+    workspace = torch.empty(elements + 1, dtype=torch.float32, device="cuda")[1:]
+    assert workspace.data_ptr() % 16 != 0
+    dx = torch.empty_like(x)
+    dgamma = torch.empty(hidden, dtype=w.dtype, device="cuda")
+    dbeta = None if rms else torch.empty(hidden, dtype=w.dtype, device="cuda")
+    native.norm_backward(
+        tensor_arg(dz), tensor_arg(x), tensor_arg(mean), tensor_arg(rsigma), tensor_arg(w),
+        False, rms, tensor_arg(dx), tensor_arg(dgamma), tensor_arg(dbeta), tensor_arg(workspace),
+        *launch_args(x.device),
+    )  # fmt: skip
+    assert torch.equal(dx, expected[0]) and torch.equal(dgamma, expected[1])
+    assert rms or torch.equal(dbeta, expected[2])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
