@@ -282,13 +282,13 @@ def test_unaligned_input_gives_the_same_bits(shape, dtype, rms):
         assert (a is None and c is None) or torch.equal(a, c)
 
 
-@pytest.mark.parametrize("shape", [(700, 1024), (600, 4096), (300, 12288)], ids=str)
+@pytest.mark.parametrize("shape", [(700, 1024), (600, 4096), (300, 12288), (300, 20000)], ids=str)
 @pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
 def test_workspace_at_an_unaligned_address_gives_the_same_bits(shape, rms):
-    """The blocks write their partial column sums with 16-byte stores only into a 16-byte
-    aligned workspace (the wrappers allocate one); a caller's workspace at a 4-byte offset takes
-    the 4-byte stores and must give the same dx, dgamma and dbeta bits (warp teams, one team a
-    block, the wide-row team)."""
+    """The kernels access the workspace's partial column sums 16 bytes at a time only where it
+    is 16-byte aligned (the wrappers allocate it so); a caller's workspace at a 4-byte offset
+    takes 4-byte accesses and must give the same dx, dgamma and dbeta bits (warp teams, one team
+    a block, the wide-row team, the looped kernel)."""
     x, w, b, dz = make_case(shape, torch.bfloat16, torch.float32, rms, False, seed=3)
     _, mean, rsigma = norm_forward(x, w, b, EPS, False, rms=rms)
     expected = norm_backward(dz, x, mean, rsigma, w, False, rms=rms, with_dbeta=not rms)

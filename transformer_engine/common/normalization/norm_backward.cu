@@ -285,9 +285,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads
 }
 
 /* part[0..n) += add[0..n) for the looped kernel's workspace rows: every load issued before any
- * store (16-byte accesses when vec: p.vec makes H, and so each partial row, a multiple of 8
- * floats), not one dependent read-modify-write per element (which serialized the kernel on L2
- * round trips: 2.3x slower at 2048 x 32768 BF16 on an H200).
+ * store (16-byte accesses when vec: p.vec_parts makes H, and so each partial row, a multiple of 8
+ * floats, and the workspace 16-byte aligned), not one dependent read-modify-write per element
+ * (which serialized the kernel on L2 round trips: 2.3x slower at 2048 x 32768 BF16 on an H200).
  * Plain loads: the kernel itself wrote these rows. */
 __device__ __forceinline__ void add_partials(float* __restrict__ part, bool vec, int n,
                                              const float (&add)[kVec]) {
@@ -321,11 +321,11 @@ __global__ void __launch_bounds__(kLoopThreads) norm_bwd_looped_kernel(const Bwd
   float* pb =
       p.part_dbeta != nullptr ? p.part_dbeta + static_cast<size_t>(blockIdx.x) * p.H : nullptr;
   // Every element of the block's rows is later touched by the thread that zeroes it here.
+  const float zeros[kVec] = {};
   for (int c = threadIdx.x * kVec; c < p.H; c += kLoopThreads * kVec) {
-    for (int j = 0; j < vec_count(c, p.H); ++j) {
-      pg[c + j] = 0.0f;
-      if (pb != nullptr) pb[c + j] = 0.0f;
-    }
+    const int n = vec_count(c, p.H);
+    store_partials(pg + c, p.vec_parts, n, zeros);
+    if (pb != nullptr) store_partials(pb + c, p.vec_parts, n, zeros);
   }
   for (size_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const size_t base = row * static_cast<size_t>(p.H);
@@ -339,8 +339,8 @@ __global__ void __launch_bounds__(kLoopThreads) norm_bwd_looped_kernel(const Bwd
       load_vec(static_cast<const IType*>(p.dz) + base + c, p.vec, n, dz);
       float dg[kVec] = {}, db[kVec] = {};
       row_vector<WType>(p, c, n, mu, rs, x, dz, dg, db, s_dy, s_dyx);
-      add_partials(pg + c, p.vec, n, dg);
-      if (pb != nullptr) add_partials(pb + c, p.vec, n, db);
+      add_partials(pg + c, p.vec_parts, n, dg);
+      if (pb != nullptr) add_partials(pb + c, p.vec_parts, n, db);
     }
     float m_dy = 0.0f, m_dyx;
     if (p.mean != nullptr) {
