@@ -6,18 +6,8 @@
 # then SRC=/tmp/old/transformer_engine/common); OUT: the output prefix, giving OUT_fwd and
 # OUT_bwd. The binaries link the CUDA runtime statically: carry them to a GPU machine and run
 # them there (`OUT_bwd label`). NVCC_FLAGS adds flags (another -arch, say).
-set -euo pipefail
-src=$(cd "$1" && pwd)
-out=$2
-here=$(cd "$(dirname "$0")" && pwd)
-flags=(-arch=sm_90 -O3 -std=c++17 --expt-relaxed-constexpr -prec-div=true -ftz=false
-       -I "$src/include" -I "$src" -DNVTE_VERSION_STRING=\"norm_abi\" ${NVCC_FLAGS:-})
-objs=$(mktemp -d)
-trap 'rm -rf "$objs"' EXIT
-for f in transformer_engine.cpp util/buffer.cpp util/device.cpp normalization/norm_forward.cu; do
-  nvcc "${flags[@]}" -c "$src/$f" -o "$objs/$(basename "$f").o" &
-done
-wait
+source "$(dirname "$0")/abi_build_setup.sh" "$@"
+compile_objects transformer_engine.cpp util/buffer.cpp util/device.cpp normalization/norm_forward.cu
 common=("$objs/transformer_engine.cpp.o" "$objs/buffer.cpp.o" "$objs/device.cpp.o")
 nvcc "${flags[@]}" -DNORM_ABI_FORWARD "$here/norm_kernels_abi.cu" "${common[@]}" -o "${out}_fwd" &
 # The backward binary calls nvte_norm_forward for its statistics.

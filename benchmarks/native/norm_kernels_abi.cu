@@ -24,24 +24,13 @@
 #include "normalization/norm_backward.cu"
 #endif
 
-#include <algorithm>
-#include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 #include <vector>
 
-namespace {
+#include "abi_bench_common.h"
 
-#define CHECK_CUDA(expr)                                                                \
-  do {                                                                                  \
-    const cudaError_t status_ = (expr);                                                 \
-    if (status_ != cudaSuccess) {                                                       \
-      std::printf("CUDA error %s at line %d\n", cudaGetErrorString(status_), __LINE__); \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
+namespace {
 
 constexpr size_t kShapes[][2] = {{8192, 4096},  {16384, 4096}, {8192, 8192},  {16384, 2048},
                                  {32768, 1024}, {65536, 512},  {131072, 256}, {4096, 12288},
@@ -49,80 +38,6 @@ constexpr size_t kShapes[][2] = {{8192, 4096},  {16384, 4096}, {8192, 8192},  {1
 constexpr size_t kMaxElems = 8192ull * 8192 * 2;
 constexpr size_t kMaxH = 32768;
 constexpr size_t kMaxRows = 131072;
-
-NVTEBuffer buffer(void* data, NVTEDType dtype, size_t d0, size_t d1 = 0) {
-  NVTEBuffer b{};
-  b.data = data;
-  b.dtype = dtype;
-  b.ndim = d1 != 0 ? 2 : 1;
-  b.shape[0] = d0;
-  b.shape[1] = d1;
-  return b;
-}
-
-#ifdef NORM_ABI_FORWARD
-NVTEBuffer scalar(void* data) {
-  NVTEBuffer b = buffer(data, kNVTEFloat32, 1);
-  b.ndim = 0;
-  return b;
-}
-#endif
-
-uint16_t to_bf16(float f) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-float from_bf16(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-/* Uniform values in [center - width / 2, center + width / 2), as BF16, from a fixed LCG. */
-void fill_uniform(void* dst, size_t n, float center, float width, uint32_t seed) {
-  std::vector<uint16_t> host(n);
-  for (size_t i = 0; i < n; ++i) {
-    seed = seed * 1664525u + 1013904223u;
-    host[i] = to_bf16(center + ((seed >> 8) * (1.0f / 16777216.0f) - 0.5f) * width);
-  }
-  CHECK_CUDA(cudaMemcpy(dst, host.data(), n * 2, cudaMemcpyHostToDevice));
-}
-
-/* Sum of |v| over every 7th BF16 element of a device buffer. */
-double checksum(const void* src, size_t n) {
-  std::vector<uint16_t> host(n);
-  CHECK_CUDA(cudaMemcpy(host.data(), src, n * 2, cudaMemcpyDeviceToHost));
-  double sum = 0.0;
-  for (size_t i = 0; i < n; i += 7) sum += std::fabs(from_bf16(host[i]));
-  return sum;
-}
-
-/* Median milliseconds per call over 7 batches of `calls` calls, after 3 warm-up calls. */
-template <typename F>
-float median_ms(F&& f, int calls) {
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) f();
-  std::vector<float> times;
-  for (int batch = 0; batch < 7; ++batch) {
-    CHECK_CUDA(cudaEventRecord(start));
-    for (int i = 0; i < calls; ++i) f();
-    CHECK_CUDA(cudaEventRecord(stop));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms = 0.0f;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms / calls);
-  }
-  CHECK_CUDA(cudaGetLastError());
-  std::sort(times.begin(), times.end());
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  return times[times.size() / 2];
-}
 
 }  // namespace
 
@@ -143,7 +58,7 @@ int main(int argc, char** argv) {
     for (const auto& shape : kShapes) shapes.emplace_back(shape[0], shape[1]);
   }
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  void *x, *dz, *y, *gamma, *beta, *dgamma, *dbeta, *copy_src, *copy_dst;
+  void *x, *dz, *y, *gamma, *beta, *dgamma, *dbeta;
   float *mean, *rsigma;
   CHECK_CUDA(cudaMalloc(&x, kMaxElems * 2));
   CHECK_CUDA(cudaMalloc(&dz, kMaxElems * 2));
@@ -154,21 +69,12 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaMalloc(&dbeta, kMaxH * 2));
   CHECK_CUDA(cudaMalloc(&mean, kMaxRows * 4));
   CHECK_CUDA(cudaMalloc(&rsigma, kMaxRows * 4));
-  const size_t copy_bytes = 8192ull * 32768 * 2;
-  CHECK_CUDA(cudaMalloc(&copy_src, copy_bytes));
-  CHECK_CUDA(cudaMalloc(&copy_dst, copy_bytes));
   fill_uniform(x, kMaxElems, 1.0f, 6.0f, 1);
   fill_uniform(dz, kMaxElems, 0.0f, 2.0f, 2);
   fill_uniform(gamma, kMaxH, 1.0f, 1.0f, 3);
   fill_uniform(beta, kMaxH, 0.0f, 1.0f, 4);
 
-  const float copy_ms = median_ms(
-      [&] {
-        CHECK_CUDA(cudaMemcpyAsync(copy_dst, copy_src, copy_bytes, cudaMemcpyDeviceToDevice));
-      },
-      5);
-  const double copy_bytes_per_s = 2.0 * copy_bytes / (copy_ms * 1e-3);
-  std::printf("[%s] copy %.3f ms, %.0f GB/s\n", label, copy_ms, copy_bytes_per_s / 1e9);
+  const double copy_bytes_per_s = copy_bytes_per_second(label);
 
   for (const auto& [rows, H] : shapes) {
     for (int rms = 0; rms < 2; ++rms) {
