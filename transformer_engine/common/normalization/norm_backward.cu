@@ -54,28 +54,13 @@ struct BwdParams {
   int H;
   bool zero_centered;
   bool vec;
-  bool vec_parts;  // vec, and the workspace 16-byte aligned: 16-byte stores of the partial rows
+  // vec, and the workspace 16-byte aligned: the partial rows are read and written 16 bytes at a
+  // time. Consecutive threads own consecutive runs of 8 columns, so 4-byte stores would touch
+  // eight 32-byte sectors per warp instruction: on an H200 they cost the kernel 6-9 us per sum at
+  // H = 4096 (every block writes its rows at the end), a fifth of LayerNorm's backward at
+  // 8192 x 4096.
+  bool vec_parts;
 };
-
-/* A thread's partial sums of columns c .. c + n - 1 (n <= kVec) into its block's workspace row
- * at dst: two 16-byte stores when `vec` and n == kVec. Consecutive threads own consecutive runs
- * of 8 columns, so 4-byte stores touch eight 32-byte sectors per warp instruction: on an H200
- * they cost the kernel 6-9 us per sum at H = 4096 (every block writes its rows at the end), a
- * fifth of LayerNorm's backward at 8192 x 4096. Unrolled with constant indices: a run-time index
- * would put the sums in local memory. */
-__device__ __forceinline__ void store_partials(float* dst, bool vec, int n,
-                                               const float (&sums)[kVec]) {
-  if (vec && n == kVec) {
-    float4* q = reinterpret_cast<float4*>(dst);
-    q[0] = make_float4(sums[0], sums[1], sums[2], sums[3]);
-    q[1] = make_float4(sums[4], sums[5], sums[6], sums[7]);
-  } else {
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      if (j < n) dst[j] = sums[j];
-    }
-  }
-}
 
 /* The per-row arithmetic of one vector: x becomes xhat and dz becomes dy; the column partials
  * and the row sums take their share. Padding (dz = 0) adds nothing anywhere. */
@@ -255,7 +240,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads
           const float4 a = src[0], b = src[1];
           part[0] = a.x, part[1] = a.y, part[2] = a.z, part[3] = a.w;
           part[4] = b.x, part[5] = b.y, part[6] = b.z, part[7] = b.w;
-          store_partials(dst[which] + c, p.vec_parts, kVec, part);
+          store_vec(dst[which] + c, p.vec_parts, kVec, part);
         }
       }
     } else if constexpr (kTeams == 1) {
@@ -263,7 +248,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads
       for (int v = 0; v < kVecs; ++v) {
         const int c = (v * kTeam + t) * kVec;
         const int n = vec_count(c, p.H);
-        if (n > 0) store_partials(dst[which] + c, p.vec_parts, n, acc[v]);
+        if (n > 0) store_vec(dst[which] + c, p.vec_parts, n, acc[v]);
       }
     } else {
 #pragma unroll
@@ -324,8 +309,8 @@ __global__ void __launch_bounds__(kLoopThreads) norm_bwd_looped_kernel(const Bwd
   const float zeros[kVec] = {};
   for (int c = threadIdx.x * kVec; c < p.H; c += kLoopThreads * kVec) {
     const int n = vec_count(c, p.H);
-    store_partials(pg + c, p.vec_parts, n, zeros);
-    if (pb != nullptr) store_partials(pb + c, p.vec_parts, n, zeros);
+    store_vec(pg + c, p.vec_parts, n, zeros);
+    if (pb != nullptr) store_vec(pb + c, p.vec_parts, n, zeros);
   }
   for (size_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const size_t base = row * static_cast<size_t>(p.H);
