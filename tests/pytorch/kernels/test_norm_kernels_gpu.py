@@ -117,7 +117,9 @@ def test_mean_is_the_correctly_rounded_quotient(hidden, dtype, tiny):
     assert torch.equal(mean.cpu().view(torch.int32), expected.view(torch.int32))
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+# (64, 1536): 32 staged rows of the transposed copy take exactly 48 KiB of shared memory, which
+# with the kernel's static scratch is past the default per-block limit.
+@pytest.mark.parametrize("shape", SHAPES + [(64, 1536)], ids=str)
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])

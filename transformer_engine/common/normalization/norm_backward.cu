@@ -408,23 +408,25 @@ size_t backward_blocks(size_t rows, size_t rows_per_block, int sm_count,
 
 /* Calls f(Config{}) with the register kernel's team for rows of H elements, or f(nullptr) when
  * H is longer than those teams hold (the looped kernel). At most 2 vectors a thread: the
- * backward keeps two rows (x and dz) plus the per-column sums in registers. Up to H = 4096 the
- * blocks have 256 threads (two a SM: 16 warps): on an H200 the backward at H = 256-2048 ran at
- * 0.46-0.75 of the copy with blocks of 128 and at 0.65-0.77 with 256 (the same within noise at
- * H = 1024, 0.1-0.2 faster at the other sizes); teams of one vector a thread with twice the
- * warps measured 0.54-0.68 where these gave 0.61-0.85. */
+ * backward keeps two rows (x and dz) plus the per-column sums in registers. From H = 257 the
+ * blocks have 512 threads, one a SM (16 warps, as two blocks of 256): every block writes a
+ * partial row of each column sum for the finalize kernel to add up, so half the blocks halve
+ * that fixed traffic (on an H200, BF16: LayerNorm 0.77 -> 0.78 of the copy at 8192 x 4096 and
+ * 0.79 -> 0.81 at 16384 x 2048; at 131072 x 256 blocks of 256 stayed 1% faster). Blocks of 128
+ * had run at 0.46-0.75 where 256 gave 0.65-0.77 (H = 256-2048), and teams of one vector a
+ * thread with twice the warps 0.54-0.68 where these gave 0.61-0.85. */
 template <typename F>
 void dispatch_backward_team(int H, F&& f) {
   if (H <= 256) {
     f(TeamConfig<32, 1, 256>{});
   } else if (H <= 512) {
-    f(TeamConfig<32, 2, 256>{});
+    f(TeamConfig<32, 2, 512>{});
   } else if (H <= 1024) {
-    f(TeamConfig<64, 2, 256>{});
+    f(TeamConfig<64, 2, 512>{});
   } else if (H <= 2048) {
-    f(TeamConfig<128, 2, 256>{});
+    f(TeamConfig<128, 2, 512>{});
   } else if (H <= 4096) {
-    f(TeamConfig<256, 2, 256>{});
+    f(TeamConfig<256, 2, 512>{});
   } else if (H <= 8192) {
     f(TeamConfig<512, 2, 512>{});
   } else {
