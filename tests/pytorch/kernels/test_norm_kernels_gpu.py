@@ -30,8 +30,9 @@ pytestmark = [
 ]
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-SHAPES = [(1, 1), (3, 7), (17, 33), (128, 1024), (257, 4096), (64, 8192), (8, 12288), (3, 40000),
-          (0, 64)]  # fmt: skip
+# (5, 8200): the forward's teams of three vectors a thread with the third one a single vector
+SHAPES = [(1, 1), (3, 7), (17, 33), (128, 1024), (257, 4096), (64, 8192), (5, 8200), (8, 12288),
+          (3, 40000), (0, 64)]  # fmt: skip
 # One rounding of the output dtype (float32: accumulated float32 arithmetic over long rows).
 RTOL = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 1e-5}
 EPS = 1e-5

@@ -411,8 +411,8 @@ size_t backward_blocks(size_t rows, size_t rows_per_block, int sm_count,
  * backward keeps two rows (x and dz) plus the per-column sums in registers. From H = 257 the
  * blocks have 512 threads, one a SM (16 warps, as two blocks of 256): every block writes a
  * partial row of each column sum for the finalize kernel to add up, so half the blocks halve
- * that fixed traffic (on an H200, BF16: LayerNorm 0.77 -> 0.78 of the copy at 8192 x 4096 and
- * 0.79 -> 0.81 at 16384 x 2048; at 131072 x 256 blocks of 256 stayed 1% faster). Blocks of 128
+ * that fixed traffic (on an H200, BF16: LayerNorm 0.77 -> 0.79 of the copy at 8192 x 4096 and
+ * 0.78 -> 0.81 at 16384 x 2048; at 131072 x 256 blocks of 256 stayed 1% faster). Blocks of 128
  * had run at 0.46-0.75 where 256 gave 0.65-0.77 (H = 256-2048), and teams of one vector a
  * thread with twice the warps 0.54-0.68 where these gave 0.61-0.85. */
 template <typename F>
