@@ -3,13 +3,12 @@
  * Kernel shape (norm_common.cuh): a team (a warp, or 2-32 warps for long rows; several teams a
  * block, each with its own named barrier) owns one row at a time, holding it in registers as raw
  * 16-byte vectors, and prefetches its next row meanwhile (16-bit inputs). A block takes groups of
- * rows (as many blocks as the SMs hold, each walking its groups; with the transposed copy, a
- * group a block), so the amax needs one atomic per block. Per row:
- * mean (LayerNorm), then the sum of squared deviations from the registers, both reduced over the
- * team; then each vector is normalized, rounded to x's dtype and stored (high precision), or cast
- * to FP8 (the format a runtime switch, as gamma's dtype: fewer kernels to compile). The same
- * kernel and team serve the high-precision and FP8 outputs for a given input, so the FP8 bytes
- * are those of casting the high-precision output.
+ * rows (as many blocks as the SMs hold; with the transposed copy, a group a block), so the amax
+ * needs one atomic per block. Per row: mean (LayerNorm), then the sum of squared deviations from
+ * the registers, both reduced over the team; then each vector is normalized, rounded to x's dtype
+ * and stored (high precision), or cast to FP8 (the format a runtime switch, as gamma's dtype: fewer
+ * kernels to compile). The same kernel and team serve the high-precision and FP8 outputs for a
+ * given input, so the FP8 bytes are those of casting the high-precision output.
  *
  * The transposed FP8 copy: a block handles a group of R rows (32, fewer when H is long so that
  * R * H bytes fit tile_budget()), staging their FP8 bytes in dynamic shared memory, then writes
@@ -191,8 +190,7 @@ __device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, uint8_t* tile,
     }
   };
   auto group_count = [&](size_t g) { return static_cast<int>(min(R, p.rows - g * R)); };
-  // 16-bit inputs of up to 2 vectors a thread prefetch the next row; float32 rows, and rows of 3
-  // vectors a thread, would take too many registers (dispatch_forward_team).
+  // 16-bit rows of up to 2 vectors a thread prefetch the next one (more take too many registers).
   constexpr bool kPrefetch = sizeof(IType) == 2 && kVecs <= 2;
   if (kPrefetch && blockIdx.x < groups && team < group_count(blockIdx.x)) {
     fetch_row(blockIdx.x * R + team);
@@ -352,12 +350,10 @@ int transpose_group_rows(int H, int budget) {
 
 /* The forward's teams: several rows per block (warp teams up to H = 512, teams of 2-8 warps
  * above), up to 2 vectors of 8 a thread (64 registers without spills), so that a block keeps
- * several rows in flight. Rows of 8193-12288 take 3 vectors a thread in blocks of 512, two a SM,
- * without the next row's prefetch (norm_fwd_rows): on an H200 at 4096 x 12288 BF16 LayerNorm
- * 0.56 -> 0.68 of the copy and RMSNorm 0.73 -> 0.77 against one block of 1024 holding 2 vectors
- * each (with the prefetch, whose registers spilled: 0.60 and 0.74). `wide_tile`: the transposed
- * copy is staged and the device lets a block take 128 KiB of shared memory. Calls f(nullptr)
- * past the largest team (the looped kernel). */
+ * several rows in flight. Rows of 8193-12288 take 3 vectors a thread, blocks of 512 two a SM,
+ * without the prefetch (which spilled): 20-30% faster than one block of 1024 holding 2 each
+ * (docs/performance.md). `wide_tile`: the transposed copy is staged and the device lets a block
+ * take 128 KiB of shared memory. Calls f(nullptr) past the largest team (the looped kernel). */
 template <typename F>
 void dispatch_forward_team(int H, bool wide_tile, F&& f) {
   if (H <= 256) {
@@ -431,18 +427,14 @@ void launch_forward(CallContext& ctx, FwdParams p) {
       }
       const int smem = staged ? p.group_rows * p.H : 0;
       auto kernel = norm_fwd_kernel<Cfg, IType, kFp8>;
-      // Past 48 KiB with the static scratch (the default limit counts both), e.g. 32 rows of
-      // H = 1536: 48 KiB of tile.
+      // Past 48 KiB with the static scratch (the default limit counts both; 32 x 1536 bytes).
       if (smem + kScratchFloats<Cfg::kThreads> * static_cast<int>(sizeof(float)) > 48 * 1024) {
         static std::atomic<uint64_t> done{0};
         allow_dynamic_smem(ctx, kernel, budget, done);
       }
-      // Without the transposed copy, as many blocks as the SMs hold at once, each walking its
-      // groups (where the team prefetches, with the next row's loads in flight across them;
-      // measured at 8192 x 4096 BF16 on an H200: 0.77 -> 0.78 of the copy, where a block a
-      // group, 1.9 waves there, paid each group's first loads). With it, one group per block,
-      // scheduled by the hardware (the grid-stride loop then only serves grids past the launch
-      // limit).
+      // Without the transposed copy, as many blocks as the SMs hold, each walking its groups
+      // (prefetching teams keep loads in flight across them; a block a group paid each group's
+      // first loads); with it, one group a block (the grid-stride loop for huge grids only).
       const size_t groups = (p.rows + p.group_rows - 1) / p.group_rows;
       const size_t resident = static_cast<size_t>(ctx.sm_count()) * (1024 / Cfg::kThreads);
       const size_t blocks = std::min<size_t>(groups, staged ? size_t{1} << 30 : resident);
