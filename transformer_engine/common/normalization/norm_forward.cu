@@ -384,8 +384,8 @@ void dispatch_forward_team(int H, bool wide_tile, F&& f) {
   }
 }
 
-/* Rows a team takes per group without the transposed copy: up to 16 (fewer blocks, each
- * paying its first row's load latency once), while the grid still fills every SM. */
+/* Rows a team takes per group without the transposed copy: up to 16 (fewer group changes),
+ * while there are still at least as many groups as resident blocks (every SM gets work). */
 int rows_per_team(size_t rows, int teams, int threads, int sm_count) {
   const size_t slots = static_cast<size_t>(sm_count) * (1024 / threads);
   int r = 16;
