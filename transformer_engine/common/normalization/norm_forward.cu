@@ -272,9 +272,10 @@ __device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, uint8_t* tile,
   }
 }
 
-/* At most 64 registers a thread: half the SM's threads resident. */
+/* At most 64 registers a thread: half the SM's threads resident, fwd_blocks_per_sm blocks. */
+constexpr int fwd_blocks_per_sm(int threads) { return 1024 / threads; }
 template <class Cfg, typename IType, bool kFp8>
-__global__ void __launch_bounds__(Cfg::kThreads, 1024 / Cfg::kThreads)
+__global__ void __launch_bounds__(Cfg::kThreads, fwd_blocks_per_sm(Cfg::kThreads))
     norm_fwd_kernel(const FwdParams p) {
   extern __shared__ __align__(16) uint8_t tile[];  // [group_rows][H] FP8 bytes (out_t only)
   __shared__ __align__(8) float scratch[kScratchFloats<Cfg::kThreads>];
@@ -386,10 +387,9 @@ void dispatch_forward_team(int H, bool wide_tile, F&& f) {
 
 /* Rows a team takes per group without the transposed copy: up to 16 (fewer group changes),
  * while there are still at least as many groups as resident blocks (every SM gets work). */
-int rows_per_team(size_t rows, int teams, int threads, int sm_count) {
-  const size_t slots = static_cast<size_t>(sm_count) * (1024 / threads);
+int rows_per_team(size_t rows, int teams, size_t resident) {
   int r = 16;
-  while (r > 1 && (rows + static_cast<size_t>(teams) * r - 1) / (teams * r) < slots) r /= 2;
+  while (r > 1 && (rows + static_cast<size_t>(teams) * r - 1) / (teams * r) < resident) r /= 2;
   return r;
 }
 
@@ -416,9 +416,10 @@ void launch_forward(CallContext& ctx, FwdParams p) {
       looped();  // H % 8 != 0 or unaligned inputs (the choice ignores the outputs' alignment)
     } else {
       const int budget = staged ? tile_budget(Cfg::kThreads, optin) : 0;
-      p.group_rows =
-          staged ? transpose_group_rows(p.H, budget)
-                 : Cfg::kTeams * rows_per_team(p.rows, Cfg::kTeams, Cfg::kThreads, ctx.sm_count());
+      const size_t resident =
+          static_cast<size_t>(ctx.sm_count()) * fwd_blocks_per_sm(Cfg::kThreads);
+      p.group_rows = staged ? transpose_group_rows(p.H, budget)
+                            : Cfg::kTeams * rows_per_team(p.rows, Cfg::kTeams, resident);
       if (staged && p.group_rows < Cfg::kTeams) p.group_rows = Cfg::kTeams;  // warp teams: H small
       if (staged) {
         const int run = transposed_run(p.group_rows);
@@ -436,7 +437,6 @@ void launch_forward(CallContext& ctx, FwdParams p) {
       // (prefetching teams keep loads in flight across them; a block a group paid each group's
       // first loads); with it, one group a block (the grid-stride loop for huge grids only).
       const size_t groups = (p.rows + p.group_rows - 1) / p.group_rows;
-      const size_t resident = static_cast<size_t>(ctx.sm_count()) * (1024 / Cfg::kThreads);
       const size_t blocks = std::min<size_t>(groups, staged ? size_t{1} << 30 : resident);
       kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem, ctx.stream()>>>(p);
       ctx.check_launch("norm_fwd_kernel launch");
