@@ -9,7 +9,8 @@
  * changes side by side.
  *
  * Built twice from this file: with NORM_ABI_FORWARD the forward binary (high-precision output,
- * and FP8 E4M3 with the transposed copy and the amax), else the backward binary. Each prints, per
+ * FP8 E4M3 with the transposed copy and the amax, and for comparison the high-precision output
+ * followed by nvte_quantize's cast+transpose), else the backward binary. Each prints, per
  * shape and per norm, the median time of 7 batches of 20 calls and the fraction of the copy:
  * bytes moved / time, over the copy's bytes read and written / time. Bytes moved: forward x read
  * and y written (2 + 2 bytes an element; FP8: 2 + 1 + 1), backward x and dz read and dx written
@@ -20,6 +21,7 @@
  * list. */
 #ifdef NORM_ABI_FORWARD
 #include "normalization/norm_forward.cu"
+#include "transformer_engine/cast.h"
 #else
 #include "normalization/norm_backward.cu"
 #endif
@@ -113,10 +115,30 @@ int main(int argc, char** argv) {
                               &bscale_inv, mean_arg, &brsigma, 0, nullptr);
           },
           20);
+      // The baseline the FP8 output replaces: the high-precision norm, then the cast.
+      const float ms_unfused = median_ms(
+          [&] {
+            nvte_norm_forward(&bx, &bg, beta_arg, 1e-5f, 0, rms, &by, nullptr, nullptr, nullptr,
+                              nullptr, mean_arg, &brsigma, 0, nullptr);
+            nvte_quantize(&by, &bscale, &by8, &by8t, &bamax, &bscale_inv, nullptr, 0, nullptr);
+          },
+          20);
+      float ms_second = 0.0f;  // the FP8+T path's second kernel alone (trees that have one)
+#if __has_include("normalization/norm_cast_transpose.h")
+      ms_second = median_ms(
+          [&] {
+            nvte_norm_forward_from_stats(&bx, &bg, beta_arg, 0, rms, mean_arg, &brsigma, &by8,
+                                         &bscale, &by8t, &bamax, &bscale_inv, 0, nullptr);
+          },
+          20);
+#endif
       const double elems = static_cast<double>(rows) * H;
-      std::printf("[%s] %s fwd %zux%zu %.4f ms %.3f of copy | fp8+T %.4f ms %.3f | sum %.6e\n",
-                  label, name, rows, H, ms, 4.0 * elems / (ms * 1e-3) / copy_bytes_per_s, ms_fp8,
-                  4.0 * elems / (ms_fp8 * 1e-3) / copy_bytes_per_s, checksum(y, rows * H));
+      std::printf(
+          "[%s] %s fwd %zux%zu %.4f ms %.3f of copy | fp8+T %.4f ms %.3f (2nd kernel %.4f ms) | "
+          "norm then cast+T %.4f ms | sum %.6e\n",
+          label, name, rows, H, ms, 4.0 * elems / (ms * 1e-3) / copy_bytes_per_s, ms_fp8,
+          4.0 * elems / (ms_fp8 * 1e-3) / copy_bytes_per_s, ms_second, ms_unfused,
+          checksum(y, rows * H));
       CHECK_CUDA(cudaFree(y8));
       CHECK_CUDA(cudaFree(y8t));
       CHECK_CUDA(cudaFree(scale));

@@ -10,6 +10,7 @@ from transformer_engine.pytorch.cpp_extensions.norm_kernels import (
     norm_backward,
     norm_forward,
     norm_forward_fp8,
+    norm_forward_fp8_from_stats,
 )
 
 H = 16
@@ -60,6 +61,40 @@ def test_fp8_arguments_are_checked():
         )  # fmt: skip
     with pytest.raises(TypeError, match="amax must be"):
         norm_amax(*a.values(), rms=False, amax=None)
+
+
+def test_statistics_arguments_are_checked():
+    a = _args()
+    x, w, b = a["x"], a["weight"], a["bias"]
+    stat = torch.ones(4)
+    amax = torch.zeros(1)
+    with pytest.raises(ValueError, match="pass rsigma and mean"):
+        norm_amax(*a.values(), rms=False, amax=amax, rsigma=stat)
+    with pytest.raises(ValueError, match="RMSNorm has no mean"):
+        norm_amax(x, w, None, 1e-5, False, rms=True, amax=amax, mean=stat, rsigma=stat)
+    with pytest.raises(ValueError, match="rsigma has 3 elements; expected 4"):
+        norm_amax(x, w, None, 1e-5, False, rms=True, amax=amax, rsigma=torch.ones(3))
+    scale = torch.ones(1)
+    fp8 = torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="pass rsigma and mean"):
+        norm_forward_fp8_from_stats(x, w, b, False, rms=False, mean=None, rsigma=stat,
+                                    scale=scale, fp8_dtype=fp8)  # fmt: skip
+    with pytest.raises(ValueError, match="pass rsigma"):
+        norm_forward_fp8_from_stats(x, w, None, False, rms=True, mean=None, rsigma=None,
+                                    scale=scale, fp8_dtype=fp8)  # fmt: skip
+    with pytest.raises(TypeError, match="mean has dtype"):
+        norm_forward_fp8_from_stats(x, w, b, False, rms=False, mean=stat.double(), rsigma=stat,
+                                    scale=scale, fp8_dtype=fp8)  # fmt: skip
+    with pytest.raises(ValueError, match="rsigma is not contiguous"):
+        norm_forward_fp8_from_stats(x, w, None, False, rms=True, mean=None,
+                                    rsigma=torch.ones(8)[::2], scale=scale, fp8_dtype=fp8)  # fmt: skip
+    with pytest.raises(TypeError, match="fp8_dtype"):
+        norm_forward_fp8_from_stats(x, w, b, False, rms=False, mean=stat, rsigma=stat,
+                                    scale=scale, fp8_dtype=torch.int8)  # fmt: skip
+    # Valid CPU calls: None (the caller runs its PyTorch path).
+    assert norm_amax(*a.values(), rms=False, amax=amax, mean=stat, rsigma=stat) is None
+    assert norm_forward_fp8_from_stats(x, w, b, False, rms=False, mean=stat, rsigma=stat,
+                                       scale=scale, fp8_dtype=fp8) is None  # fmt: skip
 
 
 def test_backward_arguments_are_checked():

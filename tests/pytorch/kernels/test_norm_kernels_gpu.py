@@ -14,6 +14,8 @@ from transformer_engine.pytorch.cpp_extensions.norm_kernels import (
     norm_backward,
     norm_forward,
     norm_forward_fp8,
+    norm_forward_fp8_from_stats,
+    stats_buffers,
 )
 
 # Marks, not a module-level skip: a file whose every test is skipped still collects them (a
@@ -149,11 +151,55 @@ def test_fp8_output_equals_cast_of_high_precision_output(shape, fp8_dtype, dtype
     only = torch.full((1,), 123.0, device="cuda")  # overwritten, not max-accumulated
     assert norm_amax(x, w, b, EPS, zero_centered, rms=rms, amax=only) is only
     assert only.item() == expected_amax
+    # Current scaling's two passes: the amax pass writes the statistics, the second pass
+    # both copies from them; the same statistics, bytes and amax.
+    mean2, rsigma2 = stats_buffers(x, rms)
+    only.fill_(123.0)
+    norm_amax(x, w, b, EPS, zero_centered, rms=rms, amax=only, mean=mean2, rsigma=rsigma2)
+    assert only.item() == expected_amax
+    assert torch.equal(rsigma2, rsigma) and (rms or torch.equal(mean2, mean))
+    amax3 = torch.zeros(1, device="cuda")
+    res3 = norm_forward_fp8_from_stats(
+        x, w, b, zero_centered, rms=rms, mean=mean2, rsigma=rsigma2, scale=scale,
+        fp8_dtype=fp8_dtype, amax=amax3,
+    )  # fmt: skip
+    assert torch.equal(res3.data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(res3.transpose.view(torch.uint8), ref.transpose.view(torch.uint8))
+    assert torch.equal(res3.scale_inv.cpu(), 1 / scale.cpu())
+    assert amax3.item() == expected_amax
     # Without the transposed copy, and without amax: the same bytes.
     res2, _, _ = norm_forward_fp8(x, w, b, EPS, zero_centered, rms=rms, scale=scale,
                                   fp8_dtype=fp8_dtype)  # fmt: skip
     assert res2.transpose is None and torch.equal(res2.data.view(torch.uint8),
                                                   res.data.view(torch.uint8))  # fmt: skip
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
+def test_transposed_copy_needs_the_statistics(rms):
+    """nvte_norm_forward writes the transposed copy from the statistics it writes first, so it
+    refuses output_t without them, naming the fix, and writes nothing."""
+    native = native_module()
+    x, w, b, _ = make_case((8, 64), torch.bfloat16, torch.float32, rms, False)
+    out = torch.zeros(8, 64, dtype=torch.uint8, device="cuda")
+    out_t = torch.zeros(64, 8, dtype=torch.uint8, device="cuda")
+    scale = torch.ones(1, device="cuda")
+    mean = None if rms else torch.empty(8, device="cuda")
+
+    def call(mean, rsigma):
+        native.norm_forward(
+            tensor_arg(x), tensor_arg(w), tensor_arg(b), EPS, False, rms,
+            tensor_arg(out.view(torch.float8_e4m3fn)), tensor_arg(scale),
+            tensor_arg(out_t.view(torch.float8_e4m3fn)), None, None, tensor_arg(mean),
+            tensor_arg(rsigma), *launch_args(x.device),
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match="output_t needs the statistics: pass rsigma"):
+        call(mean, None)
+    if not rms:
+        with pytest.raises(ValueError, match="pass rsigma and mean"):
+            call(None, torch.empty(8, device="cuda"))
+    torch.cuda.synchronize()
+    assert not out.any() and not out_t.any()
 
 
 def oracle_backward(x, w, b, dz, rms, zero_centered):

@@ -33,6 +33,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "cast/cast_transpose.cuh"
 #include "util/byte_transpose.cuh"
@@ -88,10 +89,24 @@ constexpr size_t kRawBytes = sizeof(typename Loader::TileRaw);
  * these caps fit every loader's unbounded use on sm_90 without spills; two tiles keep the next
  * tile's loads live through the store phase, so they get fewer blocks. */
 template <class Loader, int kIters>
-constexpr int kMinBlocks = kIters == 1 ? (kRawBytes<Loader> <= 16   ? 5
-                                          : kRawBytes<Loader> <= 32 ? 3
-                                                                    : 2)
-                                       : (kRawBytes<Loader> <= 16 ? 3 : 2);
+constexpr int kMinBlocksByWeight = kIters == 1 ? (kRawBytes<Loader> <= 16   ? 5
+                                                  : kRawBytes<Loader> <= 32 ? 3
+                                                                            : 2)
+                                               : (kRawBytes<Loader> <= 16 ? 3 : 2);
+
+/* A loader may name its own count (`static constexpr int kTallMinBlocks`), measured for it. */
+template <class Loader, class = void>
+struct TallMinBlocksOf {
+  static constexpr int value = 0;
+};
+template <class Loader>
+struct TallMinBlocksOf<Loader, std::void_t<decltype(Loader::kTallMinBlocks)>> {
+  static constexpr int value = Loader::kTallMinBlocks;
+};
+template <class Loader, int kIters>
+constexpr int kMinBlocks =
+    kIters == 1 && TallMinBlocksOf<Loader>::value > 0 ? TallMinBlocksOf<Loader>::value
+                                                      : kMinBlocksByWeight<Loader, kIters>;
 
 /* Block b owns rows [s * kIters * 128, +kIters * 128) and columns [c * 64, +64), where
  * s = b / tiles_c and c = b % tiles_c. Per 128-row tile: thread t casts row vectors

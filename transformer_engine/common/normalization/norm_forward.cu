@@ -3,19 +3,19 @@
  * Kernel shape (norm_common.cuh): a team (a warp, or 2-32 warps for long rows; several teams a
  * block, each with its own named barrier) owns one row at a time, holding it in registers as raw
  * 16-byte vectors, and prefetches its next row meanwhile (16-bit inputs). A block takes groups of
- * rows (as many blocks as the SMs hold; with the transposed copy, a group a block), so the amax
- * needs one atomic per block. Per row: mean (LayerNorm), then the sum of squared deviations from
- * the registers, both reduced over the team; then each vector is normalized, rounded to x's dtype
- * and stored (high precision), or cast to FP8 (the format a runtime switch, as gamma's dtype: fewer
- * kernels to compile). The same kernel and team serve the high-precision and FP8 outputs for a
- * given input, so the FP8 bytes are those of casting the high-precision output.
+ * rows (as many blocks as the SMs hold), so the amax needs one atomic per block. Per row: mean
+ * (LayerNorm), then the sum of squared deviations from the registers, both reduced over the team;
+ * then each vector is normalized, rounded to x's dtype and stored (high precision), or cast to FP8
+ * (the format a runtime switch, as gamma's dtype: fewer kernels to compile). The same kernel and
+ * team serve the high-precision and FP8 outputs for a given input, so the FP8 bytes are those of
+ * casting the high-precision output.
  *
- * The transposed FP8 copy: a block handles a group of R rows (32, fewer when H is long so that
- * R * H bytes fit tile_budget()), staging their FP8 bytes in dynamic shared memory, then writes
- * each column's run of 16 (or 8) rows with one store, from 4-byte shared-memory words transposed
- * 4x4 with byte permutes. Rows too long for the register teams, and unaligned inputs or H % 8 != 0,
- * go through a looped kernel that reads x once per pass (three passes) and writes the transposed
- * bytes directly. */
+ * With the transposed FP8 copy, the forward runs in two kernels: these write the statistics
+ * alone (no output), then the tiled cast+transpose of norm_cast_transpose.cu normalizes 128 x 64
+ * tiles from them, writing both FP8 copies (a row's statistics need the whole row, the
+ * transposed copy whole column runs: one kernel holding both staged whole rows and ran at a
+ * third of the copy's bandwidth). Rows too long for the register teams, and unaligned inputs or
+ * H % 8 != 0, go through a looped kernel that reads x once per pass (three passes). */
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -24,23 +24,21 @@
 #include <type_traits>
 
 #include "cast/dispatch.cuh"
+#include "normalization/norm_cast_transpose.h"
 #include "normalization/norm_common.cuh"
-#include "normalization/norm_transpose_tile.cuh"
 #include "transformer_engine/normalization.h"
 
 namespace transformer_engine {
 namespace norm_detail {
 namespace {
 
-constexpr int kMaxGroupRows = 32;  // a 32-byte sector of out_t per column
 constexpr int kLoopThreads = 512;
 
 struct FwdParams {
   const void* x;
   const void* gamma;
   const void* beta;  // null: no shift (and always for RMSNorm)
-  void* y;           // null: amax only
-  uint8_t* y_t;      // FP8 transposed copy, or null
+  void* y;           // null: the statistics alone (high precision), or the amax alone (FP8)
   float* mean;
   float* rsigma;
   const float* scale;
@@ -57,7 +55,6 @@ struct FwdParams {
   bool e5m2;     // FP8 outputs: E5M2 (else E4M3)
   bool vec;      // 16-byte vector loads (H % 8 == 0, x, gamma, beta aligned)
   bool vec_out;  // vector stores of whole vectors (vec, and the output aligned)
-  bool vec_t;    // word-wise transposed runs (see write_transposed)
 };
 
 /* A parameter vector (gamma or beta) at column c, float32 or x's dtype. */
@@ -84,12 +81,11 @@ __device__ __forceinline__ void store_fp8_bytes(uint8_t* dst, size_t stride,
 
 /* Normalizes the vector at column c of `row` (n valid elements) from its deviations d = x - mean
  * (x itself for RMSNorm), y = d * rsigma * gamma + beta, and writes it: y in x's dtype,
- * or its FP8 bytes (+ amax of the rounded values, + the transposed copy: staged in `tile_row`
- * when given, else written directly). kVecIO: p.vec holds and n == kVec (the register kernel). */
+ * or its FP8 bytes (+ amax of the rounded values). kVecIO: p.vec holds and n == kVec (the register
+ * kernel). */
 template <typename IType, bool kFp8, bool kVecIO = false>
 __device__ __forceinline__ void emit(const FwdParams& p, const float (&d)[kVec], int n_in,
-                                     size_t row, int c, float rsigma, float scale, float& amax,
-                                     uint8_t* tile_row) {
+                                     size_t row, int c, float rsigma, float scale, float& amax) {
   const int n = kVecIO ? kVec : n_in;
   float g[kVec], b[kVec], y[kVec];
   load_param<IType, kVecIO>(p, p.gamma, c, n, g);
@@ -115,31 +111,18 @@ __device__ __forceinline__ void emit(const FwdParams& p, const float (&d)[kVec],
       r[j] = to_float(from_float<IType>(y[j]));
       if (j < n) amax = amax_step(amax, r[j]);
     }
-    if (p.y == nullptr && p.y_t == nullptr) return;  // amax only
+    if (p.y == nullptr) return;  // amax only
     Vec<uint16_t, kVec / 2> q;
 #pragma unroll
     for (int j = 0; j < kVec / 2; ++j) {
       q.v[j] = p.e5m2 ? Fp8Format<false>::cast_pair(r[2 * j] * scale, r[2 * j + 1] * scale)
                       : Fp8Format<true>::cast_pair(r[2 * j] * scale, r[2 * j + 1] * scale);
     }
-    if (p.y != nullptr) {
-      uint8_t* out = static_cast<uint8_t*>(p.y) + offset;
-      if (p.vec_out && n == kVec) {
-        *reinterpret_cast<uint2*>(out) = *reinterpret_cast<const uint2*>(&q);
-      } else {
-        store_fp8_bytes(out, 1, q, n);
-      }
-    }
-    if (p.y_t != nullptr) {
-      if (tile_row != nullptr) {
-        if ((kVecIO || p.vec) && n == kVec) {
-          *reinterpret_cast<uint2*>(tile_row + c) = *reinterpret_cast<const uint2*>(&q);
-        } else {
-          store_fp8_bytes(tile_row + c, 1, q, n);
-        }
-      } else {
-        store_fp8_bytes(p.y_t + static_cast<size_t>(c) * p.rows + row, p.rows, q, n);
-      }
+    uint8_t* out = static_cast<uint8_t*>(p.y) + offset;
+    if (p.vec_out && n == kVec) {
+      *reinterpret_cast<uint2*>(out) = *reinterpret_cast<const uint2*>(&q);
+    } else {
+      store_fp8_bytes(out, 1, q, n);
     }
   }
 }
@@ -166,7 +149,7 @@ __device__ __forceinline__ float fwd_scale(const FwdParams& p) {
  * scheduler issues in about 80% of cycles), so converting once, the exact reciprocal of H and
  * the uniform branches in emit() count. */
 template <class Cfg, typename IType, bool kFp8>
-__device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, uint8_t* tile, float* scratch) {
+__device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, float* scratch) {
   constexpr bool kVecIO = true;
   constexpr int kTeam = Cfg::kTeam, kVecs = Cfg::kVecs, kThreads = Cfg::kThreads;
   constexpr int kTeams = Cfg::kTeams;
@@ -175,7 +158,7 @@ __device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, uint8_t* tile,
   const int t = threadIdx.x % kTeam;
   const float scale = fwd_scale<kFp8>(p);
   const float h = static_cast<float>(p.H);
-  const bool staged = kFp8 && p.y_t != nullptr;
+  const bool emits = kFp8 || p.y != nullptr;  // else the statistics alone
   const size_t R = static_cast<size_t>(p.group_rows);
   const IType* x_base = static_cast<const IType*>(p.x);
   float amax = 0.0f;
@@ -251,20 +234,14 @@ __device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, uint8_t* tile,
         if (p.mean != nullptr) p.mean[row] = mean;
         if (p.rsigma != nullptr) p.rsigma[row] = rsigma;
       }
-      uint8_t* tile_row = staged ? tile + lr * p.H : nullptr;
+      if (emits) {
 #pragma unroll
-      for (int v = 0; v < kVecs; ++v) {
-        const int c = (v * kTeam + t) * kVec;
-        const int n = vec_count(c, p.H);
-        if (n > 0) {
-          emit<IType, kFp8, kVecIO>(p, xf[v], n, row, c, rsigma, scale, amax, tile_row);
+        for (int v = 0; v < kVecs; ++v) {
+          const int c = (v * kTeam + t) * kVec;
+          const int n = vec_count(c, p.H);
+          if (n > 0) emit<IType, kFp8, kVecIO>(p, xf[v], n, row, c, rsigma, scale, amax);
         }
       }
-    }
-    if (staged) {
-      __syncthreads();  // the group's bytes are staged
-      write_transposed<kThreads>(p, tile, r0, count);
-      __syncthreads();  // before the next group overwrites the tile
     }
   }
   if constexpr (kFp8) {
@@ -277,13 +254,12 @@ constexpr int fwd_blocks_per_sm(int threads) { return 1024 / threads; }
 template <class Cfg, typename IType, bool kFp8>
 __global__ void __launch_bounds__(Cfg::kThreads, fwd_blocks_per_sm(Cfg::kThreads))
     norm_fwd_kernel(const FwdParams p) {
-  extern __shared__ __align__(16) uint8_t tile[];  // [group_rows][H] FP8 bytes (out_t only)
   __shared__ __align__(8) float scratch[kScratchFloats<Cfg::kThreads>];
-  norm_fwd_rows<Cfg, IType, kFp8>(p, tile, scratch);
+  norm_fwd_rows<Cfg, IType, kFp8>(p, scratch);
 }
 
 /* Rows longer than the register teams: one block per row, three passes over x in global memory
- * (sum, squared deviations, output), the transposed bytes written directly. */
+ * (sum, squared deviations, output; no third with the statistics alone). */
 template <typename IType, bool kFp8>
 __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const FwdParams p) {
   __shared__ __align__(8) float scratch[kScratchFloats<kLoopThreads>];
@@ -322,12 +298,13 @@ __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const Fwd
       if (p.mean != nullptr) p.mean[row] = mean;
       if (p.rsigma != nullptr) p.rsigma[row] = rsigma;
     }
+    if (!kFp8 && p.y == nullptr) continue;  // the statistics alone
     for (int c = threadIdx.x * kVec; c < p.H; c += kLoopThreads * kVec) {
       const int n = vec_count(c, p.H);
       load_vec(xr + c, p.vec, n, x);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) x[j] -= mean;
-      emit<IType, kFp8>(p, x, n, row, c, rsigma, scale, amax, nullptr);
+      emit<IType, kFp8>(p, x, n, row, c, rsigma, scale, amax);
     }
   }
   if constexpr (kFp8) {
@@ -335,28 +312,13 @@ __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const Fwd
   }
 }
 
-/* Staging bytes a block may take for the transposed copy: blocks of 1024 threads (one a SM)
- * take 128 KiB, smaller blocks (two a SM) 96 KiB; never more than the device allows a block
- * (`optin`, less 1 KiB for the kernel's static shared memory). */
-int tile_budget(int threads, int optin) {
-  return std::min(threads >= 1024 ? 128 * 1024 : 96 * 1024, optin - 1024);
-}
-
-/* Rows per block iteration with the transposed copy: R = 32, halved until R * H fits. */
-int transpose_group_rows(int H, int budget) {
-  int r = kMaxGroupRows;
-  while (r > 1 && static_cast<size_t>(r) * H > static_cast<size_t>(budget)) r /= 2;
-  return r;
-}
-
 /* The forward's teams: several rows per block (warp teams up to H = 512, teams of 2-8 warps
  * above), up to 2 vectors of 8 a thread (64 registers without spills), so that a block keeps
  * several rows in flight. Rows of 8193-12288 take 3 vectors a thread, blocks of 512 two a SM,
  * without the prefetch (which spilled): 20-30% faster than one block of 1024 holding 2 each
- * (docs/performance.md). `wide_tile`: the transposed copy is staged and the device lets a block
- * take 128 KiB of shared memory. Calls f(nullptr) past the largest team (the looped kernel). */
+ * (docs/performance.md). Calls f(nullptr) past the largest team (the looped kernel). */
 template <typename F>
-void dispatch_forward_team(int H, bool wide_tile, F&& f) {
+void dispatch_forward_team(int H, F&& f) {
   if (H <= 256) {
     f(TeamConfig<32, 1, 256>{});
   } else if (H <= 512) {
@@ -368,14 +330,7 @@ void dispatch_forward_team(int H, bool wide_tile, F&& f) {
   } else if (H <= 4096) {
     f(TeamConfig<256, 2, 512>{});
   } else if (H <= 8192) {
-    // With the transposed copy, one block of 1024 threads a SM stages 16 rows (128 KiB) where
-    // two blocks of 512 would stage 8 each (measured at 8192 x 8192: 216 against 272 us);
-    // at H <= 4096 the two blocks of 512 are faster (110 against 134 us at 8192 x 4096).
-    if (wide_tile) {
-      f(TeamConfig<512, 2, 1024>{});
-    } else {
-      f(TeamConfig<512, 2, 512>{});
-    }
+    f(TeamConfig<512, 2, 512>{});
   } else if (H <= 12288) {
     f(TeamConfig<512, 3, 512>{});
   } else if (H <= 16384) {
@@ -385,7 +340,7 @@ void dispatch_forward_team(int H, bool wide_tile, F&& f) {
   }
 }
 
-/* Rows a team takes per group without the transposed copy: up to 16 (fewer group changes),
+/* Rows a team takes per group: up to 16 (fewer group changes),
  * while there are still at least as many groups as resident blocks (every SM gets work). */
 int rows_per_team(size_t rows, int teams, size_t resident) {
   int r = 16;
@@ -403,42 +358,22 @@ void launch_forward(CallContext& ctx, FwdParams p) {
         <<<static_cast<unsigned>(blocks), kLoopThreads, 0, ctx.stream()>>>(p);
     ctx.check_launch("norm_fwd_looped_kernel launch");
   };
-  const bool staged = kFp8 && p.y_t != nullptr;
-  // Only the staged transposed copy takes more than 48 KiB of shared memory.
-  const int optin = staged ? ctx.max_shared_memory_per_block() : 0;
-  // The 1024-thread staging block only where its 128 KiB tile fits (Hopper; not Ada's 99 KiB).
-  const bool wide_tile = staged && tile_budget(1024, optin) >= 128 * 1024;
-  dispatch_forward_team(p.H, wide_tile, [&](auto cfg) {
+  dispatch_forward_team(p.H, [&](auto cfg) {
     using Cfg = decltype(cfg);
     if constexpr (std::is_same_v<Cfg, std::nullptr_t>) {
       looped();
     } else if (!p.vec) {
       looped();  // H % 8 != 0 or unaligned inputs (the choice ignores the outputs' alignment)
     } else {
-      const int budget = staged ? tile_budget(Cfg::kThreads, optin) : 0;
+      // As many blocks as the SMs hold, each walking its groups (prefetching teams keep loads in
+      // flight across them; a block a group paid each group's first loads).
       const size_t resident =
           static_cast<size_t>(ctx.sm_count()) * fwd_blocks_per_sm(Cfg::kThreads);
-      p.group_rows = staged ? transpose_group_rows(p.H, budget)
-                            : Cfg::kTeams * rows_per_team(p.rows, Cfg::kTeams, resident);
-      if (staged && p.group_rows < Cfg::kTeams) p.group_rows = Cfg::kTeams;  // warp teams: H small
-      if (staged) {
-        const int run = transposed_run(p.group_rows);
-        p.vec_t = (run == 8 || run == 16) && p.H % 4 == 0 && p.rows % run == 0 &&
-                  reinterpret_cast<uintptr_t>(p.y_t) % run == 0;
-      }
-      const int smem = staged ? p.group_rows * p.H : 0;
-      auto kernel = norm_fwd_kernel<Cfg, IType, kFp8>;
-      // Past 48 KiB with the static scratch (the default limit counts both; 32 x 1536 bytes).
-      if (smem + kScratchFloats<Cfg::kThreads> * static_cast<int>(sizeof(float)) > 48 * 1024) {
-        static std::atomic<uint64_t> done{0};
-        allow_dynamic_smem(ctx, kernel, budget, done);
-      }
-      // Without the transposed copy, as many blocks as the SMs hold, each walking its groups
-      // (prefetching teams keep loads in flight across them; a block a group paid each group's
-      // first loads); with it, one group a block (the grid-stride loop for huge grids only).
+      p.group_rows = Cfg::kTeams * rows_per_team(p.rows, Cfg::kTeams, resident);
       const size_t groups = (p.rows + p.group_rows - 1) / p.group_rows;
-      const size_t blocks = std::min<size_t>(groups, staged ? size_t{1} << 30 : resident);
-      kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem, ctx.stream()>>>(p);
+      norm_fwd_kernel<Cfg, IType, kFp8>
+          <<<static_cast<unsigned>(std::min(groups, resident)), Cfg::kThreads, 0, ctx.stream()>>>(
+              p);
       ctx.check_launch("norm_fwd_kernel launch");
     }
   });
@@ -480,6 +415,27 @@ FwdParams check_forward(const char* op, const NVTEBuffer* input, const NVTEBuffe
   p.vec = shape.H % kVec == 0 && aligned_to(x.data, 16) && aligned_to(g.data, 16) &&
           (beta == nullptr || aligned_to(beta->data, 16));
   return p;
+}
+
+/* The tiled kernel's parameters for the FP8 output p describes, with its transposed copy. */
+NormCastParams cast_params(const FwdParams& p, NVTEBuffer* output_t) {
+  NormCastParams c{};
+  c.x = p.x;
+  c.gamma = p.gamma;
+  c.beta = p.beta;
+  c.mean = p.rms ? nullptr : p.mean;
+  c.rsigma = p.rsigma;
+  c.y = static_cast<uint8_t*>(p.y);
+  c.y_t = static_cast<uint8_t*>(output_t->data);
+  c.scale = p.scale;
+  c.amax = p.amax;
+  c.scale_inv = p.scale_inv;
+  c.rows = p.rows;
+  c.H = p.H;
+  c.zero_centered = p.zero_centered;
+  c.w_fp32 = p.w_fp32;
+  c.e5m2 = p.e5m2;
+  return c;
 }
 
 void check_inputs_on_device(CallContext& ctx, const NVTEBuffer* input, const NVTEBuffer* gamma,
@@ -527,6 +483,10 @@ extern "C" void nvte_norm_forward(const NVTEBuffer* input, const NVTEBuffer* gam
           numel(*output_t) != shape.rows * shape.H) {
         throw_invalid(op, "output_t must have shape [", shape.H, ", ", shape.rows, "]");
       }
+      if (rsigma == nullptr || (!rms && mean == nullptr)) {
+        throw_invalid(op, "output_t needs the statistics: pass rsigma", rms ? "" : " and mean",
+                      " (the transposed copy is normalized from them in a second kernel)");
+      }
     }
     if (amax != nullptr) check_fp32_scalar(op, "amax", *amax);
     if (scale_inv != nullptr) check_fp32_scalar(op, "scale_inv", *scale_inv);
@@ -545,13 +505,11 @@ extern "C" void nvte_norm_forward(const NVTEBuffer* input, const NVTEBuffer* gam
     p.scale = static_cast<const float*>(scale->data);
     p.amax = amax != nullptr ? static_cast<float*>(amax->data) : nullptr;
     p.scale_inv = scale_inv != nullptr ? static_cast<float*>(scale_inv->data) : nullptr;
-    p.y_t = output_t != nullptr ? static_cast<uint8_t*>(output_t->data) : nullptr;
   }
   if (shape.rows == 0) {
     // No rows: nothing to normalize, but scale_inv is still published, as the casts do.
     if (p.scale_inv != nullptr) {
       p.y = nullptr;
-      p.y_t = nullptr;
       p.amax = nullptr;
     } else {
       return;
@@ -574,26 +532,35 @@ extern "C" void nvte_norm_forward(const NVTEBuffer* input, const NVTEBuffer* gam
       ctx.check_launch("norm_fwd_looped_kernel launch");
       return;
     }
+    if (output_t != nullptr) {
+      FwdParams stats = p;  // the statistics alone, then both FP8 copies from them
+      stats.y = nullptr;
+      launch_forward<IType, false>(ctx, stats);
+      launch_norm_cast_transpose(ctx, input->dtype, cast_params(p, output_t));
+      return;
+    }
     launch_forward<IType, true>(ctx, p);
   });
 }
 
 extern "C" void nvte_norm_amax(const NVTEBuffer* input, const NVTEBuffer* gamma,
                                const NVTEBuffer* beta, float epsilon, int zero_centered_gamma,
-                               int rms, NVTEBuffer* amax, int device, NVTEStream stream) {
+                               int rms, NVTEBuffer* amax, NVTEBuffer* mean, NVTEBuffer* rsigma,
+                               int device, NVTEStream stream) {
   using namespace transformer_engine;
   using namespace transformer_engine::norm_detail;
   const char* op = "nvte_norm_amax";
   NormShape shape{};
-  FwdParams p = check_forward(op, input, gamma, beta, epsilon, zero_centered_gamma, rms, nullptr,
-                              nullptr, shape);
+  FwdParams p =
+      check_forward(op, input, gamma, beta, epsilon, zero_centered_gamma, rms, mean, rsigma, shape);
   check_fp32_scalar(op, "amax", require(op, "amax", amax));
   CallContext ctx(op, device, stream);
-  check_inputs_on_device(ctx, input, gamma, beta, nullptr, nullptr);
+  check_inputs_on_device(ctx, input, gamma, beta, mean, rsigma);
   ctx.check_on_device("amax", *amax);
   p.amax = static_cast<float*>(amax->data);
   check_cuda(op, cudaMemsetAsync(p.amax, 0, sizeof(float), ctx.stream()), "cudaMemsetAsync");
-  // The E4M3 kernel with no outputs: only the rounded values' amax (the format is irrelevant).
+  // The E4M3 kernel with no output: the rounded values' amax (the format is irrelevant), and the
+  // statistics where asked.
   dispatch_high_precision(op, input->dtype,
                           [&](auto itype) { launch_forward<decltype(itype), true>(ctx, p); });
 }

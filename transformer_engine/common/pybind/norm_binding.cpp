@@ -26,8 +26,7 @@ void norm_forward(const TensorArg& input, const TensorArg& gamma, const Optional
                   std::uintptr_t stream) {
   const NVTEBuffer in = to_buffer(input), g = to_buffer(gamma);
   NVTEBuffer out = to_buffer(output);
-  OptionalBuffer b(beta), sc(scale), out_t(output_t), am(amax), si(scale_inv), mu(mean),
-      rs(rsigma);
+  OptionalBuffer b(beta), sc(scale), out_t(output_t), am(amax), si(scale_inv), mu(mean), rs(rsigma);
   py::gil_scoped_release no_gil;
   nvte_norm_forward(&in, &g, b.get(), epsilon, zero_centered_gamma ? 1 : 0, rms ? 1 : 0, &out,
                     sc.get(), out_t.get(), am.get(), si.get(), mu.get(), rs.get(), device,
@@ -36,13 +35,31 @@ void norm_forward(const TensorArg& input, const TensorArg& gamma, const Optional
 
 void norm_amax(const TensorArg& input, const TensorArg& gamma, const OptionalTensorArg& beta,
                float epsilon, bool zero_centered_gamma, bool rms, const TensorArg& amax,
-               int device, std::uintptr_t stream) {
+               const OptionalTensorArg& mean, const OptionalTensorArg& rsigma, int device,
+               std::uintptr_t stream) {
   const NVTEBuffer in = to_buffer(input), g = to_buffer(gamma);
   NVTEBuffer am = to_buffer(amax);
-  OptionalBuffer b(beta);
+  OptionalBuffer b(beta), mu(mean), rs(rsigma);
   py::gil_scoped_release no_gil;
-  nvte_norm_amax(&in, &g, b.get(), epsilon, zero_centered_gamma ? 1 : 0, rms ? 1 : 0, &am, device,
-                 to_stream(stream));
+  nvte_norm_amax(&in, &g, b.get(), epsilon, zero_centered_gamma ? 1 : 0, rms ? 1 : 0, &am, mu.get(),
+                 rs.get(), device, to_stream(stream));
+}
+
+void norm_forward_from_stats(const TensorArg& input, const TensorArg& gamma,
+                             const OptionalTensorArg& beta, bool zero_centered_gamma, bool rms,
+                             const OptionalTensorArg& mean, const TensorArg& rsigma,
+                             const TensorArg& output, const TensorArg& scale,
+                             const TensorArg& output_t, const OptionalTensorArg& amax,
+                             const OptionalTensorArg& scale_inv, int device,
+                             std::uintptr_t stream) {
+  const NVTEBuffer in = to_buffer(input), g = to_buffer(gamma), rs = to_buffer(rsigma),
+                   sc = to_buffer(scale);
+  NVTEBuffer out = to_buffer(output), out_t = to_buffer(output_t);
+  OptionalBuffer b(beta), mu(mean), am(amax), si(scale_inv);
+  py::gil_scoped_release no_gil;
+  nvte_norm_forward_from_stats(&in, &g, b.get(), zero_centered_gamma ? 1 : 0, rms ? 1 : 0, mu.get(),
+                               &rs, &out, &sc, &out_t, am.get(), si.get(), device,
+                               to_stream(stream));
 }
 
 void norm_backward(const TensorArg& dz, const TensorArg& input, const OptionalTensorArg& mean,
@@ -74,12 +91,19 @@ void register_norm(py::module_& m) {
         "LayerNorm/RMSNorm forward (nvte_norm_forward).");
   m.def("norm_amax", &norm_amax, py::arg("input"), py::arg("gamma"), py::arg("beta"),
         py::arg("epsilon"), py::arg("zero_centered_gamma"), py::arg("rms"), py::arg("amax"),
-        py::arg("device"), py::arg("stream"),
-        "The amax of the forward's rounded output alone (nvte_norm_amax).");
+        py::arg("mean"), py::arg("rsigma"), py::arg("device"), py::arg("stream"),
+        "The amax of the forward's rounded output, and optionally its statistics "
+        "(nvte_norm_amax).");
+  m.def("norm_forward_from_stats", &norm_forward_from_stats, py::arg("input"), py::arg("gamma"),
+        py::arg("beta"), py::arg("zero_centered_gamma"), py::arg("rms"), py::arg("mean"),
+        py::arg("rsigma"), py::arg("output"), py::arg("scale"), py::arg("output_t"),
+        py::arg("amax"), py::arg("scale_inv"), py::arg("device"), py::arg("stream"),
+        "The FP8 forward output and its transposed copy from the statistics "
+        "(nvte_norm_forward_from_stats).");
   m.def("norm_backward", &norm_backward, py::arg("dz"), py::arg("input"), py::arg("mean"),
         py::arg("rsigma"), py::arg("gamma"), py::arg("zero_centered_gamma"), py::arg("rms"),
-        py::arg("dx"), py::arg("dgamma"), py::arg("dbeta"), py::arg("workspace"),
-        py::arg("device"), py::arg("stream"), "LayerNorm/RMSNorm backward (nvte_norm_backward).");
+        py::arg("dx"), py::arg("dgamma"), py::arg("dbeta"), py::arg("workspace"), py::arg("device"),
+        py::arg("stream"), "LayerNorm/RMSNorm backward (nvte_norm_backward).");
   m.def("norm_backward_workspace_elements", &norm_backward_workspace_elements, py::arg("rows"),
         py::arg("hidden"), py::arg("device"),
         "Float32 elements of norm_backward's workspace (nvte_norm_backward_workspace_elements).");

@@ -8,7 +8,9 @@ float32 of shape ``[rows]`` (``rows`` = the product of all but the last dimensio
 * :func:`norm_forward_fp8`: ``y`` rounded to ``x``'s dtype, then cast to FP8 with ``scale``
   exactly as :func:`.cast.quantize` casts (the bytes of "norm, then quantize"), with the amax of
   the rounded values max-accumulated, ``1 / scale`` and optionally the transposed copy.
-* :func:`norm_amax`: only the amax of those rounded values (current scaling's first pass).
+* :func:`norm_amax`: only the amax of those rounded values (current scaling's first pass), and
+  optionally the statistics, from which :func:`norm_forward_fp8_from_stats` writes both FP8
+  copies (its second pass).
 * :func:`norm_backward`: ``dx`` in ``x``'s dtype and ``dgamma`` (``dbeta``) in the weight's
   dtype, summed over the rows in float32 in a fixed order (deterministic).
 
@@ -37,6 +39,8 @@ __all__ = [
     "norm_forward",
     "norm_forward_fp8",
     "norm_amax",
+    "norm_forward_fp8_from_stats",
+    "stats_buffers",
     "norm_backward",
     "norm_backward_prevalidated",
     "norm_backward_workspace_elements",
@@ -97,7 +101,9 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
 
 
-def _stats(x: torch.Tensor, rms: bool):
+def stats_buffers(x: torch.Tensor, rms: bool):
+    """``(mean or None, rsigma)``: uninitialized float32 statistics for ``x``'s rows (``mean``
+    ``None`` for RMSNorm), for :func:`norm_amax` to fill."""
     rows = _rows(x)
     mean = None if rms else torch.empty(rows, dtype=torch.float32, device=x.device)
     return mean, torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -137,7 +143,7 @@ def norm_forward_prevalidated(x, weight, bias, eps: float, zero_centered_gamma: 
         return None
     x = _aligned(x)
     y = torch.empty_like(x)
-    mean, rsigma = _stats(x, rms)
+    mean, rsigma = stats_buffers(x, rms)
     native.norm_forward(
         tensor_arg(x), tensor_arg(weight), tensor_arg(bias), eps, zero_centered_gamma, rms,
         tensor_arg(y), None, None, None, None, tensor_arg(mean), tensor_arg(rsigma),
@@ -158,6 +164,15 @@ def _check_fp8(op: str, x, scale, fp8_dtype, amax) -> None:
         )
 
 
+def _fp8_outputs(x, fp8_dtype, with_transpose: bool):
+    """``(out, out_t or None, scale_inv)``, uninitialized, for an FP8 output of ``x``."""
+    out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    out_t = None
+    if with_transpose:
+        out_t = torch.empty(transposed_shape(x.shape), dtype=fp8_dtype, device=x.device)
+    return out, out_t, torch.empty(1, dtype=torch.float32, device=x.device)
+
+
 def norm_forward_fp8(x, weight, bias, eps, zero_centered_gamma, *, rms: bool, scale,
                      fp8_dtype, amax=None, with_transpose: bool = False):  # fmt: skip
     """``(QuantizeResult(out, out_t or None, scale_inv), mean or None, rsigma)``: the norm
@@ -174,12 +189,8 @@ def norm_forward_fp8(x, weight, bias, eps, zero_centered_gamma, *, rms: bool, sc
         return None
     x = _aligned(x)
     device = x.device
-    out = torch.empty(x.shape, dtype=fp8_dtype, device=device)
-    out_t = None
-    if with_transpose:
-        out_t = torch.empty(transposed_shape(x.shape), dtype=fp8_dtype, device=device)
-    scale_inv = torch.empty(1, dtype=torch.float32, device=device)
-    mean, rsigma = _stats(x, rms)
+    out, out_t, scale_inv = _fp8_outputs(x, fp8_dtype, with_transpose)
+    mean, rsigma = stats_buffers(x, rms)
     native.norm_forward(
         tensor_arg(x), tensor_arg(weight), tensor_arg(bias), eps, zero_centered_gamma, rms,
         tensor_arg(out), tensor_arg(scale), tensor_arg(out_t), tensor_arg(amax),
@@ -188,24 +199,72 @@ def norm_forward_fp8(x, weight, bias, eps, zero_centered_gamma, *, rms: bool, sc
     return QuantizeResult(out, out_t, scale_inv), mean, rsigma
 
 
-def norm_amax(x, weight, bias, eps, zero_centered_gamma, *, rms: bool, amax):
+def norm_amax(x, weight, bias, eps, zero_centered_gamma, *, rms: bool, amax, mean=None,
+              rsigma=None):  # fmt: skip
     """Overwrites ``amax`` (one float32 element on ``x``'s device) with ``max |y|`` of the
-    values :func:`norm_forward_fp8` casts; returns ``amax``, or ``None`` when not native."""
+    values :func:`norm_forward_fp8` casts, and ``mean`` (LayerNorm) and ``rsigma`` (float32,
+    one per row) with the statistics where given; returns ``amax``, or ``None`` when not
+    native."""
     op = "norm_amax"
     eps = _check_common(op, x, weight, bias, eps, zero_centered_gamma, rms)
     check_fp32_scalar(op, "amax", amax)
     if amax is None:
         raise TypeError(f"{op}: amax must be a one-element float32 tensor, got None")
-    check_tensors_on(op, "x", x, weight=weight, bias=bias, amax=amax)
+    _check_stats_out(op, x, mean, rsigma, rms, required=False)
+    check_tensors_on(op, "x", x, weight=weight, bias=bias, amax=amax, mean=mean, rsigma=rsigma)
     native = _native(op, x)
     if native is None:
         return None
     x = _aligned(x)
     native.norm_amax(
         tensor_arg(x), tensor_arg(weight), tensor_arg(bias), eps, zero_centered_gamma, rms,
-        tensor_arg(amax), *launch_args(x.device),
+        tensor_arg(amax), tensor_arg(mean), tensor_arg(rsigma), *launch_args(x.device),
     )  # fmt: skip
     return amax
+
+
+def _check_stats_out(op: str, x, mean, rsigma, rms: bool, *, required: bool) -> None:
+    """The statistics buffers: float32, contiguous, one element per row of ``x``; ``mean``
+    ``None`` for RMSNorm. Optional (both ``None``) unless ``required``."""
+    if rms and mean is not None:
+        raise ValueError(f"{op}: RMSNorm has no mean; pass mean=None")
+    if not required and mean is None and rsigma is None:
+        return
+    if rsigma is None or (not rms and mean is None):
+        raise ValueError(
+            f"{op}: pass rsigma{'' if rms else ' and mean'} (float32, one per row of x), or neither"
+        )
+    for name, t in (("mean", mean), ("rsigma", rsigma)):
+        if t is not None:
+            _check_stat(op, name, t, _rows(x))
+            if not t.is_contiguous():
+                raise ValueError(f"{op}: {name} is not contiguous; pass {name}.contiguous()")
+
+
+def norm_forward_fp8_from_stats(x, weight, bias, zero_centered_gamma, *, rms: bool, mean,
+                                rsigma, scale, fp8_dtype, amax=None):  # fmt: skip
+    """:func:`norm_forward_fp8` with the transposed copy, from the statistics (``mean`` for
+    LayerNorm, ``rsigma``) that :func:`norm_amax` or the forward wrote for the same ``x``,
+    weight, bias and eps: the same bytes, amax and ``scale_inv``, one read of ``x``. Returns
+    ``QuantizeResult(out, out_t, scale_inv)``, or ``None`` when not native."""
+    op = "norm_forward_fp8_from_stats"
+    _check_common(op, x, weight, bias, 0.0, zero_centered_gamma, rms)
+    _check_fp8(op, x, scale, fp8_dtype, amax)
+    _check_stats_out(op, x, mean, rsigma, rms, required=True)
+    check_tensors_on(op, "x", x, weight=weight, bias=bias, mean=mean, rsigma=rsigma,
+                     scale=scale, amax=amax)  # fmt: skip
+    native = _native(op, x)
+    if native is None:
+        return None
+    x = _aligned(x)
+    device = x.device
+    out, out_t, scale_inv = _fp8_outputs(x, fp8_dtype, with_transpose=True)
+    native.norm_forward_from_stats(
+        tensor_arg(x), tensor_arg(weight), tensor_arg(bias), zero_centered_gamma, rms,
+        tensor_arg(mean), tensor_arg(rsigma), tensor_arg(out), tensor_arg(scale),
+        tensor_arg(out_t), tensor_arg(amax), tensor_arg(scale_inv), *launch_args(device),
+    )  # fmt: skip
+    return QuantizeResult(out, out_t, scale_inv)
 
 
 def norm_backward_workspace_elements(rows: int, hidden: int, device) -> int | None:

@@ -274,17 +274,29 @@ def norm_forward_fp8(x, weight, bias, eps: float, zero_centered_gamma: bool, *, 
     if operands is not None and native_module() is not None:
         x2, w, b = operands
         produced = []
+        stats = []  # current scaling: the statistics its amax pass wrote
 
         def produce(scale, amax, fp8_dtype, with_transpose):
-            res, mean, rsigma = native_norms.norm_forward_fp8(
-                x, w, b, eps, zero_centered_gamma, rms=rms, scale=scale, fp8_dtype=fp8_dtype,
-                amax=amax, with_transpose=with_transpose,
-            )  # fmt: skip
+            if stats and with_transpose:
+                mean, rsigma = stats
+                res = native_norms.norm_forward_fp8_from_stats(
+                    x, w, b, zero_centered_gamma, rms=rms, mean=mean, rsigma=rsigma,
+                    scale=scale, fp8_dtype=fp8_dtype, amax=amax,
+                )  # fmt: skip
+            else:
+                res, mean, rsigma = native_norms.norm_forward_fp8(
+                    x, w, b, eps, zero_centered_gamma, rms=rms, scale=scale,
+                    fp8_dtype=fp8_dtype, amax=amax, with_transpose=with_transpose,
+                )  # fmt: skip
             produced[:] = [_saved(x2, w, mean, rsigma, rms)]
             return res, None
 
-        def amax_of(amax):  # current scaling's first pass
-            native_norms.norm_amax(x2, w, b, eps, zero_centered_gamma, rms=rms, amax=amax)
+        def amax_of(amax):  # current scaling's first pass, keeping the statistics
+            mean, rsigma = native_norms.stats_buffers(x2, rms)
+            native_norms.norm_amax(
+                x2, w, b, eps, zero_centered_gamma, rms=rms, amax=amax, mean=mean, rsigma=rsigma
+            )
+            stats[:] = [mean, rsigma]
 
         state = _native_state(x, weight, bias, rms, zero_centered_gamma)
     else:

@@ -32,7 +32,10 @@ extern "C" {
  *  \param[in]     epsilon   Added to the variance (finite, >= 0).
  *  \param[out]    output    input's shape: input's dtype, or FP8 (E4M3/E5M2) cast with `scale`.
  *  \param[in]     scale     FP8 output only: one Float32 element.
- *  \param[out]    output_t  FP8 output only, optional: the `[H, rows]` transposed copy.
+ *  \param[out]    output_t  FP8 output only, optional: the `[H, rows]` transposed copy (then
+ *                           rsigma, and mean for LayerNorm, are required: the call writes
+ *                           them, then both FP8 copies from them, as
+ *                           nvte_norm_forward_from_stats).
  *  \param[in,out] amax      FP8 output only, optional: max-accumulated with `max |y|`.
  *  \param[out]    scale_inv FP8 output only, optional: receives `1 / scale`.
  *  \param[out]    mean      LayerNorm only, optional: `[rows]` Float32.
@@ -46,12 +49,35 @@ NVTE_API void nvte_norm_forward(const NVTEBuffer* input, const NVTEBuffer* gamma
                                 NVTEStream stream);
 
 /*! \brief `amax = max |y|` over the values nvte_norm_forward would cast (y rounded to the
- *         input's dtype), overwriting `amax` (one Float32 element); nothing else is written.
- *         Current scaling's first pass. Arguments as nvte_norm_forward.
+ *         input's dtype), overwriting `amax` (one Float32 element), and the statistics where
+ *         `mean` (LayerNorm) and `rsigma` are given; no output. Current scaling's first pass
+ *         (its second: nvte_norm_forward_from_stats). Arguments as nvte_norm_forward.
  */
 NVTE_API void nvte_norm_amax(const NVTEBuffer* input, const NVTEBuffer* gamma,
                              const NVTEBuffer* beta, float epsilon, int zero_centered_gamma,
-                             int rms, NVTEBuffer* amax, int device, NVTEStream stream);
+                             int rms, NVTEBuffer* amax, NVTEBuffer* mean, NVTEBuffer* rsigma,
+                             int device, NVTEStream stream);
+
+/*! \brief nvte_norm_forward's FP8 output and its transposed copy from the statistics an earlier
+ *         nvte_norm_forward or nvte_norm_amax wrote for the same input, gamma and epsilon: the
+ *         same bytes, amax and scale_inv, reading x once (a tiled cast+transpose that
+ *         normalizes as it reads).
+ *
+ *  \param[in]     mean      LayerNorm: `[rows]` Float32; null for RMSNorm.
+ *  \param[in]     rsigma    `[rows]` Float32.
+ *  \param[out]    output    FP8 (E4M3/E5M2), input's shape.
+ *  \param[in]     scale     One Float32 element.
+ *  \param[out]    output_t  The `[H, rows]` transposed copy, output's dtype.
+ *  \param[in,out] amax      Optional: max-accumulated with `max |y|`.
+ *  \param[out]    scale_inv Optional: receives `1 / scale`.
+ *  Other arguments as nvte_norm_forward.
+ */
+NVTE_API void nvte_norm_forward_from_stats(const NVTEBuffer* input, const NVTEBuffer* gamma,
+                                           const NVTEBuffer* beta, int zero_centered_gamma, int rms,
+                                           const NVTEBuffer* mean, const NVTEBuffer* rsigma,
+                                           NVTEBuffer* output, const NVTEBuffer* scale,
+                                           NVTEBuffer* output_t, NVTEBuffer* amax,
+                                           NVTEBuffer* scale_inv, int device, NVTEStream stream);
 
 /*! \brief Backward: with `xhat = (x - mean) * rsigma` (RMSNorm: `x * rsigma`), `dy = dz * g`
  *         and row means over H: `dx = rsigma * (dy - mean(dy) - xhat * mean(dy * xhat))`
