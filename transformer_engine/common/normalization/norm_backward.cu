@@ -94,8 +94,15 @@ __device__ __forceinline__ void dx_vector(float rs, float m_dy, float m_dyx,
 /* kSmemParts: the column partials live in dynamic shared memory ([2][H] floats, each element
  * owned by one thread) instead of registers, and xhat and dy are formed again for dx: what lets
  * rows of up to 16384 16-bit elements stay in registers (4 vectors a thread, blocks of 512). */
+/* Blocks a SM of the register kernel: the wide-row team of three vectors runs two (64 registers,
+ * no next-row prefetch), every other team bwd_blocks_per_sm. */
+template <class Cfg, bool kSmemParts>
+constexpr int bwd_kernel_blocks_per_sm() {
+  return kSmemParts && Cfg::kVecs == 3 ? 2 : bwd_blocks_per_sm(Cfg::kThreads);
+}
+
 template <class Cfg, typename IType, typename WType, bool kSmemParts>
-__global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads))
+__global__ void __launch_bounds__(Cfg::kThreads, (bwd_kernel_blocks_per_sm<Cfg, kSmemParts>()))
     norm_bwd_kernel(const BwdParams p) {
   constexpr int kTeam = Cfg::kTeam, kVecs = Cfg::kVecs, kThreads = Cfg::kThreads;
   constexpr int kTeams = Cfg::kTeams;
@@ -129,6 +136,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads
   // dy stay in registers for dx rather than being formed again with a second read of gamma
   // (on an H200: 5-12% faster at 8192 x 8192 and 16384 x 2048 BF16, the same at 8192 x 4096).
   const size_t stride = static_cast<size_t>(gridDim.x) * kTeams;
+  // Two blocks a SM (64 registers) hold no second row: each row is loaded when reached.
+  constexpr bool kPrefetch = bwd_kernel_blocks_per_sm<Cfg, kSmemParts>() == 1 || !kSmemParts;
   RawVec<IType> rx[kVecs], rz[kVecs];
   float next_mu = 0.0f, next_rs = 0.0f;
   auto fetch = [&](size_t r) {
@@ -144,9 +153,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads
     next_rs = p.rsigma[r];
   };
   size_t row = static_cast<size_t>(blockIdx.x) * kTeams + team;
-  if (row < p.rows) fetch(row);
+  if (kPrefetch && row < p.rows) fetch(row);
   for (; row < p.rows; row += stride) {
     const size_t base = row * static_cast<size_t>(p.H);
+    if (!kPrefetch) fetch(row);
     RawVec<IType> cx[kVecs], cz[kVecs];
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
@@ -155,7 +165,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads
     }
     const float mu = next_mu;
     const float rs = next_rs;
-    if (row + stride < p.rows) fetch(row + stride);
+    if (kPrefetch && row + stride < p.rows) fetch(row + stride);
     float s_dy = 0.0f, s_dyx = 0.0f;
     // x and dz as float32, turned into xhat and dy in place (one vector's worth at a time
     // where they are formed again for dx).
@@ -434,10 +444,12 @@ void dispatch_backward_team(int H, F&& f) {
   }
 }
 
-/* The team of rows of 8193-16384 16-bit elements (kSmemParts): 4 vectors a thread, one block of
+/* The teams of rows of 8193-16384 16-bit elements (kSmemParts): 4 vectors a thread, one block of
  * 512 a SM (on an H200 at 4096 x 16384 BF16: 0.52 of the copy, against 0.40 for teams of 1024
- * holding 2 vectors each, and 0.07 for the looped kernel). */
+ * holding 2 vectors each, and 0.07 for the looped kernel); up to 12288 elements, 3 vectors a
+ * thread, two blocks a SM, each row loaded when reached. */
 using WideRowTeam = TeamConfig<512, 4, 512>;
+using WideRowTeam3 = TeamConfig<512, 3, 512>;
 
 template <typename IType, typename WType>
 void launch_backward(CallContext& ctx, BwdParams p, WType* dgamma, WType* dbeta, int sm_count) {
@@ -463,14 +475,19 @@ void launch_backward(CallContext& ctx, BwdParams p, WType* dgamma, WType* dbeta,
                                               ctx.max_shared_memory_per_block() - 1024)
                                    : 0;
       wide = wide_shape && parts_bytes <= limit;
-      if (wide) {
-        using Cfg = WideRowTeam;
+      auto launch_wide = [&](auto cfg, std::atomic<uint64_t>& done) {
+        using Cfg = decltype(cfg);
         auto kernel = norm_bwd_kernel<Cfg, IType, WType, true>;
-        static std::atomic<uint64_t> done{0};
         allow_dynamic_smem(ctx, kernel, limit, done);
-        blocks = backward_blocks(p.rows, 1, sm_count, 1);
+        blocks = backward_blocks(p.rows, 1, sm_count, bwd_kernel_blocks_per_sm<Cfg, true>());
         kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, parts_bytes, ctx.stream()>>>(p);
         ctx.check_launch("norm_bwd_kernel launch");
+      };
+      static std::atomic<uint64_t> done3{0}, done4{0};
+      if (wide && p.H <= WideRowTeam3::kMaxH) {
+        launch_wide(WideRowTeam3{}, done3);
+      } else if (wide) {
+        launch_wide(WideRowTeam{}, done4);
       }
     }
     if (!wide) {
