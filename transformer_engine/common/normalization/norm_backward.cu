@@ -91,9 +91,6 @@ __device__ __forceinline__ void dx_vector(float rs, float m_dy, float m_dyx,
   for (int j = 0; j < kVec; ++j) dx[j] = rs * (dy[j] - m_dy - xhat[j] * m_dyx);
 }
 
-/* kSmemParts: the column partials live in dynamic shared memory ([2][H] floats, each element
- * owned by one thread) instead of registers, and xhat and dy are formed again for dx: what lets
- * rows of up to 16384 16-bit elements stay in registers (4 vectors a thread, blocks of 512). */
 /* Blocks a SM of the register kernel: the wide-row team of three vectors runs two (64 registers,
  * no next-row prefetch), every other team bwd_blocks_per_sm. */
 template <class Cfg, bool kSmemParts>
@@ -101,6 +98,9 @@ constexpr int bwd_kernel_blocks_per_sm() {
   return kSmemParts && Cfg::kVecs == 3 ? 2 : bwd_blocks_per_sm(Cfg::kThreads);
 }
 
+/* kSmemParts: the column partials live in dynamic shared memory ([2][H] floats, each element
+ * owned by one thread) instead of registers, and xhat and dy are formed again for dx: what lets
+ * rows of up to 16384 16-bit elements stay in registers (4 vectors a thread, blocks of 512). */
 template <class Cfg, typename IType, typename WType, bool kSmemParts>
 __global__ void __launch_bounds__(Cfg::kThreads, (bwd_kernel_blocks_per_sm<Cfg, kSmemParts>()))
     norm_bwd_kernel(const BwdParams p) {
