@@ -91,11 +91,15 @@ __device__ __forceinline__ void dx_vector(float rs, float m_dy, float m_dyx,
   for (int j = 0; j < kVec; ++j) dx[j] = rs * (dy[j] - m_dy - xhat[j] * m_dyx);
 }
 
-/* Blocks a SM of the register kernel: the wide-row team of three vectors runs two (64 registers,
- * no next-row prefetch), every other team bwd_blocks_per_sm. */
+/* The wide-row team of three vectors runs two blocks a SM at 64 registers, which leave no room
+ * for a second row: it loads each row when it reaches it (no next-row prefetch). */
+template <class Cfg, bool kSmemParts>
+constexpr bool kTwoWideBlocks = kSmemParts && Cfg::kVecs == 3;
+
+/* Blocks a SM of the register kernel. */
 template <class Cfg, bool kSmemParts>
 constexpr int bwd_kernel_blocks_per_sm() {
-  return kSmemParts && Cfg::kVecs == 3 ? 2 : bwd_blocks_per_sm(Cfg::kThreads);
+  return kTwoWideBlocks<Cfg, kSmemParts> ? 2 : bwd_blocks_per_sm(Cfg::kThreads);
 }
 
 /* kSmemParts: the column partials live in dynamic shared memory ([2][H] floats, each element
@@ -136,8 +140,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, (bwd_kernel_blocks_per_sm<Cfg, 
   // dy stay in registers for dx rather than being formed again with a second read of gamma
   // (on an H200: 5-12% faster at 8192 x 8192 and 16384 x 2048 BF16, the same at 8192 x 4096).
   const size_t stride = static_cast<size_t>(gridDim.x) * kTeams;
-  // Two blocks a SM (64 registers) hold no second row: each row is loaded when reached.
-  constexpr bool kPrefetch = bwd_kernel_blocks_per_sm<Cfg, kSmemParts>() == 1 || !kSmemParts;
+  constexpr bool kPrefetch = !kTwoWideBlocks<Cfg, kSmemParts>;
   RawVec<IType> rx[kVecs], rz[kVecs];
   float next_mu = 0.0f, next_rs = 0.0f;
   auto fetch = [&](size_t r) {

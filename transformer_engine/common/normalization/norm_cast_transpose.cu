@@ -165,15 +165,7 @@ extern "C" void nvte_norm_forward_from_stats(const NVTEBuffer* input, const NVTE
   }
   check_matrix(op, "output", out, shape.rows, shape.H, out.dtype);
   const NVTEBuffer& out_t = require(op, "output_t", output_t);
-  check_well_formed(op, "output_t", out_t);
-  if (out_t.dtype != out.dtype) {
-    throw_invalid(op, "output_t has dtype ", dtype_name(out_t.dtype), " but output has ",
-                  dtype_name(out.dtype), "; both copies use one FP8 format");
-  }
-  if (out_t.ndim == 0 || out_t.shape[0] != static_cast<size_t>(shape.H) ||
-      numel(out_t) != shape.rows * shape.H) {
-    throw_invalid(op, "output_t must have shape [", shape.H, ", ", shape.rows, "]");
-  }
+  check_transposed_copy(op, out_t, out, shape);
   check_fp32_scalar(op, "scale", require(op, "scale", scale));
   if (amax != nullptr) check_fp32_scalar(op, "amax", *amax);
   if (scale_inv != nullptr) check_fp32_scalar(op, "scale_inv", *scale_inv);

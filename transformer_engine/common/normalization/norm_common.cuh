@@ -306,6 +306,20 @@ inline void check_matrix(const char* op, const char* name, const NVTEBuffer& b, 
   }
 }
 
+/* The FP8 output's transposed copy: `[H, rows]`, the output's FP8 format. */
+inline void check_transposed_copy(const char* op, const NVTEBuffer& out_t, const NVTEBuffer& out,
+                                  const NormShape& shape) {
+  check_well_formed(op, "output_t", out_t);
+  if (out_t.dtype != out.dtype) {
+    throw_invalid(op, "output_t has dtype ", dtype_name(out_t.dtype), " but output has ",
+                  dtype_name(out.dtype), "; both copies use one FP8 format");
+  }
+  if (out_t.ndim == 0 || out_t.shape[0] != static_cast<size_t>(shape.H) ||
+      numel(out_t) != shape.rows * shape.H) {
+    throw_invalid(op, "output_t must have shape [", shape.H, ", ", shape.rows, "]");
+  }
+}
+
 /* Calls f(W{}) with the C++ type of a parameter dtype: float, or the input's type IType. */
 template <typename IType, typename F>
 void dispatch_param(NVTEDType dtype, F&& f) {

@@ -473,15 +473,7 @@ extern "C" void nvte_norm_forward(const NVTEBuffer* input, const NVTEBuffer* gam
   } else {
     check_fp32_scalar(op, "scale", require(op, "scale", scale));
     if (output_t != nullptr) {
-      check_well_formed(op, "output_t", *output_t);
-      if (output_t->dtype != out.dtype) {
-        throw_invalid(op, "output_t has dtype ", dtype_name(output_t->dtype), " but output has ",
-                      dtype_name(out.dtype), "; both copies use one FP8 format");
-      }
-      if (output_t->ndim == 0 || output_t->shape[0] != static_cast<size_t>(shape.H) ||
-          numel(*output_t) != shape.rows * shape.H) {
-        throw_invalid(op, "output_t must have shape [", shape.H, ", ", shape.rows, "]");
-      }
+      check_transposed_copy(op, *output_t, out, shape);
       if (rsigma == nullptr || (!rms && mean == nullptr)) {
         throw_invalid(op, "output_t needs the statistics: pass rsigma", rms ? "" : " and mean",
                       " (the transposed copy is normalized from them in a second kernel)");
