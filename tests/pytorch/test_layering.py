@@ -88,6 +88,7 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.pytorch.transformer",
         "transformer_engine.pytorch.graph",
         "transformer_engine.pytorch._graph_arguments",
+        "transformer_engine.pytorch._graph_copies",
     )),
     (10, "the public package and the compat shim", (
         "transformer_engine.pytorch",

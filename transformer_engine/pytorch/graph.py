@@ -26,6 +26,7 @@ from ._graph_arguments import (
     same_constant,
     sorted_kwargs,
 )
+from ._graph_copies import GraphCopies, copy_nodes_enabled, new_graph
 from .module.base import TransformerEngineBaseModule
 from .quantization import FP8GlobalStateManager
 from .quantization.graph_state import (
@@ -51,7 +52,11 @@ class _Variant:
 
     def __init__(self, owner: _Graphed, is_first_microbatch) -> None:
         self.owner, self.is_first_microbatch = owner, is_first_microbatch
-        self.fwd_graph, self.bwd_graph, self.dw_graph = torch.cuda.CUDAGraph(), None, None
+        # the copies into and out of the static tensors, as nodes of the graphs (_graph_copies)
+        keep = copy_nodes_enabled()
+        self.fwd_copies = GraphCopies(owner.device, keep)
+        self.bwd_copies = GraphCopies(owner.device, keep)
+        self.fwd_graph, self.bwd_graph, self.dw_graph = new_graph(keep), None, None
         self.grad_outputs = self.grad_inputs = None
         self.dw_grads: list = []
         # What the graphs read that nothing else may keep alive: the deferred-wgrad GEMMs'
@@ -63,7 +68,9 @@ class _Variant:
         owner = self.owner
         call_hooks(owner.hooks, "forward_pre_hooks", owner.module)
         with torch.cuda.graph(self.fwd_graph, pool=pool, stream=stream):
+            self.input_slots = [self.fwd_copies.record(t) for t in owner.static_inputs]
             out = owner.run_forward(self.is_first_microbatch)
+        self.fwd_copies.finish(self.fwd_graph)
         call_hooks(owner.hooks, "forward_hooks", owner.module)
         self.keep_alive += [dict(m._fp8_workspaces) for m in owner.te_modules]
         leaves, self.out_spec = tree_flatten(out)
@@ -79,10 +86,21 @@ class _Variant:
                 torch.empty_like(t) if rg else None
                 for t, rg in zip(self.outputs, self.output_requires_grad)
             )
-            self.bwd_graph = torch.cuda.CUDAGraph()
+            copies, grads_in = self.bwd_copies, self.grad_outputs
+            clone = owner.options.clone_param_grads
+            self.bwd_graph = new_graph(copies.active)
             call_hooks(owner.hooks, "backward_pre_hooks", owner.module)
             with graph_capture_backward(), torch.cuda.graph(self.bwd_graph, pool, stream=stream):
-                self.grad_inputs = owner.run_backward(self.outputs, self.grad_outputs, wanted)
+                self.grad_slots = [None if g is None else copies.record(g) for g in grads_in]
+                self.grad_inputs = owner.run_backward(self.outputs, grads_in, wanted)
+                # the parameter gradients handed out as copies, made by the graph itself
+                self.out_slots = {}
+                for i in range(len(owner.static_inputs), len(self.grad_inputs)):
+                    g = self.grad_inputs[i]
+                    slot = None if g is None or not clone else copies.record(g)
+                    if slot is not None:
+                        self.out_slots[i] = slot
+            copies.finish(self.bwd_graph)
             call_hooks(owner.hooks, "backward_hooks", owner.module)
         else:  # an inference graph: the replay's outputs do not require grad
             self.output_requires_grad = (False,) * len(self.outputs)
@@ -110,24 +128,38 @@ class _Variant:
             p.grad = grad
 
     def replay_forward(self, inputs) -> tuple:
-        for static, x in zip(self.owner.surface(), inputs):
-            if static is not x and static.data_ptr() != x.data_ptr():
+        # inputs: the user's tensors, then the parameters (their own static tensors)
+        for static, x, slot in zip(self.owner.static_inputs, inputs, self.input_slots):
+            if slot is not None:
+                self.fwd_copies.copy_in(slot, x)
+            elif static is not x and static.data_ptr() != x.data_ptr():
                 static.copy_(x)
         self.fwd_graph.replay()
         return tuple(t.detach() for t in self.outputs)
 
     def replay_backward(self, grads) -> tuple:
-        for static, grad in zip(self.grad_outputs, grads):
-            if static is not None and grad is None:
+        copies = self.bwd_copies
+        for static, grad, slot in zip(self.grad_outputs, grads, self.grad_slots):
+            if static is None:
+                continue
+            if grad is None:
+                if slot is not None:
+                    copies.skip(slot)
                 static.zero_()
-            elif static is not None and static.data_ptr() != grad.data_ptr():
+            elif slot is not None:
+                copies.copy_in(slot, grad)
+            elif static.data_ptr() != grad.data_ptr():
                 static.copy_(grad)
+        copied = {i: copies.copy_out(slot) for i, slot in self.out_slots.items()}
         self.bwd_graph.replay()
         n_user, clone = len(self.owner.static_inputs), self.owner.options.clone_param_grads
         return tuple(
-            None if g is None else g.clone() if clone and i >= n_user else g.detach()
+            copied[i] if i in copied
+            else None if g is None
+            else g.clone() if clone and i >= n_user
+            else g.detach()
             for i, g in enumerate(self.grad_inputs)
-        )
+        )  # fmt: skip
 
     def replay_deferred_wgrads(self) -> None:
         if self.dw_graph is not None:

@@ -1,0 +1,148 @@
+"""The copies a graphed callable makes into and out of its static tensors, as nodes of the graph.
+
+Oracle: the same model run eagerly (bit for bit), and, for the parameter gradients a replay
+hands out, their own values cloned at the time: a later replay must not change them. Each case
+runs with the copies in the graph (the default) and issued eagerly (``NVTE_GRAPH_COPY_NODES=0``),
+including the replays the graph cannot copy for (an input that is the static tensor itself, a
+non-contiguous input or output gradient), and the native entry points' refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from utils import bitwise_equal, make_recipe, needs_cuda
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.native import native_module
+from transformer_engine.pytorch._graph_copies import copy_nodes_enabled
+from transformer_engine.pytorch.graph import make_graphed_callables
+
+H, TOKENS = 128, 64
+DTYPE = torch.bfloat16
+
+
+def test_copy_nodes_follow_the_environment(monkeypatch):
+    monkeypatch.setenv("NVTE_GRAPH_COPY_NODES", "0")
+    assert not copy_nodes_enabled()
+    monkeypatch.delenv("NVTE_GRAPH_COPY_NODES")
+    expected = native_module() is not None and hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph")
+    assert copy_nodes_enabled() == expected
+
+
+def build(device) -> torch.nn.Module:
+    torch.manual_seed(7)
+    return te.Linear(H, H, params_dtype=DTYPE, device=device)
+
+
+def run(model, x, dy, recipe) -> list:
+    """Output, input gradient and parameter gradients of one step (the gradients as handed
+    out, not cloned); the parameters' .grad are cleared first."""
+    for p in model.parameters():
+        p.grad = None
+    x = x.detach().requires_grad_(True)
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        y = model(x)
+    y.backward(dy)
+    return [y.detach(), x.grad] + [p.grad for p in model.parameters()]
+
+
+def graphed_pair(device, recipe, monkeypatch, nodes: bool):
+    monkeypatch.setenv("NVTE_GRAPH_COPY_NODES", "1" if nodes else "0")
+    eager, graphed = build(device), build(device)
+    sample = torch.randn(TOKENS, H, device=device, dtype=DTYPE, requires_grad=True)
+    make_graphed_callables(graphed, (sample,), enabled=recipe is not None, recipe=recipe)
+    monkeypatch.delenv("NVTE_GRAPH_COPY_NODES")
+    return eager, graphed, sample
+
+
+def inputs(device, kind: str, sample: torch.Tensor, seed: int):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(TOKENS, H, generator=g).to(device, DTYPE)
+    dy = torch.randn(TOKENS, H, generator=g).to(device, DTYPE)
+    if kind == "strided":  # same shapes, transposed storage: copied eagerly
+        x, dy = x.t().contiguous().t(), dy.t().contiguous().t()
+        assert not x.is_contiguous() and not dy.is_contiguous()
+    elif kind == "static":  # the capture's own sample as the input: nothing to copy
+        with torch.no_grad():
+            sample.copy_(x)
+        x = sample
+    return x, dy
+
+
+@needs_cuda
+@pytest.mark.parametrize("nodes", [True, False], ids=["in_graph", "eager_copies"])
+@pytest.mark.parametrize("recipe_name", ["high_precision", "delayed", "current"])
+def test_graphed_steps_match_eager_and_keep_earlier_gradients(recipe_name, nodes, monkeypatch):
+    device = torch.device("cuda", torch.cuda.current_device())
+    recipe = make_recipe(recipe_name)
+    eager, graphed, sample = graphed_pair(device, recipe, monkeypatch, nodes)
+    kept = []  # every step's handed-out gradients, and their values at the time
+    for step, kind in enumerate(["plain", "strided", "plain", "static", "plain", "strided"]):
+        x, dy = inputs(device, kind, sample, seed=step)
+        want = run(eager, x.clone(), dy.clone(), recipe)
+        got = run(graphed, x, dy, recipe)
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert bitwise_equal(a, b), f"step {step} ({kind}): result {i} differs from eager"
+        params = got[2:]
+        kept.append((params, [g.clone() for g in params]))
+        for earlier, (grads, values) in enumerate(kept):
+            for g, v in zip(grads, values):
+                assert bitwise_equal(g, v), f"step {step} changed step {earlier}'s gradients"
+        with torch.no_grad():  # the weights move, identically
+            for p, q in zip(eager.parameters(), graphed.parameters()):
+                p.sub_(0.25 * p.grad)
+                q.sub_(0.25 * q.grad)
+
+
+@needs_cuda
+def test_the_graph_copies_unless_disabled(monkeypatch):
+    """The copies recorded in the graphs: the input (forward); the output gradient and the
+    weight's and bias's gradients (backward); none with NVTE_GRAPH_COPY_NODES=0."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not copy_nodes_enabled():
+        pytest.skip("copy nodes unavailable here (native library or torch's keep_graph)")
+    for nodes, counts in ((True, (1, 3)), (False, (0, 0))):
+        _, graphed, _ = graphed_pair(device, None, monkeypatch, nodes)
+        cells = graphed.forward.__closure__  # the installed replay closes over its owner
+        owner = next(c.cell_contents for c in cells if hasattr(c.cell_contents, "variants"))
+        v = owner.variants[None]
+        assert (len(v.fwd_copies.slots), len(v.bwd_copies.slots)) == counts
+
+
+@needs_cuda
+def test_native_graph_copy_refusals():
+    native = native_module()
+    if native is None:
+        pytest.skip("native library not built")
+    device = torch.cuda.current_device()
+    t = torch.zeros(16, device=device)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    with pytest.raises(ValueError, match="not capturing"):
+        native.graph_copy(t.data_ptr(), t.data_ptr(), 64, device, stream)
+    with pytest.raises(ValueError, match="bytes > 0"):
+        native.graph_copy(t.data_ptr(), t.data_ptr(), 0, device, stream)
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    u = torch.zeros_like(t)
+    with torch.cuda.graph(graph):
+        native.graph_copy(u.data_ptr(), u.data_ptr(), 64, device, graph_stream())
+        u.add_(1)
+    raw = graph.raw_cuda_graph()
+    with pytest.raises(RuntimeError, match="holds 0 memcpy nodes"):
+        native.graph_find_copy(raw, t.data_ptr(), u.data_ptr(), 64, device)
+    node = native.graph_find_copy(raw, u.data_ptr(), u.data_ptr(), 64, device)
+    graph.instantiate()
+    exec_ = graph.raw_cuda_graph_exec()
+    with pytest.raises(ValueError, match="distinct"):
+        native.graph_exec_retarget_copy(exec_, node, u.data_ptr(), u.data_ptr(), 64, device)
+    t.fill_(5)
+    native.graph_exec_retarget_copy(exec_, node, u.data_ptr(), t.data_ptr(), 64, device)
+    graph.replay()
+    assert torch.equal(u, torch.full_like(u, 6))  # copied 5s, then added 1
+    native.graph_exec_enable_copy(exec_, node, False, device)
+    graph.replay()
+    assert torch.equal(u, torch.full_like(u, 7))  # no copy: added 1 to the 6s
+
+
+def graph_stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
