@@ -142,8 +142,8 @@ void dactivation(const TensorArg& grad, const TensorArg& input, int kind, bool g
   OptionalBuffer sc(scale), out_t(output_t), am(amax), si(scale_inv), db(dbias), ws(workspace);
   const NVTEActivation act = to_activation(kind, gated, limit, alpha, glu_linear_offset);
   py::gil_scoped_release no_gil;
-  nvte_dactivation(&g, &in, act, &dx, sc.get(), out_t.get(), am.get(), si.get(), db.get(),
-                   ws.get(), device, to_stream(stream));
+  nvte_dactivation(&g, &in, act, &dx, sc.get(), out_t.get(), am.get(), si.get(), db.get(), ws.get(),
+                   device, to_stream(stream));
 }
 
 void activation_amax(const TensorArg& input, int kind, bool gated, float limit, float alpha,

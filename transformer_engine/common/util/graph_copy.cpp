@@ -83,8 +83,8 @@ extern "C" void nvte_graph_exec_retarget_copy(void* exec, void* node, void* dst,
   const DeviceGuard guard(op, device);
   check_cuda(op,
              cudaGraphExecMemcpyNodeSetParams1D(static_cast<cudaGraphExec_t>(exec),
-                                                static_cast<cudaGraphNode_t>(node), dst, src,
-                                                bytes, cudaMemcpyDeviceToDevice),
+                                                static_cast<cudaGraphNode_t>(node), dst, src, bytes,
+                                                cudaMemcpyDeviceToDevice),
              "cudaGraphExecMemcpyNodeSetParams1D");
 }
 
