@@ -22,6 +22,7 @@ turns it off (the copies are then issued eagerly), read at each capture.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -29,6 +30,8 @@ from ..common.native import native_module
 from .device import native_launch_args
 
 __all__ = ["GraphCopies", "new_graph", "copy_nodes_enabled"]
+
+_warned = False  # the fallback's warning, once a process
 
 
 def copy_nodes_enabled() -> bool:
@@ -61,6 +64,7 @@ class GraphCopies:
         self.device, self.active = device, active
         self.slots: list[_Slot] = []
         self.exec = 0
+        self.usable = active  # False once the driver refused an update (see _fall_back)
 
     def record(self, static: torch.Tensor) -> int | None:
         """Inside the capture: a placeholder copy of ``static`` onto itself; its slot, or None
@@ -80,24 +84,57 @@ class GraphCopies:
         return len(self.slots) - 1
 
     def finish(self, graph: torch.cuda.CUDAGraph) -> None:
-        """After the capture: find the recorded nodes, instantiate, disable every node."""
+        """After the capture: find the recorded nodes, instantiate, disable every node. If the
+        driver refuses any of it, the copies are issued eagerly instead (the placeholders, a
+        buffer copied onto itself, stay in the graph: harmless)."""
         if not self.active:
             return
         native, index = native_module(), self.device.index
-        raw = graph.raw_cuda_graph()
-        for slot in self.slots:
-            slot.node = native.graph_find_copy(raw, slot.ptr, slot.ptr, slot.nbytes, index)
-        graph.instantiate()
-        self.exec = graph.raw_cuda_graph_exec()
-        for slot in self.slots:
-            native.graph_exec_enable_copy(self.exec, slot.node, False, index)
+        try:
+            raw = graph.raw_cuda_graph()
+            for slot in self.slots:
+                slot.node = native.graph_find_copy(raw, slot.ptr, slot.ptr, slot.nbytes, index)
+            graph.instantiate()
+            self.exec = graph.raw_cuda_graph_exec()
+            for slot in self.slots:
+                native.graph_exec_enable_copy(self.exec, slot.node, False, index)
+        except RuntimeError as err:
+            self._fall_back(err)
+            graph.instantiate()
 
-    def _point(self, slot: _Slot, dst: int, src: int) -> None:
+    def _fall_back(self, err: Exception) -> None:
+        """From now on every copy of this graph is issued eagerly; the nodes are disabled (an
+        enabled node would copy the last replay's tensor again)."""
+        global _warned
+        self.usable = False
+        if not _warned:
+            _warned = True
+            warnings.warn(
+                f"make_graphed_callables: the copies into and out of the graphs' static tensors "
+                f"run eagerly ({err}); set NVTE_GRAPH_COPY_NODES=0 to skip this attempt",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         native, index = native_module(), self.device.index
-        native.graph_exec_retarget_copy(self.exec, slot.node, dst, src, slot.nbytes, index)
-        if not slot.enabled:
-            native.graph_exec_enable_copy(self.exec, slot.node, True, index)
-            slot.enabled = True
+        for slot in self.slots:
+            if slot.enabled:  # a failure here leaves the graph unusable: let it raise
+                native.graph_exec_enable_copy(self.exec, slot.node, False, index)
+                slot.enabled = False
+
+    def _point(self, slot: _Slot, dst: int, src: int) -> bool:
+        """Point the slot's node at dst <- src; False where the copies have fallen back."""
+        if not self.usable:
+            return False
+        native, index = native_module(), self.device.index
+        try:
+            native.graph_exec_retarget_copy(self.exec, slot.node, dst, src, slot.nbytes, index)
+            if not slot.enabled:
+                native.graph_exec_enable_copy(self.exec, slot.node, True, index)
+                slot.enabled = True
+        except RuntimeError as err:
+            self._fall_back(err)
+            return False
+        return True
 
     def skip(self, slot_index: int) -> None:
         """The next replays leave the slot's static tensor as it is."""
@@ -107,21 +144,19 @@ class GraphCopies:
             slot.enabled = False
 
     def copy_in(self, slot_index: int, src: torch.Tensor) -> None:
-        """The next replays copy ``src`` (the static tensor's shape and dtype) into the slot's
-        static tensor first."""
+        """The next replay copies ``src`` (the static tensor's shape and dtype) into the slot's
+        static tensor first (or this copies it now, where the graph cannot)."""
         slot = self.slots[slot_index]
         ptr = src.data_ptr()
         if ptr == slot.ptr:
             self.skip(slot_index)
-        elif src.is_contiguous():
-            self._point(slot, slot.ptr, ptr)
-        else:
+        elif not (src.is_contiguous() and self._point(slot, slot.ptr, ptr)):
             self.skip(slot_index)
             slot.static.copy_(src)
 
-    def copy_out(self, slot_index: int) -> torch.Tensor:
-        """A new tensor that the next replay fills with the slot's static tensor at its end."""
+    def copy_out(self, slot_index: int) -> torch.Tensor | None:
+        """A new tensor that the next replay fills with the slot's static tensor at its end;
+        None where the copies have fallen back (the caller clones after the replay)."""
         slot = self.slots[slot_index]
         out = torch.empty_like(slot.static)
-        self._point(slot, out.data_ptr(), slot.ptr)
-        return out
+        return out if self._point(slot, out.data_ptr(), slot.ptr) else None

@@ -151,6 +151,7 @@ class _Variant:
             elif static.data_ptr() != grad.data_ptr():
                 static.copy_(grad)
         copied = {i: copies.copy_out(slot) for i, slot in self.out_slots.items()}
+        copied = {i: out for i, out in copied.items() if out is not None}  # None: cloned below
         self.bwd_graph.replay()
         n_user, clone = len(self.owner.static_inputs), self.owner.options.clone_param_grads
         return tuple(

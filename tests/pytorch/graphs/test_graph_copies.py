@@ -15,7 +15,8 @@ from utils import bitwise_equal, make_recipe, needs_cuda
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.native import native_module
-from transformer_engine.pytorch._graph_copies import copy_nodes_enabled
+from transformer_engine.pytorch import _graph_copies
+from transformer_engine.pytorch._graph_copies import GraphCopies, _Slot, copy_nodes_enabled
 from transformer_engine.pytorch.graph import make_graphed_callables
 
 H, TOKENS = 128, 64
@@ -28,6 +29,81 @@ def test_copy_nodes_follow_the_environment(monkeypatch):
     monkeypatch.delenv("NVTE_GRAPH_COPY_NODES")
     expected = native_module() is not None and hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph")
     assert copy_nodes_enabled() == expected
+
+
+class FakeNative:
+    """Stands in for the native entry points: records the executable-graph updates, and
+    raises on a retarget once told to (as a driver refusing the update would)."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.calls, self.refuse = [], refuse
+
+    def graph_exec_retarget_copy(self, exec_, node, dst, src, nbytes, device):
+        if self.refuse:
+            raise RuntimeError("nvte_graph_exec_retarget_copy: refused")
+        self.calls.append(("retarget", node, dst, src, nbytes))
+
+    def graph_exec_enable_copy(self, exec_, node, enabled, device):
+        self.calls.append(("enable" if enabled else "disable", node))
+
+
+def finished_copies(monkeypatch, fake, *statics) -> GraphCopies:
+    """A GraphCopies as finish() leaves it (nodes found, all disabled), over CPU tensors."""
+    monkeypatch.setattr(_graph_copies, "native_module", lambda: fake)
+    copies = GraphCopies(torch.device("cuda", 0), True)
+    for k, t in enumerate(statics):
+        copies.slots.append(_Slot(t))
+        copies.slots[-1].node = 100 + k
+    copies.exec = 1
+    return copies
+
+
+def test_replay_copy_protocol(monkeypatch):
+    """Which node updates each replay makes: retarget (+ enable once), disable when the input
+    is the static tensor or is copied eagerly (non-contiguous), and a fresh tensor out."""
+    fake = FakeNative()
+    static = torch.zeros(4, 6)
+    copies = finished_copies(monkeypatch, fake, static)
+    x = torch.randn(4, 6)
+    copies.copy_in(0, x)
+    copies.copy_in(0, x)
+    assert fake.calls == [
+        ("retarget", 100, static.data_ptr(), x.data_ptr(), 96),
+        ("enable", 100),
+        ("retarget", 100, static.data_ptr(), x.data_ptr(), 96),
+    ]
+    assert torch.equal(static, torch.zeros(4, 6)), "the graph copies, not the host"
+    fake.calls.clear()
+    copies.copy_in(0, static)  # nothing to copy: the node is disabled
+    strided = torch.randn(6, 4).t()
+    copies.copy_in(0, strided)  # copied now; the node stays disabled
+    assert fake.calls == [("disable", 100)]
+    assert torch.equal(static, strided)
+    fake.calls.clear()
+    out = copies.copy_out(0)
+    assert out.shape == static.shape and out.data_ptr() != static.data_ptr()
+    assert fake.calls == [("retarget", 100, out.data_ptr(), static.data_ptr(), 96), ("enable", 100)]
+
+
+def test_a_refused_update_falls_back_to_eager_copies(monkeypatch):
+    fake = FakeNative()
+    static, grad = torch.zeros(3, 5), torch.zeros(5)
+    copies = finished_copies(monkeypatch, fake, static, grad)
+    monkeypatch.setattr(_graph_copies, "_warned", False)
+    copies.copy_in(0, torch.ones(3, 5))  # node 100 enabled, pointing at that tensor
+    fake.refuse = True
+    x = torch.randn(3, 5)
+    with pytest.warns(RuntimeWarning, match="run eagerly .*refused.*NVTE_GRAPH_COPY_NODES=0"):
+        copies.copy_in(0, x)
+    assert torch.equal(static, x), "copied eagerly instead"
+    assert fake.calls[-1] == ("disable", 100), "the stale node must not copy again"
+    assert not copies.usable
+    fake.refuse = False
+    fake.calls.clear()
+    y = torch.randn(3, 5)
+    copies.copy_in(0, y)  # no further attempt, no second warning
+    assert fake.calls == [] and torch.equal(static, y)
+    assert copies.copy_out(1) is None, "the caller clones after the replay instead"
 
 
 def build(device) -> torch.nn.Module:
