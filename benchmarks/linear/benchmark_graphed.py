@@ -10,7 +10,10 @@ the copy into the static input, as a model would. Ratios are BF16 eager time / t
 faster than BF16). Interleaved rounds, median of each implementation's per-round medians.
 Each FP8 recipe is graphed twice: with the replay's copies (input in, output gradient in,
 parameter gradients out) made by the graphs themselves (the default), and issued eagerly as
-separate copies (``NVTE_GRAPH_COPY_NODES=0``), which the target does not count.
+separate copies (``NVTE_GRAPH_COPY_NODES=0``), which the target does not count. Also printed:
+the host time a step takes to issue while the GPU is held busy (a sleep kernel queued first,
+so nothing waits on the GPU; "n/a" if the GPU caught up), which decides these host-bound steps
+and moves least with other work on the host.
 
     python benchmarks/linear/benchmark_graphed.py [--rounds 5] [--iters 20] [--json out.json]
         [--single-thread-backward]   # every implementation's backward on the calling thread
@@ -23,6 +26,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -51,6 +55,27 @@ def make_step(module, x, dy, recipe):
         y.backward(dy)
 
     return step
+
+
+def host_time(step, steps: int = 20, trials: int = 5) -> float | None:
+    """Host seconds to issue one step while the GPU is held busy (a sleep kernel queued
+    first), so that nothing the host does waits on the GPU: the least of ``trials``. None if the
+    GPU caught up before the host finished (the figure would include waiting). Few steps a
+    trial: a full launch queue (about a thousand entries) would block the host too."""
+    best = None
+    for _ in range(trials):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(300_000_000)  # ~0.15 s at the H200's clocks
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        elapsed = (time.perf_counter() - start) / steps
+        caught_up = torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        if caught_up:
+            return None
+        best = elapsed if best is None else min(best, elapsed)
+    return best
 
 
 def main() -> int:
@@ -105,14 +130,16 @@ def main() -> int:
         for label, step in steps.items():
             per_round[label].append(time_steps(step, args.iters, args.warmup))
     times = {label: statistics.median(values) for label, values in per_round.items()}
+    hosts = {label: host_time(step) for label, step in steps.items()}
     bf16 = times["bf16 nn.Linear"]
     print(f"\n(M, K, N) = {SHAPE}, forward + backward, {args.rounds} interleaved rounds")
-    print(f"{'impl':>36} {'ms/step':>9} {'BF16 eager / impl':>18}")
+    print(f"{'impl':>36} {'ms/step':>9} {'BF16 eager / impl':>18} {'host us/step':>13}")
     rows = []
     for label, seconds in times.items():
-        print(f"{label:>36} {seconds * 1e3:9.4f} {bf16 / seconds:17.2f}x")
+        host = "n/a" if hosts[label] is None else f"{hosts[label] * 1e6:.1f}"
+        print(f"{label:>36} {seconds * 1e3:9.4f} {bf16 / seconds:17.2f}x {host:>13}")
         rows.append({"impl": label, "seconds": seconds, "vs_bf16": bf16 / seconds,
-                     "rounds": per_round[label]})  # fmt: skip
+                     "host_seconds": hosts[label], "rounds": per_round[label]})  # fmt: skip
     graphed_fp8 = [
         label for label in times if label.startswith("te fp8") and label.endswith("graphed")
     ]
