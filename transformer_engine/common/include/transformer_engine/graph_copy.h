@@ -6,11 +6,11 @@
  *  outputs after it: each such copy, issued on its own, is a driver call (a launch) of its own.
  *  These entry points put those copies inside the graph instead: while the graph is captured,
  *  `nvte_graph_copy` records one memcpy node per static buffer (a copy of the buffer onto
- *  itself, a placeholder never run as such); after capture `nvte_graph_find_copy` finds that
- *  node, and before a replay `nvte_graph_exec_retarget_copy` points the instantiated node at
- *  that replay's tensor (a host-side update of the executable graph, no launch), or
- *  `nvte_graph_exec_enable_copy` disables it. (The graph must be kept after instantiation:
- *  node handles belong to it.)
+ *  itself, a placeholder to be disabled or retargeted before any replay); after capture
+ *  `nvte_graph_find_copy` finds that node, and before a replay
+ *  `nvte_graph_exec_retarget_copy` points the instantiated node at that replay's tensor (a
+ *  host-side update of the executable graph, no launch), or `nvte_graph_exec_enable_copy`
+ *  disables it. (The graph must be kept after instantiation: node handles belong to it.)
  *  Updates affect later launches only: launches already enqueued keep their pointers.
  *
  *  Graph, executable graph and node handles cross as `void*` (`cudaGraph_t`,
