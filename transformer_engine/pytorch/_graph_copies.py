@@ -115,11 +115,8 @@ class GraphCopies:
                 RuntimeWarning,
                 stacklevel=4,
             )
-        native, index = native_module(), self.device.index
-        for slot in self.slots:
-            if slot.enabled:  # a failure here leaves the graph unusable: let it raise
-                native.graph_exec_enable_copy(self.exec, slot.node, False, index)
-                slot.enabled = False
+        for slot_index in range(len(self.slots)):
+            self.skip(slot_index)  # a failure here leaves the graph unusable: let it raise
 
     def _point(self, slot: _Slot, dst: int, src: int) -> bool:
         """Point the slot's node at dst <- src; False where the copies have fallen back."""
