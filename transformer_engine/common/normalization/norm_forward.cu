@@ -2,13 +2,13 @@
  *
  * Kernel shape (norm_common.cuh): a team (a warp, or 2-32 warps for long rows; several teams a
  * block, each with its own named barrier) owns one row at a time, holding it in registers as raw
- * 16-byte vectors, and prefetches its next row meanwhile (16-bit inputs). A block takes groups of
- * rows (as many blocks as the SMs hold), so the amax needs one atomic per block. Per row: mean
- * (LayerNorm), then the sum of squared deviations from the registers, both reduced over the team;
- * then each vector is normalized, rounded to x's dtype and stored (high precision), or cast to FP8
- * (the format a runtime switch, as gamma's dtype: fewer kernels to compile). The same kernel and
- * team serve the high-precision and FP8 outputs for a given input, so the FP8 bytes are those of
- * casting the high-precision output.
+ * 16-byte vectors, and prefetches its next row meanwhile (16-bit inputs). Teams walk the rows
+ * grid-stride (as many blocks as the SMs hold), so the amax needs one atomic per block. Per row:
+ * mean (LayerNorm), then the sum of squared deviations from the registers, both reduced over the
+ * team; then each vector is normalized, rounded to x's dtype and stored (high precision), or cast
+ * to FP8 (the format a runtime switch, as gamma's dtype: fewer kernels to compile). The same kernel
+ * and team serve the high-precision and FP8 outputs for a given input, so the FP8 bytes are those
+ * of casting the high-precision output.
  *
  * With the transposed FP8 copy, the forward runs in two kernels: these write the statistics
  * alone (no output), then the tiled cast+transpose of norm_cast_transpose.cu normalizes 128 x 64
@@ -45,7 +45,6 @@ struct FwdParams {
   float* scale_inv;
   size_t rows;
   int H;
-  int group_rows;  // rows per block iteration
   float eps;
   float inv_h;  // exact_reciprocal(H)
   bool rms;
@@ -138,15 +137,15 @@ __device__ __forceinline__ float fwd_scale(const FwdParams& p) {
   }
 }
 
-/* The register-team kernel's rows (p.vec: whole 16-byte vectors). A block takes groups of
- * group_rows rows (grid-stride; normally one group per block, the hardware scheduling the
- * blocks); within a group team k takes rows k, k + kTeams, ... With 16-bit inputs each team
- * loads its next row (possibly in the block's next group) while it normalizes the current one:
- * two rows of loads in flight per team. The next row waits in registers as x's raw bits; the
- * current one is converted to float32 once, and its deviations from the mean formed once, for
- * the squared sum and the output. The kernels are bound by the instructions they issue (ncu: a
- * scheduler issues in about 80% of cycles), so converting once, the exact reciprocal of H and
- * the uniform branches in emit() count. */
+/* The register-team kernel's rows (p.vec: whole 16-byte vectors). Team k of block b takes rows
+ * b * kTeams + k, then every gridDim.x * kTeams-th row after it: one 64-bit add a row, where
+ * groups of rows a block had cost a fifth more instructions in the loop. With 16-bit inputs each
+ * team loads its next row while it normalizes the current one: two rows of loads in flight per
+ * team. The next row waits in registers as x's raw bits; the current one is converted to float32
+ * once, and its deviations from the mean formed once, for the squared sum and the output. The
+ * kernels are bound by the instructions they issue (ncu: a scheduler issues in about 80% of
+ * cycles), so converting once, the exact reciprocal of H and the uniform branches in emit() count.
+ */
 template <class Cfg, typename IType, bool kFp8>
 __device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, float* scratch) {
   constexpr bool kVecIO = true;
@@ -158,10 +157,8 @@ __device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, float* scratch
   const float scale = fwd_scale<kFp8>(p);
   const float h = static_cast<float>(p.H);
   const bool emits = kFp8 || p.y != nullptr;  // else the statistics alone
-  const size_t R = static_cast<size_t>(p.group_rows);
   const IType* x_base = static_cast<const IType*>(p.x);
   float amax = 0.0f;
-  const size_t groups = (p.rows + R - 1) / R;
   RawVec<IType> raw[kVecs];
   auto fetch_row = [&](size_t row) {
     const IType* xr = x_base + row * static_cast<size_t>(p.H);
@@ -171,75 +168,64 @@ __device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, float* scratch
       fetch_raw<IType, kVecIO>(xr + c, vec_count(c, p.H), raw[v]);
     }
   };
-  auto group_count = [&](size_t g) { return static_cast<int>(min(R, p.rows - g * R)); };
   // 16-bit rows of up to 2 vectors a thread prefetch the next one (more take too many registers).
   constexpr bool kPrefetch = sizeof(IType) == 2 && kVecs <= 2;
-  if (kPrefetch && blockIdx.x < groups && team < group_count(blockIdx.x)) {
-    fetch_row(blockIdx.x * R + team);
-  }
-  for (size_t g = blockIdx.x; g < groups; g += gridDim.x) {
-    const size_t r0 = g * R;
-    const int count = group_count(g);
-    // `lr` is uniform over a team, so the team barriers see all of its threads.
-    for (int lr = team; lr < count; lr += kTeams) {
-      const size_t row = r0 + lr;
-      if (!kPrefetch) fetch_row(row);
-      // The row as float32, converted once (padding vectors are +0.0: they add nothing to the
-      // sum and are skipped below).
-      float xf[kVecs][kVec];
+  // The team's rows: row, row + stride, ... (`row` is uniform over a team, so the team
+  // barriers see all of its threads).
+  const size_t stride = static_cast<size_t>(gridDim.x) * kTeams;
+  size_t row = static_cast<size_t>(blockIdx.x) * kTeams + team;
+  if (kPrefetch && row < p.rows) fetch_row(row);
+  for (; row < p.rows; row += stride) {
+    if (!kPrefetch) fetch_row(row);
+    // The row as float32, converted once (padding vectors are +0.0: they add nothing to the
+    // sum and are skipped below).
+    float xf[kVecs][kVec];
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) xf[v][j] = raw_elem(raw[v], j);
+    }
+    if (kPrefetch && row + stride < p.rows) fetch_row(row + stride);
+    float mean = 0.0f;
+    if (!p.rms) {
+      float s = 0.0f;
 #pragma unroll
       for (int v = 0; v < kVecs; ++v) {
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) xf[v][j] = raw_elem(raw[v], j);
+        for (int j = 0; j < kVec; ++j) s += xf[v][j];
       }
-      if (kPrefetch) {
-        if (lr + kTeams < count) {
-          fetch_row(row + kTeams);
-        } else if (g + gridDim.x < groups && team < group_count(g + gridDim.x)) {
-          fetch_row((g + gridDim.x) * R + team);
-        }
-      }
-      float mean = 0.0f;
-      if (!p.rms) {
-        float s = 0.0f;
-#pragma unroll
-        for (int v = 0; v < kVecs; ++v) {
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) s += xf[v][j];
-        }
-        mean = divide_by_features(team_sum<kTeam, kThreads>(s, scratch, phase), h, p.inv_h);
-        // The deviations, formed once (xf holds them from here on; on an H200 3-5% faster
-        // than forming them again for the output).
-#pragma unroll
-        for (int v = 0; v < kVecs; ++v) {
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) xf[v][j] -= mean;
-        }
-      }
-      // Whole vectors only (p.vec: H % 8 == 0), so a vector is in the row or not at all.
-      float ss = 0.0f;
+      mean = divide_by_features(team_sum<kTeam, kThreads>(s, scratch, phase), h, p.inv_h);
+      // The deviations, formed once (xf holds them from here on; on an H200 3-5% faster
+      // than forming them again for the output).
 #pragma unroll
       for (int v = 0; v < kVecs; ++v) {
-        if ((v * kTeam + t) * kVec < p.H) {
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            ss = fmaf(xf[v][j], xf[v][j], ss);  // one instruction an element, not two
-          }
+        for (int j = 0; j < kVec; ++j) xf[v][j] -= mean;
+      }
+    }
+    // Whole vectors only (p.vec: H % 8 == 0), so a vector is in the row or not at all.
+    float ss = 0.0f;
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      if ((v * kTeam + t) * kVec < p.H) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          ss = fmaf(xf[v][j], xf[v][j], ss);  // one instruction an element, not two
         }
       }
-      const float rsigma = rsqrtf(
-          divide_by_features(team_sum<kTeam, kThreads>(ss, scratch, phase), h, p.inv_h) + p.eps);
-      if (t == 0) {
-        if (p.mean != nullptr) p.mean[row] = mean;
-        if (p.rsigma != nullptr) p.rsigma[row] = rsigma;
-      }
-      if (emits) {
+    }
+    const float rsigma = rsqrtf(
+        divide_by_features(team_sum<kTeam, kThreads>(ss, scratch, phase), h, p.inv_h) + p.eps);
+    if (t == 0) {
+      if (p.mean != nullptr) p.mean[row] = mean;
+      if (p.rsigma != nullptr) p.rsigma[row] = rsigma;
+    }
+    if (emits) {
 #pragma unroll
-        for (int v = 0; v < kVecs; ++v) {
-          const int c = (v * kTeam + t) * kVec;
-          const int n = vec_count(c, p.H);
-          if (n > 0) emit<IType, kFp8, kVecIO>(p, xf[v], n, row, c, rsigma, scale, amax);
-        }
+      for (int v = 0; v < kVecs; ++v) {
+        const int c = (v * kTeam + t) * kVec;
+        const int n = vec_count(c, p.H);
+        if (n > 0) emit<IType, kFp8, kVecIO>(p, xf[v], n, row, c, rsigma, scale, amax);
       }
     }
   }
@@ -339,20 +325,11 @@ void dispatch_forward_team(int H, F&& f) {
   }
 }
 
-/* Rows a team takes per group: up to 16 (fewer group changes),
- * while there are still at least as many groups as resident blocks (every SM gets work). */
-int rows_per_team(size_t rows, int teams, size_t resident) {
-  int r = 16;
-  while (r > 1 && (rows + static_cast<size_t>(teams) * r - 1) / (teams * r) < resident) r /= 2;
-  return r;
-}
-
 template <typename IType, bool kFp8>
 void launch_forward(CallContext& ctx, FwdParams p) {
   if (p.rows == 0) return;
   auto looped = [&]() {
     const size_t blocks = std::min<size_t>(p.rows, static_cast<size_t>(ctx.sm_count()) * 4);
-    p.group_rows = 1;
     norm_fwd_looped_kernel<IType, kFp8>
         <<<static_cast<unsigned>(blocks), kLoopThreads, 0, ctx.stream()>>>(p);
     ctx.check_launch("norm_fwd_looped_kernel launch");
@@ -364,14 +341,14 @@ void launch_forward(CallContext& ctx, FwdParams p) {
     } else if (!p.vec) {
       looped();  // H % 8 != 0 or unaligned inputs (the choice ignores the outputs' alignment)
     } else {
-      // As many blocks as the SMs hold, each walking its groups (prefetching teams keep loads in
-      // flight across them; a block a group paid each group's first loads).
+      // As many blocks as the SMs hold (or one a kTeams rows), their teams walking the rows
+      // (prefetching teams keep loads in flight across rows; a block a group of rows had paid
+      // each group's first loads).
       const size_t resident =
           static_cast<size_t>(ctx.sm_count()) * fwd_blocks_per_sm(Cfg::kThreads);
-      p.group_rows = Cfg::kTeams * rows_per_team(p.rows, Cfg::kTeams, resident);
-      const size_t groups = (p.rows + p.group_rows - 1) / p.group_rows;
+      const size_t wanted = (p.rows + Cfg::kTeams - 1) / Cfg::kTeams;
       norm_fwd_kernel<Cfg, IType, kFp8>
-          <<<static_cast<unsigned>(std::min(groups, resident)), Cfg::kThreads, 0, ctx.stream()>>>(
+          <<<static_cast<unsigned>(std::min(wanted, resident)), Cfg::kThreads, 0, ctx.stream()>>>(
               p);
       ctx.check_launch("norm_fwd_kernel launch");
     }
