@@ -29,9 +29,10 @@ namespace norm_detail {
 
 constexpr int kVec = 8;  // elements per vector: 16 bytes of bf16/fp16, 32 of fp32
 
-/* kThreads threads per block, split into kTeams teams of kTeam threads (a warp, several warps,
- * or the whole block). Teams smaller than the block synchronize through their own named
- * barrier (1 + team index), so they never wait for each other. */
+/* kThreads threads per block, split into kTeams teams of kTeam threads (half a warp, a warp,
+ * several warps, or the whole block). Teams of several warps smaller than the block synchronize
+ * through their own named barrier (1 + team index), so they never wait for each other; teams of
+ * a warp or less need no barrier (their sums are shuffles among their own lanes). */
 template <int kTeam_, int kVecs_, int kThreads_>
 struct TeamConfig {
   static constexpr int kTeam = kTeam_;
@@ -39,8 +40,9 @@ struct TeamConfig {
   static constexpr int kThreads = kThreads_;
   static constexpr int kTeams = kThreads / kTeam;  // rows a block works on at once
   static constexpr int kMaxH = kTeam * kVecs * kVec;
-  static_assert(kTeam % 32 == 0 && kThreads % kTeam == 0, "teams of whole warps");
-  static_assert(kTeam == 32 || kTeam == kThreads || kTeams <= 15, "a named barrier per team");
+  static_assert((kTeam == 16 || kTeam % 32 == 0) && kThreads % kTeam == 0,
+                "teams of half a warp or of whole warps");
+  static_assert(kTeam <= 32 || kTeam == kThreads || kTeams <= 15, "a named barrier per team");
 };
 
 /* Floats of scratch team_sum and team_sum2 need: two buffers of a float pair per warp (alternate
@@ -62,6 +64,18 @@ __device__ __forceinline__ void team_barrier() {
   }
 }
 
+/* The lanes of the calling thread's warp that its team's shuffles involve: the whole warp, or
+ * for a team of half a warp its own half (the two halves may walk different numbers of rows, so
+ * neither may wait on the other's lanes). */
+template <int kTeam>
+__device__ __forceinline__ unsigned warp_team_lanes() {
+  if constexpr (kTeam >= 32) {
+    return 0xffffffffu;
+  } else {
+    return ((1u << kTeam) - 1u) << (threadIdx.x % 32 / kTeam * kTeam);
+  }
+}
+
 /* Sum of v over the team; every thread of the team gets the same bits (the butterfly adds the
  * same two values on both lanes of each pair, and every thread adds the warp sums in one order),
  * so all threads agree on the statistics. Teams of several warps use `scratch`
@@ -70,9 +84,11 @@ __device__ __forceinline__ void team_barrier() {
  * every thread passed call k + 1's barrier, i.e. finished reading call k's. */
 template <int kTeam, int kThreads>
 __device__ __forceinline__ float team_sum(float v, float* scratch, int& phase) {
+  constexpr int kLanes = kTeam < 32 ? kTeam : 32;
+  const unsigned lanes = warp_team_lanes<kTeam>();
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  if constexpr (kTeam == 32) {
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(lanes, v, offset);
+  if constexpr (kTeam <= 32) {
     return v;
   } else {
     constexpr int kWarps = kTeam / 32;
@@ -92,12 +108,14 @@ __device__ __forceinline__ float team_sum(float v, float* scratch, int& phase) {
  * LayerNorm's two row sums go through one. Same contract as team_sum. */
 template <int kTeam, int kThreads>
 __device__ __forceinline__ float2 team_sum2(float2 v, float* scratch, int& phase) {
+  constexpr int kLanes = kTeam < 32 ? kTeam : 32;
+  const unsigned lanes = warp_team_lanes<kTeam>();
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    v.x += __shfl_xor_sync(0xffffffffu, v.x, offset);
-    v.y += __shfl_xor_sync(0xffffffffu, v.y, offset);
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) {
+    v.x += __shfl_xor_sync(lanes, v.x, offset);
+    v.y += __shfl_xor_sync(lanes, v.y, offset);
   }
-  if constexpr (kTeam == 32) {
+  if constexpr (kTeam <= 32) {
     return v;
   } else {
     constexpr int kWarps = kTeam / 32;

@@ -297,15 +297,20 @@ __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const Fwd
   }
 }
 
-/* The forward's teams: several rows per block (warp teams up to H = 512, teams of 2-8 warps
- * above), up to 2 vectors of 8 a thread (64 registers without spills), so that a block keeps
- * several rows in flight. Rows of 8193-12288 take 3 vectors a thread, blocks of 512 two a SM,
- * without the prefetch (which spilled): 20-30% faster than one block of 1024 holding 2 each
- * (docs/performance.md). Calls f(nullptr) past the largest team (the looped kernel). */
+/* The forward's teams: several rows per block (half-warp teams up to H = 256: twice the
+ * elements a thread of a warp team, so half the per-row sums and loop work an element, and no
+ * idle lanes at H <= 128; warp teams up to H = 512, teams of 2-8 warps above), up to 2 vectors of 8
+ * a thread (64 registers without spills), so that a block keeps several rows in flight. Rows of
+ * 8193-12288 take 3 vectors a thread, blocks of 512 two a SM, without the prefetch (which spilled):
+ * 20-30% faster than one block of 1024 holding 2 each (docs/performance.md). Calls f(nullptr) past
+ * the largest team (the looped kernel).
+ */
 template <typename F>
 void dispatch_forward_team(int H, F&& f) {
-  if (H <= 256) {
-    f(TeamConfig<32, 1, 256>{});
+  if (H <= 128) {
+    f(TeamConfig<16, 1, 256>{});
+  } else if (H <= 256) {
+    f(TeamConfig<16, 2, 256>{});
   } else if (H <= 512) {
     f(TeamConfig<32, 2, 256>{});
   } else if (H <= 1024) {
