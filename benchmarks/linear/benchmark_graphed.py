@@ -8,9 +8,10 @@ same training step (input gradient and parameter gradients, under ``te.autocast`
 the graphed layer's input is a different tensor from its capture sample, so every replay pays
 the copy into the static input, as a model would. Ratios are BF16 eager time / time (above 1:
 faster than BF16). Interleaved rounds, median of each implementation's per-round medians.
-Each recipe runs as a group of its own next to the BF16 baseline, its modules freed before
-the next group's are built (every autocast exit updates every live delayed-scaling module, so
-one recipe's steps would otherwise pay for another's modules, as no one-recipe model does).
+Each implementation is timed in a pair with the BF16 baseline, its module freed before the next
+pair's is built (every autocast exit updates every live delayed-scaling module, so one
+implementation's steps would otherwise pay for another's modules, as no model built one way
+does); the BF16 figure is printed with each pair.
 Each FP8 recipe is graphed twice: with the replay's copies (input in, output gradient in,
 parameter gradients out) made by the graphs themselves (the default), and issued eagerly as
 separate copies (``NVTE_GRAPH_COPY_NODES=0``), which the target does not count. Also printed:
@@ -82,44 +83,34 @@ def host_time(step, steps: int = 20, trials: int = 5) -> float | None:
     return best
 
 
-def time_group(name, recipe, baseline, x, dy, device, args):
-    """Times one recipe's implementations against the BF16 eager baseline, interleaved.
+def time_group(label, recipe, kind, baseline, x, dy, device, args):
+    """Times one implementation against the BF16 eager baseline, interleaved rounds.
 
-    Each recipe is a group of its own, its modules freed before the next group's are made: the
-    delayed-scaling modules' state stays registered for their scale updates while they live, and
-    every autocast region's exit updates every registered module (as upstream's does), so a
-    current-scaling step timed next to live delayed-scaling modules would pay their updates too,
-    which a model trained with one recipe does not."""
+    Each implementation is a group of its own, its module freed before the next group's is
+    made: a delayed-scaling module's state stays registered for the scale updates while it
+    lives, and every autocast region's exit updates every registered module (as upstream's
+    does), so a step timed next to other live delayed-scaling modules would pay their updates
+    too, which a model built one way does not. ``kind``: "eager", "graphed" (copies in the
+    graphs) or "graphed, eager copies"."""
     m, k, n = SHAPE
-
-    def linear():
-        return te.Linear(k, n, device=device, params_dtype=torch.bfloat16)
-
-    def graphed_linear(nodes: str):
-        os.environ["NVTE_GRAPH_COPY_NODES"] = nodes  # read at capture
-        try:
-            module = linear()
+    module = te.Linear(k, n, device=device, params_dtype=torch.bfloat16)
+    if kind != "eager":
+        os.environ["NVTE_GRAPH_COPY_NODES"] = "0" if kind == "graphed, eager copies" else "1"
+        try:  # the variable is read at capture
             sample = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
             make_graphed_callables(module, (sample,), enabled=recipe is not None, recipe=recipe)
         finally:
             os.environ.pop("NVTE_GRAPH_COPY_NODES")
-        return module
-
-    steps = {"bf16 nn.Linear": make_step(baseline, x, dy, None)}
-    if recipe is None:
-        steps["te bf16 graphed"] = make_step(graphed_linear("1"), x, dy, None)
-    else:
-        steps[f"te {name} eager"] = make_step(linear(), x, dy, recipe)
-        steps[f"te {name} graphed"] = make_step(graphed_linear("1"), x, dy, recipe)
-        steps[f"te {name} graphed, eager copies"] = make_step(graphed_linear("0"), x, dy, recipe)
-    per_round = {label: [] for label in steps}
+    steps = {"bf16 nn.Linear": make_step(baseline, x, dy, None),
+             f"te {label} {kind}": make_step(module, x, dy, recipe)}  # fmt: skip
+    per_round = {name: [] for name in steps}
     for _ in range(args.rounds):
-        for label, step in steps.items():
-            per_round[label].append(time_steps(step, args.iters, args.warmup))
-    times = {label: statistics.median(values) for label, values in per_round.items()}
-    hosts = {label: host_time(step) for label, step in steps.items()}
-    del steps
-    gc.collect()  # graphed modules hold themselves in cycles (module.forward -> graph -> module)
+        for name, step in steps.items():
+            per_round[name].append(time_steps(step, args.iters, args.warmup))
+    times = {name: statistics.median(values) for name, values in per_round.items()}
+    hosts = {name: host_time(step) for name, step in steps.items()}
+    del steps, module
+    gc.collect()  # a graphed module holds itself in a cycle (module.forward -> graph -> module)
     torch.cuda.empty_cache()
     return times, hosts, per_round
 
@@ -153,23 +144,22 @@ def main() -> int:
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
     baseline = torch.nn.Linear(k, n, device=device, dtype=torch.bfloat16)
-    groups = (
-        ("bf16", None),
-        ("fp8 delayed", DelayedScaling()),
-        ("fp8 current", Float8CurrentScaling()),
-    )
-    print(f"\n(M, K, N) = {SHAPE}, forward + backward, {args.rounds} interleaved rounds a group")
+    recipes = (("fp8 delayed", DelayedScaling()), ("fp8 current", Float8CurrentScaling()))
+    kinds = ("eager", "graphed", "graphed, eager copies")
+    groups = [("bf16", None, "graphed")]
+    groups += [(label, recipe, kind) for label, recipe in recipes for kind in kinds]
+    print(f"\n(M, K, N) = {SHAPE}, forward + backward, {args.rounds} interleaved rounds a pair")
     print(f"{'impl':>36} {'ms/step':>9} {'BF16 eager / impl':>18} {'host us/step':>13}")
     rows, passed = [], True
-    for name, recipe in groups:
-        times, hosts, per_round = time_group(name, recipe, baseline, x, dy, device, args)
+    for label, recipe, kind in groups:
+        times, hosts, per_round = time_group(label, recipe, kind, baseline, x, dy, device, args)
         bf16 = times["bf16 nn.Linear"]
-        for label, seconds in times.items():
-            host = "n/a" if hosts[label] is None else f"{hosts[label] * 1e6:.1f}"
-            print(f"{label:>36} {seconds * 1e3:9.4f} {bf16 / seconds:17.2f}x {host:>13}")
-            rows.append({"group": name, "impl": label, "seconds": seconds, "vs_bf16": bf16 / seconds,
-                         "host_seconds": hosts[label], "rounds": per_round[label]})  # fmt: skip
-            if label.startswith("te fp8") and label.endswith("graphed"):
+        for name, seconds in times.items():
+            host = "n/a" if hosts[name] is None else f"{hosts[name] * 1e6:.1f}"
+            print(f"{name:>36} {seconds * 1e3:9.4f} {bf16 / seconds:17.2f}x {host:>13}")
+            rows.append({"impl": name, "seconds": seconds, "vs_bf16": bf16 / seconds,
+                         "host_seconds": hosts[name], "rounds": per_round[name]})  # fmt: skip
+            if name.startswith("te fp8") and name.endswith("graphed"):
                 passed = passed and bf16 / seconds >= TARGET
         print()
     print(
