@@ -427,9 +427,8 @@ size_t backward_blocks(size_t rows, size_t rows_per_block, int sm_count,
  * that fixed traffic (on an H200, BF16: LayerNorm 0.77 -> 0.79 of the copy at 8192 x 4096 and
  * 0.78 -> 0.81 at 16384 x 2048; at 131072 x 256 blocks of 256 stayed 1% faster). Blocks of 128
  * had run at 0.46-0.75 where 256 gave 0.65-0.77 (H = 256-2048), and teams of one vector a
- * thread with twice the warps 0.54-0.68 where these gave 0.61-0.85. Up to H = 256 teams of half
- * a warp (a whole warp had left its per-row sums and loop work to 8 elements a thread, and half
- * its lanes idle at H <= 128): 0.72 -> 0.83 at 131072 x 256, 0.36 -> 0.64 at 131072 x 128. */
+ * thread with twice the warps 0.54-0.68 where these gave 0.61-0.85. Half-warp teams to H = 256
+ * (as the forward's): 0.72 -> 0.83 at 131072 x 256. */
 template <typename F>
 void dispatch_backward_team(int H, F&& f) {
   if (H <= 128) {
