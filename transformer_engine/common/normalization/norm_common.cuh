@@ -2,11 +2,12 @@
  * split over a team of threads, the team-wide sums, 8-element loads and stores with a scalar
  * fallback, the choice of team by the row length, and the host-side argument checks.
  *
- * A row of H elements is owned by a team of kTeam threads (one warp, or a whole block for long
- * rows). Thread t of the team holds kVecs vectors of kVec consecutive elements, vector v at
- * columns (v * kTeam + t) * kVec: consecutive threads read consecutive 16-byte chunks (one
- * coalesced access per vector), and the row lives in registers, so x is read from global memory
- * once. Rows longer than the largest team's registers go through a looped kernel instead. */
+ * A row of H elements is owned by a team of kTeam threads (half a warp for short rows, a warp,
+ * several warps, or a whole block for long rows). Thread t of the team holds kVecs vectors of kVec
+ * consecutive elements, vector v at columns (v * kTeam + t) * kVec: consecutive threads read
+ * consecutive 16-byte chunks (one coalesced access per vector), and the row lives in registers, so
+ * x is read from global memory once. Rows longer than the largest team's registers go through a
+ * looped kernel instead. */
 #ifndef TRANSFORMER_ENGINE_COMMON_NORMALIZATION_NORM_COMMON_CUH_
 #define TRANSFORMER_ENGINE_COMMON_NORMALIZATION_NORM_COMMON_CUH_
 
