@@ -83,15 +83,10 @@ def host_time(step, steps: int = 20, trials: int = 5) -> float | None:
     return best
 
 
-def time_group(label, recipe, kind, baseline, x, dy, device, args):
-    """Times one implementation against the BF16 eager baseline, interleaved rounds.
-
-    Each implementation is a group of its own, its module freed before the next group's is
-    made: a delayed-scaling module's state stays registered for the scale updates while it
-    lives, and every autocast region's exit updates every registered module (as upstream's
-    does), so a step timed next to other live delayed-scaling modules would pay their updates
-    too, which a model built one way does not. ``kind``: "eager", "graphed" (copies in the
-    graphs) or "graphed, eager copies"."""
+def time_pair(label, recipe, kind, baseline, x, dy, device, args):
+    """Times one implementation against the BF16 eager baseline in interleaved rounds, then
+    frees its module (why: the module doc). ``kind``: "eager", "graphed" (copies in the graphs)
+    or "graphed, eager copies"."""
     m, k, n = SHAPE
     module = te.Linear(k, n, device=device, params_dtype=torch.bfloat16)
     if kind != "eager":
@@ -152,13 +147,14 @@ def main() -> int:
     print(f"{'impl':>36} {'ms/step':>9} {'BF16 eager / impl':>18} {'host us/step':>13}")
     rows, passed = [], True
     for label, recipe, kind in groups:
-        times, hosts, per_round = time_group(label, recipe, kind, baseline, x, dy, device, args)
+        times, hosts, per_round = time_pair(label, recipe, kind, baseline, x, dy, device, args)
         bf16 = times["bf16 nn.Linear"]
         for name, seconds in times.items():
             host = "n/a" if hosts[name] is None else f"{hosts[name] * 1e6:.1f}"
             print(f"{name:>36} {seconds * 1e3:9.4f} {bf16 / seconds:17.2f}x {host:>13}")
-            rows.append({"impl": name, "seconds": seconds, "vs_bf16": bf16 / seconds,
-                         "host_seconds": hosts[name], "rounds": per_round[name]})  # fmt: skip
+            rows.append({"pair": f"te {label} {kind}", "impl": name, "seconds": seconds,
+                         "vs_bf16": bf16 / seconds, "host_seconds": hosts[name],
+                         "rounds": per_round[name]})  # fmt: skip
             if name.startswith("te fp8") and name.endswith("graphed"):
                 passed = passed and bf16 / seconds >= TARGET
         print()
