@@ -20,6 +20,7 @@ from transformer_engine.pytorch import reference
 from transformer_engine.pytorch.device import exit_device, guard_depth
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 from transformer_engine.pytorch.quantization import amax_registry as _amax_registry
+from transformer_engine.pytorch.quantization import update_graph as _update_graph
 
 try:
     import accelerate
@@ -151,7 +152,8 @@ class UpdateCall:
 @pytest.fixture(name="recorded_updates")
 def recorded_updates_fixture(monkeypatch):
     """Wrap the registry's per-device fused update: each call is recorded, with CPU snapshots
-    of what it was given, and then runs for real."""
+    of what it was given, and then runs for real. Updates stay native calls (a replayed
+    update graph would bypass the recorder)."""
     calls: list[UpdateCall] = []
     original = _amax_registry._fused_update
 
@@ -172,6 +174,7 @@ def recorded_updates_fixture(monkeypatch):
         original(histories, scales, fp8_dtype, margin, algo, reduction_buffer)
 
     monkeypatch.setattr(_amax_registry, "_fused_update", record)
+    monkeypatch.setattr(_update_graph, "GRAPH_SCALE_UPDATES", False)
     return calls
 
 

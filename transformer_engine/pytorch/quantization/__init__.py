@@ -17,6 +17,8 @@ What each file holds:
 * ``amax_registry.py``: :class:`AmaxKey` (direction, recipe by value, reduction group by
   identity) and the registry that groups registered pairs by device, reduces their amaxes and
   runs the fused update.
+* ``update_graph.py``: a device group's fused update captured once as a CUDA graph, replayed
+  from the group's second update on (a graph launch costs less host time than a native call).
 * ``delayed_scaling_update.py``: the unfused PyTorch update, used for recipes with callable
   ``amax_compute_algo`` / ``scaling_factor_compute_algo``.
 * ``backward_update.py``: :class:`BackwardScaleUpdate`, the one owner of the backward update.

@@ -10,6 +10,9 @@ update time (see docs/architecture.md):
   registered device, reduced with one ``all_reduce(MAX)``, and each device receives its slice
   of the result for its fused update.
 
+From a group's second update on, an unreduced CUDA update replays a CUDA graph of that launch
+(update_graph.py), dropped with the grouping whenever the group changes.
+
 Registration order is deterministic (the order in which modules first run), so every rank
 lays out the reduction buffer identically. The per-device grouping is cached and rebuilt
 whenever an entry is added or replaced (e.g. after a module moved to another device).
@@ -28,9 +31,12 @@ from typing import Any
 import torch
 
 from ...common.recipe import Recipe
+from ..cpp_extensions._routing import native_for
 from ..cpp_extensions.scaling import delayed_scaling_update_prevalidated
+from . import update_graph
 from .delayed_scaling_update import _amax_and_scale_update, split_and_copy
 from .recipe_state import get_fp8_max, get_fp8_torch_dtype
+from .update_graph import UpdateGraph, stream_is_capturing
 
 __all__ = ["AmaxKey", "AmaxRegistry"]
 
@@ -139,26 +145,37 @@ def _check_pair(amax_history: torch.Tensor, scale: torch.Tensor) -> None:
         )
 
 
+_SEEN, _EAGER = object(), object()  # markers in AmaxRegistry._update_graphs
+
+
 class AmaxRegistry:
     """Registered delayed-scaling pairs per key, and their reduction and update."""
 
     def __init__(self) -> None:
         self._entries: dict[Any, list[_Entry | None]] = {}
         self._device_groups: dict[Any, list[tuple[torch.device, list[int]]]] = {}
+        # per key, per device: _SEEN after the group's first update, then its UpdateGraph
+        # (or _EAGER where none can be captured); dropped with the key's grouping
+        self._update_graphs: dict[Any, dict[torch.device, Any]] = {}
+
+    def _regroup(self, key) -> None:
+        """Drop the grouping of ``key`` and its update graphs (rebuilt at the next update)."""
+        self._device_groups.pop(key, None)
+        self._update_graphs.pop(key, None)
 
     def register(self, key, amax_history: torch.Tensor, scale: torch.Tensor) -> int:
         """Append a pair under ``key``; returns its position (its place in the reduction)."""
         _check_pair(amax_history, scale)
         entries = self._entries.setdefault(key, [])
         entries.append(_Entry(amax_history, scale, self._on_free(key)))
-        self._device_groups.pop(key, None)
+        self._regroup(key)
         return len(entries) - 1
 
     def _on_free(self, key):
         """The callback of an entry's weak references: the grouping of ``key`` is rebuilt
         without the freed pair at the next update."""
-        groups = self._device_groups
-        return lambda _ref: groups.pop(key, None)
+        groups, graphs = self._device_groups, self._update_graphs
+        return lambda _ref: (groups.pop(key, None), graphs.pop(key, None))
 
     def replace(self, key, position: int, amax_history: torch.Tensor, scale: torch.Tensor):
         """Point an existing position at new tensors (same slot count), e.g. after a move."""
@@ -172,7 +189,7 @@ class AmaxRegistry:
                 f"replacement has {amax_history.shape[1]} (register a new entry instead)"
             )
         entries[position] = _Entry(amax_history, scale, self._on_free(key))
-        self._device_groups.pop(key, None)
+        self._regroup(key)
 
     def unregister(self, key, position: int) -> None:
         """Retire a position (its owner moved to another key). The slot stays as a tombstone so
@@ -182,7 +199,7 @@ class AmaxRegistry:
         if entries is None or not 0 <= position < len(entries) or entries[position] is None:
             raise KeyError(f"no amax registry entry {position} under {key!r}")
         entries[position] = None
-        self._device_groups.pop(key, None)
+        self._regroup(key)
         if all(e is None for e in entries):
             # Every owner moved away (e.g. a recipe rebuilt with new callables each step): drop
             # the key so retired keys do not pile up. Only explicit unregisters, which every
@@ -204,6 +221,7 @@ class AmaxRegistry:
     def clear(self) -> None:
         self._entries.clear()
         self._device_groups.clear()
+        self._update_graphs.clear()
 
     def device_groups(self, key) -> list[tuple[torch.device, list[int]]]:
         """``[(device, positions)]`` in order of each device's first registration."""
@@ -237,16 +255,39 @@ class AmaxRegistry:
                     )
             return
 
-        fp8_dtype = get_fp8_torch_dtype(recipe, forward)
+        config = (get_fp8_torch_dtype(recipe, forward), recipe.margin, recipe.amax_compute_algo)
         for device, positions in groups:
+            buffer = reduced.get(device)
+            if buffer is None and self._replayed(key, device, positions, entries, config):
+                continue
             _fused_update(
                 [entries[p].amax_history for p in positions],
                 [entries[p].scale for p in positions],
-                fp8_dtype,
-                recipe.margin,
-                recipe.amax_compute_algo,
-                reduced.get(device),
+                *config,
+                buffer,
             )
+
+    def _replayed(self, key, device, positions, entries, config) -> bool:
+        """Make one device's unreduced update by replaying its graph, captured at the group's
+        second update (update_graph.py). False: the caller launches it as a native call."""
+        if not update_graph.GRAPH_SCALE_UPDATES or device.type != "cuda":
+            return False
+        graphs = self._update_graphs.setdefault(key, {})
+        graph = graphs.get(device)
+        if graph is None:  # the group's first update: a native call; capture at the next
+            graphs[device] = _SEEN
+            return False
+        if graph is _EAGER or stream_is_capturing(device):
+            return False
+        if graph is _SEEN or graph.config != config:
+            if native_for("delayed_scaling_update", device) is None:
+                graphs[device] = _EAGER  # the reference path allocates: not captured
+                return False
+            histories = [entries[p].amax_history for p in positions]
+            scales = [entries[p].scale for p in positions]
+            graph = graphs[device] = UpdateGraph(device, histories, scales, *config)
+        graph.replay()
+        return True
 
     @staticmethod
     def _reduce(entries, groups, group) -> dict[torch.device, torch.Tensor]:
