@@ -159,6 +159,34 @@ def test_capture_registers_nothing_and_replay_registers_the_module():
     assert registry_size() == 2  # the forward and the backward pair
 
 
+def test_replay_registers_again_only_after_the_registry_changed(monkeypatch):
+    recipe = DelayedScaling()
+    module = linear()
+    captured_forward(module, recipe)
+    state = GraphedFP8State(module, recipe, "graphed Linear")
+    calls = []
+    register = FP8GlobalStateManager.add_fp8_tensors_to_global_buffer
+    monkeypatch.setattr(
+        FP8GlobalStateManager,
+        "add_fp8_tensors_to_global_buffer",
+        lambda meta: (calls.append(meta is module.fp8_meta), register(meta)),
+    )
+    with te.autocast(recipe=recipe):
+        state.end_replay()
+        state.end_replay()  # same registry, unchanged: nothing to do
+        assert sum(calls) == 1 and registry_size() == 2
+        linear()(torch.randn(16, 32))  # another module registers: the registry changed
+        state.end_replay()
+        assert sum(calls) == 2
+    FP8GlobalStateManager.reset()  # a new registry: registered there at the next replay
+    with te.autocast(recipe=recipe):
+        state.end_replay()
+    assert sum(calls) == 3 and registry_size() == 2
+    FP8GlobalStateManager.quantization_state.amax_registry.clear()
+    state.end_replay()
+    assert sum(calls) == 4 and registry_size() == 2
+
+
 def test_forward_scales_update_at_the_outer_autocast_exit():
     recipe = DelayedScaling()
     module = linear()

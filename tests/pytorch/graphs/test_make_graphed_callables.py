@@ -19,6 +19,7 @@ import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.pytorch.graph import is_graph_capturing, make_graphed_callables
 from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
 H, TOKENS, STEPS, LR = 128, 64, 10, 0.25
 DTYPE = torch.bfloat16
@@ -221,6 +222,20 @@ def test_graphed_module_matches_eager(kind, recipe_name):
         for t in fp8_state(graphed)
     ), "warm-up changed the FP8 state"
     run_and_compare(eager, graphed, recipe, device)
+
+
+@needs_cuda
+def test_graphed_delayed_scaling_survives_a_registry_reset():
+    """After FP8GlobalStateManager.reset() both register anew (the graphed one at its next
+    replay's end) and keep updating alike."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    recipe = make_recipe("delayed")
+    eager, graphed = build("linear", device), build("linear", device)
+    make_graphed_callables(graphed, (static_sample(device),), enabled=True, recipe=recipe)
+    run_and_compare(eager, graphed, recipe, device, steps=3)
+    FP8GlobalStateManager.reset()
+    run_and_compare(eager, graphed, recipe, device, steps=4)
+    assert len(FP8GlobalStateManager.quantization_state.amax_registry) == 4
 
 
 @needs_cuda

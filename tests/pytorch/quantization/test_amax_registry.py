@@ -294,3 +294,42 @@ def test_a_freed_module_is_neither_kept_alive_nor_updated(monkeypatch):
         kept(torch.randn(16, 16))
     assert updated == [2, 1]  # only the live module's pair
     FP8GlobalStateManager.reset()
+
+
+def test_a_module_registers_anew_after_reset_clear_or_deep_copy():
+    """Positions recorded in a module's fp8_meta belong to one registry: after
+    FP8GlobalStateManager.reset() (a new registry), clear() or in a deep copy, the next FP8
+    forward registers the module's own pairs (it had looked its old positions up: KeyError, or
+    the copy took over the original's places)."""
+    import copy
+
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    def forward(module):
+        with te.autocast(recipe=DelayedScaling()):
+            module(torch.randn(16, 32))
+
+    def registered(module):
+        registry = FP8GlobalStateManager.quantization_state.amax_registry
+        histories = [
+            registry.entry(k, p)[0]
+            for k in registry.keys()
+            for p in range(len(registry._entries[k]))
+        ]
+        return any(h is module.fp8_meta["scaling_fwd"].amax_history for h in histories)
+
+    FP8GlobalStateManager.reset()
+    module = te.Linear(32, 32, device="cpu")
+    forward(module)
+    FP8GlobalStateManager.reset()
+    forward(module)
+    assert registered(module) and len(FP8GlobalStateManager.quantization_state.amax_registry) == 2
+    FP8GlobalStateManager.quantization_state.amax_registry.clear()
+    forward(module)
+    assert registered(module) and len(FP8GlobalStateManager.quantization_state.amax_registry) == 2
+    twin = copy.deepcopy(module)
+    forward(twin)
+    assert registered(module) and registered(twin)
+    assert len(FP8GlobalStateManager.quantization_state.amax_registry) == 4
+    FP8GlobalStateManager.reset()

@@ -157,11 +157,17 @@ class AmaxRegistry:
         # per key, per device: _SEEN after the group's first update, then its UpdateGraph
         # (or _EAGER where none can be captured); dropped with the key's grouping
         self._update_graphs: dict[Any, dict[torch.device, Any]] = {}
+        # bumped by every register, replace, unregister and clear: a caller that registered
+        # at version v knows its pairs are still in place while the version is v
+        self.version = 0
+        # replaced by clear(): owners that registered under another token register anew
+        self.token = object()
 
     def _regroup(self, key) -> None:
         """Drop the grouping of ``key`` and its update graphs (rebuilt at the next update)."""
         self._device_groups.pop(key, None)
         self._update_graphs.pop(key, None)
+        self.version += 1
 
     def register(self, key, amax_history: torch.Tensor, scale: torch.Tensor) -> int:
         """Append a pair under ``key``; returns its position (its place in the reduction)."""
@@ -222,6 +228,8 @@ class AmaxRegistry:
         self._entries.clear()
         self._device_groups.clear()
         self._update_graphs.clear()
+        self.version += 1
+        self.token = object()
 
     def device_groups(self, key) -> list[tuple[torch.device, list[int]]]:
         """``[(device, positions)]`` in order of each device's first registration."""

@@ -168,6 +168,7 @@ class GraphedFP8State:
     def __init__(self, module: torch.nn.Module, recipe, name: str) -> None:
         self.recipe, self.name, self.warned = recipe, name, False
         self.metas, self.ops = [], []
+        self.registered, self.registered_version = None, -1  # see end_replay
         for m in module.modules():
             meta = getattr(m, "fp8_meta", None)
             if isinstance(meta, dict):
@@ -203,8 +204,14 @@ class GraphedFP8State:
         return True, update
 
     def end_replay(self) -> None:
-        """Put the captured owners' state into the amax registry (idempotent)."""
+        """Put the captured owners' state into the amax registry (idempotent). Skipped while
+        the registry is the one of the last call here and unchanged since (its version): the
+        captured owners' state tensors cannot change under a graph that points at them."""
+        registry = FP8GlobalStateManager.quantization_state.amax_registry
+        if self.registered is registry and self.registered_version == registry.version:
+            return
         for meta in self.metas:
             FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(meta)
         for op in self.ops:
             op.register_recipe_state()
+        self.registered, self.registered_version = registry, registry.version

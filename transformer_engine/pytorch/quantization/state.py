@@ -55,6 +55,8 @@ class FP8GlobalState:
 
 # Where an fp8_meta keeps its queue's index in fp8_tensors_recompute_buffer (upstream's key).
 _RECOMPUTE_POSITION = "global_fp8_buffer_pos_fwd_recompute"
+# Where an fp8_meta keeps the token of the registry its positions are in (AmaxRegistry.token).
+_REGISTRY_TOKEN = "_amax_registry_token"
 
 _AUTOCAST_FIELDS = (
     "fp8_enabled",
@@ -201,6 +203,11 @@ class FP8GlobalStateManager:
         registry = cls.quantization_state.amax_registry
         recipe, group = fp8_meta["recipe"], fp8_meta.get("fp8_group")
         info_key = cls.get_buffer_info()
+        if fp8_meta.get(_REGISTRY_TOKEN) is not registry.token:
+            # positions in a registry that reset() replaced or clear() emptied, or a copy's
+            # (a deep copy or pickle copies the token too, as another object): register anew
+            fp8_meta.pop(info_key, None)
+            fp8_meta[_REGISTRY_TOKEN] = registry.token
         registered = fp8_meta.get(info_key) or {}
         for forward in (True, False):
             owner = fp8_meta.get(cls.get_meta_tensor_key(forward))
