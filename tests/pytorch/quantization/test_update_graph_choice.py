@@ -119,3 +119,12 @@ def test_without_the_native_library_nothing_is_captured(world, monkeypatch):
     for _ in range(3):
         update(registry, recipe)
     assert world["native"] == [1, 1, 1] and FakeGraph.made == []
+
+
+def test_pairs_without_slots_capture_nothing(world):
+    registry, recipe = AmaxRegistry(), DelayedScaling(fp8_format=Format.E4M3)
+    empty = pair(0)
+    registry.register("k", *empty)
+    for _ in range(3):
+        update(registry, recipe)
+    assert world["native"] == [1, 1, 1] and FakeGraph.made == []

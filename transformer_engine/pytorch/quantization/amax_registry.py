@@ -291,6 +291,9 @@ class AmaxRegistry:
             if native_for("delayed_scaling_update", device) is None:
                 graphs[device] = _EAGER  # the reference path allocates: not captured
                 return False
+            if not any(entries[p].slots for p in positions):
+                graphs[device] = _EAGER  # nothing to launch: a graph would be empty
+                return False
             histories = [entries[p].amax_history for p in positions]
             scales = [entries[p].scale for p in positions]
             graph = graphs[device] = UpdateGraph(device, histories, scales, *config)
