@@ -308,6 +308,33 @@ def test_grouped_linear_split_sizes_take_any_integers():
             op(x, bad)
 
 
+def test_leaving_delayed_scaling_after_the_registry_was_cleared():
+    """An operation that registered under DelayedScaling, then runs under another recipe after
+    the registry was cleared (or replaced by reset()), has nothing to retire there (it had
+    raised KeyError for positions the cleared registry no longer holds); back under
+    DelayedScaling it registers anew."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    def run(op, recipe):
+        with te.autocast(recipe=recipe):
+            op(torch.randn(32, 64, requires_grad=True)).sum().backward()
+
+    FP8GlobalStateManager.reset()
+    op = ops.BasicLinear(64, 64, device="cpu")
+    run(op, R.DelayedScaling())
+    registry = FP8GlobalStateManager.quantization_state.amax_registry
+    registry.clear()
+    run(op, R.Float8CurrentScaling())
+    assert len(registry) == 0
+    run(op, R.DelayedScaling())
+    assert len(registry) == 2
+    FP8GlobalStateManager.reset()
+    run(op, R.Float8CurrentScaling())
+    run(op, R.DelayedScaling())
+    assert len(FP8GlobalStateManager.quantization_state.amax_registry) == 2
+    FP8GlobalStateManager.reset()
+
+
 def test_shallow_copy_shares_recipe_state():
     """copy.copy of an operation shares its recipe state and registration (only pickles and
     deep copies leave the amax registry out), so the same scales are never registered twice."""

@@ -309,10 +309,9 @@ class BasicOperation(FusibleOperation):
             state = self.recipe_state(mode)
             if state is not None and state.delayed_scaling_state() is not None:
                 meta = self._fp8_metas[mode]
-                if meta.get("_registry") is not registry:
-                    # registered with a registry that FP8GlobalStateManager.reset() replaced
-                    meta.pop(FP8GlobalStateManager.get_buffer_info(), None)
-                    meta["_registry"] = registry
+                # the registry holding the positions, for inspection: the token that
+                # add_fp8_tensors_to_global_buffer keeps decides whether to register anew
+                meta["_registry"] = registry
                 FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(meta)
 
     def __getstate__(self):
@@ -421,12 +420,8 @@ def _state_matches(state, recipe, device: torch.device, count: int) -> bool:
 
 def _unregister(meta: dict) -> None:
     """Retire a state's registry positions (its owner no longer uses delayed scaling)."""
-    info = meta.pop(FP8GlobalStateManager.get_buffer_info(), None) or {}
-    registry = meta.pop("_registry", None)
-    if registry is not FP8GlobalStateManager.quantization_state.amax_registry:
-        return  # FP8GlobalStateManager.reset() replaced the registry since
-    for key, position in info.values():
-        registry.unregister(key, position)
+    meta.pop("_registry", None)
+    FP8GlobalStateManager.remove_fp8_tensors_from_global_buffer(meta)
 
 
 class FusedOperation(FusibleOperation):

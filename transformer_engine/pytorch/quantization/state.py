@@ -235,6 +235,19 @@ class FP8GlobalStateManager:
                 registry.replace(old[0], old[1], state.amax_history, state.scale)
         fp8_meta[info_key] = registered
 
+    @classmethod
+    def remove_fp8_tensors_from_global_buffer(cls, fp8_meta: dict) -> None:
+        """Retire the registry positions ``fp8_meta`` holds (its owner stopped using delayed
+        scaling); nothing to do for positions in a registry that ``reset()`` replaced or
+        ``clear()`` emptied since, or a copy's (another token, see
+        :meth:`add_fp8_tensors_to_global_buffer`)."""
+        info = fp8_meta.pop(cls.get_buffer_info(), None) or {}
+        registry = cls.quantization_state.amax_registry
+        if fp8_meta.pop(_REGISTRY_TOKEN, None) is not registry.token:
+            return
+        for key, position in info.values():
+            registry.unregister(key, position)
+
     @staticmethod
     def reduce_tensor_across_group_op_max(tensor: torch.Tensor, group) -> None:
         if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
