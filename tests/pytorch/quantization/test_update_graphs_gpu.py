@@ -119,15 +119,22 @@ def test_a_freed_pair_drops_the_graph_and_is_not_updated():
         step(registry, mirror, recipe, i)
 
 
-def test_inside_a_users_capture_the_update_is_recorded_not_replayed():
+def replaying_one_pair(device, slots, steps):
+    """A registry holding one pair on ``device``, updated ``steps`` times (each checked against
+    the reference): by then its update replays a graph. Returns ``(recipe, registry, mirror)``."""
     recipe = DelayedScaling(fp8_format=Format.E4M3)
     registry, mirror = AmaxRegistry(), Mirror()
-    pair = make_pair("cuda:0", 4)
+    pair = make_pair(device, slots)
     registry.register(KEY, *pair)
     mirror.add(*pair)
-    for i in range(3):
+    for i in range(steps):
         step(registry, mirror, recipe, i)
-    assert isinstance(graph_of(registry, "cuda:0"), UpdateGraph)
+    assert isinstance(graph_of(registry, device), UpdateGraph)
+    return recipe, registry, mirror
+
+
+def test_inside_a_users_capture_the_update_is_recorded_not_replayed():
+    recipe, registry, mirror = replaying_one_pair("cuda:0", 4, steps=3)
     user = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -178,12 +185,5 @@ def test_a_training_run_is_bitwise_the_run_with_native_updates(monkeypatch):
 @needs_two_gpus
 def test_a_group_on_cuda1_replays_there_while_cuda0_is_current():
     torch.cuda.set_device(0)
-    recipe = DelayedScaling(fp8_format=Format.E4M3)
-    registry, mirror = AmaxRegistry(), Mirror()
-    pair = make_pair("cuda:1", 6)
-    registry.register(KEY, *pair)
-    mirror.add(*pair)
-    for i in range(4):
-        step(registry, mirror, recipe, i)
-    assert isinstance(graph_of(registry, "cuda:1"), UpdateGraph)
+    replaying_one_pair("cuda:1", 6, steps=4)
     assert torch.cuda.current_device() == 0

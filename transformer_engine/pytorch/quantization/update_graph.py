@@ -29,12 +29,17 @@ __all__ = ["GRAPH_SCALE_UPDATES", "UpdateGraph", "stream_is_capturing"]
 GRAPH_SCALE_UPDATES = os.environ.get("NVTE_GRAPH_SCALE_UPDATES", "1") != "0"
 
 
+def _on_device(device: torch.device, fn):
+    """``fn()`` with ``device`` current (no device switch when it already is)."""
+    if device.index == torch.cuda.current_device():
+        return fn()
+    with torch.cuda.device(device):
+        return fn()
+
+
 def stream_is_capturing(device: torch.device) -> bool:
     """Whether ``device``'s current stream is being captured into a CUDA graph."""
-    if device.index == torch.cuda.current_device():
-        return torch.cuda.is_current_stream_capturing()
-    with torch.cuda.device(device):
-        return torch.cuda.is_current_stream_capturing()
+    return _on_device(device, torch.cuda.is_current_stream_capturing)
 
 
 class UpdateGraph:
@@ -63,8 +68,4 @@ class UpdateGraph:
 
     def replay(self) -> None:
         """Launch the update on ``device``'s current stream."""
-        if self.device.index == torch.cuda.current_device():
-            self._graph.replay()
-        else:
-            with torch.cuda.device(self.device):
-                self._graph.replay()
+        _on_device(self.device, self._graph.replay)
