@@ -80,11 +80,19 @@ def stub_kernels() -> None:
 
     torch._scaled_mm = scaled_mm_output
 
-    # The block-scaled GEMM's GPU route (an H200's): its scale layouts, then torch._scaled_mm.
+    # The block-scaled GEMM's GPU route (an H200's): the native library's cuBLASLt call, a
+    # counted no-op that reports it ran, after the route's own checks and allocations.
+    def block_gemm_ran(*args, **kwargs) -> bool:
+        _count_native()
+        return True
+
+    block_gemm.native_module = lambda: types.SimpleNamespace(
+        block_scaled_gemm=block_gemm_ran, cublaslt_version=lambda: 130100
+    )
+    block_gemm.launch_args = lambda device: (0, 0)
+
     def native_block_product(x, xs, x2d, y, ys, y2d, mm_dtype, bias=None):
-        scale_a, scale_b = block_gemm._scaled_mm_scales(x, xs, x2d, y, ys, y2d)
-        return torch._scaled_mm(x.contiguous(), y.contiguous().t(), scale_a=scale_a,
-                                scale_b=scale_b, bias=bias, out_dtype=mm_dtype)  # fmt: skip
+        return block_gemm._cublaslt_product(x, xs, x2d, y, ys, y2d, mm_dtype, bias)
 
     block_gemm._native_product = native_block_product
 

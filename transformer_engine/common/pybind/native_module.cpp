@@ -171,6 +171,7 @@ void dactivation_amax(const TensorArg& grad, const TensorArg& input, int kind, b
 void register_block_cast(py::module_& m);  // block_cast_binding.cpp
 void register_norm(py::module_& m);        // norm_binding.cpp
 void register_graph_copy(py::module_& m);  // graph_binding.cpp
+void register_gemm(py::module_& m);        // gemm_binding.cpp
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "Native FP8 kernels of transformer_engine (C ABI binding; no torch headers).";
@@ -181,6 +182,7 @@ PYBIND11_MODULE(_native, m) {
   register_block_cast(m);
   register_norm(m);
   register_graph_copy(m);
+  register_gemm(m);
   m.def("quantize", &quantize, py::arg("input"), py::arg("scale"), py::arg("output"),
         py::arg("output_t"), py::arg("amax"), py::arg("scale_inv"), py::arg("noop"),
         py::arg("device"), py::arg("stream"));
