@@ -2,7 +2,8 @@
 (``major * 10000 + minor * 100 + patch``, e.g. 120103 for cuBLASLt 12.1.3).
 
 Upstream links cuBLASLt and cuDNN and asks them. This package's native library does not link
-cuBLASLt (its GEMMs run on PyTorch's), so the version is that of the cuBLASLt PyTorch loads:
+cuBLASLt (its GEMMs run on PyTorch's, and its block-scaled GEMM opens PyTorch's cuBLASLt with
+``dlopen``), so the version is that of the cuBLASLt PyTorch loads:
 read with ``cublasLtGetVersion`` from the library of PyTorch's CUDA major version. A PyTorch
 built without CUDA has none, and asking raises ``RuntimeError`` instead of inventing a number.
 """

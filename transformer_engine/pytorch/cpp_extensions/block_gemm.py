@@ -16,8 +16,8 @@ Paths:
 * **native**: CUDA devices of compute capability 9.x, K a multiple of 128, N a multiple of 16.
   First the native library's ``nvte_block_scaled_gemm``: cuBLASLt (the copy PyTorch loaded,
   12.9 or later) with the scales as they are, 1x128 tiles (``VEC128_32F``) and 128x128 blocks
-  (``BLK128x128_32F``), so the weight keeps its 128x128 scales (about a third faster than the
-  1x128 by 1x128 kernel: 1300-1330 against 1060 TFLOP/s on an H200 at 16384 x 4096 x 14336).
+  (``BLK128x128_32F``), so the weight keeps its 128x128 scales (fprop and dgrad about a third
+  faster than the 1x128 by 1x128 kernel on an H200: ``benchmarks/linear/benchmark_block_gemm.py``).
   Without the native library or a usable cuBLASLt: ``torch._scaled_mm``'s 1x128 by 1x128
   blockwise kernel, with float32 scale tensors whose shapes select that mode (first operand
   ``[rows, ceil(K/128)]`` outer-dim-major, second ``[ceil(K/128), rows]``), which needs CUDA
