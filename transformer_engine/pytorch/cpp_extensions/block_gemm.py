@@ -180,8 +180,10 @@ _cublaslt_state: list = []  # [usable]: asked once per process
 
 
 def _cublaslt_usable(native) -> bool:
+    """Whether the native library has the block GEMM and found a cuBLASLt 12.9+ for it."""
     if not _cublaslt_state:
-        _cublaslt_state.append(native.cublaslt_version() > 0)
+        version = getattr(native, "cublaslt_version", None)  # absent from older builds
+        _cublaslt_state.append(version is not None and version() > 0)
     return _cublaslt_state[0]
 
 
