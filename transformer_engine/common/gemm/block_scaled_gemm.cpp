@@ -66,26 +66,39 @@ void check_operand(const char* op, const char* name, const char* scale_name, con
   }
 }
 
-/* What selects an algorithm: the heuristic's answer depends on nothing else. */
+/* The alignment cuBLASLt may assume of a pointer: the largest power of two up to 256 (its
+ * default assumption) that divides it. */
+uint32_t alignment(const void* pointer) {
+  uint32_t bytes = 256;
+  while (bytes > 1 && !aligned_to(pointer, bytes)) bytes /= 2;
+  return bytes;
+}
+
+/* What selects an algorithm: the heuristic's answer depends on nothing else. The operands'
+ * alignments are part of it: an algorithm picked for 256-byte-aligned buffers may refuse
+ * less-aligned ones (views that start inside an allocation). */
 struct PlanKey {
   int device;
   size_t m, n, k;
   int x_type, y_type, out_type, bias_type, x_2d, y_2d;
   size_t workspace;
+  uint32_t align_a, align_b, align_d;
   bool operator==(const PlanKey& o) const {
-    return std::tie(device, m, n, k, x_type, y_type, out_type, bias_type, x_2d, y_2d, workspace) ==
+    return std::tie(device, m, n, k, x_type, y_type, out_type, bias_type, x_2d, y_2d, workspace,
+                    align_a, align_b, align_d) ==
            std::tie(o.device, o.m, o.n, o.k, o.x_type, o.y_type, o.out_type, o.bias_type, o.x_2d,
-                    o.y_2d, o.workspace);
+                    o.y_2d, o.workspace, o.align_a, o.align_b, o.align_d);
   }
 };
 
 struct PlanKeyHash {
   size_t operator()(const PlanKey& p) const {
     size_t h = 1469598103934665603ull;
-    for (size_t v : {static_cast<size_t>(p.device), p.m, p.n, p.k, static_cast<size_t>(p.x_type),
-                     static_cast<size_t>(p.y_type), static_cast<size_t>(p.out_type),
-                     static_cast<size_t>(p.bias_type + 1), static_cast<size_t>(p.x_2d * 2 + p.y_2d),
-                     p.workspace}) {
+    for (size_t v :
+         {static_cast<size_t>(p.device), p.m, p.n, p.k, static_cast<size_t>(p.x_type),
+          static_cast<size_t>(p.y_type), static_cast<size_t>(p.out_type),
+          static_cast<size_t>(p.bias_type + 1), static_cast<size_t>(p.x_2d * 2 + p.y_2d),
+          p.workspace, static_cast<size_t>(p.align_a) << 18 | p.align_b << 9 | p.align_d}) {
       h = (h ^ v) * 1099511628211ull;
     }
     return h;
@@ -134,6 +147,12 @@ Plan find_plan(const char* op, const lt::Api& a, lt::Handle handle, const PlanKe
   const uint64_t workspace = key.workspace;
   lt::check(op, a.preference_set(d.pref, lt::kPrefMaxWorkspaceBytes, &workspace, sizeof(workspace)),
             "cublasLtMatmulPreferenceSetAttribute");
+  const uint32_t aligns[4] = {key.align_a, key.align_b, key.align_d, key.align_d};  // A, B, C=D, D
+  for (int i = 0; i < 4; ++i) {
+    lt::check(
+        op, a.preference_set(d.pref, lt::kPrefMinAlignmentABytes + i, &aligns[i], sizeof(uint32_t)),
+        "cublasLtMatmulPreferenceSetAttribute");
+  }
   lt::HeuristicResult result{};
   int returned = 0;
   const lt::Status status =
@@ -174,7 +193,7 @@ extern "C" int nvte_block_scaled_gemm(const NVTEBuffer* x, const NVTEBuffer* x_s
   const NVTEBuffer& yv = require(op, "y", y);
   const NVTEBuffer& xs = require(op, "x_scale_inv", x_scale_inv);
   const NVTEBuffer& ys = require(op, "y_scale_inv", y_scale_inv);
-  NVTEBuffer& o = const_cast<NVTEBuffer&>(require(op, "out", out));
+  const NVTEBuffer& o = require(op, "out", out);
   const bool x2d = x_block_2d != 0, y2d = y_block_2d != 0;
   if (x2d && y2d) {
     throw_invalid(op,
@@ -253,6 +272,7 @@ extern "C" int nvte_block_scaled_gemm(const NVTEBuffer* x, const NVTEBuffer* x_s
   lt::check(op, a.layout_create(&d.lb, cuda_type(xv.dtype), K, M, K), "cublasLtMatrixLayoutCreate");
   lt::check(op, a.layout_create(&d.ld, cuda_type(o.dtype), N, M, N), "cublasLtMatrixLayoutCreate");
 
+  // cuBLASLt's (m, n, k) = (N, M, K); A is y, B is x, D is out (the file comment)
   const PlanKey key{device,
                     N,
                     M,
@@ -263,7 +283,10 @@ extern "C" int nvte_block_scaled_gemm(const NVTEBuffer* x, const NVTEBuffer* x_s
                     bias_type,
                     x2d,
                     y2d,
-                    workspace_bytes};
+                    workspace_bytes,
+                    alignment(yv.data),
+                    alignment(xv.data),
+                    alignment(o.data)};
   const Plan plan = find_plan(op, a, handle, key, d);
   if (!plan.found) return 0;
   const float alpha = 1.0f, beta = 0.0f;

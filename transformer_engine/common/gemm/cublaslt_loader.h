@@ -58,6 +58,7 @@ constexpr int kScaleVec128 = 4;
 constexpr int kScaleBlock128x128 = 5;
 // cublasLtMatmulPreferenceAttributes_t
 constexpr int kPrefMaxWorkspaceBytes = 1;
+constexpr int kPrefMinAlignmentABytes = 5;  // B, C and D follow: 6, 7, 8
 
 /* The entry points, resolved once. */
 struct Api {
