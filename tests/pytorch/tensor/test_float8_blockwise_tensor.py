@@ -284,9 +284,9 @@ def test_native_scales_give_each_element_its_block_scale(columnwise):
 @needs_cuda
 @pytest.mark.parametrize("layout", ["TN", "NN", "NT"])
 def test_native_gemm_equals_emulation(layout):
-    # On sm_90 every layout runs torch._scaled_mm's 1x128 by 1x128 blockwise kernel (TN/NN with
-    # the 128x128 weight's scales repeated along its rows), no refusal is recorded, and each
-    # product matches the float64 product of the dequantized operands within the tensor cores'
+    # On sm_90 every layout runs a blockwise kernel (cuBLASLt's through the native library, the
+    # weight with its 128x128 scales; without it torch._scaled_mm's 1x128 by 1x128 one, the
+    # weight's scales repeated along its rows), no refusal is recorded, and each product matches the float64 product of the dequantized operands within the tensor cores'
     # accumulation error: Hopper's FP8 MMA keeps about 14 significant bits while it sums one
     # 128-wide K block (the kernel promotes to float32 between blocks), measured on the H200 at
     # 1e-4 of the output's largest magnitude. The wrong-scale failure this guards against
@@ -312,9 +312,8 @@ def test_native_gemm_equals_emulation(layout):
 @needs_cuda
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_native_gemm_adds_the_bias_before_rounding(out_dtype):
-    # fprop with a bias of the output dtype: torch._scaled_mm's epilogue adds a 16-bit one in
-    # float32 and rounds once (a float32 one is added to the float32 product: torch refuses
-    # it), so the result is the float64 product + bias rounded to out_dtype, within the
+    # fprop with a bias of the output dtype: the GEMM's epilogue adds a 16-bit one in float32
+    # and rounds once (a float32 one is added to the float32 product), so the result is the float64 product + bias rounded to out_dtype, within the
     # accumulator's error (see above) and one rounding of the output; nothing is refused.
     x, w, _ = (t.to("cuda:0") for t in _gemm_operands())
     x, w = x[:, :256], torch.cat([w, w[:96]])  # N = 256
