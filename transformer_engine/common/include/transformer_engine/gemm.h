@@ -37,7 +37,8 @@ extern "C" {
  *  \param[in]  device      CUDA device index all buffers live on.
  *  \param[in]  stream      Stream of `device` to launch on.
  *  \return 1 when the GEMM was launched; 0 when this cuBLASLt has no kernel for the problem on
- *          this device (nothing was launched; the caller takes another path). Bad arguments and
+ *          this device (nothing was launched; the caller takes another path). cuBLASLt 13.1 on
+ *          an H200 has none when M is not a multiple of 4. Bad arguments and
  *          CUDA or cuBLASLt failures throw, as everywhere in the library; a missing or too old
  *          cuBLASLt throws too (ask `nvte_cublaslt_version` first).
  *
