@@ -138,9 +138,10 @@ def _cuda_block_scaling_support(index: int) -> tuple[bool, str]:
 def check_fp8_block_scaling_support(device=None) -> tuple[bool, str]:
     """``(available, reason)`` for ``Float8BlockScaling`` on ``device``.
 
-    GPUs of compute capability 9.0 or newer, as upstream (on 9.x the GEMM runs on
-    ``torch._scaled_mm``'s blockwise FP8 kernels where the torch build has them; elsewhere, and
-    on 10.x and newer, on an exact emulation); the CPU reference path always. ``device=None``
+    GPUs of compute capability 9.0 or newer, as upstream (on 9.x the GEMM runs on cuBLASLt's
+    blockwise FP8 kernels through the native library, or ``torch._scaled_mm``'s where the torch
+    build has them; elsewhere, and on 10.x and newer, on an exact emulation); the CPU reference
+    path always. ``device=None``
     checks every visible GPU, or the CPU without CUDA.
     """
     if device is not None:
