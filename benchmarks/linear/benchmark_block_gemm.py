@@ -22,8 +22,8 @@ product of its dequantized operands.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
+from pathlib import Path
 
 import torch
 
@@ -31,6 +31,9 @@ from transformer_engine.common.native import native_module
 from transformer_engine.pytorch.cpp_extensions._routing import launch_args, tensor_arg
 from transformer_engine.pytorch.cpp_extensions.block_gemm import _scaled_mm_scales
 from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quantize"))  # cuda_timing
+from cuda_timing import time_us  # noqa: E402
 
 SHAPES = {  # name: (M, N, K)
     "fprop (16384, 4096 -> 14336)": (16384, 14336, 4096),
@@ -41,18 +44,8 @@ SHAPES = {  # name: (M, N, K)
 
 
 def time_ms(fn, warmup: int, iters: int, batch: int) -> float:
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(iters):
-        start.record()
-        for _ in range(batch):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / batch)
-    return statistics.median(samples)
+    """Median per-call milliseconds over ``iters`` CUDA-event batches of ``batch`` calls."""
+    return time_us(fn, warmup, iters * batch, batch) / 1e3
 
 
 def operand(rows, k, two_d, device):

@@ -65,6 +65,14 @@ def _call(x, xs, x2d, y, ys, y2d, out, bias=None, workspace=None):
     )  # fmt: skip
 
 
+def _float64_product(xq, yq):
+    """The oracle: ``x @ y^T`` of the dequantized operands in float64."""
+    return (
+        xq.dequantize(dtype=torch.float32).double()
+        @ yq.dequantize(dtype=torch.float32).double().t()
+    )
+
+
 def _close(got, ref, out_dtype):
     ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 0.0}[out_dtype]
     tol = 1e-3 * float(ref.abs().max())
@@ -100,10 +108,7 @@ def test_product_equals_float64_product_of_dequantized_operands(m, n, k, x2d, y2
     out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda:0")
     workspace = torch.empty(32 << 20, dtype=torch.uint8, device="cuda:0")
     assert _call(x, xs, x2d, y, ys, y2d, out, workspace=workspace)
-    ref = (
-        xq.dequantize(dtype=torch.float32).double()
-        @ yq.dequantize(dtype=torch.float32).double().t()
-    )
+    ref = _float64_product(xq, yq)
     _close(out, ref, out_dtype)
 
 
@@ -116,10 +121,7 @@ def test_e5m2_operands(fp8):
     out = torch.empty(256, 128, dtype=torch.bfloat16, device="cuda:0")
     if not _call(x, xs, False, y, ys, True, out):
         pytest.skip("this cuBLASLt has no block-scaled kernel for this E4M3/E5M2 mix")
-    ref = (
-        xq.dequantize(dtype=torch.float32).double()
-        @ yq.dequantize(dtype=torch.float32).double().t()
-    )
+    ref = _float64_product(xq, yq)
     _close(out, ref, torch.bfloat16)
 
 
@@ -129,10 +131,7 @@ def test_e5m2_operands(fp8):
 def test_bias_is_added_in_float32_before_the_one_rounding(dtype):
     xq, x, xs = _operand(256, 512, "cuda:0", 5, False, spread=2)  # products within FP16's range
     yq, y, ys = _operand(256, 512, "cuda:0", 6, True, spread=2)
-    ref = (
-        xq.dequantize(dtype=torch.float32).double()
-        @ yq.dequantize(dtype=torch.float32).double().t()
-    )
+    ref = _float64_product(xq, yq)
     bias = (torch.randn(256, device="cuda:0") * float(ref.abs().mean())).to(dtype)
     out = torch.empty(256, 256, dtype=dtype, device="cuda:0")
     assert _call(x, xs, False, y, ys, True, out, bias=bias)
@@ -217,8 +216,5 @@ def test_second_gpu_while_first_is_current():
     with torch.cuda.device(0):
         assert _call(x, xs, False, y, ys, True, out)
         assert torch.cuda.current_device() == 0
-    ref = (
-        xq.dequantize(dtype=torch.float32).double()
-        @ yq.dequantize(dtype=torch.float32).double().t()
-    )
+    ref = _float64_product(xq, yq)
     _close(out, ref, torch.float32)

@@ -247,9 +247,6 @@ __device__ __forceinline__ void cast_by_finiteness(const SubTileMaxima& m, Cast&
 
 /* ---- host side ---------------------------------------------------------------------------- */
 
-inline size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
-inline size_t round_up(size_t a, size_t b) { return ceil_div(a, b) * b; }
-
 /* Throws unless `buffer` is a 2-D tensor of exactly `rows x cols` with one of `dtypes`. */
 inline void check_scale_buffer(const char* op, const char* name, const NVTEBuffer& buffer,
                                std::initializer_list<NVTEDType> dtypes, size_t rows,

@@ -26,9 +26,6 @@ namespace lt = cublaslt;
 
 constexpr size_t kBlock = 128;
 
-size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
-size_t round_up(size_t a, size_t b) { return ceil_div(a, b) * b; }
-
 cudaDataType_t cuda_type(NVTEDType dtype) {
   switch (dtype) {
     case kNVTEFloat8E4M3:

@@ -31,6 +31,10 @@ void check_fp32_scalar(const char* op, const char* name, const NVTEBuffer& buffe
 void check_same_numel(const char* op, const char* name, const NVTEBuffer& buffer,
                       const char* other_name, const NVTEBuffer& other);
 
+/* Extents of block layouts (scale tensors, tiles). */
+inline size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+inline size_t round_up(size_t a, size_t b) { return ceil_div(a, b) * b; }
+
 inline bool aligned_to(const void* pointer, size_t bytes) {
   return reinterpret_cast<std::uintptr_t>(pointer) % bytes == 0;
 }

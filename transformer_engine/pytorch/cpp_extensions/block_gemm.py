@@ -47,6 +47,7 @@ from ...common.native import native_module
 from .. import reference_blocks
 from ..device import device_compute_capability
 from ._routing import launch_args, tensor_arg
+from .block_cast import float8_block_scale_shape
 from .fp8_gemm_cpu import bf16_math_is_exact, float32_product_of_fp8_values
 
 __all__ = ["is_block_float8_operand", "block_general_gemm", "native_block_gemm_refusals"]
@@ -144,14 +145,12 @@ def _cublaslt_product(x, xs, x2d, y, ys, y2d, mm_dtype, bias):
     native = native_module()  # no warning when absent: torch._scaled_mm takes the GEMM then
     if native is None or not _cublaslt_usable(native):
         return None
-    m, k = x.shape
-    n = y.shape[0]
-    kb = k // _BLOCK
+    m, n = x.shape[0], y.shape[0]
     if (
         n % 16
         or (x2d and y2d)
-        or xs.shape != _gemm_ready_scale_shape(m, kb, x2d)
-        or ys.shape != _gemm_ready_scale_shape(n, kb, y2d)
+        or xs.shape != float8_block_scale_shape(x.shape, 2 if x2d else 1, False)
+        or ys.shape != float8_block_scale_shape(y.shape, 2 if y2d else 1, False)
         or not (xs.is_contiguous() and ys.is_contiguous())
     ):
         return None
@@ -167,13 +166,6 @@ def _cublaslt_product(x, xs, x2d, y, ys, y2d, mm_dtype, bias):
         tensor_arg(out), tensor_arg(workspace), *launch_args(x.device),
     )  # fmt: skip
     return out if ran else None
-
-
-def _gemm_ready_scale_shape(rows: int, kb: int, is_2d: bool) -> tuple:
-    """The GEMM_READY scale-inverse shape of a ``[rows, kb * 128]`` operand (module docstring)."""
-    if is_2d:
-        return (-(-rows // _BLOCK), -(-kb // 4) * 4)
-    return (kb, -(-rows // 4) * 4)
 
 
 _cublaslt_state: list = []  # [usable]: asked once per process
