@@ -94,7 +94,7 @@ CASES = [
     (4, 16, 128, False, True),
 ]
 # M not a multiple of 4 (padded 1x128 scale rows): cuBLASLt 13.1 has no kernel for these, so
-# the call declines and general_gemm takes torch._scaled_mm's 1x128 kernel or the emulation.
+# the raw call declines; general_gemm pads x's rows (test_other_token_counts_... below).
 ODD_M = [(130, 144, 640, False, True), (130, 144, 640, False, False), (1, 16, 128, False, True)]
 
 
@@ -166,6 +166,36 @@ def test_general_gemm_takes_the_cublaslt_kernel(monkeypatch):
     x_col = xq._dequantize_layout(True, torch.float32).double()
     _close(wgrad, dy_col @ x_col.t(), torch.float32)
     assert not block_gemm.native_block_gemm_refusals()
+
+
+@needs_cuda
+@needs_hopper_cublaslt
+@pytest.mark.parametrize("m, n, k", [(130, 144, 640), (1, 16, 128), (256, 128, 300), (7, 144, 200)])
+def test_other_token_counts_and_depths_run_natively_on_padded_copies(monkeypatch, m, n, k):
+    # M not a multiple of 4 (cuBLASLt 13.1 declines) and K not a multiple of 128 (its blockwise
+    # modes need whole K blocks; before, the emulation ran these) reach the native kernel on
+    # zero-padded copies: fprop, dgrad and wgrad (whose K is the token count) with the torch
+    # route and the emulation made to fail.
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch path taken")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    monkeypatch.setattr(block_gemm, "_emulated_product", refuse)
+    g = torch.Generator().manual_seed(m + k)
+    x, w = torch.randn(m, k, generator=g).cuda(), torch.randn(n, k, generator=g).cuda()
+    dy = torch.randn(m, n, generator=g).cuda()
+    q1 = Float8BlockQuantizer(E4M3, rowwise=True, columnwise=True, block_scaling_dim=1)
+    q2 = Float8BlockQuantizer(E4M3, rowwise=True, columnwise=True, block_scaling_dim=2)
+    xq, wq, dyq = q1(x), q2(w), q1(dy)
+    xd, wd, dyd = (t.dequantize(dtype=torch.float32).double() for t in (xq, wq, dyq))
+    _close(general_gemm(wq, xq, torch.float32, layout="TN")[0], xd @ wd.t(), torch.float32)
+    if k % 16 == 0:  # dgrad's N is k here
+        _close(general_gemm(wq, dyq, torch.float32, layout="NN")[0], dyd @ wd, torch.float32)
+    if k % 16 == 0:  # wgrad's N is k
+        dy_col = dyq._dequantize_layout(True, torch.float32).double()
+        x_col = xq._dequantize_layout(True, torch.float32).double()
+        wgrad = general_gemm(xq, dyq, torch.float32, layout="NT")[0]
+        _close(wgrad, dy_col @ x_col.t(), torch.float32)
 
 
 @needs_cuda

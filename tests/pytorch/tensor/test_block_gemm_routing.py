@@ -100,3 +100,29 @@ def test_a_native_build_without_the_gemm_is_not_usable(monkeypatch):
     monkeypatch.setattr(block_gemm, "native_module", lambda: types.SimpleNamespace())
     monkeypatch.setattr(block_gemm, "_cublaslt_state", [])
     assert call(operand(256, 512, False), operand(384, 512, True)) is None
+
+
+@pytest.mark.parametrize("m, k", [(130, 512), (1, 128), (256, 300), (7, 200)])
+def test_other_token_counts_and_depths_run_on_zero_padded_copies(native, m, k):
+    # cuBLASLt takes M % 4 == 0 and K % 128 == 0: the operands reach it padded with zeros, the
+    # scales as they are (they cover the padding already), and the product is cut back to M rows.
+    x_op, y_op = operand(m, k, False), operand(384, k, True)
+    out = call(x_op, y_op)
+    assert out.shape == (m, 384)
+    (args,) = native.calls
+    rows, depth = -(-m // 4) * 4, -(-k // 128) * 128
+    assert args[0][1] == [rows, depth] and args[3][1] == [384, depth] and args[7][1] == [rows, 384]
+    assert args[1][1] == list(x_op[1].shape) and args[4][1] == list(y_op[1].shape)
+
+
+@pytest.mark.parametrize("m, k", [(130, 512), (7, 200)])
+def test_the_zero_padded_operands_have_the_same_product(m, k):
+    # The padded problem, multiplied by the exact emulation, equals the original's product.
+    (x, xs, x2d), (y, ys, y2d) = operand(m, k, False), operand(384, k, True)
+    rows, depth = -(-m // 4) * 4, -(-k // 128) * 128
+    xp, yp = block_gemm._zero_padded(x, rows, depth), block_gemm._zero_padded(y, 384, depth)
+    assert torch.equal(xp[:m, :k].view(torch.uint8), x.view(torch.uint8))
+    assert not xp[m:].view(torch.uint8).any() and not xp[:, k:].view(torch.uint8).any()
+    padded = block_gemm._emulated_product(xp, xs, x2d, yp, ys, y2d)[:m]
+    original = block_gemm._emulated_product(x, xs, x2d, y, ys, y2d)
+    assert torch.allclose(padded, original, rtol=1e-6, atol=1e-6 * float(original.abs().max()))

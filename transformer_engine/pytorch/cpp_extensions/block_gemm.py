@@ -13,13 +13,14 @@ along the tokens).
 
 Paths:
 
-* **native**: CUDA devices of compute capability 9.x, K a multiple of 128, N a multiple of 16.
+* **native**: CUDA devices of compute capability 9.x, N a multiple of 16.
   First the native library's ``nvte_block_scaled_gemm``: cuBLASLt (the copy PyTorch loaded,
   12.9 or later) with the scales as they are, 1x128 tiles (``VEC128_32F``) and 128x128 blocks
   (``BLK128x128_32F``), so the weight keeps its 128x128 scales (fprop and dgrad about a third
-  faster than the 1x128 by 1x128 kernel on an H200: ``benchmarks/linear/benchmark_block_gemm.py``).
-  Without the native library or a usable cuBLASLt: ``torch._scaled_mm``'s 1x128 by 1x128
-  blockwise kernel, with float32 scale tensors whose shapes select that mode (first operand
+  faster than the 1x128 by 1x128 kernel on an H200: ``benchmarks/linear/benchmark_block_gemm.py``);
+  K not a multiple of 128 or M not a multiple of 4 on zero-padded copies of the FP8 operands.
+  Without the native library or a usable cuBLASLt (K a multiple of 128 there):
+  ``torch._scaled_mm``'s 1x128 by 1x128 blockwise kernel, with float32 scale tensors whose shapes select that mode (first operand
   ``[rows, ceil(K/128)]`` outer-dim-major, second ``[ceil(K/128), rows]``), which needs CUDA
   12.9+ in PyTorch's build; a 128x128-block operand runs there as the 1x128 operand it equals
   (the same FP8 bytes, each row taking its block's scale: its ``[ceil(rows/128), kb]`` scales
@@ -141,11 +142,17 @@ _WORKSPACE_BYTES = 32 * 1024 * 1024
 def _cublaslt_product(x, xs, x2d, y, ys, y2d, mm_dtype, bias):
     """The native library's cuBLASLt block GEMM (``nvte_block_scaled_gemm``), which takes a
     128x128-block operand as it is, or ``None`` when it does not run this problem (no native
-    library, no usable cuBLASLt, an operand it does not take, or no cuBLASLt kernel)."""
+    library, no usable cuBLASLt, an operand it does not take, or no cuBLASLt kernel).
+
+    cuBLASLt takes K a multiple of 128 and (13.1, on an H200) M a multiple of 4; other problems
+    (a mixture-of-experts GEMM's token count, say) run on zero-padded copies of the operands:
+    zero rows and columns leave the product unchanged, and the GEMM_READY scales already cover
+    them (their padding entries are zero), so only the FP8 bytes are copied."""
     native = native_module()  # no warning when absent: torch._scaled_mm takes the GEMM then
     if native is None or not _cublaslt_usable(native):
         return None
-    m, n = x.shape[0], y.shape[0]
+    m, k = x.shape
+    n = y.shape[0]
     if (
         n % 16
         or (x2d and y2d)
@@ -154,18 +161,31 @@ def _cublaslt_product(x, xs, x2d, y, ys, y2d, mm_dtype, bias):
         or not (xs.is_contiguous() and ys.is_contiguous())
     ):
         return None
-    x, y = x.contiguous(), y.contiguous()
+    rows, depth = -(-m // 4) * 4, -(-k // _BLOCK) * _BLOCK
+    x, y = _zero_padded(x, rows, depth), _zero_padded(y, n, depth)
     if (x.data_ptr() | y.data_ptr() | xs.data_ptr() | ys.data_ptr()) % 16:
         return None
     if bias is not None and (not bias.is_contiguous() or bias.data_ptr() % 16):
         bias = bias.clone(memory_format=torch.contiguous_format)  # a fresh, aligned copy
-    out = torch.empty((m, n), dtype=mm_dtype, device=x.device)
+    out = torch.empty((rows, n), dtype=mm_dtype, device=x.device)
     workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=x.device)
     ran = native.block_scaled_gemm(
         tensor_arg(x), tensor_arg(xs), x2d, tensor_arg(y), tensor_arg(ys), y2d, tensor_arg(bias),
         tensor_arg(out), tensor_arg(workspace), *launch_args(x.device),
     )  # fmt: skip
-    return out if ran else None
+    if not ran:
+        return None
+    return out if rows == m else out[:m]
+
+
+def _zero_padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``t`` contiguous, in the top-left corner of a zero ``[rows, cols]`` matrix when it is
+    smaller."""
+    if t.shape == (rows, cols):
+        return t.contiguous()
+    padded = torch.zeros((rows, cols), dtype=t.dtype, device=t.device)
+    padded[: t.shape[0], : t.shape[1]].copy_(t)
+    return padded
 
 
 _cublaslt_state: list = []  # [usable]: asked once per process
@@ -184,16 +204,17 @@ def _native_product(x, xs, x2d, y, ys, y2d, mm_dtype, bias=None):
     before the one rounding): cuBLASLt's block GEMM through the native library, else
     ``torch._scaled_mm`` blockwise; ``None`` when neither runs this kind here."""
     device = x.device
-    if device.type != "cuda" or x.shape[1] % _BLOCK or x.shape[1] == 0:
+    if device.type != "cuda" or x.shape[1] == 0 or x.shape[0] == 0 or y.shape[0] == 0:
         return None
     cc = device_compute_capability(device)
-    if cc is None or cc[0] != 9 or x.shape[0] == 0 or y.shape[0] == 0:
+    if cc is None or cc[0] != 9:
         return None
     product = _cublaslt_product(x, xs, x2d, y, ys, y2d, mm_dtype, bias)
     if product is not None:
         return product
     key = (device.index, x2d, y2d, mm_dtype, bias is not None)
-    if key in _refused or y.shape[0] % 16:  # torch._scaled_mm needs N % 16 == 0 too
+    # torch._scaled_mm's blockwise mode needs K % 128 == 0 and N % 16 == 0
+    if key in _refused or x.shape[1] % _BLOCK or y.shape[0] % 16:
         return None
     scale_a, scale_b = _scaled_mm_scales(x, xs, x2d, y, ys, y2d)
     try:
