@@ -308,9 +308,11 @@ def test_layernorm_linear_parameters_split(recipe_name, split):
     module = randomize(LayerNormLinear(32, 48, parameters_split=split, device="cpu"))
     names = [n for n, _ in module.named_parameters()]
     prefixes = ["query", "key", "value"] if isinstance(split, tuple) else ["q", "kv"]
+    # upstream's order: the norm's parameters, every split weight, then every split bias
     expected = ["layer_norm_weight", "layer_norm_bias"]
-    for prefix in prefixes:
-        expected += [f"{prefix}_weight", f"{prefix}_bias"]
+    expected += [f"{prefix}_weight" for prefix in prefixes] + [
+        f"{prefix}_bias" for prefix in prefixes
+    ]
     assert names == expected
     if isinstance(split, dict):
         assert module.kv_weight.shape == (32, 32) and module.q_bias.shape == (16,)

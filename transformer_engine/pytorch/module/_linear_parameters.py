@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from ._contiguous_parameters import as_one_tensor
+
 __all__ = [
     "check_single_process_arguments",
     "check_features",
@@ -79,26 +81,36 @@ def register_linear_parameters(
             "parameters_split cannot be combined with fuse_wgrad_accumulation=True: the split "
             "weights are separate parameters, so there is no single main_grad to accumulate into"
         )
-    for split, rows in module.sizes.items():
-        prefix = f"{split}_" if split else ""
-        w = torch.empty(rows, in_features, dtype=params_dtype, device=device)
+    # All the weights, then all the biases, as upstream registers them (the order of
+    # ``parameters()``, which an optimizer's state follows); a split's weights (and biases) are
+    # row ranges of one buffer, kept so by reset_parameters and moves (_contiguous_parameters).
+    prefixes = [f"{split}_" if split else "" for split in module.sizes]
+    rows = list(module.sizes.values())
+    weights = torch.empty(out_features, in_features, dtype=params_dtype, device=device)
+    for prefix, w in zip(prefixes, weights.split(rows, dim=0)):
         module.register_parameter(
             f"{prefix}weight", torch.nn.Parameter(w), init_fn=init_method,
-            fp8_meta_index=None if split else fp8_meta_index,
+            fp8_meta_index=None if prefix else fp8_meta_index,
         )  # fmt: skip
-        if bias:
-            b = torch.empty(rows, dtype=params_dtype, device=device)
+    if bias:
+        biases = torch.empty(out_features, dtype=params_dtype, device=device)
+        for prefix, b in zip(prefixes, biases.split(rows, dim=0)):
             module.register_parameter(f"{prefix}bias", torch.nn.Parameter(b), init_fn=None)
-        else:
+    else:
+        for prefix in prefixes:
             # No bias: an empty tensor, as upstream (no Parameter, not in the state dict).
             setattr(module, f"{prefix}bias", torch.empty(0, dtype=params_dtype, device=device))
+    if len(prefixes) > 1:
+        module._contiguous_parameter_groups = [[f"{p}weight" for p in prefixes]] + (
+            [[f"{p}bias" for p in prefixes]] if bias else []
+        )
 
 
 def linear_weight(module) -> torch.Tensor:
     """The whole weight (split parameters concatenated along the output dimension)."""
     if "" in module.sizes:
         return module.weight
-    return torch.cat([getattr(module, f"{n}_weight") for n in module.sizes], dim=0)
+    return as_one_tensor([getattr(module, f"{n}_weight") for n in module.sizes])
 
 
 def linear_bias(module) -> torch.Tensor | None:
@@ -107,4 +119,4 @@ def linear_bias(module) -> torch.Tensor | None:
         return None
     if "" in module.sizes:
         return module.bias
-    return torch.cat([getattr(module, f"{n}_bias") for n in module.sizes], dim=0)
+    return as_one_tensor([getattr(module, f"{n}_bias") for n in module.sizes])

@@ -32,6 +32,7 @@ from ..quantization import (
     RecipeState,
 )
 from ..quantized_tensor import QuantizedTensor
+from ._contiguous_parameters import group_views, repack_parameter_groups
 
 __all__ = ["TransformerEngineBaseModule", "resolve_module_device", "default_init_method"]
 
@@ -100,12 +101,16 @@ class TransformerEngineBaseModule(torch.nn.Module):
         """
         if defer_init:
             return
-        target = materialization_device()
+        target, device = materialization_device(), self.parameters_device()
+        # A split's parameters get their new storage as row ranges of one buffer.
+        grouped = group_views(self, target if device is None or device.type == "meta" else device)
         # First every parameter in high precision, so the module has a device ...
         for name, param in list(self.named_parameters(recurse=False)):
             init_fn = self.param_init_meta.get(name, (None, None))[0]
             device = param.device if param.device.type != "meta" else target
-            values = torch.empty(param.shape, dtype=param.dtype, device=device)
+            values = grouped.get(name)
+            if values is None or values.device != device:
+                values = torch.empty(param.shape, dtype=param.dtype, device=device)
             with torch.no_grad(), self._rng_context():
                 values.zero_() if init_fn is None else init_fn(values)
             self._replace_parameter(name, param, values)
@@ -238,9 +243,14 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.tp_group = tp_group
         self.tp_group_initialized = True
 
+    def __setstate__(self, state) -> None:  # deepcopy, unpickling: a split into one buffer
+        super().__setstate__(state)
+        repack_parameter_groups(self)
+
     def _apply(self, fn, *args, **kwargs):
         """Device moves carry the FP8 state along (values copied, never left behind)."""
         result = super()._apply(fn, *args, **kwargs)
+        repack_parameter_groups(self)
         for name, attributes in self._param_attributes.items():
             param = self._parameters.get(name)
             if param is not None:  # a move may have made new Parameter objects

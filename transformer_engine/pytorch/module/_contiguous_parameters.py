@@ -1,0 +1,108 @@
+"""Parameters that live side by side in one buffer: the split weights (and biases) of a
+``Linear`` / ``LayerNormLinear`` built with ``parameters_split``.
+
+Upstream keeps such a split's parameters as row ranges of one tensor, so that the layer can use
+them as one matrix without copying (and an optimizer or FSDP sees them adjacent). Here too: a
+module lists its groups in ``_contiguous_parameter_groups`` (names in row order); whenever the
+module gives its parameters new storage (``reset_parameters``, a device or dtype move) each
+group's parameters become views of one fresh buffer, and :func:`as_one_tensor` hands the group
+to a GEMM as one tensor: a view of that buffer, no copy, whose gradient is split back to the
+parameters. When the parameters were given separate storage by something else (a parameter
+assigned by hand, a framework that re-creates them), it concatenates them instead, as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["as_one_tensor", "group_views", "repack_parameter_groups"]
+
+
+def _back_to_back(parts) -> bool:
+    """Whether ``parts`` are contiguous, same-dtype row ranges laid out one after the other in
+    one storage (so that one view spans them all)."""
+    first = parts[0]
+    if type(first) not in (torch.Tensor, torch.nn.Parameter) or not first.is_contiguous():
+        return False
+    storage, trailing, dtype = first.untyped_storage().data_ptr(), first.shape[1:], first.dtype
+    offset = first.storage_offset() + first.numel()
+    for part in parts[1:]:
+        if (
+            type(part) not in (torch.Tensor, torch.nn.Parameter)
+            or part.dtype != dtype
+            or part.shape[1:] != trailing
+            or not part.is_contiguous()
+            or part.storage_offset() != offset
+            or part.untyped_storage().data_ptr() != storage
+        ):
+            return False
+        offset += part.numel()
+    return True
+
+
+class _RowRangesAsOne(torch.autograd.Function):
+    """The back-to-back ``parts`` as one tensor (a view of their storage); backward hands each
+    part its rows of the gradient."""
+
+    @staticmethod
+    def forward(ctx, rows: int, *parts):
+        ctx.rows = [part.shape[0] for part in parts]
+        first = parts[0]
+        # A view of the first part's storage (so it shares the parameters' version counter: an
+        # in-place update between forward and backward is caught as for any saved tensor).
+        return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *grad.split(ctx.rows, dim=0))
+
+
+def as_one_tensor(parts) -> torch.Tensor:
+    """``torch.cat(parts)`` along dim 0, as a view without a copy when the parts lie back to
+    back in one storage (gradients flow to each part either way)."""
+    if len(parts) == 1:
+        return parts[0]
+    if not _back_to_back(parts) or parts[0].dim() == 0:
+        return torch.cat(parts, dim=0)
+    rows = sum(part.shape[0] for part in parts)
+    if not torch.is_grad_enabled() or not any(part.requires_grad for part in parts):
+        first = parts[0]
+        return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+    return _RowRangesAsOne.apply(rows, *parts)
+
+
+def group_views(module, device: torch.device) -> dict:
+    """``{name: view}``: for each of ``module``'s parameter groups, uninitialized views of one
+    new buffer on ``device``, one per parameter, shaped and typed as the parameter."""
+    views = {}
+    for names in getattr(module, "_contiguous_parameter_groups", ()):
+        params = [module._parameters.get(name) for name in names]
+        if any(p is None for p in params) or len({p.dtype for p in params}) != 1:
+            continue
+        trailing = params[0].shape[1:]
+        if any(p.dim() == 0 or p.shape[1:] != trailing for p in params):
+            continue
+        rows = [p.shape[0] for p in params]
+        buffer = torch.empty((sum(rows), *trailing), dtype=params[0].dtype, device=device)
+        views.update(zip(names, buffer.split(rows, dim=0)))
+    return views
+
+
+def repack_parameter_groups(module) -> None:
+    """After a move that gave each parameter of a group its own storage: put the group back
+    into one buffer (values copied; the Parameter objects, and so optimizers' references to
+    them, stay). Groups of other tensor types, or on the meta device, are left as they are."""
+    for names in getattr(module, "_contiguous_parameter_groups", ()):
+        params = [module._parameters.get(name) for name in names]
+        if any(p is None or type(p) is not torch.nn.Parameter for p in params):
+            continue
+        if _back_to_back(params) or len({(p.device, p.dtype) for p in params}) != 1:
+            continue
+        if params[0].device.type == "meta" or params[0].dim() == 0:
+            continue
+        if any(p.shape[1:] != params[0].shape[1:] for p in params):
+            continue
+        with torch.no_grad():
+            buffer = torch.cat([p.detach() for p in params], dim=0)
+        for param, view in zip(params, buffer.split([p.shape[0] for p in params], dim=0)):
+            param.data = view
