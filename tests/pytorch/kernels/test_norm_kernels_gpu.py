@@ -33,10 +33,12 @@ pytestmark = [
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # (5, 8200): the forward's teams of three vectors a thread with the third one a single vector.
+# (700, 10240): those teams staging each next row in shared memory, more rows than the resident
+# teams, so every team walks several rows through both buffers (the last vector padding).
 # (1, 64), (19, 136), (37, 256): the forward's half-warp teams (H <= 256), an odd row count so
 # that the two teams of a warp walk different numbers of rows; 136: a second vector on one lane.
 SHAPES = [(1, 1), (3, 7), (17, 33), (1, 64), (19, 136), (37, 256), (128, 1024), (257, 4096),
-          (64, 8192), (5, 8200), (8, 12288), (3, 40000), (0, 64)]  # fmt: skip
+          (64, 8192), (5, 8200), (8, 12288), (700, 10240), (3, 40000), (0, 64)]  # fmt: skip
 # One rounding of the output dtype (float32: accumulated float32 arithmetic over long rows).
 RTOL = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 1e-5}
 EPS = 1e-5

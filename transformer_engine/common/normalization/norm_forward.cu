@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 
@@ -26,6 +27,7 @@
 #include "normalization/norm_cast_transpose.h"
 #include "normalization/norm_common.cuh"
 #include "transformer_engine/normalization.h"
+#include "util/cp_async.cuh"
 
 namespace transformer_engine {
 namespace norm_detail {
@@ -137,6 +139,18 @@ __device__ __forceinline__ float fwd_scale(const FwdParams& p) {
   }
 }
 
+/* Teams of three vectors a thread (rows of 8193-12288 16-bit elements) have no registers left
+ * for the next row; kStage: they stage it in shared memory instead, with cp.async (two buffers of
+ * the block's vectors, alternating rows), so its loads are in flight while the current row's sums
+ * and output are worked out (launch_forward says when). */
+template <class Cfg, typename IType>
+constexpr bool kMayStage = sizeof(IType) == 2 && Cfg::kVecs == 3;
+
+template <class Cfg>
+constexpr int staged_row_bytes() {
+  return 2 * Cfg::kVecs * Cfg::kThreads * 16;
+}
+
 /* The register-team kernel's rows (p.vec: whole 16-byte vectors). Team k of block b takes rows
  * b * kTeams + k, then every gridDim.x * kTeams-th row after it: one 64-bit add a row, where
  * groups of rows a block had cost a fifth more instructions in the loop. With 16-bit inputs each
@@ -146,8 +160,8 @@ __device__ __forceinline__ float fwd_scale(const FwdParams& p) {
  * kernels are bound by the instructions they issue (ncu: a scheduler issues in about 80% of
  * cycles), so converting once, the exact reciprocal of H and the uniform branches in emit() count.
  */
-template <class Cfg, typename IType, bool kFp8>
-__device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, float* scratch) {
+template <class Cfg, typename IType, bool kFp8, bool kStage>
+__device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, float* scratch, uint4* stage) {
   constexpr bool kVecIO = true;
   constexpr int kTeam = Cfg::kTeam, kVecs = Cfg::kVecs, kThreads = Cfg::kThreads;
   constexpr int kTeams = Cfg::kTeams;
@@ -168,15 +182,43 @@ __device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, float* scratch
       fetch_raw<IType, kVecIO>(xr + c, vec_count(c, p.H), raw[v]);
     }
   };
-  // 16-bit rows of up to 2 vectors a thread prefetch the next one (more take too many registers).
+  // 16-bit rows of up to 2 vectors a thread prefetch the next one (more take too many registers:
+  // three are staged in shared memory).
   constexpr bool kPrefetch = sizeof(IType) == 2 && kVecs <= 2;
+  constexpr bool kStaged = kStage && kMayStage<Cfg, IType>;
+  auto stage_row = [&](size_t row, int buf) {
+    const IType* xr = x_base + row * static_cast<size_t>(p.H);
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int c = (v * kTeam + t) * kVec;
+      const bool inside = c < p.H;  // whole vectors (p.vec); outside: 16 zero bytes
+      cp_async_16(stage + (buf * kVecs + v) * kThreads + threadIdx.x, inside ? xr + c : x_base,
+                  inside ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+  int buf = 0;
   // The team's rows: row, row + stride, ... (`row` is uniform over a team, so the team
   // barriers see all of its threads).
   const size_t stride = static_cast<size_t>(gridDim.x) * kTeams;
   size_t row = static_cast<size_t>(blockIdx.x) * kTeams + team;
   if (kPrefetch && row < p.rows) fetch_row(row);
+  if (kStaged && row < p.rows) stage_row(row, 0);
   for (; row < p.rows; row += stride) {
-    if (!kPrefetch) fetch_row(row);
+    if constexpr (kStaged) {
+      // Each thread reads back only the vectors it staged itself: no barrier needed. The other
+      // buffer was read a row ago, before that row's team barriers.
+      cp_async_wait<0>();
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        const uint4 u = stage[(buf * kVecs + v) * kThreads + threadIdx.x];
+        raw[v].w[0] = u.x, raw[v].w[1] = u.y, raw[v].w[2] = u.z, raw[v].w[3] = u.w;
+      }
+      if (row + stride < p.rows) stage_row(row + stride, buf ^ 1);
+      buf ^= 1;
+    } else if (!kPrefetch) {
+      fetch_row(row);
+    }
     // The row as float32, converted once (padding vectors are +0.0: they add nothing to the
     // sum and are skipped below).
     float xf[kVecs][kVec];
@@ -236,11 +278,12 @@ __device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, float* scratch
 
 /* At most 64 registers a thread: half the SM's threads resident, fwd_blocks_per_sm blocks. */
 constexpr int fwd_blocks_per_sm(int threads) { return 1024 / threads; }
-template <class Cfg, typename IType, bool kFp8>
+template <class Cfg, typename IType, bool kFp8, bool kStage>
 __global__ void __launch_bounds__(Cfg::kThreads, fwd_blocks_per_sm(Cfg::kThreads))
     norm_fwd_kernel(const FwdParams p) {
   __shared__ __align__(8) float scratch[kScratchFloats<Cfg::kThreads>];
-  norm_fwd_rows<Cfg, IType, kFp8>(p, scratch);
+  extern __shared__ uint4 stage[];  // kStage: staged_row_bytes<Cfg>()
+  norm_fwd_rows<Cfg, IType, kFp8, kStage>(p, scratch, stage);
 }
 
 /* Rows longer than the register teams: one block per row, three passes over x in global memory
@@ -301,9 +344,9 @@ __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const Fwd
  * elements a thread of a warp team, so half the per-row sums and loop work an element, and no
  * idle lanes at H <= 128; warp teams up to H = 512, teams of 2-8 warps above), up to 2 vectors of 8
  * a thread (64 registers without spills), so that a block keeps several rows in flight. Rows of
- * 8193-12288 take 3 vectors a thread, blocks of 512 two a SM, without the prefetch (which spilled):
- * 20-30% faster than one block of 1024 holding 2 each (docs/performance.md). Calls f(nullptr) past
- * the largest team (the looped kernel).
+ * 8193-12288 take 3 vectors a thread, blocks of 512 two a SM, the next row staged in shared memory
+ * (kStage; a register prefetch spilled): 20-30% faster than one block of 1024 holding 2 each
+ * (docs/performance.md). Calls f(nullptr) past the largest team (the looped kernel).
  */
 template <typename F>
 void dispatch_forward_team(int H, F&& f) {
@@ -352,9 +395,21 @@ void launch_forward(CallContext& ctx, FwdParams p) {
       const size_t resident =
           static_cast<size_t>(ctx.sm_count()) * fwd_blocks_per_sm(Cfg::kThreads);
       const size_t wanted = (p.rows + Cfg::kTeams - 1) / Cfg::kTeams;
-      norm_fwd_kernel<Cfg, IType, kFp8>
-          <<<static_cast<unsigned>(std::min(wanted, resident)), Cfg::kThreads, 0, ctx.stream()>>>(
-              p);
+      const unsigned blocks = static_cast<unsigned>(std::min(wanted, resident));
+      if constexpr (kMayStage<Cfg, IType>) {
+        // Staged, but for RMSNorm rows that fill all three vectors of every thread, which ran
+        // 3-5% faster without (on an H200: 4096 and 8192 x 12288; LayerNorm 9-20% faster
+        // staged at 9216-12288, RMSNorm 5-11% at 9216-10240; docs/performance.md).
+        if (!(p.rms && p.H == Cfg::kMaxH)) {
+          auto kernel = norm_fwd_kernel<Cfg, IType, kFp8, true>;
+          static std::atomic<uint64_t> done{0};  // per instantiation: once per device
+          allow_dynamic_smem(ctx, kernel, staged_row_bytes<Cfg>(), done);
+          kernel<<<blocks, Cfg::kThreads, staged_row_bytes<Cfg>(), ctx.stream()>>>(p);
+          ctx.check_launch("norm_fwd_kernel launch");
+          return;
+        }
+      }
+      norm_fwd_kernel<Cfg, IType, kFp8, false><<<blocks, Cfg::kThreads, 0, ctx.stream()>>>(p);
       ctx.check_launch("norm_fwd_kernel launch");
     }
   });
