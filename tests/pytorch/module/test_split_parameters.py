@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import transformer_engine.pytorch as te
+from transformer_engine.pytorch.module import _contiguous_parameters
 from transformer_engine.pytorch.module._linear_parameters import linear_bias, linear_weight
 
 SPLIT = ("query_", "key_", "value_")
@@ -19,6 +20,13 @@ def make(cls="Linear", bias=True, device="cpu", **kwargs):
     if cls == "Linear":
         return te.Linear(8, 24, bias=bias, parameters_split=SPLIT, device=device, **kwargs)
     return te.LayerNormLinear(8, 24, bias=bias, parameters_split=SPLIT, device=device, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def view_every_size(monkeypatch):
+    """These layers are tiny: take the no-copy view at every size (the default keeps it for
+    weights of 16 MiB and more; test_small_weights_are_concatenated)."""
+    monkeypatch.setattr(_contiguous_parameters, "VIEW_MIN_BYTES", 0)
 
 
 def parts(module, kind="weight"):
@@ -56,8 +64,20 @@ def test_split_parameters_share_one_buffer_and_the_gemm_takes_it_without_a_copy(
     assert one_buffer(parts(module)) and one_buffer(parts(module, "bias"))
     weight, bias = linear_weight(module), linear_bias(module)
     assert weight.shape == (24, 8) and weight.data_ptr() == module.query_weight.data_ptr()
-    assert bias.shape == (24,) and bias.data_ptr() == module.query_bias.data_ptr()
     assert torch.equal(weight, torch.cat(parts(module)))
+    # the bias is small: concatenated (less host time than a view's autograd node)
+    assert bias.shape == (24,) and torch.equal(bias, torch.cat(parts(module, "bias")))
+
+
+def test_small_weights_are_concatenated(monkeypatch):
+    monkeypatch.setattr(_contiguous_parameters, "VIEW_MIN_BYTES", 24 * 8 * 4 + 1)
+    module = make()
+    assert one_buffer(parts(module))
+    weight = linear_weight(module)
+    assert weight.data_ptr() != module.query_weight.data_ptr()
+    assert torch.equal(weight, torch.cat(parts(module)))
+    monkeypatch.setattr(_contiguous_parameters, "VIEW_MIN_BYTES", 24 * 8 * 4)
+    assert linear_weight(module).data_ptr() == module.query_weight.data_ptr()
 
 
 def _saved_tensors(module, x):

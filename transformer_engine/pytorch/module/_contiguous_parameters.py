@@ -18,57 +18,70 @@ import torch
 __all__ = ["as_one_tensor", "group_views", "repack_parameter_groups"]
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _back_to_back(parts) -> bool:
     """Whether ``parts`` are contiguous, same-dtype row ranges laid out one after the other in
-    one storage (so that one view spans them all)."""
+    one storage (so that one view spans them all). Runs every forward: plain attribute reads."""
     first = parts[0]
-    if type(first) not in (torch.Tensor, torch.nn.Parameter) or not first.is_contiguous():
+    if type(first) not in _PLAIN or first.dim() == 0 or not first.is_contiguous():
         return False
     storage, trailing, dtype = first.untyped_storage().data_ptr(), first.shape[1:], first.dtype
-    offset = first.storage_offset() + first.numel()
+    end = first.data_ptr() + first.numel() * first.element_size()
     for part in parts[1:]:
         if (
-            type(part) not in (torch.Tensor, torch.nn.Parameter)
+            type(part) not in _PLAIN
+            or part.data_ptr() != end
             or part.dtype != dtype
             or part.shape[1:] != trailing
             or not part.is_contiguous()
-            or part.storage_offset() != offset
             or part.untyped_storage().data_ptr() != storage
         ):
             return False
-        offset += part.numel()
+        end += part.numel() * part.element_size()
     return True
 
 
 class _RowRangesAsOne(torch.autograd.Function):
-    """The back-to-back ``parts`` as one tensor (a view of their storage); backward hands each
-    part its rows of the gradient."""
+    """``whole`` (a view spanning the back-to-back ``parts``) as the differentiable tensor of
+    the parts: backward hands each part its rows of the gradient."""
 
     @staticmethod
-    def forward(ctx, rows: int, *parts):
+    def forward(ctx, whole, *parts):
         ctx.rows = [part.shape[0] for part in parts]
-        first = parts[0]
-        # A view of the first part's storage (so it shares the parameters' version counter: an
-        # in-place update between forward and backward is caught as for any saved tensor).
-        return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+        return whole.view_as(whole)
 
     @staticmethod
     def backward(ctx, grad):
         return (None, *grad.split(ctx.rows, dim=0))
 
 
+# Below this size the GEMM concatenates the parts even when they lie back to back: the copy
+# then costs the GPU almost nothing and less host time than the view's autograd node (a Python
+# autograd Function, about 20-40 us a forward + backward on a CPU where torch.cat takes 3-5 us),
+# which a small, host-bound layer would pay every step. 16 MiB: a BF16 QKV weight of hidden
+# size 1672 and up takes the view.
+VIEW_MIN_BYTES = 16 << 20
+
+
 def as_one_tensor(parts) -> torch.Tensor:
     """``torch.cat(parts)`` along dim 0, as a view without a copy when the parts lie back to
-    back in one storage (gradients flow to each part either way)."""
+    back in one storage and together hold at least :data:`VIEW_MIN_BYTES` (gradients flow to
+    each part either way)."""
     if len(parts) == 1:
         return parts[0]
-    if not _back_to_back(parts) or parts[0].dim() == 0:
+    first = parts[0]
+    small = sum(part.numel() for part in parts) * first.element_size() < VIEW_MIN_BYTES
+    if small or not _back_to_back(parts):
         return torch.cat(parts, dim=0)
     rows = sum(part.shape[0] for part in parts)
+    # A view of the first part's storage, so it shares the parameters' version counter: an
+    # in-place update between forward and backward is caught as for any saved tensor.
+    whole = first.detach().as_strided((rows, *first.shape[1:]), first.stride())
     if not torch.is_grad_enabled() or not any(part.requires_grad for part in parts):
-        first = parts[0]
-        return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
-    return _RowRangesAsOne.apply(rows, *parts)
+        return whole
+    return _RowRangesAsOne.apply(whole, *parts)
 
 
 def group_views(module, device: torch.device) -> dict:
