@@ -5,10 +5,11 @@ Upstream keeps such a split's parameters as row ranges of one tensor, so that th
 them as one matrix without copying (and an optimizer or FSDP sees them adjacent). Here too: a
 module lists its groups in ``_contiguous_parameter_groups`` (names in row order); whenever the
 module gives its parameters new storage (``reset_parameters``, a device or dtype move) each
-group's parameters become views of one fresh buffer, and :func:`as_one_tensor` hands the group
-to a GEMM as one tensor: a view of that buffer, no copy, whose gradient is split back to the
-parameters. When the parameters were given separate storage by something else (a parameter
-assigned by hand, a framework that re-creates them), it concatenates them instead, as before.
+group's parameters become views of one fresh buffer, and :func:`as_one_tensor` hands a group of
+at least :data:`VIEW_MIN_BYTES` to a GEMM as one tensor: a view of that buffer, no copy, whose
+gradient is split back to the parameters. Smaller groups, and parameters given separate storage
+by something else (a parameter assigned by hand, a framework that re-creates them), are
+concatenated instead, as before.
 """
 
 from __future__ import annotations
