@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from transformer_engine.pytorch.cpp_extensions import block_gemm
+from transformer_engine.pytorch.cpp_extensions._fp8_padding import zero_padded_fp8
 from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
 
 E4M3 = torch.float8_e4m3fn
@@ -120,7 +121,7 @@ def test_the_zero_padded_operands_have_the_same_product(m, k):
     # The padded problem, multiplied by the exact emulation, equals the original's product.
     (x, xs, x2d), (y, ys, y2d) = operand(m, k, False), operand(384, k, True)
     rows, depth = -(-m // 4) * 4, -(-k // 128) * 128
-    xp, yp = block_gemm._zero_padded(x, rows, depth), block_gemm._zero_padded(y, 384, depth)
+    xp, yp = zero_padded_fp8(x, rows, depth), zero_padded_fp8(y, 384, depth)
     assert torch.equal(xp[:m, :k].view(torch.uint8), x.view(torch.uint8))
     assert not xp[m:].view(torch.uint8).any() and not xp[:, k:].view(torch.uint8).any()
     padded = block_gemm._emulated_product(xp, xs, x2d, yp, ys, y2d)[:m]

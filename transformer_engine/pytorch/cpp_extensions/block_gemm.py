@@ -20,9 +20,9 @@ Paths:
   faster than the 1x128 by 1x128 kernel on an H200: ``benchmarks/linear/benchmark_block_gemm.py``);
   K not a multiple of 128 or M not a multiple of 4 on zero-padded copies of the FP8 operands.
   Without the native library or a usable cuBLASLt (K a multiple of 128 there):
-  ``torch._scaled_mm``'s 1x128 by 1x128 blockwise kernel, with float32 scale tensors whose shapes select that mode (first operand
-  ``[rows, ceil(K/128)]`` outer-dim-major, second ``[ceil(K/128), rows]``), which needs CUDA
-  12.9+ in PyTorch's build; a 128x128-block operand runs there as the 1x128 operand it equals
+  ``torch._scaled_mm``'s 1x128 by 1x128 blockwise kernel, with float32 scale tensors whose
+  shapes select that mode (first operand ``[rows, ceil(K/128)]`` outer-dim-major, second
+  ``[ceil(K/128), rows]``), which needs CUDA 12.9+ in PyTorch's build; a 128x128-block operand runs there as the 1x128 operand it equals
   (the same FP8 bytes, each row taking its block's scale: its ``[ceil(rows/128), kb]`` scales
   repeated 128 times along the rows), so every element is scaled exactly as in its block.
   (torch 2.11's own 128x128 mode returned wrong products on the H200 for every scale layout it
@@ -47,6 +47,7 @@ import torch
 from ...common.native import native_module
 from .. import reference_blocks
 from ..device import device_compute_capability
+from ._fp8_padding import zero_padded_fp8
 from ._routing import launch_args, tensor_arg
 from .block_cast import float8_block_scale_shape
 from .fp8_gemm_cpu import bf16_math_is_exact, float32_product_of_fp8_values
@@ -162,7 +163,7 @@ def _cublaslt_product(x, xs, x2d, y, ys, y2d, mm_dtype, bias):
     ):
         return None
     rows, depth = -(-m // 4) * 4, -(-k // _BLOCK) * _BLOCK
-    x, y = _zero_padded(x, rows, depth), _zero_padded(y, n, depth)
+    x, y = zero_padded_fp8(x, rows, depth), zero_padded_fp8(y, n, depth)
     if (x.data_ptr() | y.data_ptr() | xs.data_ptr() | ys.data_ptr()) % 16:
         return None
     if bias is not None and (not bias.is_contiguous() or bias.data_ptr() % 16):
@@ -176,16 +177,6 @@ def _cublaslt_product(x, xs, x2d, y, ys, y2d, mm_dtype, bias):
     if not ran:
         return None
     return out if rows == m else out[:m]
-
-
-def _zero_padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """``t`` contiguous, in the top-left corner of a zero ``[rows, cols]`` matrix when it is
-    smaller."""
-    if t.shape == (rows, cols):
-        return t.contiguous()
-    padded = torch.zeros((rows, cols), dtype=t.dtype, device=t.device)
-    padded[: t.shape[0], : t.shape[1]].copy_(t)
-    return padded
 
 
 _cublaslt_state: list = []  # [usable]: asked once per process

@@ -45,6 +45,7 @@ from ..constants import HIGH_PRECISION_DTYPES
 from ..device import check_same_device, reject_meta
 from . import fp8_gemm_cpu, hp_gemm_cpu
 from ._autocast_off import autocast_off
+from ._fp8_padding import zero_padded_fp8
 from ._validation import check_dtype, check_output, check_tensor
 from .block_gemm import block_general_gemm, is_block_float8_operand
 from .float8_gemm_operand import CheckedFloat8Operand, Float8GemmOperand, is_float8_operand
@@ -105,12 +106,6 @@ def _check_fp8_dims(layout: str, n: int) -> None:
         )
 
 
-def _pad_k(t: torch.Tensor, pad: int) -> torch.Tensor:
-    """``t`` (FP8, ``[rows, K]``) with ``pad`` zero columns appended. Padded through a uint8 view
-    (torch's pad has no FP8 kernels); a zero byte is +0.0 in E4M3 and E5M2."""
-    return torch.nn.functional.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)
-
-
 def _fp8_matrices(
     layout: str, a: CheckedFloat8Operand, b: CheckedFloat8Operand, m: int, n: int, k: int
 ):
@@ -162,7 +157,8 @@ def _fp8_gemm(x, y, x_scale_inv, y_scale_inv, *, out_dtype, bias, alpha, fast_ac
             # length of X and Y) a multiple of 16. The wgrad GEMM reduces over the tokens, which
             # may be any count, so both operands get zero columns up to the next multiple: each
             # added term is 0 * 0 = +0.0, so the product is exactly unchanged.
-            x, y = _pad_k(x, pad), _pad_k(y, pad)
+            k = x.shape[1] + pad
+            x, y = zero_padded_fp8(x, x.shape[0], k), zero_padded_fp8(y, y.shape[0], k)
         product = torch._scaled_mm(
             x,
             y.t(),

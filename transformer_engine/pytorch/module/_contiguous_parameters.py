@@ -85,19 +85,28 @@ def as_one_tensor(parts) -> torch.Tensor:
     return _RowRangesAsOne.apply(whole, *parts)
 
 
+def _groups(module):
+    """``(names, parameters)`` of each of ``module``'s groups that one buffer can hold: every
+    parameter present, at least 1-D, of one dtype and one row shape."""
+    for names in getattr(module, "_contiguous_parameter_groups", ()):
+        params = [module._parameters.get(name) for name in names]
+        if any(p is None or p.dim() == 0 for p in params):
+            continue
+        first = params[0]
+        if any(p.dtype != first.dtype or p.shape[1:] != first.shape[1:] for p in params):
+            continue
+        yield names, params
+
+
 def group_views(module, device: torch.device) -> dict:
     """``{name: view}``: for each of ``module``'s parameter groups, uninitialized views of one
     new buffer on ``device``, one per parameter, shaped and typed as the parameter."""
     views = {}
-    for names in getattr(module, "_contiguous_parameter_groups", ()):
-        params = [module._parameters.get(name) for name in names]
-        if any(p is None for p in params) or len({p.dtype for p in params}) != 1:
-            continue
-        trailing = params[0].shape[1:]
-        if any(p.dim() == 0 or p.shape[1:] != trailing for p in params):
-            continue
+    for names, params in _groups(module):
         rows = [p.shape[0] for p in params]
-        buffer = torch.empty((sum(rows), *trailing), dtype=params[0].dtype, device=device)
+        buffer = torch.empty(
+            (sum(rows), *params[0].shape[1:]), dtype=params[0].dtype, device=device
+        )
         views.update(zip(names, buffer.split(rows, dim=0)))
     return views
 
@@ -106,15 +115,12 @@ def repack_parameter_groups(module) -> None:
     """After a move that gave each parameter of a group its own storage: put the group back
     into one buffer (values copied; the Parameter objects, and so optimizers' references to
     them, stay). Groups of other tensor types, or on the meta device, are left as they are."""
-    for names in getattr(module, "_contiguous_parameter_groups", ()):
-        params = [module._parameters.get(name) for name in names]
-        if any(p is None or type(p) is not torch.nn.Parameter for p in params):
+    for _, params in _groups(module):
+        if any(type(p) is not torch.nn.Parameter for p in params):
             continue
-        if _back_to_back(params) or len({(p.device, p.dtype) for p in params}) != 1:
+        if len({p.device for p in params}) != 1 or params[0].device.type == "meta":
             continue
-        if params[0].device.type == "meta" or params[0].dim() == 0:
-            continue
-        if any(p.shape[1:] != params[0].shape[1:] for p in params):
+        if _back_to_back(params):
             continue
         with torch.no_grad():
             buffer = torch.cat([p.detach() for p in params], dim=0)
