@@ -263,10 +263,13 @@ def test_backward_matches_float64(shape, wdtype_is_x, dtype, zero_centered, rms)
     assert torch.equal(dx2, dx) and torch.equal(dgamma2, dgamma)
 
 
-# Long rows, with more rows than the persistent grid has blocks (264 on an H200), so every block
-# adds several rows into its column partials: the wide-row team (16-bit, H in (8192, 16384],
-# partials in shared memory) and the looped kernel (longer rows, H % 8 != 0, float32 past 8192).
+# Long rows, with more rows than the persistent grid has blocks (132 or 264 on an H200), so every
+# block adds several rows into its column partials: the staged kernel (16-bit, H in (8192, 16384],
+# each next row staged in shared memory; 3 vectors a thread up to 12288, else 4; 13320 and 9224
+# leave the last vectors of the team as padding, and 133 rows give one block a second row) and
+# the looped kernel (longer rows, H % 8 != 0, float32 past 8192).
 LONG_ROW_CASES = [((600, 12288), torch.bfloat16), ((600, 16384), torch.float16),
+                  ((400, 13320), torch.bfloat16), ((133, 9224), torch.float16),
                   ((300, 20000), torch.bfloat16), ((300, 20003), torch.bfloat16),
                   ((300, 12288), torch.float32)]  # fmt: skip
 
@@ -290,8 +293,8 @@ def test_backward_of_long_rows_matches_float64(shape, dtype, rms):
 
 
 def test_backward_of_a_wider_row_after_a_narrower_one():
-    """The wide-row kernel's shared-memory limit is set once per device: a later call with wider
-    rows (more shared memory) must still launch."""
+    """The staged kernels' shared-memory limits are set once per kernel and device: calls that
+    alternate between the two (3 and 4 vectors a thread) must each launch."""
     for hidden in (9216, 16384, 12288):
         x, w, b, dz = make_case((4, hidden), torch.bfloat16, torch.bfloat16, False, False, seed=4)
         _, mean, rsigma = norm_forward(x, w, b, EPS, False, rms=False)
@@ -341,7 +344,7 @@ def test_workspace_at_an_unaligned_address_gives_the_same_bits(shape, rms):
     """The kernels access the workspace's partial column sums 16 bytes at a time only where it
     is 16-byte aligned (the wrappers allocate it so); a caller's workspace at a 4-byte offset
     takes 4-byte accesses and must give the same dx, dgamma and dbeta bits (warp teams, one team
-    a block, the wide-row team, the looped kernel)."""
+    a block, the staged kernel, the looped kernel)."""
     x, w, b, dz = make_case(shape, torch.bfloat16, torch.float32, rms, False, seed=3)
     _, mean, rsigma = norm_forward(x, w, b, EPS, False, rms=rms)
     expected = norm_backward(dz, x, mean, rsigma, w, False, rms=rms, with_dbeta=not rms)

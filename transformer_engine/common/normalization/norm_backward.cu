@@ -8,11 +8,12 @@
  *    accumulates, in float32 registers, dz * xhat and dz for the columns it owns, over all the
  *    rows its block takes; at the end the block's teams add theirs up in shared memory (in team
  *    order) and the block writes one row of partial dgamma and one of partial dbeta into the
- *    workspace, [blocks, H] each. Rows of 8193-16384 16-bit elements take the wide-row team
- *    (4 vectors a thread), whose column sums live in shared memory instead of registers, each
- *    element owned by one thread. Longer rows, and float32 or odd-width rows past 8192, go
- *    through a looped kernel that reads x and dz twice and accumulates straight into its block's
- *    workspace row (each element has one owning thread, so no atomics).
+ *    workspace, [blocks, H] each. Rows of 8193-16384 16-bit elements take the staged kernel
+ *    instead (norm_backward_staged.cuh: 3 or 4 vectors a thread, the next row staged in shared
+ *    memory, the same partial rows) where the device's shared memory holds a staged row. Longer
+ *    rows, and float32 or odd-width rows past 8192, go through a looped kernel that reads x and
+ *    dz twice and accumulates straight into its block's workspace row (each element has one
+ *    owning thread, so no atomics).
  * 2. norm_bwd_finalize_kernel: adds the blocks' partial rows up column by column, in a fixed
  *    order independent of scheduling (deterministic), and writes dgamma/dbeta in gamma's dtype.
  */
@@ -24,6 +25,8 @@
 #include <vector>
 
 #include "cast/dispatch.cuh"
+#include "normalization/norm_backward_math.cuh"
+#include "normalization/norm_backward_staged.cuh"
 #include "normalization/norm_common.cuh"
 #include "transformer_engine/normalization.h"
 
@@ -41,72 +44,9 @@ constexpr int kFinalSlices = 16;  // threads adding up one column's partials, in
  * persistent blocks would double the time). At most kBlocksPerSm: the workspace bound. */
 constexpr int bwd_blocks_per_sm(int threads) { return threads >= 512 ? 1 : kBlocksPerSm; }
 
-struct BwdParams {
-  const void* dz;
-  const void* x;
-  const float* mean;  // null for RMSNorm
-  const float* rsigma;
-  const void* gamma;
-  void* dx;
-  float* part_dgamma;  // [blocks, H]
-  float* part_dbeta;   // [blocks, H], or null
-  size_t rows;
-  int H;
-  bool zero_centered;
-  bool vec;
-  // vec, and the workspace 16-byte aligned: the partial rows are read and written 16 bytes at a
-  // time. Consecutive threads own consecutive runs of 8 columns, so 4-byte stores would touch
-  // eight 32-byte sectors per warp instruction: on an H200 they cost the kernel 6-9 us per sum at
-  // H = 4096 (every block writes its rows at the end), a fifth of LayerNorm's backward at
-  // 8192 x 4096.
-  bool vec_parts;
-};
-
-/* The per-row arithmetic of one vector: x becomes xhat and dz becomes dy; the column partials
- * and the row sums take their share. Padding (dz = 0) adds nothing anywhere. */
-template <typename WType>
-__device__ __forceinline__ void row_vector(const BwdParams& p, int c, int n, float mu, float rs,
-                                           float (&x)[kVec], float (&dz)[kVec], float (&dg)[kVec],
-                                           float (&db)[kVec], float& s_dy, float& s_dyx) {
-  float g[kVec];
-  load_vec(static_cast<const WType*>(p.gamma) + c, p.vec, n, g);
-  make_effective_gamma(g, p.zero_centered);
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    const float xhat = (x[j] - mu) * rs;
-    dg[j] += dz[j] * xhat;
-    db[j] += dz[j];
-    const float dy = dz[j] * g[j];
-    s_dy += dy;
-    s_dyx += dy * xhat;
-    x[j] = xhat;
-    dz[j] = dy;
-  }
-}
-
-__device__ __forceinline__ void dx_vector(float rs, float m_dy, float m_dyx,
-                                          const float (&xhat)[kVec], const float (&dy)[kVec],
-                                          float (&dx)[kVec]) {
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) dx[j] = rs * (dy[j] - m_dy - xhat[j] * m_dyx);
-}
-
-/* The wide-row team of three vectors runs two blocks a SM at 64 registers, which leave no room
- * for a second row: it loads each row when it reaches it (no next-row prefetch). */
-template <class Cfg, bool kSmemParts>
-constexpr bool kTwoWideBlocks = kSmemParts && Cfg::kVecs == 3;
-
-/* Blocks a SM of the register kernel. */
-template <class Cfg, bool kSmemParts>
-constexpr int bwd_kernel_blocks_per_sm() {
-  return kTwoWideBlocks<Cfg, kSmemParts> ? 2 : bwd_blocks_per_sm(Cfg::kThreads);
-}
-
-/* kSmemParts: the column partials live in dynamic shared memory ([2][H] floats, each element
- * owned by one thread) instead of registers, and xhat and dy are formed again for dx: what lets
- * rows of up to 16384 16-bit elements stay in registers (4 vectors a thread, blocks of 512). */
-template <class Cfg, typename IType, typename WType, bool kSmemParts>
-__global__ void __launch_bounds__(Cfg::kThreads, (bwd_kernel_blocks_per_sm<Cfg, kSmemParts>()))
+/* The register teams' kernel (rows of up to 8192 elements; the file comment says how). */
+template <class Cfg, typename IType, typename WType>
+__global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads))
     norm_bwd_kernel(const BwdParams p) {
   constexpr int kTeam = Cfg::kTeam, kVecs = Cfg::kVecs, kThreads = Cfg::kThreads;
   constexpr int kTeams = Cfg::kTeams;
@@ -117,30 +57,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, (bwd_kernel_blocks_per_sm<Cfg, 
   const int team = threadIdx.x / kTeam;
   const int t = threadIdx.x % kTeam;
   const float h = static_cast<float>(p.H);
-  extern __shared__ __align__(16) float smem_parts[];  // kSmemParts: dgamma's [H], dbeta's [H]
-  static_assert(!kSmemParts || kTeams == 1, "shared partials: one team a block");
-  float dg[kSmemParts ? 1 : kVecs][kVec] = {}, db[kSmemParts ? 1 : kVecs][kVec] = {};
-  if constexpr (kSmemParts) {
-#pragma unroll
-    for (int v = 0; v < kVecs; ++v) {
-      const int c = (v * kTeam + t) * kVec;
-      if (c < p.H) {  // p.vec: whole vectors
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) smem_parts[c + j] = smem_parts[p.H + c + j] = 0.0f;
-      }
-    }
-  }
+  float dg[kVecs][kVec] = {}, db[kVecs][kVec] = {};
   const IType* x_base = static_cast<const IType*>(p.x);
   const IType* dz_base = static_cast<const IType*>(p.dz);
   // 16-bit inputs keep xhat and dy for dx (below); float32 rows would take too many registers.
-  constexpr bool kKeep = sizeof(IType) == 2 && !kSmemParts;
+  constexpr bool kKeep = sizeof(IType) == 2;
   // The team's rows: row, row + stride, ... The next row's x, dz and statistics are loaded while
   // the current one is worked on (two rows of loads in flight per team); rows wait in registers
   // as raw bits. The kernel is bound by the instructions it issues, so (16-bit inputs) xhat and
   // dy stay in registers for dx rather than being formed again with a second read of gamma
   // (on an H200: 5-12% faster at 8192 x 8192 and 16384 x 2048 BF16, the same at 8192 x 4096).
   const size_t stride = static_cast<size_t>(gridDim.x) * kTeams;
-  constexpr bool kPrefetch = !kTwoWideBlocks<Cfg, kSmemParts>;
   RawVec<IType> rx[kVecs], rz[kVecs];
   float next_mu = 0.0f, next_rs = 0.0f;
   auto fetch = [&](size_t r) {
@@ -156,10 +83,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, (bwd_kernel_blocks_per_sm<Cfg, 
     next_rs = p.rsigma[r];
   };
   size_t row = static_cast<size_t>(blockIdx.x) * kTeams + team;
-  if (kPrefetch && row < p.rows) fetch(row);
+  if (row < p.rows) fetch(row);
   for (; row < p.rows; row += stride) {
     const size_t base = row * static_cast<size_t>(p.H);
-    if (!kPrefetch) fetch(row);
     RawVec<IType> cx[kVecs], cz[kVecs];
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
@@ -168,7 +94,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, (bwd_kernel_blocks_per_sm<Cfg, 
     }
     const float mu = next_mu;
     const float rs = next_rs;
-    if (kPrefetch && row + stride < p.rows) fetch(row + stride);
+    if (row + stride < p.rows) fetch(row + stride);
     float s_dy = 0.0f, s_dyx = 0.0f;
     // x and dz as float32, turned into xhat and dy in place (one vector's worth at a time
     // where they are formed again for dx).
@@ -185,34 +111,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, (bwd_kernel_blocks_per_sm<Cfg, 
         xv[j] = raw_elem(cx[v], j);
         dyv[j] = raw_elem(cz[v], j);
       }
-      if constexpr (kSmemParts) {
-        float pg[kVec] = {}, pb[kVec] = {};
-        row_vector<WType>(p, c, n, mu, rs, xv, dyv, pg, pb, s_dy, s_dyx);
-        // Inline rather than through add_partials (below): the same loads, stores and additions,
-        // scheduled differently, and 0.5-1% faster on an H200 at 4096 x 12288 and 4096 x 16384.
-        float4* sg = reinterpret_cast<float4*>(smem_parts + c);
-        float4* sb = reinterpret_cast<float4*>(smem_parts + p.H + c);
-#pragma unroll
-        for (int i = 0; i < kVec / 4; ++i) {
-          float4 a = sg[i], b = sb[i];
-          a.x += pg[4 * i], a.y += pg[4 * i + 1], a.z += pg[4 * i + 2], a.w += pg[4 * i + 3];
-          b.x += pb[4 * i], b.y += pb[4 * i + 1], b.z += pb[4 * i + 2], b.w += pb[4 * i + 3];
-          sg[i] = a;
-          sb[i] = b;
-        }
-      } else {
-        row_vector<WType>(p, c, n, mu, rs, xv, dyv, dg[v], db[v], s_dy, s_dyx);
-      }
+      row_vector<WType>(p, c, n, mu, rs, xv, dyv, dg[v], db[v], s_dy, s_dyx);
     }
-    // RMSNorm has no mean(dy) term; LayerNorm's two sums share one barrier.
-    float m_dy = 0.0f, m_dyx;
-    if (p.mean != nullptr) {
-      const float2 sums = team_sum2<kTeam, kThreads>(make_float2(s_dy, s_dyx), scratch, phase);
-      m_dy = sums.x / h;
-      m_dyx = sums.y / h;
-    } else {
-      m_dyx = team_sum<kTeam, kThreads>(s_dyx, scratch, phase) / h;
-    }
+    float m_dy, m_dyx;
+    row_means<kTeam, kThreads>(p, h, s_dy, s_dyx, scratch, phase, m_dy, m_dyx);
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
       const int c = (v * kTeam + t) * kVec;
@@ -222,15 +124,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, (bwd_kernel_blocks_per_sm<Cfg, 
       if constexpr (kKeep) {
         dx_vector(rs, m_dy, m_dyx, xhat[v], dy[v], dx);
       } else {
-        float x[kVec], dz[kVec], unused_g[kVec] = {}, unused_b[kVec] = {};
-        float unused0 = 0.0f, unused1 = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          x[j] = raw_elem(cx[v], j);
-          dz[j] = raw_elem(cz[v], j);
-        }
-        row_vector<WType>(p, c, n, mu, rs, x, dz, unused_g, unused_b, unused0, unused1);
-        dx_vector(rs, m_dy, m_dyx, x, dz, dx);
+        dx_from_raw<IType, WType>(p, c, n, mu, rs, m_dy, m_dyx, cx[v], cz[v], dx);
       }
       store_vec(static_cast<IType*>(p.dx) + base + c, p.vec, n, dx);
     }
@@ -242,21 +136,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, (bwd_kernel_blocks_per_sm<Cfg, 
 #pragma unroll
   for (int which = 0; which < 2; ++which) {
     if (dst[which] == nullptr) continue;
-    const float(&acc)[kSmemParts ? 1 : kVecs][kVec] = which == 0 ? dg : db;
-    if constexpr (kSmemParts) {
-#pragma unroll
-      for (int v = 0; v < kVecs; ++v) {
-        const int c = (v * kTeam + t) * kVec;
-        if (c < p.H) {  // p.vec: whole vectors
-          float part[kVec];
-          const float4* src = reinterpret_cast<const float4*>(smem_parts + which * p.H + c);
-          const float4 a = src[0], b = src[1];
-          part[0] = a.x, part[1] = a.y, part[2] = a.z, part[3] = a.w;
-          part[4] = b.x, part[5] = b.y, part[6] = b.z, part[7] = b.w;
-          store_vec(dst[which] + c, p.vec_parts, kVec, part);
-        }
-      }
-    } else if constexpr (kTeams == 1) {
+    const float(&acc)[kVecs][kVec] = which == 0 ? dg : db;
+    if constexpr (kTeams == 1) {
 #pragma unroll
       for (int v = 0; v < kVecs; ++v) {
         const int c = (v * kTeam + t) * kVec;
@@ -450,60 +331,48 @@ void dispatch_backward_team(int H, F&& f) {
   }
 }
 
-/* The teams of rows of 8193-16384 16-bit elements (kSmemParts): 4 vectors a thread, one block of
- * 512 a SM (on an H200 at 4096 x 16384 BF16: 0.52 of the copy, against 0.40 for teams of 1024
- * holding 2 vectors each, and 0.07 for the looped kernel); up to 12288 elements, 3 vectors a
- * thread, two blocks a SM, each row loaded when reached. */
-using WideRowTeam = TeamConfig<512, 4, 512>;
-using WideRowTeam3 = TeamConfig<512, 3, 512>;
+/* The staged kernel's teams (rows of 8193-16384 16-bit elements, norm_backward_staged.cuh): 3
+ * vectors a thread up to 12288 elements, else 4; one block of 512 a SM. */
+using StagedTeam3 = TeamConfig<512, 3, 512>;
+using StagedTeam4 = TeamConfig<512, 4, 512>;
 
 template <typename IType, typename WType>
 void launch_backward(CallContext& ctx, BwdParams p, WType* dgamma, WType* dbeta, int sm_count) {
   size_t blocks = 0;
   if (p.rows > 0) {
-    auto looped = [&]() {
-      blocks = backward_blocks(p.rows, 1, sm_count);
-      norm_bwd_looped_kernel<IType, WType>
-          <<<static_cast<unsigned>(blocks), kLoopThreads, 0, ctx.stream()>>>(p);
-      ctx.check_launch("norm_bwd_looped_kernel launch");
-    };
-    // Rows of 8193-16384 16-bit elements in whole vectors: the wide-row team, with the column
-    // partials in shared memory where the device lets a block take them (Hopper: 227 KiB; Ada's
-    // 99 KiB take them up to H = 12544).
-    const int parts_bytes = 2 * p.H * static_cast<int>(sizeof(float));
-    bool wide = false;
+    bool staged = false;
     if constexpr (sizeof(IType) == 2) {
-      // The kernel's shared-memory limit is set once per device, so to the most any width takes
-      // (a later, wider call must not find a smaller limit): 2 x 16384 floats, or what the
-      // device lets a block take beside the kernel's static shared memory.
-      const bool wide_shape = p.vec && p.H > 8192 && p.H <= 16384;
-      const int limit = wide_shape ? std::min(2 * 16384 * static_cast<int>(sizeof(float)),
-                                              ctx.max_shared_memory_per_block() - 1024)
-                                   : 0;
-      wide = wide_shape && parts_bytes <= limit;
-      auto launch_wide = [&](auto cfg, std::atomic<uint64_t>& done) {
+      // Where the device lets a block take two staged rows beside its static shared memory
+      // (Hopper's 227 KiB: every width; 99 KiB: up to 12288 elements).
+      auto launch_staged = [&](auto cfg, std::atomic<uint64_t>& done) {
         using Cfg = decltype(cfg);
-        auto kernel = norm_bwd_kernel<Cfg, IType, WType, true>;
-        allow_dynamic_smem(ctx, kernel, limit, done);
-        blocks = backward_blocks(p.rows, 1, sm_count, bwd_kernel_blocks_per_sm<Cfg, true>());
-        kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, parts_bytes, ctx.stream()>>>(p);
-        ctx.check_launch("norm_bwd_kernel launch");
+        constexpr int bytes = staged_backward_bytes<Cfg>();
+        if (bytes > ctx.max_shared_memory_per_block() - 1024) return false;
+        auto kernel = norm_bwd_staged_kernel<Cfg, IType, WType>;
+        allow_dynamic_smem(ctx, kernel, bytes, done);
+        blocks = backward_blocks(p.rows, 1, sm_count, 1);
+        kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, bytes, ctx.stream()>>>(p);
+        ctx.check_launch("norm_bwd_staged_kernel launch");
+        return true;
       };
       static std::atomic<uint64_t> done3{0}, done4{0};
-      if (wide && p.H <= WideRowTeam3::kMaxH) {
-        launch_wide(WideRowTeam3{}, done3);
-      } else if (wide) {
-        launch_wide(WideRowTeam{}, done4);
+      if (p.vec && p.H > 8192 && p.H <= StagedTeam3::kMaxH) {
+        staged = launch_staged(StagedTeam3{}, done3);
+      } else if (p.vec && p.H > StagedTeam3::kMaxH && p.H <= StagedTeam4::kMaxH) {
+        staged = launch_staged(StagedTeam4{}, done4);
       }
     }
-    if (!wide) {
+    if (!staged) {
       dispatch_backward_team(p.H, [&](auto cfg) {
         using Cfg = decltype(cfg);
         if constexpr (std::is_same_v<Cfg, std::nullptr_t>) {
-          looped();
+          blocks = backward_blocks(p.rows, 1, sm_count);
+          norm_bwd_looped_kernel<IType, WType>
+              <<<static_cast<unsigned>(blocks), kLoopThreads, 0, ctx.stream()>>>(p);
+          ctx.check_launch("norm_bwd_looped_kernel launch");
         } else {
           blocks = backward_blocks(p.rows, Cfg::kTeams, sm_count, bwd_blocks_per_sm(Cfg::kThreads));
-          norm_bwd_kernel<Cfg, IType, WType, false>
+          norm_bwd_kernel<Cfg, IType, WType>
               <<<static_cast<unsigned>(blocks), Cfg::kThreads, 0, ctx.stream()>>>(p);
           ctx.check_launch("norm_bwd_kernel launch");
         }

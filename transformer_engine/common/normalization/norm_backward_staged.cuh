@@ -1,0 +1,124 @@
+/* The LayerNorm/RMSNorm backward of rows of 8193-16384 16-bit elements (norm_backward.cu picks
+ * it where the device lets a block take a staged row: 96 KiB for 3 vectors a thread, 128 KiB for
+ * 4): one block of 512 threads a SM, the block's one team taking a row at a time, each thread
+ * holding 3 vectors of the row (up to 12288 elements) or 4.
+ *
+ * The register teams of shorter rows keep their next row's loads in flight in registers and
+ * their column partials (dz * xhat and dz over the block's rows) in registers too. Here the
+ * partials (2 x 8 floats a vector) and the current row's raw words fill the registers, so the
+ * next row's x and dz are staged in shared memory with cp.async instead: once the first pass has
+ * converted every staged word of the row (its sums), the thread refills its own slots with the
+ * next row, whose loads are then in flight through the row's team reduction and dx. Every thread
+ * reads back only the slots it staged itself, so no barrier guards the buffer. dx forms xhat and
+ * dy again from the raw words (the same bits as the first pass).
+ *
+ * What it replaced (on an H200, BF16, fractions of the copy bandwidth in docs/performance.md):
+ * partials in shared memory, read-modify-written every row (ncu: a third of the warps' stalls
+ * waiting on shared memory), with 3 vectors two blocks a SM each loading its row when it reached
+ * it, with 4 the next row prefetched in registers. Measured and not kept: two staged buffers read
+ * by both passes (no raw words in registers), and xhat and dy kept in registers with the partials
+ * in shared memory (both 8-15% slower); teams of 640-768 threads (spills). */
+#ifndef TRANSFORMER_ENGINE_COMMON_NORMALIZATION_NORM_BACKWARD_STAGED_CUH_
+#define TRANSFORMER_ENGINE_COMMON_NORMALIZATION_NORM_BACKWARD_STAGED_CUH_
+
+#include "normalization/norm_backward_math.cuh"
+#include "util/cp_async.cuh"
+
+namespace transformer_engine {
+namespace norm_detail {
+
+/* Dynamic shared memory of the staged kernel: x's and dz's vectors of every thread, 16 bytes
+ * each. */
+template <class Cfg>
+constexpr int staged_backward_bytes() {
+  return 2 * Cfg::kVecs * Cfg::kThreads * 16;
+}
+
+/* p.vec (whole 16-byte vectors), 16-bit IType, one team a block (Cfg::kTeam == kThreads). */
+template <class Cfg, typename IType, typename WType>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) norm_bwd_staged_kernel(const BwdParams p) {
+  constexpr int kVecs = Cfg::kVecs, kThreads = Cfg::kThreads;
+  static_assert(Cfg::kTeams == 1 && sizeof(IType) == 2, "one team a block, 16-bit rows");
+  __shared__ __align__(8) float scratch[kScratchFloats<kThreads>];
+  extern __shared__ uint4 stage[];  // [x, dz][kVecs][kThreads]
+  int phase = 0;
+  const int t = threadIdx.x;
+  const float h = static_cast<float>(p.H);
+  const IType* x_base = static_cast<const IType*>(p.x);
+  const IType* dz_base = static_cast<const IType*>(p.dz);
+  float next_mu = 0.0f, next_rs = 0.0f;
+  auto stage_row = [&](size_t r) {
+    const size_t base = r * static_cast<size_t>(p.H);
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int c = (v * kThreads + t) * kVec;
+      if (c < p.H) {
+        cp_async_16(stage + v * kThreads + t, x_base + base + c, 16);
+        cp_async_16(stage + (kVecs + v) * kThreads + t, dz_base + base + c, 16);
+      }
+    }
+    cp_async_commit();
+    next_mu = p.mean != nullptr ? p.mean[r] : 0.0f;
+    next_rs = p.rsigma[r];
+  };
+  float dg[kVecs][kVec] = {}, db[kVecs][kVec] = {};
+  const size_t stride = gridDim.x;
+  size_t row = blockIdx.x;
+  if (row < p.rows) stage_row(row);
+  for (; row < p.rows; row += stride) {
+    const size_t base = row * static_cast<size_t>(p.H);
+    const float mu = next_mu, rs = next_rs;
+    cp_async_wait<0>();
+    RawVec<IType> rx[kVecs], rz[kVecs];
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const uint4 a = stage[v * kThreads + t], b = stage[(kVecs + v) * kThreads + t];
+      rx[v].w[0] = a.x, rx[v].w[1] = a.y, rx[v].w[2] = a.z, rx[v].w[3] = a.w;
+      rz[v].w[0] = b.x, rz[v].w[1] = b.y, rz[v].w[2] = b.z, rz[v].w[3] = b.w;
+    }
+    float s_dy = 0.0f, s_dyx = 0.0f;
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int c = (v * kThreads + t) * kVec;
+      if (c >= p.H) continue;
+      float x[kVec], dz[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        x[j] = raw_elem(rx[v], j);
+        dz[j] = raw_elem(rz[v], j);
+      }
+      row_vector<WType>(p, c, kVec, mu, rs, x, dz, dg[v], db[v], s_dy, s_dyx);
+    }
+    // The staged words were consumed above (the first pass used every one): the buffer takes
+    // the next row, whose loads are in flight through the row's sums and dx.
+    if (row + stride < p.rows) stage_row(row + stride);
+    float m_dy, m_dyx;
+    row_means<kThreads, kThreads>(p, h, s_dy, s_dyx, scratch, phase, m_dy, m_dyx);
+    // xhat and dy formed again from the raw words: the registers that would keep them hold the
+    // partials.
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const int c = (v * kThreads + t) * kVec;
+      if (c >= p.H) continue;
+      float dx[kVec];
+      dx_from_raw<IType, WType>(p, c, kVec, mu, rs, m_dy, m_dyx, rx[v], rz[v], dx);
+      store_vec(static_cast<IType*>(p.dx) + base + c, true, kVec, dx);
+    }
+  }
+  // The block's partial row of each sum.
+  float* dgamma_row = p.part_dgamma + static_cast<size_t>(blockIdx.x) * p.H;
+  float* dbeta_row =
+      p.part_dbeta != nullptr ? p.part_dbeta + static_cast<size_t>(blockIdx.x) * p.H : nullptr;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const int c = (v * kThreads + t) * kVec;
+    if (c >= p.H) continue;
+    store_vec(dgamma_row + c, p.vec_parts, kVec, dg[v]);
+    if (dbeta_row != nullptr) store_vec(dbeta_row + c, p.vec_parts, kVec, db[v]);
+  }
+}
+
+}  // namespace norm_detail
+}  // namespace transformer_engine
+
+#endif  // TRANSFORMER_ENGINE_COMMON_NORMALIZATION_NORM_BACKWARD_STAGED_CUH_
