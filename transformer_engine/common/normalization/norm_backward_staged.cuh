@@ -69,6 +69,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) norm_bwd_staged_kernel(const
     const size_t base = row * static_cast<size_t>(p.H);
     const float mu = next_mu, rs = next_rs;
     cp_async_wait<0>();
+    // Every slot is read back; those past the row's end were never staged and their words are
+    // never used (both passes skip those vectors).
     RawVec<IType> rx[kVecs], rz[kVecs];
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
