@@ -342,8 +342,8 @@ void launch_backward(CallContext& ctx, BwdParams p, WType* dgamma, WType* dbeta,
   if (p.rows > 0) {
     bool staged = false;
     if constexpr (sizeof(IType) == 2) {
-      // Where the device lets a block take two staged rows beside its static shared memory
-      // (Hopper's 227 KiB: every width; 99 KiB: up to 12288 elements).
+      // Where the device lets a block take the staged row (x's and dz's vectors) beside its
+      // static shared memory: 48 or 64 KiB, within Ampere's, Ada's and Hopper's limits.
       auto launch_staged = [&](auto cfg, std::atomic<uint64_t>& done) {
         using Cfg = decltype(cfg);
         constexpr int bytes = staged_backward_bytes<Cfg>();

@@ -1,5 +1,5 @@
 /* The LayerNorm/RMSNorm backward of rows of 8193-16384 16-bit elements (norm_backward.cu picks
- * it where the device lets a block take a staged row: 96 KiB for 3 vectors a thread, 128 KiB for
+ * it where the device lets a block take a staged row: 48 KiB for 3 vectors a thread, 64 KiB for
  * 4): one block of 512 threads a SM, the block's one team taking a row at a time, each thread
  * holding 3 vectors of the row (up to 12288 elements) or 4.
  *
