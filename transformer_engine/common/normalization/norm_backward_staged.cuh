@@ -74,9 +74,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) norm_bwd_staged_kernel(const
     RawVec<IType> rx[kVecs], rz[kVecs];
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
-      const uint4 a = stage[v * kThreads + t], b = stage[(kVecs + v) * kThreads + t];
-      rx[v].w[0] = a.x, rx[v].w[1] = a.y, rx[v].w[2] = a.z, rx[v].w[3] = a.w;
-      rz[v].w[0] = b.x, rz[v].w[1] = b.y, rz[v].w[2] = b.z, rz[v].w[3] = b.w;
+      put_chunk(rx[v], 0, stage[v * kThreads + t]);
+      put_chunk(rz[v], 0, stage[(kVecs + v) * kThreads + t]);
     }
     float s_dy = 0.0f, s_dyx = 0.0f;
 #pragma unroll

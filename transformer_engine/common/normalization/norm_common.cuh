@@ -196,6 +196,16 @@ struct RawVec {
   uint32_t w[kWords];
 };
 
+/* Words 4i..4i+3 of a raw vector from one 16-byte chunk (a global load, or a row staged in shared
+ * memory). */
+template <typename T>
+__device__ __forceinline__ void put_chunk(RawVec<T>& r, int i, const uint4& u) {
+  r.w[4 * i] = u.x;
+  r.w[4 * i + 1] = u.y;
+  r.w[4 * i + 2] = u.z;
+  r.w[4 * i + 3] = u.w;
+}
+
 /* Loads kVec elements at p: 16-byte loads when kVecIO (whole vectors; n is 0 or kVec), else n
  * scalar loads; the rest are zero bits (+0.0). */
 template <typename T, bool kVecIO>
@@ -205,13 +215,7 @@ __device__ __forceinline__ void fetch_raw(const T* p, int n, RawVec<T>& r) {
     if (n > 0) {
       const uint4* src = reinterpret_cast<const uint4*>(p);
 #pragma unroll
-      for (int i = 0; i < kWords / 4; ++i) {
-        const uint4 u = __ldg(src + i);
-        r.w[4 * i] = u.x;
-        r.w[4 * i + 1] = u.y;
-        r.w[4 * i + 2] = u.z;
-        r.w[4 * i + 3] = u.w;
-      }
+      for (int i = 0; i < kWords / 4; ++i) put_chunk(r, i, __ldg(src + i));
     } else {
 #pragma unroll
       for (int i = 0; i < kWords; ++i) r.w[i] = 0u;

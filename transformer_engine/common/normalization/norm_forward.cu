@@ -211,8 +211,7 @@ __device__ __forceinline__ void norm_fwd_rows(const FwdParams& p, float* scratch
       cp_async_wait<0>();
 #pragma unroll
       for (int v = 0; v < kVecs; ++v) {
-        const uint4 u = stage[(buf * kVecs + v) * kThreads + threadIdx.x];
-        raw[v].w[0] = u.x, raw[v].w[1] = u.y, raw[v].w[2] = u.z, raw[v].w[3] = u.w;
+        put_chunk(raw[v], 0, stage[(buf * kVecs + v) * kThreads + threadIdx.x]);
       }
       if (row + stride < p.rows) stage_row(row + stride, buf ^ 1);
       buf ^= 1;
