@@ -22,9 +22,10 @@ Paths:
   Without the native library or a usable cuBLASLt (K a multiple of 128 there):
   ``torch._scaled_mm``'s 1x128 by 1x128 blockwise kernel, with float32 scale tensors whose
   shapes select that mode (first operand ``[rows, ceil(K/128)]`` outer-dim-major, second
-  ``[ceil(K/128), rows]``), which needs CUDA 12.9+ in PyTorch's build; a 128x128-block operand runs there as the 1x128 operand it equals
-  (the same FP8 bytes, each row taking its block's scale: its ``[ceil(rows/128), kb]`` scales
-  repeated 128 times along the rows), so every element is scaled exactly as in its block.
+  ``[ceil(K/128), rows]``), which needs CUDA 12.9+ in PyTorch's build; a 128x128-block operand
+  runs there as the 1x128 operand it equals (the same FP8 bytes, each row taking its block's
+  scale: its ``[ceil(rows/128), kb]`` scales repeated 128 times along the rows), so every
+  element is scaled exactly as in its block.
   (torch 2.11's own 128x128 mode returned wrong products on the H200 for every scale layout it
   accepts, so it is not used.) The first call of each kind that torch refuses (older torch or
   CUDA) is remembered per device and that kind takes the emulation from then on.
@@ -57,7 +58,8 @@ __all__ = ["is_block_float8_operand", "block_general_gemm", "native_block_gemm_r
 _OP = "general_gemm"
 _BLOCK = reference_blocks.BLOCK_SCALING_BLOCK_LEN
 
-# (device index, x 2-D, y 2-D, out dtype, bias fused) kinds torch._scaled_mm refused: emulated from then on.
+# (device index, x 2-D, y 2-D, out dtype, bias fused) kinds torch._scaled_mm refused: emulated
+# from then on.
 _refused: set = set()
 _refused_lock = threading.Lock()
 
