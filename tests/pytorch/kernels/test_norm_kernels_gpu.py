@@ -383,9 +383,12 @@ def test_second_device_while_first_is_current():
         norm_forward(x.to(dev), w, None, EPS, False, rms=True)
 
 
+# (16384, 1024): a main backward kernel long enough that a finalize kernel started as its
+# programmatic dependent would read unfinished partial rows if it did not wait for it.
+@pytest.mark.parametrize("shape", [(96, 2048), (16384, 1024)], ids=["small", "long"])
 @pytest.mark.parametrize("rms", [False, True], ids=["ln", "rms"])
-def test_cuda_graph_capture_of_fp8_forward_and_backward(rms):
-    x, w, b, dz = make_case((96, 2048), torch.bfloat16, torch.float32, rms, True, seed=4)
+def test_cuda_graph_capture_of_fp8_forward_and_backward(rms, shape):
+    x, w, b, dz = make_case(shape, torch.bfloat16, torch.float32, rms, True, seed=4)
     scale = torch.tensor([8.0], device="cuda")
     amax = torch.zeros(1, device="cuda")
 

@@ -4,8 +4,9 @@
  * when it goes out of scope (exceptions included). Every query it makes is one that CUDA-graph
  * capture allows (cudaGetDevice/cudaSetDevice, cudaStreamIsCapturing, cudaGetLastError,
  * cudaDeviceGetAttribute); the others are skipped while the stream captures. (Kernels that need
- * more than 48 KiB of dynamic shared memory also call cudaFuncSetAttribute, once per kernel and
- * device, which capture allows: it is not a stream operation.) */
+ * more than 48 KiB of dynamic shared memory also call cudaFuncSetAttribute, and programmatic
+ * dependent launches cudaFuncGetAttributes, once per kernel and device, which capture allows:
+ * neither is a stream operation.) */
 #ifndef TRANSFORMER_ENGINE_COMMON_UTIL_DEVICE_H_
 #define TRANSFORMER_ENGINE_COMMON_UTIL_DEVICE_H_
 
