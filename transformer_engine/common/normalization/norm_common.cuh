@@ -77,12 +77,29 @@ __device__ __forceinline__ unsigned warp_team_lanes() {
   }
 }
 
-/* Sum of v over the team; every thread of the team gets the same bits (the butterfly adds the
- * same two values on both lanes of each pair, and every thread adds the warp sums in one order),
- * so all threads agree on the statistics. Teams of several warps use `scratch`
- * (kScratchFloats<kThreads>) and one team barrier: every thread of the team must call it, and
- * `phase` (0 at first, per thread) picks the buffer. Call k + 2 reuses call k's buffer only after
- * every thread passed call k + 1's barrier, i.e. finished reading call k's. */
+/* The sum of a team's kWarps warp sums (sums[0..kWarps)), as each of its warps
+ * forms it after the team barrier: lane l takes warp l % kWarps's sum, then a butterfly over
+ * kWarps lanes. One shared-memory load and log2(kWarps) shuffles and adds a thread, where adding
+ * the kWarps sums in turn took kWarps of each (the norm kernels are bound by the instructions
+ * they issue, and every thread of the team does this). */
+template <int kWarps>
+__device__ __forceinline__ float sum_of_warp_sums(const float* sums) {
+  static_assert(kWarps >= 2 && kWarps <= 32 && (kWarps & (kWarps - 1)) == 0,
+                "a power-of-two number of warps");
+  float total = sums[threadIdx.x % kWarps];
+#pragma unroll
+  for (int offset = kWarps / 2; offset > 0; offset /= 2) {
+    total += __shfl_xor_sync(0xffffffffu, total, offset);
+  }
+  return total;
+}
+
+/* Sum of v over the team; every thread of the team gets the same bits (a butterfly adds the
+ * same two values on both lanes of each pair: within each warp, then over the warps' sums, which
+ * every warp adds up alike), so all threads agree on the statistics. Teams of several warps use
+ * `scratch` (kScratchFloats<kThreads>) and one team barrier: every thread of the team must call it,
+ * and `phase` (0 at first, per thread) picks the buffer. Call k + 2 reuses call k's buffer only
+ * after every thread passed call k + 1's barrier, i.e. finished reading call k's. */
 template <int kTeam, int kThreads>
 __device__ __forceinline__ float team_sum(float v, float* scratch, int& phase) {
   constexpr int kLanes = kTeam < 32 ? kTeam : 32;
@@ -97,10 +114,7 @@ __device__ __forceinline__ float team_sum(float v, float* scratch, int& phase) {
     phase ^= 1;
     if (threadIdx.x % 32 == 0) s[(threadIdx.x % kTeam) / 32] = v;
     team_barrier<kTeam, kThreads>();
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) total += s[w];
-    return total;
+    return sum_of_warp_sums<kWarps>(s);
   }
 }
 
@@ -125,12 +139,11 @@ __device__ __forceinline__ float2 team_sum2(float2 v, float* scratch, int& phase
     phase ^= 1;
     if (threadIdx.x % 32 == 0) s[(threadIdx.x % kTeam) / 32] = v;
     team_barrier<kTeam, kThreads>();
-    float2 total = make_float2(0.0f, 0.0f);
+    float2 total = s[threadIdx.x % kWarps];  // as sum_of_warp_sums, both sums at once
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float2 part = s[w];
-      total.x += part.x;
-      total.y += part.y;
+    for (int offset = kWarps / 2; offset > 0; offset /= 2) {
+      total.x += __shfl_xor_sync(0xffffffffu, total.x, offset);
+      total.y += __shfl_xor_sync(0xffffffffu, total.y, offset);
     }
     return total;
   }
