@@ -37,8 +37,13 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # teams, so every team walks several rows through both buffers (the last vector padding).
 # (1, 64), (19, 136), (37, 256): the forward's half-warp teams (H <= 256), an odd row count so
 # that the two teams of a warp walk different numbers of rows; 136: a second vector on one lane.
+# (4500, 760), (300, 768), (1100, 2056), (600, 5120), (200, 6144): the forward's smaller
+# 3-vector teams (a warp, 4 and 8 warps), staged, with padding vectors and (4500, 1100, 600 rows)
+# more rows than the resident teams; 768 and 6144 fill every vector (RMSNorm: 768 takes the
+# 2-vector team, 6144 the unstaged kernel).
 SHAPES = [(1, 1), (3, 7), (17, 33), (1, 64), (19, 136), (37, 256), (128, 1024), (257, 4096),
-          (64, 8192), (5, 8200), (8, 12288), (700, 10240), (3, 40000), (0, 64)]  # fmt: skip
+          (64, 8192), (5, 8200), (8, 12288), (700, 10240), (3, 40000), (0, 64), (4500, 760),
+          (300, 768), (1100, 2056), (600, 5120), (200, 6144)]  # fmt: skip
 # One rounding of the output dtype (float32: accumulated float32 arithmetic over long rows).
 RTOL = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 1e-5}
 EPS = 1e-5

@@ -139,10 +139,10 @@ __device__ __forceinline__ float fwd_scale(const FwdParams& p) {
   }
 }
 
-/* Teams of three vectors a thread (rows of 8193-12288 16-bit elements) have no registers left
- * for the next row; kStage: they stage it in shared memory instead, with cp.async (two buffers of
- * the block's vectors, alternating rows), so its loads are in flight while the current row's sums
- * and output are worked out (launch_forward says when). */
+/* Teams of three vectors a thread (dispatch_forward_team says which rows; 16-bit elements) have
+ * no registers left for the next row; kStage: they stage it in shared memory instead, with cp.async
+ * (two buffers of the block's vectors, alternating rows), so its loads are in flight while the
+ * current row's sums and output are worked out (launch_forward says when). */
 template <class Cfg, typename IType>
 constexpr bool kMayStage = sizeof(IType) == 2 && Cfg::kVecs == 3;
 
@@ -341,26 +341,37 @@ __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const Fwd
 
 /* The forward's teams: several rows per block (half-warp teams up to H = 256: twice the
  * elements a thread of a warp team, so half the per-row sums and loop work an element, and no
- * idle lanes at H <= 128; warp teams up to H = 512, teams of 2-8 warps above), up to 2 vectors of 8
- * a thread (64 registers without spills), so that a block keeps several rows in flight. Rows of
- * 8193-12288 take 3 vectors a thread, blocks of 512 two a SM, the next row staged in shared memory
- * (kStage; a register prefetch spilled): 20-30% faster than one block of 1024 holding 2 each
- * (docs/performance.md). Calls f(nullptr) past the largest team (the looped kernel).
+ * idle lanes at H <= 128; warp teams up to H = 768, teams of 4-16 warps above), 2 or 3 vectors of
+ * 8 a thread (64 registers without spills), so that a block keeps several rows in flight. Teams
+ * of 3 vectors stage their next row in shared memory (kStage; a register prefetch spilled). They
+ * take the widths that would leave a quarter or more of a 2-vector team's vectors as padding
+ * (513-768, 2049-3072, 4097-6144): the kernels are bound by the instructions they issue, and a
+ * padding vector costs most of a row vector's (on an H200, BF16 LayerNorm: 8192 x 5120 0.59 ->
+ * 0.77 of the copy, 16384 x 2560 0.60 -> 0.76, 65536 x 640 0.62 -> 0.79), but for RMSNorm rows of
+ * exactly 768, which the 3-vector warp team (unstaged, as below) ran slower (65536 x 768 0.86 ->
+ * 0.84). Rows of 8193-12288: blocks of 512 two a SM, 20-30% faster than one block of 1024 holding
+ * 2 each (docs/performance.md). Calls f(nullptr) past the largest team (the looped kernel).
  */
 template <typename F>
-void dispatch_forward_team(int H, F&& f) {
+void dispatch_forward_team(int H, bool rms, F&& f) {
   if (H <= 128) {
     f(TeamConfig<16, 1, 256>{});
   } else if (H <= 256) {
     f(TeamConfig<16, 2, 256>{});
   } else if (H <= 512) {
     f(TeamConfig<32, 2, 256>{});
+  } else if (H < 768 || (H == 768 && !rms)) {
+    f(TeamConfig<32, 3, 256>{});
   } else if (H <= 1024) {
     f(TeamConfig<64, 2, 512>{});
   } else if (H <= 2048) {
     f(TeamConfig<128, 2, 512>{});
+  } else if (H <= 3072) {
+    f(TeamConfig<128, 3, 512>{});
   } else if (H <= 4096) {
     f(TeamConfig<256, 2, 512>{});
+  } else if (H <= 6144) {
+    f(TeamConfig<256, 3, 512>{});
   } else if (H <= 8192) {
     f(TeamConfig<512, 2, 512>{});
   } else if (H <= 12288) {
@@ -381,7 +392,7 @@ void launch_forward(CallContext& ctx, FwdParams p) {
         <<<static_cast<unsigned>(blocks), kLoopThreads, 0, ctx.stream()>>>(p);
     ctx.check_launch("norm_fwd_looped_kernel launch");
   };
-  dispatch_forward_team(p.H, [&](auto cfg) {
+  dispatch_forward_team(p.H, p.rms, [&](auto cfg) {
     using Cfg = decltype(cfg);
     if constexpr (std::is_same_v<Cfg, std::nullptr_t>) {
       looped();
@@ -398,7 +409,8 @@ void launch_forward(CallContext& ctx, FwdParams p) {
       if constexpr (kMayStage<Cfg, IType>) {
         // Staged, but for RMSNorm rows that fill all three vectors of every thread, which ran
         // 3-5% faster without (on an H200: 4096 and 8192 x 12288; LayerNorm 9-20% faster
-        // staged at 9216-12288, RMSNorm 5-11% at 9216-10240; docs/performance.md).
+        // staged at 9216-12288, RMSNorm 5-11% at 9216-10240; docs/performance.md), and 5-8%
+        // faster without on the smaller 3-vector teams (16384 x 3072, 8192 x 6144).
         if (!(p.rms && p.H == Cfg::kMaxH)) {
           auto kernel = norm_fwd_kernel<Cfg, IType, kFp8, true>;
           static std::atomic<uint64_t> done{0};  // per instantiation: once per device
