@@ -8,9 +8,10 @@
  *    accumulates, in float32 registers, dz * xhat and dz for the columns it owns, over all the
  *    rows its block takes; at the end the block's teams add theirs up in shared memory (in team
  *    order) and the block writes one row of partial dgamma and one of partial dbeta into the
- *    workspace, [blocks, H] each. Rows of 8193-16384 16-bit elements take the staged kernel
- *    instead (norm_backward_staged.cuh: 3 or 4 vectors a thread, the next row staged in shared
- *    memory, the same partial rows) where the device's shared memory holds a staged row. Longer
+ *    workspace, [blocks, H] each. Rows of 4097-6144 and 8193-16384 16-bit elements take the
+ *    staged kernel instead (norm_backward_staged.cuh: 3 or 4 vectors a thread, the next row
+ *    staged in shared memory, the same partial rows) where the device's shared memory holds a
+ *    staged row. Longer
  *    rows, and float32 or odd-width rows past 8192, go through a looped kernel that reads x and
  *    dz twice and accumulates straight into its block's workspace row (each element has one
  *    owning thread, so no atomics).
@@ -341,10 +342,12 @@ void dispatch_backward_team(int H, F&& f) {
   }
 }
 
-/* The staged kernel's teams (rows of 8193-16384 16-bit elements, norm_backward_staged.cuh): 3
- * vectors a thread up to 12288 elements, else 4; one block of 512 a SM. */
+/* The staged kernel's teams (16-bit elements, norm_backward_staged.cuh): rows of 4097-6144, 3
+ * vectors a thread, two blocks of 256 a SM; rows of 8193-16384, one block of 512 a SM, 3
+ * vectors a thread up to 12288 elements, else 4. */
 using StagedTeam3 = TeamConfig<512, 3, 512>;
 using StagedTeam4 = TeamConfig<512, 4, 512>;
+using StagedTeam3Narrow = TeamConfig<256, 3, 256>;
 
 template <typename IType, typename WType>
 void launch_backward(CallContext& ctx, BwdParams p, WType* dgamma, WType* dbeta, int sm_count) {
@@ -361,13 +364,15 @@ void launch_backward(CallContext& ctx, BwdParams p, WType* dgamma, WType* dbeta,
         if (bytes > ctx.max_shared_memory_per_block() - 1024) return false;
         auto kernel = norm_bwd_staged_kernel<Cfg, IType, WType>;
         allow_dynamic_smem(ctx, kernel, bytes, done);
-        blocks = backward_blocks(p.rows, 1, sm_count, 1);
+        blocks = backward_blocks(p.rows, 1, sm_count, staged_backward_blocks_per_sm(Cfg::kThreads));
         kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, bytes, ctx.stream()>>>(p);
         ctx.check_launch("norm_bwd_staged_kernel launch");
         return true;
       };
-      static std::atomic<uint64_t> done3{0}, done4{0};
-      if (p.vec && p.H > 8192 && p.H <= StagedTeam3::kMaxH) {
+      static std::atomic<uint64_t> done3{0}, done4{0}, done3n{0};
+      if (p.vec && p.H > 4096 && p.H <= StagedTeam3Narrow::kMaxH) {
+        staged = launch_staged(StagedTeam3Narrow{}, done3n);
+      } else if (p.vec && p.H > 8192 && p.H <= StagedTeam3::kMaxH) {
         staged = launch_staged(StagedTeam3{}, done3);
       } else if (p.vec && p.H > StagedTeam3::kMaxH && p.H <= StagedTeam4::kMaxH) {
         staged = launch_staged(StagedTeam4{}, done4);
