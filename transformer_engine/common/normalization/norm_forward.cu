@@ -339,19 +339,13 @@ __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const Fwd
   }
 }
 
-/* The forward's teams: several rows per block (half-warp teams up to H = 256: twice the
- * elements a thread of a warp team, so half the per-row sums and loop work an element, and no
- * idle lanes at H <= 128; warp teams up to H = 768, teams of 4-16 warps above), 2 or 3 vectors of
- * 8 a thread (64 registers without spills), so that a block keeps several rows in flight. Teams
- * of 3 vectors stage their next row in shared memory (kStage; a register prefetch spilled). They
- * take the widths that would leave a quarter or more of a 2-vector team's vectors as padding
- * (513-768, 2049-3072, 4097-6144): the kernels are bound by the instructions they issue, and a
- * padding vector costs most of a row vector's (on an H200, BF16 LayerNorm: 8192 x 5120 0.59 ->
- * 0.77 of the copy, 16384 x 2560 0.60 -> 0.76, 65536 x 640 0.62 -> 0.79), but for RMSNorm rows of
- * exactly 768, which the 3-vector warp team (unstaged, as below) ran slower (65536 x 768 0.86 ->
- * 0.84). Rows of 8193-12288: blocks of 512 two a SM, 20-30% faster than one block of 1024 holding
- * 2 each (docs/performance.md). Calls f(nullptr) past the largest team (the looped kernel).
- */
+/* The forward's teams: several rows per block (half-warp teams up to H = 256: half the per-row
+ * sums and loop work an element of a warp team's, no idle lanes at H <= 128; warp teams up to
+ * 768, 2-32 warps above), 2 or 3 vectors of 8 a thread (64 registers without spills). 3-vector
+ * teams stage their next row in shared memory (kStage) and take the widths where 2-vector teams
+ * would leave a quarter or more of their vectors as padding (513-768, 2049-3072, 4097-6144), and
+ * 8193-12288; not RMSNorm rows of exactly 768, slower on the warp team (docs/performance.md has
+ * the figures). Calls f(nullptr) past the largest team (the looped kernel). */
 template <typename F>
 void dispatch_forward_team(int H, bool rms, F&& f) {
   if (H <= 128) {
