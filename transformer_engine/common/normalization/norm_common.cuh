@@ -77,20 +77,27 @@ __device__ __forceinline__ unsigned warp_team_lanes() {
   }
 }
 
-/* The sum of a team's kWarps warp sums (sums[0..kWarps)), as each of its warps
+/* v += v of the lane `offset` away (xor), for one sum or two at once. */
+__device__ __forceinline__ void add_from_lane(float& v, int offset) {
+  v += __shfl_xor_sync(0xffffffffu, v, offset);
+}
+__device__ __forceinline__ void add_from_lane(float2& v, int offset) {
+  v.x += __shfl_xor_sync(0xffffffffu, v.x, offset);
+  v.y += __shfl_xor_sync(0xffffffffu, v.y, offset);
+}
+
+/* The sum of a team's kWarps warp sums (sums[0..kWarps), float or float2), as each of its warps
  * forms it after the team barrier: lane l takes warp l % kWarps's sum, then a butterfly over
  * kWarps lanes. One shared-memory load and log2(kWarps) shuffles and adds a thread, where adding
  * the kWarps sums in turn took kWarps of each (the norm kernels are bound by the instructions
  * they issue, and every thread of the team does this). */
-template <int kWarps>
-__device__ __forceinline__ float sum_of_warp_sums(const float* sums) {
+template <int kWarps, typename T>
+__device__ __forceinline__ T sum_of_warp_sums(const T* sums) {
   static_assert(kWarps >= 2 && kWarps <= 32 && (kWarps & (kWarps - 1)) == 0,
                 "a power-of-two number of warps");
-  float total = sums[threadIdx.x % kWarps];
+  T total = sums[threadIdx.x % kWarps];
 #pragma unroll
-  for (int offset = kWarps / 2; offset > 0; offset /= 2) {
-    total += __shfl_xor_sync(0xffffffffu, total, offset);
-  }
+  for (int offset = kWarps / 2; offset > 0; offset /= 2) add_from_lane(total, offset);
   return total;
 }
 
@@ -139,13 +146,7 @@ __device__ __forceinline__ float2 team_sum2(float2 v, float* scratch, int& phase
     phase ^= 1;
     if (threadIdx.x % 32 == 0) s[(threadIdx.x % kTeam) / 32] = v;
     team_barrier<kTeam, kThreads>();
-    float2 total = s[threadIdx.x % kWarps];  // as sum_of_warp_sums, both sums at once
-#pragma unroll
-    for (int offset = kWarps / 2; offset > 0; offset /= 2) {
-      total.x += __shfl_xor_sync(0xffffffffu, total.x, offset);
-      total.y += __shfl_xor_sync(0xffffffffu, total.y, offset);
-    }
-    return total;
+    return sum_of_warp_sums<kWarps>(s);
   }
 }
 
