@@ -8,13 +8,12 @@
  *    accumulates, in float32 registers, dz * xhat and dz for the columns it owns, over all the
  *    rows its block takes; at the end the block's teams add theirs up in shared memory (in team
  *    order) and the block writes one row of partial dgamma and one of partial dbeta into the
- *    workspace, [blocks, H] each. Rows of 4097-6144 and 8193-16384 16-bit elements take the
- *    staged kernel instead (norm_backward_staged.cuh: 3 or 4 vectors a thread, the next row
- *    staged in shared memory, the same partial rows) where the device's shared memory holds a
- *    staged row. Longer
- *    rows, and float32 or odd-width rows past 8192, go through a looped kernel that reads x and
- *    dz twice and accumulates straight into its block's workspace row (each element has one
- *    owning thread, so no atomics).
+ *    workspace, [blocks, H] each. 16-bit rows of 513-768, 1025-1536, 2049-3072, 4097-6144 and
+ *    8193-16384 elements take the staged kernel instead (norm_backward_staged.cuh: 3 or 4
+ *    vectors a thread, the next row staged in shared memory, the same partial rows) where the
+ *    device's shared memory holds the staged rows. Longer rows, and float32 or odd-width rows
+ *    past 8192, go through a looped kernel that reads x and dz twice and accumulates straight
+ *    into its block's workspace row (each element has one owning thread, so no atomics).
  * 2. norm_bwd_finalize_kernel: adds the blocks' partial rows up column by column, in a fixed
  *    order independent of scheduling (deterministic), and writes dgamma/dbeta in gamma's dtype.
  *    After the register teams' kernel it is launched as that kernel's programmatic dependent
@@ -342,12 +341,31 @@ void dispatch_backward_team(int H, F&& f) {
   }
 }
 
-/* The staged kernel's teams (16-bit elements, norm_backward_staged.cuh): rows of 4097-6144, 3
- * vectors a thread, two blocks of 256 a SM; rows of 8193-16384, one block of 512 a SM, 3
- * vectors a thread up to 12288 elements, else 4. */
-using StagedTeam3 = TeamConfig<512, 3, 512>;
-using StagedTeam4 = TeamConfig<512, 4, 512>;
-using StagedTeam3Narrow = TeamConfig<256, 3, 256>;
+/* Calls f(Config{}) with the staged kernel's team for rows of H 16-bit elements (whole vectors;
+ * norm_backward_staged.cuh) and returns true, or returns false where the register teams take
+ * them. Three vectors a thread where the register teams' two left a quarter or more of their
+ * vectors as padding: warps to 768 elements, teams of 2 and 4 warps to 1536 and 3072 (blocks of
+ * 512, one a SM), 8 warps to 6144 (two blocks of 256 a SM); rows of 8193-16384, one team of 512
+ * a block, 3 vectors a thread to 12288, else 4. */
+template <typename F>
+bool dispatch_staged_backward_team(int H, F&& f) {
+  if (H > 512 && H <= 768) {
+    f(TeamConfig<32, 3, 512>{});
+  } else if (H > 1024 && H <= 1536) {
+    f(TeamConfig<64, 3, 512>{});
+  } else if (H > 2048 && H <= 3072) {
+    f(TeamConfig<128, 3, 512>{});
+  } else if (H > 4096 && H <= 6144) {
+    f(TeamConfig<256, 3, 256>{});
+  } else if (H > 8192 && H <= 12288) {
+    f(TeamConfig<512, 3, 512>{});
+  } else if (H > 12288 && H <= 16384) {
+    f(TeamConfig<512, 4, 512>{});
+  } else {
+    return false;
+  }
+  return true;
+}
 
 template <typename IType, typename WType>
 void launch_backward(CallContext& ctx, BwdParams p, WType* dgamma, WType* dbeta, int sm_count) {
@@ -356,26 +374,22 @@ void launch_backward(CallContext& ctx, BwdParams p, WType* dgamma, WType* dbeta,
   if (p.rows > 0) {
     bool staged = false;
     if constexpr (sizeof(IType) == 2) {
-      // Where the device lets a block take the staged row (x's and dz's vectors) beside its
+      // Where the device lets a block take the staged rows (x's and dz's vectors) beside its
       // static shared memory: 48 or 64 KiB, within Ampere's, Ada's and Hopper's limits.
-      auto launch_staged = [&](auto cfg, std::atomic<uint64_t>& done) {
-        using Cfg = decltype(cfg);
-        constexpr int bytes = staged_backward_bytes<Cfg>();
-        if (bytes > ctx.max_shared_memory_per_block() - 1024) return false;
-        auto kernel = norm_bwd_staged_kernel<Cfg, IType, WType>;
-        allow_dynamic_smem(ctx, kernel, bytes, done);
-        blocks = backward_blocks(p.rows, 1, sm_count, staged_backward_blocks_per_sm(Cfg::kThreads));
-        kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, bytes, ctx.stream()>>>(p);
-        ctx.check_launch("norm_bwd_staged_kernel launch");
-        return true;
-      };
-      static std::atomic<uint64_t> done3{0}, done4{0}, done3n{0};
-      if (p.vec && p.H > 4096 && p.H <= StagedTeam3Narrow::kMaxH) {
-        staged = launch_staged(StagedTeam3Narrow{}, done3n);
-      } else if (p.vec && p.H > 8192 && p.H <= StagedTeam3::kMaxH) {
-        staged = launch_staged(StagedTeam3{}, done3);
-      } else if (p.vec && p.H > StagedTeam3::kMaxH && p.H <= StagedTeam4::kMaxH) {
-        staged = launch_staged(StagedTeam4{}, done4);
+      if (p.vec) {
+        dispatch_staged_backward_team(p.H, [&](auto cfg) {
+          using Cfg = decltype(cfg);
+          constexpr int bytes = staged_backward_bytes<Cfg>();
+          if (bytes > ctx.max_shared_memory_per_block() - 1024) return;
+          static std::atomic<uint64_t> done{0};  // one per kernel (this lambda's instantiation)
+          auto kernel = norm_bwd_staged_kernel<Cfg, IType, WType>;
+          allow_dynamic_smem(ctx, kernel, bytes, done);
+          blocks = backward_blocks(p.rows, Cfg::kTeams, sm_count,
+                                   staged_backward_blocks_per_sm(Cfg::kThreads));
+          kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, bytes, ctx.stream()>>>(p);
+          ctx.check_launch("norm_bwd_staged_kernel launch");
+          staged = true;
+        });
       }
     }
     if (!staged) {

@@ -1,11 +1,14 @@
-/* The LayerNorm/RMSNorm backward of rows of 8193-16384 16-bit elements (norm_backward.cu picks
- * it where the device lets a block take a staged row: 48 KiB for 3 vectors a thread, 64 KiB for
- * 4): one block of 512 threads a SM, the block's one team taking a row at a time, each thread
- * holding 3 vectors of the row (up to 12288 elements) or 4. Rows of 4097-6144 elements take it
- * too, as two blocks of 256 threads a SM holding 3 vectors each (24 KiB a block), where the
- * register teams of 512 threads holding 2 left a quarter or more of their vectors as padding (on
- * an H200, BF16 LayerNorm / RMSNorm: 8192 x 5120 0.69 -> 0.77 / 0.72 -> 0.81 of the copy, 16384 x
- * 4608 0.69 -> 0.80 / 0.72 -> 0.83, 8192 x 6144 0.76 -> 0.81 / 0.78 -> 0.85).
+/* The LayerNorm/RMSNorm backward of 16-bit rows whose register teams (norm_backward.cu) would
+ * leave a quarter or more of their vectors as padding, or have no registers for: teams of threads
+ * holding 3 vectors of the row each (4 past 12288 elements), the next row staged in shared memory.
+ * norm_backward.cu's dispatch_staged_backward_team picks it where the device lets a block take
+ * the staged rows (48 KiB for 3 vectors a thread, 64 KiB for 4): rows of 8193-16384 elements as
+ * one team of 512 threads a block, one block a SM; 4097-6144 as one team of 256, two blocks a SM;
+ * 513-768, 1025-1536 and 2049-3072 as blocks of 512 threads, one a SM, split into teams of a
+ * warp, 2 warps and 4 warps (their partials added up in team order at the end, through the
+ * staging buffer). On an H200, BF16 LayerNorm / RMSNorm, fractions of the copy bandwidth: 8192 x
+ * 5120 0.69 -> 0.77 / 0.72 -> 0.81, 65536 x 640 0.59 -> 0.80 / 0.61 -> 0.82, 65536 x 1280 0.70 ->
+ * 0.84 / 0.73 -> 0.86, 16384 x 2560 0.67 -> 0.76 / 0.71 -> 0.79.
  *
  * The register teams of shorter rows keep their next row's loads in flight in registers and
  * their column partials (dz * xhat and dz over the block's rows) in registers too. Here the
@@ -42,16 +45,47 @@ constexpr int staged_backward_bytes() {
  * registers a thread either way; at most the workspace's two partial rows a SM. */
 constexpr int staged_backward_blocks_per_sm(int threads) { return threads >= 512 ? 1 : 2; }
 
-/* p.vec (whole 16-byte vectors), 16-bit IType, one team a block (Cfg::kTeam == kThreads). */
+/* Several teams a block: the block's partial row, out[c] = the teams' partials of column c added
+ * in team order (the same sum every run), through `parts`, the staging buffer, whose kTeams rows
+ * of kMaxH floats are exactly its 2 * kVecs * kThreads 16-byte slots. Every thread of the block
+ * calls it once its team left the row loop (no cp.async pending then). */
+template <class Cfg>
+__device__ __forceinline__ void add_team_partials(const float (&acc)[Cfg::kVecs][kVec], int team,
+                                                  int t, int H, float* parts, float* out) {
+  static_assert(Cfg::kTeams * Cfg::kMaxH * 4 == 2 * Cfg::kVecs * Cfg::kThreads * 16,
+                "the teams' rows fill the staging buffer");
+  __syncthreads();  // every team done with its staged rows, or with the previous call's reads
+#pragma unroll
+  for (int v = 0; v < Cfg::kVecs; ++v) {
+    const int c = (v * Cfg::kTeam + t) * kVec;
+    float4* q = reinterpret_cast<float4*>(parts + team * Cfg::kMaxH + c);
+    q[0] = make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
+    q[1] = make_float4(acc[v][4], acc[v][5], acc[v][6], acc[v][7]);
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < H; c += Cfg::kThreads) {
+    float total = 0.0f;
+#pragma unroll
+    for (int k = 0; k < Cfg::kTeams; ++k) total += parts[k * Cfg::kMaxH + c];
+    out[c] = total;
+  }
+}
+
+/* p.vec (whole 16-byte vectors), 16-bit IType. Team k of block b takes rows b * kTeams + k, then
+ * every gridDim.x * kTeams-th row after it (one team a block for the rows past 4096 elements;
+ * warps or 4-warp teams for the narrower ones). */
 template <class Cfg, typename IType, typename WType>
 __global__ void __launch_bounds__(Cfg::kThreads, staged_backward_blocks_per_sm(Cfg::kThreads))
     norm_bwd_staged_kernel(const BwdParams p) {
-  constexpr int kVecs = Cfg::kVecs, kThreads = Cfg::kThreads;
-  static_assert(Cfg::kTeams == 1 && sizeof(IType) == 2, "one team a block, 16-bit rows");
+  constexpr int kVecs = Cfg::kVecs, kThreads = Cfg::kThreads, kTeam = Cfg::kTeam;
+  constexpr int kTeams = Cfg::kTeams;
+  static_assert(sizeof(IType) == 2, "16-bit rows");
   __shared__ __align__(8) float scratch[kScratchFloats<kThreads>];
   extern __shared__ uint4 stage[];  // [x, dz][kVecs][kThreads]
   int phase = 0;
-  const int t = threadIdx.x;
+  const int team = kTeams == 1 ? 0 : threadIdx.x / kTeam;
+  const int t = kTeams == 1 ? threadIdx.x : threadIdx.x % kTeam;
+  const int slot = threadIdx.x;  // the thread's own slot of each staged vector
   const float h = static_cast<float>(p.H);
   const IType* x_base = static_cast<const IType*>(p.x);
   const IType* dz_base = static_cast<const IType*>(p.dz);
@@ -60,10 +94,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, staged_backward_blocks_per_sm(C
     const size_t base = r * static_cast<size_t>(p.H);
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
-      const int c = (v * kThreads + t) * kVec;
+      const int c = (v * kTeam + t) * kVec;
       if (c < p.H) {
-        cp_async_16(stage + v * kThreads + t, x_base + base + c, 16);
-        cp_async_16(stage + (kVecs + v) * kThreads + t, dz_base + base + c, 16);
+        cp_async_16(stage + v * kThreads + slot, x_base + base + c, 16);
+        cp_async_16(stage + (kVecs + v) * kThreads + slot, dz_base + base + c, 16);
       }
     }
     cp_async_commit();
@@ -71,8 +105,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, staged_backward_blocks_per_sm(C
     next_rs = p.rsigma[r];
   };
   float dg[kVecs][kVec] = {}, db[kVecs][kVec] = {};
-  const size_t stride = gridDim.x;
-  size_t row = blockIdx.x;
+  const size_t stride = static_cast<size_t>(gridDim.x) * kTeams;
+  size_t row = static_cast<size_t>(blockIdx.x) * kTeams + team;
   if (row < p.rows) stage_row(row);
   for (; row < p.rows; row += stride) {
     const size_t base = row * static_cast<size_t>(p.H);
@@ -83,13 +117,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, staged_backward_blocks_per_sm(C
     RawVec<IType> rx[kVecs], rz[kVecs];
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
-      put_chunk(rx[v], 0, stage[v * kThreads + t]);
-      put_chunk(rz[v], 0, stage[(kVecs + v) * kThreads + t]);
+      put_chunk(rx[v], 0, stage[v * kThreads + slot]);
+      put_chunk(rz[v], 0, stage[(kVecs + v) * kThreads + slot]);
     }
     float s_dy = 0.0f, s_dyx = 0.0f;
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
-      const int c = (v * kThreads + t) * kVec;
+      const int c = (v * kTeam + t) * kVec;
       if (c >= p.H) continue;
       float x[kVec], dz[kVec];
 #pragma unroll
@@ -103,12 +137,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, staged_backward_blocks_per_sm(C
     // the next row, whose loads are in flight through the row's sums and dx.
     if (row + stride < p.rows) stage_row(row + stride);
     float m_dy, m_dyx;
-    row_means<kThreads, kThreads>(p, h, s_dy, s_dyx, scratch, phase, m_dy, m_dyx);
+    row_means<kTeam, kThreads>(p, h, s_dy, s_dyx, scratch, phase, m_dy, m_dyx);
     // xhat and dy formed again from the raw words: the registers that would keep them hold the
     // partials.
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
-      const int c = (v * kThreads + t) * kVec;
+      const int c = (v * kTeam + t) * kVec;
       if (c >= p.H) continue;
       float dx[kVec];
       dx_from_raw<IType, WType>(p, c, kVec, mu, rs, m_dy, m_dyx, rx[v], rz[v], dx);
@@ -119,12 +153,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, staged_backward_blocks_per_sm(C
   float* dgamma_row = p.part_dgamma + static_cast<size_t>(blockIdx.x) * p.H;
   float* dbeta_row =
       p.part_dbeta != nullptr ? p.part_dbeta + static_cast<size_t>(blockIdx.x) * p.H : nullptr;
+  if constexpr (kTeams == 1) {
 #pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    const int c = (v * kThreads + t) * kVec;
-    if (c >= p.H) continue;
-    store_vec(dgamma_row + c, p.vec_parts, kVec, dg[v]);
-    if (dbeta_row != nullptr) store_vec(dbeta_row + c, p.vec_parts, kVec, db[v]);
+    for (int v = 0; v < kVecs; ++v) {
+      const int c = (v * kTeam + t) * kVec;
+      if (c >= p.H) continue;
+      store_vec(dgamma_row + c, p.vec_parts, kVec, dg[v]);
+      if (dbeta_row != nullptr) store_vec(dbeta_row + c, p.vec_parts, kVec, db[v]);
+    }
+  } else {
+    add_team_partials<Cfg>(dg, team, t, p.H, reinterpret_cast<float*>(stage), dgamma_row);
+    if (dbeta_row != nullptr) {
+      add_team_partials<Cfg>(db, team, t, p.H, reinterpret_cast<float*>(stage), dbeta_row);
+    }
   }
 }
 
