@@ -41,13 +41,16 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # 3-vector teams (a warp, 4 and 8 warps), staged, with padding vectors and (4500, 1100, 600 rows)
 # more rows than the resident teams; 768 and 6144 fill every vector (RMSNorm: 768 takes the
 # 2-vector team, 6144 the unstaged kernel). (600, 5120), (200, 6144) 16-bit: the backward's staged
-# kernel as two blocks of 256 a SM (5120: padding vectors; 600 rows: several a block); (4500,
-# 760), (300, 768), (2000, 1288), (1100, 2056) 16-bit: its several teams a block (16 warps, 8
-# teams of 2 warps, 4 of 4 warps), with more rows than teams (several a team, unevenly) or
-# fewer (300: teams and blocks without rows), their partials added up through shared memory.
+# kernel as two blocks of 256 a SM (5120: padding vectors; 600 rows: several a block). (3000,
+# 328), (4500, 760), (300, 768), (2000, 1288), (1100, 2056) 16-bit: the backward's staged kernel
+# with several teams a block (32 half warps, 16 warps, 8 teams of 2 warps, 4 of 4 warps), with
+# more rows than teams (several a team, unevenly) or fewer (300: teams and blocks without rows),
+# their partials added up through shared memory; 328 and 1288: the forward's 3-vector teams of
+# half a warp and 2 warps.
 SHAPES = [(1, 1), (3, 7), (17, 33), (1, 64), (19, 136), (37, 256), (128, 1024), (257, 4096),
           (64, 8192), (5, 8200), (8, 12288), (700, 10240), (3, 40000), (0, 64), (4500, 760),
-          (300, 768), (1100, 2056), (600, 5120), (200, 6144), (2000, 1288)]  # fmt: skip
+          (300, 768), (1100, 2056), (600, 5120), (200, 6144), (2000, 1288),
+          (3000, 328)]  # fmt: skip
 # One rounding of the output dtype (float32: accumulated float32 arithmetic over long rows).
 RTOL = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 1e-5}
 EPS = 1e-5

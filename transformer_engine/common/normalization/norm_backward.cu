@@ -8,12 +8,13 @@
  *    accumulates, in float32 registers, dz * xhat and dz for the columns it owns, over all the
  *    rows its block takes; at the end the block's teams add theirs up in shared memory (in team
  *    order) and the block writes one row of partial dgamma and one of partial dbeta into the
- *    workspace, [blocks, H] each. 16-bit rows of 513-768, 1025-1536, 2049-3072, 4097-6144 and
- *    8193-16384 elements take the staged kernel instead (norm_backward_staged.cuh: 3 or 4
- *    vectors a thread, the next row staged in shared memory, the same partial rows) where the
- *    device's shared memory holds the staged rows. Longer rows, and float32 or odd-width rows
- *    past 8192, go through a looped kernel that reads x and dz twice and accumulates straight
- *    into its block's workspace row (each element has one owning thread, so no atomics).
+ *    workspace, [blocks, H] each. 16-bit rows of 257-384, 513-768, 1025-1536, 2049-3072,
+ *    4097-6144 and 8193-16384 elements take the staged kernel instead (3 or 4 vectors a thread,
+ *    the next row staged in shared memory, the same partial rows; norm_backward_staged.cuh)
+ *    where the device's shared memory holds the staged rows. Longer rows, and float32 or
+ *    odd-width rows past 8192, go through a looped kernel that reads x and dz twice and
+ *    accumulates straight into its block's workspace row (each element has one owning thread,
+ *    so no atomics).
  * 2. norm_bwd_finalize_kernel: adds the blocks' partial rows up column by column, in a fixed
  *    order independent of scheduling (deterministic), and writes dgamma/dbeta in gamma's dtype.
  *    After the register teams' kernel it is launched as that kernel's programmatic dependent
@@ -344,12 +345,14 @@ void dispatch_backward_team(int H, F&& f) {
 /* Calls f(Config{}) with the staged kernel's team for rows of H 16-bit elements (whole vectors;
  * norm_backward_staged.cuh) and returns true, or returns false where the register teams take
  * them. Three vectors a thread where the register teams' two left a quarter or more of their
- * vectors as padding: warps to 768 elements, teams of 2 and 4 warps to 1536 and 3072 (blocks of
- * 512, one a SM), 8 warps to 6144 (two blocks of 256 a SM); rows of 8193-16384, one team of 512
- * a block, 3 vectors a thread to 12288, else 4. */
+ * vectors as padding: half warps to 384 elements, warps to 768, teams of 2 and 4 warps to 1536
+ * and 3072 (blocks of 512, one a SM), 8 warps to 6144 (two blocks of 256 a SM); rows of
+ * 8193-16384, one team of 512 a block, 3 vectors a thread to 12288, else 4. */
 template <typename F>
 bool dispatch_staged_backward_team(int H, F&& f) {
-  if (H > 512 && H <= 768) {
+  if (H > 256 && H <= 384) {
+    f(TeamConfig<16, 3, 512>{});
+  } else if (H > 512 && H <= 768) {
     f(TeamConfig<32, 3, 512>{});
   } else if (H > 1024 && H <= 1536) {
     f(TeamConfig<64, 3, 512>{});

@@ -4,11 +4,11 @@
  * norm_backward.cu's dispatch_staged_backward_team picks it where the device lets a block take
  * the staged rows (48 KiB for 3 vectors a thread, 64 KiB for 4): rows of 8193-16384 elements as
  * one team of 512 threads a block, one block a SM; 4097-6144 as one team of 256, two blocks a SM;
- * 513-768, 1025-1536 and 2049-3072 as blocks of 512 threads, one a SM, split into teams of a
- * warp, 2 warps and 4 warps (their partials added up in team order at the end, through the
- * staging buffer). On an H200, BF16 LayerNorm / RMSNorm, fractions of the copy bandwidth: 8192 x
- * 5120 0.69 -> 0.77 / 0.72 -> 0.81, 65536 x 640 0.59 -> 0.80 / 0.61 -> 0.82, 65536 x 1280 0.70 ->
- * 0.84 / 0.73 -> 0.86, 16384 x 2560 0.67 -> 0.76 / 0.71 -> 0.79.
+ * 257-384, 513-768, 1025-1536 and 2049-3072 as blocks of 512 threads, one a SM, split into teams
+ * of half a warp, a warp, 2 warps and 4 warps (their partials added up in team order at the end,
+ * through the staging buffer). On an H200, BF16 LayerNorm / RMSNorm, fractions of the copy
+ * bandwidth: 8192 x 5120 0.69 -> 0.77 / 0.72 -> 0.81, 65536 x 640 0.59 -> 0.80 / 0.61 -> 0.82,
+ * 65536 x 1280 0.70 -> 0.84 / 0.73 -> 0.86, 16384 x 2560 0.67 -> 0.76 / 0.71 -> 0.79.
  *
  * The register teams of shorter rows keep their next row's loads in flight in registers and
  * their column partials (dz * xhat and dz over the block's rows) in registers too. Here the

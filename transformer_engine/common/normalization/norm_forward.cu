@@ -236,25 +236,30 @@ __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const Fwd
   }
 }
 
-/* The forward's teams: several rows per block (half-warp teams up to H = 256: half the per-row
+/* The forward's teams: several rows per block (half-warp teams up to H = 384: half the per-row
  * sums and loop work an element of a warp team's, no idle lanes at H <= 128; warp teams up to
  * 768, 2-32 warps above), 2 or 3 vectors of 8 a thread (64 registers without spills). 3-vector
  * teams stage their next row in shared memory (kStage) and take the widths where 2-vector teams
- * would leave a quarter or more of their vectors as padding (513-768, 2049-3072, 4097-6144), and
- * 8193-12288; not RMSNorm rows of exactly 768, slower on the warp team (docs/performance.md has
- * the figures). Calls f(nullptr) past the largest team (the looped kernel). */
+ * would leave a quarter or more of their vectors as padding (257-384, 513-768, 1025-1536,
+ * 2049-3072, 4097-6144), and 8193-12288; not RMSNorm rows of exactly 384, 768 or 1536, which fill
+ * the 3-vector team and run unstaged on it, slower than on the 2-vector team (docs/performance.md
+ * has the figures). Calls f(nullptr) past the largest team (the looped kernel). */
 template <typename F>
 void dispatch_forward_team(int H, bool rms, F&& f) {
   if (H <= 128) {
     f(TeamConfig<16, 1, 256>{});
   } else if (H <= 256) {
     f(TeamConfig<16, 2, 256>{});
+  } else if (H < 384 || (H == 384 && !rms)) {
+    f(TeamConfig<16, 3, 256>{});
   } else if (H <= 512) {
     f(TeamConfig<32, 2, 256>{});
   } else if (H < 768 || (H == 768 && !rms)) {
     f(TeamConfig<32, 3, 256>{});
   } else if (H <= 1024) {
     f(TeamConfig<64, 2, 512>{});
+  } else if (H < 1536 || (H == 1536 && !rms)) {
+    f(TeamConfig<64, 3, 512>{});
   } else if (H <= 2048) {
     f(TeamConfig<128, 2, 512>{});
   } else if (H <= 3072) {
