@@ -7,7 +7,6 @@
  * reference_blocks.block_cast_1d/_2d's. */
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <type_traits>
@@ -18,6 +17,7 @@
 #include "transformer_engine/block_cast.h"
 #include "util/buffer.h"
 #include "util/device.h"
+#include "util/device_set.h"
 #include "util/errors.h"
 #include "util/fp8_math.cuh"
 
@@ -431,7 +431,7 @@ extern "C" void nvte_block_scaled_quantize(const NVTEBuffer* input, NVTEBuffer* 
                         using IType = decltype(itype);
                         auto kernel = block_quantize_kernel<IType, decltype(is_e4m3)::value,
                                                             decltype(is_two_d)::value>;
-                        static std::atomic<uint64_t> allowed{0};  // per instantiation
+                        static DeviceSet allowed;  // per instantiation
                         allow_ring(ctx, kernel, ring_bytes<IType>(), allowed);
                         kernel<<<persistent_grid(ctx, tiles), kThreads, ring_bytes<IType>(),
                                  ctx.stream()>>>(static_cast<const IType*>(in.data), P, tiles);

@@ -6,7 +6,6 @@
  * reference_blocks.mxfp8_cast's. */
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <type_traits>
 
 #include "cast/block_tile.cuh"
@@ -15,6 +14,7 @@
 #include "transformer_engine/block_cast.h"
 #include "util/buffer.h"
 #include "util/device.h"
+#include "util/device_set.h"
 #include "util/errors.h"
 #include "util/fp8_math.cuh"
 
@@ -281,7 +281,7 @@ extern "C" void nvte_mxfp8_quantize(const NVTEBuffer* input, NVTEBuffer* rowwise
                         using IType = decltype(itype);
                         auto kernel = mxfp8_quantize_kernel<IType, decltype(is_e4m3)::value,
                                                             decltype(is_two_d)::value>;
-                        static std::atomic<uint64_t> allowed{0};  // per instantiation
+                        static DeviceSet allowed;  // per instantiation
                         allow_ring(ctx, kernel, ring_bytes<IType>(), allowed);
                         kernel<<<persistent_grid(ctx, tiles), kThreads, ring_bytes<IType>(),
                                  ctx.stream()>>>(static_cast<const IType*>(in.data), P, tiles);

@@ -19,13 +19,13 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
 #include "cast/block_tile.cuh"
 #include "util/cp_async.cuh"
 #include "util/device.h"
+#include "util/device_set.h"
 #include "util/errors.h"
 #include "util/fp8_math.cuh"
 
@@ -150,15 +150,12 @@ inline unsigned int persistent_grid(const CallContext& ctx, unsigned int tiles) 
 
 /* Lets `kernel` take `dynamic_bytes` of dynamic shared memory (more than the default 48 KiB for
  * float32 inputs) and asks for the largest shared-memory carveout, so that kBlocksPerSm blocks
- * fit an SM. Done once per kernel and device (`done` is the kernel's own bit set, one bit per
- * device); the first call of a kernel on a device is normally an eager one, before any graph
- * capture, and cudaFuncSetAttribute is not a stream operation, so capture does not refuse it. */
+ * fit an SM. Done once per kernel and device (`done`: the kernel's own set); the first call of a
+ * kernel on a device is normally an eager one, before any graph capture, and
+ * cudaFuncSetAttribute is not a stream operation, so capture does not refuse it. */
 template <typename Kernel>
-void allow_ring(const CallContext& ctx, Kernel kernel, size_t dynamic_bytes,
-                std::atomic<uint64_t>& done) {
-  const int device = ctx.device();
-  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
-  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return;
+void allow_ring(const CallContext& ctx, Kernel kernel, size_t dynamic_bytes, DeviceSet& done) {
+  if (done.contains(ctx.device())) return;
   check_cuda(ctx.op(),
              cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(dynamic_bytes)),
@@ -167,7 +164,7 @@ void allow_ring(const CallContext& ctx, Kernel kernel, size_t dynamic_bytes,
              cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                   static_cast<int>(cudaSharedmemCarveoutMaxShared)),
              "cudaFuncSetAttribute(PreferredSharedMemoryCarveout)");
-  done.fetch_or(bit, std::memory_order_acq_rel);
+  done.insert(ctx.device());
 }
 
 }  // namespace block_cast_detail

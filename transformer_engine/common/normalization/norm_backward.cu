@@ -23,7 +23,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <mutex>
 #include <vector>
 
@@ -33,6 +32,7 @@
 #include "normalization/norm_common.cuh"
 #include "transformer_engine/normalization.h"
 #include "util/dependent_launch.cuh"
+#include "util/device_set.h"
 
 namespace transformer_engine {
 namespace norm_detail {
@@ -384,7 +384,7 @@ void launch_backward(CallContext& ctx, BwdParams p, WType* dgamma, WType* dbeta,
           using Cfg = decltype(cfg);
           constexpr int bytes = staged_backward_bytes<Cfg>();
           if (bytes > ctx.max_shared_memory_per_block() - 1024) return;
-          static std::atomic<uint64_t> done{0};  // one per kernel (this lambda's instantiation)
+          static DeviceSet done;  // one per kernel (this lambda's instantiation)
           auto kernel = norm_bwd_staged_kernel<Cfg, IType, WType>;
           allow_dynamic_smem(ctx, kernel, bytes, done);
           blocks = backward_blocks(p.rows, Cfg::kTeams, sm_count,
@@ -416,7 +416,7 @@ void launch_backward(CallContext& ctx, BwdParams p, WType* dgamma, WType* dbeta,
   const dim3 grid((p.H + kFinalCols - 1) / kFinalCols, dbeta != nullptr ? 2 : 1);
   const dim3 block(kFinalCols, kFinalSlices);
   if (dependent_finalize) {
-    static std::atomic<uint64_t> known{0}, capable{0};
+    static DeviceSet known, capable;
     launch_as_dependent(ctx, norm_bwd_finalize_kernel<WType>, grid, block, known, capable,
                         p.part_dgamma, p.part_dbeta, dgamma, dbeta, static_cast<int>(blocks), p.H);
   } else {

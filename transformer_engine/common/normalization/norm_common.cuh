@@ -13,7 +13,6 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -22,6 +21,7 @@
 #include "util/buffer.h"
 #include "util/byte_transpose.cuh"
 #include "util/device.h"
+#include "util/device_set.h"
 #include "util/errors.h"
 #include "util/fp8_math.cuh"
 
@@ -367,19 +367,16 @@ void dispatch_param(NVTEDType dtype, F&& f) {
   }
 }
 
-/* Lets `kernel` take up to `bytes` of dynamic shared memory, once per kernel and device (`done`
- * is the kernel's own bit set). cudaFuncSetAttribute is no stream operation, so graph capture
- * allows it. */
+/* Lets `kernel` take up to `bytes` of dynamic shared memory, once per kernel and device (`done`:
+ * the kernel's own set). cudaFuncSetAttribute is no stream operation, so graph capture allows
+ * it. */
 template <typename Kernel>
-void allow_dynamic_smem(const CallContext& ctx, Kernel kernel, int bytes,
-                        std::atomic<uint64_t>& done) {
-  const int device = ctx.device();
-  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
-  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return;
+void allow_dynamic_smem(const CallContext& ctx, Kernel kernel, int bytes, DeviceSet& done) {
+  if (done.contains(ctx.device())) return;
   check_cuda(ctx.op(),
              cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
              "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-  done.fetch_or(bit, std::memory_order_acq_rel);
+  done.insert(ctx.device());
 }
 
 }  // namespace norm_detail

@@ -19,7 +19,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <type_traits>
 
@@ -29,6 +28,7 @@
 #include "normalization/norm_forward_math.cuh"
 #include "transformer_engine/normalization.h"
 #include "util/cp_async.cuh"
+#include "util/device_set.h"
 
 namespace transformer_engine {
 namespace norm_detail {
@@ -309,7 +309,7 @@ void launch_forward(CallContext& ctx, FwdParams p) {
         // faster without on the smaller 3-vector teams (16384 x 3072, 8192 x 6144).
         if (!(p.rms && p.H == Cfg::kMaxH)) {
           auto kernel = norm_fwd_kernel<Cfg, IType, kFp8, true>;
-          static std::atomic<uint64_t> done{0};  // per instantiation: once per device
+          static DeviceSet done;  // per instantiation: once per device
           allow_dynamic_smem(ctx, kernel, staged_row_bytes<Cfg>(), done);
           kernel<<<blocks, Cfg::kThreads, staged_row_bytes<Cfg>(), ctx.stream()>>>(p);
           ctx.check_launch("norm_fwd_kernel launch");

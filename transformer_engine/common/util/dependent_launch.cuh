@@ -15,10 +15,8 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
-#include <cstdint>
-
 #include "util/device.h"
+#include "util/device_set.h"
 #include "util/errors.h"
 
 namespace transformer_engine {
@@ -41,23 +39,21 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 
 /* Launches kernel<<<grid, block, 0, ctx.stream()>>>(args...) as a programmatic dependent of the
  * stream's previous kernel where the kernel's loaded code was compiled for sm_90 or newer (so it
- * has its wait_for_prerequisite_grid), the ordinary way elsewhere. `known` and `capable` are the
- * kernel's own per-device bit sets (devices 0-63; others ask every call). */
+ * has its wait_for_prerequisite_grid), the ordinary way elsewhere. `known` (the devices it was
+ * asked for) and `capable` (those where it can) are the kernel's own. */
 template <typename... Params, typename... Args>
 void launch_as_dependent(const CallContext& ctx, void (*kernel)(Params...), dim3 grid, dim3 block,
-                         std::atomic<uint64_t>& known, std::atomic<uint64_t>& capable,
-                         Args&&... args) {
+                         DeviceSet& known, DeviceSet& capable, Args&&... args) {
   const int device = ctx.device();
-  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
   bool dependent;
-  if (bit != 0 && (known.load(std::memory_order_acquire) & bit) != 0) {
-    dependent = (capable.load(std::memory_order_acquire) & bit) != 0;
+  if (known.contains(device)) {
+    dependent = capable.contains(device);
   } else {
     cudaFuncAttributes attributes{};
     check_cuda(ctx.op(), cudaFuncGetAttributes(&attributes, kernel), "cudaFuncGetAttributes");
     dependent = attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90;
-    if (dependent) capable.fetch_or(bit, std::memory_order_acq_rel);
-    known.fetch_or(bit, std::memory_order_acq_rel);
+    if (dependent) capable.insert(device);
+    known.insert(device);
   }
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
