@@ -343,13 +343,13 @@ void dispatch_backward_team(int H, F&& f) {
 }
 
 /* Calls f(Config{}) with the staged kernel's team for rows of H 16-bit elements (whole vectors;
- * norm_backward_staged.cuh) and returns true, or returns false where the register teams take
- * them. Three vectors a thread where the register teams' two left a quarter or more of their
- * vectors as padding: half warps to 384 elements, warps to 768, teams of 2 and 4 warps to 1536
- * and 3072 (blocks of 512, one a SM), 8 warps to 6144 (two blocks of 256 a SM); rows of
- * 8193-16384, one team of 512 a block, 3 vectors a thread to 12288, else 4. */
+ * norm_backward_staged.cuh), or nothing where the register teams take them. Three vectors a thread
+ * where the register teams' two left a quarter or more of their vectors as padding: half warps to
+ * 384 elements, warps to 768, teams of 2 and 4 warps to 1536 and 3072 (blocks of 512, one a SM), 8
+ * warps to 6144 (two blocks of 256 a SM); rows of 8193-16384, one team of 512 a block, 3 vectors a
+ * thread to 12288, else 4. */
 template <typename F>
-bool dispatch_staged_backward_team(int H, F&& f) {
+void dispatch_staged_backward_team(int H, F&& f) {
   if (H > 256 && H <= 384) {
     f(TeamConfig<16, 3, 512>{});
   } else if (H > 512 && H <= 768) {
@@ -364,10 +364,7 @@ bool dispatch_staged_backward_team(int H, F&& f) {
     f(TeamConfig<512, 3, 512>{});
   } else if (H > 12288 && H <= 16384) {
     f(TeamConfig<512, 4, 512>{});
-  } else {
-    return false;
   }
-  return true;
 }
 
 template <typename IType, typename WType>

@@ -73,7 +73,7 @@ __device__ __forceinline__ void add_team_partials(const float (&acc)[Cfg::kVecs]
 
 /* p.vec (whole 16-byte vectors), 16-bit IType. Team k of block b takes rows b * kTeams + k, then
  * every gridDim.x * kTeams-th row after it (one team a block for the rows past 4096 elements;
- * warps or 4-warp teams for the narrower ones). */
+ * teams of half a warp to 4 warps for the narrower ones). */
 template <class Cfg, typename IType, typename WType>
 __global__ void __launch_bounds__(Cfg::kThreads, staged_backward_blocks_per_sm(Cfg::kThreads))
     norm_bwd_staged_kernel(const BwdParams p) {
