@@ -111,8 +111,7 @@ def test_plan_holds_the_fused_operations_under_fp8(recipe):
     ]
     assert plan(fuser, "backward") == [
         ("BackwardActivationCast", [0, 1, 2]),
-        ("BasicLinear", [3]),
-        ("Bias", [4]),
+        ("BackwardLinearBias", [3, 4]),
     ]
 
 

@@ -318,17 +318,35 @@ class BasicLinear(BasicOperation):
         """Also takes, as ``grad_output``, an FP8 storage a fused producer wrote with the
         forward's grad-output quantizer in :meth:`grad_output_layouts`, shaped
         ``[tokens, out_features]``."""
+        grad_input, grad_weight, _ = self._backward(ctx, grad_output, None)
+        return grad_input, [grad_weight]
+
+    def backward_with_bias(self, ctx: OperationContext, grad_output: torch.Tensor, bias_ctx):
+        """:meth:`op_backward` of a plain ``grad_output``, plus the gradient of the ``Bias``
+        after this linear (its context ``bias_ctx``; ``None`` where it needs none), computed
+        as ``te.Linear`` computes its own: in the pass that casts ``grad_output`` to FP8 when
+        that pass writes the transposed copy, else as a sum. ``(grad_input, [grad_weight],
+        grad_bias)``."""
+        grad_input, grad_weight, grad_bias = self._backward(ctx, grad_output, bias_ctx)
+        return grad_input, [grad_weight], grad_bias
+
+    def _backward(self, ctx: OperationContext, grad_output, bias_ctx):
         saved = self.saved_state(ctx)
+        # Set on every call (the forward asks for no bias gradient): a second backward of the
+        # graph (retain_graph=True) runs the same way.
+        saved.bias_requires_grad = bias_ctx is not None and bias_ctx.bias_requires_grad
+        if saved.bias_requires_grad:
+            saved.bias_dtype = bias_ctx.bias_dtype
         if not is_produced_input(grad_output):
             grad_output = plain(grad_output)
             if grad_output.dtype != saved.config.activation_dtype:
                 grad_output = grad_output.to(saved.config.activation_dtype)
-        grad_input, grad_weight, _ = linear_backward(saved, grad_output)
+        grad_input, grad_weight, grad_bias = linear_backward(saved, grad_output)
         if grad_input is not None and grad_input.dtype != ctx.input_dtype:
             grad_input = grad_input.to(ctx.input_dtype)
         if grad_weight is not None and grad_weight.dtype != ctx.weight_dtype:
             grad_weight = grad_weight.to(ctx.weight_dtype)
-        return grad_input, [grad_weight]
+        return grad_input, grad_weight, grad_bias
 
 
 def is_produced_input(tensor) -> bool:

@@ -7,6 +7,8 @@ activation`` run before ``BackwardActivationBias`` would take its tail); among t
 fusion covering more operations comes before one that would take a prefix of its run
 (``BasicLinear, Bias`` followed by an in-place ``AddExtraInput`` is a ``ForwardLinearBiasAdd``,
 not a ``ForwardLinearBiasActivation`` and a lone add), as upstream orders them.
+``BackwardLinearBias`` comes last: a ``Bias`` before an activation goes to the activation's
+fusions first.
 """
 
 from ..fuser import register_backward_fusion, register_forward_fusion
@@ -14,6 +16,7 @@ from .backward_activation_bias import BackwardActivationBias, fuse_backward_acti
 from .backward_activation_cast import BackwardActivationCast, fuse_backward_activation_cast
 from .backward_add_rmsnorm import BackwardAddRMSNorm, fuse_backward_add_rmsnorm
 from .backward_linear_add import BackwardLinearAdd, fuse_backward_linear_add
+from .backward_linear_bias import BackwardLinearBias, fuse_backward_linear_bias
 from .backward_linear_scale import BackwardLinearScale, fuse_backward_linear_scale
 from .forward_activation_cast import ForwardActivationCast, fuse_forward_activation_cast
 from .forward_linear_bias_activation import (
@@ -34,12 +37,14 @@ register_backward_fusion(fuse_backward_linear_scale)
 register_backward_fusion(fuse_backward_activation_cast)
 register_backward_fusion(fuse_backward_activation_bias)
 register_backward_fusion(fuse_backward_add_rmsnorm)
+register_backward_fusion(fuse_backward_linear_bias)
 
 __all__ = [
     "BackwardActivationBias",
     "BackwardActivationCast",
     "BackwardAddRMSNorm",
     "BackwardLinearAdd",
+    "BackwardLinearBias",
     "BackwardLinearScale",
     "ForwardActivationCast",
     "ForwardLinearBiasActivation",
@@ -50,6 +55,7 @@ __all__ = [
     "fuse_backward_activation_cast",
     "fuse_backward_add_rmsnorm",
     "fuse_backward_linear_add",
+    "fuse_backward_linear_bias",
     "fuse_backward_linear_scale",
     "fuse_forward_activation_cast",
     "fuse_forward_linear_bias_activation",
