@@ -27,8 +27,9 @@ class BackwardLinearBias(FusedOperation):
     sums in the same pass (``nvte_quantize_dbias``): one read of the gradient fewer a step.
     Elsewhere (no weight gradient) the bias gradient is the chain's sum. What differs from the
     chain: the sum is the cast kernel's, float32 added in row tiles first on CUDA and rounded
-    once to the gradient's dtype, so BF16/FP16 bias gradients may differ in the last place, as
-    ``te.Linear``'s do from a plain sum; it sums the gradient in the linear's compute dtype.
+    once to the gradient's dtype, so on CUDA the bias gradient may differ from a plain sum's in
+    the last place (float32 too: the additions run in another order), as ``te.Linear``'s does;
+    it sums the gradient in the linear's compute dtype.
     """
 
     def __init__(self, *, linear: BasicLinear, bias: Bias) -> None:
