@@ -63,7 +63,10 @@ struct Fp8Store {
   }
 };
 
-/* Writes nothing: only the amax of the values is wanted. */
+/* Writes nothing: only the amax of the values is wanted. A kernel with this store walks its
+ * positions from the last to the first: the cast that follows reads from the first row on, so
+ * what the pass read last is what L2 still holds when the cast starts (an amax is the same in
+ * any order). */
 struct AmaxOnlyStore {
   bool aligned() const { return true; }
   __device__ __forceinline__ void store_vec(size_t, const float (&v)[kVecElems],
@@ -120,6 +123,16 @@ struct RowCursor {
       ++r;
     }
   }
+  /* The same sequence walked back (the amax-only passes walk the tensor from its end). */
+  __device__ __forceinline__ void retreat(size_t step_r, size_t step_c, size_t vecs_per_row) {
+    r -= step_r;
+    if (c >= step_c) {
+      c -= step_c;
+    } else {
+      c += vecs_per_row - step_c;
+      --r;
+    }
+  }
 };
 
 struct ElementwiseShape {
@@ -147,6 +160,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const size_t out_cols = kParts * cols;
   const size_t first = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x;
   const size_t stride = static_cast<size_t>(gridDim.x) * kThreads;
+  constexpr bool kReverse = std::is_same<Store, AmaxOnlyStore>::value;  // see AmaxOnlyStore
   if (vectorized) {
     const size_t vpr = shape.vecs_per_row;
     const size_t n = shape.rows * vpr;
@@ -158,7 +172,15 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
         store.store_vec(p.r * out_cols + part * cols + p.c * kVecElems, x[part], local_amax);
       }
     };
-    RowCursor at{first / vpr, first % vpr};
+    const size_t start = kReverse ? n - 1 - first : first;  // unused when first >= n
+    RowCursor at{start / vpr, start % vpr};
+    auto step = [&] {
+      if constexpr (kReverse) {
+        at.retreat(shape.step_r, shape.step_c, vpr);
+      } else {
+        at.advance(shape.step_r, shape.step_c, vpr);
+      }
+    };
     size_t v = first;
     for (; v + (kU - 1) * stride < n; v += kU * stride) {
       RowCursor pos[kU];
@@ -167,7 +189,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       for (int u = 0; u < kU; ++u) {
         pos[u] = at;
         raw[u] = loader.fetch(at.r, at.c * kVecElems);
-        at.advance(shape.step_r, shape.step_c, vpr);
+        step();
       }
       if constexpr (kSkipBelowAmax) {
         const float bound = warp_amax_bound(local_amax);
@@ -182,11 +204,13 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     }
     for (; v < n; v += stride) {  // fewer than kU positions left for this thread
       put(at, loader.fetch(at.r, at.c * kVecElems));
-      at.advance(shape.step_r, shape.step_c, vpr);
+      step();
     }
   } else {
-    for (size_t i = first; i < shape.rows * cols; i += stride) {
-      const size_t r = i / cols, c = i % cols;
+    const size_t total = shape.rows * cols;
+    for (size_t i = first; i < total; i += stride) {
+      const size_t at = kReverse ? total - 1 - i : i;
+      const size_t r = at / cols, c = at % cols;
       float x[kParts];
       loader.load_parts(r, c, x);
 #pragma unroll
