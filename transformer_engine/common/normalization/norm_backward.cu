@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads
   __shared__ __align__(8) float scratch[kScratchFloats<kThreads>];
   int phase = 0;
   // Warp teams: each team's column partials, added up in team order at the end.
-  __shared__ float team_parts[kTeams > 1 ? kTeams * Cfg::kMaxH : 1];
+  __shared__ __align__(16) float team_parts[kTeams > 1 ? kTeams * Cfg::kMaxH : 1];
   const int team = threadIdx.x / kTeam;
   const int t = threadIdx.x % kTeam;
   const float h = static_cast<float>(p.H);
@@ -155,20 +155,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, bwd_blocks_per_sm(Cfg::kThreads
         if (n > 0) store_vec(dst[which] + c, p.vec_parts, n, acc[v]);
       }
     } else {
-#pragma unroll
-      for (int v = 0; v < kVecs; ++v) {
-        const int c = (v * kTeam + t) * kVec;
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) team_parts[team * Cfg::kMaxH + c + j] = acc[v][j];
-      }
-      __syncthreads();
-      for (int c = threadIdx.x; c < p.H; c += kThreads) {
-        float total = 0.0f;
-#pragma unroll
-        for (int k = 0; k < kTeams; ++k) total += team_parts[k * Cfg::kMaxH + c];
-        dst[which][c] = total;
-      }
-      __syncthreads();  // before the next sum reuses team_parts
+      add_team_partials<Cfg>(acc, team, t, p.H, team_parts, dst[which]);
     }
   }
 }

@@ -1,5 +1,6 @@
 /* What the LayerNorm/RMSNorm backward kernels share (norm_backward.cu,
- * norm_backward_staged.cuh): their parameters and the per-row arithmetic of one vector. */
+ * norm_backward_staged.cuh): their parameters, the per-row arithmetic of one vector, and the sum
+ * of several teams' column partials. */
 #ifndef TRANSFORMER_ENGINE_COMMON_NORMALIZATION_NORM_BACKWARD_MATH_CUH_
 #define TRANSFORMER_ENGINE_COMMON_NORMALIZATION_NORM_BACKWARD_MATH_CUH_
 
@@ -89,6 +90,32 @@ __device__ __forceinline__ void dx_from_raw(const BwdParams& p, int c, int n, fl
   }
   row_vector<WType>(p, c, n, mu, rs, x, dz, unused_g, unused_b, unused0, unused1);
   dx_vector(rs, m_dy, m_dyx, x, dz, dx);
+}
+
+/* Several teams a block: the block's partial row, out[c] = the teams' partials of column c added
+ * in team order (the same sum every run), through `parts`: kTeams rows of kMaxH floats in shared
+ * memory, 16-byte aligned (the register kernel's own array; the staged kernel's staging buffer,
+ * whose 2 * kVecs * kThreads 16-byte slots are exactly that). Every thread of the block calls it
+ * once its team left the row loop (no cp.async pending then); the barrier it starts with also
+ * orders a second call after the first one's reads. */
+template <class Cfg>
+__device__ __forceinline__ void add_team_partials(const float (&acc)[Cfg::kVecs][kVec], int team,
+                                                  int t, int H, float* parts, float* out) {
+  __syncthreads();  // every team done with its rows (staged or not), or with the last call's reads
+#pragma unroll
+  for (int v = 0; v < Cfg::kVecs; ++v) {
+    const int c = (v * Cfg::kTeam + t) * kVec;
+    float4* q = reinterpret_cast<float4*>(parts + team * Cfg::kMaxH + c);
+    q[0] = make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
+    q[1] = make_float4(acc[v][4], acc[v][5], acc[v][6], acc[v][7]);
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < H; c += Cfg::kThreads) {
+    float total = 0.0f;
+#pragma unroll
+    for (int k = 0; k < Cfg::kTeams; ++k) total += parts[k * Cfg::kMaxH + c];
+    out[c] = total;
+  }
 }
 
 }  // namespace norm_detail

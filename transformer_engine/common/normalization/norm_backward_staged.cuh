@@ -45,32 +45,6 @@ constexpr int staged_backward_bytes() {
  * registers a thread either way; at most the workspace's two partial rows a SM. */
 constexpr int staged_backward_blocks_per_sm(int threads) { return threads >= 512 ? 1 : 2; }
 
-/* Several teams a block: the block's partial row, out[c] = the teams' partials of column c added
- * in team order (the same sum every run), through `parts`, the staging buffer, whose kTeams rows
- * of kMaxH floats are exactly its 2 * kVecs * kThreads 16-byte slots. Every thread of the block
- * calls it once its team left the row loop (no cp.async pending then). */
-template <class Cfg>
-__device__ __forceinline__ void add_team_partials(const float (&acc)[Cfg::kVecs][kVec], int team,
-                                                  int t, int H, float* parts, float* out) {
-  static_assert(Cfg::kTeams * Cfg::kMaxH * 4 == 2 * Cfg::kVecs * Cfg::kThreads * 16,
-                "the teams' rows fill the staging buffer");
-  __syncthreads();  // every team done with its staged rows, or with the previous call's reads
-#pragma unroll
-  for (int v = 0; v < Cfg::kVecs; ++v) {
-    const int c = (v * Cfg::kTeam + t) * kVec;
-    float4* q = reinterpret_cast<float4*>(parts + team * Cfg::kMaxH + c);
-    q[0] = make_float4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
-    q[1] = make_float4(acc[v][4], acc[v][5], acc[v][6], acc[v][7]);
-  }
-  __syncthreads();
-  for (int c = threadIdx.x; c < H; c += Cfg::kThreads) {
-    float total = 0.0f;
-#pragma unroll
-    for (int k = 0; k < Cfg::kTeams; ++k) total += parts[k * Cfg::kMaxH + c];
-    out[c] = total;
-  }
-}
-
 /* p.vec (whole 16-byte vectors), 16-bit IType. Team k of block b takes rows b * kTeams + k, then
  * every gridDim.x * kTeams-th row after it (one team a block for the rows past 4096 elements;
  * teams of half a warp to 4 warps for the narrower ones). */
@@ -162,6 +136,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, staged_backward_blocks_per_sm(C
       if (dbeta_row != nullptr) store_vec(dbeta_row + c, p.vec_parts, kVec, db[v]);
     }
   } else {
+    static_assert(kTeams * Cfg::kMaxH * 4 == staged_backward_bytes<Cfg>(),
+                  "the teams' partial rows fill the staging buffer");
     add_team_partials<Cfg>(dg, team, t, p.H, reinterpret_cast<float*>(stage), dgamma_row);
     if (dbeta_row != nullptr) {
       add_team_partials<Cfg>(db, team, t, p.H, reinterpret_cast<float*>(stage), dbeta_row);
