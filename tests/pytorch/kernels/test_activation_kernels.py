@@ -350,6 +350,42 @@ def test_amax_pass_skip_gives_the_amax_of_every_value(name, dtype):
         assert torch.equal(amax, expected), (case, amax.item(), expected.item())
 
 
+@needs_cuda
+@pytest.mark.parametrize("name", ["gelu", "swiglu"])
+@pytest.mark.parametrize("shape", [(2048, 8192), (1000, 1032), (999, 1002), (3, 16)])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_amax_passes_find_one_planted_value_anywhere(name, shape, where):
+    """The amax-only passes walk the positions from the last to the first (a backward
+    grid-stride walk whose column step borrows from the row: 1000 x 1032 has 129 vectors a
+    row; 999 x 1002 is not in whole vectors: the element-wise walk). One large input (and, for
+    the backward, a large gradient) planted at the first, a middle or the last position must
+    give the amax the FP8 casts record over every element (their walk goes forward).
+    ``shape`` is the output's (a gated activation's input is twice as wide)."""
+    spec = activation_spec(name)
+    rows, cols = shape
+    x = make_input((rows, 2 * cols if name in GATED else cols), torch.bfloat16, "cuda")
+    grad = make_input(shape, torch.bfloat16, "cuda", seed=1)
+    r, c = {"first": (0, 0), "middle": (rows // 2, cols // 3), "last": (rows - 1, cols - 1)}[where]
+    x[r, c] = 60.0
+    if name in GATED:
+        x[r, cols + c] = 60.0  # the gate of the same output
+    grad[r, c] = -200.0
+    scale = torch.ones(1, device="cuda")
+    amax = torch.zeros(1, device="cuda")
+    activation_amax(x, spec, amax)
+    expected = torch.zeros(1, device="cuda")
+    activation_forward_fp8(x, spec, scale, torch.float8_e5m2, amax=expected, with_transpose=False)
+    assert torch.equal(amax, expected), (amax.item(), expected.item())
+    y_ref, dx_ref = reference(name, x, grad)
+    assert y_ref.abs().max() == y_ref[r, c].abs()  # the planted value is the maximum
+    activation_backward_amax(grad, x, spec, amax)
+    expected.zero_()
+    activation_backward_fp8(grad, x, spec, scale, torch.float8_e5m2, amax=expected,
+                            with_dbias=False)  # fmt: skip
+    assert torch.equal(amax, expected), (amax.item(), expected.item())
+    assert dx_ref.abs().max() == dx_ref.view(rows, -1)[r, c].abs()
+
+
 @needs_two_gpus
 def test_runs_on_the_tensors_device_not_the_current_one():
     x = make_input((64, 128), torch.bfloat16, "cuda:1")
