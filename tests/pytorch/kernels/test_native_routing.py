@@ -50,7 +50,7 @@ def recorder(monkeypatch):
 
 
 def arg(t):
-    return (t.data_ptr(), list(t.shape), int(TE_DType[t.dtype]))
+    return (t.data_ptr(), tuple(t.shape), int(TE_DType[t.dtype]))
 
 
 @pytest.mark.parametrize("with_transpose", [False, True])
@@ -72,7 +72,7 @@ def test_quantize_and_its_prevalidated_twin_pass_the_same_contract(recorder, wit
         assert (device, stream) == DEVICE_AND_STREAM
         if with_transpose:
             assert out_t == arg(result.transpose.view(torch.float8_e5m2))
-            assert out_t[1] == [32, 4]
+            assert out_t[1] == (32, 4)
         else:
             assert out_t is None and result.transpose is None
 
@@ -123,7 +123,7 @@ def test_current_scale_prevalidated_runs_amax_reduce_then_scale(recorder, with_r
     (amax_name, amax_args), (scale_name, scale_args) = recorder
     assert amax_name == "compute_amax" and scale_name == "compute_scale_from_amax"
     inp, amax_out, *launch = amax_args
-    assert inp == arg(x) and tuple(amax_out[1:]) == ([1], int(TE_DType[torch.float32]))
+    assert inp == arg(x) and tuple(amax_out[1:]) == ((1,), int(TE_DType[torch.float32]))
     assert tuple(launch) == DEVICE_AND_STREAM
     # the scale kernel reads the amax buffer the amax kernel wrote (after the reduction)
     assert scale_args == (amax_out, arg(scale), int(TE_DType[torch.float8_e5m2]), 0.25, True,
@@ -140,10 +140,10 @@ def test_quantize_dbias_hands_every_buffer_and_a_tile_sized_workspace(recorder):
     assert name == "quantize_dbias"
     inp, sc, out, out_t, am, scale_inv, db, workspace, device, stream = args
     assert inp == arg(x) and sc == arg(scale) and am == arg(amax)
-    assert out == arg(result.data) and out_t == arg(result.transpose) and out_t[1] == [32, 3, 65]
+    assert out == arg(result.data) and out_t == arg(result.transpose) and out_t[1] == (32, 3, 65)
     assert scale_inv == arg(result.scale_inv)
-    assert db == arg(dbias) and db[1:] == ([32], int(TE_DType[torch.bfloat16]))
-    assert workspace[1:] == ([4 * 32], int(TE_DType[torch.float32]))
+    assert db == arg(dbias) and db[1:] == ((32,), int(TE_DType[torch.bfloat16]))
+    assert workspace[1:] == ((4 * 32,), int(TE_DType[torch.float32]))
     assert (device, stream) == DEVICE_AND_STREAM
 
 
@@ -167,17 +167,17 @@ def test_current_scaling_cast_is_one_native_call(recorder, with_transpose, with_
     assert (eps, pow2, tuple(launch)) == (0.25, True, DEVICE_AND_STREAM)
     # the amax pass's per-block maxima, the amax and the scale: consecutive float32 slots of one
     # scratch buffer, after the dbias workspace
-    assert maxima[1:] == ([AMAX_WORKSPACE_ELEMENTS], F32_CODE)
-    assert amax[1:] == scale[1:] == ([1], F32_CODE) and scale[0] == amax[0] + 4
+    assert maxima[1:] == ((AMAX_WORKSPACE_ELEMENTS,), F32_CODE)
+    assert amax[1:] == scale[1:] == ((1,), F32_CODE) and scale[0] == amax[0] + 4
     assert amax[0] == maxima[0] + 4 * AMAX_WORKSPACE_ELEMENTS
     if with_transpose:
-        assert out_t == arg(result.transpose) and out_t[1] == [32, 3, 65]
+        assert out_t == arg(result.transpose) and out_t[1] == (32, 3, 65)
     else:
         assert out_t is None and result.transpose is None
     if with_dbias:
-        assert db == arg(dbias) and db[1:] == ([32], int(TE_DType[torch.bfloat16]))
+        assert db == arg(dbias) and db[1:] == ((32,), int(TE_DType[torch.bfloat16]))
         tiles = -(-195 // DBIAS_TILE_ROWS)
-        assert workspace[1:] == ([tiles * 32], F32_CODE)
+        assert workspace[1:] == ((tiles * 32,), F32_CODE)
         assert maxima[0] == workspace[0] + 4 * tiles * 32
     else:
         assert db is None and workspace is None and dbias is None

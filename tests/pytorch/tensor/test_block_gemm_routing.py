@@ -52,10 +52,10 @@ def test_the_call_carries_the_operands_scales_and_fresh_buffers(native):
     assert out.shape == (256, 384) and out.dtype == torch.bfloat16
     (args,) = native.calls
     x, xs, x2d, y, ys, y2d, b, o, ws, device, stream = args
-    assert x == (x_op[0].data_ptr(), [256, 512], x[2]) and xs[1] == [4, 256] and x2d is False
-    assert y[1] == [384, 512] and ys[1] == [3, 4] and y2d is True
-    assert b[0] == bias.data_ptr() and o[0] == out.data_ptr() and o[1] == [256, 384]
-    assert ws[1] == [block_gemm._WORKSPACE_BYTES] and (device, stream) == (3, 77)
+    assert x == (x_op[0].data_ptr(), (256, 512), x[2]) and xs[1] == (4, 256) and x2d is False
+    assert y[1] == (384, 512) and ys[1] == (3, 4) and y2d is True
+    assert b[0] == bias.data_ptr() and o[0] == out.data_ptr() and o[1] == (256, 384)
+    assert ws[1] == (block_gemm._WORKSPACE_BYTES,) and (device, stream) == (3, 77)
 
 
 def test_a_declined_problem_returns_none(native):
@@ -112,8 +112,8 @@ def test_other_token_counts_and_depths_run_on_zero_padded_copies(native, m, k):
     assert out.shape == (m, 384)
     (args,) = native.calls
     rows, depth = -(-m // 4) * 4, -(-k // 128) * 128
-    assert args[0][1] == [rows, depth] and args[3][1] == [384, depth] and args[7][1] == [rows, 384]
-    assert args[1][1] == list(x_op[1].shape) and args[4][1] == list(y_op[1].shape)
+    assert args[0][1] == (rows, depth) and args[3][1] == (384, depth) and args[7][1] == (rows, 384)
+    assert args[1][1] == x_op[1].shape and args[4][1] == y_op[1].shape
 
 
 @pytest.mark.parametrize("m, k", [(130, 512), (7, 200)])

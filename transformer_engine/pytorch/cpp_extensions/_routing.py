@@ -38,10 +38,12 @@ _DTYPE_CODES = {dtype: int(code) for dtype, code in TE_DType.items()}
 
 
 def tensor_arg(t: torch.Tensor | None):
-    """A tensor as the binding takes it: ``(data_ptr, shape, dtype code)``; ``None`` stays ``None``."""
+    """A tensor as the binding takes it: ``(data_ptr, shape, dtype code)``; ``None`` stays ``None``.
+    The shape goes as the ``torch.Size`` it is (the binding reads any sequence of ints): no list
+    is built per argument of every native call."""
     if t is None:
         return None
-    return (t.data_ptr(), list(t.shape), _DTYPE_CODES[t.dtype])
+    return (t.data_ptr(), t.shape, _DTYPE_CODES[t.dtype])
 
 
 def launch_args(device: torch.device) -> tuple[int, int]:

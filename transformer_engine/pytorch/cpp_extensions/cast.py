@@ -256,10 +256,10 @@ def quantize_current_scaling_prevalidated(
     scratch = torch.empty(workspace_elements + blocks + 2, dtype=torch.float32, device=device)
     base, f32 = scratch.data_ptr(), _FLOAT32_CODE
     if with_dbias:
-        workspace_arg = (base, [workspace_elements], f32)
-    maxima_arg = (base + 4 * workspace_elements, [blocks], f32)
-    amax_arg = (base + 4 * (workspace_elements + blocks), [1], f32)
-    scale_arg = (base + 4 * (workspace_elements + blocks) + 4, [1], f32)
+        workspace_arg = (base, (workspace_elements,), f32)
+    maxima_arg = (base + 4 * workspace_elements, (blocks,), f32)
+    amax_arg = (base + 4 * (workspace_elements + blocks), (1,), f32)
+    scale_arg = (base + 4 * (workspace_elements + blocks) + 4, (1,), f32)
     native.quantize_current_scaling(
         tensor_arg(input), tensor_arg(result.data), tensor_arg(result.transpose), amax_arg,
         scale_arg, tensor_arg(result.scale_inv), float(epsilon), bool(force_pow_2_scales),
