@@ -56,6 +56,7 @@ def test_host_overhead_tool_runs_a_few_steps_without_a_gpu():
         ("benchmarks/linear/benchmark_graphed.py", "needs a CUDA GPU"),
         ("benchmarks/attention/benchmark_attention.py", "needs a CUDA GPU"),
         ("benchmarks/transformer/benchmark_transformer_layer.py", "needs a CUDA GPU"),
+        ("benchmarks/quantize/benchmark_amax_cast_pairs.py", "needs a CUDA GPU"),
     ],
 )
 def test_gpu_benchmarks_refuse_without_gpus(script, message):
