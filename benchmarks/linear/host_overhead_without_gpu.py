@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """The Python (host) cost of one training step of te.Linear / te.LayerNormMLP, without a GPU.
 
-The CUDA path's native calls are replaced by no-ops, ``torch._scaled_mm`` by an allocation of its
-output, and the step runs on tiny CPU tensors (one torch thread), so what remains is the Python
-and torch-dispatch work the host does per step on a GPU machine. Useful for work on host
+The CUDA path's native calls (casts, scaling, norms, activations) are replaced by no-ops,
+``torch._scaled_mm`` by an allocation of its output, and the step runs on tiny CPU tensors (one
+torch thread) routed as CUDA tensors are, so what remains is the Python and torch-dispatch work
+the host does per step on a GPU machine. Useful for work on host
 overhead where no GPU is at hand; the absolute numbers depend on the CPU and its load, so compare
 before/after in one run on one machine (each configuration reports the best of ``--rounds``
 rounds, the one least disturbed by other processes). Also prints Python function calls per step
@@ -17,8 +18,9 @@ views, launch nothing; the count includes them.)
 
 Configurations: ``linear-delayed``, ``linear-current``, ``linear-block`` (te.Linear under
 te.autocast with DelayedScaling / Float8CurrentScaling / Float8BlockScaling; the block recipe at
-128 features, its block size), ``linear-bf16`` (te.Linear without FP8), ``mlp-delayed``
-(te.LayerNormMLP, DelayedScaling) and ``ops-delayed`` (``te.ops.Sequential(te.ops.Linear)``,
+128 features, its block size), ``linear-bf16`` (te.Linear without FP8), ``mlp-delayed``,
+``mlp-current``, ``mlp-bf16`` (te.LayerNormMLP, GELU, with each recipe and without FP8; its norm
+and activation kernels stubbed too) and ``ops-delayed`` (``te.ops.Sequential(te.ops.Linear)``,
 the fuser's path to the same GEMMs, DelayedScaling).
 
     python benchmarks/linear/host_overhead_without_gpu.py [--configs linear-delayed,...] [--profile]
@@ -45,18 +47,23 @@ from transformer_engine.common.recipe import (  # noqa: E402
     Float8CurrentScaling,
 )
 from transformer_engine.pytorch.cpp_extensions import (  # noqa: E402
+    activation,
     block_cast,
     block_gemm,
     cast,
     fp8_gemm_cpu,
+    norm_kernels,
     scaling,
 )
+from transformer_engine.pytorch.functional import _fused_norms  # noqa: E402
 
 NATIVE_OPS = ("quantize", "quantize_dbias", "dequantize", "compute_amax", "compute_scale_from_amax",
               "delayed_scaling_update", "quantize_current_scaling", "block_scaled_quantize",
-              "mxfp8_quantize")  # fmt: skip
+              "mxfp8_quantize", "activation", "dactivation", "activation_amax",
+              "dactivation_amax", "norm_forward", "norm_amax", "norm_forward_from_stats",
+              "norm_backward")  # fmt: skip
 CONFIGS = ("linear-delayed", "linear-current", "linear-block", "linear-bf16", "mlp-delayed",
-           "ops-delayed")  # fmt: skip
+           "mlp-current", "mlp-bf16", "ops-delayed")  # fmt: skip
 RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling, "block": Float8BlockScaling}
 native_calls = [0]  # native kernel calls made through the stubs
 
@@ -68,9 +75,19 @@ def _count_native(*args, **kwargs) -> None:
 def stub_kernels() -> None:
     """Route every kernel as if the tensors were on a GPU, and make each one a counted no-op."""
     no_op = types.SimpleNamespace(**{name: _count_native for name in NATIVE_OPS})
-    for module in (cast, scaling, block_cast):
+    # The norm backward's workspace size, as the library gives it for an H200 (132 SMs).
+    no_op.norm_backward_workspace_elements = lambda rows, hidden, index: 2 * hidden * min(rows, 264)
+    for module in (cast, scaling, block_cast, activation, norm_kernels):
         module.native_for = lambda op, device: no_op
         module.launch_args = lambda device: (0, 0)
+
+    # The norms take the native kernels for CUDA inputs only: here, for any input.
+    def native_norm_operands(x, weight, bias):
+        hidden = weight.numel()
+        flat_bias = None if bias is None else bias.view(hidden)
+        return x.reshape(-1, hidden), weight.view(hidden), flat_bias
+
+    _fused_norms._native_operands = native_norm_operands
     # The GPU route of the FP8 GEMM (torch._scaled_mm), whose host cost on a GPU is one dispatch:
     # stood in for by the allocation of its output (the CPU kernel would dominate the timing).
     fp8_gemm_cpu.SCALED_MM_IS_NATIVE_ON_CPU = True

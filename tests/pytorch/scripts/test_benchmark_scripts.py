@@ -34,13 +34,15 @@ def test_host_overhead_tool_runs_a_few_steps_without_a_gpu():
     rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
     assert list(rows) == [
         "linear-delayed", "linear-current", "linear-block", "linear-bf16", "mlp-delayed",
-        "ops-delayed",
+        "mlp-current", "mlp-bf16", "ops-delayed",
     ]  # fmt: skip
     for micros, calls, ops, _native in rows.values():
         assert float(micros) > 0 and 50 < int(calls) < 5000 and 0 < int(ops) < 500
-    # Every FP8 configuration runs its casts through the (stubbed) native kernels; BF16 none.
+    # Every FP8 configuration runs its casts through the (stubbed) native kernels; BF16 te.Linear
+    # none, the BF16 MLP its norm and activation kernels only (forward and backward each).
     assert all(int(rows[name][3]) > 0 for name in rows if name != "linear-bf16")
     assert int(rows["linear-bf16"][3]) == 0
+    assert int(rows["mlp-bf16"][3]) == 4
     # The fuser's path reaches the same native calls and torch ops as the module's.
     assert rows["ops-delayed"][2:] == rows["linear-delayed"][2:]
 
