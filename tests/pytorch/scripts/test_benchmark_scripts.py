@@ -2,6 +2,7 @@
 the GPU benchmarks refuse clearly without the GPUs they need (they are run on the GPU machine,
 never timed in tests)."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -59,6 +60,7 @@ def test_host_overhead_tool_runs_a_few_steps_without_a_gpu():
         ("benchmarks/attention/benchmark_attention.py", "needs a CUDA GPU"),
         ("benchmarks/transformer/benchmark_transformer_layer.py", "needs a CUDA GPU"),
         ("benchmarks/quantize/benchmark_amax_cast_pairs.py", "needs a CUDA GPU"),
+        ("benchmarks/mlp/step_timeline.py", "needs a CUDA GPU"),
     ],
 )
 def test_gpu_benchmarks_refuse_without_gpus(script, message):
@@ -92,3 +94,49 @@ def test_transformer_layer_benchmark_smoke_run_on_cpu(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert out.read_text().strip()
+
+
+def _load_script(path: str):
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_timeline_accounts_overlaps_and_gaps():
+    """step_timeline.py's arithmetic on a hand-made trace: overlapping kernels (programmatic
+    dependent launch) count once, idle gaps are measured from the latest end so far."""
+    timeline = _load_script("benchmarks/mlp/step_timeline.py")
+    kernels = [(0.0, 10.0, "a"), (8.0, 12.0, "b"), (2.0, 5.0, "c"), (20.0, 30.0, "d"),
+               (31.0, 32.0, "e")]  # fmt: skip
+    assert timeline.busy_time((s, e) for s, e, _ in kernels) == 23.0  # [0, 12] + [20, 30] + 1
+    assert timeline.gaps(kernels, 5) == [(8.0, "b", "d"), (1.0, "d", "e")]
+    assert timeline.gaps(kernels, 1) == [(8.0, "b", "d")]
+    assert timeline.busy_time([]) == 0.0
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("nvjet_sm90_qqtst_256x128_128x4_1x2_h_bz_coopA_bias_TNT", "gemm"),
+        ("void transformer_engine::(anonymous namespace)::amax_kernel<__nv_bfloat16, true>(...)",
+         "amax pass"),
+        ("void transformer_engine::activation_detail::elementwise_kernel<transformer_engine::"
+         "activation_detail::ActivationLoad<__nv_bfloat16, 0, false>, transformer_engine::"
+         "activation_detail::AmaxOnlyStore, false, true>(...)", "amax pass"),
+        ("void transformer_engine::cast_detail::cast_transpose_tall_kernel<transformer_engine::"
+         "activation_detail::DActivationLoad<__nv_bfloat16, 0, false>, false, true>(...)",
+         "activation"),
+        ("void transformer_engine::cast_detail::cast_transpose_tall_kernel<transformer_engine::"
+         "cast_detail::PlainLoad<__nv_bfloat16>, true, false, 1>(...)", "cast"),
+        ("transformer_engine::(anonymous namespace)::scale_from_block_amaxes_kernel(...)",
+         "scale update"),
+        ("void transformer_engine::norm_detail::(anonymous namespace)::norm_bwd_kernel<...>",
+         "norm"),
+        ("Memset (Device)", "memset/copy"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>",
+         "other"),
+    ],
+)  # fmt: skip
+def test_step_timeline_kernel_kinds(name, kind):
+    assert _load_script("benchmarks/mlp/step_timeline.py").kernel_kind(name) == kind
