@@ -20,7 +20,7 @@ Configurations: ``linear-delayed``, ``linear-current``, ``linear-block`` (te.Lin
 te.autocast with DelayedScaling / Float8CurrentScaling / Float8BlockScaling; the block recipe at
 128 features, its block size), ``linear-bf16`` (te.Linear without FP8), ``mlp-delayed``,
 ``mlp-current``, ``mlp-bf16`` (te.LayerNormMLP, GELU, with each recipe and without FP8; its norm
-and activation kernels stubbed too) and ``ops-delayed`` (``te.ops.Sequential(te.ops.Linear)``,
+and activation kernels stubbed too; BF16 parameters under FP8) and ``ops-delayed`` (``te.ops.Sequential(te.ops.Linear)``,
 the fuser's path to the same GEMMs, DelayedScaling).
 
     python benchmarks/linear/host_overhead_without_gpu.py [--configs linear-delayed,...] [--profile]
@@ -120,13 +120,17 @@ def make_step(config: str):
     fp8 = not config.endswith("bf16")
     recipe = RECIPES[config.split("-")[1]]() if fp8 else None
     width = 128 if config.endswith("block") else 16
+    dtype = torch.float32
     if config.startswith("mlp"):
-        layer = te.LayerNormMLP(16, 32, device="cpu")
+        # FP8: BF16 parameters, as on a GPU (a float32 bias is added after an FP8 GEMM instead of
+        # in it). Without FP8 the GEMMs really run, on the CPU, where float32 is the fast dtype.
+        dtype = torch.bfloat16 if fp8 else torch.float32
+        layer = te.LayerNormMLP(16, 32, device="cpu", params_dtype=dtype)
     elif config.startswith("ops"):
         layer = te.ops.Sequential(te.ops.Linear(width, width, device="cpu"))
     else:
         layer = te.Linear(width, width, device="cpu")
-    x = torch.randn(width, width, requires_grad=True)
+    x = torch.randn(width, width, dtype=dtype, requires_grad=True)
 
     def step():
         with te.autocast(enabled=fp8, recipe=recipe) if fp8 else contextlib.nullcontext():
