@@ -91,10 +91,14 @@ def config_from_recipe(
 def check_input_features(owner: str, inp: torch.Tensor, size: int, name: str) -> None:
     """Raise unless ``inp``'s last dimension is ``size``, naming the argument ``name`` that set it
     (a 0-d input has no last dimension and is refused too)."""
-    if inp.dim() == 0 or inp.shape[-1] != size:
+    if inp.dim() == 0:
         raise ValueError(
-            f"{owner}: the input's last dimension is {inp.shape[-1] if inp.dim() else None} but "
-            f"{name}={size}"
+            f"{owner}: the input is 0-d; it needs a last dimension of {name}={size} features "
+            f"(for one sample, shape ({size},))"
+        )
+    if inp.shape[-1] != size:
+        raise ValueError(
+            f"{owner}: the input's last dimension is {inp.shape[-1]} but {name}={size}"
         )
 
 
