@@ -9,7 +9,7 @@ For each configuration and implementation, after warm-up steps:
   queued before the first event, so the GPU is busy when timing starts);
 * ``host``: ms per step to issue up to 10 of those steps while a sleep kernel holds the GPU
   busy, so the host never waits on it: the step's Python, dispatch and launch time alone (10
-  steps stay well inside the launch queue, which would block the host once full). A host time
+  steps are a few hundred launches: a full launch queue would block the host). A host time
   near or above the kernel time means the GPU waits on the host;
 * a ``torch.profiler`` trace of ``--profiled`` steps: per step the kernel time (the union of the
   kernels' intervals: kernels launched with programmatic dependent launch may overlap) by kind
@@ -42,7 +42,8 @@ CONFIGS = {
     "linear": ("linear", 16384, 4096, 4096, None, None),
     "small": ("linear", 1024, 1024, 1024, None, None),
 }
-HOST_STEPS = 10  # steps issued ahead of a busy GPU: a few hundred launches, not the queue's 1024
+# Steps issued ahead of a busy GPU: a few hundred launches, short of filling the launch queue.
+HOST_STEPS = 10
 RECIPES = {
     "te bf16": None,
     "te fp8 delayed": DelayedScaling,
