@@ -4,8 +4,8 @@
 The CUDA path's native calls (casts, scaling, norms, activations) are replaced by no-ops,
 ``torch._scaled_mm`` by an allocation of its output, and the step runs on tiny CPU tensors (one
 torch thread) routed as CUDA tensors are, so what remains is the Python and torch-dispatch work
-the host does per step on a GPU machine. Useful for work on host
-overhead where no GPU is at hand; the absolute numbers depend on the CPU and its load, so compare
+the host does per step on a GPU machine. Useful for work on host overhead where no GPU is at
+hand; the absolute numbers depend on the CPU and its load, so compare
 before/after in one run on one machine (each configuration reports the best of ``--rounds``
 rounds, the one least disturbed by other processes). Also prints Python function calls per step
 (cProfile), which does not depend on the machine's load.
@@ -20,8 +20,8 @@ Configurations: ``linear-delayed``, ``linear-current``, ``linear-block`` (te.Lin
 te.autocast with DelayedScaling / Float8CurrentScaling / Float8BlockScaling; the block recipe at
 128 features, its block size), ``linear-bf16`` (te.Linear without FP8), ``mlp-delayed``,
 ``mlp-current``, ``mlp-bf16`` (te.LayerNormMLP, GELU, with each recipe and without FP8; its norm
-and activation kernels stubbed too; BF16 parameters under FP8) and ``ops-delayed`` (``te.ops.Sequential(te.ops.Linear)``,
-the fuser's path to the same GEMMs, DelayedScaling).
+and activation kernels stubbed too; BF16 parameters under FP8) and ``ops-delayed``
+(``te.ops.Sequential(te.ops.Linear)``, the fuser's path to the same GEMMs, DelayedScaling).
 
     python benchmarks/linear/host_overhead_without_gpu.py [--configs linear-delayed,...] [--profile]
 """
