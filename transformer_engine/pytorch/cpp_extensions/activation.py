@@ -155,6 +155,19 @@ def _dact(name: str, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return g * s * (1 - s)
 
 
+def _dact_into(name: str, g: torch.Tensor, u: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`_dact` written into ``out`` (a view of the caller's result, any strides). Into
+    an ``out`` of the values' own dtype GELU's and SiLU's derivatives come straight from their
+    kernels (no temporary); a 16-bit ``out`` takes the values through a copy, which rounds each
+    once (a kernel writing another dtype than it computes in runs its slow casting loop)."""
+    if out.dtype == u.dtype:
+        if name in ("gelu", "geglu"):
+            return torch.ops.aten.gelu_backward.grad_input(g, u, approximate="tanh", grad_input=out)
+        if name in ("silu", "swiglu"):
+            return torch.ops.aten.silu_backward.grad_input(g, u, grad_input=out)
+    return out.copy_(_dact(name, g, u))
+
+
 def _values_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the CPU path computes ``x``'s activation in."""
     return torch.promote_types(x.dtype, torch.float32)
@@ -179,8 +192,9 @@ def _backward_cpu(grad: torch.Tensor, x: torch.Tensor, spec: ActivationSpec, out
     dtype = _values_dtype(x)
     g = grad.to(dtype)
     if not spec.gated:
-        dx = _dact(spec.name, g, x.to(dtype))
-        return dx if out is None else out.copy_(dx)
+        if out is None:
+            return _dact(spec.name, g, x.to(dtype))
+        return _dact_into(spec.name, g, x.to(dtype), out)
     a, b = x.chunk(2, dim=-1)
     if spec.name == "clamped_swiglu":
         limit = spec.limit
@@ -193,12 +207,15 @@ def _backward_cpu(grad: torch.Tensor, x: torch.Tensor, spec: ActivationSpec, out
         db = torch.where((b >= -limit) & (b <= limit), g * ac * s, torch.zeros_like(g))
         dx = torch.cat((da, db), dim=-1)
         return dx if out is None else out.copy_(dx)
-    # Each half written straight into its place in the result.
+    # Each half written straight into its place in the result (no temporary and copy).
     n = a.shape[-1]
     dx = torch.empty(x.shape, dtype=dtype, device=x.device) if out is None else out
     a = a.to(dtype, copy=True)
-    dx[..., :n] = _dact(spec.name, g * b, a)
-    dx[..., n:] = _act_(spec.name, a).mul_(g)
+    _dact_into(spec.name, g * b, a, dx[..., :n])
+    if dx.dtype == dtype:
+        torch.mul(_act_(spec.name, a), g, out=dx[..., n:])
+    else:
+        dx[..., n:] = _act_(spec.name, a).mul_(g)
     return dx
 
 
