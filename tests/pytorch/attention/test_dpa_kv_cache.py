@@ -89,3 +89,32 @@ def test_kv_cache_needs_a_padding_mask_type():
     x = torch.randn(1, 2, 2, 4)
     with pytest.raises(ValueError, match="padding mask type"):
         dpa(x, x, x, inference_params=params)
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["window", "window_alibi"])
+def test_padding_mask_keeps_its_bottom_right_diagonal_while_decoding(alibi):
+    """``attn_mask_type="padding"`` keeps its bottom-right diagonal with a KV cache (only
+    ``padding_causal`` is rewritten): a decoded token at position t with window (2, 0) sees
+    keys t-2..t, and ALiBi counts distances from t, as in the full forward (a top-left diagonal
+    would measure both from key 0 of the cache)."""
+    b, total, prompt, h, d = 2, 7, 3, 4, 8
+    gen = torch.Generator().manual_seed(41)
+    q, k, v = (torch.randn(b, total, h, d, generator=gen) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 1.0])
+    keep = oracle_keep(b, total, total, mask_type="padding", window=(2, 0))
+    pos = torch.arange(total, dtype=torch.float64)
+    bias = -slopes.double().view(1, h, 1, 1) * (pos.view(-1, 1) - pos.view(1, -1)).abs()
+    expected = oracle_attention(bhsd(q), bhsd(k), bhsd(v), keep=keep, bias=bias if alibi else None)
+    expected = oracle_output(expected, "bshd")
+    extra = {"core_attention_bias_type": "alibi", "alibi_slopes": slopes} if alibi else {}
+    params = InferenceParams(b, 8, num_heads_kv=h, head_dim_k=d, dtype=torch.float32, device="cpu")
+    params.allocate_memory(1)
+    dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="padding", window_size=(2, 0))
+    done = 0
+    for step in [prompt] + [1] * (total - prompt):
+        params.pre_step(OrderedDict((i, step) for i in range(b)))
+        new = (t[:, done : done + step] for t in (q, k, v))
+        out = dpa(*new, inference_params=params, **extra)
+        want = expected[:, done : done + step]
+        torch.testing.assert_close(out.double(), want, **FP32_TOL)
+        done += step

@@ -242,6 +242,22 @@ def test_meta_init_and_state_dict():
     assert list(plain.parameters()) == []
 
 
+def test_softmax_offset_attribute_of_the_fixed_softmax_types():
+    """As upstream: ``softmax_offset`` is None for vanilla and a zero float32 tensor [heads]
+    for off-by-one, neither a parameter nor in the state dict; built on meta, it is zeros on the
+    materialization device after reset_parameters()."""
+    assert DotProductAttention(3, 4).softmax_offset is None
+    dpa = DotProductAttention(3, 4, softmax_type="off-by-one", device="cpu")
+    assert torch.equal(dpa.softmax_offset, torch.zeros(3, dtype=torch.float32))
+    assert list(dpa.parameters()) == []
+    assert list(dpa.state_dict().keys()) == ["_extra_state"]
+    meta = DotProductAttention(3, 4, softmax_type="off-by-one", device="meta")
+    assert meta.softmax_offset.is_meta
+    meta.reset_parameters()
+    assert meta.softmax_offset.device == materialization_device()
+    assert torch.equal(meta.softmax_offset.cpu(), torch.zeros(3))
+
+
 def test_meta_module_refuses_to_run():
     dpa = DotProductAttention(2, 4, softmax_type="learnable", device="meta", qkv_format="bshd")
     q = torch.randn(1, 3, 2, 4)

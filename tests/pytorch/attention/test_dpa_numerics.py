@@ -270,3 +270,17 @@ def test_window_coercions_warn():
     assert dpa.window_size == (-1, -1)
     with pytest.raises(ValueError, match="window_size"):
         DotProductAttention(2, 4, attn_mask_type="no_mask", window_size=(3, -1))
+
+
+@pytest.mark.parametrize("window", [(-1, 4), (-1, -2), (-2, 0)])
+def test_causal_window_without_a_left_bound_and_a_right_one_is_refused(window):
+    """Causal types coerce only (-1, -1) and (w >= 0, r != 0); (-1, r) for another r (and any
+    left bound below -1) is neither a window nor "no window"."""
+    with pytest.raises(ValueError, match="window_size"):
+        DotProductAttention(2, 4, attn_mask_type="causal", window_size=window)
+
+
+def test_causal_window_with_both_bounds_drops_the_right_one():
+    with pytest.warns(UserWarning, match="right bound"):
+        dpa = DotProductAttention(2, 4, attn_mask_type="padding_causal", window_size=(3, 2))
+    assert dpa.window_size == (3, 0)

@@ -10,7 +10,13 @@ from collections.abc import Callable
 
 import torch
 
-from ...device import DevicePlacementError, construction_device, enter_device, exit_device
+from ...device import (
+    DevicePlacementError,
+    construction_device,
+    enter_device,
+    exit_device,
+    materialization_device,
+)
 from ...module.base import TransformerEngineBaseModule
 from ...quantization import FP8GlobalStateManager
 from .backends import FlashAttention, FusedAttention, UnfusedDotProductAttention
@@ -238,6 +244,26 @@ class DotProductAttention(TransformerEngineBaseModule):
                 "softmax_offset", torch.nn.Parameter(offset), init_fn=torch.nn.init.zeros_
             )
             self.reset_parameters(defer_init=device.type == "meta")
+        elif softmax_type == "off-by-one":  # upstream's attribute: the offset, fixed at 0
+            heads = self.num_attention_heads_per_partition
+            zeros = torch.zeros(heads, dtype=torch.float32, device=device)
+            self.register_buffer("softmax_offset", zeros, persistent=False)
+        else:
+            self.softmax_offset = None
+
+    def reset_parameters(self, defer_init: bool = False) -> None:
+        """(Re)initialize the parameters (``softmax_offset`` when learnable); the off-by-one
+        offset buffer is zeroed, and built on the materialization device if it is on meta."""
+        super().reset_parameters(defer_init=defer_init)
+        if defer_init or self.softmax_type != "off-by-one":
+            return
+        offset = self.softmax_offset
+        if offset.device.type == "meta":
+            self.softmax_offset = torch.zeros(
+                offset.shape, dtype=torch.float32, device=materialization_device()
+            )
+        else:
+            offset.zero_()
 
     # -- configuration -------------------------------------------------------------------------
     def set_context_parallel_group(
@@ -382,7 +408,10 @@ class DotProductAttention(TransformerEngineBaseModule):
             if q_format == "thd" and max_seqlen_q is None:  # known without a host sync
                 max_seqlen_q = getattr(inference_params, "max_ctx_len", None)
             cu_seqlens_q_padded = cu_seqlens_kv_padded = None
-            bottom_right = mask_type.endswith("bottom_right")
+            # padding_causal became its bottom-right form; the other padding types keep their
+            # own diagonal (bottom-right unless the caller said otherwise), so a decoded
+            # query's window and ALiBi distances count back from the end of the cache
+            bottom_right = bottom_right or mask_type.endswith("bottom_right")
         check_qkv(q, k, v, q_format, kv_format, self.num_attention_heads_per_partition,
                   self.num_gqa_groups_per_partition, *self.kv_channels)  # fmt: skip
         layout = packed_layout or f"{q_format}_{kv_format}_{kv_format}"

@@ -172,8 +172,8 @@ def _configure_debug_logging() -> None:
 def check_set_window_size(attn_mask_type: str, window_size=None) -> tuple[int, int]:
     """The ``(left, right)`` window of ``attn_mask_type`` (``-1``: unbounded).
 
-    Causal types: ``None`` -> ``(-1, 0)``; ``(-1, 0)`` and ``(w >= 0, 0)`` as given; a
-    non-zero right bound (e.g. ``(-1, -1)``) is set to 0 with a warning. Other types:
+    Causal types: ``None`` -> ``(-1, 0)``; ``(-1, 0)`` and ``(w >= 0, 0)`` as given;
+    ``(-1, -1)`` and ``(w >= 0, r != 0)`` have their right bound set to 0 with a warning. Other types:
     ``None`` -> ``(-1, -1)``; ``(-1, -1)`` and ``(w0 >= 0, w1 >= 0)`` as given; ``(-1, 0)``
     -> ``(-1, -1)`` with a warning. Anything else is a ``ValueError``.
     """
@@ -185,10 +185,12 @@ def check_set_window_size(attn_mask_type: str, window_size=None) -> tuple[int, i
     except (TypeError, ValueError):
         raise ValueError(f"window_size={window_size!r} must be a pair of ints") from None
     if causal:
-        if left < -1:
+        # (-1, -1) means "no window" and (w, r) a window whose right side the causal mask cuts
+        # off; (-1, r) for another r is neither
+        if left < -1 or (left == -1 and right not in (0, -1)):
             raise ValueError(
                 f"window_size={window_size!r} is invalid for attn_mask_type="
-                f"{attn_mask_type!r}: the left bound must be -1 (unbounded) or >= 0"
+                f"{attn_mask_type!r}: use (-1, 0) (no window) or (w, 0) with w >= 0"
             )
         if right != 0:
             warnings.warn(
