@@ -244,6 +244,13 @@ def test_linear_weight_and_bias_follow_the_basic_ops():
     m.weight = new_weight
     assert m.basic_ops[0].weight is new_weight and m.weight is new_weight
     assert "weight" not in m._parameters
+    # upstream code replaces an alias with register_parameter: it sets the basic op's too
+    other_bias = torch.nn.Parameter(torch.zeros(FFN))
+    m.register_parameter("bias", other_bias)
+    assert m.basic_ops[1].bias is other_bias and "bias" not in m._parameters
+    m.register_parameter("extra", torch.nn.Parameter(torch.ones(1)))  # other names as usual
+    assert "extra" in m._parameters
+    del m._parameters["extra"]
     y = m(data("cpu"))
     assert torch.equal(y, m.bias.expand(TOKENS, FFN))
     with pytest.raises(ValueError, match="bias=False"):

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from tolerances import assert_close_by_table
 from utils import REFERENCE_ACTIVATIONS, autocast_by_name, current_scale, fake_quant
 
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import Float8CurrentScaling
 from transformer_engine.pytorch import ops
 from transformer_engine.pytorch.tensor import Float8Tensor
 
@@ -365,6 +367,19 @@ def test_quantize_forward_and_backward(recipe):
     torch.testing.assert_close(x.grad.dequantize().double(), fake_quant(dy, sdy, E5M2))
     if recipe == "delayed":
         assert op.recipe_state("forward").amax_history.shape[1] == 1
+
+
+@pytest.mark.parametrize("override", ["high_precision", "dequantized"])
+def test_quantize_leaves_the_gradient_alone_under_a_backward_override(override):
+    """A recipe with ``backward_override`` runs the whole backward in high precision: the
+    Quantize op's gradient cast is off, so the gradient passes through unchanged."""
+    op = ops.Quantize(forward=False, backward=True)
+    x = torch.randn(16, 32, requires_grad=True)
+    dy = torch.randn(16, 32) * 3
+    with te.autocast(recipe=Float8CurrentScaling(backward_override=override)):
+        y = op(x)
+    y.backward(dy)
+    assert type(x.grad) is torch.Tensor and torch.equal(x.grad, dy)
 
 
 def test_quantize_is_the_identity_outside_autocast():

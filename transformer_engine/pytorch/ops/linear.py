@@ -89,6 +89,14 @@ class Linear(FusedOperation):
     def bias(self) -> torch.nn.Parameter | None:
         return self.basic_ops[1].bias if len(self.basic_ops) > 1 else None
 
+    def register_parameter(self, name: str, param) -> None:
+        # upstream's aliases make register_parameter("weight", p) set the basic operation's
+        # parameter; nn.Module's would refuse the name, which the property already holds
+        if name in _ALIASES and "basic_ops" in self.__dict__.get("_modules", {}):
+            self.__setattr__(name, param)
+            return
+        super().register_parameter(name, param)
+
     def __setattr__(self, name: str, value) -> None:
         # nn.Module.__setattr__ would register a Parameter on this module, shadowed by the
         # property: route the two names to the basic operations instead.

@@ -20,7 +20,8 @@ class Quantize(BasicOperation):
         Inside ``te.autocast``, return the input as an FP8 ``Float8Tensor`` (with both row-wise
         and column-wise data, ready for a following linear operation).
     backward : bool, default False
-        Inside ``te.autocast``, return the gradient as an FP8 ``Float8Tensor``.
+        Inside ``te.autocast``, return the gradient as an FP8 ``Float8Tensor`` (unless the
+        recipe sets ``backward_override``: its backward stays in high precision).
 
     Outside ``te.autocast`` this is the identity. The quantizers follow the autocast recipe;
     delayed-scaling state lives on the input's device.
@@ -45,10 +46,13 @@ class Quantize(BasicOperation):
         next_op_input_quantizer=None,
     ) -> torch.Tensor:
         fp8 = FP8GlobalStateManager.is_fp8_enabled()
-        # the gradient quantizer is taken now: the state may change before the backward runs
-        ctx.grad_quantizer = (
-            self.get_quantizer("backward", 0) if fp8 and self._quantize_backward else None
-        )
+        # the gradient quantizer is taken now: the state may change before the backward runs;
+        # a recipe with a backward_override keeps the whole backward in high precision
+        quantize_grad = fp8 and self._quantize_backward
+        if quantize_grad:
+            recipe = FP8GlobalStateManager.get_fp8_recipe()
+            quantize_grad = getattr(recipe, "backward_override", None) is None
+        ctx.grad_quantizer = self.get_quantizer("backward", 0) if quantize_grad else None
         if not (fp8 and self._quantize_forward):
             return input_
         quantizer = self.get_quantizer("forward", 0)
