@@ -181,8 +181,14 @@ def test_argument_errors():
         general_gemm(qa, qb, torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="accumulate=True adds into out, so out must be given"):
         general_gemm(qa, qb, accumulate=True)
-    with pytest.raises(NotImplementedError, match="bias-gradient epilogue"):
+    with pytest.raises(NotImplementedError, match="wgrad layout NT only, not TN"):
         general_gemm(qa, qb, grad=True, bias=torch.zeros(48))
+    with pytest.raises(NotImplementedError, match="gelu=True"):
+        general_gemm(qa, qb, gelu=True)
+    with pytest.raises(NotImplementedError, match="ub_type='AG'"):
+        general_gemm(qa, qb, ub_type="AG")
+    with pytest.raises(ValueError, match="beta=0.5 scales the old out, but accumulate=False"):
+        general_gemm(qa, qb, beta=0.5)
     with pytest.raises(TypeError, match="alpha must be a real number"):
         general_gemm(qa, qb, alpha=torch.tensor(2.0))
     with pytest.raises(TypeError, match="A is torch.bfloat16 but B is torch.float32"):

@@ -49,6 +49,7 @@ from ._fp8_padding import zero_padded_fp8
 from ._validation import check_dtype, check_output, check_tensor
 from .block_gemm import block_general_gemm, is_block_float8_operand
 from .float8_gemm_operand import CheckedFloat8Operand, Float8GemmOperand, is_float8_operand
+from .gemm_epilogues import gemm_with_epilogues, refuse_unbuilt_epilogues
 from .mxfp8_gemm import is_mxfp8_operand, mxfp8_general_gemm
 from .nvfp4_gemm import is_nvfp4_operand, nvfp4_general_gemm
 
@@ -187,39 +188,59 @@ def general_gemm(
     A,
     B,
     out_dtype: torch.dtype | None = None,
-    *,
-    layout: str = "TN",
-    out: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
+    quantization_params=None,
+    gelu: bool = False,
+    gelu_in: torch.Tensor | None = None,
+    alpha: float = 1.0,
+    beta: float | None = None,
     accumulate: bool = False,
+    layout: str = "TN",
+    out=None,
+    bias: torch.Tensor | None = None,
     use_split_accumulator: bool = False,
     grad: bool = False,
-    alpha: float = 1.0,
+    ub=None,
+    ub_type=None,
+    extra_output=None,
+    bulk_overlap: bool = False,
 ):
-    """``alpha * op(B) @ op(A) (+ bias)`` in cuBLAS layout naming (see the module docstring).
+    """``alpha * op(B) @ op(A) (+ bias) (+ beta * out)`` in cuBLAS layout naming (see the
+    module docstring), with upstream's signature and argument order.
 
     Args:
         A, B: FP8 operands (anything with ``float8_gemm_input``, see the module docstring:
-            ``Float8Tensor``, ``Float8TensorStorage``, :class:`Float8GemmOperand`) or plain
-            float32, float16 or bfloat16 tensors.
+            ``Float8Tensor``, ``Float8TensorStorage``, :class:`Float8GemmOperand`), block-scaled
+            FP8, MXFP8 or NVFP4 tensors, or plain float32, float16 or bfloat16 tensors.
         out_dtype: float32, float16 or bfloat16. Default: ``out.dtype`` when ``out`` is given,
-            else bfloat16 for FP8 x FP8, else the high-precision operand's dtype.
+            else bfloat16 for FP8 x FP8, else the high-precision operand's dtype. With
+            ``quantization_params``, the quantized output's nominal type.
+        quantization_params: ``None``, or the output quantizer: the product is formed in
+            float32 and quantized once (as a fused FP8 epilogue rounds), into ``out`` (a
+            quantized tensor of that quantizer's kind) when given.
+        gelu, gelu_in: the GELU epilogues are not built (``gelu=True`` raises
+            ``NotImplementedError``).
+        alpha: scale applied to the product.
+        beta: with ``accumulate``, the scale of the old ``out`` (default 1; the sum is rounded
+            once to ``out``'s type); a non-zero ``beta`` without ``accumulate`` is refused.
+        accumulate: ``out = beta * out + result`` (``out`` required). The product is formed in
+            float32 and added to ``out`` before a single rounding to ``out``'s dtype (for a
+            float32 ``out``, e.g. ``main_grad``, everything stays float32).
         layout: ``"TN"`` (fprop), ``"NN"`` (dgrad) or ``"NT"`` (wgrad).
         out: buffer of the output's shape and dtype. Receives the result, or with
             ``accumulate=True`` the result is added into it.
-        bias: ``[N]`` tensor added to every output row (not scaled by ``alpha``).
-        accumulate: ``out += result`` (``out`` required). The product is formed in float32 and
-            added to ``out`` before a single rounding to ``out``'s dtype (for a float32 ``out``,
-            e.g. ``main_grad``, everything stays float32).
+        bias: ``[N]`` tensor added to every output row (not scaled by ``alpha``). With
+            ``grad=True`` a flag instead: no bias is added, and the bias gradient of the wgrad
+            layout (``B``, the output gradient, summed over its rows, in the bias's dtype)
+            comes back in slot 1.
         use_split_accumulator: FP8 only: accumulate in full float32 (slower on Hopper) instead
             of the fast FP8 accumulation mode. Ignored for high precision.
-        grad: upstream's flag for backward GEMMs; with ``bias`` it asks for the bias-gradient
-            epilogue, which is not provided here (raises ``NotImplementedError``).
-        alpha: scale applied to the product.
+        grad: a backward GEMM (see ``bias``).
+        ub, ub_type, extra_output, bulk_overlap: userbuffers communication overlap, not built:
+            anything but the defaults raises ``NotImplementedError``.
 
     Returns:
-        ``(out, bias_grad, gelu_input, extra_output)``. Only ``out`` is produced; the other
-        three are always ``None`` (no bias-gradient, GELU or communication-overlap epilogues).
+        ``(out, bias_grad, gelu_input, extra_output)``: ``bias_grad`` as described under
+        ``bias`` (else ``None``); the last two are always ``None``.
 
     Paths:
         * FP8 x FP8: ``torch._scaled_mm`` on the buffers listed in the module docstring. N must
@@ -236,11 +257,50 @@ def general_gemm(
           runs), as it cannot change upstream's C++ GEMM.
         * mixed (one FP8, one plain tensor): the FP8 operand is dequantized to the other
           operand's dtype (from whichever buffer it holds) and the high-precision path runs.
+        * the epilogues (output quantizer, ``beta``, bias gradient): :mod:`.gemm_epilogues`.
 
     Device: everything runs on the operands' device. Every tensor (operand buffers, scales,
     ``bias``, ``out``) must be on B's device; a mismatch or a meta tensor raises ``ValueError``
     before any work.
     """
+    plain = (
+        quantization_params is None
+        and beta is None
+        and not (grad and bias is not None)
+        and not gelu
+        and not bulk_overlap
+        and ub is None
+        and ub_type is None
+        and extra_output is None
+    )
+    if plain:
+        return _plain_gemm(
+            A, B, out_dtype, layout=layout, out=out, bias=bias, accumulate=accumulate,
+            use_split_accumulator=use_split_accumulator, alpha=alpha,
+        )  # fmt: skip
+    overlap = {"ub": ub, "ub_type": ub_type, "extra_output": extra_output}
+    refuse_unbuilt_epilogues(_OP, gelu=gelu, overlap=overlap, bulk_overlap=bulk_overlap)
+    result, bias_grad = gemm_with_epilogues(
+        _OP, _plain_gemm, A, B, out_dtype, quantizer=quantization_params, alpha=alpha,
+        beta=beta, accumulate=accumulate, layout=layout, out=out, bias=bias,
+        bias_grad_dtype=None, use_split_accumulator=use_split_accumulator, grad=grad,
+    )  # fmt: skip
+    return result, bias_grad, None, None
+
+
+def _plain_gemm(
+    A,
+    B,
+    out_dtype: torch.dtype | None = None,
+    *,
+    layout: str = "TN",
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    accumulate: bool = False,
+    use_split_accumulator: bool = False,
+    alpha: float = 1.0,
+):
+    """:func:`general_gemm` without its epilogues (arguments as there)."""
     # ---- validation: nothing is computed or allocated before all of it has passed ----
     if layout not in _LAYOUTS:
         raise ValueError(
@@ -257,12 +317,6 @@ def general_gemm(
         )
     if accumulate and out is None:
         raise ValueError(f"{_OP}: accumulate=True adds into out, so out must be given")
-    if grad and bias is not None:
-        raise NotImplementedError(
-            f"{_OP}: grad=True with bias requests the bias-gradient epilogue, which is not "
-            "implemented; compute the bias gradient separately (grad_output summed over rows) "
-            "and call without bias"
-        )
 
     if is_nvfp4_operand(A) or is_nvfp4_operand(B):
         # NVFP4 (NVFP4BlockScaling): emulated on every device (nvfp4_gemm.py).
@@ -428,7 +482,7 @@ def fp8_gemm_prevalidated(
     except AttributeError:
         x = None  # not both FP8: the validated general path below
     if x is None or y is None or x.dim() != 2 or y.dim() != 2:
-        return general_gemm(
+        return _plain_gemm(
             A, B, out_dtype, layout=layout, bias=bias, out=out, accumulate=accumulate,
             use_split_accumulator=use_split_accumulator,
         )[0]  # fmt: skip
