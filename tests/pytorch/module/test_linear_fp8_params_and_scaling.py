@@ -65,6 +65,34 @@ def test_fp8_parameters_preserve_high_precision_init_val():
     assert torch.equal(w._data, oracle.cast_bytes(init, 1.0, E4M3))
 
 
+@pytest.mark.parametrize("build", ["Linear", "LayerNormLinear", "LayerNormMLP", "ops.Linear"])
+def test_clear_high_precision_init_val_drops_the_copy(build):
+    """``clear_high_precision_init_val()`` drops the CPU copy: ``get`` returns None afterwards
+    and nothing else keeps the tensor alive."""
+    import gc
+    import weakref
+
+    ctor = {
+        "Linear": lambda: te.Linear(IN, OUT, device="cpu"),
+        "LayerNormLinear": lambda: te.LayerNormLinear(IN, OUT, device="cpu"),
+        "LayerNormMLP": lambda: te.LayerNormMLP(IN, OUT, device="cpu"),
+        "ops.Linear": lambda: te.ops.Linear(IN, OUT, device="cpu"),
+    }[build]
+    with te.quantized_model_init(recipe=DelayedScaling(), preserve_high_precision_init_val=True):
+        m = ctor()
+    weights = [p for p in m.parameters() if isinstance(p, Float8Tensor)]
+    assert weights, "the weights are FP8 parameters"
+    for w in weights:
+        init = w.get_high_precision_init_val()
+        assert init is not None and init.shape == w.shape
+        kept = weakref.ref(init)
+        del init
+        w.clear_high_precision_init_val()
+        gc.collect()
+        assert w.get_high_precision_init_val() is None
+        assert kept() is None, "the CPU copy is still referenced"
+
+
 def test_fp8_parameters_forward_backward_and_sgd_step():
     torch.manual_seed(12)
     m = make_fp8_param_linear()

@@ -32,6 +32,7 @@ from ..quantization import (
     RecipeState,
 )
 from ..quantized_tensor import QuantizedTensor
+from ..tensor.utils import attach_high_precision_init_val
 from ._contiguous_parameters import group_views, repack_parameter_groups
 
 __all__ = ["TransformerEngineBaseModule", "resolve_module_device", "default_init_method"]
@@ -123,12 +124,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 high_precision = param.detach().cpu().clone()
                 self._replace_parameter(name, param, self._quantize_parameter(param.data, index))
                 if self.preserve_high_precision_init_val:
-                    new_param = getattr(self, name)
-                    new_param._high_precision_init_val = high_precision
-                    new_param.get_high_precision_init_val = lambda hp=high_precision: hp
-                    new_param.clear_high_precision_init_val = lambda p=new_param: setattr(
-                        p, "_high_precision_init_val", None
-                    )
+                    attach_high_precision_init_val(getattr(self, name), high_precision)
         self._fp8_workspaces.clear()
 
     def _rng_context(self):

@@ -61,3 +61,21 @@ def replace_raw_data(tensor, new_raw_data: torch.Tensor) -> None:
     new_raw_data.detach().copy_(old)
     # The GEMM operand cache notices a replaced buffer by identity, so no view goes stale.
     tensor._data = new_raw_data
+
+
+def attach_high_precision_init_val(param: torch.nn.Parameter, values: torch.Tensor) -> None:
+    """Upstream's ``preserve_high_precision_init_val`` on a quantized weight: ``values`` (a CPU
+    copy of the weight before quantization) as ``param._high_precision_init_val``, with
+    ``param.get_high_precision_init_val()`` returning it and
+    ``param.clear_high_precision_init_val()`` dropping it (``get`` then returns ``None`` and the
+    copy can be freed). Both read the attribute when called, so nothing else holds the copy."""
+    param._high_precision_init_val = values
+
+    def get_high_precision_init_val():
+        return getattr(param, "_high_precision_init_val", None)
+
+    def clear_high_precision_init_val():
+        param._high_precision_init_val = None
+
+    param.get_high_precision_init_val = get_high_precision_init_val
+    param.clear_high_precision_init_val = clear_high_precision_init_val

@@ -23,6 +23,7 @@ from ...functional.linear import (
 )
 from ...quantization import FP8GlobalStateManager, QuantizerRole
 from ...quantized_tensor import QuantizedTensor, QuantizedTensorStorage
+from ...tensor.utils import attach_high_precision_init_val
 from ..op import BasicOperation, OperationContext
 from ._common import (
     activation_dtype,
@@ -191,7 +192,7 @@ class BasicLinear(BasicOperation):
             with torch.no_grad():
                 old.copy_(values)
         if high_precision is not None:
-            _attach_high_precision_init_val(self.weight, high_precision)
+            attach_high_precision_init_val(self.weight, high_precision)
 
     # -- forward and backward --------------------------------------------------------------------
     def op_forward(
@@ -363,10 +364,3 @@ def _check_produced_input(storage, in_features: int):
             f"last dimension must be in_features={in_features}"
         )
     return storage
-
-
-def _attach_high_precision_init_val(param: torch.nn.Parameter, values: torch.Tensor) -> None:
-    """Upstream's ``preserve_high_precision_init_val``: a CPU copy of the initial values."""
-    param._high_precision_init_val = values
-    param.get_high_precision_init_val = lambda: param._high_precision_init_val
-    param.clear_high_precision_init_val = lambda: setattr(param, "_high_precision_init_val", None)

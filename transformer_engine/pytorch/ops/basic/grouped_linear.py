@@ -47,6 +47,7 @@ from ...functional.linear import (
 )
 from ...quantization import FP8GlobalStateManager, QuantizerRole
 from ...quantized_tensor import QuantizedTensor
+from ...tensor.utils import attach_high_precision_init_val
 from ..op import BasicOperation, OperationContext
 from ._common import (
     activation_dtype,
@@ -277,7 +278,7 @@ class GroupedLinear(BasicOperation):
             with torch.no_grad():
                 old.copy_(values)
         if high_precision is not None:
-            _attach_high_precision_init_val(getattr(self, name), high_precision)
+            attach_high_precision_init_val(getattr(self, name), high_precision)
 
     def _reset_bias(self, group: int, device) -> None:
         name = f"bias{group}"
@@ -507,10 +508,3 @@ def _replacement(old: torch.nn.Parameter, values) -> torch.nn.Parameter:
         if not isinstance(value, torch.Tensor):
             setattr(new, attr, value)
     return new
-
-
-def _attach_high_precision_init_val(param: torch.nn.Parameter, values: torch.Tensor) -> None:
-    """Upstream's ``preserve_high_precision_init_val``: a CPU copy of the initial values."""
-    param._high_precision_init_val = values
-    param.get_high_precision_init_val = lambda: param._high_precision_init_val
-    param.clear_high_precision_init_val = lambda: setattr(param, "_high_precision_init_val", None)
