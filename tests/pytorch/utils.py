@@ -187,7 +187,13 @@ def live_cpu_tensors_on(addresses) -> list[torch.Tensor]:
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
             if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.numel() > 0:
-                if obj.untyped_storage().data_ptr() in addresses:
+                try:
+                    address = obj.untyped_storage().data_ptr()
+                except RuntimeError:
+                    # a wrapper subclass (a quantized tensor) has no storage of its own; the
+                    # plain tensors holding its bytes are in gc's list themselves
+                    continue
+                if address in addresses:
                     found.append(obj)
     return found
 

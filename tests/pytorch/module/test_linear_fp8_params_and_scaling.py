@@ -93,6 +93,33 @@ def test_clear_high_precision_init_val_drops_the_copy(build):
         assert kept() is None, "the CPU copy is still referenced"
 
 
+@pytest.mark.parametrize(
+    "built, run",
+    [
+        ("Float8CurrentScaling", "DelayedScaling"),
+        ("DelayedScaling", "Float8CurrentScaling"),
+        ("MXFP8BlockScaling", "DelayedScaling"),
+    ],
+)
+def test_fp8_parameters_refuse_another_recipe(built, run):
+    """FP8 weights belong to the recipe they were built for: a forward under another recipe
+    class raises before the weight's quantizer is rebound; the same class with other fields
+    runs."""
+    from transformer_engine.common import recipe as R
+
+    with te.quantized_model_init(recipe=getattr(R, built)()):
+        m = te.Linear(IN, OUT, device="cpu")
+    quantizer = m.weight._quantizer
+    x = torch.randn(32, IN)
+    with pytest.raises(RuntimeError, match=f"built for {built}.*recipe is {run}"):
+        with te.autocast(recipe=getattr(R, run)()):
+            m(x)
+    assert m.weight._quantizer is quantizer, "nothing rebound"
+    other = {"Float8CurrentScaling": {"use_power_2_scales": True}}.get(built, {})
+    with te.autocast(recipe=getattr(R, built)(**other)):
+        assert m(x).shape == (32, OUT)
+
+
 def test_fp8_parameters_forward_backward_and_sgd_step():
     torch.manual_seed(12)
     m = make_fp8_param_linear()

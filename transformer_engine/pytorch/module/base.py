@@ -31,6 +31,7 @@ from ..quantization import (
     FP8GlobalStateManager,
     RecipeState,
 )
+from ..quantization.support import check_weight_recipe
 from ..quantized_tensor import QuantizedTensor
 from ..tensor.utils import attach_high_precision_init_val
 from ._contiguous_parameters import group_views, repack_parameter_groups
@@ -193,6 +194,11 @@ class TransformerEngineBaseModule(torch.nn.Module):
         attrs["fp8_initialized"] = True
 
     def _build_recipe_states(self, recipe, num_gemms: int, device: torch.device) -> None:
+        # FP8 parameters (quantized_model_init) belong to the recipe they were built for:
+        # refused here, before their quantizers are rebound to this recipe's
+        for name, param in self.named_parameters(recurse=False):
+            if isinstance(param, QuantizedTensor) and name in self.param_init_meta:
+                check_weight_recipe(f"{type(self).__name__}.{name}", param, recipe)
         recipe = copy.copy(recipe)  # a snapshot: see init_fp8_metadata
         old_class = type(self.fp8_meta.get("recipe"))
         old_state = self.fp8_meta.get("scaling_fwd")

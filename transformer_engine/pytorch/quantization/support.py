@@ -243,6 +243,24 @@ def check_recipe_support(recipe: Recipe) -> None:
         )
 
 
+def check_weight_recipe(owner: str, weight, recipe: Recipe | None) -> None:
+    """Refuse a quantized weight (``quantized_model_init``) under an autocast recipe other than
+    the one it was built for, as upstream does: its bytes, scales and (delayed scaling) state
+    belong to that recipe, and a GEMM mixing formats, or a delayed-scaling weight whose scale
+    nothing updates, would run silently. ``CustomRecipe`` quantizers are the user's choice and
+    are not checked."""
+    quantizer = getattr(weight, "_quantizer", None)
+    compatible = quantizer._get_compatible_recipe() if quantizer is not None else None
+    if compatible is None or recipe is None or recipe.custom() or isinstance(recipe, compatible):
+        return
+    raise RuntimeError(
+        f"{owner}: the weight is a {type(weight).__name__} built for {compatible.__name__} "
+        f"(quantized_model_init), but the autocast recipe is {type(recipe).__name__}; run it "
+        f"under te.autocast(recipe={compatible.__name__}(...)), or build the model under "
+        f"quantized_model_init(recipe={type(recipe).__name__}(...))"
+    )
+
+
 # Whether each emulated recipe has been announced in this process.
 _mxfp8_announced = False
 _nvfp4_announced = False
