@@ -194,8 +194,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         attrs["fp8_initialized"] = True
 
     def _build_recipe_states(self, recipe, num_gemms: int, device: torch.device) -> None:
-        # FP8 parameters (quantized_model_init) belong to the recipe they were built for:
-        # refused here, before their quantizers are rebound to this recipe's
+        # FP8 parameters belong to their recipe: checked before their quantizers are rebound
         for name, param in self.named_parameters(recurse=False):
             if isinstance(param, QuantizedTensor) and name in self.param_init_meta:
                 check_weight_recipe(f"{type(self).__name__}.{name}", param, recipe)
