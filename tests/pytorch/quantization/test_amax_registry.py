@@ -206,6 +206,27 @@ def test_callable_algorithms_take_the_python_path():
     assert torch.equal(h, torch.tensor([[0.0, 0.0], [2.0, 0.0]]))
 
 
+@pytest.mark.parametrize("forced", [False, True], ids=["fused", "NVTE_UNFUSED_FP8_UPDATE=1"])
+def test_unfused_update_env_var_takes_the_python_path(monkeypatch, forced):
+    """NVTE_UNFUSED_FP8_UPDATE=1 sends the built-in algorithms down upstream's Python path, which
+    rolls a slot whose new amax is 0; the fused update leaves that slot as it is (rule 2)."""
+    if forced:
+        monkeypatch.setenv("NVTE_UNFUSED_FP8_UPDATE", "1")
+    else:
+        monkeypatch.delenv("NVTE_UNFUSED_FP8_UPDATE", raising=False)
+    registry = AmaxRegistry()
+    h, s = pair("cpu", slots=2, length=2)
+    h[1] = torch.tensor([4.0, 8.0])
+    registry.register("k", h, s)
+    h[0] = torch.tensor([2.0, 0.0])
+    registry.reduce_and_update("k", DelayedScaling(amax_compute_algo="max"), forward=True)
+    # slot 0: candidate max(4, 2) = 4, rolled either way; slot 1: amax 0
+    assert s[0].item() == 448.0 / 4.0
+    slot1 = [[0.0], [0.0]] if forced else [[0.0], [8.0]]
+    assert torch.equal(h, torch.tensor([[0.0, slot1[0][0]], [2.0, slot1[1][0]]]))
+    assert s[1].item() == (448.0 / 8.0 if forced else 1.0)
+
+
 def test_unregistered_positions_are_tombstones(recorded_updates, fake_distributed):
     registry = AmaxRegistry()
     pairs = register_three_pairs(registry)

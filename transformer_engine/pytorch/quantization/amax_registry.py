@@ -24,6 +24,7 @@ in the reduction buffer stay, as zeros, so the layout never depends on when a ra
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -251,7 +252,13 @@ class AmaxRegistry:
             return
         reduced = self._reduce(entries, groups, group) if _should_reduce(recipe, group) else {}
 
-        if callable(recipe.amax_compute_algo) or callable(recipe.scaling_factor_compute_algo):
+        # upstream's Python update: for callables, or forced by NVTE_UNFUSED_FP8_UPDATE=1 (read
+        # at each update, like upstream's)
+        if (
+            callable(recipe.amax_compute_algo)
+            or callable(recipe.scaling_factor_compute_algo)
+            or os.environ.get("NVTE_UNFUSED_FP8_UPDATE", "0") == "1"
+        ):
             fp8_max = get_fp8_max(recipe, forward)
             for device, positions in groups:
                 if device in reduced:
