@@ -8,7 +8,8 @@ meaning. It is a client of :mod:`transformer_engine.pytorch` and nothing in
 ``transformer_engine`` imports it.
 
 Only what works is here: the enums and ``FP8TensorMeta``, the per-tensor FP8 quantize family,
-``generic_gemm`` (high precision and per-tensor FP8), the LayerNorm/RMSNorm forward and
+``fp8_transpose``, ``generic_gemm`` (high precision and per-tensor FP8) and
+``get_num_cublas_streams``, the LayerNorm/RMSNorm forward and
 backward (with a quantized forward output), the fused delayed-scaling update and the
 version queries. docs/compatibility.md lists what each accepts and what it refuses.
 """
@@ -18,13 +19,14 @@ from transformer_engine.pytorch.cpp_extensions import (
 )
 
 from ._enums import DType, FP8BwdTensors, FP8FwdTensors, FP8TensorMeta
-from ._gemm import generic_gemm
+from ._gemm import generic_gemm, get_num_cublas_streams
 from ._normalization import layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd
 from ._quantize import (
     bgrad_quantize,
     compute_amax,
     create_empty_quantized_tensor,
     dequantize,
+    fp8_transpose,
     multi_tensor_quantize,
     quantize,
 )
@@ -41,7 +43,9 @@ __all__ = [
     "create_empty_quantized_tensor",
     "multi_tensor_quantize",
     "compute_amax",
+    "fp8_transpose",
     "generic_gemm",
+    "get_num_cublas_streams",
     "layernorm_fwd",
     "layernorm_bwd",
     "rmsnorm_fwd",

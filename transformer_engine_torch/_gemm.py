@@ -27,7 +27,7 @@ from transformer_engine.pytorch.quantized_tensor import Quantizer
 
 from ._dtype_args import high_precision_dtype, torch_dtype
 
-__all__ = ["generic_gemm"]
+__all__ = ["generic_gemm", "get_num_cublas_streams"]
 
 _OP = "generic_gemm"
 
@@ -124,3 +124,10 @@ def generic_gemm(
         use_split_accumulator=use_split_accumulator, grad=grad, out_name="D",
     )  # fmt: skip
     return [out, bias_grad, None, None]
+
+
+def get_num_cublas_streams() -> int:
+    """How many streams the grouped GEMM spreads its groups over: 1 here. Upstream's kernels
+    round-robin groups over several cuBLAS streams (and callers size per-stream workspaces by
+    this number); here every group runs in turn on the caller's current stream."""
+    return 1

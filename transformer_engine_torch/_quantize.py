@@ -20,7 +20,7 @@ from transformer_engine.pytorch.quantized_tensor import (
     Quantizer,
 )
 
-from ._dtype_args import high_precision_dtype
+from ._dtype_args import high_precision_dtype, torch_dtype
 
 __all__ = [
     "quantize",
@@ -29,6 +29,7 @@ __all__ = [
     "create_empty_quantized_tensor",
     "multi_tensor_quantize",
     "compute_amax",
+    "fp8_transpose",
 ]
 
 
@@ -134,3 +135,31 @@ def multi_tensor_quantize(tensor_list, quantizer_list) -> list:
 def compute_amax(input: torch.Tensor, amax: torch.Tensor) -> None:
     """Overwrite the one-element float32 ``amax`` with ``max|input|`` (NaN ignored)."""
     cpp_extensions.compute_amax(input, out=amax)
+
+
+def fp8_transpose(input: torch.Tensor, dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The transposed copy of FP8 data, as the casts write it for GEMMs that read K innermost:
+    ``input`` (the bytes: ``uint8`` or a torch FP8 dtype, shape ``[..., N]``, read as
+    ``[M, N]`` with ``M`` the product of the leading dims) becomes ``[N, M]``, into ``out``
+    when given (same element size, that shape). ``dtype``: the FP8 ``DType`` of the bytes
+    (kFloat8E4M3 or kFloat8E5M2); the bytes are moved, not converted."""
+    op = "fp8_transpose"
+    fp8 = torch_dtype(op, "dtype", dtype)
+    if fp8 not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"{op}: dtype={dtype!r} is not an FP8 type; use DType.kFloat8E4M3 or E5M2")
+    _check_tensor(op, "input", input)
+    if input.dtype not in (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"{op}: input has dtype {input.dtype}; pass the FP8 bytes (uint8 or FP8)")
+    if input.dim() < 2:
+        raise ValueError(f"{op}: input has shape {tuple(input.shape)}; it needs 2 or more dims")
+    transposed = input.reshape(-1, input.shape[-1]).t()
+    if out is None:
+        return transposed.contiguous()
+    if tuple(out.shape) != tuple(transposed.shape) or out.element_size() != 1:
+        raise ValueError(
+            f"{op}: out has shape {tuple(out.shape)} and dtype {out.dtype}; expected "
+            f"{tuple(transposed.shape)} with one-byte elements"
+        )
+    if out.device != input.device:
+        raise ValueError(f"{op}: out is on {out.device} but input is on {input.device}")
+    return out.copy_(transposed.view(out.dtype) if transposed.dtype != out.dtype else transposed)

@@ -90,9 +90,10 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.pytorch._graph_arguments",
         "transformer_engine.pytorch._graph_copies",
     )),
-    (10, "the public package and the compat shim", (
+    (10, "the public package and the compat shims", (
         "transformer_engine.pytorch",
         "transformer_engine.pytorch.fp8",
+        "transformer_engine.pytorch.float8_tensor",
     )),
 ]  # fmt: skip
 

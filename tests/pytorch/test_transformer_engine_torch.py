@@ -185,6 +185,26 @@ def test_compute_amax_overwrites():
     assert float(amax) == 6.5
 
 
+def test_fp8_transpose_moves_the_bytes():
+    data = torch.arange(2 * 3 * 4, dtype=torch.uint8).reshape(2, 3, 4)
+    expected = data.reshape(6, 4).t()  # [N, M] with M the leading dims' product
+    got = tex.fp8_transpose(data, E4M3)
+    assert got.is_contiguous() and torch.equal(got, expected)
+    out = torch.empty(4, 6, dtype=torch.float8_e5m2)
+    assert tex.fp8_transpose(data.view(torch.float8_e5m2), E5M2, out=out) is out
+    assert torch.equal(out.view(torch.uint8), expected)
+    with pytest.raises(TypeError, match="not an FP8 type"):
+        tex.fp8_transpose(data, BF16)
+    with pytest.raises(TypeError, match="pass the FP8 bytes"):
+        tex.fp8_transpose(data.float(), E4M3)
+    with pytest.raises(ValueError, match=r"expected \(4, 6\)"):
+        tex.fp8_transpose(data, E4M3, out=torch.empty(6, 4, dtype=torch.uint8))
+
+
+def test_get_num_cublas_streams_is_one_stream():
+    assert tex.get_num_cublas_streams() == 1
+
+
 # --- fused delayed-scaling update -----------------------------------------------------------------
 def test_fused_amax_and_scale_update_after_reduction_matches_the_model():
     hist = [[[3.0, 0.0, 2.0], [1.0, 5.0, 0.5], [4.0, 2.0, 0.25]]]  # [L=3, N=3]

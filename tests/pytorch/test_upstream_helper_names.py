@@ -574,3 +574,27 @@ def test_replace_raw_data_on_a_gpu():
     assert torch.equal(tensor.dequantize(), values)
     with pytest.raises(ValueError, match="cpu"):  # DevicePlacementError is a ValueError
         replace_raw_data(tensor, torch.zeros(2, 4, dtype=torch.uint8))
+
+
+def test_float8_tensor_shim_warns_and_gives_the_classes():
+    import sys
+    import warnings
+
+    from transformer_engine.pytorch.tensor import float8_tensor
+
+    sys.modules.pop("transformer_engine.pytorch.float8_tensor", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shim = importlib.import_module("transformer_engine.pytorch.float8_tensor")
+    assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+    for name in ("Float8Tensor", "Float8Quantizer", "Float8CurrentScalingQuantizer"):
+        assert getattr(shim, name) is getattr(float8_tensor, name)
+
+
+def test_get_fp4_te_dtype():
+    from transformer_engine.common.recipe import NVFP4BlockScaling
+    from transformer_engine.pytorch.quantization import get_fp4_te_dtype
+
+    assert get_fp4_te_dtype(NVFP4BlockScaling()) == DType.kFloat4E2M1
+    with pytest.raises(ValueError, match="no FP4 format"):
+        get_fp4_te_dtype(DelayedScaling())

@@ -22,7 +22,7 @@ from ...common.recipe import (
     MXFP8BlockScaling,
     NVFP4BlockScaling,
 )
-from ..constants import TE_DType
+from ..constants import DType, TE_DType
 from ..quantized_tensor import Quantizer
 from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer
 from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
@@ -40,6 +40,7 @@ __all__ = [
     "CustomRecipeState",
     "get_fp8_torch_dtype",
     "get_fp8_te_dtype",
+    "get_fp4_te_dtype",
     "get_fp8_max",
 ]
 
@@ -56,6 +57,17 @@ def get_fp8_torch_dtype(recipe, fprop_tensor: bool = True) -> torch.dtype:
 def get_fp8_te_dtype(recipe, fprop_tensor: bool = True):
     """The ``DType`` counterpart of :func:`get_fp8_torch_dtype`."""
     return TE_DType[get_fp8_torch_dtype(recipe, fprop_tensor)]
+
+
+def get_fp4_te_dtype(recipe):
+    """The ``DType`` of an FP4 recipe's values: ``kFloat4E2M1`` (its only FP4 format)."""
+    fmt = getattr(recipe, "fp4_format", None)
+    if fmt != Format.E2M1:
+        raise ValueError(
+            f"get_fp4_te_dtype: {type(recipe).__name__} has no FP4 format E2M1 (fp4_format="
+            f"{fmt!r}); pass an NVFP4BlockScaling recipe"
+        )
+    return DType.kFloat4E2M1
 
 
 def get_fp8_max(recipe, fprop_tensor: bool = True) -> float:
