@@ -53,6 +53,30 @@ def test_without_delay_nothing_waits():
     layer.backward_dw()  # a no-op
 
 
+@pytest.mark.parametrize("build", ["Linear", "LayerNormLinear", "LayerNormMLP"])
+def test_wgrad_hooks_run_after_the_delayed_gradients_exist(build):
+    """register_wgrad_accumulation_and_reduce_hooks: each hook runs at the end of every
+    backward_dw(), in registration order, when the weight gradients are already there."""
+    ctor = getattr(te, build)
+    layer = ctor(32, 48, device="cpu", delay_wgrad_compute=True)
+    weights = [p for name, p in layer.named_parameters() if name.endswith("weight")]
+    seen = []
+    layer.register_wgrad_accumulation_and_reduce_hooks(
+        lambda: seen.append(("first", all(w.grad is not None for w in weights)))
+    )
+    layer.register_wgrad_accumulation_and_reduce_hooks(lambda: seen.append(("second", None)))
+    layer(torch.randn(16, 32, requires_grad=True)).sum().backward()
+    assert seen == []
+    layer.backward_dw()
+    assert seen == [("first", True), ("second", None)]
+    with pytest.raises(TypeError, match="must be callable"):
+        layer.register_wgrad_accumulation_and_reduce_hooks(None)
+    plain = ctor(32, 48, device="cpu")  # nothing deferred: backward_dw runs nothing
+    plain.register_wgrad_accumulation_and_reduce_hooks(lambda: seen.append("ran"))
+    plain.backward_dw()
+    assert seen[-1] != "ran"
+
+
 def test_delay_with_split_parameters_is_refused():
     with pytest.raises(ValueError, match="delay_wgrad_compute=True cannot be combined"):
         te.Linear(32, 48, device="cpu", delay_wgrad_compute=True, parameters_split=("a", "b"))

@@ -24,7 +24,6 @@ import torch
 from ..device import construction_device, enter_device, exit_device, materialization_device
 from ..distributed import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
 from ..extra_state import empty_extra_state, pack_extra_state, unpack_extra_state
-from ..functional.linear import run_deferred_wgrads
 from ..quantization import (
     CustomRecipeState,
     DelayedScalingRecipeState,
@@ -35,6 +34,7 @@ from ..quantization.support import check_weight_recipe
 from ..quantized_tensor import QuantizedTensor
 from ..tensor.utils import attach_high_precision_init_val
 from ._contiguous_parameters import group_views, repack_parameter_groups
+from ._delayed_wgrad import DelayedWgrad
 
 __all__ = ["TransformerEngineBaseModule", "resolve_module_device", "default_init_method"]
 
@@ -50,7 +50,7 @@ def default_init_method(weight: torch.Tensor) -> None:
     torch.nn.init.normal_(weight, mean=0.0, std=0.023)
 
 
-class TransformerEngineBaseModule(torch.nn.Module):
+class TransformerEngineBaseModule(DelayedWgrad, torch.nn.Module):
     """Base of ``Linear``, ``LayerNormLinear``, ``LayerNormMLP`` and ``GroupedLinear``."""
 
     def __init__(self, name: str | None = None) -> None:
@@ -459,17 +459,6 @@ class TransformerEngineBaseModule(torch.nn.Module):
             del self._fp8_workspaces[key]  # stale: the weights moved since it was cached
         return None, lambda value: self._fp8_workspaces.__setitem__(key, value)
 
-    # -- delayed weight gradients (delay_wgrad_compute) ----------------------------------------
-    def _init_wgrad_store(self, delay_wgrad_compute: bool, parameters_split=None) -> None:
-        """``delay_wgrad_compute=True``: backward queues its weight-gradient GEMMs here and
-        :meth:`backward_dw` runs them (bias and input gradients are not delayed)."""
-        if delay_wgrad_compute and parameters_split is not None:
-            raise ValueError(
-                f"{type(self).__name__}: delay_wgrad_compute=True cannot be combined with "
-                "parameters_split: the deferred gradient goes to one weight parameter"
-            )
-        self.wgrad_store = [] if delay_wgrad_compute else None
-
     def _check_save_original_input(self) -> None:
         """``save_original_input=True`` re-quantizes the saved input in backward: refused under a
         recipe whose scale changes between forward and backward (delayed scaling)."""
@@ -481,15 +470,6 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 "changes between forward and backward. Use Float8CurrentScaling or "
                 "save_original_input=False"
             )
-
-    def need_backward_dw(self) -> bool:
-        """Whether weight gradients wait for :meth:`backward_dw` (``delay_wgrad_compute``)."""
-        return getattr(self, "wgrad_store", None) is not None
-
-    def backward_dw(self) -> None:
-        """Run the weight-gradient GEMMs that backward deferred, in order, into ``.grad`` (or
-        ``main_grad`` with ``fuse_wgrad_accumulation``)."""
-        run_deferred_wgrads(getattr(self, "wgrad_store", None))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def get_extra_state(self) -> torch.Tensor:
