@@ -3,7 +3,7 @@
 ``fp8_output=True`` returns the output as a Float8Tensor (the forward state's output slot) that
 stays differentiable: the gradient passes through in high precision. ``fp8_grad=True`` returns
 the input's gradient as a Float8Tensor quantized with the backward state's grad-input slot, whose
-amax then enters the backward scale update.
+amax enters the same backward's scale update.
 """
 
 import fp8_oracle as oracle
@@ -91,8 +91,13 @@ def test_fp8_grad_returns_the_input_gradient_in_fp8(kind, recipe):
         # cast with the grad-input slot's scale of this backward (1.0 before any update)
         expected = oracle.cast_bytes(plain, 1.0, torch.float8_e5m2).view(torch.float8_e5m2)
         assert torch.equal(fp8._data.view(torch.float8_e5m2).float(), expected.float())
-        # and its amax was recorded (after this backward's update: the next update uses it)
-        assert bwd.amax_history[0, GRAD_INPUT1] == plain.abs().max()
+        # its amax entered this backward's update, as upstream's cast inside the module's
+        # backward does: rolled into the newest row, row 0 cleared, the scale updated from it
+        amax = plain.abs().max()
+        assert bwd.amax_history[-1, GRAD_INPUT1] == amax
+        assert bwd.amax_history[0, GRAD_INPUT1] == 0.0
+        expected_scale = torch.tensor(57344.0, dtype=torch.float32) / amax.float()
+        assert bwd.scale[GRAD_INPUT1] == expected_scale
     else:
         torch.testing.assert_close(fp8.dequantize(), plain, rtol=0.14, atol=0.0)
     # the plain op before the module received the dequantized FP8 gradient

@@ -24,7 +24,7 @@ __all__ = [
     "claim_module_backward_update",
     "gemm_weight",
     "quantize_output",
-    "fp8_input_gradient",
+    "InputGradientCast",
 ]
 
 
@@ -119,29 +119,50 @@ def quantize_output(quantizer, out: torch.Tensor):
 
 
 class _QuantizeGradient(torch.autograd.Function):
-    """Identity in forward; in backward the gradient is handed on as a quantized tensor."""
+    """Identity in forward; in backward the gradient is handed on as a quantized tensor, then
+    the region's backward scale update runs if this node holds it."""
 
     @staticmethod
-    def forward(ctx, tensor, quantizer):  # noqa: D102
-        ctx.quantizer = quantizer
+    def forward(ctx, tensor, cast):  # noqa: D102
+        ctx.cast = cast
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        quantizer = ctx.quantizer
-        quantizer.set_usage(rowwise=True, columnwise=False)
-        return quantizer.quantize_impl(grad), None
+        cast = ctx.cast
+        cast.quantizer.set_usage(rowwise=True, columnwise=False)
+        out = cast.quantizer.quantize_impl(grad)
+        if cast.backward_update is not None:  # after the cast: its amax joins this update
+            cast.backward_update.complete()
+        return out, None
 
 
-def fp8_input_gradient(inp: torch.Tensor, quantizer) -> torch.Tensor:
-    """``fp8_grad=True``: ``inp`` unchanged, but the module hands the gradient of its input back
-    as a ``Float8Tensor`` (nominal dtype the input's) cast by ``quantizer``, the backward state's
-    grad-input slot. The cast runs after the module's own backward (for ``LayerNormLinear``
-    after the normalization's), so under delayed scaling its amax joins the history at the next
-    backward update."""
-    if not inp.requires_grad or not torch.is_grad_enabled():
-        return inp
-    return _QuantizeGradient.apply(inp, quantizer)
+class InputGradientCast:
+    """``fp8_grad=True``: the module hands the gradient of its input back as a ``Float8Tensor``
+    (nominal dtype the input's) cast by ``quantizer``, the backward state's grad-input slot.
+
+    :meth:`wrap` puts the cast on the input (it runs after the module's own backward, for
+    ``LayerNormLinear`` after the normalization's); :meth:`take_update` moves the region's
+    backward scale update, if the module claimed it, from the GEMM to after that cast, so under
+    delayed scaling the cast's amax counts in this step's update, as the other slots' do."""
+
+    def __init__(self, quantizer) -> None:
+        self.quantizer = quantizer
+        self.backward_update: BackwardScaleUpdate | None = None
+        self._wrapped = False
+
+    def wrap(self, inp: torch.Tensor) -> torch.Tensor:
+        if not inp.requires_grad or not torch.is_grad_enabled():
+            return inp
+        self._wrapped = True
+        return _QuantizeGradient.apply(inp, self)
+
+    def take_update(self, update: BackwardScaleUpdate | None) -> BackwardScaleUpdate | None:
+        """What the GEMM completes instead of ``update``: ``None`` once this cast holds it."""
+        if not self._wrapped:
+            return update
+        self.backward_update = update
+        return None
 
 
 def gemm_weight(owner: str, weight: torch.Tensor, dtype: torch.dtype, fp8: bool) -> torch.Tensor:

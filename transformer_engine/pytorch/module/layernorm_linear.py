@@ -21,8 +21,8 @@ from ._fused_norm import (
     register_norm_parameters,
 )
 from ._gemm_setup import (
+    InputGradientCast,
     claim_module_backward_update,
-    fp8_input_gradient,
     gemm_weight,
     make_linear_config,
     quantize_output,
@@ -203,8 +203,10 @@ class LayerNormLinear(TransformerEngineBaseModule):
         with self.prepare_forward_ctx(inp, num_gemms=1) as inp:
             check_tensor_parallel_ready(self)
             dtype, fp8 = self.activation_dtype, self.fp8
+            grad_cast = None
             if fp8 and fp8_grad:
-                inp = fp8_input_gradient(inp, self.quantizers["scaling_bwd"][GRAD_INPUT1])
+                grad_cast = InputGradientCast(self.quantizers["scaling_bwd"][GRAD_INPUT1])
+                inp = grad_cast.wrap(inp)
             if inp.dtype != dtype:
                 inp = inp.to(dtype)
             weight = gemm_weight("LayerNormLinear", linear_weight(self), dtype, fp8)
@@ -227,9 +229,10 @@ class LayerNormLinear(TransformerEngineBaseModule):
                 # The norm kernel writes the GEMM's FP8 input itself (no high-precision copy).
                 ln_fp8 = apply_norm_fp8(self, inp, config, columnwise=needs_wgrad)
             ln_out = apply_norm(self, inp) if ln_fp8 is None else ln_fp8
-            out = parallel_gemm(
-                self, weight, ln_out, gemm_bias, config, claim_module_backward_update(config)
-            )
+            update = claim_module_backward_update(config)
+            if grad_cast is not None:
+                update = grad_cast.take_update(update)
+            out = parallel_gemm(self, weight, ln_out, gemm_bias, config, update)
             if ln_fp8 is not None:
                 out = out.view(*inp.shape[:-1], out.shape[-1])
             if fp8 and fp8_output:

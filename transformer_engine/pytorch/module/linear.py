@@ -10,8 +10,8 @@ from .._tensor_parallel import divide
 from ..device import construction_device
 from ..functional.linear import check_input_features
 from ._gemm_setup import (
+    InputGradientCast,
     claim_module_backward_update,
-    fp8_input_gradient,
     gemm_weight,
     make_linear_config,
     quantize_output,
@@ -183,8 +183,10 @@ class Linear(TransformerEngineBaseModule):
             dtype = self.activation_dtype
             fp8 = self.fp8
             weight = gemm_weight("Linear", linear_weight(self), dtype, fp8)
+            grad_cast = None
             if fp8 and fp8_grad:
-                inp = fp8_input_gradient(inp, self.quantizers["scaling_bwd"][GRAD_INPUT1])
+                grad_cast = InputGradientCast(self.quantizers["scaling_bwd"][GRAD_INPUT1])
+                inp = grad_cast.wrap(inp)
             if inp.dtype != dtype:
                 inp = inp.to(dtype)
             gemm_bias = None if (bias is None or self.return_bias) else bias.to(dtype)
@@ -204,6 +206,8 @@ class Linear(TransformerEngineBaseModule):
                 grad_output_split=self.parallel_mode == "column",
             )  # fmt: skip
             update = claim_module_backward_update(config)
+            if grad_cast is not None:
+                update = grad_cast.take_update(update)
             out = parallel_gemm(self, weight, inp, gemm_bias, config, update, gemm=linear)
             if fp8 and fp8_output:
                 out = quantize_output(self.quantizers["scaling_fwd"][GEMM1_OUTPUT], out)
