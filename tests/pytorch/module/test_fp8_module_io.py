@@ -104,6 +104,20 @@ def test_fp8_grad_returns_the_input_gradient_in_fp8(kind, recipe):
     torch.testing.assert_close(grads[True][1], fp8.dequantize(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_grad_update_runs_when_only_the_weights_gradient_is_asked(kind):
+    """The backward scale update that waits for the grad-input cast still runs when the pass
+    does not compute the input's gradient (torch.autograd.grad on the weight only)."""
+    FP8GlobalStateManager.reset()
+    module, (x, dy) = build(kind), inputs()
+    with te.autocast(recipe=FP8_RECIPES["delayed"]()):
+        out = module(x, fp8_grad=True)
+    (dw,) = torch.autograd.grad((out * dy).sum(), [module.weight])
+    assert dw is not None
+    history = module.fp8_meta["scaling_bwd"].amax_history
+    assert history[0, 0] == 0.0 and history[-1, 0] > 0.0, "the grad-output amax was rolled"
+
+
 def test_fp8_grad_outside_fp8_is_ignored():
     module, (x, dy) = build("Linear"), inputs()
     out = module(x, fp8_grad=True)

@@ -119,22 +119,32 @@ def quantize_output(quantizer, out: torch.Tensor):
 
 
 class _QuantizeGradient(torch.autograd.Function):
-    """Identity in forward; in backward the gradient is handed on as a quantized tensor, then
-    the region's backward scale update runs if this node holds it."""
+    """Identity in forward; in backward the gradient is handed on as a quantized tensor."""
 
     @staticmethod
-    def forward(ctx, tensor, cast):  # noqa: D102
-        ctx.cast = cast
+    def forward(ctx, tensor, quantizer):  # noqa: D102
+        ctx.quantizer = quantizer
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        cast = ctx.cast
-        cast.quantizer.set_usage(rowwise=True, columnwise=False)
-        out = cast.quantizer.quantize_impl(grad)
-        if cast.backward_update is not None:  # after the cast: its amax joins this update
-            cast.backward_update.complete()
-        return out, None
+        quantizer = ctx.quantizer
+        quantizer.set_usage(rowwise=True, columnwise=False)
+        return quantizer.quantize_impl(grad), None
+
+
+class _UpdateAtBackwardEnd:
+    """A backward scale update that, completed by the GEMM's backward, runs at the end of that
+    backward pass instead (autograd's queued callback): after every cast of the pass, the
+    grad-input cast included, and also when the pass does not compute the input's gradient."""
+
+    __slots__ = ("update",)
+
+    def __init__(self, update: BackwardScaleUpdate) -> None:
+        self.update = update
+
+    def complete(self) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self.update.complete)
 
 
 class InputGradientCast:
@@ -142,27 +152,25 @@ class InputGradientCast:
     (nominal dtype the input's) cast by ``quantizer``, the backward state's grad-input slot.
 
     :meth:`wrap` puts the cast on the input (it runs after the module's own backward, for
-    ``LayerNormLinear`` after the normalization's); :meth:`take_update` moves the region's
-    backward scale update, if the module claimed it, from the GEMM to after that cast, so under
+    ``LayerNormLinear`` after the normalization's); :meth:`take_update` defers the region's
+    backward scale update, if the module claimed it, to the end of the backward pass, so under
     delayed scaling the cast's amax counts in this step's update, as the other slots' do."""
 
     def __init__(self, quantizer) -> None:
         self.quantizer = quantizer
-        self.backward_update: BackwardScaleUpdate | None = None
         self._wrapped = False
 
     def wrap(self, inp: torch.Tensor) -> torch.Tensor:
         if not inp.requires_grad or not torch.is_grad_enabled():
             return inp
         self._wrapped = True
-        return _QuantizeGradient.apply(inp, self)
+        return _QuantizeGradient.apply(inp, self.quantizer)
 
-    def take_update(self, update: BackwardScaleUpdate | None) -> BackwardScaleUpdate | None:
-        """What the GEMM completes instead of ``update``: ``None`` once this cast holds it."""
-        if not self._wrapped:
+    def take_update(self, update: BackwardScaleUpdate | None):
+        """What the GEMM's backward completes in place of ``update``."""
+        if not self._wrapped or update is None:
             return update
-        self.backward_update = update
-        return None
+        return _UpdateAtBackwardEnd(update)
 
 
 def gemm_weight(owner: str, weight: torch.Tensor, dtype: torch.dtype, fp8: bool) -> torch.Tensor:
