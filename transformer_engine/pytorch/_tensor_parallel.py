@@ -38,6 +38,8 @@ row-parallel layer's output gradient in FP8, cast with its grad-output quantizer
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -58,6 +60,7 @@ __all__ = [
     "reduce_scatter_along_first_dim",
     "allreduce",
     "set_tensor_model_parallel_attributes",
+    "initialize_affine_weight_gpu",
     "divide",
     "group_contains",
     "copy_to_tensor_parallel_region",
@@ -466,6 +469,33 @@ def set_tensor_model_parallel_attributes(
     tensor.tensor_model_parallel = is_parallel
     tensor.partition_dim = dim
     tensor.partition_stride = stride
+
+
+def initialize_affine_weight_gpu(
+    weight: torch.Tensor,
+    init_method,
+    get_rng_state_tracker=None,
+    partition_dim: int = 0,
+    stride: int = 1,
+    set_tp_attributes: bool = True,
+) -> None:
+    """Initialize this rank's shard ``weight`` in place with ``init_method`` (Megatron-LM's
+    helper): inside ``get_rng_state_tracker().fork()`` when a tracker getter is given, so the
+    ranks' shards draw different values and the default generator is left alone; with
+    ``set_tp_attributes``, mark it split along ``partition_dim`` first."""
+    if not callable(init_method):
+        raise TypeError(
+            f"initialize_affine_weight_gpu: init_method must be callable (it fills the weight "
+            f"in place), got {type(init_method).__name__}"
+        )
+    if set_tp_attributes:
+        set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    if get_rng_state_tracker is None:
+        fork = contextlib.nullcontext()
+    else:
+        fork = get_rng_state_tracker().fork()
+    with fork, torch.no_grad():
+        init_method(weight)
 
 
 # --- autograd regions -------------------------------------------------------------------------

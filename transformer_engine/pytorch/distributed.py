@@ -33,17 +33,15 @@ from ._tensor_parallel import (  # noqa: F401  (upstream's te.distributed helper
     gather_along_first_dim,
     get_distributed_rank,
     get_distributed_world_size,
+    initialize_affine_weight_gpu,
     reduce_scatter_along_first_dim,
     set_tensor_model_parallel_attributes,
 )
 from .quantization import FP8GlobalStateManager
 
-__all__ = [
-    "checkpoint",
-    "CudaRNGStatesTracker",
-    "is_fp8_activation_recompute_enabled",
-    "in_fp8_activation_recompute_phase",
-]
+# upstream's __all__; the other public names (the recompute phase flags, the collectives and
+# helpers below) are imported by name
+__all__ = ["checkpoint", "CudaRNGStatesTracker"]
 
 _local = threading.local()
 

@@ -91,6 +91,29 @@ def test_helpers_without_torch_distributed():
         ted.set_tensor_model_parallel_attributes(t, True, 1, 1)
 
 
+def test_initialize_affine_weight_gpu_draws_inside_the_tracker_fork():
+    """Megatron-LM's helper: the shard is filled inside ``tracker.fork()`` (the values of a
+    generator seeded with the tracker's seed; the default generator untouched) and marked."""
+    tracker = ted.CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 1234)
+    weight = torch.nn.Parameter(torch.empty(6, 4))
+    default_state = torch.get_rng_state()
+    ted.initialize_affine_weight_gpu(
+        weight, torch.nn.init.normal_, lambda: tracker, partition_dim=1, stride=1
+    )
+    assert torch.equal(torch.get_rng_state(), default_state)
+    expected = torch.empty(6, 4).normal_(generator=torch.Generator().manual_seed(1234))
+    assert torch.equal(weight.detach(), expected)
+    assert (weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride) == (
+        True, 1, 1,
+    )  # fmt: skip
+    plain = torch.empty(3)
+    ted.initialize_affine_weight_gpu(plain, torch.nn.init.ones_, None, set_tp_attributes=False)
+    assert torch.equal(plain, torch.ones(3)) and not hasattr(plain, "partition_dim")
+    with pytest.raises(TypeError, match="init_method must be callable"):
+        ted.initialize_affine_weight_gpu(plain, None, None, set_tp_attributes=False)
+
+
 # --- construction: local shards, attributes, initialization, errors ---------------------------
 
 

@@ -317,6 +317,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
         if self.return_bias:
             outputs += (fc2_bias,)
         if self.return_layernorm_output:
+            if self.return_layernorm_output_gathered and self.sequence_parallel:
+                ln_out = gather_from_sequence_parallel_region(ln_out, self.tp_group)
             outputs += (ln_out,)
         return outputs[0] if len(outputs) == 1 else outputs
 
