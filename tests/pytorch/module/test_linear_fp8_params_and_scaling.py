@@ -120,6 +120,25 @@ def test_fp8_parameters_refuse_another_recipe(built, run):
         assert m(x).shape == (32, OUT)
 
 
+def test_fp8_parameters_load_a_checkpoint_of_another_recipe():
+    """The check belongs to the forward: loading a DelayedScaling checkpoint into a module whose
+    FP8 weights were built for Float8CurrentScaling works (as upstream's set_extra_state), and
+    the module then runs under its own recipe."""
+    from transformer_engine.common.recipe import Float8CurrentScaling
+
+    trained = te.Linear(IN, OUT, device="cpu")
+    with te.autocast(recipe=DelayedScaling()):
+        trained(torch.randn(8, IN)).sum().backward()
+    with te.quantized_model_init(recipe=Float8CurrentScaling()):
+        m = te.Linear(IN, OUT, device="cpu")
+    m.load_state_dict(trained.state_dict())
+    with te.autocast(recipe=Float8CurrentScaling()):
+        assert m(torch.randn(8, IN)).shape == (8, OUT)
+    with pytest.raises(RuntimeError, match="built for Float8CurrentScaling"):
+        with te.autocast(recipe=DelayedScaling()):
+            m(torch.randn(8, IN))
+
+
 def test_fp8_parameters_forward_backward_and_sgd_step():
     torch.manual_seed(12)
     m = make_fp8_param_linear()

@@ -170,6 +170,8 @@ class TransformerEngineBaseModule(DelayedWgrad, torch.nn.Module):
             return
         if fp8 or calibrating or self._fp8_param_recipe is None:
             recipe = FP8GlobalStateManager.get_fp8_recipe()
+            if fp8 and self.primary_weights_in_fp8:  # before anything is rebound to it
+                check_weight_recipe(type(self).__name__, self._fp8_param_recipe, recipe)
         else:
             recipe = self._fp8_param_recipe
         device = self.parameters_device()
@@ -194,10 +196,6 @@ class TransformerEngineBaseModule(DelayedWgrad, torch.nn.Module):
         attrs["fp8_initialized"] = True
 
     def _build_recipe_states(self, recipe, num_gemms: int, device: torch.device) -> None:
-        # FP8 parameters belong to their recipe: checked before their quantizers are rebound
-        for name, param in self.named_parameters(recurse=False):
-            if isinstance(param, QuantizedTensor) and name in self.param_init_meta:
-                check_weight_recipe(f"{type(self).__name__}.{name}", param, recipe)
         recipe = copy.copy(recipe)  # a snapshot: see init_fp8_metadata
         old_class = type(self.fp8_meta.get("recipe"))
         old_state = self.fp8_meta.get("scaling_fwd")

@@ -243,21 +243,22 @@ def check_recipe_support(recipe: Recipe) -> None:
         )
 
 
-def check_weight_recipe(owner: str, weight, recipe: Recipe | None) -> None:
-    """Refuse a quantized weight (``quantized_model_init``) under an autocast recipe other than
-    the one it was built for, as upstream does: its bytes, scales and (delayed scaling) state
-    belong to that recipe, and a GEMM mixing formats, or a delayed-scaling weight whose scale
-    nothing updates, would run silently. ``CustomRecipe`` quantizers are the user's choice and
-    are not checked."""
-    quantizer = getattr(weight, "_quantizer", None)
-    compatible = quantizer._get_compatible_recipe() if quantizer is not None else None
-    if compatible is None or recipe is None or recipe.custom() or isinstance(recipe, compatible):
+def check_weight_recipe(owner: str, built: Recipe | None, recipe: Recipe | None) -> None:
+    """Refuse to run FP8 weights built under ``quantized_model_init(recipe=built)`` under an
+    autocast ``recipe`` of another class, as upstream does: their bytes, scales and (delayed
+    scaling) state belong to that recipe, and a GEMM mixing formats, or a delayed-scaling
+    weight whose scale nothing updates, would run silently. ``CustomRecipe`` quantizers are the
+    user's choice and are not checked."""
+    if built is None or recipe is None or built.custom() or recipe.custom():
         return
+    if isinstance(recipe, type(built)):
+        return
+    name = type(built).__name__
     raise RuntimeError(
-        f"{owner}: the weight is a {type(weight).__name__} built for {compatible.__name__} "
-        f"(quantized_model_init), but the autocast recipe is {type(recipe).__name__}; run it "
-        f"under te.autocast(recipe={compatible.__name__}(...)), or build the model under "
-        f"quantized_model_init(recipe={type(recipe).__name__}(...))"
+        f"{owner}: the FP8 weights were built for {name} (quantized_model_init), but the "
+        f"autocast recipe is {type(recipe).__name__}; run it under te.autocast(recipe="
+        f"{name}(...)), or build the model under quantized_model_init(recipe="
+        f"{type(recipe).__name__}(...))"
     )
 
 
