@@ -246,6 +246,22 @@ def _hand_cast(x: torch.Tensor, fp8_dtype, fp8_max: float):
     return (x.float() * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype), scale
 
 
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_reference_quantizer_scale_is_one_ieee_division(fp8_dtype):
+    """``scale = fp8_max / amax`` rounded once (float32 division), as the library's cast: over
+    many amaxes, the same scale_inv and bytes (a reciprocal times fp8_max, rounded twice, is
+    one ulp off for about a quarter of them)."""
+    fp8_max = torch.finfo(fp8_dtype).max
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(200):
+        x = torch.randn(4, 8, generator=gen) * torch.rand(1, generator=gen).item() * 10
+        ref = CurrentScalingQuantizerRef(fp8_dtype).quantize(x)
+        scale = torch.tensor([fp8_max], dtype=torch.float32) / x.abs().amax().reshape(1)
+        assert torch.equal(ref._scale_inv, torch.ones(1) / scale)
+        lib = Float8CurrentScalingQuantizer(fp8_dtype).quantize(x)
+        assert torch.equal(ref._scale_inv, lib._scale_inv) and torch.equal(ref._data, lib._data)
+
+
 @pytest.mark.parametrize(
     "fp8_dtype, fp8_max", [(torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)]
 )

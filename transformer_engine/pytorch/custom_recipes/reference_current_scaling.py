@@ -58,7 +58,10 @@ class CurrentScalingQuantizerRef(Float8CurrentScalingQuantizer):
         amax = magnitudes.amax().reshape(1) if x.numel() else torch.zeros(1, device=x.device)
         amax = torch.where(amax < self.amax_epsilon, torch.full_like(amax, self.amax_epsilon), amax)
         degenerate = (amax == 0) | ~torch.isfinite(amax)
-        scale = torch.where(degenerate, torch.ones_like(amax), fp8_max / amax)
+        # a tensor numerator: `float / tensor` runs as reciprocal-then-multiply (two roundings)
+        scale = torch.where(
+            degenerate, torch.ones_like(amax), torch.full_like(amax, fp8_max) / amax
+        )
         scale = torch.where(torch.isinf(scale), torch.full_like(scale, _FLOAT32_MAX), scale)
         if self.force_pow_2_scales:
             bits = scale.view(torch.int32) & torch.tensor(-(1 << 23), dtype=torch.int32)
