@@ -26,6 +26,7 @@ from transformer_engine.pytorch.custom_recipes.reference_current_scaling import 
 from transformer_engine.pytorch.quantization import (
     CustomRecipeState,
     DelayedScalingRequest,
+    FP8GlobalStateManager,
     QuantizerRole,
     RecipeState,
     check_recipe_support,
@@ -223,6 +224,32 @@ def test_factories_match_builtin_recipes_bit_for_bit(builtin, factory, cls):
 @pytest.mark.parametrize("cls", [te.Linear, te.LayerNormMLP])
 def test_factories_match_builtin_recipes_bit_for_bit_gpu(builtin, factory, cls):
     _check_same_bits(builtin, factory, cls, torch.device("cuda", torch.cuda.current_device()))
+
+
+@pytest.mark.parametrize("cls", [te.Linear, te.LayerNormMLP])
+def test_backward_only_delayed_requests_are_registered_and_updated(cls):
+    """A factory asking for delayed scaling on the grad-output slots only: the module's
+    backward state joins the amax registry and is updated each backward (scale = E5M2 max /
+    amax), and state_dict() refuses it as for any delayed request."""
+
+    def factory(role):
+        if role is not None and role.tensor_type == "grad_output":
+            return DelayedScalingRequest(amax_history_len=4)
+        return Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+
+    FP8GlobalStateManager.reset()
+    m = cls(32, 32, device="cpu")
+    for step in range(3):
+        with te.autocast(enabled=True, recipe=CustomRecipe(factory)):
+            y = m(torch.randn(16, 32, generator=torch.Generator().manual_seed(step)))
+        (y * 3.0).sum().backward()
+    state = m.fp8_meta["scaling_bwd"].delayed_scaling_state()
+    # the slot of the module output's gradient (3 everywhere): GRAD_OUTPUT1, or FC2's GRAD_OUTPUT2
+    slot = 2 if cls is te.LayerNormMLP else 0
+    assert state.scale[slot] == torch.tensor(57344.0) / torch.tensor(3.0)
+    assert state.amax_history[0, slot] == 0.0 and state.amax_history[-1, slot] == 3.0
+    with pytest.raises(NotImplementedError, match="CustomRecipe"):
+        m.state_dict()
 
 
 # ------------------------------------------------------------------ checkpoints

@@ -433,8 +433,12 @@ class TransformerEngineBaseModule(DelayedWgrad, torch.nn.Module):
 
     def _register_fp8_state(self) -> None:
         """Put the delayed-scaling state into the amax registry (after a successful forward)."""
-        state = self.fp8_meta.get("scaling_fwd")
-        if self.fp8 and isinstance(state, RecipeState) and state.delayed_scaling_state():
+        # either direction may hold it (a CustomRecipe may request delayed scaling for its
+        # backward slots only)
+        if self.fp8 and any(
+            isinstance(state, RecipeState) and state.delayed_scaling_state()
+            for state in (self.fp8_meta.get("scaling_fwd"), self.fp8_meta.get("scaling_bwd"))
+        ):
             if not FP8GlobalStateManager.fp8_graph_capturing():
                 FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(self.fp8_meta)
 
@@ -477,7 +481,8 @@ class TransformerEngineBaseModule(DelayedWgrad, torch.nn.Module):
         if not (self.fp8_meta.get("fp8_checkpoint") or self.primary_weights_in_fp8):
             return empty_extra_state()
         if isinstance(state, CustomRecipeState):
-            if state.delayed_scaling_state() is None:
+            backward = self.fp8_meta.get("scaling_bwd")
+            if state.delayed_scaling_state() is None and backward.delayed_scaling_state() is None:
                 return empty_extra_state()  # every quantizer came from the factory
             raise NotImplementedError(
                 f"{type(self).__name__}: saving a checkpoint of a module run under a "
