@@ -598,3 +598,20 @@ def test_get_fp4_te_dtype():
     assert get_fp4_te_dtype(NVFP4BlockScaling()) == DType.kFloat4E2M1
     with pytest.raises(ValueError, match="no FP4 format"):
         get_fp4_te_dtype(DelayedScaling())
+
+
+def test_constants_name_tables():
+    from transformer_engine.pytorch import constants
+
+    assert set(constants.AttnMaskTypes) == {
+        "no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
+        "padding_causal_bottom_right", "arbitrary",
+    }  # fmt: skip
+    assert constants.AttnTypes == ("self", "cross")
+    assert set(constants.AttnBiasTypes) == {"pre_scale_bias", "post_scale_bias", "no_bias", "alibi"}
+    assert constants.LayerTypes == ("encoder", "decoder")
+    assert constants.GemmParallelModes == ("row", "column", None)
+    assert (constants.MXFP8_BLOCK_SCALING_SIZE, constants.NVFP4_BLOCK_SCALING_SIZE) == (32, 16)
+    # every mask name the table lists is one DotProductAttention accepts
+    for name in constants.AttnMaskTypes:
+        te.DotProductAttention(2, 4, attn_mask_type=name, device="cpu")

@@ -22,6 +22,13 @@ __all__ = [
     "to_torch_fp8_dtype",
     "FP8FwdTensorIdx",
     "FP8BwdTensorIdx",
+    "AttnMaskTypes",
+    "AttnTypes",
+    "AttnBiasTypes",
+    "LayerTypes",
+    "GemmParallelModes",
+    "MXFP8_BLOCK_SCALING_SIZE",
+    "NVFP4_BLOCK_SCALING_SIZE",
 ]
 
 
@@ -114,3 +121,16 @@ FP8BwdTensorIdx = SimpleNamespace(
     GRAD_OUTPUT3=4,
     GRAD_INPUT3=5,
 )
+
+# Upstream's name tables (the values its argument checks accept).
+AttnMaskTypes = (
+    "no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
+    "padding_causal_bottom_right", "arbitrary",
+)  # fmt: skip
+AttnTypes = ("self", "cross")
+AttnBiasTypes = ("pre_scale_bias", "post_scale_bias", "no_bias", "alibi")
+LayerTypes = ("encoder", "decoder")
+GemmParallelModes = ("row", "column", None)
+# Elements per scale: MXFP8 (one E8M0 scale per 32 values), NVFP4 (one E4M3 scale per 16).
+MXFP8_BLOCK_SCALING_SIZE = 32
+NVFP4_BLOCK_SCALING_SIZE = 16

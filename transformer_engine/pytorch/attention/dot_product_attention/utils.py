@@ -29,6 +29,7 @@ try:  # upstream's tests compare FlashAttentionUtils' versions with packaging's 
 except ImportError:  # pragma: no cover - packaging is not a dependency; torch's version type
     from torch.torch_version import TorchVersion as PkgVersion
 
+from ...constants import AttnMaskTypes
 from ...device import device_compute_capability
 from .backends import SDPBackend, causal_bias_api, sdpa_supports
 
@@ -47,10 +48,7 @@ __all__ = [
 
 logger = logging.getLogger("transformer_engine.pytorch.attention")
 
-MASK_TYPES = (
-    "no_mask", "causal", "causal_bottom_right", "padding", "padding_causal",
-    "padding_causal_bottom_right", "arbitrary",
-)  # fmt: skip
+MASK_TYPES = AttnMaskTypes
 
 
 # Measured on an H200 (torch 2.11, CUDA 13): with bshd inputs, SDPA's cuDNN backward returned a
