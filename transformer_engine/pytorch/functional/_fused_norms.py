@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ...common.native import native_module
 from ..cpp_extensions import norm_kernels as native_norms
@@ -347,6 +348,7 @@ class _NormToFP8(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):  # noqa: D102
         needs = ctx.needs_input_grad[:3]
         dx, dweight, dbias = norm_backward(grad, ctx.saved_tensors, ctx.state, needs)
@@ -417,6 +419,7 @@ class _LayerNorm(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):  # noqa: D102
         grads = norm_backward(grad, ctx.saved_tensors, ctx.state, ctx.needs_input_grad[:3])
         return (*grads, None, None)
@@ -430,6 +433,7 @@ class _RMSNorm(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):  # noqa: D102
         needs = (*ctx.needs_input_grad[:2], False)
         dx, dweight, _ = norm_backward(grad, ctx.saved_tensors, ctx.state, needs)

@@ -27,6 +27,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..cpp_extensions.activation import (
     ActivationSpec,
@@ -57,6 +58,7 @@ class _Activation(torch.autograd.Function):
         return activation_forward(x, spec)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         (x,) = ctx.saved_tensors
         return activation_backward(grad, x, ctx.spec), None

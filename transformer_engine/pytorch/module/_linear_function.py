@@ -20,6 +20,7 @@ the output gradient in backward, in FP8 under a per-tensor FP8 grad-output quant
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .._tensor_parallel import (
     gather_along_first_dim,
@@ -75,6 +76,7 @@ class _LinearFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):  # noqa: D102
         with device_guard(grad_out.device):
             saved = ctx.saved

@@ -28,6 +28,7 @@ quantizer under a per-tensor FP8 recipe).
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .._tensor_parallel import (
     reduce_scatter_along_first_dim,
@@ -129,6 +130,7 @@ class _MLPBody(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):  # noqa: D102
         if ctx.released:
             raise RuntimeError(

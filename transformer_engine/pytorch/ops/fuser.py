@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..device import device_guard
 from ..distributed import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
@@ -77,6 +78,7 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
         return _fuser_forward(func_ctx, input_, call, params_and_extra_inputs)
 
     @staticmethod
+    @once_differentiable
     def backward(func_ctx, grad_output, *grad_extra_outputs):  # noqa: D102
         call: _Call = func_ctx.call
         with device_guard(grad_output.device):
