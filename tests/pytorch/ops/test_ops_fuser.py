@@ -500,3 +500,48 @@ def test_fuser_reads_each_call_the_parameters_parameters_would_list():
     assert torch.equal(out, torch.full((2, 8), 3.0))
     out.sum().backward()
     assert torch.equal(replacement.grad, torch.full((8,), 2.0))
+
+
+class _Doubler(ops.BasicOperation):
+    """A user operation written to upstream's API: ``reset_recipe_state(*, recipe)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.recipes_seen = []
+
+    def reset_recipe_state(self, *, recipe):
+        self.recipes_seen.append(type(recipe).__name__ if recipe is not None else None)
+        super().reset_recipe_state(recipe=recipe)
+
+    def op_forward(self, ctx, input_, **unused):
+        return input_ * 2
+
+    def op_backward(self, ctx, grad_output):
+        return grad_output * 2, []
+
+
+@pytest.mark.parametrize("recipe", [None, "delayed"])
+def test_user_op_overriding_reset_recipe_state_with_upstreams_signature(recipe):
+    op = _Doubler()
+    model = ops.Sequential(ops.Linear(16, 16, device="cpu"), op)
+    x = torch.randn(8, 16, requires_grad=True)
+    with autocast_by_name(recipe):
+        y = model(x)
+    y.sum().backward()
+    assert op.recipes_seen[-1] == (None if recipe is None else "DelayedScaling")
+    assert x.grad is not None
+
+
+def test_hand_made_operation_context_saves_for_the_backward():
+    """``OperationContext()`` made by hand (a dataclass, requires_grad=True by default) lets an
+    operation's op_forward / op_backward run outside a fuser."""
+    ctx = ops.OperationContext()
+    assert ctx.requires_grad and ctx.saved_tensors == () and ctx.to_save == ()
+    x = torch.tensor([[-1.0, 2.0]])
+    relu = ops.ReLU()
+    y = relu.op_forward(ctx, x, prev_op_grad_output_quantizer=None, next_op_input_quantizer=None)
+    ctx.saved_tensors = ctx.to_save
+    dx, _ = relu.op_backward(ctx, torch.ones_like(y))
+    assert torch.equal(y, torch.tensor([[0.0, 2.0]])) and torch.equal(
+        dx, torch.tensor([[0.0, 1.0]])
+    )

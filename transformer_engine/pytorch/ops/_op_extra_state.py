@@ -62,7 +62,7 @@ def set_op_extra_state(op, state: Any) -> None:
                 f"quantizers but the operation uses {op.num_quantizers(mode)}"
             )
     active = op._quantizers is not None
-    op.reset_recipe_state(recipe=recipe, device=device)
+    op._reset_recipe_state_on(recipe, device)
     rebuilt = False
     with torch.no_grad():
         for mode, suffix in _SUFFIX.items():

@@ -310,7 +310,7 @@ class OperationFuser:
                 with torch.inference_mode(False):
                     op.reset_parameters(device=device)
         for op in self._basic_ops:
-            op.reset_recipe_state(recipe=recipe, device=device)
+            op._reset_recipe_state_on(recipe, device)
         if not self._first_forward_done:
             for op in self._basic_ops:
                 op.pre_first_fuser_forward()

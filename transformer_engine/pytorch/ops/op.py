@@ -213,12 +213,22 @@ class BasicOperation(FusibleOperation):
         params_device = self.parameters_device()
         if params_device is not None and params_device.type != "meta":
             return params_device
+        if device is None:  # the fuser's hint (_reset_recipe_state_on)
+            device = self.__dict__.get("_recipe_device_hint")
         if device is None:
             raise ValueError(
                 f"{type(self).__name__} has no materialized parameters to place its recipe "
                 "state next to; pass device=... (the fuser passes the input's device)"
             )
         return torch.device(device)
+
+    def _reset_recipe_state_on(self, recipe, device) -> None:
+        """``self.reset_recipe_state(recipe=recipe)`` with ``device`` (the input's) as where the
+        state goes while the operation has no materialized parameters. Upstream's signature is
+        ``(*, recipe)``, which a user's operation may override as it is: the device travels as
+        an attribute that :meth:`reset_recipe_state` reads when it gets no ``device``."""
+        self.__dict__["_recipe_device_hint"] = device
+        self.reset_recipe_state(recipe=recipe)
 
     def reset_recipe_state(self, *, recipe, device=None) -> None:
         """Make the quantization state match ``recipe``.
