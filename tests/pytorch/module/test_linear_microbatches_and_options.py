@@ -117,6 +117,40 @@ def test_cached_weight_from_inference_serves_a_training_microbatch():
     assert_close_by_table(x.grad, dy @ m.weight.detach(), ("hybrid", torch.float32))
 
 
+@pytest.mark.parametrize("recipe", ["Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling"])
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+def test_block_scaled_cache_from_a_no_grad_pass_serves_the_backward(recipe, kind):
+    """A weight cached by a no-grad pass (te.checkpoint's first pass, or inference) holds only
+    the row-wise copy, which a block-scaled format cannot turn into the column-wise one dgrad
+    reads: the training microbatch casts the weight again (same values: the weights did not
+    change) instead of failing. Pipeline order: fwd mb1 (True), fwd mb2 (False), bwd mb2, bwd
+    mb1; the same input gradients as without checkpointing."""
+    from transformer_engine.common import recipe as R
+
+    kwargs = {"Float8BlockScaling": {"w_block_scaling_dim": 1}}.get(recipe, {})
+    make_recipe = lambda: getattr(R, recipe)(**kwargs)  # noqa: E731
+    if recipe == "NVFP4BlockScaling":
+        make_recipe = lambda: R.NVFP4BlockScaling(disable_stochastic_rounding=True)  # noqa: E731
+    torch.manual_seed(7)
+    m = getattr(te, kind)(128, 128, device="cpu")
+    xs = [torch.randn(32, 128, requires_grad=True) for _ in range(2)]
+    dy = torch.randn(32, 128)
+    grads = {}
+    for checkpointed in (True, False):
+        ins = [x.detach().clone().requires_grad_() for x in xs]
+        with te.autocast(recipe=make_recipe()):
+            if checkpointed:
+                ys = [te.checkpoint(m, x, is_first_microbatch=i == 0) for i, x in enumerate(ins)]
+            else:
+                ys = [m(x, is_first_microbatch=i == 0) for i, x in enumerate(ins)]
+        ys[1].backward(dy)
+        ys[0].backward(dy)
+        grads[checkpointed] = [x.grad for x in ins]
+        m.zero_grad(set_to_none=True)
+    for a, b in zip(grads[True], grads[False]):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------------------------------
 # return_bias, parameters_split, params_dtype
 

@@ -225,8 +225,18 @@ def _quantized_weight(weight, config: LinearConfig, columnwise: bool):
         w_q = weight if isinstance(weight, QuantizedTensor) else config.cached_weight
         # A plain tensor (an IdentityQuantizer's cached result) has no usages to set.
         if config.backward_override is None and isinstance(w_q, QuantizedTensorStorage):
-            w_q.update_usage(rowwise_usage=True, columnwise_usage=columnwise or None)
-        return w_q
+            try:
+                w_q.update_usage(rowwise_usage=True, columnwise_usage=columnwise or None)
+            except RuntimeError:
+                if w_q is weight:  # an FP8 parameter: there is nothing to cast it again from
+                    raise
+                # A copy cached without the layout this call needs (cast in a no-grad pass,
+                # e.g. te.checkpoint's first one) that a block-scaled format cannot rebuild
+                # from the other: cast the weight again (the same bytes: the weights have not
+                # changed between microbatches) and cache that.
+                w_q = None
+        if w_q is not None:
+            return w_q
     w_q = _quantize(config.weight_quantizer, weight, rowwise=True, columnwise=columnwise)
     if config.cache_weight is not None:
         config.cache_weight(w_q)
