@@ -99,14 +99,22 @@ def make_linear_config(
     return config
 
 
-def claim_module_backward_update(config: LinearConfig) -> BackwardScaleUpdate | None:
+def claim_module_backward_update(config: LinearConfig, tensors=()) -> BackwardScaleUpdate | None:
     """The region's backward scale update, if this module is the region's first FP8 module.
 
-    Call it once per forward, for the GEMM whose backward runs last (FC1 in ``LayerNormMLP``).
-    With a backward override nothing is quantized in backward, so there is nothing to update,
-    and the first-module claim stays for a later module that has something to update.
+    Call it once per forward, for the GEMM whose backward runs last (FC1 in ``LayerNormMLP``),
+    with ``tensors`` the inputs and parameters of the autograd node that will complete it. With
+    a backward override nothing is quantized in backward, so there is nothing to update; and a
+    node none of whose tensors requires grad never runs its backward (a frozen first layer
+    under a trainable one): either way the first-module claim stays for a later module, which
+    completes the update instead.
     """
-    if config.fp8 and torch.is_grad_enabled() and config.backward_override is None:
+    if (
+        config.fp8
+        and torch.is_grad_enabled()
+        and config.backward_override is None
+        and any(t is not None and t.requires_grad for t in tensors)
+    ):
         return claim_backward_update()
     return None
 

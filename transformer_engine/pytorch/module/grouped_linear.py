@@ -333,7 +333,11 @@ class GroupedLinear(TransformerEngineBaseModule):
                 self._check_save_original_input()
                 for config in configs:
                     config.save_original_input = True
-            update = claim_backward_update() if fp8 and torch.is_grad_enabled() else None
+            # only a module whose backward runs may complete the region's update (a frozen
+            # first module leaves it to the next)
+            runs_backward = inp.requires_grad or any(p.requires_grad for p in self.parameters())
+            claims = fp8 and torch.is_grad_enabled() and runs_backward
+            update = claim_backward_update() if claims else None
             outs = [
                 linear(weights[i], x, None if self.return_bias else biases[i], configs[i])
                 for i, x in enumerate(groups)

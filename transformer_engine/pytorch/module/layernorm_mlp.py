@@ -275,8 +275,15 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 main_grad_param=self.fc2_weight,
             )  # fmt: skip
             fc1_config.wgrad_store = fc2_config.wgrad_store = self.wgrad_store
-            # FC1's backward runs after FC2's: it completes the region's backward update.
-            update = claim_module_backward_update(fc1_config)
+            # FC1's backward runs after FC2's: it completes the region's backward update (the
+            # fused body's node holds every parameter; otherwise FC1's own node does).
+            fused_body = self.activation_fn is self._fused_activation_fn and not (
+                self.checkpoint and torch.is_grad_enabled()
+            )
+            completing = (
+                (inp, *self.parameters()) if fused_body else (gemm_in, fc1_weight, fc1_bias)
+            )
+            update = claim_module_backward_update(fc1_config, completing)
             reduce_split_amaxes(self, fc1_config, input_split=False, grad_output_split=parallel)
             reduce_split_amaxes(self, fc2_config, input_split=parallel, grad_output_split=False)
             # Row-parallel FC2: its bias is added after the reduction, so it counts once.

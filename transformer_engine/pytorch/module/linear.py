@@ -205,7 +205,7 @@ class Linear(TransformerEngineBaseModule):
                 self, config, input_split=self.parallel_mode == "row",
                 grad_output_split=self.parallel_mode == "column",
             )  # fmt: skip
-            update = claim_module_backward_update(config)
+            update = claim_module_backward_update(config, (inp, weight, gemm_bias))
             if grad_cast is not None:
                 update = grad_cast.take_update(update)
             out = parallel_gemm(self, weight, inp, gemm_bias, config, update, gemm=linear)
