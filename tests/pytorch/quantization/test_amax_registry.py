@@ -209,11 +209,9 @@ def test_callable_algorithms_take_the_python_path():
 @pytest.mark.parametrize("forced", [False, True], ids=["fused", "NVTE_UNFUSED_FP8_UPDATE=1"])
 def test_unfused_update_env_var_takes_the_python_path(monkeypatch, forced):
     """NVTE_UNFUSED_FP8_UPDATE=1 sends the built-in algorithms down upstream's Python path, which
-    rolls a slot whose new amax is 0; the fused update leaves that slot as it is (rule 2)."""
-    if forced:
-        monkeypatch.setenv("NVTE_UNFUSED_FP8_UPDATE", "1")
-    else:
-        monkeypatch.delenv("NVTE_UNFUSED_FP8_UPDATE", raising=False)
+    rolls a slot whose new amax is 0; the fused update leaves that slot as it is (rule 2). The
+    reading of the variable itself: test_unfused_update_env_var_is_read_at_import."""
+    monkeypatch.setattr(amax_registry, "UNFUSED_UPDATE", forced)  # the variable, read at import
     registry = AmaxRegistry()
     h, s = pair("cpu", slots=2, length=2)
     h[1] = torch.tensor([4.0, 8.0])
@@ -354,3 +352,17 @@ def test_a_module_registers_anew_after_reset_clear_or_deep_copy():
     assert registered(module) and registered(twin)
     assert len(FP8GlobalStateManager.quantization_state.amax_registry) == 4
     FP8GlobalStateManager.reset()
+
+
+def test_unfused_update_env_var_is_read_at_import():
+    import subprocess
+    import sys
+
+    code = (
+        "from transformer_engine.pytorch.quantization import amax_registry as a; "
+        "print(a.UNFUSED_UPDATE)"
+    )
+    for value, expected in (("1", "True"), ("0", "False"), ("yes", "False")):
+        env = {**__import__("os").environ, "NVTE_UNFUSED_FP8_UPDATE": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.stdout.strip() == expected, out.stderr[-2000:]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ...common.native import native_module
 from ..cpp_extensions import norm_kernels as native_norms
@@ -35,6 +34,7 @@ from ..cpp_extensions.normalization import (
     layernorm_backward_from_stats,
     rmsnorm_backward_from_stats,
 )
+from ._once_differentiable import once_differentiable
 
 __all__ = [
     "fused_layernorm",

@@ -27,7 +27,6 @@ import functools
 from collections.abc import Callable
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..cpp_extensions.activation import (
     ActivationSpec,
@@ -35,6 +34,7 @@ from ..cpp_extensions.activation import (
     activation_forward,
     activation_spec,
 )
+from ._once_differentiable import once_differentiable
 
 __all__ = [
     "ACTIVATIONS",

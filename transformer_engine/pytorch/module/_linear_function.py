@@ -20,7 +20,6 @@ the output gradient in backward, in FP8 under a per-tensor FP8 grad-output quant
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .._tensor_parallel import (
     gather_along_first_dim,
@@ -30,6 +29,7 @@ from .._tensor_parallel import (
     sequence_parallel_grad_output,
 )
 from ..device import device_guard
+from ..functional._once_differentiable import once_differentiable
 from ..functional.linear import LinearConfig, linear_backward, linear_forward
 from ..quantization import BackwardScaleUpdate
 

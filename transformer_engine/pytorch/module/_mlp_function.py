@@ -28,7 +28,6 @@ quantizer under a per-tensor FP8 recipe).
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .._tensor_parallel import (
     reduce_scatter_along_first_dim,
@@ -37,6 +36,7 @@ from .._tensor_parallel import (
     sequence_parallel_grad_output,
 )
 from ..device import device_guard
+from ..functional._once_differentiable import once_differentiable
 from ..functional.activation import (
     ActivationSpec,
     activation_backward,

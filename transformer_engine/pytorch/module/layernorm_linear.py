@@ -7,6 +7,7 @@ is quantized by the GEMM like ``Linear``'s input, with the same quantizer slots.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -229,7 +230,9 @@ class LayerNormLinear(TransformerEngineBaseModule):
                 # The norm kernel writes the GEMM's FP8 input itself (no high-precision copy).
                 ln_fp8 = apply_norm_fp8(self, inp, config, columnwise=needs_wgrad)
             ln_out = apply_norm(self, inp) if ln_fp8 is None else ln_fp8
-            update = claim_module_backward_update(config, (inp, *self.parameters()))
+            # lazily: the input usually requires grad, and the parameters are not walked
+            completing = itertools.chain((inp,), self.parameters())
+            update = claim_module_backward_update(config, completing)
             if grad_cast is not None:
                 update = grad_cast.take_update(update)
             out = parallel_gemm(self, weight, ln_out, gemm_bias, config, update)

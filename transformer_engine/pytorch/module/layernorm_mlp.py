@@ -11,6 +11,7 @@ backward scale update (when this module holds it), once both grad outputs were q
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -280,8 +281,11 @@ class LayerNormMLP(TransformerEngineBaseModule):
             fused_body = self.activation_fn is self._fused_activation_fn and not (
                 self.checkpoint and torch.is_grad_enabled()
             )
+            # (lazily: the input usually requires grad, and the parameters are not walked)
             completing = (
-                (inp, *self.parameters()) if fused_body else (gemm_in, fc1_weight, fc1_bias)
+                itertools.chain((inp,), self.parameters())
+                if fused_body
+                else (gemm_in, fc1_weight, fc1_bias)
             )
             update = claim_module_backward_update(fc1_config, completing)
             reduce_split_amaxes(self, fc1_config, input_split=False, grad_output_split=parallel)

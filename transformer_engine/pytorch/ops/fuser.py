@@ -31,10 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..device import device_guard
 from ..distributed import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
+from ..functional._once_differentiable import once_differentiable
 from ..quantization import BackwardScaleUpdate, FP8GlobalStateManager, claim_backward_update
 from ..quantized_tensor import prepare_for_saving, restore_from_saved
 from .operation_context import OperationContext

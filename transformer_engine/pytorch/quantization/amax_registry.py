@@ -108,6 +108,11 @@ class _Entry:
         return self.amax_history.device
 
 
+# NVTE_UNFUSED_FP8_UPDATE=1: every update takes upstream's Python path. Read once, when the
+# package is imported (an environment lookup per update costs host time every step).
+UNFUSED_UPDATE = os.environ.get("NVTE_UNFUSED_FP8_UPDATE", "0") == "1"
+
+
 def _all_reduce_max(buffer: torch.Tensor, group) -> None:
     """The one collective of an update step (a seam that tests replace)."""
     torch.distributed.all_reduce(buffer, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -252,12 +257,11 @@ class AmaxRegistry:
             return
         reduced = self._reduce(entries, groups, group) if _should_reduce(recipe, group) else {}
 
-        # upstream's Python update: for callables, or forced by NVTE_UNFUSED_FP8_UPDATE=1 (read
-        # at each update, like upstream's)
+        # upstream's Python update: for callables, or forced by NVTE_UNFUSED_FP8_UPDATE=1
         if (
             callable(recipe.amax_compute_algo)
             or callable(recipe.scaling_factor_compute_algo)
-            or os.environ.get("NVTE_UNFUSED_FP8_UPDATE", "0") == "1"
+            or UNFUSED_UPDATE
         ):
             fp8_max = get_fp8_max(recipe, forward)
             for device, positions in groups:
