@@ -171,9 +171,9 @@ def check_set_window_size(attn_mask_type: str, window_size=None) -> tuple[int, i
     """The ``(left, right)`` window of ``attn_mask_type`` (``-1``: unbounded).
 
     Causal types: ``None`` -> ``(-1, 0)``; ``(-1, 0)`` and ``(w >= 0, 0)`` as given;
-    ``(-1, -1)`` and ``(w >= 0, r != 0)`` have their right bound set to 0 with a warning. Other types:
-    ``None`` -> ``(-1, -1)``; ``(-1, -1)`` and ``(w0 >= 0, w1 >= 0)`` as given; ``(-1, 0)``
-    -> ``(-1, -1)`` with a warning. Anything else is a ``ValueError``.
+    ``(-1, -1)`` and ``(w >= 0, r != 0)`` have their right bound set to 0 with a warning.
+    Other types: ``None`` -> ``(-1, -1)``; ``(-1, -1)`` and ``(w0 >= 0, w1 >= 0)`` as given;
+    ``(-1, 0)`` -> ``(-1, -1)`` with a warning. Anything else is a ``ValueError``.
     """
     causal = "causal" in attn_mask_type
     if window_size is None:
