@@ -225,10 +225,12 @@ def _quantized_weight(weight, config: LinearConfig, columnwise: bool):
         w_q = weight if isinstance(weight, QuantizedTensor) else config.cached_weight
         # A plain tensor (an IdentityQuantizer's cached result) has no usages to set.
         if config.backward_override is None and isinstance(w_q, QuantizedTensorStorage):
+            usages = w_q.get_usages()
+            missing = not usages["rowwise"] or (columnwise and not usages["columnwise"])
             try:
                 w_q.update_usage(rowwise_usage=True, columnwise_usage=columnwise or None)
             except RuntimeError:
-                if w_q is weight:  # an FP8 parameter: there is nothing to cast it again from
+                if w_q is weight or not missing:  # an FP8 parameter: nothing to cast again
                     raise
                 # A copy cached without the layout this call needs (cast in a no-grad pass,
                 # e.g. te.checkpoint's first one) that a block-scaled format cannot rebuild
