@@ -251,21 +251,30 @@ def _sum_rows(t: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
     return t.sum(dim=rows) if rows else t
 
 
+def _stats_dtype(rstd: torch.Tensor) -> torch.dtype:
+    """The backward's compute dtype: float64 for float64 statistics, else float32. Stated, not
+    read off ``rstd``: under torch.compile the fake kernel of ``torch.native_layer_norm`` on
+    the CPU reports 16-bit statistics for 16-bit input (the real kernel returns float32), and
+    a traced backward would then compute in 16 bits."""
+    return torch.float64 if rstd.dtype == torch.float64 else torch.float32
+
+
 def layernorm_backward_from_stats(grad, x, mean, rstd, gamma, need_dx=True, need_dgamma=True,
                                   need_dbeta=True):  # fmt: skip
     """LayerNorm backward written out from the forward's statistics: ``(dx, dgamma, dbeta)``.
 
     The formulas of the module docstring over the last ``gamma.dim()`` dimensions of ``x``
     (the normalized shape may have several dimensions; every other dimension is a row).
-    ``mean`` and ``rstd`` are shaped to broadcast against ``x`` (e.g. ``[..., 1]``) and set the
-    compute dtype: everything is computed in ``rstd.dtype`` (float32, or float64 for float64
-    statistics) and returned in it, unrounded; the caller casts. ``gamma`` is the effective
+    ``mean`` and ``rstd`` are shaped to broadcast against ``x`` (e.g. ``[..., 1]``); everything
+    is computed in float32 (float64 for float64 statistics) and returned in it, unrounded; the
+    caller casts. ``gamma`` is the effective
     scale (``1 + weight`` already applied for zero-centered gamma). A gradient not asked for
     (``need_* = False``) is ``None``. Only ``gamma``'s shape is checked (against ``x``'s
     trailing dimensions); callers validate the rest.
     """
     dims, rows = _norm_dims(x, gamma)
-    dtype = rstd.dtype
+    dtype = _stats_dtype(rstd)
+    mean, rstd = mean.to(dtype), rstd.to(dtype)
     g = grad.to(dtype)
     xhat = (x.to(dtype) - mean) * rstd
     dx = dgamma = dbeta = None
@@ -285,7 +294,8 @@ def rmsnorm_backward_from_stats(grad, x, rstd, gamma, need_dx=True, need_dgamma=
     """RMSNorm backward written out from the forward's ``rstd``: ``(dx, dgamma)``, with the
     conventions of :func:`layernorm_backward_from_stats` (no mean, no ``dbeta``)."""
     dims, rows = _norm_dims(x, gamma)
-    dtype = rstd.dtype
+    dtype = _stats_dtype(rstd)
+    rstd = rstd.to(dtype)
     g = grad.to(dtype)
     xhat = x.to(dtype) * rstd
     dx = dgamma = None
