@@ -46,7 +46,9 @@ def refuse_unbuilt_epilogues(op: str, *, gelu, overlap: dict, bulk_overlap) -> N
 
 
 def _is_quantized(tensor) -> bool:
-    return hasattr(tensor, "dequantize") and type(tensor) is not torch.Tensor
+    """A quantized tensor or storage of this package (every one has ``update_usage``; a plain
+    tensor, a ``Parameter`` included, has not; this layer cannot import their classes)."""
+    return hasattr(tensor, "update_usage")
 
 
 def _bias_gradient(op: str, B, dtype: torch.dtype, layout: str) -> torch.Tensor:
