@@ -93,16 +93,23 @@ def test_helpers_without_torch_distributed():
 
 def test_initialize_affine_weight_gpu_draws_inside_the_tracker_fork():
     """Megatron-LM's helper: the shard is filled inside ``tracker.fork()`` (the values of a
-    generator seeded with the tracker's seed; the default generator untouched) and marked."""
+    generator seeded with the tracker's seed; the default generator untouched) and marked.
+    The tracker forks the current CUDA device's generator (the CPU's without CUDA), so the
+    weight lives there."""
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    )
+    get_state = torch.cuda.get_rng_state if torch.cuda.is_available() else torch.get_rng_state
     tracker = ted.CudaRNGStatesTracker()
     tracker.add("model-parallel-rng", 1234)
-    weight = torch.nn.Parameter(torch.empty(6, 4))
-    default_state = torch.get_rng_state()
+    weight = torch.nn.Parameter(torch.empty(6, 4, device=device))
+    default_state = get_state()
     ted.initialize_affine_weight_gpu(
         weight, torch.nn.init.normal_, lambda: tracker, partition_dim=1, stride=1
     )
-    assert torch.equal(torch.get_rng_state(), default_state)
-    expected = torch.empty(6, 4).normal_(generator=torch.Generator().manual_seed(1234))
+    assert torch.equal(get_state(), default_state)
+    generator = torch.Generator(device=device).manual_seed(1234)
+    expected = torch.empty(6, 4, device=device).normal_(generator=generator)
     assert torch.equal(weight.detach(), expected)
     assert (weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride) == (
         True, 1, 1,
