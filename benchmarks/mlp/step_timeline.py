@@ -11,7 +11,8 @@ For each configuration and implementation, after warm-up steps:
   busy, so the host never waits on it: the step's Python, dispatch and launch time alone (10
   steps are a few hundred launches: a full launch queue would block the host). A host time
   near or above the kernel time means the GPU waits on the host;
-* a ``torch.profiler`` trace of ``--profiled`` steps: per step the kernel time (the union of the
+* a ``torch.profiler`` trace of ``--profiled`` steps in the steady state (steps queued ahead of
+  them, so the GPU is busy when they start, as in training): per step the kernel time (the union of the
   kernels' intervals: kernels launched with programmatic dependent launch may overlap) by kind
   (GEMMs, casts, amax passes, norms, activations, scale updates, memsets and copies, other),
   the GPU's idle time (the trace's span less that union), and the longest gaps with the kernels
@@ -150,18 +151,43 @@ def host_ms(step, steps: int) -> float:
     return elapsed * 1e3 / steps
 
 
-def trace(step, steps: int):
-    """``[(start us, end us, name)]`` of the GPU kernels and memory operations of ``steps``."""
-    torch.cuda.synchronize()
+def _profiled(run):
+    """The sorted ``(start us, end us, name)`` of the GPU kernels and memory operations the
+    profiler records while ``run()`` issues work (then awaits it)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
+        run()
         torch.cuda.synchronize()
-    return [
+    return sorted(
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA
-    ]
+    )
+
+
+def trace(step, steps: int, ahead: int = 2):
+    """``[(start us, end us, name)]`` of the GPU kernels and memory operations of ``steps``,
+    traced in the steady state of back-to-back training: ``ahead`` steps are queued (not awaited)
+    before the profiler starts, ``ahead + steps`` are issued under it, and only the last
+    ``steps`` are kept, so the traced steps find the GPU busy as a training step does. (Traced
+    from an idle GPU, the first step's forward waits on the host launching it: start-up idle
+    time that no training step has.) A step's event count comes from one step traced alone."""
+    torch.cuda.synchronize()
+    per_step = len(_profiled(step))
+    for _ in range(ahead):
+        step()
+
+    def run():
+        for _ in range(ahead + steps):
+            step()
+
+    return steady_steps(_profiled(run), per_step, steps)
+
+
+def steady_steps(events, per_step: int, kept: int):
+    """The last ``kept`` steps of ``events`` (sorted by start; every step issues the same
+    ``per_step`` kernels and copies): whatever the profiler caught of work queued before it
+    started, and the leading steps, are dropped."""
+    return events[len(events) - kept * per_step :]
 
 
 def report(label: str, step, args) -> None:

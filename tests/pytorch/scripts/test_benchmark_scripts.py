@@ -115,6 +115,17 @@ def test_step_timeline_accounts_overlaps_and_gaps():
     assert timeline.busy_time([]) == 0.0
 
 
+def test_step_timeline_keeps_the_last_steps_of_a_steady_trace():
+    """The steady-state trace keeps the last ``kept`` steps whole, whatever the profiler caught
+    before the first traced step (the end of work queued ahead of it)."""
+    timeline = _load_script("benchmarks/mlp/step_timeline.py")
+    leftover = [(0.0, 1.0, "queued before")]
+    steps = [(10.0 * k + j, 10.0 * k + j + 0.5, f"s{k}k{j}") for k in range(4) for j in range(3)]
+    kept = timeline.steady_steps(leftover + steps, 3, 2)
+    assert kept == steps[6:]
+    assert [name for _, _, name in kept] == ["s2k0", "s2k1", "s2k2", "s3k0", "s3k1", "s3k2"]
+
+
 @pytest.mark.parametrize(
     "name, kind",
     [
