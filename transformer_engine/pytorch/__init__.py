@@ -67,6 +67,7 @@ from .tensor import (
     NVFP4Tensor,
     NVFP4TensorStorage,
 )
+from .tensor.identity_tensor import IdentityQuantizer
 from .transformer import TransformerLayer
 from .utils import (
     deinterleave_glu_tensor,
@@ -129,6 +130,7 @@ __all__ = [
     "NVFP4Quantizer",
     "NVFP4Tensor",
     "NVFP4TensorStorage",
+    "IdentityQuantizer",
     "QuantizedTensorStorage",
     "prepare_for_saving",
     "restore_from_saved",

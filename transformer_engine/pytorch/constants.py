@@ -26,7 +26,9 @@ __all__ = [
     "AttnTypes",
     "AttnBiasTypes",
     "LayerTypes",
+    "QKVLayouts",
     "GemmParallelModes",
+    "dist_group_type",
     "MXFP8_BLOCK_SCALING_SIZE",
     "NVFP4_BLOCK_SCALING_SIZE",
 ]
@@ -130,7 +132,19 @@ AttnMaskTypes = (
 AttnTypes = ("self", "cross")
 AttnBiasTypes = ("pre_scale_bias", "post_scale_bias", "no_bias", "alibi")
 LayerTypes = ("encoder", "decoder")
+# The layouts of q, k and v as attention names them: "3" packs q, k, v into one tensor, "2" packs
+# k and v, "_"-separated parts are separate tensors; "paged_kv_" is a paged KV cache's.
+QKVLayouts = (
+    "sb3hd", "sbh3d", "sbhd_sb2hd", "sbhd_sbh2d", "sbhd_sbhd_sbhd",
+    "bs3hd", "bsh3d", "bshd_bs2hd", "bshd_bsh2d", "bshd_bshd_bshd",
+    "t3hd", "th3d", "thd_t2hd", "thd_th2d", "thd_thd_thd",
+    "sbhd_bshd_bshd", "bshd_sbhd_sbhd", "thd_bshd_bshd", "thd_sbhd_sbhd",
+    "paged_kv_bshd_bshd_bshd", "paged_kv_bshd_sbhd_sbhd", "paged_kv_sbhd_bshd_bshd",
+    "paged_kv_sbhd_sbhd_sbhd", "paged_kv_thd_bshd_bshd", "paged_kv_thd_sbhd_sbhd",
+)  # fmt: skip
 GemmParallelModes = ("row", "column", None)
 # Elements per scale: MXFP8 (one E8M0 scale per 32 values), NVFP4 (one E4M3 scale per 16).
 MXFP8_BLOCK_SCALING_SIZE = 32
 NVFP4_BLOCK_SCALING_SIZE = 16
+# The type of a process group argument (``tp_group``, ``amax_reduction_group``, ...).
+dist_group_type = torch.distributed.ProcessGroup if torch.distributed.is_available() else object

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
+import os
 import re
 from collections.abc import Callable
 
@@ -135,12 +137,135 @@ def torch_version() -> tuple[int, ...]:
     return tuple(int(part) for part in match.group(0).split("."))
 
 
+def get_sm_count() -> int:
+    """Streaming multiprocessors of the current CUDA device. ``RuntimeError`` without CUDA."""
+    here = _device.default_device()
+    if here.type != "cuda":
+        raise RuntimeError(
+            "get_sm_count: CUDA is not available, so there is no current GPU to count the "
+            "multiprocessors of; guard the call with torch.cuda.is_available()"
+        )
+    return torch.cuda.get_device_properties(here).multi_processor_count
+
+
+# ------------------------------------------------------------------ devices and dtypes
+
+
+def canonicalize_device(device) -> torch.device:
+    """``device`` as a ``torch.device`` with an index for CUDA (``"cuda"`` -> the current
+    device, ``None`` -> the current CUDA device, or the CPU without CUDA)."""
+    if device is None:
+        return _device.default_device()
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def canonicalize_dtype(dtype) -> torch.dtype:
+    """``dtype`` as a torch dtype (``None`` -> ``torch.get_default_dtype()``)."""
+    if dtype is None:
+        return torch.get_default_dtype()
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"canonicalize_dtype: {dtype!r} is not a torch.dtype")
+    return dtype
+
+
+def devices_match(device1, device2) -> bool:
+    """Whether two devices are the same one (``"cuda"`` matches ``"cuda:<current>"``)."""
+    first, second = torch.device(device1), torch.device(device2)
+    if first.type != second.type:
+        return False
+    if first.type == "cuda":
+        return canonicalize_device(first) == canonicalize_device(second)
+    return first.index is None or second.index is None or first.index == second.index
+
+
+def gpu_autocast_ctx(*args, **kwargs):
+    """``torch.autocast(device_type="cuda", ...)``: the GPU autocast context upstream's code
+    enters (e.g. ``gpu_autocast_ctx(enabled=False)``)."""
+    return torch.autocast("cuda", *args, **kwargs)
+
+
+def clear_tensor_data(*tensors) -> None:
+    """Free the memory of tensors that are no longer needed while references to them remain
+    (saved activations after their last use): a plain tensor's data is replaced by an empty
+    one, a quantized tensor's buffers are released (its ``clear()``). ``None`` is skipped."""
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        clear = getattr(tensor, "clear", None)
+        if callable(clear) and hasattr(tensor, "update_usage"):  # a quantized tensor or storage
+            clear()
+        elif isinstance(tensor, torch.Tensor):
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+
+
+class SplitAlongDim(torch.autograd.Function):
+    """``SplitAlongDim.apply(tensor, split_dim, split_size_or_sections, squeeze=False)``: the
+    parts of ``torch.split(tensor, split_size_or_sections, split_dim)`` as one autograd node
+    whose backward concatenates the parts' gradients (a part without a gradient counts as
+    zeros). ``squeeze=True`` drops ``split_dim`` from parts of size 1 there (splitting a fused
+    ``[..., 3, d]`` QKV tensor into three ``[..., d]`` tensors). A quantized tensor is split by
+    its own dispatch (row-wise parts of an FP8 tensor stay FP8)."""
+
+    @staticmethod
+    def forward(ctx, tensor, split_dim, split_size_or_sections, squeeze=False):  # noqa: D102
+        parts = torch.split(tensor, split_size_or_sections, dim=split_dim)
+        ctx.split_dim = split_dim
+        ctx.squeeze = bool(squeeze)
+        ctx.shapes = [part.shape for part in parts]
+        ctx.dtype, ctx.device = tensor.dtype, tensor.device
+        if squeeze:
+            parts = [part.squeeze(split_dim) for part in parts]
+        return tuple(parts)
+
+    @staticmethod
+    def backward(ctx, *grads):  # noqa: D102
+        full = []
+        for grad, shape in zip(grads, ctx.shapes):
+            if grad is None:
+                grad = torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
+            elif ctx.squeeze:
+                grad = grad.unsqueeze(ctx.split_dim)
+            full.append(grad)
+        return torch.cat(full, dim=ctx.split_dim), None, None, None
+
+
+# ------------------------------------------------------------------ NVTX ranges
+
+
+def _nvtx_enabled() -> bool:
+    return os.environ.get("NVTE_NVTX_ENABLED", "0") == "1" and torch.cuda.is_available()
+
+
+def nvtx_range_push(msg: str) -> None:
+    """Open an NVTX range named ``msg`` (for Nsight timelines), only with
+    ``NVTE_NVTX_ENABLED=1`` and CUDA; otherwise nothing (read at each call)."""
+    if _nvtx_enabled():
+        torch.cuda.nvtx.range_push(msg)
+
+
+def nvtx_range_pop(msg: str | None = None) -> None:
+    """Close the innermost NVTX range opened by :func:`nvtx_range_push` (``msg`` names it for
+    the reader; NVTX closes the innermost range either way)."""
+    del msg
+    if _nvtx_enabled():
+        torch.cuda.nvtx.range_pop()
+
+
 # ------------------------------------------------------------------ GLU weight layout
 
 
-def _check_glu_layout(name: str, tensor: torch.Tensor, interleave_size: int) -> None:
-    if isinstance(interleave_size, bool) or not isinstance(interleave_size, int):
-        raise TypeError(f"{name}: interleave_size={interleave_size!r} must be an int")
+def _check_glu_layout(name: str, tensor: torch.Tensor, interleave_size) -> int:
+    """``interleave_size`` as an int (any integer type: numpy's, a 0-d integer tensor) after
+    the checks both GLU helpers share."""
+    try:
+        if isinstance(interleave_size, bool):
+            raise TypeError
+        interleave_size = operator.index(interleave_size)
+    except TypeError:
+        raise TypeError(f"{name}: interleave_size={interleave_size!r} must be an int") from None
     if interleave_size <= 0:
         raise ValueError(f"{name}: interleave_size={interleave_size} must be positive")
     if tensor.dim() == 0:
@@ -152,6 +277,7 @@ def _check_glu_layout(name: str, tensor: torch.Tensor, interleave_size: int) -> 
             f"2 * interleave_size = {2 * interleave_size} (the gate and value halves are cut "
             f"into blocks of interleave_size rows)"
         )
+    return interleave_size
 
 
 def interleave_glu_tensor(tensor: torch.Tensor, interleave_size: int) -> torch.Tensor:
@@ -160,7 +286,7 @@ def interleave_glu_tensor(tensor: torch.Tensor, interleave_size: int) -> torch.T
     Along dim 0, with ``k = interleave_size``: ``[G, V]`` becomes
     ``[G[0:k], V[0:k], G[k:2k], V[k:2k], ...]``. Returns a new tensor of the same shape.
     """
-    _check_glu_layout("interleave_glu_tensor", tensor, interleave_size)
+    interleave_size = _check_glu_layout("interleave_glu_tensor", tensor, interleave_size)
     rows, rest = tensor.shape[0], tuple(tensor.shape[1:])
     blocks = tensor.reshape(2, rows // (2 * interleave_size), interleave_size, *rest)
     # clone, not contiguous(): with a single block the transposed view is already contiguous,
@@ -175,7 +301,7 @@ def deinterleave_glu_tensor(tensor: torch.Tensor, interleave_size: int) -> torch
     Unlike upstream (which fails inside ``reshape``), bad sizes raise the same ``ValueError``
     as :func:`interleave_glu_tensor`.
     """
-    _check_glu_layout("deinterleave_glu_tensor", tensor, interleave_size)
+    interleave_size = _check_glu_layout("deinterleave_glu_tensor", tensor, interleave_size)
     rows, rest = tensor.shape[0], tuple(tensor.shape[1:])
     blocks = tensor.reshape(rows // (2 * interleave_size), 2, interleave_size, *rest)
     swapped = blocks.transpose(0, 1).clone(memory_format=torch.contiguous_format)

@@ -144,6 +144,19 @@ def test_capture_backward_skips_the_backward_update():
     assert torch.equal(bwd.scale, torch.ones_like(bwd.scale))
 
 
+def test_fp8_graph_capturing_also_answers_for_a_capture_by_hand(monkeypatch):
+    """As upstream's: True while the current CUDA stream captures (``torch.cuda.graph`` made by
+    hand), not only inside make_graphed_callables' capture; False with CUDA uninitialized."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert not FP8GlobalStateManager.fp8_graph_capturing()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert FP8GlobalStateManager.fp8_graph_capturing()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert not FP8GlobalStateManager.fp8_graph_capturing()
+
+
 # -- each replay ------------------------------------------------------------------------------
 def test_capture_registers_nothing_and_replay_registers_the_module():
     recipe = DelayedScaling()

@@ -160,3 +160,38 @@ def test_linear_fp8_forward_is_capturable(recipe):
         torch.cuda.synchronize()
         eager = fn()
     assert torch.equal(bits(out), bits(eager))
+
+
+def test_linear_fp8_training_step_captured_by_hand_keeps_scales_moving():
+    """A te.Linear forward + backward under DelayedScaling captured with ``torch.cuda.graph``
+    (not make_graphed_callables): the modules register their state and the autocast exit's
+    forward update and the backward update are captured with the step, so every replay rolls
+    the amax histories and rescales: the input and grad-output scales follow the largest amax
+    replayed (fp8_max / amax, history of 1024 with "max"), as fed in here."""
+    torch.manual_seed(0)
+    layer = te.Linear(128, 64, params_dtype=torch.bfloat16, device=device())
+    x = inputs((32, 128), 11).to(torch.bfloat16).requires_grad_()
+    dy = inputs((32, 64), 12).to(torch.bfloat16)
+    x0, dy0 = x.detach().clone(), dy.clone()
+    r = DelayedScaling()
+
+    def fn():
+        with te.autocast(recipe=r):
+            y = layer(x)
+        y.backward(dy)
+
+    graph, _ = capture(fn)
+    amax_x, amax_dy = [x0.abs().max().float()], [dy0.abs().max().float()]
+    for factor in (2.0, 8.0, 4.0):
+        with torch.no_grad():
+            x.copy_(x0 * factor)
+            dy.copy_(dy0 * factor)
+        amax_x.append((x0 * factor).abs().max().float())
+        amax_dy.append((dy0 * factor).abs().max().float())
+        graph.replay()
+        torch.cuda.synchronize()
+        fwd, bwd = layer.fp8_meta["scaling_fwd"], layer.fp8_meta["scaling_bwd"]
+        expect_fwd = torch.tensor(448.0, device=device()) / max(amax_x)
+        expect_bwd = torch.tensor(57344.0, device=device()) / max(amax_dy)
+        assert torch.equal(fwd.scale[0], expect_fwd), (factor, fwd.scale[0], expect_fwd)
+        assert torch.equal(bwd.scale[0], expect_bwd), (factor, bwd.scale[0], expect_bwd)

@@ -439,7 +439,7 @@ class TransformerEngineBaseModule(DelayedWgrad, torch.nn.Module):
             isinstance(state, RecipeState) and state.delayed_scaling_state()
             for state in (self.fp8_meta.get("scaling_fwd"), self.fp8_meta.get("scaling_bwd"))
         ):
-            if not FP8GlobalStateManager.fp8_graph_capturing():
+            if not FP8GlobalStateManager.quantization_state.fp8_graph_capturing:
                 FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(self.fp8_meta)
 
     def prepare_forward_ctx(self, inp, num_gemms: int = 1, allow_non_contiguous=False):

@@ -420,7 +420,7 @@ class OperationFuser:
                 else:
                     with torch.no_grad():
                         output = _fuser_forward(None, input, call, (*flat_params, *extra_inputs))
-                if fp8 and not FP8GlobalStateManager.fp8_graph_capturing():
+                if fp8 and not FP8GlobalStateManager.quantization_state.fp8_graph_capturing:
                     for op in self._basic_ops:
                         op.register_recipe_state()
             except BaseException:

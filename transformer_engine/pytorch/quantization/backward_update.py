@@ -27,7 +27,7 @@ class BackwardScaleUpdate:
     __slots__ = ()
 
     def complete(self) -> None:
-        if not FP8GlobalStateManager.fp8_graph_capturing():
+        if not FP8GlobalStateManager.quantization_state.fp8_graph_capturing:
             FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
 
 

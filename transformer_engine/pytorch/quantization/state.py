@@ -69,6 +69,16 @@ _AUTOCAST_FIELDS = (
 _read_autocast_fields = operator.attrgetter(*_AUTOCAST_FIELDS)
 
 
+def _current_stream_capturing() -> bool:
+    """Whether the current CUDA stream is capturing (False without CUDA, or before CUDA is
+    initialized in this process: nothing can be capturing then)."""
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.is_initialized()
+        and torch.cuda.is_current_stream_capturing()
+    )
+
+
 class FP8GlobalStateManager:
     """Upstream's facade over :class:`FP8GlobalState` (same method names)."""
 
@@ -97,7 +107,12 @@ class FP8GlobalStateManager:
 
     @classmethod
     def fp8_graph_capturing(cls) -> bool:
-        return cls.quantization_state.fp8_graph_capturing
+        """Whether a CUDA graph is being captured: ``te.make_graphed_callables``' capture, or
+        (as upstream answers) any capture on the current CUDA stream. The package's own modules
+        and ops test only the first (``quantization_state.fp8_graph_capturing``): in a graph
+        captured by hand with ``torch.cuda.graph`` they register their state and capture the
+        backward scale update, so replays keep delayed scaling's scales moving."""
+        return cls.quantization_state.fp8_graph_capturing or _current_stream_capturing()
 
     @classmethod
     def is_first_fp8_module(cls) -> bool:
