@@ -11,8 +11,8 @@ Aten operations on a :class:`QuantizedTensor` go through ``__torch_dispatch__``.
 formats (``Float8Tensor``) handle the operations they can do on the quantized bytes;
 everything else falls back to the rules implemented here:
 
-* ``copy_``: a quantized destination is re-quantized from the source; a plain destination
-  receives the dequantized source.
+* ``copy_``: a quantized destination is re-quantized from the source (formats copy the raw
+  buffers of a source of their own kind first); a plain one receives the dequantized source.
 * ``_to_copy`` without a dtype change moves the buffers to the target device and keeps the
   subclass; with a dtype change it dequantizes (an explicit request for high precision, so no
   warning).
@@ -444,7 +444,7 @@ class QuantizedTensor(torch.Tensor):
         raise NotImplementedError
 
     def __deepcopy__(self, memo):
-        # Deep copies of the bytes; the quantizer is shared (it aliases recipe state).
+        # Deep copies of the bytes; the quantizer is shared (modules re-bind their copies').
         with torch.no_grad():
             out = self._to_device(self.device, non_blocking=False, pin_memory=False)
         if isinstance(self, torch.nn.Parameter):

@@ -245,6 +245,10 @@ class TransformerEngineBaseModule(DelayedWgrad, torch.nn.Module):
     def __setstate__(self, state) -> None:  # deepcopy, unpickling: a split into one buffer
         super().__setstate__(state)
         repack_parameter_groups(self)
+        # A copy's FP8 parameters re-quantize with the copy's own recipe state, not (deepcopy
+        # shares the quantizer of a tensor) the original's; an unpickled one has none.
+        if getattr(self, "fp8_meta_tensors_initialized", False):
+            self._rebind_fp8_parameter_quantizers()
 
     def _apply(self, fn, *args, **kwargs):
         """Device moves carry the FP8 state along (values copied, never left behind)."""

@@ -341,6 +341,13 @@ class BasicOperation(FusibleOperation):
             }
         return state
 
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        # A deep copy's (or an unpickled operation's) FP8 weights re-quantize with its own
+        # quantizers, not (deepcopy shares a quantized tensor's quantizer) the original's.
+        if self.__dict__.get("_quantizers") is not None:
+            self._on_recipe_state_change()
+
     def __copy__(self):
         # a shallow copy shares the recipe state and its registration, as before
         # __getstate__ existed (separate metas would register the same tensors twice)

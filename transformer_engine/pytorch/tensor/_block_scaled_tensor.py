@@ -4,9 +4,11 @@
 Each holds a row-wise and a column-wise copy in named buffers (the storage's ``_buffer_names``)
 whose block scales come from the values, so each re-quantizes through its quantizer, moves and
 clones buffer by buffer, adopts another tensor's buffers on ``.data = ...``, keeps aten views of
-the leading dims quantized, and is built in ``__new__`` from at least one copy. A class supplies
-the phrase naming its quantizer, its view check, the shape its column-wise bytes take for a
-logical shape, and how it adopts another tensor's buffers.
+the leading dims quantized, and is built in ``__new__`` from at least one copy. ``copy_`` from a
+tensor of the same kind, format, shape and usages copies the buffers byte for byte (a second
+quantization would round the column-wise copy again); any other source is re-quantized. A
+class supplies the phrase naming its quantizer, its view check, the shape its column-wise bytes
+take for a logical shape, and how it adopts another tensor's buffers.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from ..quantized_tensor import QuantizedTensor
 from ._float8_quantize_into import check_data_value, high_precision_source
 from ._quantized_setitem import quantized_setitem
 
-__all__ = ["BlockScaledTensorMixin", "check_cast_input", "requantize_into", "storage_buffers"]
+__all__ = [
+    "BlockScaledTensorMixin",
+    "check_cast_input",
+    "raw_copy",
+    "requantize_into",
+    "storage_buffers",
+]
 
 aten = torch.ops.aten
 
@@ -152,6 +160,8 @@ class BlockScaledTensorMixin:
         tensor = args[0] if args else None
         if isinstance(tensor, cls):
             names = cls._buffer_names
+            if func is aten.copy_.default and raw_copy(tensor, args[1], **kwargs):
+                return tensor
             if func in (aten.detach.default, aten.alias.default):
                 return tensor._with_buffers(tensor.shape, {n: getattr(tensor, n) for n in names})
             if func is aten.clone.default:
@@ -181,6 +191,28 @@ class BlockScaledTensorMixin:
                 }
                 return tensor._with_buffers(shape, buffers)
         return QuantizedTensor.__torch_dispatch__.__func__(cls, func, types, args, kwargs)
+
+
+def raw_copy(dst, src, non_blocking: bool = False) -> bool:
+    """``dst.copy_(src)`` buffer by buffer (data, scales, NVFP4's amaxes, every layout present)
+    when ``src`` is of ``dst``'s class, format (:meth:`_format_key`), shape and usages, with
+    buffers of the same shapes; returns whether it copied (False: nothing was written)."""
+    if type(src) is not type(dst) or dst.is_meta or src.is_meta:
+        return False
+    if tuple(src.size()) != tuple(dst.size()) or src.get_usages() != dst.get_usages():
+        return False
+    if src._format_key() != dst._format_key():
+        return False
+    pairs = [(getattr(dst, name), getattr(src, name)) for name in dst._buffer_names]
+    for mine, theirs in pairs:
+        if (mine is None) != (theirs is None):
+            return False
+        if mine is not None and (mine.shape != theirs.shape or mine.dtype != theirs.dtype):
+            return False
+    for mine, theirs in pairs:
+        if mine is not None and mine is not theirs:
+            mine.copy_(theirs, non_blocking=non_blocking)
+    return True
 
 
 def check_cast_input(owner: str, quantizer, src: torch.Tensor) -> None:

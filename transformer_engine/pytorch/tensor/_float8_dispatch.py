@@ -9,14 +9,21 @@ Every operation here is exact: per-tensor scaling makes views, slices and
 transposes of the bytes the views, slices and transposes of the values.
 Results that are views share the row-wise bytes and ``_scale_inv`` with their
 source. A transposed copy is kept where it is still a view of the source's
-transpose; slices along dim 0 (``t[a:b]``, ``narrow``, ``split``, ``t[i]``) keep
-the matching columns of the source's transpose as a new contiguous copy (the
-GEMM reads a dense transposed copy); other results drop it
+transpose; slices along dim 0 (``t[a:b]``, ``narrow``, ``split``, ``t[i]``, and an
+``as_strided`` row shard) keep the matching columns of the source's transpose as a
+new contiguous copy (the GEMM reads a dense transposed copy); other results drop it
 (``_transpose is None``).
+
+A result that holds part of its source's bytes (a slice, a partial
+``as_strided``) or a copy of them (``t()`` of a row-wise-only tensor) while sharing
+its ``_scale_inv`` is marked ``_shares_scale_with_base``: re-quantizing it keeps
+that scale and ``copy_`` into it re-quantizes instead of copying a scale, so the
+rest of the source stays valid. Views of a marked tensor stay marked.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -50,9 +57,13 @@ def _is_float8(t) -> bool:
     return isinstance(t, Float8TensorStorage) and isinstance(t, torch.Tensor)
 
 
-def _rebuild(src, *, shape, data, transpose, scale_inv=None, dtype=None):
-    """A tensor of ``src``'s class with new buffers (quantizer and FP8 format kept)."""
-    return type(src)(
+def _rebuild(src, *, shape, data, transpose, scale_inv=None, dtype=None, part=False):
+    """A tensor of ``src``'s class with new buffers (quantizer and FP8 format kept).
+
+    It shares ``src``'s scale unless ``scale_inv`` is given, and is marked
+    ``_shares_scale_with_base`` when it shares it and is ``part`` of ``src`` (or a copy of its
+    bytes), or ``src`` is marked."""
+    out = type(src)(
         shape,
         dtype or src.dtype,
         data=data,
@@ -61,6 +72,9 @@ def _rebuild(src, *, shape, data, transpose, scale_inv=None, dtype=None):
         data_transpose=transpose,
         quantizer=src._quantizer,
     )
+    if scale_inv is None and (part or src._shares_scale_with_base):
+        out._shares_scale_with_base = True
+    return out
 
 
 def _normalize_dim(dim: int, ndim: int) -> int:
@@ -88,6 +102,8 @@ def _view(func, args, kwargs):
     same_last = len(new_shape) > 0 and t.dim() > 0 and new_shape[-1] == t.shape[-1]
     if t._data is None and not same_last:
         return NotImplemented  # the transpose alone cannot be re-laid out
+    if t._data is not None and not t._data.is_contiguous():
+        return NotImplemented  # bytes of a strided as_strided view: no view of them fits
     data = t._data.view(new_shape) if t._data is not None else None
     transpose = None
     if t._transpose is not None and same_last:
@@ -119,7 +135,9 @@ def _transpose(func, args, kwargs):
         # The two layouts of the transpose are the two layouts of the source, swapped.
         data, transpose = t._transpose, t._data
     elif t._data is not None:
-        data, transpose = transpose_bytes(t._data), None
+        # a copy of the bytes, sharing the scale: writing it must not rescale the source
+        copied = transpose_bytes(t._data)
+        return _rebuild(t, shape=(cols, rows), data=copied, transpose=None, part=True)
     else:
         data, transpose = t._transpose, None
     return _rebuild(t, shape=(cols, rows), data=data, transpose=transpose)
@@ -172,6 +190,7 @@ def _split(func, args, kwargs):
             shape=shape.shape,
             data=None if data is None else data[i],
             transpose=None if transpose is None else transpose[i],
+            part=shape.numel() < t.numel(),
         )
         for i, shape in enumerate(shapes)
     ]
@@ -186,7 +205,8 @@ def _slice(func, args, kwargs):
         return NotImplemented
     rest = {k: v for k, v in kwargs.items() if k != "dim"}
     shape, data, transpose = _dim0_slices(t, lambda buf, d: func(buf, d, *args[2:], **rest))
-    return _rebuild(t, shape=shape.shape, data=data, transpose=transpose)
+    part = shape.numel() < t.numel()
+    return _rebuild(t, shape=shape.shape, data=data, transpose=transpose, part=part)
 
 
 @_implements(aten.select.int)
@@ -195,7 +215,46 @@ def _select(func, args, kwargs):
     if not _along_dim0(t, dim):
         return NotImplemented
     shape, data, transpose = _dim0_slices(t, lambda buf, d: func(buf, d, *args[2:], **kwargs))
-    return _rebuild(t, shape=shape.shape, data=data, transpose=transpose)
+    part = shape.numel() < t.numel()
+    return _rebuild(t, shape=shape.shape, data=data, transpose=transpose, part=part)
+
+
+def _row_shard(t, size, stride, offset) -> tuple[int, int] | None:
+    """``(first row, row count)`` when ``as_strided(size, stride, offset)`` of the contiguous
+    ``t`` is the dim-0 slice ``t[first:first + count]``, else ``None``."""
+    if t.dim() == 0 or len(size) != t.dim() or tuple(size[1:]) != tuple(t.shape[1:]):
+        return None
+    row = math.prod(t.shape[1:])
+    expected = [math.prod(size[i + 1 :]) for i in range(len(size))]
+    # torch ignores the stride of a dimension of size 1 (is_contiguous does too)
+    if any(n != 1 and s != e for n, s, e in zip(size, stride, expected)):
+        return None
+    if row == 0 or offset % row or offset // row + size[0] > t.shape[0]:
+        return None
+    return offset // row, size[0]
+
+
+@_implements(aten.as_strided.default)
+def _as_strided(func, args, kwargs):
+    t, size, stride = args[0], list(args[1]), list(args[2])
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    offset = 0 if offset is None else int(offset)
+    shard = _row_shard(t, size, stride, offset)
+    if shard is not None:
+        # the matching columns of the transposed copy are kept, as for t[a:b]
+        first, count = shard
+        meta, data, transpose = _dim0_slices(t, lambda buf, d: buf.narrow(d, first, count))
+        part = meta.numel() < t.numel()
+        return _rebuild(t, shape=meta.shape, data=data, transpose=transpose, part=part)
+    if not size and offset == 0 and t.dim() == 0:
+        return _detach(func, args, kwargs)
+    if t._data is None or not t._data.is_contiguous() or min(stride, default=0) < 0:
+        return NotImplemented  # the transpose alone cannot be re-strided: high precision
+    last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+    if offset > t.numel() or (math.prod(size) > 0 and last >= t.numel()):
+        return NotImplemented  # past this tensor's bytes: torch's error, in high precision
+    data = t._data.as_strided(size, stride, t._data.storage_offset() + offset)
+    return _rebuild(t, shape=torch.Size(size), data=data, transpose=None, part=True)
 
 
 # ---------------------------------------------------------------------- copies
@@ -224,9 +283,8 @@ def _copy(func, args, kwargs):
         return NotImplemented
     if dst.is_meta or src.is_meta:
         return NotImplemented
-    partial = dst._data is not None and dst._data.untyped_storage().nbytes() > dst._data.numel()
-    if partial:
-        # dst shares its scale with a larger buffer: re-quantize with that scale instead.
+    if dst._shares_scale_with_base:
+        # dst shares its scale with a larger tensor: re-quantize with that scale instead.
         return NotImplemented
     # Raw bytes and scale: the layouts dst holds are filled from whatever src holds.
     if dst._data is not None:

@@ -83,12 +83,6 @@ def cast_transpose_of_0d(data: torch.Tensor, out: torch.Tensor | None = None) ->
     return out.copy_(data)
 
 
-def _is_partial_view(storage: Float8TensorStorage) -> bool:
-    """Whether the row-wise bytes are a slice of a larger buffer (whose scale must be kept)."""
-    data = storage._data
-    return data is not None and data.untyped_storage().nbytes() > data.numel()
-
-
 def quantize_into(
     owner: str,
     src: torch.Tensor,
@@ -104,10 +98,13 @@ def quantize_into(
 
     ``src`` is moved to ``dst``'s device first (``copy_`` semantics). ``dst``'s layouts
     become those of the ``rowwise``/``columnwise`` usages (:func:`float8_layouts`). When
-    ``dst``'s bytes are a slice of a larger FP8 buffer, the slice keeps the scale it shares
-    with that buffer (``1 / dst._scale_inv``) so the rest of the buffer stays valid. Buffers
-    written in place stay the very same objects (callers may hold them). ``owner`` names the
-    caller in error messages.
+    ``dst`` is what the dispatch made of part of a larger FP8 tensor (marked
+    ``_shares_scale_with_base``: a dim-0 slice, a partial ``as_strided``), it keeps the scale
+    it shares with that tensor (``1 / dst._scale_inv``) so the rest stays valid, and a strided
+    view's bytes are written through. Any other ``dst`` is a whole tensor with its own scale,
+    also when its bytes live in a bigger buffer (``replace_raw_data``). Buffers written in
+    place stay the very same objects (callers may hold them). ``owner`` names the caller in
+    error messages.
     """
     if not isinstance(dst, Float8TensorStorage):
         raise TypeError(
@@ -128,12 +125,12 @@ def quantize_into(
     if src.device != dst.device:
         src = src.to(dst.device)
     need_data, need_transpose = float8_layouts(owner, rowwise, columnwise, dst.device, shape)
-    partial = _is_partial_view(dst)
+    partial = dst._shares_scale_with_base
     if partial:
         if DType.cast(dst._fp8_dtype) != fp8_dtype:
             raise ValueError(
-                f"{owner}.update_quantized: dst is a slice of a larger {dst._fp8_dtype.name} "
-                f"buffer and cannot be rewritten as {fp8_dtype.name}"
+                f"{owner}.update_quantized: dst is part of a larger {dst._fp8_dtype.name} "
+                f"tensor and cannot be rewritten as {fp8_dtype.name}"
             )
         need_data, need_transpose = True, False
     scale, amax = scale_and_amax(src)
@@ -160,6 +157,8 @@ def quantize_into(
         noop_flag=noop_flag,
     )
     written = out if out is not None else res.data.view(torch.uint8)
+    if partial and noop_flag is None and dst._data is not None and written is not dst._data:
+        written = dst._data.copy_(written)  # a strided view: the larger tensor's bytes
     data = written if need_data else None
     transpose = None
     if need_transpose and zero_dim:

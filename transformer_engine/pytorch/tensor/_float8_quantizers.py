@@ -238,9 +238,10 @@ class _Float8QuantizerBase(Quantizer):
         """Quantize ``src`` into ``dst``'s buffers in place (see :meth:`Quantizer.update_quantized`).
 
         ``src`` is moved to ``dst``'s device first (``copy_`` semantics). ``dst``'s
-        layouts are coerced to this quantizer's usages. When ``dst``'s bytes are a
-        slice of a larger FP8 buffer, the slice keeps the scale it shares with that
-        buffer (``1 / dst._scale_inv``) so the rest of the buffer stays valid.
+        layouts are coerced to this quantizer's usages. When ``dst`` is a part of a
+        larger FP8 tensor that the dispatch made (a dim-0 slice, a partial ``as_strided``),
+        it keeps the scale it shares with that tensor (``1 / dst._scale_inv``) so the rest
+        stays valid; bytes merely placed in a bigger buffer (``replace_raw_data``) do not.
         """
         return quantize_into(
             type(self).__name__,

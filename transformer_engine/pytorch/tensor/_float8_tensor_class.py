@@ -143,7 +143,8 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
         """New ``Float8Tensor`` sharing ``tensor``'s buffers, with the given overrides.
 
         Passing ``data`` replaces the row-wise bytes and drops the old transpose
-        unless ``data_transpose`` is passed too.
+        unless ``data_transpose`` is passed too. The scale is shared, and so is the mark of
+        a part of a larger tensor (``_shares_scale_with_base``).
         """
         meta = tensor.get_metadata()
         meta.pop("fake_dtype")
@@ -154,7 +155,10 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
             meta["data_transpose"] = data_transpose
         if shape is None:
             shape = meta["data"].shape if meta["data"] is not None else tensor.shape
-        return cls(shape, dtype or tensor.dtype, requires_grad=requires_grad, **meta)
+        out = cls(shape, dtype or tensor.dtype, requires_grad=requires_grad, **meta)
+        if getattr(tensor, "_shares_scale_with_base", False):
+            out._shares_scale_with_base = True
+        return out
 
     def to_dtype(self, dtype: torch.dtype) -> Float8Tensor:
         """Same FP8 buffers with another nominal dtype."""
@@ -259,6 +263,7 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
             self._set_float8_buffers(
                 shape=value.shape, **{**value.get_metadata(), "fake_dtype": value.dtype}
             )
+            self._shares_scale_with_base = value._shares_scale_with_base
             return
         check_data_value("Float8Tensor", value, self.shape)
         with torch.no_grad():

@@ -15,7 +15,9 @@ def replace_raw_data(tensor, new_raw_data: torch.Tensor) -> None:
 
     The bytes are copied into ``new_raw_data``, which then *is* the tensor's row-wise buffer;
     nothing else (scale, transpose, shape, dtype) changes. Used to pack many FP8 parameters
-    into one contiguous allocation (e.g. a ZeRO bucket): pass a view of the bucket.
+    into one contiguous allocation (e.g. a ZeRO bucket): pass a view of the bucket. The tensor
+    stays a whole tensor with its own scale: in-place updates and ``copy_`` re-quantize it with
+    its quantizer's scale and write the new bytes into the bucket in place.
 
     Parameters
     ----------

@@ -138,6 +138,11 @@ class BlockScaledTensorStorage(QuantizedTensorStorage):
             setattr(self, name, t)
         return list(tensors[count:])
 
+    def _format_key(self) -> tuple:
+        """What two storages of one kind must share for equal buffers to mean equal values
+        (the element format; a kind adds its block shape or column-wise transform)."""
+        return (self._fp8_dtype,)
+
     def _copy_buffers_from(self, src) -> None:
         """``copy_from_storage`` once ``src`` is checked to match: copy each buffer this object
         holds from ``src``'s (which must hold it too)."""

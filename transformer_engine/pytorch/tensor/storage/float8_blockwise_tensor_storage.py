@@ -245,6 +245,10 @@ class Float8BlockwiseQTensorStorage(BlockScaledTensorStorage):
         self._rowwise_data = data.reshape(shape)
         self._rowwise_scale_inv = scale
 
+    def _format_key(self) -> tuple:
+        """The FP8 format and the block shape (128x128 or 1x128)."""
+        return (self._fp8_dtype, self._is_2D_scaled)
+
     def get_metadata(self) -> dict:
         """Keyword arguments that rebuild this object (shares the buffers)."""
         return {**super().get_metadata(), "is_2D_scaled": self._is_2D_scaled}

@@ -180,6 +180,11 @@ class Float8TensorStorage(QuantizedTensorStorage):
     # viewed once. Valid only while the buffer is the very object recorded next to the view.
     _data_fp8_view: tuple[torch.Tensor, torch.Tensor] | None = None
     _transpose_fp8_view: tuple[torch.Tensor, torch.Tensor] | None = None
+    # True for what the tensor dispatch makes of part of a larger FP8 tensor (a dim-0 slice, a
+    # partial ``as_strided``) or of a copy of its bytes, sharing that tensor's ``_scale_inv``:
+    # re-quantizing it keeps the shared scale, so the rest stays valid. Bytes that merely live
+    # in a bigger buffer (``replace_raw_data``) are a whole tensor with a scale of its own.
+    _shares_scale_with_base: bool = False
 
     def __init__(
         self,
@@ -544,7 +549,7 @@ class Float8TensorStorage(QuantizedTensorStorage):
             and data.shape[-1] == self._data.shape[-1]
         ):
             transpose = self._transpose.view(ext.transposed_shape(data.shape))
-        return Float8TensorStorage(
+        out = Float8TensorStorage(
             data=data,
             fp8_scale_inv=self._scale_inv,
             fp8_dtype=self._fp8_dtype,
@@ -552,6 +557,8 @@ class Float8TensorStorage(QuantizedTensorStorage):
             quantizer=self._quantizer,
             fake_dtype=self._dtype,
         )
+        out._shares_scale_with_base = self._shares_scale_with_base
+        return out
 
     def __repr__(self) -> str:
         scale_inv = (

@@ -201,6 +201,10 @@ class NVFP4TensorStorage(BlockScaledTensorStorage):
 
     # ------------------------------------------------------------------ saving, copying
 
+    def _format_key(self) -> tuple:
+        """E2M1, and the column-wise RHT (whether, and with which signs)."""
+        return (self._fp4_dtype, self._rht_key())
+
     def get_metadata(self) -> dict:
         """Keyword arguments that rebuild this object (shares the buffers)."""
         meta = {name[1:]: getattr(self, name) for name in _BUFFERS}
