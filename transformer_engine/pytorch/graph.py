@@ -453,7 +453,7 @@ def make_graphed_callables(
         pass them unchanged.
     enabled, calibrating, recipe, amax_reduction_group : optional
         The capture's ``te.autocast`` arguments; ``enabled`` (default False) may be a tuple with
-        one flag per callable; ``recipe`` defaults to ``DelayedScaling()``. Old names:
+        one flag per callable; ``recipe`` defaults to ``get_default_recipe()``. Old names:
         ``fp8_enabled``, ``fp8_calibrating``, ``fp8_recipe``, ``fp8_group``.
     cache_quantized_params : bool, default False
         Cache FP8 weights across microbatches; every replay then takes ``is_first_microbatch``

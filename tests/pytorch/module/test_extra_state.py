@@ -167,7 +167,7 @@ def test_recipe_to_dict_rejects_other_recipes():
         (lambda d: d.update(fp8_format="E3M4"), "'E3M4' is not a Format name"),
         (lambda d: d.update(fp8_format=1), "is not a Format name"),
         (lambda d: d.update(fp8_format="E5M2"), "invalid.*E5M2"),
-        (lambda d: d.update(margin="3"), "invalid.*margin"),
+        (lambda d: d.update(margin="three"), "invalid.*margin"),
         (lambda d: d.update(amax_history_len=0), "invalid.*amax_history_len"),
         (lambda d: d.update(amax_compute_algo="mean"), "invalid.*amax_compute_algo"),
         (lambda d: d.update(scaling_factor_compute_algo="fn"), "invalid.*scaling_factor"),
@@ -187,7 +187,7 @@ def test_recipe_from_dict_errors_delayed(edit, match):
         (lambda d: d["fp8_gemm_dgrad"].update(fast=True), r"unknown MMParams fields \['fast'\]"),
         (lambda d: d.update(fp8_gemm_wgrad={}), r"missing fields \['use_split_accumulator'\]"),
         (
-            lambda d: d["fp8_gemm_wgrad"].update(use_split_accumulator=1),
+            lambda d: d["fp8_gemm_wgrad"].update(use_split_accumulator=2),
             "fp8_gemm_wgrad is invalid",
         ),
         (

@@ -61,7 +61,7 @@ def test_err_mode_env_is_upper_cased(monkeypatch):
     [
         ({"fp4_format": Format.E4M3}, ValueError, "fp4_format"),
         ({"fp8_format": Format.HYBRID}, ValueError, "fp8_format"),
-        ({"disable_rht": 1}, TypeError, "disable_rht"),
+        ({"disable_rht": 2}, TypeError, "disable_rht"),
         ({"nvfp4_4over6": "some"}, ValueError, "nvfp4_4over6"),
         ({"nvfp4_4over6_err_mode": "L1"}, ValueError, "nvfp4_4over6_err_mode"),
         ({"nvfp4_4over6": "all"}, ValueError, "stochastic rounding"),
@@ -78,7 +78,10 @@ def test_qparams_are_assignable_and_checked():
     r.fp4_quant_bwd_grad = QParams(stochastic_rounding=True)
     assert r.fp4_quant_bwd_grad == QParams(stochastic_rounding=True)
     with pytest.raises(TypeError, match="fp4_quant_fwd_inp"):
-        r.fp4_quant_fwd_inp = {"random_hadamard_transform": True}
+        r.fp4_quant_fwd_inp = [True]
+    # A dict of QParams fields is converted, as pydantic converts nested dataclasses.
+    r.fp4_quant_fwd_inp = {"random_hadamard_transform": 1}
+    assert r.fp4_quant_fwd_inp == QParams(random_hadamard_transform=True)
 
 
 def test_recipe_state_per_slot():

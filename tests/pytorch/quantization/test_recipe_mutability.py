@@ -1,5 +1,6 @@
-"""Recipes are mutable, as upstream's are: fields can be assigned after construction, every
-assignment is checked, and a recipe changed between steps makes te.Linear and te.ops.Linear
+"""Recipes are mutable, as upstream's are: fields (and any other attribute) can be assigned after
+construction, every field assignment is checked (lax conversions of assigned values:
+test_recipe_lax_construction.py), and a recipe changed between steps makes te.Linear and te.ops.Linear
 refresh their recipe state exactly as an equal new recipe object would.
 
 Oracles: hand-written expected values (fields, error messages, scales ``fp8_max * 2**-margin /
@@ -17,7 +18,13 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format, MMParams
+from transformer_engine.common.recipe import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    Format,
+    MMParams,
+    QParams,
+)
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager, RecipeState
 
 IN, OUT, TOKENS = 32, 16, 16
@@ -67,7 +74,8 @@ def test_assigned_integer_likes_are_normalised_like_construction():
         (DelayedScaling, "amax_history_len", 0, ValueError, r"amax_history_len .*0"),
         (DelayedScaling, "fp8_format", Format.E5M2, ValueError, r"fp8_format=Format\.E5M2"),
         (DelayedScaling, "amax_compute_algo", "mean", ValueError, r"amax_compute_algo='mean'"),
-        (DelayedScaling, "reduce_amax", 1, TypeError, r"reduce_amax .*1"),
+        (DelayedScaling, "reduce_amax", 2, TypeError, r"reduce_amax .*2"),
+        (DelayedScaling, "margin", "abc", ValueError, r"margin .*'abc'"),
         (
             DelayedScaling,
             "backward_override",
@@ -82,7 +90,7 @@ def test_assigned_integer_likes_are_normalised_like_construction():
             ValueError,
             r"backward_override='fp32'",
         ),
-        (Float8CurrentScaling, "use_power_2_scales", "1", TypeError, r"use_power_2_scales .*'1'"),
+        (Float8CurrentScaling, "use_power_2_scales", "2", TypeError, r"use_power_2_scales .*'2'"),
         (Float8CurrentScaling, "fp8_gemm_wgrad", True, TypeError, r"fp8_gemm_wgrad .*True"),
     ],
 )
@@ -95,17 +103,35 @@ def test_invalid_assignment_is_refused_and_leaves_the_field_unchanged(cls, name,
     assert recipe == cls()
 
 
-def test_a_misspelt_field_is_refused_with_the_field_list():
+def test_other_attributes_are_allowed_and_change_nothing():
+    # Upstream allows any attribute on a recipe; it is not a field, so equality and repr
+    # (which decide shared amax state) ignore it.
     recipe = DelayedScaling()
-    with pytest.raises(AttributeError, match=r"no field 'amax_histroy_len'.*amax_history_len"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        recipe.my_tag = 1
+        recipe._private = "x"
+    assert (recipe.my_tag, recipe._private) == (1, "x")
+    assert recipe == DelayedScaling() and repr(recipe) == repr(DelayedScaling())
+    del recipe.my_tag
+    assert not hasattr(recipe, "my_tag")
+
+
+def test_a_misspelt_field_is_set_with_a_warning_naming_the_field():
+    recipe = DelayedScaling()
+    with pytest.warns(UserWarning, match=r"'amax_histroy_len' is not a field.*'amax_history_len'"):
         recipe.amax_histroy_len = 4
-    assert not hasattr(recipe, "amax_histroy_len")
+    assert recipe.amax_histroy_len == 4 and recipe.amax_history_len == 1024
 
 
-def test_class_level_role_qparams_cannot_be_assigned_on_an_instance():
+def test_class_level_role_qparams_assigned_on_an_instance_apply_to_that_recipe():
     recipe = Float8CurrentScaling()
-    with pytest.raises(AttributeError, match="fp8_quant_fwd_inp is a class attribute"):
-        recipe.fp8_quant_fwd_inp = Float8CurrentScaling.fp8_quant_fwd_inp
+    eps = QParams(amax_epsilon=0.5)
+    recipe.fp8_quant_fwd_inp = eps
+    assert recipe.fp8_quant_fwd_inp is eps
+    assert Float8CurrentScaling.fp8_quant_fwd_inp.amax_epsilon == 0.0, "the class keeps its own"
+    state = RecipeState.create(recipe, mode="forward", num_quantizers=1, device="cpu")
+    assert state.make_quantizers()[0].amax_epsilon == 0.5
 
 
 def test_fields_cannot_be_deleted():

@@ -3,9 +3,13 @@
 A recipe is pure configuration. It holds no tensors and imports neither torch nor
 ``transformer_engine.pytorch``; the quantization state built from it (scales, amax histories,
 quantizers) lives in ``transformer_engine.pytorch``. Recipes are mutable dataclasses, as
-upstream's are: they compare field by field, are not hashable, and their fields may be assigned
-after construction. Every field is checked at construction and on every assignment: a bad value
-raises ``TypeError`` (wrong type) or ``ValueError`` (wrong value) naming the field, the value and
+upstream's are: they compare field by field, are not hashable, and their fields (and any other
+attribute) may be assigned after construction. Constructors and field assignments accept and
+convert values as upstream's pydantic dataclasses do (``amax_history_len=16.0`` is 16,
+``reduce_amax=1`` is True, ``margin="2"`` is 2; see ``_field_checks.py``), and drop unknown
+keyword arguments with a ``UserWarning`` (``_lenient_init.py``). Every field is checked at
+construction and on every assignment: a bad value raises ``RecipeTypeError`` (wrong type; both a
+``TypeError`` and a ``ValueError``) or ``ValueError`` (wrong value) naming the field, the value and
 the fix. Modules and operations compare the recipe they run with against a copy of the one their
 state was built from, so a recipe changed between steps refreshes that state exactly as an equal
 new recipe would. ``MMParams`` and ``QParams`` are frozen (hashable), as upstream's are.
@@ -38,6 +42,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from ._compat_arguments import check_interval, check_override_linear_precision
 from ._field_checks import (
+    RecipeTypeError,
     backward_override_from_env,
     check_alignment,
     check_amax_compute_algo,
@@ -47,7 +52,6 @@ from ._field_checks import (
     check_int_at_least,
     check_optional_callable,
     check_qfactory,
-    not_a_field_message,
     power_2_scales_from_env,
     type_name,
 )
@@ -55,6 +59,7 @@ from ._formats import (
     Format,
     MMParams,
     QParams,
+    _check_block_dims_together,
     _check_block_scaling_dim,
     _check_false,
     _check_fp8_format,
@@ -65,6 +70,7 @@ from ._formats import (
     _import_time_role_qparams,
     fp32_scales_from_env,
 )
+from ._lenient_init import LenientInit, warn_if_misspelt_field
 from ._nvfp4_fields import _NVFP4Fields
 
 __all__ = [
@@ -80,8 +86,8 @@ __all__ = [
     "CustomRecipe",
 ]
 
-# The public path, for reprs and pickles (the classes are defined in _formats.py).
-for _cls in (Format, MMParams, QParams, _FormatMaxima):
+# The public path, for reprs and pickles (defined in _formats.py and _field_checks.py).
+for _cls in (Format, MMParams, QParams, _FormatMaxima, RecipeTypeError):
     _cls.__module__ = __name__
 del _cls
 
@@ -94,7 +100,7 @@ def _field_names(cls: type) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(cls))
 
 
-class Recipe:
+class Recipe(metaclass=LenientInit):
     """Base class of every quantization recipe.
 
     The predicates below test the recipe's class; they are classmethods, so they work on a
@@ -103,12 +109,13 @@ class Recipe:
 
     Recipes are mutable, as upstream's are: code assigns fields of a recipe it already built
     (``recipe.amax_history_len = 16``). Every assignment, including the constructor's own, is
-    checked by the same per-field check, so a bad value raises at the line that assigned it,
-    naming the field and the value, instead of reaching the kernels. (Upstream does not check
-    assignments at all; checking at autocast entry instead would report the mistake far from
-    where it was made, and nothing upstream assigns is refused: its recipe checks are each about
-    one field.) Assigning a name that is not a field raises ``AttributeError``: a misspelt
-    field would otherwise be silently ignored.
+    checked (and converted, as the constructor converts) by the same per-field check, so a bad
+    value raises at the line that assigned it, naming the field and the value, instead of
+    reaching the kernels. (Upstream does not check assignments at all; checking at autocast
+    entry instead would report the mistake far from where it was made, and nothing upstream
+    assigns is refused: its recipe checks are each about one field.) Other attributes may be
+    set freely, as upstream allows (``recipe.my_tag = 1``); one whose name is close to a
+    field's (``amax_histroy_len``) is set with a ``UserWarning``, as it changes nothing.
     """
 
     # Per-field checks of a subclass: ``{field name: check(owner, name, value) -> value}``.
@@ -117,11 +124,12 @@ class Recipe:
     def __setattr__(self, name: str, value: Any) -> None:
         cls = type(self)
         if dataclasses.is_dataclass(cls):
-            if name not in _field_names(cls):
-                raise AttributeError(not_a_field_message(cls, name))
-            check = cls._field_checks.get(name)
-            if check is not None:
-                value = check(cls.__name__, name, value)
+            if name in _field_names(cls):
+                check = cls._field_checks.get(name)
+                if check is not None:
+                    value = check(cls.__name__, name, value)
+            elif name[:1] != "_" and not hasattr(cls, name):
+                warn_if_misspelt_field(cls, name)
         object.__setattr__(self, name, value)
 
     def __delattr__(self, name: str) -> None:
@@ -228,8 +236,8 @@ class DelayedScaling(Recipe):
 
     Raises
     ------
-    TypeError
-        A field has the wrong type, or an unknown keyword argument was given.
+    RecipeTypeError
+        A field has the wrong type (a ``TypeError`` and a ``ValueError``).
     ValueError
         A field has an unsupported value.
     """
@@ -316,13 +324,14 @@ class Float8CurrentScaling(Recipe):
     fp8_quant_fwd_inp, fp8_quant_fwd_weight, fp8_quant_bwd_grad : QParams
         Class attributes, not constructor arguments: per-role quantization parameters
         ``QParams(power_2_scale=<NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES == "1">,
-        amax_epsilon=0.0)``, fixed when this module is imported. Passing them to the
-        constructor is a ``TypeError``; assigning them on an instance an ``AttributeError``.
+        amax_epsilon=0.0)``, fixed when this module is imported. Passed to the constructor they
+        are ignored with a warning, as upstream ignores them; assigned on a recipe, they apply
+        to that recipe.
 
     Raises
     ------
-    TypeError
-        A field has the wrong type, or an unknown keyword argument was given.
+    RecipeTypeError
+        A field has the wrong type (a ``TypeError`` and a ``ValueError``).
     ValueError
         A field has an unsupported value.
     """
@@ -367,9 +376,6 @@ class Float8CurrentScaling(Recipe):
         )
 
 
-_BLOCK_DIM_FIELDS = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
-
-
 @dataclasses.dataclass(repr=False)
 class Float8BlockScaling(Recipe):
     """FP8 training with block scaling: one FP32 scale per 1x128 tile or 128x128 block.
@@ -410,8 +416,8 @@ class Float8BlockScaling(Recipe):
 
     Raises
     ------
-    TypeError
-        A field has the wrong type, or an unknown keyword argument was given.
+    RecipeTypeError
+        A field has the wrong type (a ``TypeError`` and a ``ValueError``).
     ValueError
         A field has an unsupported value, or two block dims are 2.
     """
@@ -446,23 +452,9 @@ class Float8BlockScaling(Recipe):
     }
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # The block dims are checked together: every GEMM pairs two of the three roles, and
-        # no GEMM takes two 128x128-scaled operands. An assignment that would break that is
-        # refused and leaves the recipe as it was.
         old = self.__dict__.get(name, dataclasses.MISSING)
         super().__setattr__(name, value)
-        if name in _BLOCK_DIM_FIELDS and all(f in self.__dict__ for f in _BLOCK_DIM_FIELDS):
-            two_d = [f for f in _BLOCK_DIM_FIELDS if self.__dict__[f] == 2]
-            if len(two_d) > 1:
-                if old is dataclasses.MISSING:
-                    object.__delattr__(self, name)
-                else:
-                    object.__setattr__(self, name, old)
-                raise ValueError(
-                    f"Float8BlockScaling: {' and '.join(f'{f}=2' for f in two_d)}: 2D by 2D "
-                    f"block gemm not supported (a GEMM of two 128x128-scaled operands); set at "
-                    f"most one block dim to 2 (default: w_block_scaling_dim=2, the others 1)"
-                )
+        _check_block_dims_together(self, name, old)
 
     def __repr__(self) -> str:
         return (
@@ -498,7 +490,8 @@ class MXFP8BlockScaling(Recipe):
     fp8_format : Format, default Format.E4M3
         ``Format.E4M3`` everywhere, or ``Format.HYBRID`` (E5M2 gradients); E5M2 is refused.
     fp8_dpa, fp8_mha : bool, default False
-        Must be False: no FP8 attention with this recipe.
+        Accepted, as upstream; ``DotProductAttention`` refuses to run FP8 attention (not built
+        here) unless ``NVTE_DPA_FP8_RECIPE=F16`` (see ``docs/attention.md``).
     backward_override : {None, "high_precision", "dequantized"}, default from env
         As :class:`Float8CurrentScaling`'s; defaults to ``NVTE_BACKWARD_OVERRIDE``.
     enable_2d_quantization : bool, default False
@@ -515,8 +508,8 @@ class MXFP8BlockScaling(Recipe):
     _field_checks = {
         "margin": functools.partial(check_int_at_least, minimum=0),
         "fp8_format": _check_fp8_format,
-        "fp8_dpa": _check_false,
-        "fp8_mha": _check_false,
+        "fp8_dpa": check_bool,
+        "fp8_mha": check_bool,
         "backward_override": check_backward_override,
         "enable_2d_quantization": check_bool,
     }

@@ -9,66 +9,65 @@ False, not fp8_wgrad))`` and Hugging Face accelerate forwards ``interval`` when 
 They are accepted here as constructor-only arguments (not fields: they are not stored, compared,
 printed or saved), so such code runs as it does upstream, with all GEMMs in FP8 and scales
 updated every step. Unlike upstream, a value whose request this package does not carry out
-(``interval`` other than 1, any GEMM asked for in high precision) draws a ``UserWarning``
-naming the argument, so nobody believes their wgrad runs in high precision when it does not.
-A value of the wrong type is refused like any other bad recipe argument.
+(``interval`` other than 1, any GEMM asked for in high precision), or a value this package
+cannot read, draws a ``UserWarning`` naming the argument, so nobody believes their wgrad runs in
+high precision when it does not. Like upstream, no value raises: both arguments are ignored
+whatever they hold.
 """
 
 from __future__ import annotations
 
-import numbers
-import warnings
 from typing import Any
+
+from ._field_checks import lax_bool, lax_int
+from ._lenient_init import warn_at_caller
 
 __all__ = ["check_interval", "check_override_linear_precision"]
 
 _GEMMS = ("fprop", "dgrad", "wgrad")
-# From the check, through the recipe's __post_init__ and the dataclass __init__, to the caller.
-_CALLER = 4
 
 
 def check_interval(owner: str, interval: Any) -> None:
     """``interval``: None (not given) or an int >= 1; anything but 1 is warned about."""
-    if interval is None:
+    steps = None if interval is None else lax_int(interval)
+    if interval is None or steps == 1:
         return
-    if isinstance(interval, bool) or not isinstance(interval, numbers.Integral):
-        raise TypeError(
-            f"{owner}: interval must be an int >= 1, got {interval!r} "
-            f"({type(interval).__name__}); it is ignored anyway: leave it out"
+    if steps is None or steps < 1:
+        warn_at_caller(
+            f"{owner}: interval={interval!r} is not an int >= 1; it is ignored anyway, as in "
+            f"upstream Transformer Engine (which removed it): leave it out"
         )
-    if interval < 1:
-        raise ValueError(f"{owner}: interval must be >= 1, got {interval!r}; leave it out")
-    if interval != 1:
-        warnings.warn(
-            f"{owner}: interval={interval} is accepted for compatibility and ignored, as in "
-            f"upstream Transformer Engine (which removed it): scales are recomputed every step",
-            UserWarning,
-            stacklevel=_CALLER,
-        )
+        return
+    warn_at_caller(
+        f"{owner}: interval={interval!r} is accepted for compatibility and ignored, as in "
+        f"upstream Transformer Engine (which removed it): scales are recomputed every step"
+    )
 
 
 def check_override_linear_precision(owner: str, value: Any) -> None:
     """``override_linear_precision``: None or three bools ``(fprop, dgrad, wgrad)``; a True
-    entry is warned about (the GEMM still runs in FP8)."""
+    entry, or a value that is not three bools, is warned about (every GEMM still runs in
+    FP8)."""
     if value is None:
         return
-    if (
-        not isinstance(value, (tuple, list))
-        or len(value) != len(_GEMMS)
-        or not all(isinstance(v, bool) for v in value)
-    ):
-        raise TypeError(
-            f"{owner}: override_linear_precision must be three bools (fprop, dgrad, wgrad), "
-            f"got {value!r}; it has no effect here: leave it out"
+    flags = (
+        [lax_bool(v) for v in value]
+        if isinstance(value, (tuple, list)) and len(value) == len(_GEMMS)
+        else [None]
+    )
+    if None in flags:
+        warn_at_caller(
+            f"{owner}: override_linear_precision={value!r} is not three bools (fprop, dgrad, "
+            f"wgrad); it is ignored, as upstream Transformer Engine ignores the argument: "
+            f"fprop, dgrad and wgrad run in FP8. Leave it out"
         )
-    high = [gemm for gemm, flag in zip(_GEMMS, value, strict=True) if flag]
+        return
+    high = [gemm for gemm, flag in zip(_GEMMS, flags, strict=True) if flag]
     if high:
-        warnings.warn(
+        warn_at_caller(
             f"{owner}: override_linear_precision={tuple(value)} asks for the "
             f"{'/'.join(high)} GEMM in high precision; like current upstream Transformer "
             f"Engine, this package has no such option and runs fprop, dgrad and wgrad in FP8. "
             f"For a high-precision backward use "
-            f"Float8CurrentScaling(backward_override='high_precision')",
-            UserWarning,
-            stacklevel=_CALLER,
+            f"Float8CurrentScaling(backward_override='high_precision')"
         )

@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import os
 from enum import Enum
 from typing import Any, NamedTuple
 
-from ._field_checks import check_bool, power_2_scales_from_env, type_name
+from ._field_checks import (
+    RecipeTypeError,
+    check_bool,
+    lax_float,
+    lax_int,
+    power_2_scales_from_env,
+    type_name,
+)
+from ._lenient_init import LenientInit
 
 # ------------------------------------------------------------------ formats and parameters
 
@@ -55,7 +62,7 @@ class Format(Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class MMParams:
+class MMParams(metaclass=LenientInit):
     """Options of one FP8 matrix multiplication (GEMM).
 
     Parameters
@@ -68,11 +75,12 @@ class MMParams:
     use_split_accumulator: bool = True
 
     def __post_init__(self) -> None:
-        check_bool("MMParams", "use_split_accumulator", self.use_split_accumulator)
+        value = check_bool("MMParams", "use_split_accumulator", self.use_split_accumulator)
+        object.__setattr__(self, "use_split_accumulator", value)
 
 
 @dataclasses.dataclass(frozen=True)
-class QParams:
+class QParams(metaclass=LenientInit):
     """Options of one quantization role (input, weight or gradient).
 
     Parameters
@@ -103,27 +111,53 @@ class QParams:
             "stochastic_rounding",
             "fp4_2d_quantization",
         ):
-            check_bool("QParams", name, getattr(self, name))
-        eps = self.amax_epsilon
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-            raise TypeError(
-                f"QParams: amax_epsilon must be a float, got {eps!r} ({type_name(eps)}); "
-                f"pass a finite number >= 0.0"
+            object.__setattr__(self, name, check_bool("QParams", name, getattr(self, name)))
+        eps = lax_float(self.amax_epsilon)
+        if eps is None:
+            raise RecipeTypeError(
+                f"QParams: amax_epsilon must be a float, got {self.amax_epsilon!r} "
+                f"({type_name(self.amax_epsilon)}); pass a finite number >= 0.0"
             )
         if not (math.isfinite(eps) and eps >= 0):
             raise ValueError(
-                f"QParams: amax_epsilon must be finite and >= 0.0, got {eps!r}; pass e.g. 0.0"
+                f"QParams: amax_epsilon must be finite and >= 0.0, got {self.amax_epsilon!r}; "
+                f"pass e.g. 0.0"
             )
-        # Normalise ints (and numpy scalars) so equal epsilons compare and print alike.
-        object.__setattr__(self, "amax_epsilon", float(eps))
+        # Stored as a float, so equal epsilons compare and print alike.
+        object.__setattr__(self, "amax_epsilon", eps)
+
+
+def as_format(value: Any) -> Format | None:
+    """``value`` as a :class:`Format`: a member, or a member's value (pydantic's lax rule for
+    enums, e.g. ``(448, 57344)``); None if it is neither."""
+    if isinstance(value, Format):
+        return value
+    try:
+        return Format(value)
+    except (ValueError, TypeError):
+        return None
+
+
+def as_params(cls: type, owner: str, name: str, value: Any, example: str) -> Any:
+    """``value`` as an ``MMParams``/``QParams`` (``cls``): an instance, or a dict of its fields
+    (pydantic's lax rule for nested dataclasses)."""
+    if isinstance(value, dict):
+        return cls(**value)
+    if not isinstance(value, cls):
+        raise RecipeTypeError(
+            f"{owner}: {name} must be a {cls.__name__}, got {value!r} ({type_name(value)}); "
+            f"pass e.g. {example}"
+        )
+    return value
 
 
 def _check_fp8_format(owner: str, name: str, value: Any) -> Format:
-    if not isinstance(value, Format):
-        raise TypeError(
+    if as_format(value) is None:
+        raise RecipeTypeError(
             f"{owner}: {name} must be a Format, got {value!r} ({type_name(value)}); "
             f"pass Format.HYBRID or Format.E4M3"
         )
+    value = as_format(value)
     if value is Format.E5M2:
         raise ValueError(
             f"{owner}: {name}=Format.E5M2: pure E5M2 training is not supported; use "
@@ -138,12 +172,7 @@ def _check_fp8_format(owner: str, name: str, value: Any) -> Format:
 
 
 def _check_mm_params(owner: str, name: str, value: Any) -> MMParams:
-    if not isinstance(value, MMParams):
-        raise TypeError(
-            f"{owner}: {name} must be an MMParams, got {value!r} ({type_name(value)}); "
-            f"pass e.g. MMParams(use_split_accumulator=True)"
-        )
-    return value
+    return as_params(MMParams, owner, name, value, "MMParams(use_split_accumulator=True)")
 
 
 def _import_time_role_qparams() -> QParams:
@@ -167,16 +196,18 @@ def _import_time_block_qparams() -> QParams:
 
 
 def _check_block_scaling_dim(owner: str, name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
+    dim = lax_int(value)
+    if dim is None:
+        raise RecipeTypeError(
             f"{owner}: {name} must be an int, got {value!r} ({type_name(value)}); pass 1 "
             f"(1x128 tiles) or 2 (128x128 blocks)"
         )
-    if value not in (1, 2):
+    if dim not in (1, 2):
         raise ValueError(
-            f"{owner}: {name}={value} is not supported; pass 1 (1x128 tiles) or 2 (128x128 blocks)"
+            f"{owner}: {name}={value!r} is not supported; pass 1 (1x128 tiles) or 2 (128x128 "
+            f"blocks)"
         )
-    return int(value)
+    return dim
 
 
 def _check_split_accumulator(owner: str, name: str, value: Any) -> MMParams:
@@ -192,7 +223,32 @@ def _check_split_accumulator(owner: str, name: str, value: Any) -> MMParams:
 def _check_false(owner: str, name: str, value: Any) -> bool:
     if check_bool(owner, name, value):
         raise ValueError(
-            f"{owner}: {name}=True is not supported: FP8 attention is not available with block "
-            f"scaling; use DelayedScaling or Float8CurrentScaling for FP8 attention"
+            f"{owner}: {name}=True is not supported: FP8 attention is not available with "
+            f"Float8BlockScaling (upstream asserts it False too); leave {name}=False"
         )
     return False
+
+
+_BLOCK_DIM_FIELDS = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
+
+
+def _check_block_dims_together(recipe: Any, name: str, old: Any) -> None:
+    """After ``recipe.<name>`` was set (from ``old``, ``dataclasses.MISSING`` during
+    construction): refuse two block dims of 2, restoring the recipe as it was.
+
+    The block dims of ``Float8BlockScaling`` are checked together: every GEMM pairs two of the
+    three roles, and no GEMM takes two 128x128-scaled operands."""
+    fields = recipe.__dict__
+    if name not in _BLOCK_DIM_FIELDS or not all(f in fields for f in _BLOCK_DIM_FIELDS):
+        return
+    two_d = [f for f in _BLOCK_DIM_FIELDS if fields[f] == 2]
+    if len(two_d) > 1:
+        if old is dataclasses.MISSING:
+            object.__delattr__(recipe, name)
+        else:
+            object.__setattr__(recipe, name, old)
+        raise ValueError(
+            f"{type(recipe).__name__}: {' and '.join(f'{f}=2' for f in two_d)}: 2D by 2D "
+            f"block gemm not supported (a GEMM of two 128x128-scaled operands); set at "
+            f"most one block dim to 2 (default: w_block_scaling_dim=2, the others 1)"
+        )

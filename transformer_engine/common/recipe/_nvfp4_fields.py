@@ -19,12 +19,14 @@ import os
 from typing import Any
 
 from ._field_checks import (
+    RecipeTypeError,
     backward_override_from_env,
     check_backward_override,
     check_bool,
+    lax_str,
     type_name,
 )
-from ._formats import Format, QParams
+from ._formats import Format, QParams, as_format, as_params
 
 __all__ = ["_NVFP4Fields", "unbuilt_nvfp4_options"]
 
@@ -46,8 +48,9 @@ def _env_str(name: str, default: str, upper: bool = False):
 
 def _check_choice(choices):
     def check(owner: str, name: str, value: Any) -> str:
+        value = lax_str(value)
         if not isinstance(value, str):
-            raise TypeError(
+            raise RecipeTypeError(
                 f"{owner}: {name} must be a str, got {value!r} ({type_name(value)}); pass one of "
                 f"{choices}"
             )
@@ -60,23 +63,18 @@ def _check_choice(choices):
 
 def _check_format(expected: Format):
     def check(owner: str, name: str, value: Any) -> Format:
-        if value is not expected:
+        if as_format(value) is not expected:
             raise ValueError(
                 f"{owner}: {name}={value!r} is not supported; NVFP4 uses {name}=Format."
                 f"{expected.name}"
             )
-        return value
+        return expected
 
     return check
 
 
 def _check_qparams(owner: str, name: str, value: Any) -> QParams:
-    if not isinstance(value, QParams):
-        raise TypeError(
-            f"{owner}: {name} must be a QParams, got {value!r} ({type_name(value)}); pass e.g. "
-            "QParams(random_hadamard_transform=True)"
-        )
-    return value
+    return as_params(QParams, owner, name, value, "QParams(random_hadamard_transform=True)")
 
 
 @dataclasses.dataclass(repr=False)

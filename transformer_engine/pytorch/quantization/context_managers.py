@@ -25,7 +25,8 @@ class autocast:
     calibrating : bool, default False
         Collect amaxes while computing in high precision.
     recipe : Recipe, optional
-        ``DelayedScaling()`` when omitted.
+        ``get_default_recipe()`` when omitted (``DelayedScaling()`` below compute capability
+        10.0 and without CUDA).
     amax_reduction_group : torch.distributed.ProcessGroup, optional
         Group over which delayed-scaling amaxes are all-reduced (MAX) at updates.
     _graph : bool, default False
@@ -111,7 +112,7 @@ def quantized_model_init(
     ----------
     enabled : bool, default True
     recipe : Recipe, optional
-        The recipe those weights are quantized with (``DelayedScaling()`` when omitted).
+        The recipe those weights are quantized with (``get_default_recipe()`` when omitted).
     preserve_high_precision_init_val : bool, default False
         Keep a CPU copy of each weight's initial high-precision values.
     """

@@ -38,7 +38,7 @@ class CaptureAutocast:
 
     Upstream's old names map to the new ones with a ``DeprecationWarning`` (both given:
     ``ValueError``); ``enabled`` is one bool or one per callable; with any callable enabled the
-    recipe defaults to ``DelayedScaling()``. Calling it with a callable's index gives its
+    recipe defaults to ``get_default_recipe()``. Calling it with a callable's index gives its
     ``autocast(..., _graph=True)``: no registration, no scale update inside.
     """
 

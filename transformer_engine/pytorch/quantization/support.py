@@ -197,8 +197,23 @@ def is_nvfp4_available(return_reason: bool = False, device=None):
     return (available, reason) if return_reason else available
 
 
+def _current_device_capability() -> tuple[int, int] | None:
+    """Compute capability of the current CUDA device; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return device_compute_capability(torch.device("cuda", torch.cuda.current_device()))
+
+
 def get_default_fp8_recipe() -> Recipe:
-    """The recipe an autocast without ``recipe=`` uses: ``DelayedScaling()``."""
+    """The recipe an autocast without ``recipe=`` uses, by upstream's rule on the current CUDA
+    device: ``MXFP8BlockScaling()`` where MXFP8 is native (compute capability 10.x and 11.x,
+    data-center Blackwell), ``Float8CurrentScaling()`` from compute capability 12.0, and
+    ``DelayedScaling()`` elsewhere (Ada, Hopper, and without CUDA)."""
+    cc = _current_device_capability()
+    if cc is not None and (10, 0) <= cc < (12, 0):
+        return MXFP8BlockScaling()
+    if cc is not None and cc >= (12, 0):
+        return Float8CurrentScaling()
     return DelayedScaling()
 
 

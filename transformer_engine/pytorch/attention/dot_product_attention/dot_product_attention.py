@@ -309,16 +309,29 @@ class DotProductAttention(TransformerEngineBaseModule):
 
     @staticmethod
     def _refuse_fp8_attention() -> None:
+        """FP8 attention (the autocast recipe's ``fp8_dpa`` / ``fp8_mha``) is not built.
+
+        With ``NVTE_DPA_FP8_RECIPE=F16`` attention runs in high precision instead and, as
+        upstream, both flags of the autocast recipe itself are set to False (callers that read
+        them afterwards see False). Otherwise a recipe asking for FP8 attention is refused."""
         if not FP8GlobalStateManager.is_fp8_enabled():
             return
         recipe = FP8GlobalStateManager.get_fp8_recipe()
         flags = [f for f in ("fp8_dpa", "fp8_mha") if getattr(recipe, f, False)]
-        if flags:
-            raise NotImplementedError(
-                f"DotProductAttention: FP8 attention ({'=True, '.join(flags)}=True in the "
-                "recipe) is not supported yet; attention runs in high precision inside an FP8 "
-                "autocast when the recipe leaves fp8_dpa and fp8_mha False"
-            )
+        if not flags:
+            return
+        dpa_recipe = os.environ.get("NVTE_DPA_FP8_RECIPE", "")
+        if dpa_recipe == "F16":
+            for flag in flags:
+                setattr(recipe, flag, False)
+            return
+        chosen = f" (NVTE_DPA_FP8_RECIPE={dpa_recipe!r})" if dpa_recipe else ""
+        raise NotImplementedError(
+            f"DotProductAttention: FP8 attention ({'=True, '.join(flags)}=True in the "
+            f"{type(recipe).__name__} recipe{chosen}) is not supported; leave fp8_dpa and "
+            "fp8_mha False, or set NVTE_DPA_FP8_RECIPE=F16: attention then runs in high "
+            "precision inside the FP8 autocast"
+        )
 
     def _softmax_offset(self, device: torch.device):
         if self.softmax_type != "learnable":

@@ -1,0 +1,153 @@
+"""FP8 attention flags (``fp8_dpa`` / ``fp8_mha``) of the autocast recipe in DotProductAttention.
+
+FP8 attention is not built here. Facts (te_api_facts_2.md 1.8, 2.4, 3.3):
+- every recipe but ``Float8BlockScaling`` accepts the flags (``MXFP8BlockScaling`` included);
+- ``NVTE_DPA_FP8_RECIPE=F16`` makes attention run in high precision and sets ``fp8_dpa`` and
+  ``fp8_mha`` of the autocast recipe to False.
+So: with ``F16`` attention must equal the high-precision result (the float64 oracle of
+test_dpa_numerics.py) and the recipe's flags must read False afterwards; without it, a recipe
+asking for FP8 attention is refused with an error naming the flag and the recipe.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from test_dpa_numerics import FP32_TOL, bhsd, oracle_attention, oracle_output, random_qkv
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+)
+from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention
+from transformer_engine.pytorch.attention.multi_head_attention import MultiheadAttention
+from transformer_engine.pytorch.custom_recipes.quantizer_factories import current_scaling_factory
+
+ENV = "NVTE_DPA_FP8_RECIPE"
+
+
+@pytest.fixture(autouse=True)
+def _no_dpa_recipe_env(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+
+
+def _recipes(**flags):
+    return [
+        DelayedScaling(**flags),
+        Float8CurrentScaling(**flags),
+        MXFP8BlockScaling(**flags),
+        CustomRecipe(qfactory=current_scaling_factory, **flags),
+    ]
+
+
+def _qkv(seed=40):
+    return random_qkv(2, 8, 8, 2, 2, 16, seed=seed)
+
+
+def _oracle(q, k, v):
+    return oracle_output(oracle_attention(bhsd(q), bhsd(k), bhsd(v)), "bshd")
+
+
+def _attend(dpa, recipe, q, k, v):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # emulated MXFP8 GEMMs are announced
+        with te.autocast(enabled=True, recipe=recipe):
+            return dpa(q, k, v)
+
+
+@pytest.mark.parametrize("flag", ["fp8_dpa", "fp8_mha"])
+@pytest.mark.parametrize("recipe", _recipes(), ids=lambda r: type(r).__name__)
+def test_fp8_attention_is_refused_naming_the_flag_and_recipe(recipe, flag):
+    setattr(recipe, flag, True)
+    dpa = DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="no_mask")
+    with pytest.raises(NotImplementedError) as caught:
+        _attend(dpa, recipe, *_qkv())
+    message = str(caught.value)
+    assert f"{flag}=True" in message and type(recipe).__name__ in message
+    assert "NVTE_DPA_FP8_RECIPE=F16" in message, "the message names the fix"
+    assert getattr(recipe, flag) is True, "a refused recipe is left as it was"
+
+
+def test_mxfp8_fp8_dpa_is_refused_by_attention_not_by_the_recipe():
+    recipe = MXFP8BlockScaling(fp8_dpa=True)  # accepted, as upstream
+    dpa = DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="no_mask")
+    with pytest.raises(NotImplementedError, match=r"fp8_dpa=True in the MXFP8BlockScaling"):
+        _attend(dpa, recipe, *_qkv())
+    with pytest.raises(ValueError, match="fp8_dpa"):
+        Float8BlockScaling(fp8_dpa=True)  # the one recipe that refuses the flag itself
+
+
+@pytest.mark.parametrize("value", ["DelayedScaling", "Float8CurrentScaling", "f16"])
+def test_other_dpa_recipes_still_refuse(monkeypatch, value):
+    # Any other value asks for FP8 attention (in another recipe), which is not built.
+    monkeypatch.setenv(ENV, value)
+    recipe = DelayedScaling(fp8_dpa=True)
+    dpa = DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="no_mask")
+    with pytest.raises(NotImplementedError, match=f"NVTE_DPA_FP8_RECIPE='{value}'"):
+        _attend(dpa, recipe, *_qkv())
+
+
+@pytest.mark.parametrize(
+    "flags", [{"fp8_dpa": True}, {"fp8_mha": True}, {"fp8_dpa": True, "fp8_mha": True}]
+)
+@pytest.mark.parametrize("index", range(4), ids=["DS", "CS", "MXFP8", "Custom"])
+def test_f16_runs_high_precision_and_clears_the_flags(monkeypatch, flags, index):
+    monkeypatch.setenv(ENV, "F16")
+    recipe = _recipes(**flags)[index]
+    q, k, v = _qkv(seed=41 + index)
+    dpa = DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="no_mask")
+    out = _attend(dpa, recipe, q, k, v)
+    torch.testing.assert_close(out.double(), _oracle(q, k, v), **FP32_TOL)
+    assert (recipe.fp8_dpa, recipe.fp8_mha) == (False, False)
+    out.sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_f16_leaves_a_recipe_without_the_flags_untouched(monkeypatch):
+    monkeypatch.setenv(ENV, "F16")
+    recipe = DelayedScaling(margin=1)
+    recipe.my_tag = "kept"
+    q, k, v = _qkv()
+    dpa = DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="no_mask")
+    out = _attend(dpa, recipe, q, k, v)
+    torch.testing.assert_close(out.double(), _oracle(q, k, v), **FP32_TOL)
+    assert recipe == DelayedScaling(margin=1) and recipe.my_tag == "kept"
+
+
+def test_f16_outside_fp8_autocast_changes_nothing(monkeypatch):
+    monkeypatch.setenv(ENV, "F16")
+    recipe = DelayedScaling(fp8_dpa=True)
+    q, k, v = _qkv()
+    out = DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="no_mask")(q, k, v)
+    torch.testing.assert_close(out.double(), _oracle(q, k, v), **FP32_TOL)
+    assert recipe.fp8_dpa is True
+
+
+def test_f16_multihead_attention_matches_the_recipe_without_flags(monkeypatch):
+    # MultiheadAttention with fp8_mha under F16 computes what the same recipe without the
+    # flags computes (upstream: fp8_dpa = fp8_mha = False), step after step.
+    monkeypatch.setenv(ENV, "F16")
+    torch.manual_seed(0)
+    flagged = MultiheadAttention(32, 2, attention_dropout=0.0, device="cpu")
+    plain = MultiheadAttention(32, 2, attention_dropout=0.0, device="cpu")
+    plain.load_state_dict(flagged.state_dict())
+    recipe = DelayedScaling(amax_history_len=2, fp8_mha=True)
+    g = torch.Generator().manual_seed(5)
+    for step in range(3):
+        x = torch.randn(8, 2, 32, generator=g) * (1 + step)
+        outs = []
+        for model, r in ((flagged, recipe), (plain, DelayedScaling(amax_history_len=2))):
+            with te.autocast(enabled=True, recipe=r):
+                y = model(x)
+            y.sum().backward()
+            outs.append(y.detach())
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+        assert (recipe.fp8_dpa, recipe.fp8_mha) == (False, False), step
+    for a, b in zip(flagged.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
