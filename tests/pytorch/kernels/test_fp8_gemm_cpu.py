@@ -282,7 +282,9 @@ def precision_seen_by_the_gemm(monkeypatch, raise_inside=False):
 
 def test_bf16_math_mode_is_set_only_around_the_gemm(monkeypatch):
     # One Python thread: the mode is BF16 during the GEMM (where available) and restored after,
-    # also when the GEMM raises.
+    # also when the GEMM raises. (One thread whatever earlier tests of the process left running:
+    # torch.compile starts tqdm's monitor thread, which lives on.)
+    monkeypatch.setattr(fp8_gemm_cpu.threading, "active_count", lambda: 1)
     before = torch.backends.mkldnn.matmul.fp32_precision
     expected = "bf16" if fp8_gemm_cpu.USE_BF16_MATH else before
     assert precision_seen_by_the_gemm(monkeypatch) == [expected]

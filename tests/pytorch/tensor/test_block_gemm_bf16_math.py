@@ -56,6 +56,9 @@ def use_math_mode(monkeypatch, bf16_math: bool) -> None:
         pytest.skip("oneDNN has no BF16 math mode on this CPU / torch")
     monkeypatch.setattr(fp8_gemm_cpu, "USE_BF16_MATH", bf16_math)
     monkeypatch.setattr(fp8_gemm_cpu, "BF16_MATH_SETTING", "auto")
+    # the rule's premise, one Python thread, whatever threads earlier tests of the process left
+    # running (torch.compile starts tqdm's monitor thread, which lives on)
+    monkeypatch.setattr(fp8_gemm_cpu.threading, "active_count", lambda: 1)
 
 
 def gemm_in_recorded_mode(monkeypatch, a, b, layout, ref_x, ref_y, expected_mode: str) -> None:
