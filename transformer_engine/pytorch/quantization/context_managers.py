@@ -26,7 +26,7 @@ class autocast:
         Collect amaxes while computing in high precision.
     recipe : Recipe, optional
         ``get_default_recipe()`` when omitted (``DelayedScaling()`` below compute capability
-        10.0 and without CUDA).
+        12.0 and without CUDA).
     amax_reduction_group : torch.distributed.ProcessGroup, optional
         Group over which delayed-scaling amaxes are all-reduced (MAX) at updates.
     _graph : bool, default False

@@ -205,13 +205,14 @@ def _current_device_capability() -> tuple[int, int] | None:
 
 
 def get_default_fp8_recipe() -> Recipe:
-    """The recipe an autocast without ``recipe=`` uses, by upstream's rule on the current CUDA
-    device: ``MXFP8BlockScaling()`` where MXFP8 is native (compute capability 10.x and 11.x,
-    data-center Blackwell), ``Float8CurrentScaling()`` from compute capability 12.0, and
-    ``DelayedScaling()`` elsewhere (Ada, Hopper, and without CUDA)."""
+    """The recipe an autocast without ``recipe=`` uses, on the current CUDA device:
+    ``Float8CurrentScaling()`` from compute capability 12.0, as upstream, and
+    ``DelayedScaling()`` below (and without CUDA). Upstream picks ``MXFP8BlockScaling()`` on
+    compute capability 10.x and 11.x, where its MXFP8 GEMMs are native; here they are emulated
+    in float32 on every device (``cpp_extensions/mxfp8_gemm.py``), so that default would turn
+    the FP8 step silently into a float32 one: those GPUs keep delayed scaling's native per-tensor
+    FP8 GEMMs (pass ``MXFP8BlockScaling()`` for upstream's numerics)."""
     cc = _current_device_capability()
-    if cc is not None and (10, 0) <= cc < (12, 0):
-        return MXFP8BlockScaling()
     if cc is not None and cc >= (12, 0):
         return Float8CurrentScaling()
     return DelayedScaling()
