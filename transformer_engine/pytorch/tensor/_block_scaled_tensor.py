@@ -203,15 +203,13 @@ def raw_copy(dst, src, non_blocking: bool = False) -> bool:
         return False
     if src._format_key() != dst._format_key():
         return False
-    pairs = [(getattr(dst, name), getattr(src, name)) for name in dst._buffer_names]
-    for mine, theirs in pairs:
+    for name in dst._buffer_names:
+        mine, theirs = getattr(dst, name), getattr(src, name)
         if (mine is None) != (theirs is None):
             return False
         if mine is not None and (mine.shape != theirs.shape or mine.dtype != theirs.dtype):
             return False
-    for mine, theirs in pairs:
-        if mine is not None and mine is not theirs:
-            mine.copy_(theirs, non_blocking=non_blocking)
+    dst._copy_buffers_from(src, non_blocking=non_blocking)
     return True
 
 

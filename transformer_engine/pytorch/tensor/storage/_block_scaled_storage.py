@@ -143,7 +143,7 @@ class BlockScaledTensorStorage(QuantizedTensorStorage):
         (the element format; a kind adds its block shape or column-wise transform)."""
         return (self._fp8_dtype,)
 
-    def _copy_buffers_from(self, src) -> None:
+    def _copy_buffers_from(self, src, non_blocking: bool = False) -> None:
         """``copy_from_storage`` once ``src`` is checked to match: copy each buffer this object
         holds from ``src``'s (which must hold it too)."""
         for name in self._buffer_names:
@@ -154,7 +154,7 @@ class BlockScaledTensorStorage(QuantizedTensorStorage):
                 raise ValueError(
                     f"copy_from_storage: src has no {name} (its usages are {src.get_usages()})"
                 )
-            mine.copy_(theirs)
+            mine.copy_(theirs, non_blocking=non_blocking)
 
     def clear(self) -> None:
         """Release the buffers."""
