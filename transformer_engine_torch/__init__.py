@@ -10,12 +10,24 @@ meaning. It is a client of :mod:`transformer_engine.pytorch` and nothing in
 Only what works is here: the enums and ``FP8TensorMeta``, the per-tensor FP8 quantize family,
 ``fp8_transpose``, ``generic_gemm`` (high precision and per-tensor FP8) and
 ``get_num_cublas_streams``, the LayerNorm/RMSNorm forward and
-backward (with a quantized forward output), the fused delayed-scaling update and the
+backward (with a quantized forward output), the fused delayed-scaling update, the
+``multi_tensor_*`` optimizer operations (:mod:`transformer_engine.pytorch.optimizers`) and the
 version queries. docs/compatibility.md lists what each accepts and what it refuses.
 """
 
 from transformer_engine.pytorch.cpp_extensions import (
     fused_amax_and_scale_update_after_reduction,
+)
+from transformer_engine.pytorch.optimizers import (
+    multi_tensor_adam,
+    multi_tensor_adam_capturable,
+    multi_tensor_adam_capturable_master,
+    multi_tensor_adam_param_remainder,
+    multi_tensor_compute_scale_and_scale_inv,
+    multi_tensor_l2norm,
+    multi_tensor_scale,
+    multi_tensor_sgd,
+    multi_tensor_unscale_l2norm,
 )
 
 from ._enums import DType, FP8BwdTensors, FP8FwdTensors, FP8TensorMeta
@@ -53,4 +65,13 @@ __all__ = [
     "fused_amax_and_scale_update_after_reduction",
     "get_cublasLt_version",
     "get_cudnn_version",
+    "multi_tensor_scale",
+    "multi_tensor_l2norm",
+    "multi_tensor_unscale_l2norm",
+    "multi_tensor_adam",
+    "multi_tensor_adam_param_remainder",
+    "multi_tensor_adam_capturable",
+    "multi_tensor_adam_capturable_master",
+    "multi_tensor_sgd",
+    "multi_tensor_compute_scale_and_scale_inv",
 ]

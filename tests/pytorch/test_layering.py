@@ -66,9 +66,11 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.pytorch.custom_recipes",
         "transformer_engine.pytorch.custom_recipes.*",
     )),
-    (6, "the functional core", (
+    (6, "the functional core, and the optimizers (clients of the quantized tensors)", (
         "transformer_engine.pytorch.functional",
         "transformer_engine.pytorch.functional.*",
+        "transformer_engine.pytorch.optimizers",
+        "transformer_engine.pytorch.optimizers.*",
     )),
     (7, "distributed", (
         "transformer_engine.pytorch.distributed",

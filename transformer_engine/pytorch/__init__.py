@@ -3,12 +3,12 @@
 The modules (``te.Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``,
 ``LayerNorm``, ``RMSNorm``), attention and the composed layers (``te.DotProductAttention``,
 ``MultiheadAttention``, ``TransformerLayer``, RoPE, the KV cache), CUDA graphs
-(``make_graphed_callables``), the fusible operations (``te.ops``), autocast and the quantization
+(``make_graphed_callables``), the fusible operations (``te.ops``), the fused optimizers (``te.optimizers``), autocast and the quantization
 state, quantized tensors, the FP8 cast kernels and GEMM (``cpp_extensions``), their pure-PyTorch
 reference (``reference``) and upstream's helper names. docs/architecture.md describes the layers.
 """
 
-from . import attention, cpp_extensions, distributed, ops, reference
+from . import attention, cpp_extensions, distributed, ops, optimizers, reference
 from .attention import (
     DotProductAttention,
     InferenceParams,
@@ -101,6 +101,7 @@ __all__ = [
     "reference",
     "distributed",
     "ops",
+    "optimizers",
     "checkpoint",
     "FP8GlobalStateManager",
     "autocast",
