@@ -375,18 +375,19 @@ class FusedAdam(torch.optim.Optimizer):
             if len(self.state[param]) == 0:
                 self.initialize_state(param, self.store_param_remainders)
         params = [p for p, _ in items]
-        names = ("master_param",) if self.master_weights else ()
         # float32 working values: the kept tensors themselves where they are float32 (and no
         # skip may have to restore them), new tensors otherwise.
-        work_p = []
+        work_p, stepped_in_place = [], []
         for p in params:
+            in_place = False
             if self.master_weights:
                 value = self.get_unscaled_state(p, "master_param")
             elif isinstance(p, QuantizedTensor) or p.dtype != torch.float32:
                 value = self._param_value(p)
             else:
-                value = p.detach()
+                value, in_place = p.detach(), skip is None
             work_p.append(value)
+            stepped_in_place.append(in_place)
         work_m = [self.get_unscaled_state(p, "exp_avg") for p in params]
         work_v = [self.get_unscaled_state(p, "exp_avg_sq") for p in params]
         if skip is not None:
@@ -407,21 +408,20 @@ class FusedAdam(torch.optim.Optimizer):
         for p, m, v in zip(params, work_m, work_v):
             self._write_state(p, "exp_avg", m)
             self._write_state(p, "exp_avg_sq", v)
-        for p, value in zip(params, work_p):
-            if names:
+        for p, value, in_place in zip(params, work_p, stepped_in_place):
+            if in_place:
+                continue  # a float32 parameter stepped as itself
+            if self.master_weights:
                 self._write_state(p, "master_param", value)
                 if self.state[p]["master_param"].dtype == torch.int16:
                     continue  # the parameter was rewritten with its remainder
                 value = self.get_unscaled_state(p, "master_param")
             if isinstance(p, QuantizedTensor):
                 p.quantize_(value)
-            elif value.data_ptr() != p.data_ptr():
+            else:
                 p.detach().copy_(value)
 
     def _write_state(self, param, name, value) -> None:
-        stored = self.state[param][name]
-        if stored is value or (
-            stored.dtype == torch.float32 and stored.data_ptr() == value.data_ptr()
-        ):
-            return
-        self.set_scaled_state(param, name, value)
+        # A float32 state is its own working value (stepped in place) unless a skip replaced it.
+        if self.state[param][name] is not value:
+            self.set_scaled_state(param, name, value)
