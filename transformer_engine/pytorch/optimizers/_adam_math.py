@@ -53,9 +53,11 @@ def adam_update(grads, params, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, 
     if bias_correction:
         if isinstance(step, torch.Tensor):
             # pow(Scalar, Tensor): no host value goes to the device (safe in graph capture).
-            step = step.reshape(()).to(torch.float32)
-            bc1 = 1.0 - torch.pow(float(beta1), step)
-            bc2 = 1.0 - torch.pow(float(beta2), step)
+            # In float64, as the Python numbers of the other form: 1 - beta2 in float32 is
+            # 5e-5 off for beta2 = 0.999.
+            step = step.reshape(()).to(torch.float64)
+            bc1 = (1.0 - torch.pow(float(beta1), step)).to(torch.float32)
+            bc2 = (1.0 - torch.pow(float(beta2), step)).to(torch.float32)
         else:
             bc1 = 1.0 - beta1 ** int(step)
             bc2 = 1.0 - beta2 ** int(step)

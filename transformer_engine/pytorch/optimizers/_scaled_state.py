@@ -41,7 +41,9 @@ def store(value: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor | None)
     amax = value.detach().abs().amax().reshape(1).float() if value.numel() else torch.zeros(1)
     amax = amax.to(scale.device)
     usable = torch.isfinite(amax) & (amax > 0)
-    new_scale = torch.where(usable, limit / torch.where(usable, amax, 1.0), 1.0)
+    new_scale = torch.where(
+        usable, torch.full_like(amax, limit) / torch.where(usable, amax, 1.0), 1.0
+    )
     scale.copy_(new_scale)
     # amax * (limit / amax) can round a hair above the limit: clamp, so nothing overflows.
     scaled = torch.clamp(value * new_scale, -limit, limit)

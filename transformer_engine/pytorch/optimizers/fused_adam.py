@@ -333,7 +333,10 @@ class FusedAdam(torch.optim.Optimizer):
                 plan.append((group, work))
         inv_scale = None
         if grad_scaler is not None:
+            # None until the scaler's first scale() call, which would use its initial scale.
             scale = grad_scaler._get_scale_async()
+            if scale is None:
+                scale = torch.full((1,), float(grad_scaler.get_scale()), dtype=torch.float32)
             inv_scale = scale.double().reciprocal().float()
         buckets = []
         for group, work in plan:

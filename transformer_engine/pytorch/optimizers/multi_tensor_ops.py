@@ -48,6 +48,7 @@ def as_float32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def flag_nonfinite(noop_flag: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Set ``noop_flag`` to 1 if any of ``tensors`` holds an Inf or a NaN (no host sync)."""
+    tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return
     # A tensor's max-abs norm is non-finite exactly when one of its values is.
@@ -63,14 +64,12 @@ def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     del chunk_size
     sources, outputs = check_lists("multi_tensor_scale", tensor_lists, (2,))
     flag_nonfinite(noop_flag, sources)
-    same = [s.dtype == o.dtype for s, o in zip(sources, outputs)]
-    if all(same) and all(s is o for s, o in zip(sources, outputs)):
+    if all(s is o and s.dtype == torch.float32 for s, o in zip(sources, outputs)):
         torch._foreach_mul_(outputs, float(scale))
         return
-    # One rounding: the foreach product of a 16-bit tensor is computed in float32 and rounded
-    # to its dtype, so only a source narrower than its output is widened first.
-    src = [s if ok else s.float() for s, ok in zip(sources, same)]
-    for out, value in zip(outputs, torch._foreach_mul(src, float(scale))):
+    # One rounding: the product is formed in float32 and rounded to the output's dtype (a
+    # foreach product of 16-bit tensors may round the scale to their dtype first).
+    for out, value in zip(outputs, torch._foreach_mul(as_float32(sources), float(scale))):
         out.copy_(value)
 
 
@@ -120,7 +119,10 @@ def multi_tensor_compute_scale_and_scale_inv(
         a = torch.clamp_min(amax.detach().float().reshape(1), float(epsilon))
         a = torch.where(torch.isnan(amax.float().reshape(1)), amax.float().reshape(1), a)
         bad = (a == 0) | ~torch.isfinite(a)
-        value = torch.where(bad, torch.ones_like(a), float(max_fp8) / torch.where(bad, 1.0, a))
+        # A tensor numerator: a Python number over a tensor is computed as number * (1 / a),
+        # two roundings.
+        limit = torch.full_like(a, float(max_fp8))
+        value = torch.where(bad, torch.ones_like(a), limit / torch.where(bad, 1.0, a))
         value = torch.where(torch.isposinf(value), torch.finfo(torch.float32).max, value)
         if force_pow_2_scales:
             value = (value.view(torch.int32) & -8388608).view(torch.float32)  # 0xFF800000
