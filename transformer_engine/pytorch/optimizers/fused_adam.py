@@ -411,6 +411,7 @@ class FusedAdam(torch.optim.Optimizer):
         for p, m, v in zip(params, work_m, work_v):
             self._write_state(p, "exp_avg", m)
             self._write_state(p, "exp_avg_sq", v)
+        copy_to, copy_from = [], []
         for p, value, in_place in zip(params, work_p, stepped_in_place):
             if in_place:
                 continue  # a float32 parameter stepped as itself
@@ -418,11 +419,15 @@ class FusedAdam(torch.optim.Optimizer):
                 self._write_state(p, "master_param", value)
                 if self.state[p]["master_param"].dtype == torch.int16:
                     continue  # the parameter was rewritten with its remainder
-                value = self.get_unscaled_state(p, "master_param")
+                if self.master_weight_dtype != torch.float32:
+                    value = self.get_unscaled_state(p, "master_param")  # as stored
             if isinstance(p, QuantizedTensor):
                 p.quantize_(value)
             else:
-                p.detach().copy_(value)
+                copy_to.append(p.detach())
+                copy_from.append(value)
+        if copy_to:
+            torch._foreach_copy_(copy_to, copy_from)
 
     def _write_state(self, param, name, value) -> None:
         # A float32 state is its own working value (stepped in place) unless a skip replaced it.
