@@ -89,7 +89,13 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
 
 
-def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, optimizer_name: str = "adam") -> torch.optim.Optimizer:
+    if optimizer_name == "fused_adam":
+        # te.optimizers.FusedAdam: elementwise foreach steps, the same on shards (DTensors)
+        # and on full tensors
+        from transformer_engine.pytorch.optimizers import FusedAdam
+
+        return FusedAdam(model.parameters(), lr=1e-2)
     # foreach=False: the same per-parameter elementwise kernels on shards and on full tensors
     return torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
 
@@ -136,7 +142,12 @@ def autocast_for(recipe_name: str):
 
 
 def reference_run(
-    recipe_name: str, dtype_name: str, world_size: int, device="cpu", slices=None
+    recipe_name: str,
+    dtype_name: str,
+    world_size: int,
+    device="cpu",
+    slices=None,
+    optimizer_name: str = "adam",
 ) -> dict:
     """The unsharded single-process oracle (see the module docstring); ``slices``: which
     ranks' slices to feed (default all)."""
@@ -145,7 +156,7 @@ def reference_run(
     FP8GlobalStateManager.reset()
     dtype, device = DTYPES[dtype_name], torch.device(device)
     model = make_model(dtype, device)
-    optimizer = make_optimizer(model)
+    optimizer = make_optimizer(model, optimizer_name)
     losses = []
     for batch in global_batch(dtype, world_size):
         with autocast_for(recipe_name):
@@ -174,12 +185,20 @@ def _device_for(backend: str, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def train_sharded(recipe_name: str, dtype_name: str, rank: int, world_size: int, device, mesh):
-    """This rank's FSDP2 run: ``(model, result dict)``."""
+def train_sharded(
+    recipe_name: str,
+    dtype_name: str,
+    rank: int,
+    world_size: int,
+    device,
+    mesh,
+    optimizer_name="adam",
+):
+    """This rank's FSDP2 run: ``(model, optimizer, result dict)``."""
     dtype = DTYPES[dtype_name]
     model = make_model(dtype, device)
     shard(model, mesh)
-    optimizer = make_optimizer(model)
+    optimizer = make_optimizer(model, optimizer_name)
     losses = []
     for batch in global_batch(dtype, world_size):
         with autocast_for(recipe_name):
@@ -281,11 +300,12 @@ def worker(
     world_size: int,
     backend: str,
     out_dir: str,
-    runs: list[tuple[str, str]],
+    runs: list[tuple],
     init_method: str = "env://",
     extras: bool = False,
 ) -> None:
-    """Train one FSDP2 model per ``(recipe, dtype)`` in ``runs``; with ``extras``, also the
+    """Train one FSDP2 model per ``(recipe, dtype)`` or ``(recipe, dtype, optimizer)`` in
+    ``runs`` (results keyed ``recipe-dtype[-optimizer]``); with ``extras``, also the
     FP8-parameter refusal and the DCP round trip; save ``rank{r}.pt``."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -294,10 +314,10 @@ def worker(
     try:
         mesh = init_device_mesh(device.type, (world_size,))
         results = {}
-        for recipe_name, dtype_name in runs:
-            _, _, result = train_sharded(recipe_name, dtype_name, rank, world_size, device, mesh)
+        for run in runs:
+            _, _, result = train_sharded(*run[:2], rank, world_size, device, mesh, *run[2:])
             result["device"] = str(next(iter(result["params"].values())).device)
-            results[f"{recipe_name}-{dtype_name}"] = result
+            results["-".join(run)] = result
         if extras:
             results["fp8_parameter_refusal"] = fp8_parameter_refusal(device, mesh)
             checkpoint_dir = os.path.join(out_dir, "dcp")

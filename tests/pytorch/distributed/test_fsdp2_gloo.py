@@ -18,11 +18,22 @@ import run_fsdp2 as harness  # noqa: E402
 
 WORLD_SIZE = 2
 RUNS = [(r, d) for r in ("high_precision", "delayed", "current") for d in ("float32", "bfloat16")]
+# te.optimizers.FusedAdam stepping the sharded (DTensor) parameters
+FUSED_ADAM_RUNS = [
+    ("high_precision", "float32", "fused_adam"),
+    ("current", "bfloat16", "fused_adam"),
+]
 
 
 def _spawned(rank, world_size, out_dir, init_file):
     harness.worker(
-        rank, world_size, "gloo", out_dir, RUNS, init_method=f"file://{init_file}", extras=True
+        rank,
+        world_size,
+        "gloo",
+        out_dir,
+        RUNS + FUSED_ADAM_RUNS,
+        init_method=f"file://{init_file}",
+        extras=True,
     )
 
 
@@ -47,6 +58,19 @@ def test_fsdp2_training_equals_the_unsharded_run(sharded_results, recipe_name, d
         assert scales and any(not torch.all(s == 1) for s in scales)
     else:
         assert expected["fp8_state"] == {}
+
+
+@pytest.mark.parametrize("run", FUSED_ADAM_RUNS, ids=["-".join(r[:2]) for r in FUSED_ADAM_RUNS])
+def test_fused_adam_on_sharded_parameters_equals_the_unsharded_run(sharded_results, run):
+    """FusedAdam's state follows its DTensor parameters' sharding, and its elementwise steps
+    on the shards equal those on the full tensors bit for bit."""
+    recipe_name, dtype_name, optimizer_name = run
+    expected = harness.reference_run(
+        recipe_name, dtype_name, WORLD_SIZE, optimizer_name=optimizer_name
+    )
+    for rank, results in enumerate(sharded_results):
+        harness.compare(results["-".join(run)], expected, f"rank {rank}")
+    assert not torch.equal(expected["losses"][0], expected["losses"][-1])
 
 
 def test_amax_reduction_across_ranks_mattered():

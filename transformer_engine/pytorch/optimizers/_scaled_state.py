@@ -13,11 +13,21 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["STATE_DTYPES", "SCALED_RANGE", "empty_stored", "store", "load"]
+from ..quantized_tensor import QuantizedTensor
+
+__all__ = ["STATE_DTYPES", "SCALED_RANGE", "zeros_like", "empty_stored", "store", "load"]
 
 # The dtypes a state may be kept in, and the range a scaled one is stretched to.
 STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 SCALED_RANGE = {torch.float16: 65504.0, torch.uint8: 448.0}
+
+
+def zeros_like(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros shaped like ``like`` in ``dtype``: a DTensor parameter (FSDP2) gets a DTensor of
+    its own sharding, a quantized one a plain tensor (its ``zeros_like`` would dequantize)."""
+    if isinstance(like, QuantizedTensor):
+        return torch.zeros(like.shape, dtype=dtype, device=like.device)
+    return torch.zeros_like(like, dtype=dtype, memory_format=torch.contiguous_format)
 
 
 def empty_stored(
@@ -25,7 +35,7 @@ def empty_stored(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A zero state shaped like ``like`` in ``dtype`` (on its device), with its scale (1) or
     ``None`` for an unscaled dtype."""
-    stored = torch.zeros(like.shape, dtype=dtype, device=like.device)
+    stored = zeros_like(like, dtype)
     scale = None
     if dtype in SCALED_RANGE:
         scale = torch.ones(1, dtype=torch.float32, device=like.device)

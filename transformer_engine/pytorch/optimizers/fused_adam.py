@@ -203,7 +203,7 @@ class FusedAdam(torch.optim.Optimizer):
             return
         if store_param_remainders and self._keeps_remainder(param):
             # The bfloat16 value widened exactly: its low 16 bits are zero.
-            state["master_param"] = torch.zeros(param.shape, dtype=torch.int16, device=param.device)
+            state["master_param"] = _scaled_state.zeros_like(param, torch.int16)
             return
         value = None
         get_init = getattr(param, "get_high_precision_init_val", None)
@@ -411,7 +411,6 @@ class FusedAdam(torch.optim.Optimizer):
         for p, m, v in zip(params, work_m, work_v):
             self._write_state(p, "exp_avg", m)
             self._write_state(p, "exp_avg_sq", v)
-        copy_to, copy_from = [], []
         for p, value, in_place in zip(params, work_p, stepped_in_place):
             if in_place:
                 continue  # a float32 parameter stepped as itself
@@ -424,10 +423,8 @@ class FusedAdam(torch.optim.Optimizer):
             if isinstance(p, QuantizedTensor):
                 p.quantize_(value)
             else:
-                copy_to.append(p.detach())
-                copy_from.append(value)
-        if copy_to:
-            torch._foreach_copy_(copy_to, copy_from)
+                # Not torch._foreach_copy_: DTensors (FSDP2) have no sharding rule for it.
+                p.detach().copy_(value)
 
     def _write_state(self, param, name, value) -> None:
         # A float32 state is its own working value (stepped in place) unless a skip replaced it.
