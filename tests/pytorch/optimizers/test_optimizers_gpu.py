@@ -54,7 +54,7 @@ def test_bf16_params_with_master_weights_follow_a_float32_run():
     ours = [torch.nn.Parameter(p.bfloat16()) for p in start]
     ref = [torch.nn.Parameter(p.bfloat16().double()) for p in start]
     opt = FusedAdam(ours, lr=1e-2, master_weights=True)
-    ref_opt = torch.optim.AdamW(ref, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.0)
     for step in range(5):
         for a, b, g in zip(ours, ref, _grads(start, step)):
             a.grad, b.grad = g.bfloat16(), g.bfloat16().double()
@@ -156,7 +156,7 @@ def test_parameters_on_a_non_current_device():
     ref = [torch.nn.Parameter(p.clone()) for p in start]
     opt = FusedAdam(ours, lr=1e-2, capturable=True)
     sgd = FusedSGD([torch.nn.Parameter(p.clone()) for p in start], lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.AdamW(ref, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.0)
     for step in range(3):
         for a, b, g in zip(ours, ref, _grads(start, step)):
             a.grad, b.grad = g.clone(), g.clone()

@@ -1,8 +1,11 @@
 """``te.optimizers.FusedAdam``: Adam and AdamW over lists of tensors, with master weights,
 narrow moment dtypes, FP8 parameters and a CUDA-graph-capturable form.
 
-The step is :func:`._adam_math.adam_update` (upstream's kernels' formula, in float32) over all of
-a device's parameters at once on PyTorch's foreach kernels. What is kept between steps:
+The step runs on float32 working values of all of a device's parameters at once: PyTorch's fused
+Adam kernel (``torch._fused_adamw_`` / ``_fused_adam_``: one pass over each tensor; the update of
+``torch.optim.AdamW`` / ``Adam``, which is upstream's up to float32 rounding), or, without bias
+correction (which that kernel always applies), :func:`._adam_math.adam_update` on foreach
+kernels. What is kept between steps:
 
 - ``exp_avg`` / ``exp_avg_sq`` in ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (float32, float16,
   bfloat16, or ``torch.uint8`` = FP8 E4M3 bytes; float16 and FP8 stored with a per-tensor scale,
@@ -380,6 +383,9 @@ class FusedAdam(torch.optim.Optimizer):
         params = [p for p, _ in items]
         # float32 working values: the kept tensors themselves where they are float32 (and no
         # skip may have to restore them), new tensors otherwise.
+        # PyTorch's fused Adam kernel (one pass over each tensor) computes this step up to
+        # float32 rounding, bias correction included; without it, the foreach form.
+        fused = bool(group["bias_correction"])
         work_p, stepped_in_place = [], []
         for p in params:
             in_place = False
@@ -388,22 +394,35 @@ class FusedAdam(torch.optim.Optimizer):
             elif isinstance(p, QuantizedTensor) or p.dtype != torch.float32:
                 value = self._param_value(p)
             else:
-                value, in_place = p.detach(), skip is None
+                value, in_place = p.detach(), skip is None or fused
             work_p.append(value)
             stepped_in_place.append(in_place)
         work_m = [self.get_unscaled_state(p, "exp_avg") for p in params]
         work_v = [self.get_unscaled_state(p, "exp_avg_sq") for p in params]
-        if skip is not None:
-            old = [[t.clone() for t in lst] for lst in (work_p, work_m, work_v)]
         beta1, beta2 = group["betas"]
         lr, step = group["lr"], group["step"]
         if self.capturable:
             lr = self._device_scalar(group, "lr", device)
             step = group["step"].to(device)
-        adam_update(grads, work_p, work_m, work_v, lr=lr, beta1=beta1, beta2=beta2,
-                    eps=group["eps"], step=step, mode=self.adam_w_mode,
-                    bias_correction=group["bias_correction"],
-                    weight_decay=group["weight_decay"])  # fmt: skip
+        if fused:
+            kernel = torch._fused_adamw_ if self.adam_w_mode == 1 else torch._fused_adam_
+            if isinstance(lr, torch.Tensor):
+                lr = lr.reshape(()).to(device=device, dtype=torch.float32)
+            if not isinstance(step, torch.Tensor):
+                step = torch.tensor(float(step), dtype=torch.float32).to(device)
+            # The kernel reads the step count (the caller advances it) and, with found_inf
+            # set, changes nothing.
+            kernel(work_p, grads, work_m, work_v, [], [step.reshape(())] * len(work_p), lr=lr,
+                   beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                   eps=group["eps"], amsgrad=False, maximize=False,
+                   found_inf=None if skip is None else skip.to(torch.float32).reshape(()))  # fmt: skip
+            skip = None
+        else:
+            if skip is not None:
+                old = [[t.clone() for t in lst] for lst in (work_p, work_m, work_v)]
+            adam_update(grads, work_p, work_m, work_v, lr=lr, beta1=beta1, beta2=beta2,
+                        eps=group["eps"], step=step, mode=self.adam_w_mode,
+                        bias_correction=False, weight_decay=group["weight_decay"])  # fmt: skip
         if skip is not None:
             for new, prev in zip((work_p, work_m, work_v), old):
                 for i, (a, b) in enumerate(zip(new, prev)):
