@@ -409,7 +409,7 @@ class FusedAdam(torch.optim.Optimizer):
             if isinstance(lr, torch.Tensor):
                 lr = lr.reshape(()).to(device=device, dtype=torch.float32)
             if not isinstance(step, torch.Tensor):
-                step = torch.tensor(float(step), dtype=torch.float32).to(device)
+                step = torch.full((), float(step), dtype=torch.float32, device=device)
             # The kernel reads the step count (the caller advances it) and, with found_inf
             # set, changes nothing.
             kernel(work_p, grads, work_m, work_v, [], [step.reshape(())] * len(work_p), lr=lr,
