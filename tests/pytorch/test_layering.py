@@ -77,6 +77,7 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.pytorch._tensor_parallel",
         "transformer_engine.pytorch._block_gather",
         "transformer_engine.pytorch._distributed_checkpoint",
+        "transformer_engine.pytorch.cross_entropy",
     )),
     (8, "modules and fusible operations", (
         "transformer_engine.pytorch.module",

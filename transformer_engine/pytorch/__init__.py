@@ -16,6 +16,7 @@ from .attention import (
     RotaryPositionEmbedding,
 )
 from .constants import DType
+from .cross_entropy import parallel_cross_entropy
 from .distributed import CudaRNGStatesTracker, checkpoint
 from .graph import make_graphed_callables
 from .module import (
@@ -102,6 +103,7 @@ __all__ = [
     "distributed",
     "ops",
     "optimizers",
+    "parallel_cross_entropy",
     "checkpoint",
     "FP8GlobalStateManager",
     "autocast",
