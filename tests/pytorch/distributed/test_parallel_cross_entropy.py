@@ -163,3 +163,33 @@ def test_vocabulary_split_over_two_processes(split_results, smoothing, reduce_lo
         torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-6)
         expected = ref_grad[..., rank * share : (rank + 1) * share]
         torch.testing.assert_close(grad.double(), expected, rtol=1e-5, atol=1e-7)
+
+
+# --- CUDA ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_logits_and_graph_capture():
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(4096, 3001, generator=gen) * 4).bfloat16().cuda()
+    target = torch.randint(0, 3001, (4096,), generator=gen).cuda()
+    target[::7] = IGNORE
+    ref = _oracle(logits.cpu(), target.cpu(), 0.1, True)
+    static_in = logits.clone().requires_grad_()
+    # warm up on a side stream, then capture forward and backward
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        parallel_cross_entropy(static_in, target, 0.1, True).backward()
+    torch.cuda.current_stream().wait_stream(side)
+    static_in.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = parallel_cross_entropy(static_in, target, 0.1, True, is_cg_capturable=True)
+        loss.backward()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(loss.double().cpu(), ref, rtol=1e-5, atol=1e-5)
+    eager_in = logits.clone().requires_grad_()
+    parallel_cross_entropy(eager_in, target, 0.1, True).backward()
+    assert torch.equal(static_in.grad, eager_in.grad)
