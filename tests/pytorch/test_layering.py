@@ -66,11 +66,12 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.pytorch.custom_recipes",
         "transformer_engine.pytorch.custom_recipes.*",
     )),
-    (6, "the functional core, and the optimizers (clients of the quantized tensors)", (
+    (6, "the functional core; the optimizers and MoE permutation (plain PyTorch)", (
         "transformer_engine.pytorch.functional",
         "transformer_engine.pytorch.functional.*",
         "transformer_engine.pytorch.optimizers",
         "transformer_engine.pytorch.optimizers.*",
+        "transformer_engine.pytorch.permutation",
     )),
     (7, "distributed", (
         "transformer_engine.pytorch.distributed",

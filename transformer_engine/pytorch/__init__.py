@@ -30,6 +30,14 @@ from .module import (
     RMSNorm,
     TransformerEngineBaseModule,
 )
+from .permutation import (
+    moe_permute,
+    moe_permute_and_pad_with_probs,
+    moe_permute_with_probs,
+    moe_sort_chunks_by_index,
+    moe_sort_chunks_by_index_with_probs,
+    moe_unpermute,
+)
 from .quantization import (
     DelayedScalingRequest,
     FP8GlobalStateManager,
@@ -104,6 +112,12 @@ __all__ = [
     "ops",
     "optimizers",
     "parallel_cross_entropy",
+    "moe_permute",
+    "moe_permute_with_probs",
+    "moe_permute_and_pad_with_probs",
+    "moe_unpermute",
+    "moe_sort_chunks_by_index",
+    "moe_sort_chunks_by_index_with_probs",
     "checkpoint",
     "FP8GlobalStateManager",
     "autocast",
