@@ -5,9 +5,19 @@ from __future__ import annotations
 import torch
 
 from ..device import DevicePlacementError
+from ._master_weights import (
+    cast_master_weights_to_fp8,
+    post_all_gather_processing,
+    quantize_master_weights,
+)
 from .storage.float8_tensor_storage import Float8TensorStorage
 
-__all__ = ["replace_raw_data"]
+__all__ = [
+    "replace_raw_data",
+    "quantize_master_weights",
+    "cast_master_weights_to_fp8",
+    "post_all_gather_processing",
+]
 
 
 def replace_raw_data(tensor, new_raw_data: torch.Tensor) -> None:
