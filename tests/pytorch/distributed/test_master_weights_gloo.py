@@ -22,10 +22,10 @@ SHAPES = [(16, 32), (24, 8)]
 WORLD = 2
 
 
-def _model(recipe_name):
+def _model(recipe_name, device="cpu"):
     torch.manual_seed(11)
     with te.quantized_model_init(enabled=True, recipe=RECIPES[recipe_name]()):
-        layers = [te.Linear(k, n, params_dtype=torch.bfloat16, device="cpu") for n, k in SHAPES]
+        layers = [te.Linear(k, n, params_dtype=torch.bfloat16, device=device) for n, k in SHAPES]
     weights = [layer.weight for layer in layers]
     if recipe_name == "delayed":
         for w, s in zip(weights, (2.0, 0.5)):
@@ -33,13 +33,13 @@ def _model(recipe_name):
     return weights
 
 
-def _masters():
+def _masters(device="cpu"):
     gen = torch.Generator().manual_seed(5)
-    return [torch.randn(shape, generator=gen) * 3 for shape in SHAPES]
+    return [(torch.randn(shape, generator=gen) * 3).to(device) for shape in SHAPES]
 
 
 def _expected_bytes(master, scale):
-    values = master.to(torch.bfloat16).float() * scale
+    values = master.cpu().to(torch.bfloat16).float() * scale
     return values.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
@@ -48,27 +48,32 @@ def _expected(recipe_name, weights, masters):
     out = []
     for w, m in zip(weights, masters):
         if recipe_name == "delayed":
-            scale = w._quantizer.scale.float().reshape(())
+            scale = w._quantizer.scale.float().reshape(()).cpu()
         else:
-            scale = torch.tensor(448.0) / m.to(torch.bfloat16).float().abs().max()
+            scale = torch.tensor(448.0) / m.cpu().to(torch.bfloat16).float().abs().max()
         out.append((_expected_bytes(m, scale), scale))
     return out
 
 
 def _check(recipe_name, weights, masters, amax_before=None):
     for i, (w, (data, scale)) in enumerate(zip(weights, _expected(recipe_name, weights, masters))):
-        assert torch.equal(w._data, data), f"weight {i}: bytes differ"
-        assert torch.equal(w._scale_inv, torch.reciprocal(scale).reshape(1))
+        assert torch.equal(w._data.cpu(), data), f"weight {i}: bytes differ"
+        assert torch.equal(w._scale_inv.cpu(), torch.reciprocal(scale).reshape(1))
         # the transposed copy is made again from the new bytes
-        assert w._transpose is not None and torch.equal(w._transpose, data.t().contiguous())
+        assert w._transpose is not None and torch.equal(w._transpose.cpu(), data.t().contiguous())
         if amax_before is not None:
-            whole = masters[i].to(torch.bfloat16).float().abs().max()
-            assert torch.equal(w._quantizer.amax.reshape(()), torch.maximum(amax_before[i], whole))
+            whole = masters[i].cpu().to(torch.bfloat16).float().abs().max()
+            amax = w._quantizer.amax.reshape(()).cpu()
+            assert torch.equal(amax, torch.maximum(amax_before[i].cpu(), whole))
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
-def test_one_process_whole_masters(recipe_name):
-    weights, masters = _model(recipe_name), _masters()
+def test_one_process_whole_masters(recipe_name, device):
+    weights, masters = _model(recipe_name, device), _masters(device)
     amax_before = None
     if recipe_name == "delayed":
         amax_before = [w._quantizer.amax.clone().reshape(()) for w in weights]
