@@ -122,21 +122,21 @@ def split_bf16_remainder(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """A float32 tensor as ``(bfloat16 value, int16 remainder)`` that :func:`join_bf16_remainder`
     turns back into the same float32 bits.
 
-    The bfloat16 is the float32 rounded to nearest, ties away from zero (on the bits: the upper
-    half, plus one when the lower half's top bit is set); the remainder is the lower half.
+    The remainder is the lower 16 bits read as a signed integer; the bfloat16 is the upper half
+    plus one when the lower half's top bit is set (the float32 rounded to nearest, ties away
+    from zero), so that ``(bfloat16 bits << 16) + remainder`` is the float32's bits exactly.
     """
     bits = master.contiguous().view(torch.int32)
-    low = bits & 0xFFFF
-    upper = (bits >> 16) + ((low >> 15) & 1)
-    return upper.to(torch.int16).view(torch.bfloat16), low.to(torch.int16)
+    remainder = bits.to(torch.int16)  # the low half, wrapped to a signed value
+    upper = (bits - remainder.to(torch.int32)) >> 16
+    return upper.to(torch.int16).view(torch.bfloat16), remainder
 
 
 def join_bf16_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The float32 tensor that :func:`split_bf16_remainder` split into ``param`` and
     ``remainder``."""
-    low = remainder.to(torch.int32) & 0xFFFF
-    upper = param.contiguous().view(torch.int16).to(torch.int32) - ((low >> 15) & 1)
-    return ((upper << 16) | low).view(torch.float32)
+    upper = param.contiguous().view(torch.int16).to(torch.int32) << 16
+    return (upper + remainder.to(torch.int32)).view(torch.float32)
 
 
 def multi_tensor_adam_param_remainder(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2,
