@@ -546,3 +546,21 @@ def test_ops_reject_wrong_list_count():
         multi_tensor_scale(0, noop_flag(), [[torch.ones(2)]], 1.0)
     with pytest.raises(ValueError):
         multi_tensor_adam(0, noop_flag(), [[torch.ones(2)]] * 3, 0.1, 0.9, 0.99, 1e-8, 1, 1, 1, 0)
+
+
+def test_bf16_remainder_split_covers_every_low_half():
+    """Every low half under a few upper halves (signs, the largest finite, subnormals): the
+    pair joins back to the same bits, and the bfloat16 is the float32 rounded to nearest with
+    ties away from zero (the upper half, plus one when the low half is 0x8000 or more)."""
+    from transformer_engine.pytorch.optimizers._adam_math import (
+        join_bf16_remainder,
+        split_bf16_remainder,
+    )
+
+    uppers = torch.tensor([0x0000, 0x0001, 0x3F80, 0x7F7F, 0x8001, 0xBF80, 0xFF7F])
+    bits = ((uppers[:, None] << 16) | torch.arange(65536)[None, :]).reshape(-1)
+    bits32 = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    param, remainder = split_bf16_remainder(bits32.view(torch.float32))
+    assert torch.equal(join_bf16_remainder(param, remainder).view(torch.int32), bits32)
+    expected = ((bits >> 16) + ((bits & 0xFFFF) >= 0x8000).long()) & 0xFFFF
+    assert torch.equal(param.view(torch.int16).long() & 0xFFFF, expected)
