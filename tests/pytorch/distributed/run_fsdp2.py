@@ -245,7 +245,9 @@ def extra_state_sized_like(state_dict: dict, checkpoint_dir: str, prefix: str = 
     return out
 
 
-def checkpoint_round_trip(rank, world_size, device, mesh, checkpoint_dir) -> dict:
+def checkpoint_round_trip(
+    rank, world_size, device, mesh, checkpoint_dir, optimizer_name="adam"
+) -> dict:
     """Train under delayed scaling, save model and optimizer with DCP, load them into a fresh
     sharded model, and take one more step with both: results of the restored run."""
     import torch.distributed.checkpoint as dcp
@@ -254,7 +256,9 @@ def checkpoint_round_trip(rank, world_size, device, mesh, checkpoint_dir) -> dic
         set_optimizer_state_dict,
     )
 
-    model, optimizer, _ = train_sharded("delayed", "float32", rank, world_size, device, mesh)
+    model, optimizer, _ = train_sharded(
+        "delayed", "float32", rank, world_size, device, mesh, optimizer_name
+    )
     saved = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.save(saved, checkpoint_id=checkpoint_dir)
     restored = make_model(torch.float32, device)
@@ -262,7 +266,7 @@ def checkpoint_round_trip(rank, world_size, device, mesh, checkpoint_dir) -> dic
         for p in restored.parameters():
             p.zero_()  # nothing of the original survives but what the checkpoint restores
     shard(restored, mesh)
-    restored_optimizer = make_optimizer(restored)
+    restored_optimizer = make_optimizer(restored, optimizer_name)
     model_sd = extra_state_sized_like(restored.state_dict(), checkpoint_dir, "model.")
     # get_optimizer_state_dict: a fresh Adam has no state yet; this one holds its slots
     state = {"model": model_sd, "optim": get_optimizer_state_dict(restored, restored_optimizer)}
@@ -324,6 +328,9 @@ def worker(
             results["checkpoint"] = checkpoint_round_trip(
                 rank, world_size, device, mesh, checkpoint_dir
             )
+            results["checkpoint_fused_adam"] = checkpoint_round_trip(
+                rank, world_size, device, mesh, checkpoint_dir + "_fused_adam", "fused_adam"
+            )
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -343,13 +350,14 @@ def compare(got: dict, expected: dict, label: str) -> None:
                 raise AssertionError(f"{label} {part} {key}: differs (max abs diff {diff:.3g})")
 
 
-def check_extras(results: dict, device: str) -> None:
-    """The FP8-parameter refusal names the problem; the DCP round trip restored the FP8 state
-    onto ``device`` and the next step of the restored model equals the original's bitwise."""
+def check_extras(results: dict, device: str, checkpoint_key: str = "checkpoint") -> None:
+    """The FP8-parameter refusal names the problem; the DCP round trip (``checkpoint_key``:
+    with torch's Adam, or ``checkpoint_fused_adam``) restored the FP8 state onto ``device`` and
+    the next step of the restored model equals the original's bitwise."""
     message = results["fp8_parameter_refusal"]
     if "quantized_model_init" not in message or "fully_shard" not in message:
         raise AssertionError(f"FP8 parameters under fully_shard: unexpected refusal {message!r}")
-    ck = results["checkpoint"]
+    ck = results[checkpoint_key]
     if ck["restored_devices"] != [device]:
         raise AssertionError(f"restored onto {ck['restored_devices']}, expected [{device!r}]")
     compare_dicts(ck["restored_fp8_state"], ck["saved_fp8_state"], "restored FP8 state")

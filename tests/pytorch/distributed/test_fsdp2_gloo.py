@@ -73,6 +73,13 @@ def test_fused_adam_on_sharded_parameters_equals_the_unsharded_run(sharded_resul
     assert not torch.equal(expected["losses"][0], expected["losses"][-1])
 
 
+def test_dcp_checkpoint_with_fused_adam(sharded_results):
+    """The same DCP round trip with te.optimizers.FusedAdam: its float32 state dict saves and
+    restores through torch.distributed.checkpoint, and the next step is bitwise the same."""
+    for results in sharded_results:
+        harness.check_extras(results, "cpu", "checkpoint_fused_adam")
+
+
 def test_amax_reduction_across_ranks_mattered():
     """The reference's scales (amaxes of both slices) differ from those of rank 0's slice
     alone, so the equality above needs the ranks' amax reduction."""

@@ -271,10 +271,14 @@ class FusedAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:
         """Load a :meth:`state_dict` (from this or another state-dtype setting)."""
         saved = state_dict["state"]
-        super().load_state_dict(state_dict)
+        # The saved groups name their parameters by position (ints) or, through
+        # torch.distributed.checkpoint, by fully qualified name: matched in order, as torch's.
+        keys = [k for group in state_dict["param_groups"] for k in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
-        for index, entry in saved.items():
-            param = params[int(index)]
+        by_key = dict(zip(keys, params))
+        super().load_state_dict(state_dict)
+        for key, entry in saved.items():
+            param = by_key[key]
             self.state[param] = {}
             self._scales.pop(param, None)
             self.initialize_state(param, self.store_param_remainders)
