@@ -73,9 +73,10 @@ class _CrossEntropy(torch.autograd.Function):
             loss = (1.0 - s) * loss + s * (lse - sum_x / vocab)
         loss = torch.where(kept, loss, 0.0)
 
-        # d loss / d x, kept in the logits' dtype; ignored rows stay zero.
-        grad = torch.empty_like(x)
-        for lo in range(0, rows, _ROWS_PER_CHUNK):
+        # d loss / d x, kept in the logits' dtype; ignored rows stay zero. Not made when no
+        # gradient is wanted (evaluation).
+        grad = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        for lo in range(0, rows if grad is not None else 0, _ROWS_PER_CHUNK):
             hi = min(rows, lo + _ROWS_PER_CHUNK)
             g = torch.exp(x[lo:hi].float() - row_max[lo:hi, None]) / sum_exp[lo:hi, None]
             if s:

@@ -80,6 +80,16 @@ def test_low_precision_logits(dtype):
     torch.testing.assert_close(grad.double(), ref_grad, rtol=2e-2, atol=1e-2)
 
 
+def test_loss_without_a_gradient_is_the_same():
+    """Logits that need no gradient (evaluation): no gradient is made, the loss is the same."""
+    logits, target, _ = _case()
+    with_grad = parallel_cross_entropy(logits.clone().requires_grad_(), target, 0.1)
+    with torch.no_grad():
+        without = parallel_cross_entropy(logits, target, 0.1)
+    assert without.grad_fn is None
+    assert torch.equal(without, with_grad.detach())
+
+
 def test_every_token_ignored_gives_zero_mean():
     logits, target, _ = _case()
     target.fill_(IGNORE)

@@ -385,11 +385,12 @@ class FusedAdam(torch.optim.Optimizer):
             if len(self.state[param]) == 0:
                 self.initialize_state(param, self.store_param_remainders)
         params = [p for p, _ in items]
-        # float32 working values: the kept tensors themselves where they are float32 (and no
-        # skip may have to restore them), new tensors otherwise.
         # PyTorch's fused Adam kernel (one pass over each tensor) computes this step up to
-        # float32 rounding, bias correction included; without it, the foreach form.
+        # float32 rounding, bias correction included, and skips it itself on found_inf;
+        # without bias correction, the foreach form.
         fused = bool(group["bias_correction"])
+        # float32 working values: the kept tensors themselves where they are float32 (unless
+        # the foreach form may have to restore them after a skip), new tensors otherwise.
         work_p, stepped_in_place = [], []
         for p in params:
             in_place = False
