@@ -4,6 +4,9 @@ distributed optimizer would. Oracle: the whole master cast by hand in float32 (r
 parameter's dtype first, scaled, saturated to E4M3), with the scale the recipe state holds
 (delayed scaling) or 448 / amax of the whole master (current scaling)."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -77,8 +80,13 @@ def test_one_process_whole_masters(recipe_name, device):
     amax_before = None
     if recipe_name == "delayed":
         amax_before = [w._quantizer.amax.clone().reshape(()) for w in weights]
+    for w in weights:
+        w.float8_gemm_input(columnwise=True)  # a GEMM's cached view of the transposed copy
+    old = [weakref.ref(w._transpose) for w in weights]
     quantize_master_weights(weights, masters, [0, 0], None)
     assert all(w._transpose is None for w in weights)  # stale until made again
+    gc.collect()
+    assert all(ref() is None for ref in old)  # the stale copies are freed, views and all
     post_all_gather_processing(weights)
     _check(recipe_name, weights, masters, amax_before)
 

@@ -205,6 +205,8 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
         if self._data is not None:
             self._transpose = None
             self._transpose_invalid = True
+            # Its cached FP8 view would keep the dropped bytes alive.
+            self.__dict__.pop("_transpose_fp8_view", None)
 
     def float8_gemm_input(
         self, columnwise: bool = False
