@@ -193,16 +193,22 @@ class FusedAdam(torch.optim.Optimizer):
         return param.detach().float()
 
     @torch.no_grad()
-    def initialize_state(self, param, store_param_remainders: bool) -> None:
+    def initialize_state(self, param, store_param_remainders: bool | None = None) -> None:
         """Zero moments and, with master weights, the master copy of ``param`` (its
-        high-precision initial value where the module preserved one)."""
+        high-precision initial value where the module preserved one), for whichever of them
+        ``param``'s state does not hold yet (a caller may have set some itself).
+        ``store_param_remainders`` defaults to the optimizer's setting."""
+        if store_param_remainders is None:
+            store_param_remainders = self.store_param_remainders
         state = self.state[param]
         scales = self._scales.setdefault(param, {})
         for name in ("exp_avg", "exp_avg_sq"):
-            state[name], scale = _scaled_state.empty_stored(param, self.name_to_dtype_map[name])
-            if scale is not None:
-                scales[name] = scale
-        if not self.master_weights:
+            if name not in state:
+                dtype = self.name_to_dtype_map[name]
+                state[name], scale = _scaled_state.empty_stored(param, dtype)
+                if scale is not None:
+                    scales[name] = scale
+        if not self.master_weights or "master_param" in state:
             return
         if store_param_remainders and self._keeps_remainder(param):
             # The bfloat16 value widened exactly: its low 16 bits are zero.
@@ -381,9 +387,11 @@ class FusedAdam(torch.optim.Optimizer):
         step.add_(1 if skip is None else (~skip).to(step.dtype))
 
     def _step_device(self, group, device, items, grads, skip) -> None:
+        needed = _STATE_NAMES if self.master_weights else _STATE_NAMES[:2]
         for param, _ in items:
-            if len(self.state[param]) == 0:
-                self.initialize_state(param, self.store_param_remainders)
+            state = self.state[param]
+            if any(name not in state for name in needed):
+                self.initialize_state(param)
         params = [p for p, _ in items]
         # PyTorch's fused Adam kernel (one pass over each tensor) computes this step up to
         # float32 rounding, bias correction included, and skips it itself on found_inf;
