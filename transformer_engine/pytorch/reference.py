@@ -40,6 +40,7 @@ __all__ = [
     "reciprocal",
     "dequantize",
     "scaled_fp8_max",
+    "scale_from_amax",
     "compute_scale_from_amax",
     "delayed_scaling_update",
 ]
@@ -282,10 +283,21 @@ def compute_scale_from_amax(
     gives scale 1; otherwise ``fp8_max / a``, with +Inf replaced by FLT_MAX;
     ``force_pow_2_scales`` then clears the mantissa (rounds down to a power of 2).
     """
+    return scale_from_amax(amax_value, _fp8_max(fp8_dtype), epsilon, force_pow_2_scales)
+
+
+def scale_from_amax(
+    amax_value: torch.Tensor,
+    max_value: float,
+    epsilon: float = 0.0,
+    force_pow_2_scales: bool = False,
+) -> torch.Tensor:
+    """:func:`compute_scale_from_amax` with the format's maximum given as a number
+    (``multi_tensor_compute_scale_and_scale_inv`` takes it so)."""
     a = amax_value.detach().float().reshape(1).clone()
     eps = torch.tensor(float(epsilon), dtype=torch.float32, device=a.device)
     a = torch.where(a < eps, eps, a)
-    limit = torch.tensor(_fp8_max(fp8_dtype), dtype=torch.float32, device=a.device)
+    limit = torch.tensor(float(max_value), dtype=torch.float32, device=a.device)
     bad = (a == 0) | torch.isinf(a) | torch.isnan(a)
     scale = torch.where(bad, torch.ones_like(a), limit / torch.where(bad, torch.ones_like(a), a))
     scale = torch.where(torch.isposinf(scale), torch.full_like(scale, FLOAT32_MAX), scale)

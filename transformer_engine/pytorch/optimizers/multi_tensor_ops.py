@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..reference import scale_from_amax
+
 __all__ = [
     "multi_tensor_scale",
     "multi_tensor_l2norm",
@@ -116,16 +118,7 @@ def multi_tensor_compute_scale_and_scale_inv(
         "multi_tensor_compute_scale_and_scale_inv", tensor_lists, (3,)
     )
     for amax, scale, scale_inv in zip(amaxes, scales, scale_invs):
-        a = torch.clamp_min(amax.detach().float().reshape(1), float(epsilon))
-        a = torch.where(torch.isnan(amax.float().reshape(1)), amax.float().reshape(1), a)
-        bad = (a == 0) | ~torch.isfinite(a)
-        # A tensor numerator: a Python number over a tensor is computed as number * (1 / a),
-        # two roundings.
-        limit = torch.full_like(a, float(max_fp8))
-        value = torch.where(bad, torch.ones_like(a), limit / torch.where(bad, 1.0, a))
-        value = torch.where(torch.isposinf(value), torch.finfo(torch.float32).max, value)
-        if force_pow_2_scales:
-            value = (value.view(torch.int32) & -8388608).view(torch.float32)  # 0xFF800000
+        value = scale_from_amax(amax, float(max_fp8), float(epsilon), bool(force_pow_2_scales))
         scale.copy_(value.reshape(scale.shape))
         scale_inv.copy_(torch.reciprocal(value).reshape(scale_inv.shape))
 
