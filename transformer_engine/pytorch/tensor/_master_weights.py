@@ -143,19 +143,19 @@ def quantize_master_weights(model_weights, master_weights, start_offsets, group,
         weight._quantizer.amax.copy_(amax.reshape(weight._quantizer.amax.shape))
         weight._scale_inv.copy_(torch.reciprocal(weight._quantizer.scale.float()).reshape(1))
 
-    local = []
+    local, shard_values = [], []
     for weight, master, _, _ in current:
         values = None if master is None else master.detach().reshape(-1).to(weight.dtype)
+        shard_values.append(values)
         amax = values.abs().amax().float() if values is not None and values.numel() else None
         local.append(torch.zeros((), device=weight.device) if amax is None else amax)
     reduced = _all_reduce_max(local, group)
-    for (weight, master, offset, shard), amax in zip(current, reduced):
+    for (weight, master, offset, shard), values, amax in zip(current, shard_values, reduced):
         quantizer = weight._quantizer
         scale = compute_scale_from_amax(
             amax, quantizer.dtype, quantizer.amax_epsilon, quantizer.force_pow_2_scales
         )
-        if master is not None:
-            values = master.detach().reshape(-1).to(weight.dtype)
+        if values is not None:
             quantize(
                 values, scale, quantizer.dtype, out=_target_bytes(weight, master, offset, shard)
             )
