@@ -159,14 +159,17 @@ class FusedAdam(torch.optim.Optimizer):
         ``None`` when ``set_to_none`` (default: ``set_grad_none`` if given, else True)."""
         if set_to_none is None:
             set_to_none = True if self.set_grad_none is None else bool(self.set_grad_none)
-        attr = "decoupled_grad" if self.use_decoupled_grad else "grad"
+        if not self.use_decoupled_grad:
+            super().zero_grad(set_to_none=set_to_none)
+            return
+        # torch's zero_grad for the attribute it does not know.
         for group in self.param_groups:
             for p in group["params"]:
-                grad = getattr(p, attr, None)
+                grad = getattr(p, "decoupled_grad", None)
                 if grad is None:
                     continue
                 if set_to_none:
-                    setattr(p, attr, None)
+                    p.decoupled_grad = None
                 else:
                     if grad.grad_fn is not None:
                         grad.detach_()
