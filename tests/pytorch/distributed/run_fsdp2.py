@@ -48,14 +48,15 @@ class Model(torch.nn.Module):
     """``[seq, batch, hidden]`` in and out: Linear, LayerNormMLP, TransformerLayer,
     LayerNormLinear."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, dtype: torch.dtype, device: torch.device, fuse_qkv: bool = False) -> None:
         super().__init__()
         kw = {"params_dtype": dtype, "device": device}
         self.proj = te.Linear(HIDDEN, HIDDEN, **kw)
         self.mlp = te.LayerNormMLP(HIDDEN, FFN, **kw)
         self.layer = TransformerLayer(
-            HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0, **kw
-        )
+            HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0,
+            fuse_qkv_params=fuse_qkv, **kw,
+        )  # fmt: skip
         self.head = te.LayerNormLinear(HIDDEN, HIDDEN, **kw)
 
     def te_modules(self) -> dict[str, torch.nn.Module]:
@@ -69,9 +70,18 @@ class Model(torch.nn.Module):
         return self.head(x)
 
 
-def make_model(dtype: torch.dtype, device: torch.device) -> Model:
+def make_model(
+    dtype: torch.dtype, device: torch.device, weights: str = "", recipe_name=""
+) -> Model:
+    """``weights="fp8_params"`` (or ``"fp8_params_no_reshard"``): built under
+    ``te.quantized_model_init`` with the run's recipe (the weights are ``Float8Tensor``
+    parameters; FSDP2 all-gathers their FP8 bytes)."""
     torch.manual_seed(1234)  # every rank and the reference build the same initial weights
-    return Model(dtype, device)
+    if not weights.startswith("fp8_params"):
+        return Model(dtype, device)
+    with te.quantized_model_init(enabled=True, recipe=RECIPES[recipe_name]()):
+        # one QKV weight: FP8 parameters cannot be split into query/key/value parameters
+        return Model(dtype, device, fuse_qkv=True)
 
 
 def global_batch(dtype: torch.dtype, world_size: int) -> list[torch.Tensor]:
@@ -96,6 +106,12 @@ def make_optimizer(model: torch.nn.Module, optimizer_name: str = "adam") -> torc
         from transformer_engine.pytorch.optimizers import FusedAdam
 
         return FusedAdam(model.parameters(), lr=1e-2)
+    if optimizer_name == "fused_adam_master":
+        # float32 master weights: the intended optimizer of FP8 parameters, which re-quantizes
+        # each updated master into its parameter (each rank: its shard)
+        from transformer_engine.pytorch.optimizers import FusedAdam
+
+        return FusedAdam(model.parameters(), lr=1e-2, master_weights=True)
     # foreach=False: the same per-parameter elementwise kernels on shards and on full tensors
     return torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
 
@@ -114,14 +130,32 @@ def fp8_state(model: Model) -> dict[str, torch.Tensor]:
 
 
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter in full (a DTensor's shards gathered). An FP8 parameter gives its
+    values (exactly its bytes times ``_scale_inv``) and, as ``<name>._scale_inv``, the scale
+    its bytes were cast with (a shard's: every rank's must equal the unsharded one's)."""
+    from torch.distributed.tensor import DTensor
+
+    from transformer_engine.pytorch import QuantizedTensor
+
     out = {}
     for name, param in model.named_parameters():
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param
-        out[name] = full.detach().cpu().clone()
+        param = param.detach()
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if isinstance(local, QuantizedTensor):
+            out[f"{name}._scale_inv"] = local._scale_inv.detach().cpu().clone()
+            if isinstance(param, DTensor):
+                param = DTensor.from_local(
+                    local.dequantize(), param.device_mesh, param.placements,
+                    shape=param.shape, stride=param.stride(),
+                )  # fmt: skip
+            else:
+                param = param.dequantize()
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        out[name] = full.cpu().clone()
     return out
 
 
-def shard(model: Model, mesh) -> None:
+def shard(model: Model, mesh, reshard_after_forward: bool = True) -> None:
     """``fully_shard`` each top-level block (the TransformerLayer as one unit, as training
     scripts wrap one per layer), then the root.
 
@@ -132,8 +166,8 @@ def shard(model: Model, mesh) -> None:
     from torch.distributed.fsdp import fully_shard
 
     for module in (model.proj, model.mlp, model.layer, model.head):
-        fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
 def autocast_for(recipe_name: str):
@@ -148,6 +182,7 @@ def reference_run(
     device="cpu",
     slices=None,
     optimizer_name: str = "adam",
+    weights: str = "",
 ) -> dict:
     """The unsharded single-process oracle (see the module docstring); ``slices``: which
     ranks' slices to feed (default all)."""
@@ -155,7 +190,7 @@ def reference_run(
 
     FP8GlobalStateManager.reset()
     dtype, device = DTYPES[dtype_name], torch.device(device)
-    model = make_model(dtype, device)
+    model = make_model(dtype, device, weights, recipe_name)
     optimizer = make_optimizer(model, optimizer_name)
     losses = []
     for batch in global_batch(dtype, world_size):
@@ -193,11 +228,13 @@ def train_sharded(
     device,
     mesh,
     optimizer_name="adam",
+    weights="",
 ):
     """This rank's FSDP2 run: ``(model, optimizer, result dict)``."""
     dtype = DTYPES[dtype_name]
-    model = make_model(dtype, device)
-    shard(model, mesh)
+    model = make_model(dtype, device, weights, recipe_name)
+    # "..._no_reshard": the unsharded weights stay from forward to backward (one all-gather)
+    shard(model, mesh, reshard_after_forward=not weights.endswith("_no_reshard"))
     optimizer = make_optimizer(model, optimizer_name)
     losses = []
     for batch in global_batch(dtype, world_size):
@@ -216,17 +253,40 @@ def train_sharded(
 
 
 def fp8_parameter_refusal(device, mesh) -> str:
-    """The error of the first forward of a ``quantized_model_init`` model under
-    ``fully_shard`` (empty string: no error)."""
+    """The error of the first forward of a ``quantized_model_init`` model whose FP8 weight
+    ``fully_shard`` splits along dim 1 (empty string: no error). FP8 all-gather takes dim-0
+    shards; a dim-1 split of the weight yields high-precision shards, which the module
+    refuses rather than train silently in another precision."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     with te.quantized_model_init(enabled=True, recipe=DelayedScaling()):
         module = te.Linear(HIDDEN, HIDDEN, device=device)
-    fully_shard(module, mesh=mesh)
+    fully_shard(module, mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
     try:
         with te.autocast(recipe=DelayedScaling()):
             module(torch.randn(16, HIDDEN, device=device))
     except NotImplementedError as error:
+        return str(error)
+    return ""
+
+
+def fp8_parameter_scale_mismatch(device, mesh, rank: int) -> str:
+    """The error of the first forward after each rank re-quantized its current-scaling FP8
+    weight shard on its own (a scale of its own rows: rank 1's values are doubled) before any
+    all-gather (empty string: no error)."""
+    from torch.distributed.fsdp import fully_shard
+
+    with te.quantized_model_init(enabled=True, recipe=Float8CurrentScaling()):
+        module = te.Linear(HIDDEN, HIDDEN, device=device)
+    fully_shard(module, mesh=mesh)
+    local = module.weight.to_local()
+    with torch.no_grad():
+        local.quantize_(local.dequantize() * (1 + rank))
+    try:
+        with te.autocast(recipe=Float8CurrentScaling()):
+            module(torch.randn(16, HIDDEN, device=device))
+    except RuntimeError as error:
         return str(error)
     return ""
 
@@ -246,10 +306,11 @@ def extra_state_sized_like(state_dict: dict, checkpoint_dir: str, prefix: str = 
 
 
 def checkpoint_round_trip(
-    rank, world_size, device, mesh, checkpoint_dir, optimizer_name="adam"
+    rank, world_size, device, mesh, checkpoint_dir, optimizer_name="adam", weights=""
 ) -> dict:
     """Train under delayed scaling, save model and optimizer with DCP, load them into a fresh
-    sharded model, and take one more step with both: results of the restored run."""
+    sharded model, and take one more step with both: results of the restored run
+    (``weights="fp8_params"``: FP8 parameters, saved and restored as FP8 shards)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
@@ -257,11 +318,11 @@ def checkpoint_round_trip(
     )
 
     model, optimizer, _ = train_sharded(
-        "delayed", "float32", rank, world_size, device, mesh, optimizer_name
+        "delayed", "float32", rank, world_size, device, mesh, optimizer_name, weights
     )
     saved = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.save(saved, checkpoint_id=checkpoint_dir)
-    restored = make_model(torch.float32, device)
+    restored = make_model(torch.float32, device, weights, "delayed")
     with torch.no_grad():
         for p in restored.parameters():
             p.zero_()  # nothing of the original survives but what the checkpoint restores
@@ -331,6 +392,11 @@ def worker(
             results["checkpoint_fused_adam"] = checkpoint_round_trip(
                 rank, world_size, device, mesh, checkpoint_dir + "_fused_adam", "fused_adam"
             )
+            results["checkpoint_fp8_params"] = checkpoint_round_trip(
+                rank, world_size, device, mesh, checkpoint_dir + "_fp8_params",
+                "fused_adam_master", "fp8_params",
+            )  # fmt: skip
+            results["fp8_scale_mismatch"] = fp8_parameter_scale_mismatch(device, mesh, rank)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

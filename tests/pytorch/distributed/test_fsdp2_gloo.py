@@ -1,8 +1,9 @@
 """FSDP2 (``fully_shard``) over te modules, 2 processes on gloo (CPU): training in float32 and
 BF16, without FP8 and under DelayedScaling and Float8CurrentScaling, equals the unsharded
 single-process run bit for bit (run_fsdp2.py explains why the reduction order is the same);
-FP8 parameters from ``quantized_model_init`` are refused; sharded checkpoints through
-``torch.distributed.checkpoint`` restore. Each spawned group runs every case in one go."""
+so does training FP8 parameters from ``quantized_model_init``, all-gathered in FP8; an FP8
+weight split along dim 1 is refused; sharded checkpoints through ``torch.distributed.checkpoint``
+restore. Each spawned group runs every case in one go."""
 
 import sys
 from pathlib import Path
@@ -23,6 +24,15 @@ FUSED_ADAM_RUNS = [
     ("high_precision", "float32", "fused_adam"),
     ("current", "bfloat16", "fused_adam"),
 ]
+# FP8 parameters (quantized_model_init), all-gathered as FP8 bytes: torch's Adam re-quantizes
+# each in-place update into the shards; FusedAdam keeps float32 master shards
+FP8_PARAMETER_RUNS = [
+    ("delayed", "bfloat16", "adam", "fp8_params"),
+    ("current", "bfloat16", "adam", "fp8_params"),
+    ("delayed", "float32", "fused_adam_master", "fp8_params"),
+    ("current", "bfloat16", "fused_adam_master", "fp8_params"),
+    ("delayed", "bfloat16", "fused_adam_master", "fp8_params_no_reshard"),
+]
 
 
 def _spawned(rank, world_size, out_dir, init_file):
@@ -31,7 +41,7 @@ def _spawned(rank, world_size, out_dir, init_file):
         world_size,
         "gloo",
         out_dir,
-        RUNS + FUSED_ADAM_RUNS,
+        RUNS + FUSED_ADAM_RUNS + FP8_PARAMETER_RUNS,
         init_method=f"file://{init_file}",
         extras=True,
     )
@@ -73,6 +83,25 @@ def test_fused_adam_on_sharded_parameters_equals_the_unsharded_run(sharded_resul
     assert not torch.equal(expected["losses"][0], expected["losses"][-1])
 
 
+@pytest.mark.parametrize(
+    "run", FP8_PARAMETER_RUNS, ids=["-".join(r[:3] + r[3:][:1]) for r in FP8_PARAMETER_RUNS]
+)
+def test_fp8_parameters_train_like_the_unsharded_run(sharded_results, run):
+    """FP8 weights from quantized_model_init: every rank's shard keeps the FP8 bytes and the
+    scale of the unsharded weight after each step (all-gathered as FP8, re-quantized with the
+    whole weight's amax), so losses, values, ``_scale_inv`` and FP8 state equal the unsharded
+    run's bit for bit, with the weights resharded after forward or kept until backward."""
+    recipe_name, dtype_name, optimizer_name, weights = run
+    expected = harness.reference_run(
+        recipe_name, dtype_name, WORLD_SIZE, optimizer_name=optimizer_name, weights=weights
+    )
+    scale_invs = [k for k in expected["params"] if k.endswith("._scale_inv")]
+    assert len(scale_invs) >= 6  # every te module's weights are FP8 parameters
+    for rank, results in enumerate(sharded_results):
+        harness.compare(results["-".join(run)], expected, f"rank {rank}")
+    assert not torch.equal(expected["losses"][0], expected["losses"][-1])
+
+
 def test_dcp_checkpoint_with_fused_adam(sharded_results):
     """The same DCP round trip with te.optimizers.FusedAdam: its float32 state dict saves and
     restores through torch.distributed.checkpoint, and the next step is bitwise the same."""
@@ -88,11 +117,28 @@ def test_amax_reduction_across_ranks_mattered():
     assert any(not torch.equal(both[k], alone[k]) for k in both)
 
 
-def test_fp8_parameters_from_quantized_model_init_are_refused(sharded_results):
+def test_fp8_parameter_split_along_dim1_is_refused(sharded_results):
     for results in sharded_results:
         message = results["fp8_parameter_refusal"]
         assert "'weight'" in message and "quantized_model_init" in message
-        assert "fully_shard" in message
+        assert "fully_shard" in message and "Shard(0)" in message
+
+
+def test_fp8_shards_with_different_scales_are_refused_at_the_first_all_gather(sharded_results):
+    """Shards re-quantized on their own under current scaling before the first forward hold
+    different scales; the first all-gather finds it on every rank instead of reading one
+    rank's bytes with another's scale."""
+    for results in sharded_results:
+        message = results["fp8_scale_mismatch"]
+        assert "different scales" in message and "fully_shard" in message
+
+
+def test_dcp_checkpoint_of_fp8_parameters(sharded_results):
+    """DCP save/load of a sharded model of FP8 parameters with FusedAdam's float32 masters:
+    the restored shards hold the same values and scales, and the next step is bitwise the
+    original's."""
+    for results in sharded_results:
+        harness.check_extras(results, "cpu", "checkpoint_fp8_params")
 
 
 def test_dcp_checkpoint_restores_fp8_state_and_training(sharded_results):

@@ -363,11 +363,12 @@ class TransformerEngineBaseModule(DelayedWgrad, torch.nn.Module):
             )
 
     def _check_fp8_parameters(self) -> None:
-        """Under ``quantized_model_init`` the weights must still be FP8 tensors. FSDP2's
-        ``fully_shard`` turns them into DTensor shards and all-gathers plain high-precision
-        copies for the forward (it has no FP8 all-gather for them here): the communication
-        would carry 2-4x the bytes and the optimizer would update shards that no longer share
-        the module's scaling state. Refused rather than trained silently."""
+        """Under ``quantized_model_init`` the weights must still be FP8 tensors when the module
+        runs. FSDP2 keeps them so (its all-gather sends their FP8 bytes, see
+        ``tensor/_float8_fsdp.py``) as long as it shards them along dim 0; a split along
+        another dim, or an assignment of a plain tensor, leaves high-precision values whose
+        optimizer updates no longer share the module's scaling state. Refused rather than
+        trained silently in another precision."""
         for name, (_, index) in self.param_init_meta.items():
             param = self._parameters.get(name)
             if index is None or param is None or isinstance(param, QuantizedTensor):
@@ -378,11 +379,13 @@ class TransformerEngineBaseModule(DelayedWgrad, torch.nn.Module):
                 kind = f"a {kind} shard of {type(local).__name__}"
             raise NotImplementedError(
                 f"{type(self).__name__}: parameter {name!r} was created as an FP8 tensor by "
-                f"te.quantized_model_init but is now {kind} ({param.dtype}): it was replaced, "
-                "typically by FSDP2's fully_shard, which shards FP8 parameters as high-precision "
-                "values (FP8 all-gather of quantized_model_init weights is not supported yet). "
-                "Build the model without quantized_model_init (FP8 compute still comes from "
-                "te.autocast) when sharding it with fully_shard"
+                f"te.quantized_model_init but is now {kind} ({param.dtype}): it was replaced by "
+                "high-precision values, e.g. by assigning a plain tensor, or by FSDP2's "
+                "fully_shard, which all-gathers per-tensor FP8 weights (DelayedScaling, "
+                "Float8CurrentScaling) sharded along dim 0 only (give this parameter Shard(0) "
+                "in shard_placement_fn) and has no FP8 all-gather for block-scaled ones (MXFP8, "
+                "Float8BlockScaling, NVFP4). Keep it an FP8 tensor, or build the model without "
+                "quantized_model_init (FP8 compute still comes from te.autocast)"
             )
 
     def prepare_forward(self, inp: torch.Tensor, num_gemms: int = 1, allow_non_contiguous=False):

@@ -129,6 +129,9 @@ class _Float8QuantizerBase(Quantizer):
     def _result_quantizer(self) -> Quantizer:
         return self.copy()
 
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "amax_reduction_group": None}  # process groups do not pickle
+
     def _scale_and_amax(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The scale to cast ``src`` with and the amax buffer to accumulate into (or None)."""
         raise NotImplementedError
@@ -374,8 +377,21 @@ class Float8Quantizer(_Float8QuantizerBase):
 
     scale_precedes_cast = True
 
+    # An FSDP2 shard's quantizer (tensor._float8_fsdp) all-reduces (MAX) over this group the
+    # amax each in-place re-quantization accumulates: the history sees the whole parameter.
+    amax_reduction_group = None
+
     def _scale_and_amax(self, src):
         return self.scale, self.amax
+
+    def update_quantized(self, src: torch.Tensor, dst, *, noop_flag=None):  # noqa: D102
+        out = super().update_quantized(src, dst, noop_flag=noop_flag)
+        if (group := self.amax_reduction_group) is not None:
+            torch.distributed.all_reduce(self.amax, torch.distributed.ReduceOp.MAX, group)
+        return out
+
+    def _reduce_amax_across(self, group) -> None:
+        self.amax_reduction_group = group
 
     def _state_device(self) -> torch.device:
         return self.scale.device
@@ -526,6 +542,9 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
 
         return reduce_amax
 
+    def _reduce_amax_across(self, group) -> None:
+        self.with_amax_reduction, self.amax_reduction_group = True, group
+
     def _result_quantizer(self) -> Quantizer:
         # A produced tensor re-quantizes locally: the reduction belongs to the producing call.
         q = self.copy()
@@ -542,11 +561,6 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
 
     def _get_compatible_recipe(self):
         return Float8CurrentScaling
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["amax_reduction_group"] = None  # process groups do not pickle
-        return state
 
     # A value quantizer, as upstream's: it holds no state between casts, so two with the same
     # settings cast alike and compare equal (and hash alike); the process group by identity.

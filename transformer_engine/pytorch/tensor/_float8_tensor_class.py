@@ -22,6 +22,7 @@ import torch
 from ..constants import HIGH_PRECISION_DTYPES, DType, to_torch_fp8_dtype
 from ..quantized_tensor import QuantizedTensor
 from ._float8_dispatch import FLOAT8_HANDLERS
+from ._float8_fsdp import fsdp_post_all_gather, fsdp_pre_all_gather
 from ._float8_quantize_into import check_data_value, quantize_into
 from ._quantized_setitem import is_dim0_view_key, quantized_setitem
 from .storage.float8_tensor_storage import Float8TensorStorage, check_float8_buffers
@@ -221,6 +222,17 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
         if buffer is None:
             return None, self._scale_inv
         return buffer.view(to_torch_fp8_dtype(self._fp8_dtype)), self._scale_inv
+
+    # ------------------------------------------------------------------ FSDP2
+
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        """FSDP2 hook: this shard's row-wise FP8 bytes are what the all-gather sends (see
+        :mod:`~transformer_engine.pytorch.tensor._float8_fsdp`)."""
+        return fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """FSDP2 hook: the whole parameter as a ``Float8Tensor`` around the gathered bytes."""
+        return fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, out=out)
 
     def _quantized_buffers(self) -> list[torch.Tensor | None]:
         return [self._data, self._transpose, self._scale_inv]
