@@ -449,16 +449,21 @@ def main() -> int:
     parser.add_argument("--recipe", default="delayed", choices=sorted(RECIPES))
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--weights", default="", choices=["", "fp8_params"],
+        help="fp8_params: weights built under te.quantized_model_init, all-gathered in FP8",
+    )  # fmt: skip
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    worker(rank, world_size, args.backend, args.out, [(args.recipe, args.dtype)], extras=True)
+    run = (args.recipe, args.dtype) + (("adam", args.weights) if args.weights else ())
+    worker(rank, world_size, args.backend, args.out, [run], extras=True)
     if rank == 0:
         device = "cuda:0" if args.backend == "nccl" else "cpu"
-        expected = reference_run(args.recipe, args.dtype, world_size, device)
+        expected = reference_run(*run[:2], world_size, device, None, *run[2:])
         for r in range(world_size):
             got = torch.load(os.path.join(args.out, f"rank{r}.pt"))
-            compare(got[f"{args.recipe}-{args.dtype}"], expected, f"rank {r}")
+            compare(got["-".join(run)], expected, f"rank {r}")
             check_extras(got, f"cuda:{r}" if args.backend == "nccl" else "cpu")
         print(f"fsdp2 {args.recipe} {args.dtype}: {world_size} ranks equal the reference")
     return 0

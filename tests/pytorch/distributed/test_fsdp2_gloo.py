@@ -149,11 +149,23 @@ def test_dcp_checkpoint_restores_fp8_state_and_training(sharded_results):
         assert results["checkpoint"]["restored_devices"] == ["cpu"]
 
 
+NCCL_RUNS = [
+    ("high_precision", ""),
+    ("delayed", ""),
+    ("current", ""),
+    ("delayed", "fp8_params"),
+    ("current", "fp8_params"),
+]
+
+
 @needs_two_gpus
-@pytest.mark.parametrize("recipe_name", ["high_precision", "delayed", "current"])
-def test_fsdp2_nccl_two_processes_one_gpu_each(tmp_path, recipe_name):
-    """The same harness under torchrun on NCCL (2 processes x 1 GPU, BF16): every rank equals
-    the single-GPU reference, the refusal and the DCP round trip onto cuda:<rank>."""
+@pytest.mark.parametrize(
+    "recipe_name,weights", NCCL_RUNS, ids=["-".join(filter(None, r)) for r in NCCL_RUNS]
+)
+def test_fsdp2_nccl_two_processes_one_gpu_each(tmp_path, recipe_name, weights):
+    """The same harness under torchrun on NCCL (2 processes x 1 GPU, BF16; with ``fp8_params``
+    the weights are FP8 parameters all-gathered in FP8): every rank equals the single-GPU
+    reference, the refusal and the DCP round trips onto cuda:<rank>."""
     import os
     import subprocess
 
@@ -165,7 +177,7 @@ def test_fsdp2_nccl_two_processes_one_gpu_each(tmp_path, recipe_name):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         str(Path(harness.__file__)), "--backend", "nccl", "--recipe", recipe_name,
-        "--dtype", "bfloat16", "--out", str(tmp_path),
+        "--dtype", "bfloat16", "--out", str(tmp_path), "--weights", weights,
     ]  # fmt: skip
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -14,6 +14,7 @@ import pytest
 import torch
 from float8_tensor_helpers import DelayedState, expected_bytes, sample
 
+from transformer_engine.pytorch.device import is_non_tn_fp8_gemm_supported
 from transformer_engine.pytorch.tensor import Float8CurrentScalingQuantizer
 
 WORLD = 2
@@ -59,10 +60,20 @@ def all_gather(shards, shape):
     return torch.cat(inputs), metadata
 
 
-def delayed_weight(shape=(5, 16), scale=2.0, seed=0):
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ),
+]
+
+
+def delayed_weight(shape=(5, 16), scale=2.0, seed=0, device="cpu"):
     state = DelayedState(scale=scale)
+    state.scale, state.amax_history = state.scale.to(device), state.amax_history.to(device)
     x = sample(shape, seed=seed)
-    weight = state.quantizer().quantize(x)
+    weight = state.quantizer().quantize(x.to(device))
     return state, x, weight
 
 
@@ -82,29 +93,36 @@ def test_shards_send_their_row_wise_bytes_padded_to_the_shard_size():
         assert shard._quantizer.columnwise_usage is False
 
 
-def test_the_whole_weight_is_rebuilt_around_the_gathered_bytes():
-    _, x, weight = delayed_weight((5, 16))
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_whole_weight_is_rebuilt_around_the_gathered_bytes(device):
+    _, x, weight = delayed_weight((5, 16), device=device)
     gathered, metadata = all_gather(fsdp_shards(weight), weight.shape)
     shard = fsdp_shards(weight)[0]
     tensor, freed = shard.fsdp_post_all_gather((gathered,), metadata, torch.bfloat16)
     assert type(tensor) is type(weight) and tensor.shape == weight.shape
-    assert tensor.dtype == torch.bfloat16
-    assert torch.equal(tensor._data, expected_bytes(x, 2.0))
+    assert tensor.dtype == torch.bfloat16 and tensor.device == weight.device
+    assert torch.equal(tensor._data.cpu(), expected_bytes(x, 2.0))
     assert tensor._data.data_ptr() == gathered.data_ptr()  # a view: FSDP2 frees it
-    assert torch.equal(tensor._transpose, expected_bytes(x, 2.0).t())
-    assert len(freed) == 1 and freed[0] is tensor._transpose
-    assert torch.equal(tensor._scale_inv, torch.tensor([0.5]))
+    if is_non_tn_fp8_gemm_supported(tensor.device):  # the bytes serve both layouts
+        assert tensor._transpose is None and freed == []
+    else:
+        assert torch.equal(tensor._transpose.cpu(), expected_bytes(x, 2.0).t())
+        assert len(freed) == 1 and freed[0] is tensor._transpose
+    assert torch.equal(tensor._scale_inv.cpu(), torch.tensor([0.5]))
     assert torch.equal(tensor.dequantize(dtype=torch.float32), weight.dequantize())
 
 
-def test_later_all_gathers_refresh_the_parameter_in_place():
-    state, _, weight = delayed_weight((6, 16))
+@pytest.mark.parametrize("device", DEVICES)
+def test_later_all_gathers_refresh_the_parameter_in_place(device):
+    state, _, weight = delayed_weight((6, 16), device=device)
     shards = fsdp_shards(weight)
     gathered, metadata = all_gather(shards, weight.shape)
     tensor, freed = shards[0].fsdp_post_all_gather((gathered,), metadata, torch.float32)
     # as FSDP2 makes its unsharded parameter of it
     param = torch.nn.Parameter(torch.as_strided(tensor, (6, 16), (16, 1), 0))
-    assert param._transpose.untyped_storage().data_ptr() == freed[0].data_ptr()
+    transposed = not is_non_tn_fp8_gemm_supported(param.device)
+    if transposed:
+        assert param._transpose.untyped_storage().data_ptr() == freed[0].data_ptr()
     # an optimizer step: a new scale, every shard re-quantized in place (the stub mesh has no
     # process group to all-reduce the amax over)
     for shard in shards:
@@ -112,13 +130,14 @@ def test_later_all_gathers_refresh_the_parameter_in_place():
     state.scale.fill_(4.0)
     y = sample((6, 16), seed=1)
     for rank, shard in enumerate(shards):
-        shard.quantize_(y[3 * rank : 3 * rank + 3])
+        shard.quantize_(y[3 * rank : 3 * rank + 3].to(device))
     new_gathered, _ = all_gather(shards, weight.shape)
     gathered.copy_(new_gathered)  # FSDP2 all-gathers into the same output buffer
     assert shards[0].fsdp_post_all_gather((gathered,), metadata, torch.float32, out=param) is None
-    assert torch.equal(param._data, expected_bytes(y, 4.0))
-    assert torch.equal(freed[0], expected_bytes(y, 4.0).t())  # the buffer FSDP2 frees
-    assert torch.equal(param._scale_inv, torch.tensor([0.25]))
+    assert torch.equal(param._data.cpu(), expected_bytes(y, 4.0))
+    if transposed:  # the buffer FSDP2 frees
+        assert torch.equal(freed[0].cpu(), expected_bytes(y, 4.0).t())
+    assert torch.equal(param._scale_inv.cpu(), torch.tensor([0.25]))
     assert torch.equal(param.dequantize(), torch.cat([s.dequantize() for s in shards]))
 
 

@@ -32,6 +32,7 @@ from ..device import device_guard
 from ..functional._once_differentiable import once_differentiable
 from ..functional.linear import LinearConfig, linear_backward, linear_forward
 from ..quantization import BackwardScaleUpdate
+from ._outputs import function_output
 
 __all__ = ["linear"]
 
@@ -73,7 +74,7 @@ class _LinearFunction(torch.autograd.Function):
         ctx.saved = saved
         ctx.backward_update = backward_update
         ctx.sp_group, ctx.out_sp_group, ctx.inp_shape = sp_group, out_sp_group, inp.shape
-        return out
+        return function_output(out)
 
     @staticmethod
     @once_differentiable
@@ -139,4 +140,4 @@ def linear(
         out = out.reshape(*leading, out.shape[-1])
     if output_sequence_parallel_group is not None:
         out = reduce_scatter_along_first_dim(out, output_sequence_parallel_group)[0]
-    return out
+    return function_output(out)

@@ -49,6 +49,7 @@ from ..functional.produced_fp8 import (
     produce_fp8,
 )
 from ..quantization import BackwardScaleUpdate
+from ._outputs import function_output
 
 __all__ = ["fc1_activation_fc2"]
 
@@ -127,7 +128,7 @@ class _MLPBody(torch.autograd.Function):
         out = out.reshape(*leading, out.shape[-1])
         if out_sp_group is not None:
             out = reduce_scatter_along_first_dim(out, out_sp_group)[0]
-        return out
+        return function_output(out)
 
     @staticmethod
     @once_differentiable
@@ -248,4 +249,4 @@ def fc1_activation_fc2(
     out = out.reshape(*leading, out.shape[-1])
     if out_sp_group is not None:
         out = reduce_scatter_along_first_dim(out, out_sp_group)[0]
-    return out
+    return function_output(out)

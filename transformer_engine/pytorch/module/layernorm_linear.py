@@ -35,6 +35,7 @@ from ._linear_parameters import (
     linear_weight,
     register_linear_parameters,
 )
+from ._outputs import reshape_output
 from ._quantizer_roles import gemm_quantizer_roles
 from ._tensor_parallel_setup import (
     check_tensor_parallel_ready,
@@ -237,7 +238,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
                 update = grad_cast.take_update(update)
             out = parallel_gemm(self, weight, ln_out, gemm_bias, config, update)
             if ln_fp8 is not None:
-                out = out.view(*inp.shape[:-1], out.shape[-1])
+                out = reshape_output(out, (*inp.shape[:-1], out.shape[-1]))
             if fp8 and fp8_output:
                 out = quantize_output(self.quantizers["scaling_fwd"][GEMM1_OUTPUT], out)
         outputs = (out,)

@@ -36,6 +36,7 @@ from ._gemm_setup import claim_module_backward_update, gemm_weight, make_linear_
 from ._linear_function import linear
 from ._linear_parameters import check_features, check_single_process_arguments
 from ._mlp_function import fc1_activation_fc2
+from ._outputs import reshape_output
 from ._quantizer_roles import gemm_quantizer_roles
 from ._tensor_parallel_setup import (
     check_tensor_parallel_ready,
@@ -313,7 +314,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
                     self.tp_group if body_gathers else None, rs_group,
                 )  # fmt: skip
                 if fuse_norm:
-                    out = out.view(*inp.shape[:-1], out.shape[-1])
+                    out = reshape_output(out, (*inp.shape[:-1], out.shape[-1]))
             else:  # activation_fn replaced by the user: call it
                 act_out = self.activation_fn(
                     linear(fc1_weight, gemm_in, fc1_bias, fc1_config, update)
