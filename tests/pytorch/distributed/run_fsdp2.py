@@ -73,9 +73,10 @@ class Model(torch.nn.Module):
 def make_model(
     dtype: torch.dtype, device: torch.device, weights: str = "", recipe_name=""
 ) -> Model:
-    """``weights="fp8_params"`` (or ``"fp8_params_no_reshard"``): built under
-    ``te.quantized_model_init`` with the run's recipe (the weights are ``Float8Tensor``
-    parameters; FSDP2 all-gathers their FP8 bytes)."""
+    """``weights="fp8_params"`` (or ``"fp8_params_no_reshard"``, ``"fp8_params_meta"``): built
+    under ``te.quantized_model_init`` with the run's recipe (the weights are ``Float8Tensor``
+    parameters; FSDP2 all-gathers their FP8 bytes). A ``weights`` ending in ``meta`` builds on
+    the meta device (see :func:`train_sharded`)."""
     torch.manual_seed(1234)  # every rank and the reference build the same initial weights
     if not weights.startswith("fp8_params"):
         return Model(dtype, device)
@@ -232,9 +233,17 @@ def train_sharded(
 ):
     """This rank's FSDP2 run: ``(model, optimizer, result dict)``."""
     dtype = DTYPES[dtype_name]
-    model = make_model(dtype, device, weights, recipe_name)
+    deferred = weights.endswith("meta")
+    model = make_model(dtype, torch.device("meta") if deferred else device, weights, recipe_name)
     # "..._no_reshard": the unsharded weights stay from forward to backward (one all-gather)
     shard(model, mesh, reshard_after_forward=not weights.endswith("_no_reshard"))
+    if deferred:
+        # FSDP2's deferred initialization: sharded on meta, storage, then each block's reset
+        # writes into the shards; the same random draws as building on the device
+        model.to_empty(device=device)
+        torch.manual_seed(1234)
+        for block in (model.proj, model.mlp, model.layer, model.head):
+            block.reset_parameters()
     optimizer = make_optimizer(model, optimizer_name)
     losses = []
     for batch in global_batch(dtype, world_size):

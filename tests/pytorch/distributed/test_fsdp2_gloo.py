@@ -33,6 +33,14 @@ FP8_PARAMETER_RUNS = [
     ("current", "bfloat16", "fused_adam_master", "fp8_params"),
     ("delayed", "bfloat16", "fused_adam_master", "fp8_params_no_reshard"),
 ]
+# FSDP2's deferred initialization: built on meta, sharded, to_empty, each block's
+# reset_parameters() writing into the shards
+META_RUNS = [
+    ("high_precision", "float32", "adam", "meta"),
+    ("delayed", "bfloat16", "adam", "meta"),
+    ("delayed", "bfloat16", "adam", "fp8_params_meta"),
+    ("current", "float32", "fused_adam_master", "fp8_params_meta"),
+]
 
 
 def _spawned(rank, world_size, out_dir, init_file):
@@ -41,7 +49,7 @@ def _spawned(rank, world_size, out_dir, init_file):
         world_size,
         "gloo",
         out_dir,
-        RUNS + FUSED_ADAM_RUNS + FP8_PARAMETER_RUNS,
+        RUNS + FUSED_ADAM_RUNS + FP8_PARAMETER_RUNS + META_RUNS,
         init_method=f"file://{init_file}",
         extras=True,
     )
@@ -115,6 +123,21 @@ def test_amax_reduction_across_ranks_mattered():
     both = harness.reference_run("delayed", "float32", WORLD_SIZE)["fp8_state"]
     alone = harness.reference_run("delayed", "float32", WORLD_SIZE, slices=[0])["fp8_state"]
     assert any(not torch.equal(both[k], alone[k]) for k in both)
+
+
+@pytest.mark.parametrize("run", META_RUNS, ids=["-".join(r[:1] + r[3:]) for r in META_RUNS])
+def test_deferred_initialization_on_meta_equals_the_unsharded_run(sharded_results, run):
+    """``fully_shard`` on meta, ``to_empty``, ``reset_parameters()``: the resets write the
+    whole initial values' parts into FSDP2's shards (the Parameter objects stay; FP8 weights
+    are Float8Tensors on meta already, so their all-gather sends FP8 bytes), in the order an
+    unsharded build draws them, so training equals the run built on the device."""
+    recipe_name, dtype_name, optimizer_name, weights = run
+    expected = harness.reference_run(
+        recipe_name, dtype_name, WORLD_SIZE, optimizer_name=optimizer_name,
+        weights=weights.removesuffix("_meta").removesuffix("meta"),
+    )  # fmt: skip
+    for rank, results in enumerate(sharded_results):
+        harness.compare(results["-".join(run)], expected, f"rank {rank}")
 
 
 def test_fp8_parameter_split_along_dim1_is_refused(sharded_results):

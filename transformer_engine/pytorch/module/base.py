@@ -32,7 +32,8 @@ from ..quantization import (
 )
 from ..quantization.support import check_weight_recipe
 from ..quantized_tensor import QuantizedTensor
-from ..tensor.utils import attach_high_precision_init_val
+from ..tensor.utils import QUANTIZED_TENSOR_ATTRIBUTES, attach_high_precision_init_val
+from . import _fsdp_parameters as fsdp_parameters
 from ._contiguous_parameters import group_views, repack_parameter_groups
 from ._delayed_wgrad import DelayedWgrad
 
@@ -102,12 +103,15 @@ class TransformerEngineBaseModule(DelayedWgrad, torch.nn.Module):
         ``quantized_model_init`` the weights become FP8 parameters quantized on that device.
         """
         if defer_init:
-            return
+            return fsdp_parameters.meta_fp8_parameters(self)
         target, device = materialization_device(), self.parameters_device()
+        # DTensor shards (FSDP2) are written in place, whole values computed as unsharded.
+        sharded = fsdp_parameters.reset_sharded_parameters(self)
+        params = [(n, p) for n, p in self.named_parameters(recurse=False) if n not in sharded]
         # A split's parameters get their new storage as row ranges of one buffer.
         grouped = group_views(self, target if device is None or device.type == "meta" else device)
         # First every parameter in high precision, so the module has a device ...
-        for name, param in list(self.named_parameters(recurse=False)):
+        for name, param in params:
             init_fn = self.param_init_meta.get(name, (None, None))[0]
             device = param.device if param.device.type != "meta" else target
             values = grouped.get(name)
@@ -120,7 +124,7 @@ class TransformerEngineBaseModule(DelayedWgrad, torch.nn.Module):
         if self.primary_weights_in_fp8:
             for name, param in list(self.named_parameters(recurse=False)):
                 index = self.param_init_meta.get(name, (None, None))[1]
-                if index is None:
+                if index is None or name in sharded:
                     continue
                 high_precision = param.detach().cpu().clone()
                 self._replace_parameter(name, param, self._quantize_parameter(param.data, index))
@@ -139,8 +143,10 @@ class TransformerEngineBaseModule(DelayedWgrad, torch.nn.Module):
 
     def _replace_parameter(self, name: str, old: torch.nn.Parameter, values: torch.Tensor) -> None:
         new_param = torch.nn.Parameter(values, requires_grad=old.requires_grad)
-        for attr, value in vars(old).items():  # keep attributes such as sequence_parallel
-            setattr(new_param, attr, value)
+        # Keep attributes such as sequence_parallel; not a quantized tensor's buffers.
+        for attr, value in vars(old).items():
+            if attr not in QUANTIZED_TENSOR_ATTRIBUTES:
+                setattr(new_param, attr, value)
         setattr(self, name, new_param)
 
     def _quantize_parameter(self, values: torch.Tensor, fp8_meta_index: int) -> QuantizedTensor:
@@ -231,10 +237,7 @@ class TransformerEngineBaseModule(DelayedWgrad, torch.nn.Module):
         return None
 
     def _rebind_fp8_parameter_quantizers(self) -> None:
-        for name, param in self.named_parameters(recurse=False):
-            index = self.param_init_meta.get(name, (None, None))[1]
-            if isinstance(param, QuantizedTensor) and index is not None:
-                param._quantizer = self.quantizers["scaling_fwd"][index].copy()
+        fsdp_parameters.rebind_fp8_parameter_quantizers(self)
 
     def set_tensor_parallel_group(self, tp_group) -> None:
         """Set the tensor-parallel process group (needed before the forward when the module was
@@ -364,11 +367,9 @@ class TransformerEngineBaseModule(DelayedWgrad, torch.nn.Module):
 
     def _check_fp8_parameters(self) -> None:
         """Under ``quantized_model_init`` the weights must still be FP8 tensors when the module
-        runs. FSDP2 keeps them so (its all-gather sends their FP8 bytes, see
-        ``tensor/_float8_fsdp.py``) as long as it shards them along dim 0; a split along
-        another dim, or an assignment of a plain tensor, leaves high-precision values whose
-        optimizer updates no longer share the module's scaling state. Refused rather than
-        trained silently in another precision."""
+        runs (FSDP2 keeps dim-0 shards of per-tensor ones so: ``tensor/_float8_fsdp.py``);
+        high-precision values left by anything else would train silently in another
+        precision, without the module's scaling state."""
         for name, (_, index) in self.param_init_meta.items():
             param = self._parameters.get(name)
             if index is None or param is None or isinstance(param, QuantizedTensor):

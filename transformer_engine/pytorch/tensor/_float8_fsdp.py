@@ -30,10 +30,10 @@ import torch
 from ..device import is_non_tn_fp8_gemm_supported
 from .storage.float8_tensor_storage import float8_transposed_shape
 
-__all__ = ["fsdp_pre_all_gather", "fsdp_post_all_gather"]
+__all__ = ["fsdp_pre_all_gather", "fsdp_post_all_gather", "make_shard_quantizer"]
 
 
-def _rowwise_shard_quantizer(shard, mesh) -> None:
+def make_shard_quantizer(shard, mesh) -> None:
     """Give the shard a quantizer of its own that writes only the row-wise bytes (the gathered
     tensor makes its transpose; a shard's would be re-made by every optimizer step for nothing)
     and all-reduces the amax of each re-quantization over the FSDP group: current scaling
@@ -96,7 +96,7 @@ def fsdp_pre_all_gather(shard, mesh, orig_size, contiguous_orig_stride, module, 
     # FSDP2 keeps the shard in a buffer of its own (padded for uneven sizes): the shard is the
     # whole tensor its scale belongs to, not a part of another one.
     shard._shares_scale_with_base = False
-    _rowwise_shard_quantizer(shard, mesh)
+    make_shard_quantizer(shard, mesh)
     if shard._transpose is not None:
         shard.update_usage(rowwise_usage=True, columnwise_usage=False)
     data = shard._data

@@ -75,6 +75,16 @@ def replace_raw_data(tensor, new_raw_data: torch.Tensor) -> None:
     tensor._data = new_raw_data
 
 
+# What a quantized tensor keeps in its ``__dict__``: its buffers and their bookkeeping (a
+# module replacing such a parameter carries over the caller's attributes, not these).
+QUANTIZED_TENSOR_ATTRIBUTES = frozenset(("_data", "_transpose", "_transpose_invalid",
+    "_scale_inv", "_fp8_dtype", "_quantizer", "_dtype", "_shares_scale_with_base",
+    "_data_fp8_view", "_transpose_fp8_view", "_rowwise_data", "_rowwise_scale_inv",
+    "_columnwise_data", "_columnwise_scale_inv", "_amax_rowwise", "_amax_columnwise",
+    "_columnwise_rht", "_rht_random_sign_mask", "_logical_shape", "_with_gemm_swizzled_scales",
+    "_fp4_dtype"))  # fmt: skip
+
+
 def attach_high_precision_init_val(param: torch.nn.Parameter, values: torch.Tensor) -> None:
     """Upstream's ``preserve_high_precision_init_val`` on a quantized weight: ``values`` (a CPU
     copy of the weight before quantization) as ``param._high_precision_init_val``, with
