@@ -13,6 +13,13 @@ import warnings
 
 import torch
 
+from ..._sharded_parameters import (
+    copy_whole_value_into_shard,
+    empty_fp8_weight_on_meta,
+    is_sharded_parameter,
+    local_part,
+    rebind_shard_quantizer,
+)
 from ...device import construction_device, materialization_device
 from ...functional.linear import (
     check_fp8_gemm_shapes,
@@ -23,7 +30,7 @@ from ...functional.linear import (
 )
 from ...quantization import FP8GlobalStateManager, QuantizerRole
 from ...quantized_tensor import QuantizedTensor, QuantizedTensorStorage
-from ...tensor.utils import attach_high_precision_init_val
+from ...tensor.utils import QUANTIZED_TENSOR_ATTRIBUTES, attach_high_precision_init_val
 from ..op import BasicOperation, OperationContext
 from ._common import (
     activation_dtype,
@@ -111,9 +118,12 @@ class BasicLinear(BasicOperation):
         )
         dtype = check_params_dtype("BasicLinear", dtype)
         device = construction_device("BasicLinear", device)
-        self.weight = torch.nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device)
-        )
+        weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
+        if device.type == "meta" and self._with_quantized_weight:
+            # per-tensor FP8 weights are Float8Tensors on meta already (FSDP2 sharding on meta)
+            empty = empty_fp8_weight_on_meta(weight, self._quantized_weight_recipe)
+            weight = weight if empty is None else empty
+        self.weight = torch.nn.Parameter(weight)
         if device.type != "meta":
             self.reset_parameters()
 
@@ -130,9 +140,13 @@ class BasicLinear(BasicOperation):
         # An FP8 weight re-quantizes (optimizer updates) with the op's current weight quantizer.
         weight = self.weight
         quantizer = self.get_quantizer("forward", _WEIGHT)
-        if isinstance(weight, QuantizedTensor) and quantizer is not None:
-            quantizer = quantizer.copy()
-            quantizer.set_usage(rowwise=True, columnwise=True)
+        if quantizer is None:
+            return
+        quantizer = quantizer.copy()
+        quantizer.set_usage(rowwise=True, columnwise=True)
+        if is_sharded_parameter(weight):  # an FSDP2 shard
+            rebind_shard_quantizer(weight, quantizer)
+        elif isinstance(weight, QuantizedTensor):
             weight._quantizer = quantizer
 
     def reset_recipe_state(self, *, recipe, device=None) -> None:  # noqa: D102
@@ -175,17 +189,22 @@ class BasicLinear(BasicOperation):
         values = torch.empty(old.shape, dtype=old.dtype, device=target)
         with torch.no_grad(), self._rng_context():
             torch.nn.init.kaiming_uniform_(values, a=math.sqrt(5))
+        sharded = is_sharded_parameter(old)  # an FSDP2 shard: written in place, the whole value
         high_precision = None
         if self._with_quantized_weight:
             if self._preserve_high_precision_init_val:
-                high_precision = values.detach().cpu().clone()
-            values = quantize_weight_in_slot(self, _WEIGHT, values, old, target)
-        if old.is_meta or isinstance(values, QuantizedTensor) is not isinstance(
+                high_precision = (local_part(values, old) if sharded else values).cpu().clone()
+            values = quantize_weight_in_slot(
+                self, _WEIGHT, values, None if sharded else old, target
+            )
+        if sharded:
+            copy_whole_value_into_shard(old, values)
+        elif old.is_meta or isinstance(values, QuantizedTensor) is not isinstance(
             old, QuantizedTensor
         ):
             new = torch.nn.Parameter(values, requires_grad=old.requires_grad)
-            for attr, value in vars(old).items():
-                if not isinstance(value, torch.Tensor):
+            for attr, value in vars(old).items():  # not a (meta) FP8 tensor's buffers
+                if attr not in QUANTIZED_TENSOR_ATTRIBUTES and not isinstance(value, torch.Tensor):
                     setattr(new, attr, value)
             self.weight = new
         elif values is not old:

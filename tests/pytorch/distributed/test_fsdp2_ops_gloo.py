@@ -1,0 +1,159 @@
+"""FSDP2 (``fully_shard``) over a ``te.ops.Sequential`` (LayerNorm, Linear, GELU, Linear), 2
+processes on gloo (CPU): training equals the unsharded single-process run bit for bit, with
+high-precision and FP8 (``quantized_model_init``, all-gathered in FP8) weights, built on the
+device or on ``meta`` (``fully_shard`` on meta, ``to_empty``, ``reset_parameters()`` writing
+into the shards). The oracle feeds each rank's slice in turn and divides the accumulated
+gradients by the world size, as ``run_fsdp2.py`` explains for the modules."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+
+WORLD_SIZE, STEPS = 2, 3
+RECIPES = {"high_precision": None, "delayed": DelayedScaling, "current": Float8CurrentScaling}
+# (recipe, FP8 weights, built on meta)
+RUNS = [
+    ("high_precision", False, False),
+    ("delayed", False, False),
+    ("delayed", True, False),
+    ("current", True, False),
+    ("high_precision", False, True),
+    ("delayed", True, True),
+    ("current", True, True),
+]
+
+
+def _key(run) -> str:
+    recipe, fp8_weights, meta = run
+    return "-".join([recipe] + ["fp8_weights"] * fp8_weights + ["meta"] * meta)
+
+
+def _recipe(name):
+    return RECIPES[name]() if RECIPES[name] is not None else None
+
+
+def _model(recipe_name, fp8_weights, device):
+    torch.manual_seed(0)
+    with te.quantized_model_init(enabled=fp8_weights, recipe=_recipe(recipe_name)):
+        return te.ops.Sequential(
+            te.ops.LayerNorm(32, device=device),
+            te.ops.Linear(32, 64, device=device),
+            te.ops.GELU(),
+            te.ops.Linear(64, 32, device=device),
+        )
+
+
+def _batches():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(8 * WORLD_SIZE, 32, generator=g) for _ in range(STEPS)]
+
+
+def _loss(model, x, recipe_name):
+    recipe = _recipe(recipe_name)
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        return model(x).float().square().mean()
+
+
+def _full_parameters(model) -> dict:
+    """Each parameter in full; an FP8 one as its values (bytes times ``_scale_inv``) and, under
+    ``<name>._scale_inv``, its (shard's) scale."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, param in model.named_parameters():
+        param = param.detach()
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if isinstance(local, te.QuantizedTensor):
+            out[f"{name}._scale_inv"] = local._scale_inv.clone()
+            if isinstance(param, DTensor):
+                param = DTensor.from_local(
+                    local.dequantize(), param.device_mesh, param.placements,
+                    shape=param.shape, stride=param.stride(),
+                )  # fmt: skip
+            else:
+                param = param.dequantize()
+        out[name] = (param.full_tensor() if isinstance(param, DTensor) else param).clone()
+    return out
+
+
+def _worker(rank, out_dir, init_file):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE
+    )
+    try:
+        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+        results = {}
+        for run in RUNS:
+            recipe_name, fp8_weights, meta = run
+            model = _model(recipe_name, fp8_weights, "meta" if meta else "cpu")
+            fully_shard(model, mesh=mesh)
+            if meta:
+                model.to_empty(device="cpu")
+                torch.manual_seed(0)
+                model.reset_parameters()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            losses = []
+            for x in _batches():
+                loss = _loss(model, x.chunk(WORLD_SIZE)[rank], recipe_name)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.detach())
+            results[_key(run)] = {"losses": losses, "params": _full_parameters(model)}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _reference(recipe_name, fp8_weights):
+    model = _model(recipe_name, fp8_weights, "cpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x in _batches():
+        recipe = _recipe(recipe_name)
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            outs = [model(part) for part in x.chunk(WORLD_SIZE)]
+        step = [out.float().square().mean() for out in outs]
+        for loss in reversed(step):  # slice 0's backward last, as the ranks' reduced update
+            loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad.div_(WORLD_SIZE)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append([loss.detach() for loss in step])
+    return losses, _full_parameters(model)
+
+
+@pytest.fixture(scope="module")
+def sharded_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp2_ops")
+    mp.spawn(_worker, args=(str(out), str(out / "init")), nprocs=WORLD_SIZE, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD_SIZE)]
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[_key(r) for r in RUNS])
+def test_fsdp2_ops_training_equals_the_unsharded_run(sharded_results, run):
+    recipe_name, fp8_weights, _ = run
+    losses, params = _reference(recipe_name, fp8_weights)
+    if fp8_weights:
+        assert sum(k.endswith("._scale_inv") for k in params) == 2
+    for rank, results in enumerate(sharded_results):
+        got = results[_key(run)]
+        for step, loss in enumerate(got["losses"]):
+            assert torch.equal(loss, losses[step][rank]), f"rank {rank} step {step}"
+        assert got["params"].keys() == params.keys()
+        for name in params:
+            assert torch.equal(got["params"][name], params[name]), f"rank {rank} {name}"
+    assert not torch.equal(losses[0][0], losses[-1][0])
