@@ -156,7 +156,14 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def shard(model: Model, mesh, reshard_after_forward: bool = True) -> None:
+def mixed_precision_policy():
+    """``weights="mixed_precision"``: float32 parameters, BF16 compute, float32 reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def shard(model: Model, mesh, reshard_after_forward: bool = True, mp_policy=None) -> None:
     """``fully_shard`` each top-level block (the TransformerLayer as one unit, as training
     scripts wrap one per layer), then the root.
 
@@ -166,9 +173,12 @@ def shard(model: Model, mesh, reshard_after_forward: bool = True) -> None:
     """
     from torch.distributed.fsdp import fully_shard
 
+    kw = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
     for module in (model.proj, model.mlp, model.layer, model.head):
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
 
 
 def autocast_for(recipe_name: str):
@@ -191,6 +201,8 @@ def reference_run(
 
     FP8GlobalStateManager.reset()
     dtype, device = DTYPES[dtype_name], torch.device(device)
+    if weights == "mixed_precision":
+        return _mixed_precision_reference(recipe_name, world_size, device, optimizer_name)
     model = make_model(dtype, device, weights, recipe_name)
     optimizer = make_optimizer(model, optimizer_name)
     losses = []
@@ -207,6 +219,38 @@ def reference_run(
         optimizer.zero_grad()
         losses.append(torch.stack([loss.detach().cpu() for loss in step_losses]))
     return {"losses": torch.stack(losses), "params": full_parameters(model), **_fp8(model)}
+
+
+def _mixed_precision_reference(recipe_name, world_size, device, optimizer_name) -> dict:
+    """The oracle of ``mixed_precision_policy()``: float32 masters; each step a BF16 copy runs
+    every slice (the forwards in one autocast, slice 0's backward last), and each slice's BF16
+    gradient, in float32, is summed and divided by the world size (FSDP2's float32
+    reduce-scatter of the ranks' gradients divided by 2: the same sum, exactly)."""
+    master = make_model(torch.float32, device)
+    working = make_model(torch.bfloat16, device)  # values copied from the masters every step
+    optimizer = make_optimizer(master, optimizer_name)
+    masters, copies = dict(master.named_parameters()), dict(working.named_parameters())
+    losses = []
+    for batch in global_batch(torch.float32, world_size):
+        with torch.no_grad():
+            for name, p in copies.items():
+                p.copy_(masters[name])
+        with autocast_for(recipe_name):
+            outs = [working(rank_slice(batch, r).to(device).bfloat16()) for r in range(world_size)]
+        step_losses = [loss_of(out) for out in outs]
+        grads = {name: torch.zeros_like(p) for name, p in masters.items()}
+        for loss in reversed(step_losses):
+            loss.backward()
+            with torch.no_grad():
+                for name, p in copies.items():
+                    grads[name] += p.grad.float()
+                    p.grad = None
+        for name, p in masters.items():
+            p.grad = grads[name] / world_size
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(torch.stack([loss.detach().cpu() for loss in step_losses]))
+    return {"losses": torch.stack(losses), "params": full_parameters(master), **_fp8(working)}
 
 
 def _fp8(model: Model) -> dict:
@@ -236,7 +280,8 @@ def train_sharded(
     deferred = weights.endswith("meta")
     model = make_model(dtype, torch.device("meta") if deferred else device, weights, recipe_name)
     # "..._no_reshard": the unsharded weights stay from forward to backward (one all-gather)
-    shard(model, mesh, reshard_after_forward=not weights.endswith("_no_reshard"))
+    mixed = mixed_precision_policy() if weights == "mixed_precision" else None
+    shard(model, mesh, not weights.endswith("_no_reshard"), mixed)
     if deferred:
         # FSDP2's deferred initialization: sharded on meta, storage, then each block's reset
         # writes into the shards; the same random draws as building on the device

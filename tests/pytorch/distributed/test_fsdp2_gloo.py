@@ -33,6 +33,11 @@ FP8_PARAMETER_RUNS = [
     ("current", "bfloat16", "fused_adam_master", "fp8_params"),
     ("delayed", "bfloat16", "fused_adam_master", "fp8_params_no_reshard"),
 ]
+# MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) over float32 parameters
+MIXED_PRECISION_RUNS = [
+    (recipe, "float32", "adam", "mixed_precision")
+    for recipe in ("high_precision", "delayed", "current")
+]
 # FSDP2's deferred initialization: built on meta, sharded, to_empty, each block's
 # reset_parameters() writing into the shards
 META_RUNS = [
@@ -49,7 +54,7 @@ def _spawned(rank, world_size, out_dir, init_file):
         world_size,
         "gloo",
         out_dir,
-        RUNS + FUSED_ADAM_RUNS + FP8_PARAMETER_RUNS + META_RUNS,
+        RUNS + FUSED_ADAM_RUNS + FP8_PARAMETER_RUNS + META_RUNS + MIXED_PRECISION_RUNS,
         init_method=f"file://{init_file}",
         extras=True,
     )
@@ -138,6 +143,17 @@ def test_deferred_initialization_on_meta_equals_the_unsharded_run(sharded_result
     )  # fmt: skip
     for rank, results in enumerate(sharded_results):
         harness.compare(results["-".join(run)], expected, f"rank {rank}")
+
+
+@pytest.mark.parametrize("run", MIXED_PRECISION_RUNS, ids=[r[0] for r in MIXED_PRECISION_RUNS])
+def test_mixed_precision_policy_equals_its_unsharded_oracle(sharded_results, run):
+    """FSDP2 casts the float32 shards to BF16 for the forward and reduces the BF16 gradients in
+    float32: the oracle keeps float32 masters, runs a BF16 copy and sums each slice's gradient
+    in float32; losses, masters and FP8 state are bitwise equal."""
+    expected = harness.reference_run(*run[:2], WORLD_SIZE, optimizer_name=run[2], weights=run[3])
+    for rank, results in enumerate(sharded_results):
+        harness.compare(results["-".join(run)], expected, f"rank {rank}")
+    assert not torch.equal(expected["losses"][0], expected["losses"][-1])
 
 
 def test_fp8_parameter_split_along_dim1_is_refused(sharded_results):
