@@ -1,0 +1,126 @@
+"""HSDP (FSDP2 over a 2 x 2 mesh: replicate x shard), 4 processes on gloo (CPU), with FP8
+weights from ``quantized_model_init``: each weight is all-gathered in FP8 over its shard group
+and its amax all-reduced over that group, and training equals the unsharded single-process run
+(each rank's slice fed in turn, the gradients divided by 4): losses and FP8 weights (values and
+scales) bitwise; the high-precision biases to the last bits only, since a sum of four
+gradients depends on the order HSDP's reduce-scatter and all-reduce take."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+
+WORLD_SIZE, STEPS = 4, 3
+RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
+
+
+def _model(recipe_name):
+    torch.manual_seed(0)
+    with te.quantized_model_init(enabled=True, recipe=RECIPES[recipe_name]()):
+        return torch.nn.Sequential(te.Linear(32, 64, device="cpu"), te.Linear(64, 32, device="cpu"))
+
+
+def _batches():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(8 * WORLD_SIZE, 32, generator=g) for _ in range(STEPS)]
+
+
+def _full_parameters(model) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, param in model.named_parameters():
+        param = param.detach()
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if isinstance(local, te.QuantizedTensor):
+            out[f"{name}._scale_inv"] = local._scale_inv.clone()
+            values = local.dequantize()
+            if isinstance(param, DTensor):
+                values = DTensor.from_local(
+                    values, param.device_mesh, param.placements,
+                    shape=param.shape, stride=param.stride(),
+                ).full_tensor()  # fmt: skip
+            out[name] = values
+        else:
+            out[name] = (param.full_tensor() if isinstance(param, DTensor) else param).clone()
+    return out
+
+
+def _worker(rank, out_dir, init_file):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE
+    )
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        results = {}
+        for recipe_name, recipe_class in RECIPES.items():
+            model = _model(recipe_name)
+            for block in model:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            losses = []
+            for x in _batches():
+                with te.autocast(recipe=recipe_class()):
+                    loss = model(x.chunk(WORLD_SIZE)[rank]).float().square().mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.detach())
+            results[recipe_name] = {"losses": losses, "params": _full_parameters(model)}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _reference(recipe_name):
+    model = _model(recipe_name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x in _batches():
+        with te.autocast(recipe=RECIPES[recipe_name]()):
+            outs = [model(part) for part in x.chunk(WORLD_SIZE)]
+        step = [out.float().square().mean() for out in outs]
+        for loss in reversed(step):
+            loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad.div_(WORLD_SIZE)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append([loss.detach() for loss in step])
+    return losses, _full_parameters(model)
+
+
+@pytest.fixture(scope="module")
+def sharded_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hsdp")
+    mp.spawn(_worker, args=(str(out), str(out / "init")), nprocs=WORLD_SIZE, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD_SIZE)]
+
+
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+def test_hsdp_fp8_weights_train_like_the_unsharded_run(sharded_results, recipe_name):
+    losses, params = _reference(recipe_name)
+    fp8 = [k.removesuffix("._scale_inv") for k in params if k.endswith("._scale_inv")]
+    assert len(fp8) == 2
+    for rank, results in enumerate(sharded_results):
+        got = results[recipe_name]
+        for step, loss in enumerate(got["losses"]):
+            assert torch.equal(loss, losses[step][rank]), f"rank {rank} step {step}"
+        for name in params:
+            if name in fp8 or name.endswith("._scale_inv"):
+                assert torch.equal(got["params"][name], params[name]), f"rank {rank} {name}"
+            else:
+                torch.testing.assert_close(got["params"][name], params[name], rtol=0, atol=1e-10)
+    assert not torch.equal(losses[0][0], losses[-1][0])
