@@ -345,6 +345,30 @@ def fp8_parameter_scale_mismatch(device, mesh, rank: int) -> str:
     return ""
 
 
+def fp8_parameter_memory(device, mesh, steps: int = 6) -> list[int]:
+    """``torch.cuda.memory_allocated`` after each training step of a model of FP8 weights
+    (current scaling, resharded after forward): the gathered weights, their transposes and
+    the shards' re-quantizations must not accumulate from step to step."""
+    from torch.distributed.fsdp import fully_shard
+
+    with te.quantized_model_init(enabled=True, recipe=Float8CurrentScaling()):
+        model = torch.nn.Sequential(*(te.Linear(256, 256, device=device) for _ in range(3)))
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = make_optimizer(model, "fused_adam_master")
+    allocated = []
+    for _ in range(steps):
+        with te.autocast(recipe=Float8CurrentScaling()):
+            loss = loss_of(model(torch.randn(64, 256, device=device)))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        allocated.append(torch.cuda.memory_allocated(device))
+    return allocated
+
+
 def extra_state_sized_like(state_dict: dict, checkpoint_dir: str, prefix: str = "") -> dict:
     """``state_dict`` with every ``_extra_state`` entry replaced by an empty ``uint8`` tensor of
     the size saved in the checkpoint under ``prefix + key``: DCP loads in place and refuses a size mismatch, and a
@@ -451,6 +475,8 @@ def worker(
                 "fused_adam_master", "fp8_params",
             )  # fmt: skip
             results["fp8_scale_mismatch"] = fp8_parameter_scale_mismatch(device, mesh, rank)
+            if device.type == "cuda":
+                results["fp8_parameter_memory"] = fp8_parameter_memory(device, mesh)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from utils import needs_two_gpus
+from utils import needs_cuda, needs_two_gpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -221,3 +221,39 @@ def test_fsdp2_nccl_two_processes_one_gpu_each(tmp_path, recipe_name, weights):
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "2 ranks equal the reference" in proc.stdout
+
+
+def _spawned_nccl_one_gpu(rank, world_size, out_dir, init_file, runs):
+    harness.worker(
+        rank, world_size, "nccl", out_dir, runs, init_method=f"file://{init_file}", extras=True
+    )
+
+
+@needs_cuda
+def test_fsdp2_fp8_parameters_on_one_gpu(tmp_path):
+    """FSDP2 over one process on one GPU (NCCL): the FP8 all-gather hooks on CUDA (their
+    copies on FSDP2's streams, the transposed copy made where Hopper needs one) train like the
+    unsharded run bit for bit, from the device and from meta, under both per-tensor recipes;
+    the DCP round trips restore onto cuda:0; memory does not grow from step to step."""
+    runs = [
+        ("delayed", "bfloat16", "adam", "fp8_params"),
+        ("current", "bfloat16", "fused_adam_master", "fp8_params"),
+        ("current", "bfloat16", "fused_adam_master", "fp8_params_meta"),
+        ("delayed", "bfloat16", "adam", "fp8_params_no_reshard"),
+        ("delayed", "float32", "adam", "mixed_precision"),
+    ]
+    mp.spawn(
+        _spawned_nccl_one_gpu, args=(1, str(tmp_path), str(tmp_path / "init"), runs),
+        nprocs=1, join=True,
+    )  # fmt: skip
+    results = torch.load(tmp_path / "rank0.pt")
+    for run in runs:
+        expected = harness.reference_run(
+            *run[:2], 1, "cuda:0", optimizer_name=run[2],
+            weights=run[3].removesuffix("_meta") if run[3].endswith("_meta") else run[3],
+        )  # fmt: skip
+        harness.compare(results["-".join(run)], expected, "-".join(run))
+    for key in ("checkpoint", "checkpoint_fp8_params"):
+        harness.check_extras(results, "cuda:0", key)
+    memory = results["fp8_parameter_memory"]
+    assert memory[2:] == [memory[2]] * len(memory[2:]), memory
