@@ -19,7 +19,11 @@ import torch
 from ..common.recipe import DelayedScaling, Float8CurrentScaling
 from .quantization import get_fp8_te_dtype
 from .quantized_tensor import QuantizedTensor
-from .tensor._float8_fsdp import make_shard_quantizer
+from .tensor._float8_fsdp import (
+    is_shard_quantizer,
+    make_shard_quantizer,
+    refresh_shard_quantizer,
+)
 from .tensor.float8_tensor import Float8Tensor
 
 __all__ = [
@@ -27,7 +31,7 @@ __all__ = [
     "empty_fp8_weight_on_meta",
     "is_sharded_parameter",
     "local_part",
-    "rebind_shard_quantizer",
+    "rebind_weight_quantizer",
     "shard_of",
 ]
 
@@ -49,16 +53,28 @@ def empty_fp8_weight_on_meta(param: torch.Tensor, recipe) -> torch.Tensor | None
     )
 
 
-def rebind_shard_quantizer(param, quantizer) -> None:
-    """After the owner's recipe state was rebuilt: the FP8 shard of the DTensor ``param``
-    re-quantizes with ``quantizer`` (a copy of the new one), in FSDP2's shard form at once
-    (row-wise, amax reduced over the shard group; ``tensor/_float8_fsdp.py``): an optimizer
-    step before the next all-gather must already cast with the whole weight's amax."""
-    local = shard_of(param)
-    if isinstance(local, QuantizedTensor):
-        local._quantizer = quantizer
-        if hasattr(local, "fsdp_pre_all_gather"):
-            make_shard_quantizer(local, param.device_mesh)
+def rebind_weight_quantizer(param, quantizer) -> None:
+    """After the owner's recipe state was (re)built: the FP8 weight ``param`` re-quantizes with
+    ``quantizer`` (a copy of the new one).
+
+    * A DTensor (FSDP2's shard, outside forward): the shard takes it in FSDP2's shard form at
+      once (row-wise, amax reduced over the shard group; ``tensor/_float8_fsdp.py``): an
+      optimizer step before the next all-gather must already cast with the whole weight's amax.
+    * The whole weight FSDP2 rebuilt (inside forward): it shares its shard's quantizer, which
+      takes the new state in place (the shard is out of reach here), and keeps it.
+    * Any other FP8 weight: takes ``quantizer``.
+    """
+    if is_sharded_parameter(param):
+        local = shard_of(param)
+        if isinstance(local, QuantizedTensor):
+            local._quantizer = quantizer
+            if hasattr(local, "fsdp_pre_all_gather"):
+                make_shard_quantizer(local, param.device_mesh)
+    elif isinstance(param, QuantizedTensor):
+        if is_shard_quantizer(param._quantizer):
+            refresh_shard_quantizer(param._quantizer, quantizer)
+        else:
+            param._quantizer = quantizer
 
 
 def is_sharded_parameter(param) -> bool:

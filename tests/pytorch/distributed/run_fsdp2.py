@@ -80,7 +80,12 @@ def make_model(
     torch.manual_seed(1234)  # every rank and the reference build the same initial weights
     if not weights.startswith("fp8_params"):
         return Model(dtype, device)
-    with te.quantized_model_init(enabled=True, recipe=RECIPES[recipe_name]()):
+    recipe = RECIPES[recipe_name]()
+    if weights.endswith("_other_recipe"):
+        # built under another recipe of the class than te.autocast's (a shorter amax history):
+        # the first forward rebuilds the recipe state and rebinds the weights' quantizers
+        recipe = RECIPES[recipe_name](amax_history_len=4)
+    with te.quantized_model_init(enabled=True, recipe=recipe):
         # one QKV weight: FP8 parameters cannot be split into query/key/value parameters
         return Model(dtype, device, fuse_qkv=True)
 

@@ -32,6 +32,9 @@ FP8_PARAMETER_RUNS = [
     ("delayed", "float32", "fused_adam_master", "fp8_params"),
     ("current", "bfloat16", "fused_adam_master", "fp8_params"),
     ("delayed", "bfloat16", "fused_adam_master", "fp8_params_no_reshard"),
+    # built under DelayedScaling(amax_history_len=4): the first forward rebuilds the recipe
+    # state while FSDP2 has the whole weights registered; the shards must follow it
+    ("delayed", "bfloat16", "fused_adam_master", "fp8_params_other_recipe"),
 ]
 # MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) over float32 parameters
 MIXED_PRECISION_RUNS = [

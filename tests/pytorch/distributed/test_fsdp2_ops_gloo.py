@@ -18,13 +18,22 @@ import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 
 WORLD_SIZE, STEPS = 2, 3
-RECIPES = {"high_precision": None, "delayed": DelayedScaling, "current": Float8CurrentScaling}
+RECIPES = {
+    "high_precision": None,
+    "delayed": DelayedScaling,
+    "current": Float8CurrentScaling,
+    # trained under DelayedScaling() but built under another amax history length: the first
+    # forward rebuilds the recipe state while FSDP2 has the whole weights registered
+    "delayed_other_init": DelayedScaling,
+}
+INIT_RECIPES = {"delayed_other_init": lambda: DelayedScaling(amax_history_len=4)}
 # (recipe, FP8 weights, built on meta)
 RUNS = [
     ("high_precision", False, False),
     ("delayed", False, False),
     ("delayed", True, False),
     ("current", True, False),
+    ("delayed_other_init", True, False),
     ("high_precision", False, True),
     ("delayed", True, True),
     ("current", True, True),
@@ -42,7 +51,8 @@ def _recipe(name):
 
 def _model(recipe_name, fp8_weights, device):
     torch.manual_seed(0)
-    with te.quantized_model_init(enabled=fp8_weights, recipe=_recipe(recipe_name)):
+    init_recipe = INIT_RECIPES.get(recipe_name, lambda: _recipe(recipe_name))()
+    with te.quantized_model_init(enabled=fp8_weights, recipe=init_recipe):
         return te.ops.Sequential(
             te.ops.LayerNorm(32, device=device),
             te.ops.Linear(32, 64, device=device),

@@ -16,7 +16,7 @@ from .._sharded_parameters import (
     empty_fp8_weight_on_meta,
     is_sharded_parameter,
     local_part,
-    rebind_shard_quantizer,
+    rebind_weight_quantizer,
 )
 from ..quantized_tensor import QuantizedTensor
 from ..tensor.utils import attach_high_precision_init_val
@@ -54,11 +54,7 @@ def rebind_fp8_parameter_quantizers(module) -> None:
         index = module.param_init_meta.get(name, (None, None))[1]
         if index is None:
             continue
-        quantizer = module.quantizers["scaling_fwd"][index].copy()
-        if is_sharded_parameter(param):
-            rebind_shard_quantizer(param, quantizer)
-        elif isinstance(param, QuantizedTensor):
-            param._quantizer = quantizer
+        rebind_weight_quantizer(param, module.quantizers["scaling_fwd"][index].copy())
 
 
 def reset_sharded_parameters(module) -> list[str]:

@@ -30,7 +30,17 @@ import torch
 from ..device import is_non_tn_fp8_gemm_supported
 from .storage.float8_tensor_storage import float8_transposed_shape
 
-__all__ = ["fsdp_pre_all_gather", "fsdp_post_all_gather", "make_shard_quantizer"]
+__all__ = [
+    "fsdp_pre_all_gather",
+    "fsdp_post_all_gather",
+    "is_shard_quantizer",
+    "make_shard_quantizer",
+    "refresh_shard_quantizer",
+]
+
+# What a shard's quantizer keeps of its own when it takes a new recipe state's settings.
+_SHARD_SETTINGS = ("rowwise_usage", "columnwise_usage", "with_amax_reduction",
+                   "amax_reduction_group", "_fsdp_shard_quantizer")  # fmt: skip
 
 
 def make_shard_quantizer(shard, mesh) -> None:
@@ -39,7 +49,7 @@ def make_shard_quantizer(shard, mesh) -> None:
     and all-reduces the amax of each re-quantization over the FSDP group: current scaling
     casts with the whole parameter's scale, delayed scaling records its amax."""
     q = shard._quantizer
-    if q is None or getattr(q, "_fsdp_shard_quantizer", False):
+    if q is None or is_shard_quantizer(q):
         return
     q = q.copy()  # shallow: a delayed-scaling copy shares the module's scale and amax history
     q.set_usage(rowwise=True, columnwise=False)
@@ -47,6 +57,23 @@ def make_shard_quantizer(shard, mesh) -> None:
     q._fsdp_shard_quantizer = True
     shard._quantizer = q
     _check_one_scale(shard, mesh)
+
+
+def is_shard_quantizer(quantizer) -> bool:
+    """Whether ``quantizer`` is an FSDP2 shard's (:func:`make_shard_quantizer`); the whole
+    weight FSDP2 rebuilds around the gathered bytes holds the same object."""
+    return getattr(quantizer, "_fsdp_shard_quantizer", False)
+
+
+def refresh_shard_quantizer(shard_quantizer, quantizer) -> None:
+    """The module's recipe state was rebuilt (e.g. an autocast recipe of other settings than
+    ``quantized_model_init``'s) while FSDP2 had the whole weight registered: the shard's
+    quantizer, which that weight shares, takes ``quantizer``'s state (scale, amax history
+    row, settings) in place, keeping its shard form, so the shard's next re-quantization casts
+    with the live state."""
+    keep = {k: v for k, v in vars(shard_quantizer).items() if k in _SHARD_SETTINGS}
+    shard_quantizer.__dict__.update(quantizer.__getstate__())
+    shard_quantizer.__dict__.update(keep)
 
 
 def _check_one_scale(shard, mesh) -> None:

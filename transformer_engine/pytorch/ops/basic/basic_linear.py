@@ -18,7 +18,7 @@ from ..._sharded_parameters import (
     empty_fp8_weight_on_meta,
     is_sharded_parameter,
     local_part,
-    rebind_shard_quantizer,
+    rebind_weight_quantizer,
 )
 from ...device import construction_device, materialization_device
 from ...functional.linear import (
@@ -144,10 +144,7 @@ class BasicLinear(BasicOperation):
             return
         quantizer = quantizer.copy()
         quantizer.set_usage(rowwise=True, columnwise=True)
-        if is_sharded_parameter(weight):  # an FSDP2 shard
-            rebind_shard_quantizer(weight, quantizer)
-        elif isinstance(weight, QuantizedTensor):
-            weight._quantizer = quantizer
+        rebind_weight_quantizer(weight, quantizer)  # FSDP2's shard or whole weight too
 
     def reset_recipe_state(self, *, recipe, device=None) -> None:  # noqa: D102
         weight_recipe = self._quantized_weight_recipe
