@@ -56,7 +56,6 @@ def make_shard_quantizer(shard, mesh) -> None:
     q._reduce_amax_across(mesh.get_group())
     q._fsdp_shard_quantizer = True
     shard._quantizer = q
-    _check_one_scale(shard, mesh)
 
 
 def is_shard_quantizer(quantizer) -> bool:
@@ -77,7 +76,8 @@ def refresh_shard_quantizer(shard_quantizer, quantizer) -> None:
 
 
 def _check_one_scale(shard, mesh) -> None:
-    """Once per shard, at its first all-gather: do all ranks' shards hold the same scale?
+    """Once per shard, at its first all-gather (the only collective the hooks add): do all
+    ranks' shards hold the same scale?
 
     From then on every re-quantization of a shard reduces its amax over the group, so the
     scales stay equal; before, a shard re-quantized under current scaling (e.g. a checkpoint
@@ -124,6 +124,9 @@ def fsdp_pre_all_gather(shard, mesh, orig_size, contiguous_orig_stride, module, 
     # whole tensor its scale belongs to, not a part of another one.
     shard._shares_scale_with_base = False
     make_shard_quantizer(shard, mesh)
+    if not shard.__dict__.get("_fsdp_scale_checked", False):
+        _check_one_scale(shard, mesh)
+        shard._fsdp_scale_checked = True
     if shard._transpose is not None:
         shard.update_usage(rowwise_usage=True, columnwise_usage=False)
     data = shard._data

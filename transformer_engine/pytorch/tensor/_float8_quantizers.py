@@ -130,7 +130,10 @@ class _Float8QuantizerBase(Quantizer):
         return self.copy()
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "amax_reduction_group": None}  # process groups do not pickle
+        # process groups do not pickle; a copy is no FSDP2 shard's quantizer (it has no group)
+        state = {**self.__dict__, "amax_reduction_group": None}
+        state.pop("_fsdp_shard_quantizer", None)
+        return state
 
     def _scale_and_amax(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The scale to cast ``src`` with and the amax buffer to accumulate into (or None)."""
