@@ -53,6 +53,14 @@ def empty_fp8_weight_on_meta(param: torch.Tensor, recipe) -> torch.Tensor | None
     )
 
 
+def _dim0_shard_group(param):
+    """The process group over which the DTensor ``param`` is split along dim 0 (FSDP2's shard
+    group; under HSDP the mesh's shard dimension), or ``None`` when no one mesh dimension
+    splits it so (then the next all-gather sets the shard up)."""
+    dims = [i for i, p in enumerate(param.placements) if p.is_shard() and p.dim == 0]
+    return param.device_mesh.get_group(dims[0]) if len(dims) == 1 else None
+
+
 def rebind_weight_quantizer(param, quantizer) -> None:
     """After the owner's recipe state was (re)built: the FP8 weight ``param`` re-quantizes with
     ``quantizer`` (a copy of the new one).
@@ -68,8 +76,9 @@ def rebind_weight_quantizer(param, quantizer) -> None:
         local = shard_of(param)
         if isinstance(local, QuantizedTensor):
             local._quantizer = quantizer
-            if hasattr(local, "fsdp_pre_all_gather"):
-                make_shard_quantizer(local, param.device_mesh)
+            group = _dim0_shard_group(param)
+            if group is not None and hasattr(local, "fsdp_pre_all_gather"):
+                make_shard_quantizer(local, group)
     elif isinstance(param, QuantizedTensor):
         if is_shard_quantizer(param._quantizer):
             refresh_shard_quantizer(param._quantizer, quantizer)

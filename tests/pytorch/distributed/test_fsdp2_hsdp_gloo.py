@@ -3,7 +3,8 @@ weights from ``quantized_model_init``: each weight is all-gathered in FP8 over i
 and its amax all-reduced over that group, and training equals the unsharded single-process run
 (each rank's slice fed in turn, the gradients divided by 4): losses and FP8 weights (values and
 scales) bitwise; the high-precision biases to the last bits only, since a sum of four
-gradients depends on the order HSDP's reduce-scatter and all-reduce take."""
+gradients depends on the order HSDP's reduce-scatter and all-reduce take. Also from ``meta``:
+the resets write into the shards and set up their quantizers over the mesh's shard dimension."""
 
 from __future__ import annotations
 
@@ -19,12 +20,16 @@ from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScalin
 
 WORLD_SIZE, STEPS = 4, 3
 RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
+# (recipe, built on meta: fully_shard on meta, to_empty, reset_parameters())
+RUNS = [("delayed", False), ("current", False), ("current", True)]
 
 
-def _model(recipe_name):
+def _model(recipe_name, device="cpu"):
     torch.manual_seed(0)
     with te.quantized_model_init(enabled=True, recipe=RECIPES[recipe_name]()):
-        return torch.nn.Sequential(te.Linear(32, 64, device="cpu"), te.Linear(64, 32, device="cpu"))
+        return torch.nn.Sequential(
+            te.Linear(32, 64, device=device), te.Linear(64, 32, device=device)
+        )
 
 
 def _batches():
@@ -63,11 +68,17 @@ def _worker(rank, out_dir, init_file):
     try:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         results = {}
-        for recipe_name, recipe_class in RECIPES.items():
-            model = _model(recipe_name)
+        for recipe_name, meta in RUNS:
+            recipe_class = RECIPES[recipe_name]
+            model = _model(recipe_name, "meta" if meta else "cpu")
             for block in model:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
+            if meta:  # the resets write into the shards (and set up their quantizers)
+                model.to_empty(device="cpu")
+                torch.manual_seed(0)
+                for block in model:
+                    block.reset_parameters()
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             losses = []
             for x in _batches():
@@ -77,7 +88,8 @@ def _worker(rank, out_dir, init_file):
                 optimizer.step()
                 optimizer.zero_grad()
                 losses.append(loss.detach())
-            results[recipe_name] = {"losses": losses, "params": _full_parameters(model)}
+            key = f"{recipe_name}-meta" if meta else recipe_name
+            results[key] = {"losses": losses, "params": _full_parameters(model)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -109,13 +121,13 @@ def sharded_results(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD_SIZE)]
 
 
-@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
-def test_hsdp_fp8_weights_train_like_the_unsharded_run(sharded_results, recipe_name):
+@pytest.mark.parametrize("recipe_name,meta", RUNS, ids=[f"{r}{'-meta' * m}" for r, m in RUNS])
+def test_hsdp_fp8_weights_train_like_the_unsharded_run(sharded_results, recipe_name, meta):
     losses, params = _reference(recipe_name)
     fp8 = [k.removesuffix("._scale_inv") for k in params if k.endswith("._scale_inv")]
     assert len(fp8) == 2
     for rank, results in enumerate(sharded_results):
-        got = results[recipe_name]
+        got = results[f"{recipe_name}-meta" if meta else recipe_name]
         for step, loss in enumerate(got["losses"]):
             assert torch.equal(loss, losses[step][rank]), f"rank {rank} step {step}"
         for name in params:

@@ -43,17 +43,18 @@ _SHARD_SETTINGS = ("rowwise_usage", "columnwise_usage", "with_amax_reduction",
                    "amax_reduction_group", "_fsdp_shard_quantizer")  # fmt: skip
 
 
-def make_shard_quantizer(shard, mesh) -> None:
+def make_shard_quantizer(shard, group) -> None:
     """Give the shard a quantizer of its own that writes only the row-wise bytes (the gathered
     tensor makes its transpose; a shard's would be re-made by every optimizer step for nothing)
-    and all-reduces the amax of each re-quantization over the FSDP group: current scaling
+    and all-reduces the amax of each re-quantization over ``group`` (FSDP2's shard group):
+    current scaling
     casts with the whole parameter's scale, delayed scaling records its amax."""
     q = shard._quantizer
     if q is None or is_shard_quantizer(q):
         return
     q = q.copy()  # shallow: a delayed-scaling copy shares the module's scale and amax history
     q.set_usage(rowwise=True, columnwise=False)
-    q._reduce_amax_across(mesh.get_group())
+    q._reduce_amax_across(group)
     q._fsdp_shard_quantizer = True
     shard._quantizer = q
 
@@ -123,7 +124,7 @@ def fsdp_pre_all_gather(shard, mesh, orig_size, contiguous_orig_stride, module, 
     # FSDP2 keeps the shard in a buffer of its own (padded for uneven sizes): the shard is the
     # whole tensor its scale belongs to, not a part of another one.
     shard._shares_scale_with_base = False
-    make_shard_quantizer(shard, mesh)
+    make_shard_quantizer(shard, mesh.get_group())
     if not shard.__dict__.get("_fsdp_scale_checked", False):
         _check_one_scale(shard, mesh)
         shard._fsdp_scale_checked = True
