@@ -1,5 +1,5 @@
-"""FSDP2 (``fully_shard``) over a ``te.ops.Sequential`` (LayerNorm, Linear, GELU, Linear), 2
-processes on gloo (CPU): training equals the unsharded single-process run bit for bit, with
+"""FSDP2 (``fully_shard``) over a ``te.ops.Sequential`` (LayerNorm, Linear, GELU, Linear) and a
+``te.ops.GroupedLinear``, 2 processes on gloo (CPU): training equals the unsharded single-process run bit for bit, with
 high-precision and FP8 (``quantized_model_init``, all-gathered in FP8) weights, built on the
 device or on ``meta`` (``fully_shard`` on meta, ``to_empty``, ``reset_parameters()`` writing
 into the shards). The oracle feeds each rank's slice in turn and divides the accumulated
@@ -27,7 +27,8 @@ RECIPES = {
     "delayed_other_init": DelayedScaling,
 }
 INIT_RECIPES = {"delayed_other_init": lambda: DelayedScaling(amax_history_len=4)}
-# (recipe, FP8 weights, built on meta)
+# (recipe, FP8 weights, built on meta); GROUPED_RUNS: the same for a GroupedLinear of 2 groups
+GROUPED_RUNS = [("delayed", True, False), ("current", True, True)]
 RUNS = [
     ("high_precision", False, False),
     ("delayed", False, False),
@@ -40,25 +41,42 @@ RUNS = [
 ]
 
 
-def _key(run) -> str:
+def _key(run, grouped=False) -> str:
     recipe, fp8_weights, meta = run
-    return "-".join([recipe] + ["fp8_weights"] * fp8_weights + ["meta"] * meta)
+    parts = ["grouped"] * grouped + [recipe] + ["fp8_weights"] * fp8_weights + ["meta"] * meta
+    return "-".join(parts)
 
 
 def _recipe(name):
     return RECIPES[name]() if RECIPES[name] is not None else None
 
 
-def _model(recipe_name, fp8_weights, device):
+def _model(recipe_name, fp8_weights, device, grouped=False):
     torch.manual_seed(0)
     init_recipe = INIT_RECIPES.get(recipe_name, lambda: _recipe(recipe_name))()
     with te.quantized_model_init(enabled=fp8_weights, recipe=init_recipe):
+        if grouped:
+            return _Grouped(te.ops.GroupedLinear(2, 32, 32, device=device))
         return te.ops.Sequential(
             te.ops.LayerNorm(32, device=device),
             te.ops.Linear(32, 64, device=device),
             te.ops.GELU(),
             te.ops.Linear(64, 32, device=device),
         )
+
+
+class _Grouped(torch.nn.Module):
+    """A GroupedLinear fed two equal groups of rows."""
+
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, x):
+        return self.op(x, [x.shape[0] // 2, x.shape[0] - x.shape[0] // 2])
+
+    def reset_parameters(self) -> None:
+        self.op.reset_parameters()
 
 
 def _batches():
@@ -104,9 +122,9 @@ def _worker(rank, out_dir, init_file):
     try:
         mesh = init_device_mesh("cpu", (WORLD_SIZE,))
         results = {}
-        for run in RUNS:
+        for grouped, run in [(False, r) for r in RUNS] + [(True, r) for r in GROUPED_RUNS]:
             recipe_name, fp8_weights, meta = run
-            model = _model(recipe_name, fp8_weights, "meta" if meta else "cpu")
+            model = _model(recipe_name, fp8_weights, "meta" if meta else "cpu", grouped)
             fully_shard(model, mesh=mesh)
             if meta:
                 model.to_empty(device="cpu")
@@ -120,14 +138,14 @@ def _worker(rank, out_dir, init_file):
                 optimizer.step()
                 optimizer.zero_grad()
                 losses.append(loss.detach())
-            results[_key(run)] = {"losses": losses, "params": _full_parameters(model)}
+            results[_key(run, grouped)] = {"losses": losses, "params": _full_parameters(model)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def _reference(recipe_name, fp8_weights):
-    model = _model(recipe_name, fp8_weights, "cpu")
+def _reference(recipe_name, fp8_weights, grouped=False):
+    model = _model(recipe_name, fp8_weights, "cpu", grouped)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for x in _batches():
@@ -153,14 +171,17 @@ def sharded_results(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD_SIZE)]
 
 
-@pytest.mark.parametrize("run", RUNS, ids=[_key(r) for r in RUNS])
-def test_fsdp2_ops_training_equals_the_unsharded_run(sharded_results, run):
+CASES = [(False, r) for r in RUNS] + [(True, r) for r in GROUPED_RUNS]
+
+
+@pytest.mark.parametrize("grouped,run", CASES, ids=[_key(r, g) for g, r in CASES])
+def test_fsdp2_ops_training_equals_the_unsharded_run(sharded_results, grouped, run):
     recipe_name, fp8_weights, _ = run
-    losses, params = _reference(recipe_name, fp8_weights)
+    losses, params = _reference(recipe_name, fp8_weights, grouped)
     if fp8_weights:
         assert sum(k.endswith("._scale_inv") for k in params) == 2
     for rank, results in enumerate(sharded_results):
-        got = results[_key(run)]
+        got = results[_key(run, grouped)]
         for step, loss in enumerate(got["losses"]):
             assert torch.equal(loss, losses[step][rank]), f"rank {rank} step {step}"
         assert got["params"].keys() == params.keys()

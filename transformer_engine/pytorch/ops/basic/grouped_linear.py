@@ -36,6 +36,13 @@ import warnings
 
 import torch
 
+from ..._sharded_parameters import (
+    copy_whole_value_into_shard,
+    empty_fp8_weight_on_meta,
+    is_sharded_parameter,
+    local_part,
+    rebind_weight_quantizer,
+)
 from ...device import construction_device, materialization_device
 from ...functional.linear import (
     check_fp8_gemm_shapes,
@@ -47,7 +54,7 @@ from ...functional.linear import (
 )
 from ...quantization import FP8GlobalStateManager, QuantizerRole
 from ...quantized_tensor import QuantizedTensor
-from ...tensor.utils import attach_high_precision_init_val
+from ...tensor.utils import QUANTIZED_TENSOR_ATTRIBUTES, attach_high_precision_init_val
 from ..op import BasicOperation, OperationContext
 from ._common import (
     activation_dtype,
@@ -165,6 +172,10 @@ class GroupedLinear(BasicOperation):
         # weights first, then biases: the order of parameters() and of the gradients
         for i in range(num_groups):
             weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
+            if device.type == "meta" and self._with_quantized_weight:
+                # per-tensor FP8 weights are Float8Tensors on meta already (FSDP2 on meta)
+                empty = empty_fp8_weight_on_meta(weight, self._quantized_weight_recipe)
+                weight = weight if empty is None else empty
             self.register_parameter(f"weight{i}", torch.nn.Parameter(weight))
         for i in range(num_groups):
             b = None
@@ -212,10 +223,10 @@ class GroupedLinear(BasicOperation):
         # FP8 weights re-quantize (optimizer updates) with their group's current quantizer.
         for i, weight in enumerate(self.weights()):
             quantizer = self.get_quantizer("forward", _weight_slot(i))
-            if isinstance(weight, QuantizedTensor) and quantizer is not None:
+            if quantizer is not None:
                 quantizer = quantizer.copy()
                 quantizer.set_usage(rowwise=True, columnwise=True)
-                weight._quantizer = quantizer
+                rebind_weight_quantizer(weight, quantizer)  # FSDP2's shard or whole weight too
 
     def reset_recipe_state(self, *, recipe, device=None) -> None:  # noqa: D102
         weight_recipe = self._quantized_weight_recipe
@@ -265,12 +276,16 @@ class GroupedLinear(BasicOperation):
         values = torch.empty(old.shape, dtype=old.dtype, device=target)
         with torch.no_grad(), self._rng_context():
             torch.nn.init.kaiming_uniform_(values, a=math.sqrt(5))
+        sharded = is_sharded_parameter(old)  # an FSDP2 shard: written in place, the whole value
         high_precision = None
         if self._with_quantized_weight:
             if self._preserve_high_precision_init_val:
-                high_precision = values.detach().cpu().clone()
-            values = quantize_weight_in_slot(self, _weight_slot(group), values, old, target)
-        if old.is_meta or isinstance(values, QuantizedTensor) is not isinstance(
+                high_precision = (local_part(values, old) if sharded else values).cpu().clone()
+            slot = _weight_slot(group)
+            values = quantize_weight_in_slot(self, slot, values, None if sharded else old, target)
+        if sharded:
+            copy_whole_value_into_shard(old, values)
+        elif old.is_meta or isinstance(values, QuantizedTensor) is not isinstance(
             old, QuantizedTensor
         ):
             setattr(self, name, _replacement(old, values))
@@ -504,7 +519,7 @@ def _gemm_bias(bias, dtype: torch.dtype):
 def _replacement(old: torch.nn.Parameter, values) -> torch.nn.Parameter:
     """A new ``Parameter`` holding ``values`` with ``old``'s flag and plain attributes."""
     new = torch.nn.Parameter(values, requires_grad=old.requires_grad)
-    for attr, value in vars(old).items():
-        if not isinstance(value, torch.Tensor):
+    for attr, value in vars(old).items():  # not a (meta) FP8 tensor's buffers
+        if attr not in QUANTIZED_TENSOR_ATTRIBUTES and not isinstance(value, torch.Tensor):
             setattr(new, attr, value)
     return new
