@@ -63,9 +63,15 @@ class Model(torch.nn.Module):
         """Every module with FP8 state (``fp8_meta``), by qualified name."""
         return {n: m for n, m in self.named_modules() if hasattr(m, "fp8_meta")}
 
+    #: recompute the MLP in backward (te.distributed.checkpoint)
+    recompute = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.proj(x)
-        x = x + self.mlp(x)
+        if self.recompute:
+            x = x + te.distributed.checkpoint(self.mlp, x, use_reentrant=False)
+        else:
+            x = x + self.mlp(x)
         x = self.layer(x)
         return self.head(x)
 
@@ -76,7 +82,14 @@ def make_model(
     """``weights="fp8_params"`` (or ``"fp8_params_no_reshard"``, ``"fp8_params_meta"``): built
     under ``te.quantized_model_init`` with the run's recipe (the weights are ``Float8Tensor``
     parameters; FSDP2 all-gathers their FP8 bytes). A ``weights`` ending in ``meta`` builds on
-    the meta device (see :func:`train_sharded`)."""
+    the meta device (see :func:`train_sharded`); one ending in ``recompute`` recomputes the MLP
+    in backward."""
+    model = _build_model(dtype, device, weights, recipe_name)
+    model.recompute = weights.endswith("recompute")
+    return model
+
+
+def _build_model(dtype, device, weights, recipe_name) -> Model:
     torch.manual_seed(1234)  # every rank and the reference build the same initial weights
     if not weights.startswith("fp8_params"):
         return Model(dtype, device)

@@ -36,6 +36,9 @@ FP8_PARAMETER_RUNS = [
     # built under DelayedScaling(amax_history_len=4): the first forward rebuilds the recipe
     # state while FSDP2 has the whole weights registered; the shards must follow it
     ("delayed", "bfloat16", "fused_adam_master", "fp8_params_other_recipe"),
+    # the MLP recomputed in backward (te.distributed.checkpoint) from the re-gathered weights
+    ("delayed", "bfloat16", "fused_adam_master", "fp8_params_recompute"),
+    ("current", "bfloat16", "adam", "fp8_params_recompute"),
 ]
 # MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) over float32 parameters
 MIXED_PRECISION_RUNS = [
