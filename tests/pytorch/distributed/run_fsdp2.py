@@ -223,12 +223,27 @@ def reference_run(
         return _mixed_precision_reference(recipe_name, world_size, device, optimizer_name)
     model = make_model(dtype, device, weights, recipe_name)
     optimizer = make_optimizer(model, optimizer_name)
+    step_slices = [
+        [rank_slice(batch, r).to(device) for r in slices or range(world_size)]
+        for batch in global_batch(dtype, world_size)
+    ]
+    losses = oracle_steps(
+        model, optimizer, step_slices, lambda: autocast_for(recipe_name), world_size
+    )
+    return {"losses": losses, "params": full_parameters(model), **_fp8(model)}
+
+
+def oracle_steps(model, optimizer, step_slices, autocast, world_size: int) -> torch.Tensor:
+    """The unsharded oracle's training steps: per step, every rank's slice through the model
+    (the forwards in one ``autocast()`` region), the backwards in reverse (slice 0's last: it
+    completes the delayed-scaling update), the accumulated gradients divided by
+    ``world_size``, an optimizer step. Returns the losses, ``[step, slice]``."""
     losses = []
-    for batch in global_batch(dtype, world_size):
-        with autocast_for(recipe_name):
-            outs = [model(rank_slice(batch, r).to(device)) for r in slices or range(world_size)]
+    for slices in step_slices:
+        with autocast():
+            outs = [model(x) for x in slices]
         step_losses = [loss_of(out) for out in outs]
-        for loss in reversed(step_losses):  # slice 0's backward last: it completes the update
+        for loss in reversed(step_losses):
             loss.backward()
         with torch.no_grad():
             for p in model.parameters():
@@ -236,7 +251,7 @@ def reference_run(
         optimizer.step()
         optimizer.zero_grad()
         losses.append(torch.stack([loss.detach().cpu() for loss in step_losses]))
-    return {"losses": torch.stack(losses), "params": full_parameters(model), **_fp8(model)}
+    return torch.stack(losses)
 
 
 def _mixed_precision_reference(recipe_name, world_size, device, optimizer_name) -> dict:

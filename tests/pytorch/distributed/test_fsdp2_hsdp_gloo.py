@@ -9,6 +9,8 @@ the resets write into the shards and set up their quantizers over the mesh's sha
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,10 @@ import torch.multiprocessing as mp
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import run_fsdp2 as harness  # noqa: E402
 
 WORLD_SIZE, STEPS = 4, 3
 RECIPES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
@@ -35,27 +41,6 @@ def _model(recipe_name, device="cpu"):
 def _batches():
     g = torch.Generator().manual_seed(3)
     return [torch.randn(8 * WORLD_SIZE, 32, generator=g) for _ in range(STEPS)]
-
-
-def _full_parameters(model) -> dict:
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for name, param in model.named_parameters():
-        param = param.detach()
-        local = param._local_tensor if isinstance(param, DTensor) else param
-        if isinstance(local, te.QuantizedTensor):
-            out[f"{name}._scale_inv"] = local._scale_inv.clone()
-            values = local.dequantize()
-            if isinstance(param, DTensor):
-                values = DTensor.from_local(
-                    values, param.device_mesh, param.placements,
-                    shape=param.shape, stride=param.stride(),
-                ).full_tensor()  # fmt: skip
-            out[name] = values
-        else:
-            out[name] = (param.full_tensor() if isinstance(param, DTensor) else param).clone()
-    return out
 
 
 def _worker(rank, out_dir, init_file):
@@ -89,7 +74,7 @@ def _worker(rank, out_dir, init_file):
                 optimizer.zero_grad()
                 losses.append(loss.detach())
             key = f"{recipe_name}-meta" if meta else recipe_name
-            results[key] = {"losses": losses, "params": _full_parameters(model)}
+            results[key] = {"losses": losses, "params": harness.full_parameters(model)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -98,20 +83,11 @@ def _worker(rank, out_dir, init_file):
 def _reference(recipe_name):
     model = _model(recipe_name)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for x in _batches():
-        with te.autocast(recipe=RECIPES[recipe_name]()):
-            outs = [model(part) for part in x.chunk(WORLD_SIZE)]
-        step = [out.float().square().mean() for out in outs]
-        for loss in reversed(step):
-            loss.backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.grad.div_(WORLD_SIZE)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append([loss.detach() for loss in step])
-    return losses, _full_parameters(model)
+    losses = harness.oracle_steps(
+        model, optimizer, [x.chunk(WORLD_SIZE) for x in _batches()],
+        lambda: te.autocast(recipe=RECIPES[recipe_name]()), WORLD_SIZE,
+    )  # fmt: skip
+    return losses, harness.full_parameters(model)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ gradients by the world size, as ``run_fsdp2.py`` explains for the modules."""
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,10 @@ import torch.multiprocessing as mp
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import run_fsdp2 as harness  # noqa: E402
 
 WORLD_SIZE, STEPS = 2, 3
 RECIPES = {
@@ -90,28 +96,6 @@ def _loss(model, x, recipe_name):
         return model(x).float().square().mean()
 
 
-def _full_parameters(model) -> dict:
-    """Each parameter in full; an FP8 one as its values (bytes times ``_scale_inv``) and, under
-    ``<name>._scale_inv``, its (shard's) scale."""
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for name, param in model.named_parameters():
-        param = param.detach()
-        local = param._local_tensor if isinstance(param, DTensor) else param
-        if isinstance(local, te.QuantizedTensor):
-            out[f"{name}._scale_inv"] = local._scale_inv.clone()
-            if isinstance(param, DTensor):
-                param = DTensor.from_local(
-                    local.dequantize(), param.device_mesh, param.placements,
-                    shape=param.shape, stride=param.stride(),
-                )  # fmt: skip
-            else:
-                param = param.dequantize()
-        out[name] = (param.full_tensor() if isinstance(param, DTensor) else param).clone()
-    return out
-
-
 def _worker(rank, out_dir, init_file):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -138,7 +122,10 @@ def _worker(rank, out_dir, init_file):
                 optimizer.step()
                 optimizer.zero_grad()
                 losses.append(loss.detach())
-            results[_key(run, grouped)] = {"losses": losses, "params": _full_parameters(model)}
+            results[_key(run, grouped)] = {
+                "losses": losses,
+                "params": harness.full_parameters(model),
+            }
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -147,21 +134,12 @@ def _worker(rank, out_dir, init_file):
 def _reference(recipe_name, fp8_weights, grouped=False):
     model = _model(recipe_name, fp8_weights, "cpu", grouped)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for x in _batches():
-        recipe = _recipe(recipe_name)
-        with te.autocast(enabled=recipe is not None, recipe=recipe):
-            outs = [model(part) for part in x.chunk(WORLD_SIZE)]
-        step = [out.float().square().mean() for out in outs]
-        for loss in reversed(step):  # slice 0's backward last, as the ranks' reduced update
-            loss.backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.grad.div_(WORLD_SIZE)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append([loss.detach() for loss in step])
-    return losses, _full_parameters(model)
+    recipe = _recipe(recipe_name)
+    losses = harness.oracle_steps(
+        model, optimizer, [x.chunk(WORLD_SIZE) for x in _batches()],
+        lambda: te.autocast(enabled=recipe is not None, recipe=recipe), WORLD_SIZE,
+    )  # fmt: skip
+    return losses, harness.full_parameters(model)
 
 
 @pytest.fixture(scope="module")
