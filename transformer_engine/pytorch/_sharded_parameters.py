@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..common.recipe import DelayedScaling, Float8CurrentScaling
-from .quantization import get_fp8_te_dtype
+from .quantization import Float8CurrentScalingRecipeState, get_fp8_te_dtype
 from .quantized_tensor import QuantizedTensor
 from .tensor._float8_fsdp import (
     is_shard_quantizer,
@@ -38,18 +38,27 @@ __all__ = [
 
 def empty_fp8_weight_on_meta(param: torch.Tensor, recipe) -> torch.Tensor | None:
     """For a meta weight that ``quantized_model_init`` with ``recipe`` makes FP8: an empty
-    ``Float8Tensor`` on meta in the recipe's forward format (no quantizer: its recipe state
-    needs a real device; the reset gives values, scale and quantizer). ``None`` for
-    block-scaled recipes, which have no FP8 all-gather here (their weights stay high-precision
-    until the reset)."""
+    ``Float8Tensor`` on meta in the recipe's forward format; the reset gives it values, scale
+    and the module's quantizer. ``None`` for block-scaled recipes, which have no FP8 all-gather
+    here (their weights stay high-precision until the reset).
+
+    Values copied in before any reset (``to_empty`` then ``load_state_dict`` of high-precision
+    values) are quantized as the recipe would: under current scaling by a quantizer of the
+    recipe's settings (stateless, so it needs no device), under delayed scaling with the
+    tensor's scale 1 (the recipe state's first scale, which lives on a real device only)."""
     if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         return None
+    quantizer = None
+    if isinstance(recipe, Float8CurrentScaling):
+        state = Float8CurrentScalingRecipeState(recipe, mode="forward", device="cpu")
+        quantizer = state.make_quantizers()[0]
     return Float8Tensor(
         param.shape,
         param.dtype,
         data=torch.empty(param.shape, dtype=torch.uint8, device="meta"),
         fp8_scale_inv=torch.ones(1, dtype=torch.float32, device="meta"),
         fp8_dtype=get_fp8_te_dtype(recipe, fprop_tensor=True),
+        quantizer=quantizer,
     )
 
 

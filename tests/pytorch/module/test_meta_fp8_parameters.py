@@ -67,3 +67,24 @@ def test_materialized_weights_equal_a_build_on_the_device(name, to_empty):
     assert module.fc1_weight._quantizer is not None
     for key in ("fc1_bias", "layer_norm_weight"):
         assert torch.equal(getattr(module, key), getattr(direct, key))
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_values_loaded_without_a_reset_are_cast_as_on_the_device(name):
+    """``to_empty`` then ``load_state_dict`` of high-precision values (a checkpoint loaded into
+    a model built on meta, no reset): the values are cast as into weights built on the device
+    (current scaling: the recipe's own scale of the values; delayed: the first scale, 1), and
+    the forwards agree bit for bit."""
+    source = te.LayerNormMLP(32, 64, device="cpu", params_dtype=torch.bfloat16)
+    module = _build(RECIPES[name], "meta")
+    module.to_empty(device="cpu")
+    module.load_state_dict(source.state_dict(), strict=False)
+    direct = _build(RECIPES[name], "cpu")
+    direct.load_state_dict(source.state_dict(), strict=False)
+    for key in ("fc1_weight", "fc2_weight"):
+        got, want = getattr(module, key), getattr(direct, key)
+        assert torch.equal(got._data, want._data), key
+        assert torch.equal(got._scale_inv, want._scale_inv), key
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+    with te.autocast(recipe=RECIPES[name]()):
+        assert torch.equal(module(x), direct(x))
