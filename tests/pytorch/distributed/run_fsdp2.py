@@ -181,19 +181,24 @@ def mixed_precision_policy():
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def shard(model: Model, mesh, reshard_after_forward: bool = True, mp_policy=None) -> None:
+def shard(
+    model: Model, mesh, reshard_after_forward: bool = True, mp_policy=None, inner_units=False
+) -> None:
     """``fully_shard`` each top-level block (the TransformerLayer as one unit, as training
     scripts wrap one per layer), then the root.
 
-    Not each module inside the TransformerLayer: its attention projection returns its bias
-    parameter itself (``return_bias=True``) for a later fused add, and FSDP2 frees a module's
-    unsharded parameters as soon as that module's forward returns.
+    ``inner_units``: first the TransformerLayer's own modules too (its attention projection,
+    a unit of its own, hands back a copy of its bias for the layer's later add).
     """
     from torch.distributed.fsdp import fully_shard
 
     kw = {"reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
+    if inner_units:
+        attention = model.layer.self_attention
+        for module in (attention.layernorm_qkv, attention.proj, model.layer.layernorm_mlp):
+            fully_shard(module, mesh=mesh, **kw)
     for module in (model.proj, model.mlp, model.layer, model.head):
         fully_shard(module, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)
@@ -314,7 +319,7 @@ def train_sharded(
     model = make_model(dtype, torch.device("meta") if deferred else device, weights, recipe_name)
     # "..._no_reshard": the unsharded weights stay from forward to backward (one all-gather)
     mixed = mixed_precision_policy() if weights == "mixed_precision" else None
-    shard(model, mesh, not weights.endswith("_no_reshard"), mixed)
+    shard(model, mesh, not weights.endswith("_no_reshard"), mixed, weights.endswith("inner_units"))
     if deferred:
         # FSDP2's deferred initialization: sharded on meta, storage, then each block's reset
         # writes into the shards; the same random draws as building on the device

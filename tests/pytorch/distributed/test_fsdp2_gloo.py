@@ -39,8 +39,11 @@ FP8_PARAMETER_RUNS = [
     # the MLP recomputed in backward (te.distributed.checkpoint) from the re-gathered weights
     ("delayed", "bfloat16", "fused_adam_master", "fp8_params_recompute"),
     ("current", "bfloat16", "adam", "fp8_params_recompute"),
+    # the TransformerLayer's projections FSDP2 units of their own (a returned bias is a copy)
+    ("current", "bfloat16", "adam", "fp8_params_inner_units"),
 ]
 # MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) over float32 parameters
+INNER_UNIT_RUNS = [("delayed", "float32", "adam", "inner_units")]
 MIXED_PRECISION_RUNS = [
     (recipe, "float32", "adam", "mixed_precision")
     for recipe in ("high_precision", "delayed", "current")
@@ -55,7 +58,10 @@ META_RUNS = [
 ]
 
 
-ALL_RUNS = RUNS + FUSED_ADAM_RUNS + FP8_PARAMETER_RUNS + META_RUNS + MIXED_PRECISION_RUNS
+ALL_RUNS = (
+    RUNS + FUSED_ADAM_RUNS + FP8_PARAMETER_RUNS + META_RUNS + MIXED_PRECISION_RUNS
+    + INNER_UNIT_RUNS
+)  # fmt: skip
 
 
 def _spawned(rank, world_size, out_dir, init_file):
@@ -175,6 +181,16 @@ def test_mixed_precision_policy_equals_its_unsharded_oracle(sharded_results, ref
     for rank, results in enumerate(sharded_results):
         harness.compare(results["-".join(run)], expected, f"rank {rank}")
     assert not torch.equal(expected["losses"][0], expected["losses"][-1])
+
+
+@pytest.mark.parametrize("run", INNER_UNIT_RUNS, ids=[r[0] for r in INNER_UNIT_RUNS])
+def test_transformer_layer_projections_as_units_equal_the_unsharded_run(
+    sharded_results, references, run
+):
+    """The attention projection, a unit of its own, hands the layer a copy of its bias (FSDP2
+    frees the parameter's storage when the projection's forward returns)."""
+    for rank, results in enumerate(sharded_results):
+        harness.compare(results["-".join(run)], references["-".join(run)], f"rank {rank}")
 
 
 def test_fp8_parameter_split_along_dim1_is_refused(sharded_results):

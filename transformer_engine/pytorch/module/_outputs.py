@@ -1,4 +1,4 @@
-"""Module outputs are never views, so callers may modify them in place.
+"""What modules return: outputs that are never views, and biases that outlive FSDP2's reshard.
 
 A linear layer computes on 2-D operands and hands back ``out.reshape(*leading, features)``, a
 view of the GEMM's tensor. Autograd refuses in-place ops (``y += residual``, ``y.mul_(s)``) on
@@ -10,9 +10,11 @@ it) costs nothing and avoids both.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-__all__ = ["function_output", "reshape_output"]
+__all__ = ["function_output", "reshape_output", "returned_bias"]
 
 
 def function_output(out):
@@ -44,3 +46,23 @@ def reshape_output(out: torch.Tensor, shape) -> torch.Tensor:
     if torch.is_grad_enabled() and out.requires_grad:
         return _ReshapeOutput.apply(out, tuple(shape))
     return function_output(out.reshape(shape))
+
+
+def returned_bias(module, bias: torch.Tensor | None, dtype: torch.dtype | None = None):
+    """The bias a module built with ``return_bias=True`` hands back (in ``dtype``) for the
+    caller's later add. Where the module is an FSDP2 unit of its own (``fully_shard`` on it),
+    a copy: FSDP2 frees the module's unsharded parameters as soon as its forward returns, and
+    the parameter itself would reach the caller's add with no storage. The copy is
+    differentiable, so the gradient still reaches the parameter."""
+    if bias is None:
+        return None
+    out = bias if dtype is None else bias.to(dtype)
+    if out is bias and _is_fsdp2_unit(module):
+        out = out.clone()
+    return out
+
+
+def _is_fsdp2_unit(module) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no module is an FSDP2 unit
+    unit = getattr(fsdp, "FSDPModule", None)
+    return unit is not None and isinstance(module, unit)

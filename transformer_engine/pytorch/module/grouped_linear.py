@@ -27,6 +27,7 @@ from ..quantized_tensor import QuantizedTensor
 from ._gemm_setup import gemm_weight, make_linear_config
 from ._linear_function import linear
 from ._linear_parameters import check_features, check_single_process_arguments
+from ._outputs import returned_bias
 from ._quantizer_roles import gemm_quantizer_roles
 from ._tensor_parallel_setup import (
     check_tensor_parallel_ready,
@@ -352,5 +353,5 @@ class GroupedLinear(TransformerEngineBaseModule):
             if out is not None:
                 result = out.copy_(result)
         if self.return_bias:
-            return result, biases
+            return result, [returned_bias(self, b) for b in biases]
         return result

@@ -35,7 +35,7 @@ from ._linear_parameters import (
     linear_weight,
     register_linear_parameters,
 )
-from ._outputs import reshape_output
+from ._outputs import reshape_output, returned_bias
 from ._quantizer_roles import gemm_quantizer_roles
 from ._tensor_parallel_setup import (
     check_tensor_parallel_ready,
@@ -243,7 +243,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
                 out = quantize_output(self.quantizers["scaling_fwd"][GEMM1_OUTPUT], out)
         outputs = (out,)
         if self.return_bias:
-            outputs += (bias.to(dtype) if bias is not None else None,)
+            outputs += (returned_bias(self, bias, dtype),)
         if self.return_layernorm_output:
             if self.return_layernorm_output_gathered and self.sequence_parallel:
                 ln_out = gather_from_sequence_parallel_region(ln_out, self.tp_group)

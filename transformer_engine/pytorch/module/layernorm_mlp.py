@@ -36,7 +36,7 @@ from ._gemm_setup import claim_module_backward_update, gemm_weight, make_linear_
 from ._linear_function import linear
 from ._linear_parameters import check_features, check_single_process_arguments
 from ._mlp_function import fc1_activation_fc2
-from ._outputs import reshape_output
+from ._outputs import reshape_output, returned_bias
 from ._quantizer_roles import gemm_quantizer_roles
 from ._tensor_parallel_setup import (
     check_tensor_parallel_ready,
@@ -327,7 +327,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
                     out = out + fc2_bias
         outputs = (out,)
         if self.return_bias:
-            outputs += (fc2_bias,)
+            outputs += (returned_bias(self, fc2_bias),)
         if self.return_layernorm_output:
             if self.return_layernorm_output_gathered and self.sequence_parallel:
                 ln_out = gather_from_sequence_parallel_region(ln_out, self.tp_group)

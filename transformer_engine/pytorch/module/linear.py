@@ -24,6 +24,7 @@ from ._linear_parameters import (
     linear_weight,
     register_linear_parameters,
 )
+from ._outputs import returned_bias
 from ._quantizer_roles import gemm_quantizer_roles
 from ._tensor_parallel_setup import (
     check_tensor_parallel_ready,
@@ -212,5 +213,5 @@ class Linear(TransformerEngineBaseModule):
             if fp8 and fp8_output:
                 out = quantize_output(self.quantizers["scaling_fwd"][GEMM1_OUTPUT], out)
         if self.return_bias:
-            return out, (bias.to(dtype) if bias is not None else None)
+            return out, returned_bias(self, bias, dtype)
         return out
