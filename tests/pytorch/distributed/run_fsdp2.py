@@ -188,7 +188,8 @@ def shard(
     scripts wrap one per layer), then the root.
 
     ``inner_units``: first the TransformerLayer's own modules too (its attention projection,
-    a unit of its own, hands back a copy of its bias for the layer's later add).
+    a unit of its own, and the attention around it, another, hand back copies of the
+    projection's bias for the layer's later add).
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -199,6 +200,7 @@ def shard(
         attention = model.layer.self_attention
         for module in (attention.layernorm_qkv, attention.proj, model.layer.layernorm_mlp):
             fully_shard(module, mesh=mesh, **kw)
+        fully_shard(attention, mesh=mesh, **kw)
     for module in (model.proj, model.mlp, model.layer, model.head):
         fully_shard(module, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)

@@ -1,4 +1,5 @@
-"""Modules built with ``return_bias=True`` as FSDP2 units of their own (``fully_shard`` on each,
+"""Modules built with ``return_bias=True`` (Linear, LayerNormLinear, LayerNormMLP,
+GroupedLinear, MultiheadAttention) as FSDP2 units of their own (``fully_shard`` on each,
 then on the model that adds their biases), 2 processes on gloo (CPU). FSDP2 frees a unit's
 unsharded parameters as soon as its forward returns; the bias handed back for the caller's add
 is a copy there, so the add reads the values (the parameter itself had no storage left: the
@@ -37,14 +38,18 @@ class Model(torch.nn.Module):
         self.ln_linear = te.LayerNormLinear(32, 32, **kw)
         self.mlp = te.LayerNormMLP(32, 64, **kw)
         self.grouped = te.GroupedLinear(2, 32, 32, **kw)
+        # a unit whose returned bias is its (unwrapped) projection's
+        self.attention = te.MultiheadAttention(32, 2, attention_dropout=0.0, **kw)
 
     def units(self):
-        return (self.linear, self.ln_linear, self.mlp, self.grouped)
+        return (self.linear, self.ln_linear, self.mlp, self.grouped, self.attention)
 
     def forward(self, x):
         for module in (self.linear, self.ln_linear, self.mlp):
             out, bias = module(x)
             x = out + bias
+        out, bias = self.attention(x.view(-1, 2, x.shape[-1]))  # [seq, batch, hidden]
+        x = (out + bias).view(-1, x.shape[-1])
         outs, biases = self.grouped(x, [x.shape[0] // 2, x.shape[0] - x.shape[0] // 2])
         halves = outs.split([x.shape[0] // 2, x.shape[0] - x.shape[0] // 2])
         return torch.cat([h + b for h, b in zip(halves, biases)])

@@ -14,6 +14,7 @@ import torch
 from .._tensor_parallel import get_distributed_world_size
 from ..device import construction_device, device_guard
 from ..module._fused_norm import check_normalization
+from ..module._outputs import returned_bias
 from ..module.layernorm import LayerNorm
 from ..module.layernorm_linear import LayerNormLinear
 from ..module.linear import Linear
@@ -513,7 +514,10 @@ class MultiheadAttention(torch.nn.Module):
             )  # fmt: skip
             projection = self.proj(context, is_first_microbatch=is_first_microbatch)
 
-        outputs = projection if self.return_bias else (projection,)
+        if self.return_bias:  # proj's bias, a copy where this module is an FSDP2 unit
+            outputs = (projection[0], returned_bias(self, projection[1]))
+        else:
+            outputs = (projection,)
         if self.input_layernorm and self.return_layernorm_output:
             outputs += (layernorm_output,)
         return outputs[0] if len(outputs) == 1 else outputs

@@ -52,12 +52,13 @@ def returned_bias(module, bias: torch.Tensor | None, dtype: torch.dtype | None =
     """The bias a module built with ``return_bias=True`` hands back (in ``dtype``) for the
     caller's later add. Where the module is an FSDP2 unit of its own (``fully_shard`` on it),
     a copy: FSDP2 frees the module's unsharded parameters as soon as its forward returns, and
-    the parameter itself would reach the caller's add with no storage. The copy is
-    differentiable, so the gradient still reaches the parameter."""
+    the parameter itself would reach the caller's add with no storage (also a bias a wrapped
+    submodule returned). The copy is differentiable, so the gradient still reaches the
+    parameter."""
     if bias is None:
         return None
     out = bias if dtype is None else bias.to(dtype)
-    if out is bias and _is_fsdp2_unit(module):
+    if isinstance(out, torch.nn.Parameter) and _is_fsdp2_unit(module):
         out = out.clone()
     return out
 
