@@ -32,7 +32,13 @@ from transformer_engine.pytorch.optimizers import (
 
 from ._enums import DType, FP8BwdTensors, FP8FwdTensors, FP8TensorMeta
 from ._gemm import generic_gemm, get_num_cublas_streams
-from ._normalization import layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd
+from ._normalization import (
+    layernorm_bwd,
+    layernorm_fwd,
+    rmsnorm_bwd,
+    rmsnorm_bwd_add,
+    rmsnorm_fwd,
+)
 from ._quantize import (
     bgrad_quantize,
     compute_amax,
@@ -62,6 +68,7 @@ __all__ = [
     "layernorm_bwd",
     "rmsnorm_fwd",
     "rmsnorm_bwd",
+    "rmsnorm_bwd_add",
     "fused_amax_and_scale_update_after_reduction",
     "get_cublasLt_version",
     "get_cudnn_version",

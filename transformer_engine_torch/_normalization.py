@@ -1,5 +1,5 @@
 """Upstream's norm entry points: ``layernorm_fwd``, ``layernorm_bwd``, ``rmsnorm_fwd``,
-``rmsnorm_bwd``, positional arguments in upstream's order.
+``rmsnorm_bwd``, ``rmsnorm_bwd_add``, positional arguments in upstream's order.
 
 They run :mod:`transformer_engine.pytorch.cpp_extensions.normalization` (the float32 formulas,
 on every device; a ``quantizer`` gives the forward's output quantized from the float32 values,
@@ -14,7 +14,7 @@ import torch
 
 from transformer_engine.pytorch.cpp_extensions import normalization
 
-__all__ = ["layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd"]
+__all__ = ["layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "rmsnorm_bwd_add"]
 
 
 def layernorm_fwd(input, weight, bias, eps, ln_out, quantizer, otype, sm_margin,
@@ -47,3 +47,12 @@ def rmsnorm_bwd(dz, x, rsigma, gamma, sm_margin, zero_centered_gamma):
     """``[dx, dgamma]`` from the forward's ``rsigma``, as :func:`layernorm_bwd`."""
     with torch.no_grad():
         return normalization.rmsnorm_bwd(dz, x, rsigma, gamma, sm_margin, zero_centered_gamma)
+
+
+def rmsnorm_bwd_add(dz, x, add, rsigma, gamma, sm_margin, zero_centered_gamma):
+    """``[dx + add, dgamma]``: :func:`rmsnorm_bwd` with ``add`` (of ``x``'s shape) added to
+    ``dx`` in float32 before its rounding."""
+    with torch.no_grad():
+        return normalization.rmsnorm_bwd_add(
+            dz, x, add, rsigma, gamma, sm_margin, zero_centered_gamma
+        )

@@ -357,8 +357,7 @@ class MultiheadAttention(torch.nn.Module):
         )  # fmt: skip
 
     def _qk_norms(self, qk_norm_type, eps, dtype, device, seq_length, micro_batch_size):
-        """``(q_norm, k_norm)`` over the head dimension; L2 has no parameters, so one shared
-        operation serves both."""
+        """``(q_norm, k_norm)`` over the head dimension (L2, parameter-free: one for both)."""
         if qk_norm_type is None:
             return None, None
         if qk_norm_type == "L2Normalization":
@@ -514,10 +513,9 @@ class MultiheadAttention(torch.nn.Module):
             )  # fmt: skip
             projection = self.proj(context, is_first_microbatch=is_first_microbatch)
 
-        if self.return_bias:  # proj's bias, a copy where this module is an FSDP2 unit
-            outputs = (projection[0], returned_bias(self, projection[1]))
-        else:
-            outputs = (projection,)
+        if self.return_bias:  # proj's bias: a copy where this module is an FSDP2 unit
+            projection = (projection[0], returned_bias(self, projection[1]))
+        outputs = projection if self.return_bias else (projection,)
         if self.input_layernorm and self.return_layernorm_output:
             outputs += (layernorm_output,)
         return outputs[0] if len(outputs) == 1 else outputs

@@ -43,6 +43,7 @@ __all__ = [
     "layernorm_bwd",
     "rmsnorm_fwd",
     "rmsnorm_bwd",
+    "rmsnorm_bwd_add",
     "layernorm_backward_from_stats",
     "rmsnorm_backward_from_stats",
 ]
@@ -335,4 +336,27 @@ def rmsnorm_bwd(dz, x, rsigma, gamma, sm_margin, zero_centered_gamma):
         dz.reshape(-1, hidden), x.reshape(-1, hidden), rsigma.reshape(-1, 1),
         _gamma(gamma, zero_centered_gamma),
     )  # fmt: skip
+    return [dx.reshape(x.shape).to(x.dtype), dgamma.to(gamma.dtype)]
+
+
+def rmsnorm_bwd_add(dz, x, add, rsigma, gamma, sm_margin, zero_centered_gamma):
+    """RMSNorm backward with a gradient to add to ``dx`` (the residual branch's, when the norm's
+    input also feeds a residual add): ``[dx + add, dgamma]``. The sum is taken in the backward's
+    float32 before the one rounding to ``x``'s dtype."""
+    op = "rmsnorm_bwd_add"
+    _check_backward(op, dz, x, gamma, {"rsigma": rsigma}, sm_margin, zero_centered_gamma)
+    check_tensor(op, "add", add)
+    check_dtype(op, "add", add, HIGH_PRECISION_DTYPES)
+    if add.shape != x.shape:
+        raise ValueError(
+            f"{op}: add has shape {tuple(add.shape)} but x has shape {tuple(x.shape)}; the "
+            "added gradient has the input's shape"
+        )
+    check_tensors_on(op, "x", x, add=add)
+    hidden = x.shape[-1]
+    dx, dgamma = rmsnorm_backward_from_stats(
+        dz.reshape(-1, hidden), x.reshape(-1, hidden), rsigma.reshape(-1, 1),
+        _gamma(gamma, zero_centered_gamma),
+    )  # fmt: skip
+    dx = dx + add.reshape(-1, hidden).to(dx.dtype)
     return [dx.reshape(x.shape).to(x.dtype), dgamma.to(gamma.dtype)]
