@@ -47,6 +47,7 @@ from ._quantize import (
     fp8_transpose,
     multi_tensor_quantize,
     quantize,
+    split_quantize,
 )
 from ._versions import get_cublasLt_version, get_cudnn_version
 
@@ -60,6 +61,7 @@ __all__ = [
     "bgrad_quantize",
     "create_empty_quantized_tensor",
     "multi_tensor_quantize",
+    "split_quantize",
     "compute_amax",
     "fp8_transpose",
     "generic_gemm",

@@ -28,6 +28,7 @@ __all__ = [
     "bgrad_quantize",
     "create_empty_quantized_tensor",
     "multi_tensor_quantize",
+    "split_quantize",
     "compute_amax",
     "fp8_transpose",
 ]
@@ -130,6 +131,29 @@ def multi_tensor_quantize(tensor_list, quantizer_list) -> list:
         _check_tensor(op, f"tensor_list[{i}]", tensor)
         _check_quantizer(op, quantizer, f"quantizer_list[{i}]")
     return [quantize(t, q) for t, q in zip(tensors, quantizers)]
+
+
+def split_quantize(tensor, split_sections, quantizer_list) -> list:
+    """``tensor`` split along dim 0 into ``split_sections`` rows each (a grouped GEMM's inputs),
+    each part quantized with its quantizer: ``[quantize(part, q), ...]``. The sections must be
+    non-negative ints summing to ``tensor.shape[0]``, one quantizer per section."""
+    op = "split_quantize"
+    _check_tensor(op, "tensor", tensor)
+    sections, quantizers = [int(n) for n in split_sections], list(quantizer_list)
+    if len(sections) != len(quantizers):
+        raise ValueError(
+            f"{op}: got {len(sections)} split sections but {len(quantizers)} quantizers; pass "
+            "one quantizer per section"
+        )
+    rows = tensor.shape[0] if tensor.dim() > 0 else 0
+    if any(n < 0 for n in sections) or sum(sections) != rows:
+        raise ValueError(
+            f"{op}: split_sections={sections} must be non-negative and sum to the tensor's "
+            f"{rows} rows (dim 0 of shape {tuple(tensor.shape)})"
+        )
+    for i, quantizer in enumerate(quantizers):
+        _check_quantizer(op, quantizer, f"quantizer_list[{i}]")
+    return [quantize(part, q) for part, q in zip(torch.split(tensor, sections), quantizers)]
 
 
 def compute_amax(input: torch.Tensor, amax: torch.Tensor) -> None:
