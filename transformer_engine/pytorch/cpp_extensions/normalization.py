@@ -331,12 +331,7 @@ def rmsnorm_bwd(dz, x, rsigma, gamma, sm_margin, zero_centered_gamma):
     :func:`layernorm_bwd`)."""
     op = "rmsnorm_bwd"
     _check_backward(op, dz, x, gamma, {"rsigma": rsigma}, sm_margin, zero_centered_gamma)
-    hidden = x.shape[-1]
-    dx, dgamma = rmsnorm_backward_from_stats(
-        dz.reshape(-1, hidden), x.reshape(-1, hidden), rsigma.reshape(-1, 1),
-        _gamma(gamma, zero_centered_gamma),
-    )  # fmt: skip
-    return [dx.reshape(x.shape).to(x.dtype), dgamma.to(gamma.dtype)]
+    return _rmsnorm_bwd(dz, x, rsigma, gamma, zero_centered_gamma)
 
 
 def rmsnorm_bwd_add(dz, x, add, rsigma, gamma, sm_margin, zero_centered_gamma):
@@ -353,10 +348,17 @@ def rmsnorm_bwd_add(dz, x, add, rsigma, gamma, sm_margin, zero_centered_gamma):
             "added gradient has the input's shape"
         )
     check_tensors_on(op, "x", x, add=add)
+    return _rmsnorm_bwd(dz, x, rsigma, gamma, zero_centered_gamma, add)
+
+
+def _rmsnorm_bwd(dz, x, rsigma, gamma, zero_centered_gamma, add=None):
+    """The checked RMSNorm backward on ``[rows, hidden]`` views; ``add`` joins ``dx`` before its
+    rounding to ``x``'s dtype."""
     hidden = x.shape[-1]
     dx, dgamma = rmsnorm_backward_from_stats(
         dz.reshape(-1, hidden), x.reshape(-1, hidden), rsigma.reshape(-1, 1),
         _gamma(gamma, zero_centered_gamma),
     )  # fmt: skip
-    dx = dx + add.reshape(-1, hidden).to(dx.dtype)
+    if add is not None:
+        dx = dx + add.reshape(-1, hidden).to(dx.dtype)
     return [dx.reshape(x.shape).to(x.dtype), dgamma.to(gamma.dtype)]
