@@ -261,6 +261,38 @@ def oracle_steps(model, optimizer, step_slices, autocast, world_size: int) -> to
     return torch.stack(losses)
 
 
+def rank_steps(model, optimizer, batches, rank: int, world_size: int, autocast) -> list:
+    """One rank's training steps: its slice (dim-0 chunk ``rank``) of each batch, the forward
+    in ``autocast()``, backward, optimizer step. Returns the losses."""
+    losses = []
+    for x in batches:
+        with autocast():
+            loss = loss_of(model(x.chunk(world_size)[rank]))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def check_ranks_equal_oracle(sharded_results, key, losses, params, atol: float = 0.0) -> None:
+    """Every rank's ``results[key]`` (``losses``, ``params`` of :func:`full_parameters`) equals
+    the oracle's (:func:`oracle_steps` losses, its ``full_parameters``) bitwise; ``atol``: the
+    tolerance of the high-precision parameters only (FP8 values and scales stay bitwise)."""
+    fp8 = {k.removesuffix("._scale_inv") for k in params if k.endswith("._scale_inv")}
+    for rank, results in enumerate(sharded_results):
+        got = results[key]
+        for step, loss in enumerate(got["losses"]):
+            assert torch.equal(loss, losses[step][rank]), f"rank {rank} step {step}"
+        assert got["params"].keys() == params.keys()
+        for name in params:
+            if atol and name not in fp8 and not name.endswith("._scale_inv"):
+                torch.testing.assert_close(got["params"][name], params[name], rtol=0, atol=atol)
+            else:
+                assert torch.equal(got["params"][name], params[name]), f"rank {rank} {name}"
+    assert not torch.equal(losses[0][0], losses[-1][0])
+
+
 def _mixed_precision_reference(recipe_name, world_size, device, optimizer_name) -> dict:
     """The oracle of ``mixed_precision_policy()``: float32 masters; each step a BF16 copy runs
     every slice (the forwards in one autocast, slice 0's backward last), and each slice's BF16

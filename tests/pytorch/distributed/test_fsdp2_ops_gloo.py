@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -90,12 +91,6 @@ def _batches():
     return [torch.randn(8 * WORLD_SIZE, 32, generator=g) for _ in range(STEPS)]
 
 
-def _loss(model, x, recipe_name):
-    recipe = _recipe(recipe_name)
-    with te.autocast(enabled=recipe is not None, recipe=recipe):
-        return model(x).float().square().mean()
-
-
 def _worker(rank, out_dir, init_file):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -115,13 +110,11 @@ def _worker(rank, out_dir, init_file):
                 torch.manual_seed(0)
                 model.reset_parameters()
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            losses = []
-            for x in _batches():
-                loss = _loss(model, x.chunk(WORLD_SIZE)[rank], recipe_name)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(loss.detach())
+            recipe = _recipe(recipe_name)
+            losses = harness.rank_steps(
+                model, optimizer, _batches(), rank, WORLD_SIZE,
+                partial(te.autocast, enabled=recipe is not None, recipe=recipe),
+            )  # fmt: skip
             results[_key(run, grouped)] = {
                 "losses": losses,
                 "params": harness.full_parameters(model),
@@ -158,11 +151,4 @@ def test_fsdp2_ops_training_equals_the_unsharded_run(sharded_results, grouped, r
     losses, params = _reference(recipe_name, fp8_weights, grouped)
     if fp8_weights:
         assert sum(k.endswith("._scale_inv") for k in params) == 2
-    for rank, results in enumerate(sharded_results):
-        got = results[_key(run, grouped)]
-        for step, loss in enumerate(got["losses"]):
-            assert torch.equal(loss, losses[step][rank]), f"rank {rank} step {step}"
-        assert got["params"].keys() == params.keys()
-        for name in params:
-            assert torch.equal(got["params"][name], params[name]), f"rank {rank} {name}"
-    assert not torch.equal(losses[0][0], losses[-1][0])
+    harness.check_ranks_equal_oracle(sharded_results, _key(run, grouped), losses, params)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -86,14 +87,9 @@ def _worker(rank, out_dir, init_file):
                 fully_shard(unit, mesh=mesh)
             fully_shard(model, mesh=mesh)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            losses = []
-            for x in _batches():
-                with _autocast(recipe_name):
-                    loss = harness.loss_of(model(x.chunk(WORLD_SIZE)[rank]))
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(loss.detach())
+            losses = harness.rank_steps(
+                model, optimizer, _batches(), rank, WORLD_SIZE, partial(_autocast, recipe_name)
+            )
             results[recipe_name] = {"losses": losses, "params": harness.full_parameters(model)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -116,13 +112,7 @@ def test_returned_biases_of_fsdp2_units_train_like_the_unsharded_run(sharded_res
         lambda: _autocast(recipe_name), WORLD_SIZE,
     )  # fmt: skip
     params = harness.full_parameters(model)
-    for rank, results in enumerate(sharded_results):
-        got = results[recipe_name]
-        for step, loss in enumerate(got["losses"]):
-            assert torch.equal(loss, losses[step][rank]), f"rank {rank} step {step}"
-        for name in params:
-            assert torch.equal(got["params"][name], params[name]), f"rank {rank} {name}"
-    assert not torch.equal(losses[0][0], losses[-1][0])
+    harness.check_ranks_equal_oracle(sharded_results, recipe_name, losses, params)
 
 
 def test_an_unwrapped_module_returns_its_bias_parameter_itself():
