@@ -16,6 +16,7 @@ from transformer_engine.common.recipe import (
     Format,
     MXFP8BlockScaling,
 )
+from transformer_engine.pytorch.device import materialization_device
 from transformer_engine.pytorch.tensor import Float8Tensor
 
 RECIPES = {
@@ -50,7 +51,9 @@ def test_block_scaled_weights_stay_high_precision_until_materialized():
 @pytest.mark.parametrize("name", sorted(RECIPES))
 @pytest.mark.parametrize("to_empty", [True, False], ids=["to_empty", "reset_only"])
 def test_materialized_weights_equal_a_build_on_the_device(name, to_empty):
-    direct = _build(RECIPES[name], "cpu")
+    # to_empty's device, else where a reset materializes (the current CUDA device, else the CPU)
+    device = torch.device("cpu") if to_empty else materialization_device()
+    direct = _build(RECIPES[name], device)
     module = _build(RECIPES[name], "meta")
     if to_empty:
         module.to_empty(device="cpu")
@@ -59,7 +62,7 @@ def test_materialized_weights_equal_a_build_on_the_device(name, to_empty):
     module.reset_parameters()
     for key in ("fc1_weight", "fc2_weight"):
         got, want = getattr(module, key), getattr(direct, key)
-        assert isinstance(got, Float8Tensor) and got.device == torch.device("cpu")
+        assert isinstance(got, Float8Tensor) and got.device == device
         assert torch.equal(got._data, want._data), key
         assert torch.equal(got._scale_inv, want._scale_inv), key
     assert module.fc1_weight.sequence_parallel is True
