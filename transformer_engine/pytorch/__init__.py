@@ -3,7 +3,7 @@
 The modules (``te.Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``,
 ``LayerNorm``, ``RMSNorm``), attention and the composed layers (``te.DotProductAttention``,
 ``MultiheadAttention``, ``TransformerLayer``, RoPE, the KV cache), CUDA graphs
-(``make_graphed_callables``), the fusible operations (``te.ops``), the fused optimizers (``te.optimizers``), autocast and the quantization
+(``make_graphed_callables``), activation CPU offload (``get_cpu_offload_context``), the fusible operations (``te.ops``), the fused optimizers (``te.optimizers``), autocast and the quantization
 state, quantized tensors, the FP8 cast kernels and GEMM (``cpp_extensions``), their pure-PyTorch
 reference (``reference``) and upstream's helper names. docs/architecture.md describes the layers.
 """
@@ -16,6 +16,7 @@ from .attention import (
     RotaryPositionEmbedding,
 )
 from .constants import DType
+from .cpu_offload import ManualOffloadSynchronizer, get_cpu_offload_context, mark_not_offload
 from .cross_entropy import parallel_cross_entropy
 from .distributed import CudaRNGStatesTracker, checkpoint
 from .graph import make_graphed_callables
@@ -88,6 +89,9 @@ from .utils import (
 )
 
 __all__ = [
+    "get_cpu_offload_context",
+    "mark_not_offload",
+    "ManualOffloadSynchronizer",
     "Linear",
     "LayerNormLinear",
     "LayerNormMLP",
