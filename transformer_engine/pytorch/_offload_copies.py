@@ -184,7 +184,7 @@ class OffloadedTensor:
             back = self._copy_back(streams)
             self._back = weakref.ref(back)
             self._held = back
-        if self._gets % self.saves == 0:
+        if self._gets % max(self.saves, 1) == 0:
             self._held = None
         return back
 

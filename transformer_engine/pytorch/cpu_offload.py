@@ -80,7 +80,9 @@ def start_offload(*tensors, offload_base_tensor: bool = False) -> None:
             continue
         if offload_base_tensor and tensor._base is not None:
             tensor = tensor._base
-        synchronizer.pack(tensor)
+        handle = synchronizer.pack(tensor)
+        if isinstance(handle, OffloadedTensor):
+            handle.saves -= 1  # registered early, not saved: the saves that follow count
 
 
 class OffloadableLayerState:
