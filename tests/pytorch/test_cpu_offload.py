@@ -160,6 +160,22 @@ def test_layer_that_raised_can_run_again():
     sync(y)
 
 
+def test_forward_without_grad_needs_no_sync(offload_on_cpu, spy):
+    """Evaluation loops call the sync function only when grad is enabled (Megatron's does)."""
+    layers = make_layers("linear", 3, "cpu")
+    x = torch.randn(8, 2, 32)
+    context, sync = get_cpu_offload_context(True, 1, 3)
+    with torch.no_grad():
+        y = x
+        for layer in layers:
+            with context:
+                y = layer(y)
+    assert spy["out"] == 0
+    reference = run_step(make_layers("linear", 3, "cpu"), x)
+    assert_same(run_step(layers, x, None, (context, sync)), reference)
+    assert spy["out"] > 0 and spy["back"] == spy["out"]
+
+
 def test_sync_output_takes_inplace_ops():
     context, sync = get_cpu_offload_context(True, 1, 3)
     x = torch.ones(4, requires_grad=True)

@@ -221,7 +221,10 @@ class DefaultOffloadSynchronizer:
 
     # -- sync_function's side -----------------------------------------------------------
     def sync_forward(self) -> tuple[OffloadableLayerState | None, OffloadableLayerState | None]:
-        """Close the layer: ``(its state, the previous layer's)`` for the backward."""
+        """Close the layer: ``(its state, the previous layer's)`` for the backward. Without a
+        layer to close (its forward ran without grad: nothing was saved) nothing changes."""
+        if not self._awaiting_sync:
+            return None, None
         state = self._in_layer or None
         previous = self._previous
         if state is not None and not self.manual:
@@ -296,9 +299,9 @@ class _OffloadContext:
         _OffloadContext.current = self._outer
         self._hooks.__exit__(exc_type, exc, tb)
         self._hooks = None
-        if exc_type is None:
+        if exc_type is None and torch.is_grad_enabled():
             self.synchronizer.end_layer()
-        else:
+        else:  # it raised, or ran without grad (evaluation): nothing to offload, no sync needed
             self.synchronizer.abort_layer()
         return False
 
