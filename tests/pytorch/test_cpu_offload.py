@@ -398,13 +398,21 @@ def _gpu_step_memory(layers, x, recipe, offload):
 @pytest.mark.parametrize("recipe", [None, "delayed", "current"])
 def test_gpu_offload_frees_memory_and_keeps_gradients(recipe):
     device = torch.device("cuda", torch.cuda.current_device())
-    torch.manual_seed(0)
-    layers = [te.LayerNormMLP(1024, 4096, device=device, params_dtype=torch.bfloat16)
-              for _ in range(4)]  # fmt: skip
+
+    def build():
+        torch.manual_seed(0)
+        return [
+            te.LayerNormMLP(1024, 4096, device=device, params_dtype=torch.bfloat16)
+            for _ in range(4)
+        ]
+
     x = torch.randn(2048, 1024, device=device, dtype=torch.bfloat16)
-    held_plain, reference = _gpu_step_memory(layers, x, make_recipe(recipe), None)
+    # Two steps each, on equal stacks (delayed scaling's state moves on from step to step).
+    plain = build()
+    references = [_gpu_step_memory(plain, x, make_recipe(recipe), None) for _ in range(2)]
+    layers = build()
     offload = get_cpu_offload_context(True, num_layers=3, model_layers=4)
-    for _ in range(2):
+    for held_plain, reference in references:
         held, result = _gpu_step_memory(layers, x, make_recipe(recipe), offload)
         assert_same(result, reference)
         # Three of four layers' saved activations left the GPU.
