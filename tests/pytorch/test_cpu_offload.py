@@ -9,6 +9,7 @@ forward, bitwise gradients with the real side-stream copies, and a layer on ``cu
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import pytest
@@ -99,6 +100,25 @@ def assert_same(a, b):
 
 
 # --- arguments -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "transformer_engine.pytorch.get_cpu_offload_context",
+        "transformer_engine.pytorch.mark_not_offload",
+        "transformer_engine.pytorch.ManualOffloadSynchronizer",
+        "transformer_engine.pytorch.cpu_offload.get_cpu_offload_context",
+        "transformer_engine.pytorch.cpu_offload.mark_not_offload",
+        "transformer_engine.pytorch.cpu_offload.start_offload",
+        "transformer_engine.pytorch.cpu_offload.is_cpu_offload_enabled",
+        "transformer_engine.pytorch.cpu_offload.DefaultOffloadSynchronizer",
+        "transformer_engine.pytorch.cpu_offload.OffloadableLayerState",
+    ],
+)
+def test_upstream_import_paths(path):
+    module, name = path.rsplit(".", 1)
+    assert callable(getattr(importlib.import_module(module), name))
 
 
 def test_disabled_returns_null_context_and_identity():
