@@ -310,6 +310,19 @@ def test_parameters_and_marked_tensors_stay(offload_on_cpu):
     assert torch.equal(x.grad, w.detach() * keep)
 
 
+def test_mark_not_offload_tags_a_quantized_tensors_buffers(offload_on_cpu):
+    quantizer = te.Float8CurrentScalingQuantizer(te.DType.kFloat8E4M3, device="cpu")
+    weight = quantizer(torch.randn(32, 32))
+    storage = quantizer.copy()
+    storage.internal = True
+    storage = storage(torch.randn(32, 32))
+    plain = torch.randn(32, 32)
+    assert _offload_copies.offload_candidate(weight._data)
+    te.mark_not_offload(weight, storage, None, plain)
+    for buffer in (weight._data, weight._scale_inv, storage._data, plain, plain[1:]):
+        assert not _offload_copies.offload_candidate(buffer)
+
+
 def test_start_offload_shares_one_copy_with_views(offload_on_cpu, spy):
     base = torch.randn(4, 6, requires_grad=True)
     context, sync = get_cpu_offload_context(True, 1, 3)

@@ -56,15 +56,18 @@ def is_cpu_offload_enabled() -> bool:
 
 def mark_not_offload(*tensors) -> None:
     """Keep these tensors on the GPU when a layer saves them (upstream's ``_TE_do_not_offload``
-    tag). A quantized tensor's buffers are tagged too. ``None`` entries are skipped."""
+    tag). A quantized tensor's buffers (the tensors among its attributes) are tagged too.
+    ``None`` entries are skipped."""
     for tensor in tensors:
         if tensor is None:
             continue
-        tensor._TE_do_not_offload = True
-        for name in ("_data", "_transpose", "_rowwise_data", "_columnwise_data"):
-            buffer = getattr(tensor, name, None)
-            if isinstance(buffer, torch.Tensor):
-                buffer._TE_do_not_offload = True
+        buffers = [
+            value
+            for value in getattr(tensor, "__dict__", {}).values()
+            if isinstance(value, torch.Tensor)
+        ]
+        for item in (tensor, *buffers):
+            item._TE_do_not_offload = True
 
 
 def start_offload(*tensors, offload_base_tensor: bool = False) -> None:
@@ -81,6 +84,8 @@ def start_offload(*tensors, offload_base_tensor: bool = False) -> None:
         if offload_base_tensor and tensor._base is not None:
             tensor = tensor._base
         handle = synchronizer.pack(tensor)
+        if isinstance(handle, _OffloadedView):
+            handle = handle.base
         if isinstance(handle, OffloadedTensor):
             handle.saves -= 1  # registered early, not saved: the saves that follow count
 
