@@ -71,8 +71,9 @@ def make_layers(kind: str, count: int, device, hidden=32):
     ]
 
 
-def run_step(layers, x, recipe=None, offload=None):
-    """Forward + backward of the stack; ``offload``: ``(context, sync_function)`` or None."""
+def forward_stack(layers, x, recipe=None, offload=None):
+    """``(input leaf, output)`` of the stack's forward; ``offload``: ``(context,
+    sync_function)`` or None."""
     x = x.detach().clone().requires_grad_()
     with te.autocast(enabled=recipe is not None, recipe=recipe):
         y = x
@@ -84,11 +85,21 @@ def run_step(layers, x, recipe=None, offload=None):
                 with context:
                     y = layer(y)
                 y = sync(y)
+    return x, y
+
+
+def backward_stack(layers, x, y):
+    """``(output, [input gradient, parameter gradients...])``; the parameters' are cleared."""
     y.float().square().sum().backward()
     grads = [x.grad] + [p.grad.clone() for layer in layers for p in layer.parameters()]
     for layer in layers:
         layer.zero_grad(set_to_none=True)
     return y.detach(), grads
+
+
+def run_step(layers, x, recipe=None, offload=None):
+    """Forward + backward of the stack: ``(output, gradients)``."""
+    return backward_stack(layers, *forward_stack(layers, x, recipe, offload))
 
 
 def assert_same(a, b):
@@ -340,25 +351,31 @@ def test_start_offload_shares_one_copy_with_views(offload_on_cpu, spy):
     assert torch.equal(base.grad, expected.view(4, 6))
 
 
-def test_manual_synchronization(offload_on_cpu, spy):
-    layers = make_layers("linear", 3, "cpu")
-    x = torch.randn(8, 2, 32)
-    reference = run_step(layers, x)
-    context, sync, controller = get_cpu_offload_context(True, 3, 3, manual_synchronization=True)
+def manual_forward(layers, x, context, sync, controller, offloaded: int):
+    """The stack's forward under manual synchronization: each of the first ``offloaded``
+    layers is copied out and released right after its sync call. ``(input leaf, output)``."""
     x_in = x.clone().requires_grad_()
     y = x_in
     for index, layer in enumerate(layers):
         with context:
             y = layer(y)
         y = sync(y)
-        if index < 2:  # layers 0 and 1 go to host memory; layer 2 is recorded but stays
+        if index < offloaded:
             controller.start_offload_layer(index)
             controller.release_activation_forward_gpu_memory(index)
+    return x_in, y
+
+
+def test_manual_synchronization(offload_on_cpu, spy):
+    layers = make_layers("linear", 3, "cpu")
+    x = torch.randn(8, 2, 32)
+    reference = run_step(layers, x)
+    context, sync, controller = get_cpu_offload_context(True, 3, 3, manual_synchronization=True)
+    # Layers 0 and 1 go to host memory; layer 2 is recorded but stays.
+    x_in, y = manual_forward(layers, x, context, sync, controller, offloaded=2)
     assert spy["out"] > 0 and spy["back"] == 0  # nothing happens on its own
     controller.start_reload_layer(1)
-    y.float().square().sum().backward()
-    grads = [x_in.grad] + [p.grad.clone() for layer in layers for p in layer.parameters()]
-    assert_same((y.detach(), grads), reference)
+    assert_same(backward_stack(layers, x_in, y), reference)
     assert spy["back"] == spy["out"]  # layer 0 came back on demand
     with pytest.raises(IndexError):
         controller.start_reload_layer(3)
@@ -403,28 +420,15 @@ def test_second_backward_with_retained_graph(offload_on_cpu):
 def _gpu_step_memory(layers, x, recipe, offload):
     """Bytes allocated on ``x``'s device after the forward (before backward), and the step."""
     device = x.device
-    x = x.detach().clone().requires_grad_()
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
-    with te.autocast(enabled=recipe is not None, recipe=recipe):
-        y = x
-        for layer in layers:
-            if offload is None:
-                y = layer(y)
-            else:
-                with offload[0]:
-                    y = layer(y)
-                y = offload[1](y)
+    x, y = forward_stack(layers, x, recipe, offload)
     torch.cuda.synchronize(device)
     # Memory freed while a side stream still used it is returned at the allocator's next
     # allocation (it checks the streams' events then): one tiny allocation settles it.
     torch.empty(1, device=device)
     held = torch.cuda.memory_allocated(device) - before
-    y.float().square().sum().backward()
-    grads = [x.grad] + [p.grad.clone() for layer in layers for p in layer.parameters()]
-    for layer in layers:
-        layer.zero_grad(set_to_none=True)
-    return held, (y.detach(), grads)
+    return held, backward_stack(layers, x, y)
 
 
 @needs_cuda
@@ -476,20 +480,10 @@ def test_gpu_manual_synchronization_on_a_given_stream():
     context, sync, controller = get_cpu_offload_context(
         True, 2, 3, manual_synchronization=True, offload_stream=stream
     )
-    x_in = x.clone().requires_grad_()
-    y = x_in
-    for index, layer in enumerate(layers):
-        with context:
-            y = layer(y)
-        y = sync(y)
-        if index < 2:
-            controller.start_offload_layer(index)
-            controller.release_activation_forward_gpu_memory(index)
+    x_in, y = manual_forward(layers, x, context, sync, controller, offloaded=2)
     controller.start_reload_layer(1)
     controller.start_reload_layer(0)
-    y.float().square().sum().backward()
-    grads = [x_in.grad] + [p.grad.clone() for layer in layers for p in layer.parameters()]
-    assert_same((y.detach(), grads), reference)
+    assert_same(backward_stack(layers, x_in, y), reference)
 
 
 @needs_two_gpus
