@@ -72,9 +72,10 @@ def make_layers(kind: str, count: int, device, hidden=32):
 
 
 def forward_stack(layers, x, recipe=None, offload=None):
-    """``(input leaf, output)`` of the stack's forward; ``offload``: ``(context,
-    sync_function)`` or None."""
-    x = x.detach().clone().requires_grad_()
+    """``(input leaf, output)`` of the stack's forward (``x`` is the leaf when it requires
+    grad, else a copy is); ``offload``: ``(context, sync_function)`` or None."""
+    if not x.requires_grad:
+        x = x.detach().clone().requires_grad_()
     with te.autocast(enabled=recipe is not None, recipe=recipe):
         y = x
         for layer in layers:
@@ -420,6 +421,7 @@ def test_second_backward_with_retained_graph(offload_on_cpu):
 def _gpu_step_memory(layers, x, recipe, offload):
     """Bytes allocated on ``x``'s device after the forward (before backward), and the step."""
     device = x.device
+    x = x.detach().clone().requires_grad_()
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     x, y = forward_stack(layers, x, recipe, offload)
