@@ -189,7 +189,7 @@ class DefaultOffloadSynchronizer:
             )
         index = self._next_layer
         state = None
-        if index < self.num_layers:
+        if index < self.num_layers and torch.is_grad_enabled():  # without grad nothing is saved
             state = OffloadableLayerState(index, self._pool)
             if self.manual:
                 self.layers[index] = state
@@ -201,7 +201,8 @@ class DefaultOffloadSynchronizer:
         self._awaiting_sync = True
 
     def abort_layer(self) -> None:
-        """The layer's forward raised: forget it, so the layer can run again."""
+        """The layer's forward raised, or ran without grad: forget it (no sync call needed;
+        a layer that raised can run again)."""
         self._in_layer = False
         self._awaiting_sync = False
 
