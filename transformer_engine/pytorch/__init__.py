@@ -3,7 +3,8 @@
 The modules (``te.Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``,
 ``LayerNorm``, ``RMSNorm``), attention and the composed layers (``te.DotProductAttention``,
 ``MultiheadAttention``, ``TransformerLayer``, RoPE, the KV cache), CUDA graphs
-(``make_graphed_callables``), activation CPU offload (``get_cpu_offload_context``), the fusible operations (``te.ops``), the fused optimizers (``te.optimizers``), autocast and the quantization
+(``make_graphed_callables``), activation CPU offload (``get_cpu_offload_context``), the fusible
+operations (``te.ops``), the fused optimizers (``te.optimizers``), autocast and the quantization
 state, quantized tensors, the FP8 cast kernels and GEMM (``cpp_extensions``), their pure-PyTorch
 reference (``reference``) and upstream's helper names. docs/architecture.md describes the layers.
 """
@@ -89,9 +90,6 @@ from .utils import (
 )
 
 __all__ = [
-    "get_cpu_offload_context",
-    "mark_not_offload",
-    "ManualOffloadSynchronizer",
     "Linear",
     "LayerNormLinear",
     "LayerNormMLP",
@@ -108,6 +106,9 @@ __all__ = [
     "RotaryPositionEmbedding",
     "CudaRNGStatesTracker",
     "make_graphed_callables",
+    "get_cpu_offload_context",
+    "mark_not_offload",
+    "ManualOffloadSynchronizer",
     "attention",
     "DType",
     "cpp_extensions",
