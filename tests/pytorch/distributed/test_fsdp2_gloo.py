@@ -16,6 +16,7 @@ from utils import needs_cuda, needs_two_gpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import fsdp2_fp8_checks as fp8_checks  # noqa: E402
 import run_fsdp2 as harness  # noqa: E402
 
 WORLD_SIZE = 2
@@ -150,7 +151,7 @@ def test_dcp_checkpoint_with_fused_adam(sharded_results):
     """The same DCP round trip with te.optimizers.FusedAdam: its float32 state dict saves and
     restores through torch.distributed.checkpoint, and the next step is bitwise the same."""
     for results in sharded_results:
-        harness.check_extras(results, "cpu", "checkpoint_fused_adam")
+        fp8_checks.check_extras(results, "cpu", "checkpoint_fused_adam")
 
 
 def test_amax_reduction_across_ranks_mattered():
@@ -214,14 +215,14 @@ def test_dcp_checkpoint_of_fp8_parameters(sharded_results):
     the restored shards hold the same values and scales, and the next step is bitwise the
     original's."""
     for results in sharded_results:
-        harness.check_extras(results, "cpu", "checkpoint_fp8_params")
+        fp8_checks.check_extras(results, "cpu", "checkpoint_fp8_params")
 
 
 def test_dcp_checkpoint_restores_fp8_state_and_training(sharded_results):
     """DCP save/load of the sharded model and optimizer: FP8 state back on each rank's device,
     and the next step bitwise equal to the original's."""
     for results in sharded_results:
-        harness.check_extras(results, "cpu")
+        fp8_checks.check_extras(results, "cpu")
         assert results["checkpoint"]["restored_devices"] == ["cpu"]
 
 
@@ -291,6 +292,6 @@ def test_fsdp2_fp8_parameters_on_one_gpu(tmp_path):
         )  # fmt: skip
         harness.compare(results["-".join(run)], expected, "-".join(run))
     for key in ("checkpoint", "checkpoint_fp8_params"):
-        harness.check_extras(results, "cuda:0", key)
+        fp8_checks.check_extras(results, "cuda:0", key)
     memory = results["fp8_parameter_memory"]
     assert memory[2:] == [memory[2]] * len(memory[2:]), memory

@@ -8,14 +8,12 @@ the resets write into the shards and set up their quantizers over the mesh's sha
 
 from __future__ import annotations
 
-import os
 import sys
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import transformer_engine.pytorch as te
@@ -45,35 +43,33 @@ def _batches():
 
 
 def _worker(rank, out_dir, init_file):
-    from torch.distributed.device_mesh import init_device_mesh
+    harness.gloo_worker(
+        rank, out_dir, init_file, (2, 2), partial(_train, rank), ("replicate", "shard")
+    )
+
+
+def _train(rank, mesh) -> dict:
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE
-    )
-    try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        results = {}
-        for recipe_name, meta in RUNS:
-            recipe = RECIPES[recipe_name]()
-            model = _model(recipe_name, "meta" if meta else "cpu")
+    results = {}
+    for recipe_name, meta in RUNS:
+        recipe = RECIPES[recipe_name]()
+        model = _model(recipe_name, "meta" if meta else "cpu")
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if meta:  # the resets write into the shards (and set up their quantizers)
+            model.to_empty(device="cpu")
+            torch.manual_seed(0)
             for block in model:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            if meta:  # the resets write into the shards (and set up their quantizers)
-                model.to_empty(device="cpu")
-                torch.manual_seed(0)
-                for block in model:
-                    block.reset_parameters()
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            losses = harness.rank_steps(
-                model, optimizer, _batches(), rank, WORLD_SIZE, partial(te.autocast, recipe=recipe)
-            )
-            key = f"{recipe_name}-meta" if meta else recipe_name
-            results[key] = {"losses": losses, "params": harness.full_parameters(model)}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+                block.reset_parameters()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = harness.rank_steps(
+            model, optimizer, _batches(), rank, WORLD_SIZE, partial(te.autocast, recipe=recipe)
+        )
+        key = f"{recipe_name}-meta" if meta else recipe_name
+        results[key] = {"losses": losses, "params": harness.full_parameters(model)}
+    return results
 
 
 def _reference(recipe_name):

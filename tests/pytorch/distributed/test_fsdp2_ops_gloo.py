@@ -7,14 +7,12 @@ gradients by the world size, as ``run_fsdp2.py`` explains for the modules."""
 
 from __future__ import annotations
 
-import os
 import sys
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import transformer_engine.pytorch as te
@@ -92,36 +90,32 @@ def _batches():
 
 
 def _worker(rank, out_dir, init_file):
-    from torch.distributed.device_mesh import init_device_mesh
+    harness.gloo_worker(rank, out_dir, init_file, (WORLD_SIZE,), partial(_train, rank))
+
+
+def _train(rank, mesh) -> dict:
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE
-    )
-    try:
-        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-        results = {}
-        for grouped, run in [(False, r) for r in RUNS] + [(True, r) for r in GROUPED_RUNS]:
-            recipe_name, fp8_weights, meta = run
-            model = _model(recipe_name, fp8_weights, "meta" if meta else "cpu", grouped)
-            fully_shard(model, mesh=mesh)
-            if meta:
-                model.to_empty(device="cpu")
-                torch.manual_seed(0)
-                model.reset_parameters()
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            recipe = _recipe(recipe_name)
-            losses = harness.rank_steps(
-                model, optimizer, _batches(), rank, WORLD_SIZE,
-                partial(te.autocast, enabled=recipe is not None, recipe=recipe),
-            )  # fmt: skip
-            results[_key(run, grouped)] = {
-                "losses": losses,
-                "params": harness.full_parameters(model),
-            }
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    results = {}
+    for grouped, run in [(False, r) for r in RUNS] + [(True, r) for r in GROUPED_RUNS]:
+        recipe_name, fp8_weights, meta = run
+        model = _model(recipe_name, fp8_weights, "meta" if meta else "cpu", grouped)
+        fully_shard(model, mesh=mesh)
+        if meta:
+            model.to_empty(device="cpu")
+            torch.manual_seed(0)
+            model.reset_parameters()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        recipe = _recipe(recipe_name)
+        losses = harness.rank_steps(
+            model, optimizer, _batches(), rank, WORLD_SIZE,
+            partial(te.autocast, enabled=recipe is not None, recipe=recipe),
+        )  # fmt: skip
+        results[_key(run, grouped)] = {
+            "losses": losses,
+            "params": harness.full_parameters(model),
+        }
+    return results
 
 
 def _reference(recipe_name, fp8_weights, grouped=False):

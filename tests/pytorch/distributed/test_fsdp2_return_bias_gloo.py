@@ -8,14 +8,12 @@ bit for bit, without FP8 and under delayed scaling."""
 
 from __future__ import annotations
 
-import os
 import sys
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import transformer_engine.pytorch as te
@@ -72,28 +70,24 @@ def _autocast(recipe_name):
 
 
 def _worker(rank, out_dir, init_file):
-    from torch.distributed.device_mesh import init_device_mesh
+    harness.gloo_worker(rank, out_dir, init_file, (WORLD_SIZE,), partial(_train, rank))
+
+
+def _train(rank, mesh) -> dict:
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE
-    )
-    try:
-        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-        results = {}
-        for recipe_name in RECIPES:
-            model = _model()
-            for unit in model.units():
-                fully_shard(unit, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            losses = harness.rank_steps(
-                model, optimizer, _batches(), rank, WORLD_SIZE, partial(_autocast, recipe_name)
-            )
-            results[recipe_name] = {"losses": losses, "params": harness.full_parameters(model)}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    results = {}
+    for recipe_name in RECIPES:
+        model = _model()
+        for unit in model.units():
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = harness.rank_steps(
+            model, optimizer, _batches(), rank, WORLD_SIZE, partial(_autocast, recipe_name)
+        )
+        results[recipe_name] = {"losses": losses, "params": harness.full_parameters(model)}
+    return results
 
 
 @pytest.fixture(scope="module")
