@@ -54,7 +54,7 @@ typedef struct {
   size_t shape[NVTE_MAX_DIMS]; /*!< Extents; only the first `ndim` are read. */
 } NVTEBuffer;
 
-/*! \brief Version string of the native library, e.g. "0.1.0". */
+/*! \brief Version string of the native library, e.g. "2.20.0". */
 NVTE_API const char* nvte_version(void);
 
 /*! \brief CUDA runtime version the library was built against (e.g. 13000). */
