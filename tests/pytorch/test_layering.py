@@ -66,12 +66,13 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.pytorch.custom_recipes",
         "transformer_engine.pytorch.custom_recipes.*",
     )),
-    (6, "the functional core; the optimizers, MoE permutation and CPU offload (plain PyTorch)", (
+    (6, "the functional core; the optimizers, MoE permutation and routing, CPU offload (plain PyTorch)", (
         "transformer_engine.pytorch.functional",
         "transformer_engine.pytorch.functional.*",
         "transformer_engine.pytorch.optimizers",
         "transformer_engine.pytorch.optimizers.*",
         "transformer_engine.pytorch.permutation",
+        "transformer_engine.pytorch.router",
         "transformer_engine.pytorch.cpu_offload",
         "transformer_engine.pytorch._offload_copies",
     )),

@@ -38,4 +38,3 @@ def test_older_gates_compare_like_upstream():
     version = Version(transformer_engine.__version__)
     assert version >= Version("2.20.0.dev0")
     assert version < Version("2.21.0")
-
