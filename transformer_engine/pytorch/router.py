@@ -245,24 +245,27 @@ def fused_moe_aux_loss(
     ``sum_e(sum_t probs[t, e] * tokens_per_expert[e]) * num_experts * coeff /
     (topk * total_num_tokens ** 2)``, accumulated in float32 (float64 for float64 ``probs``).
 
-    ``probs``: ``[tokens, num_experts]`` (the scores of :func:`fused_compute_score_for_moe_aux_loss`);
-    ``tokens_per_expert``: ``[num_experts]``, the tokens each expert received (any number
-    dtype; no gradient); ``total_num_tokens``: the tokens those counts are over (an int or a
-    0-d tensor, for instance after an all-reduce). The gradient reaches ``probs``.
+    ``probs``: ``[tokens, columns]``, usually ``[tokens, num_experts]`` (the scores of
+    :func:`fused_compute_score_for_moe_aux_loss`; Megatron-LM's per-sequence loss passes
+    ``[sequence, batch * num_experts]``, so ``num_experts`` is only a factor here);
+    ``tokens_per_expert``: ``[columns]``, the tokens each column received (any number dtype;
+    no gradient); ``total_num_tokens``: the tokens those counts are over (an int or a 0-d
+    tensor, for instance after an all-reduce). The gradient reaches ``probs``.
     """
     name = "fused_moe_aux_loss"
     if not isinstance(probs, torch.Tensor) or not probs.is_floating_point():
         raise TypeError(f"{name}: probs must be a floating-point tensor, got "
                         f"{getattr(probs, 'dtype', type(probs).__name__)}")  # fmt: skip
-    if probs.dim() != 2 or probs.shape[1] != num_experts:
+    if probs.dim() != 2:
         raise ValueError(
-            f"{name}: probs must be [tokens, num_experts={num_experts}], got shape "
-            f"{tuple(probs.shape)}"
+            f"{name}: probs must be 2-D [tokens, columns], got shape {tuple(probs.shape)}"
         )
-    if tokens_per_expert.shape != (num_experts,) or tokens_per_expert.device != probs.device:
+    columns = probs.shape[1]
+    if tokens_per_expert.shape != (columns,) or tokens_per_expert.device != probs.device:
         raise ValueError(
-            f"{name}: tokens_per_expert must be [{num_experts}] on {probs.device}, got shape "
-            f"{tuple(tokens_per_expert.shape)} on {tokens_per_expert.device}"
+            f"{name}: tokens_per_expert must be [{columns}] (one count per column of probs) "
+            f"on {probs.device}, got shape {tuple(tokens_per_expert.shape)} on "
+            f"{tokens_per_expert.device}"
         )
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"{name}: topk must be a positive int, got {topk!r}")

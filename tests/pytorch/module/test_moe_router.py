@@ -299,10 +299,22 @@ def test_aux_loss_matches_formula(total, device):
     torch.testing.assert_close(probs32.grad.double().cpu(), want_grad, rtol=1e-6, atol=0)
 
 
+def test_aux_loss_over_sequence_columns():
+    # Megatron-LM's per-sequence loss: probs [sequence, batch * experts], one count per column;
+    # num_experts only scales the sum.
+    seq, batch, experts, topk, coeff = 5, 3, 4, 2, 0.1
+    g = torch.Generator().manual_seed(6)
+    probs = torch.rand(seq, batch * experts, generator=g, dtype=torch.float64)
+    counts = torch.randint(0, 7, (batch * experts,), generator=g)
+    loss = fused_moe_aux_loss(probs, counts, seq, experts, topk, coeff)
+    want = (probs * counts).sum().item() * experts * coeff / (topk * seq * seq)
+    assert loss.dtype == torch.float64 and math.isclose(loss.item(), want, rel_tol=1e-12)
+
+
 def test_aux_loss_errors():
     probs = torch.rand(4, 6)
-    with pytest.raises(ValueError, match="num_experts=5"):
-        fused_moe_aux_loss(probs, torch.ones(6), 4, 5, 2, 0.1)
+    with pytest.raises(ValueError, match="2-D"):
+        fused_moe_aux_loss(probs.reshape(4, 2, 3), torch.ones(3), 4, 3, 2, 0.1)
     with pytest.raises(ValueError, match=r"tokens_per_expert must be \[6\]"):
         fused_moe_aux_loss(probs, torch.ones(5), 4, 6, 2, 0.1)
     with pytest.raises(TypeError, match="floating-point"):
