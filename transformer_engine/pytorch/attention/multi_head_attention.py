@@ -389,10 +389,9 @@ class MultiheadAttention(torch.nn.Module):
                 module.tp_group = tp_group
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type="p2p"):
-        """Hand the context-parallel group to ``core_attention``."""
-        self.core_attention.set_context_parallel_group(
-            cp_group, cp_global_ranks, cp_stream, cp_comm_type
-        )
+        """Hand the context-parallel group to ``core_attention`` (RoPE reads its chunks too)."""
+        self.core_attention.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream,
+                                                       cp_comm_type)  # fmt: skip
 
     # -- forward -------------------------------------------------------------------------------
     def forward(
@@ -591,9 +590,10 @@ class MultiheadAttention(torch.nn.Module):
             extra = query.shape[0 if self.qkv_format == "bshd" else 1] - start_positions.numel()
             if extra > 0:
                 start_positions = torch.nn.functional.pad(start_positions, (0, extra))
+        cp = self.core_attention  # positions of its context-parallel chunks
         rotate = dict(
-            tensor_format=self.qkv_format, start_positions=start_positions,
-            interleaved=self.rotary_pos_interleaved, fused=True,
+            tensor_format=self.qkv_format, start_positions=start_positions, fused=True,
+            interleaved=self.rotary_pos_interleaved, cp_size=cp.cp_size, cp_rank=cp.cp_rank,
         )  # fmt: skip
         query = apply_rotary_pos_emb(query, q_freqs, cu_seqlens=cu_q, **rotate)
         key = apply_rotary_pos_emb(key, k_freqs, cu_seqlens=cu_kv, **rotate)

@@ -20,6 +20,7 @@ from ...device import (
 from ...module.base import TransformerEngineBaseModule
 from ...quantization import FP8GlobalStateManager
 from .backends import FlashAttention, FusedAttention, UnfusedDotProductAttention
+from .context_parallel import context_parallel_attention
 from .inputs import (
     QKV_FORMATS,
     build_problem,
@@ -117,7 +118,8 @@ class DotProductAttention(TransformerEngineBaseModule):
         This layer's index in the KV cache (default 1).
     attention_type : {"self", "cross"}, default "self"
     cp_group, cp_global_ranks, cp_stream, cp_comm_type
-        Context parallelism is not implemented: a group of more than one rank is refused.
+        Context parallelism: the sequence split over ``cp_group`` in zig-zag chunks (see
+        ``set_context_parallel_group``); ``cp_global_ranks`` and ``cp_stream`` are accepted.
     softmax_scale : float, optional
         Default ``1 / sqrt(dk)``.
     softmax_type : {"vanilla", "off-by-one", "learnable"}, default "vanilla"
@@ -269,18 +271,23 @@ class DotProductAttention(TransformerEngineBaseModule):
     def set_context_parallel_group(
         self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p"
     ) -> None:
-        """Context parallelism: only a group of one rank (or none) is accepted here."""
+        """Context parallelism over ``cp_group``: each rank holds the zig-zag chunks ``rank`` and
+        ``2 * cp - 1 - rank`` of the sequence (``context_parallel.py``; every ``cp_comm_type``
+        runs as an all-gather of K and V). The hierarchical ``a2a+p2p`` groups are not built."""
         types = cp_comm_type if isinstance(cp_comm_type, (list, tuple)) else [cp_comm_type]
         if any(t not in CP_COMM_TYPES for t in types):
             raise ValueError(f"cp_comm_type={cp_comm_type!r} is not one of {CP_COMM_TYPES}")
         groups = cp_group if isinstance(cp_group, (list, tuple)) else [cp_group]
-        if any(_group_size(g) > 1 for g in groups):
+        sizes = [_group_size(g) for g in groups]
+        if len(groups) > 1 and max(sizes) > 1:
             raise NotImplementedError(
-                "DotProductAttention: context parallelism (a cp_group of more than one rank) is "
-                "not implemented yet"
+                "DotProductAttention: hierarchical context parallelism (a list of cp groups, "
+                "cp_comm_type='a2a+p2p') is not built; pass one cp_group"
             )
         self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
         self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
+        self.cp_size = sizes[0]
+        self.cp_rank = torch.distributed.get_rank(groups[0]) if self.cp_size > 1 else 0
 
     def _mask_settings(self, attn_mask_type, window_size, bottom_right_diagonal):
         """``(mask_type, window, bottom_right)`` of one call, cached per distinct arguments."""
@@ -430,6 +437,11 @@ class DotProductAttention(TransformerEngineBaseModule):
         layout = packed_layout or f"{q_format}_{kv_format}_{kv_format}"
         enter_device(q.device)
         try:
+            if self.cp_size > 1:
+                options = dict(inference_params=inference_params, alibi_slopes=alibi_slopes,
+                               core_attention_bias_type=core_attention_bias_type,
+                               checkpoint_core_attention=checkpoint_core_attention)  # fmt: skip
+                return context_parallel_attention(self, q, k, v, fmt, mask_type, window, options)
             return self._attend(
                 q, k, v, q_format, kv_format, layout, attention_mask, mask_type, window,
                 bottom_right, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,

@@ -1,0 +1,240 @@
+"""Context parallelism of ``DotProductAttention`` and ``TransformerLayer``: the sequence split in
+zig-zag chunks over 2 and 3 gloo processes (CPU).
+
+Each rank holds chunks ``rank`` and ``2 * cp - 1 - rank`` of the sequence. Its attention output
+and the gradients of its Q, K and V rows must equal those rows of a float64 softmax attention of
+the whole sequence written out here; a ``TransformerLayer`` with rotary embeddings must give the
+rows of the same layer run on the whole sequence in one process, and its parameter gradients
+summed over the ranks must equal that run's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import transformer_engine.pytorch as te
+from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import (
+    DotProductAttention,
+)
+
+B, H, G, D, HALF = 2, 4, 2, 8, 3  # batch, heads, K/V groups, head dim, rows per chunk
+# name: (qkv_format, attn_mask_type, window_size)
+DPA_CASES = {
+    "bshd-causal": ("bshd", "causal", None),
+    "sbhd-causal-window": ("sbhd", "causal", (2, 0)),
+    "sbhd-no-mask": ("sbhd", "no_mask", None),
+}
+
+
+def zigzag(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
+    chunks = t.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=dim)
+
+
+def _inputs(cp: int, seed: int = 0):
+    """Whole-sequence q, k, v ``[b, s, h, d]`` and output weights ``[b, s, h * d]``."""
+    g = torch.Generator().manual_seed(seed)
+    s = 2 * cp * HALF
+    q = torch.randn(B, s, H, D, generator=g)
+    k = torch.randn(B, s, G, D, generator=g)
+    v = torch.randn(B, s, G, D, generator=g)
+    w = torch.randn(B, s, H * D, generator=g)
+    return q, k, v, w
+
+
+def _oracle(q, k, v, w, mask_type, window):
+    """Float64 attention of the whole sequence: output ``[b, s, h*d]`` and d(sum(out*w))/dq,k,v."""
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    s = q.shape[1]
+    kk = k.repeat_interleave(H // G, dim=2)
+    vv = v.repeat_interleave(H // G, dim=2)
+    scores = torch.einsum("bihd,bjhd->bhij", q, kk) * D**-0.5
+    i = torch.arange(s).view(s, 1)
+    j = torch.arange(s).view(1, s)
+    masked = torch.zeros(s, s, dtype=torch.bool)
+    if mask_type == "causal":
+        masked |= j > i
+        if window is not None and window[0] >= 0:
+            masked |= j < i - window[0]
+    probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
+    out = torch.einsum("bhij,bjhd->bihd", probs, vv).reshape(B, s, H * D)
+    grads = torch.autograd.grad((out * w.double()).sum(), (q, k, v))
+    return out.detach(), grads
+
+
+def _to_format(t: torch.Tensor, fmt: str) -> torch.Tensor:
+    return t if fmt == "bshd" else t.transpose(0, 1).contiguous()
+
+
+def _dpa_case(cp, rank, fmt, mask_type, window):
+    q, k, v, w = _inputs(cp)
+    seq = 0 if fmt == "sbhd" else 1
+    local = [zigzag(_to_format(t, fmt), seq, cp, rank).requires_grad_() for t in (q, k, v)]
+    dpa = DotProductAttention(H, D, num_gqa_groups=G, qkv_format=fmt, attn_mask_type=mask_type,
+                              window_size=window, device="cpu")  # fmt: skip
+    dpa.set_context_parallel_group(dist.group.WORLD, list(range(cp)), None, "p2p")
+    out = dpa(*local)
+    (out * zigzag(_to_format(w, fmt), seq, cp, rank)).sum().backward()
+    return out.detach(), [t.grad for t in local]
+
+
+def _max_logit_case(cp, rank):
+    q, k, v, _ = _inputs(cp)
+    local = [zigzag(t, 1, cp, rank) for t in (q, k, v)]
+    dpa = DotProductAttention(H, D, num_gqa_groups=G, qkv_format="bshd", attn_mask_type="causal",
+                              return_max_logit=True, device="cpu")  # fmt: skip
+    dpa.set_context_parallel_group(dist.group.WORLD, list(range(cp)), None, "a2a")
+    return dpa(*local)[1]
+
+
+def _layer(cp_group=None, cp=1):
+    torch.manual_seed(7)
+    layer = te.TransformerLayer(H * D, 64, H, num_gqa_groups=G, hidden_dropout=0.0,
+                                attention_dropout=0.0, self_attn_mask_type="causal",
+                                params_dtype=torch.float32, device="cpu")  # fmt: skip
+    if cp_group is not None:
+        layer.set_context_parallel_group(cp_group, list(range(cp)), None, "all_gather")
+    return layer
+
+
+def _layer_inputs(cp):
+    g = torch.Generator().manual_seed(11)
+    s = 2 * cp * HALF
+    x = torch.randn(s, B, H * D, generator=g)
+    w = torch.randn(s, B, H * D, generator=g)
+    freqs = te.RotaryPositionEmbedding(D)(s)
+    return x, w, freqs
+
+
+def _layer_case(cp, rank):
+    x, w, freqs = _layer_inputs(cp)
+    layer = _layer(dist.group.WORLD, cp)
+    local = zigzag(x, 0, cp, rank).requires_grad_()
+    out = layer(local, rotary_pos_emb=freqs)
+    (out * zigzag(w, 0, cp, rank)).sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    for grad in grads.values():
+        dist.all_reduce(grad)
+    return out.detach(), local.grad, grads
+
+
+def _worker(rank, cp, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=cp)
+    try:
+        results = {name: _dpa_case(cp, rank, *case) for name, case in DPA_CASES.items()}
+        results["layer"] = _layer_case(cp, rank)
+        results["max_logit"] = _max_logit_case(cp, rank)
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["cp2", "cp3"])
+def split_run(request, tmp_path_factory):
+    cp = request.param
+    out = tmp_path_factory.mktemp(f"cp{cp}")
+    mp.spawn(_worker, args=(cp, str(out / "init"), str(out)), nprocs=cp, join=True)
+    return cp, [torch.load(out / f"rank{r}.pt") for r in range(cp)]
+
+
+@pytest.mark.parametrize("name", list(DPA_CASES))
+def test_attention_rows_equal_whole_sequence_oracle(split_run, name):
+    cp, results = split_run
+    fmt, mask_type, window = DPA_CASES[name]
+    q, k, v, w = _inputs(cp)
+    out, grads = _oracle(q, k, v, w, mask_type, window)
+    seq = 0 if fmt == "sbhd" else 1
+    for rank, result in enumerate(results):
+        got_out, got_grads = result[name]
+        want = zigzag(_to_format(out, fmt), seq, cp, rank)
+        torch.testing.assert_close(got_out.double(), want, rtol=1e-5, atol=1e-6)
+        for label, got, ref in zip("qkv", got_grads, grads):
+            want_grad = zigzag(_to_format(ref, fmt), seq, cp, rank)
+            torch.testing.assert_close(got.double(), want_grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, r=rank, n=label: f"rank {r} d{n}: {m}")  # fmt: skip
+
+
+def test_max_logit_is_the_whole_sequences(split_run):
+    cp, results = split_run
+    q, k, _, _ = _inputs(cp)
+    s = q.shape[1]
+    kk = k.double().repeat_interleave(H // G, dim=2)
+    scores = torch.einsum("bihd,bjhd->bhij", q.double(), kk) * D**-0.5
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+    want = scores.masked_fill(causal, float("-inf")).amax(dim=(0, 2, 3))
+    for result in results:
+        torch.testing.assert_close(result["max_logit"].double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_transformer_layer_rows_equal_whole_sequence_run(split_run):
+    cp, results = split_run
+    x, w, freqs = _layer_inputs(cp)
+    layer = _layer()
+    whole = x.clone().requires_grad_()
+    out = layer(whole, rotary_pos_emb=freqs)
+    (out * w).sum().backward()
+    for rank, result in enumerate(results):
+        got_out, got_dx, got_grads = result["layer"]
+        torch.testing.assert_close(got_out, zigzag(out.detach(), 0, cp, rank), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_dx, zigzag(whole.grad, 0, cp, rank), rtol=1e-5, atol=1e-5)
+        for name, p in layer.named_parameters():
+            torch.testing.assert_close(got_grads[name], p.grad, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+
+
+# --- one process: what is refused -----------------------------------------------------------
+
+
+class _FakeGroup:
+    """Stands in for a group of ``size`` ranks where only the size and rank are read."""
+
+
+@pytest.fixture
+def two_rank_dpa(monkeypatch):
+    import transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention as m
+
+    monkeypatch.setattr(m, "_group_size", lambda group: 1 if group is None else 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+
+    def make(**kwargs):
+        dpa = DotProductAttention(H, D, device="cpu", **kwargs)
+        dpa.set_context_parallel_group(_FakeGroup(), [0, 1], None)
+        return dpa
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "kwargs, call, match",
+    [
+        (dict(qkv_format="thd", attn_mask_type="padding_causal"), {}, "qkv_format='thd'"),
+        (dict(attn_mask_type="padding_causal"), {}, "padding_causal"),
+        (dict(attn_mask_type="no_mask"), dict(window_size=(2, 2)), "window_size"),
+        (dict(attn_mask_type="causal"), dict(core_attention_bias_type="alibi"), "ALiBi"),
+    ],
+)
+def test_unbuilt_combinations_are_refused(two_rank_dpa, kwargs, call, match):
+    dpa = two_rank_dpa(**kwargs)
+    q = torch.randn(6, 2, H, D)
+    if kwargs.get("qkv_format") == "thd":
+        q = torch.randn(12, H, D)
+        cu = torch.tensor([0, 6, 12], dtype=torch.int32)
+        call = dict(call, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    with pytest.raises(NotImplementedError, match=match):
+        dpa(q, q, q, **call)
+
+
+def test_odd_local_length_is_refused(two_rank_dpa):
+    q = torch.randn(5, 2, H, D)
+    with pytest.raises(ValueError, match=r"length \(5\) must be even"):
+        two_rank_dpa()(q, q, q)
+
+
+def test_hierarchical_groups_are_refused(two_rank_dpa):
+    dpa = two_rank_dpa()
+    with pytest.raises(NotImplementedError, match="a2a\\+p2p"):
+        dpa.set_context_parallel_group([_FakeGroup(), _FakeGroup()], [0, 1], None,
+                                       ["a2a", "p2p"])  # fmt: skip
