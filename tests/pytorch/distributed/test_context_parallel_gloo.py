@@ -81,6 +81,71 @@ def _dpa_case(cp, rank, fmt, mask_type, window):
     return out.detach(), [t.grad for t in local]
 
 
+ACTUAL = [5, 12, 2]  # thd sequence lengths; padded to a multiple of 2 * cp
+THD_MASKS = ("padding_causal", "padding")
+
+
+def _padded_cu(cp):
+    """``(cu_seqlens_padded, cu_seqlens)`` of :data:`ACTUAL` for ``cp`` ranks."""
+    cu_padded, cu_actual = [0], [0]
+    for n in ACTUAL:
+        cu_padded.append(cu_padded[-1] + -(-n // (2 * cp)) * (2 * cp))
+        cu_actual.append(cu_actual[-1] + n)
+    return cu_padded, cu_actual
+
+
+def zigzag_thd(t, cu_padded, cp, rank):
+    parts = []
+    for start, end in zip(cu_padded[:-1], cu_padded[1:]):
+        parts.append(zigzag(t[start:end], 0, cp, rank))
+    return torch.cat(parts)
+
+
+def _thd_inputs(cp, seed=9):
+    cu_padded, _ = _padded_cu(cp)
+    g = torch.Generator().manual_seed(seed)
+    total = cu_padded[-1]
+    q = torch.randn(total, H, D, generator=g)
+    k = torch.randn(total, G, D, generator=g)
+    v = torch.randn(total, G, D, generator=g)
+    w = torch.randn(total, H * D, generator=g)
+    return q, k, v, w
+
+
+def _thd_oracle(cp, mask_type):
+    """Float64 attention of each whole sequence (its real tokens); padding rows give 0."""
+    cu_padded, _ = _padded_cu(cp)
+    q, k, v, w = (t.double() for t in _thd_inputs(cp))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = torch.zeros(q.shape[0], H * D, dtype=torch.float64)
+    for start, n in zip(cu_padded[:-1], ACTUAL):
+        qs = q[start : start + n].transpose(0, 1)  # [h, n, d]
+        ks = k[start : start + n].repeat_interleave(H // G, dim=1).transpose(0, 1)
+        vs = v[start : start + n].repeat_interleave(H // G, dim=1).transpose(0, 1)
+        scores = qs @ ks.transpose(1, 2) * D**-0.5
+        if mask_type == "padding_causal":
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        rows = (torch.softmax(scores, dim=-1) @ vs).transpose(0, 1).reshape(n, H * D)
+        out = out.index_put((torch.arange(start, start + n),), rows)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    return out.detach(), grads
+
+
+def _thd_case(cp, rank, mask_type, device="cpu"):
+    cu_padded, cu_actual = _padded_cu(cp)
+    inputs = [zigzag_thd(t, cu_padded, cp, rank).to(device) for t in _thd_inputs(cp)]
+    local, w = [t.requires_grad_() for t in inputs[:3]], inputs[3]
+    dpa = DotProductAttention(H, D, num_gqa_groups=G, qkv_format="thd", attn_mask_type=mask_type,
+                              device=device)  # fmt: skip
+    dpa.set_context_parallel_group(dist.group.WORLD, list(range(cp)), None, "p2p")
+    cu = torch.tensor(cu_actual, dtype=torch.int32, device=device)
+    cu_p = torch.tensor(cu_padded, dtype=torch.int32, device=device)
+    out = dpa(*local, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_p,
+              cu_seqlens_kv_padded=cu_p)  # fmt: skip
+    (out * w).sum().backward()
+    return out.detach().cpu(), [t.grad.cpu() for t in local]
+
+
 def _max_logit_case(cp, rank):
     q, k, v, _ = _inputs(cp)
     local = [zigzag(t, 1, cp, rank) for t in (q, k, v)]
@@ -127,6 +192,8 @@ def _worker(rank, cp, init_file, out_dir):
         results = {name: _dpa_case(cp, rank, *case) for name, case in DPA_CASES.items()}
         results["layer"] = _layer_case(cp, rank)
         results["max_logit"] = _max_logit_case(cp, rank)
+        for mask_type in THD_MASKS:
+            results[f"thd-{mask_type}"] = _thd_case(cp, rank, mask_type)
         torch.save(results, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -154,6 +221,21 @@ def test_attention_rows_equal_whole_sequence_oracle(split_run, name):
         for label, got, ref in zip("qkv", got_grads, grads):
             want_grad = zigzag(_to_format(ref, fmt), seq, cp, rank)
             torch.testing.assert_close(got.double(), want_grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, r=rank, n=label: f"rank {r} d{n}: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("mask_type", THD_MASKS)
+def test_packed_sequences_equal_whole_sequence_oracle(split_run, mask_type):
+    cp, results = split_run
+    cu_padded, _ = _padded_cu(cp)
+    out, grads = _thd_oracle(cp, mask_type)
+    for rank, result in enumerate(results):
+        got_out, got_grads = result[f"thd-{mask_type}"]
+        want = zigzag_thd(out, cu_padded, cp, rank)
+        torch.testing.assert_close(got_out.double(), want, rtol=1e-5, atol=1e-6)
+        for label, got, ref in zip("qkv", got_grads, grads):
+            torch.testing.assert_close(got.double(), zigzag_thd(ref, cu_padded, cp, rank),
+                                       rtol=1e-5, atol=1e-6,
                                        msg=lambda m, r=rank, n=label: f"rank {r} d{n}: {m}")  # fmt: skip
 
 
@@ -210,7 +292,6 @@ def two_rank_dpa(monkeypatch):
 @pytest.mark.parametrize(
     "kwargs, call, match",
     [
-        (dict(qkv_format="thd", attn_mask_type="padding_causal"), {}, "qkv_format='thd'"),
         (dict(attn_mask_type="padding_causal"), {}, "padding_causal"),
         (dict(attn_mask_type="no_mask"), dict(window_size=(2, 2)), "window_size"),
         (dict(attn_mask_type="causal"), dict(core_attention_bias_type="alibi"), "ALiBi"),
@@ -219,10 +300,6 @@ def two_rank_dpa(monkeypatch):
 def test_unbuilt_combinations_are_refused(two_rank_dpa, kwargs, call, match):
     dpa = two_rank_dpa(**kwargs)
     q = torch.randn(6, 2, H, D)
-    if kwargs.get("qkv_format") == "thd":
-        q = torch.randn(12, H, D)
-        cu = torch.tensor([0, 6, 12], dtype=torch.int32)
-        call = dict(call, cu_seqlens_q=cu, cu_seqlens_kv=cu)
     with pytest.raises(NotImplementedError, match=match):
         dpa(q, q, q, **call)
 
@@ -238,3 +315,51 @@ def test_hierarchical_groups_are_refused(two_rank_dpa):
     with pytest.raises(NotImplementedError, match="a2a\\+p2p"):
         dpa.set_context_parallel_group([_FakeGroup(), _FakeGroup()], [0, 1], None,
                                        ["a2a", "p2p"])  # fmt: skip
+
+
+# --- CUDA: two processes on one GPU (gloo carries CUDA tensors) ---------------------------------
+
+
+def _cuda_worker(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        results = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v, w = (t.to("cuda", dtype) for t in _inputs(2, seed=5))
+            local = [zigzag(t, 1, 2, rank).requires_grad_() for t in (q, k, v)]
+            dpa = DotProductAttention(H, D, num_gqa_groups=G, qkv_format="bshd",
+                                      attn_mask_type="causal", device="cuda")  # fmt: skip
+            dpa.set_context_parallel_group(dist.group.WORLD, [0, 1], None, "p2p")
+            out = dpa(*local)
+            (out.float() * zigzag(w, 1, 2, rank).float()).sum().backward()
+            results[dtype] = (out.detach().cpu(), [t.grad.cpu() for t in local])
+        results["thd"] = _thd_case(2, rank, "padding_causal", device="cuda")
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_backends_under_context_parallelism(tmp_path):
+    mp.spawn(_cuda_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    cu_padded, _ = _padded_cu(2)
+    thd_out, thd_grads = _thd_oracle(2, "padding_causal")
+    for rank, result in enumerate(results):
+        got_out, got_grads = result["thd"]
+        want = zigzag_thd(thd_out, cu_padded, 2, rank)
+        torch.testing.assert_close(got_out.double(), want, rtol=2e-5, atol=2e-5)
+        for got, ref in zip(got_grads, thd_grads):
+            want_grad = zigzag_thd(ref, cu_padded, 2, rank)
+            torch.testing.assert_close(got.double(), want_grad, rtol=2e-5, atol=2e-5)
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
+        q, k, v, w = (t.to(dtype).float() for t in _inputs(2, seed=5))
+        out, grads = _oracle(q, k, v, w.to(dtype).float(), "causal", None)
+        for rank, result in enumerate(results):
+            got_out, got_grads = result[dtype]
+            assert got_out.dtype == dtype
+            want = zigzag(out, 1, 2, rank)
+            torch.testing.assert_close(got_out.double(), want, rtol=tol, atol=tol)
+            for got, ref in zip(got_grads, grads):
+                torch.testing.assert_close(got.double(), zigzag(ref, 1, 2, rank), rtol=tol,
+                                           atol=tol)  # fmt: skip

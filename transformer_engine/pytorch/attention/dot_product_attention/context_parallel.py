@@ -10,12 +10,19 @@ attends to the keys up to its own end, its diagonal at the bottom-right corner, 
 row sees exactly the keys it sees in the unsplit sequence, and its softmax is complete in one
 call (no partial results to merge).
 
+Packed sequences (``thd``) split each sequence the same way: every padded sequence length
+(``cu_seqlens_q_padded``, else ``cu_seqlens_q``: the whole sequences' running sums) must divide
+into ``2 * cp`` chunks, and a rank's tokens are each sequence's two chunks in sequence order
+(its local running sums are the padded ones divided by ``cp``); positions past a sequence's
+length (``cu_seqlens_q``) are padding, with zero output.
+
 Whatever ``cp_comm_type`` names (``p2p``, ``all_gather``, ``a2a``), the communication is that
 all-gather: the numbers are the same, each rank holds the whole sequence's K and V for the
-layer's duration, and nothing is overlapped. ``return_max_logit`` gives the whole sequence's
+layer's duration, and nothing is overlapped; for ``thd`` the chunk positions are read back to
+the host once a call. ``return_max_logit`` gives the whole sequence's
 per-head maximum (a MAX all-reduce over the group). Not built: the hierarchical ``a2a+p2p`` groups,
-packed (``thd``) sequences, padding or arbitrary masks, biases, ALiBi, a KV cache and cross
-attention with context parallelism; each is refused naming itself.
+padding masks given as tensors (``sbhd``/``bshd``), arbitrary masks, biases, ALiBi, a KV cache
+and cross attention with context parallelism; each is refused naming itself.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch.distributed as dist
 __all__ = ["context_parallel_attention", "gather_sequence"]
 
 _MASKS = ("no_mask", "causal", "causal_bottom_right")
+_THD_MASKS = ("padding", "padding_causal", "padding_causal_bottom_right")
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -79,16 +87,16 @@ def context_parallel_attention(dpa, q, k, v, fmt, mask_type, window, options: di
     ``options``: the call's remaining arguments (``attention_mask``, ``cu_seqlens_q``,
     ``cu_seqlens_kv``, ``core_attention_bias_type``, ``core_attention_bias``,
     ``alibi_slopes``, ``inference_params``, ``checkpoint_core_attention``)."""
-    if fmt not in ("sbhd", "bshd"):
-        _refuse(f"qkv_format={fmt!r} (packed sequences)")
-    if mask_type not in _MASKS:
-        _refuse(f"attn_mask_type={mask_type!r}")
+    if mask_type not in (_THD_MASKS if fmt == "thd" else _MASKS):
+        _refuse(f"attn_mask_type={mask_type!r} (qkv_format={fmt!r})")
     if options["inference_params"] is not None:
         _refuse("a KV cache (inference_params)")
     if options["core_attention_bias_type"] != "no_bias" or options["alibi_slopes"] is not None:
         _refuse(f"core_attention_bias_type={options['core_attention_bias_type']!r} / ALiBi")
-    if mask_type == "no_mask" and window not in (None, (-1, -1)):
+    if "causal" not in mask_type and window not in (None, (-1, -1)):
         _refuse(f"window_size={window} without a causal mask")
+    if fmt == "thd":
+        return _finish(dpa, _thd_attention(dpa, q, k, v, mask_type, window, options), 0)
     seq_dim = 0 if fmt == "sbhd" else 1
     local = q.shape[seq_dim]
     if k.shape[seq_dim] != local or v.shape[seq_dim] != local:
@@ -123,9 +131,106 @@ def context_parallel_attention(dpa, q, k, v, fmt, mask_type, window, options: di
             attend(q.narrow(seq_dim, half, half), (2 * size - rank) * half,
                    "causal_bottom_right", True),
         ]  # fmt: skip
+    return _finish(dpa, results, seq_dim)
+
+
+def _finish(dpa, results, dim: int):
+    """The query parts' outputs joined along ``dim``; with ``return_max_logit`` also the whole
+    sequence's per-head maximum (this rank's parts', then the group's)."""
     if not dpa.return_max_logit:
-        return torch.cat(results, dim=seq_dim)
-    # The whole sequence's per-head maximum: this rank's rows, then the group's.
+        return torch.cat(results, dim=dim)
     top = torch.stack([max_logit for _, max_logit in results]).amax(dim=0)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    return torch.cat([out for out, _ in results], dim=seq_dim), top
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=dpa.cp_group)
+    return torch.cat([out for out, _ in results], dim=dim), top
+
+
+def _cumsum(lengths, device) -> torch.Tensor:
+    sums = [0]
+    for n in lengths:
+        sums.append(sums[-1] + n)
+    return torch.tensor(sums, dtype=torch.int32, device=device)
+
+
+def _rows(starts, lengths, device) -> torch.Tensor:
+    index = [r for start, n in zip(starts, lengths) for r in range(start, start + n)]
+    return torch.tensor(index, dtype=torch.int64, device=device)
+
+
+def _thd_attention(dpa, q, k, v, mask_type, window, options):
+    """``thd``: the local tokens' attention, as a list of results for :func:`_finish` (one
+    part, or the two chunks' in the local order already; see the module docstring)."""
+    cu_q, cu_kv, cu_q_padded, cu_kv_padded = options["cu_seqlens"]
+    if cu_q is None or cu_kv is None:
+        raise ValueError(
+            "DotProductAttention: qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv"
+        )
+    same = cu_kv.shape == cu_q.shape and bool(torch.equal(cu_kv, cu_q))
+    if cu_kv_padded is not None or cu_q_padded is not None:
+        same = same and cu_kv_padded is not None and cu_q_padded is not None
+        same = same and bool(torch.equal(cu_kv_padded, cu_q_padded))
+    if not same:
+        _refuse("different cu_seqlens for queries and keys (cross attention)")
+    group, size, rank = dpa.cp_group, dpa.cp_size, dpa.cp_rank
+    padded = (cu_q if cu_q_padded is None else cu_q_padded).tolist()  # one host read a call
+    actual = (cu_q[1:] - cu_q[:-1]).tolist()
+    lengths = [b - a for a, b in zip(padded[:-1], padded[1:])]
+    if any(n % (2 * size) for n in lengths):
+        raise ValueError(
+            f"DotProductAttention: with context parallelism over {size} ranks every padded "
+            f"sequence length must be a multiple of {2 * size} (two chunks a rank); got "
+            f"{lengths} (pad the sequences and pass cu_seqlens_q_padded)"
+        )
+    local_total, device = padded[-1] // size, q.device
+    if q.shape[0] != local_total:
+        raise ValueError(
+            f"DotProductAttention: this rank holds {q.shape[0]} tokens, but cu_seqlens "
+            f"(padded total {padded[-1]}) over {size} ranks give {local_total}"
+        )
+    chunk = [n // (2 * size) for n in lengths]
+    local_start = [p // size for p in padded[:-1]]
+    # The whole padded sequences from every rank's chunks: chunk c of sequence i lives on
+    # rank c (first half) or 2*size-1-c (second half).
+    order = []
+    for i, c_len in enumerate(chunk):
+        for c in range(2 * size):
+            owner, second = (c, 0) if c < size else (2 * size - 1 - c, 1)
+            order.append((owner * local_total + local_start[i] + second * c_len, c_len))
+    whole = _rows([o for o, _ in order], [n for _, n in order], device)
+    k_all = _GatherSequence.apply(k, 0, group, size, rank).index_select(0, whole)
+    v_all = _GatherSequence.apply(v, 0, group, size, rank).index_select(0, whole)
+    checkpoint = options["checkpoint_core_attention"]
+
+    def attend(q_part, q_valid, q_rows, keys, mask):
+        """``q_part`` (``q_rows`` rows a sequence, the first ``q_valid`` real) against the first
+        ``keys`` positions of each whole sequence."""
+        k_index = _rows(padded[:-1], keys, device)
+        k_part, v_part = k_all.index_select(0, k_index), v_all.index_select(0, k_index)
+        k_valid = [min(a, n) for a, n in zip(actual, keys)]
+        return dpa._attend(
+            q_part, k_part, v_part, "thd", "thd", "thd_thd_thd", None, mask, window, True,
+            _cumsum(q_valid, device), _cumsum(k_valid, device), _cumsum(q_rows, device),
+            _cumsum(keys, device), max(q_rows, default=1), max(keys, default=1), checkpoint,
+            "no_bias", None, None, False, True,
+        )  # fmt: skip
+
+    def valid(c):  # real queries of chunk c of each sequence
+        return [max(0, min(a - c * n, n)) for a, n in zip(actual, chunk)]
+
+    if "causal" not in mask_type:
+        both = [x + y for x, y in zip(valid(rank), valid(2 * size - 1 - rank))]
+        return [attend(q, both, [2 * n for n in chunk], lengths, "padding")]
+    parts, index = [], []
+    for second, c in ((0, rank), (1, 2 * size - 1 - rank)):
+        rows = _rows([s + second * n for s, n in zip(local_start, chunk)], chunk, device)
+        keys = [(c + 1) * n for n in chunk]
+        part = attend(q.index_select(0, rows), valid(c), chunk, keys,
+                      "padding_causal_bottom_right")  # fmt: skip
+        parts.append(part)
+        index.append(rows)
+    # back to the local order: the two chunks of each sequence were taken apart
+    inverse = torch.empty(local_total, dtype=torch.int64, device=device)
+    inverse[torch.cat(index)] = torch.arange(local_total, device=device)
+    if dpa.return_max_logit:
+        out = torch.cat([o for o, _ in parts]).index_select(0, inverse)
+        return [(out, torch.stack([m for _, m in parts]).amax(dim=0))]
+    return [torch.cat(parts).index_select(0, inverse)]

@@ -440,7 +440,9 @@ class DotProductAttention(TransformerEngineBaseModule):
             if self.cp_size > 1:
                 options = dict(inference_params=inference_params, alibi_slopes=alibi_slopes,
                                core_attention_bias_type=core_attention_bias_type,
-                               checkpoint_core_attention=checkpoint_core_attention)  # fmt: skip
+                               checkpoint_core_attention=checkpoint_core_attention,
+                               cu_seqlens=(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                                           cu_seqlens_kv_padded))  # fmt: skip
                 return context_parallel_attention(self, q, k, v, fmt, mask_type, window, options)
             return self._attend(
                 q, k, v, q_format, kv_format, layout, attention_mask, mask_type, window,
