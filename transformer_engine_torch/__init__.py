@@ -11,10 +11,14 @@ Only what works is here: the enums and ``FP8TensorMeta``, the per-tensor FP8 qua
 ``fp8_transpose``, ``generic_gemm`` (high precision and per-tensor FP8) and
 ``get_num_cublas_streams``, the LayerNorm/RMSNorm forward and
 backward (with a quantized forward output), the fused delayed-scaling update, the
-``multi_tensor_*`` optimizer operations (:mod:`transformer_engine.pytorch.optimizers`) and the
-version queries. docs/compatibility.md lists what each accepts and what it refuses.
+``multi_tensor_*`` optimizer operations (:mod:`transformer_engine.pytorch.optimizers`), the
+version queries and ``thd_get_partitioned_indices`` (a rank's share of a packed batch under
+context parallelism). docs/compatibility.md lists what each accepts and what it refuses.
 """
 
+from transformer_engine.pytorch.attention.dot_product_attention.context_parallel import (
+    thd_partitioned_indices as thd_get_partitioned_indices,
+)
 from transformer_engine.pytorch.cpp_extensions import (
     fused_amax_and_scale_update_after_reduction,
 )
@@ -52,6 +56,7 @@ from ._quantize import (
 from ._versions import get_cublasLt_version, get_cudnn_version
 
 __all__ = [
+    "thd_get_partitioned_indices",
     "DType",
     "FP8FwdTensors",
     "FP8BwdTensors",

@@ -363,3 +363,21 @@ def test_cuda_backends_under_context_parallelism(tmp_path):
             for got, ref in zip(got_grads, grads):
                 torch.testing.assert_close(got.double(), zigzag(ref, 1, 2, rank), rtol=tol,
                                            atol=tol)  # fmt: skip
+
+
+def test_thd_partitioned_indices_pick_each_ranks_chunks():
+    import transformer_engine_torch as tex
+
+    cu = torch.tensor([0, 8, 12], dtype=torch.int32)
+    # sequence 0: chunks of 2 -> rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2;
+    # sequence 1: chunks of 1.
+    assert tex.thd_get_partitioned_indices(cu, 12, 2, 0).tolist() == [0, 1, 6, 7, 8, 11]
+    assert tex.thd_get_partitioned_indices(cu, 12, 2, 1).tolist() == [2, 3, 4, 5, 9, 10]
+    index = tex.thd_get_partitioned_indices(cu, 12, 2, 1)
+    assert index.dtype == torch.int32
+    tokens = torch.arange(12)
+    assert torch.equal(tokens.index_select(0, index), zigzag_thd(tokens, [0, 8, 12], 2, 1))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        tex.thd_get_partitioned_indices(torch.tensor([0, 6, 12]), 12, 2, 0)
+    with pytest.raises(ValueError, match="total_tokens is 16"):
+        tex.thd_get_partitioned_indices(cu, 16, 2, 0)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["context_parallel_attention", "gather_sequence"]
+__all__ = ["context_parallel_attention", "gather_sequence", "thd_partitioned_indices"]
 
 _MASKS = ("no_mask", "causal", "causal_bottom_right")
 _THD_MASKS = ("padding", "padding_causal", "padding_causal_bottom_right")
@@ -72,6 +72,33 @@ def gather_sequence(x: torch.Tensor, dim: int, group, size: int, rank: int) -> t
         owner, second = (chunk, 0) if chunk < size else (2 * size - 1 - chunk, 1)
         order.append(gathered.narrow(dim, (2 * owner + second) * half, half))
     return torch.cat(order, dim=dim)
+
+
+def thd_partitioned_indices(cu_seqlens, total_tokens: int, world_size: int, rank: int):
+    """The positions (int32, in order) of the packed tokens ``rank`` holds under context
+    parallelism: chunks ``rank`` and ``2 * world_size - 1 - rank`` of each sequence of
+    ``cu_seqlens`` (the padded running sums, each length a multiple of ``2 * world_size``),
+    ``total_tokens / world_size`` of them (upstream's ``tex.thd_get_partitioned_indices``,
+    which Megatron-LM uses to give each rank its share of a packed batch)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"thd_get_partitioned_indices: rank={rank} is not in [0, {world_size})")
+    bounds = cu_seqlens.tolist()
+    if bounds[-1] != total_tokens:
+        raise ValueError(
+            f"thd_get_partitioned_indices: cu_seqlens end at {bounds[-1]} but total_tokens is "
+            f"{total_tokens}; pass the padded running sums of the whole packed batch"
+        )
+    starts, lengths = [], []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if (end - start) % (2 * world_size):
+            raise ValueError(
+                f"thd_get_partitioned_indices: a sequence of {end - start} tokens does not split "
+                f"into {2 * world_size} equal chunks; pad each to a multiple of {2 * world_size}"
+            )
+        chunk = (end - start) // (2 * world_size)
+        starts += [start + rank * chunk, start + (2 * world_size - 1 - rank) * chunk]
+        lengths += [chunk, chunk]
+    return _rows(starts, lengths, cu_seqlens.device).to(torch.int32)
 
 
 def _refuse(what: str) -> None:
