@@ -21,11 +21,12 @@ from transformer_engine.pytorch.attention.dot_product_attention.dot_product_atte
 )
 
 B, H, G, D, HALF = 2, 4, 2, 8, 3  # batch, heads, K/V groups, head dim, rows per chunk
-# name: (qkv_format, attn_mask_type, window_size)
+# name: (qkv_format, attn_mask_type, window_size, checkpoint_core_attention)
 DPA_CASES = {
-    "bshd-causal": ("bshd", "causal", None),
-    "sbhd-causal-window": ("sbhd", "causal", (2, 0)),
-    "sbhd-no-mask": ("sbhd", "no_mask", None),
+    "bshd-causal": ("bshd", "causal", None, False),
+    "sbhd-causal-window": ("sbhd", "causal", (2, 0), False),
+    "sbhd-no-mask": ("sbhd", "no_mask", None, False),
+    "bshd-causal-checkpoint": ("bshd", "causal", None, True),
 }
 
 
@@ -69,16 +70,20 @@ def _to_format(t: torch.Tensor, fmt: str) -> torch.Tensor:
     return t if fmt == "bshd" else t.transpose(0, 1).contiguous()
 
 
-def _dpa_case(cp, rank, fmt, mask_type, window):
+def _dpa_case(cp, rank, fmt, mask_type, window, checkpoint):
     q, k, v, w = _inputs(cp)
     seq = 0 if fmt == "sbhd" else 1
     local = [zigzag(_to_format(t, fmt), seq, cp, rank).requires_grad_() for t in (q, k, v)]
     dpa = DotProductAttention(H, D, num_gqa_groups=G, qkv_format=fmt, attn_mask_type=mask_type,
                               window_size=window, device="cpu")  # fmt: skip
     dpa.set_context_parallel_group(dist.group.WORLD, list(range(cp)), None, "p2p")
-    out = dpa(*local)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.untyped_storage().nbytes()) or t, lambda t: t
+    ):
+        out = dpa(*local, checkpoint_core_attention=checkpoint)
     (out * zigzag(_to_format(w, fmt), seq, cp, rank)).sum().backward()
-    return out.detach(), [t.grad for t in local]
+    return out.detach(), [t.grad for t in local], max(saved)
 
 
 ACTUAL = [5, 12, 2]  # thd sequence lengths; padded to a multiple of 2 * cp
@@ -210,12 +215,12 @@ def split_run(request, tmp_path_factory):
 @pytest.mark.parametrize("name", list(DPA_CASES))
 def test_attention_rows_equal_whole_sequence_oracle(split_run, name):
     cp, results = split_run
-    fmt, mask_type, window = DPA_CASES[name]
+    fmt, mask_type, window, _ = DPA_CASES[name]
     q, k, v, w = _inputs(cp)
     out, grads = _oracle(q, k, v, w, mask_type, window)
     seq = 0 if fmt == "sbhd" else 1
     for rank, result in enumerate(results):
-        got_out, got_grads = result[name]
+        got_out, got_grads, _ = result[name]
         want = zigzag(_to_format(out, fmt), seq, cp, rank)
         torch.testing.assert_close(got_out.double(), want, rtol=1e-5, atol=1e-6)
         for label, got, ref in zip("qkv", got_grads, grads):
@@ -237,6 +242,18 @@ def test_packed_sequences_equal_whole_sequence_oracle(split_run, mask_type):
             torch.testing.assert_close(got.double(), zigzag_thd(ref, cu_padded, cp, rank),
                                        rtol=1e-5, atol=1e-6,
                                        msg=lambda m, r=rank, n=label: f"rank {r} d{n}: {m}")  # fmt: skip
+
+
+def test_checkpoint_keeps_only_the_local_chunks(split_run):
+    # The largest storage the forward keeps: at least the gathered K without recompute; with
+    # it, no more than a local Q (the inputs are all that is kept).
+    cp, results = split_run
+    local_q = B * 2 * HALF * H * D * 4  # bytes of a rank's float32 Q
+    gathered_k = B * 2 * cp * HALF * G * D * 4
+    for result in results:
+        plain, recomputed = result["bshd-causal"][2], result["bshd-causal-checkpoint"][2]
+        assert plain >= gathered_k
+        assert recomputed <= local_q and recomputed < plain
 
 
 def test_max_logit_is_the_whole_sequences(split_run):

@@ -17,9 +17,10 @@ into ``2 * cp`` chunks, and a rank's tokens are each sequence's two chunks in se
 length (``cu_seqlens_q``) are padding, with zero output.
 
 Whatever ``cp_comm_type`` names (``p2p``, ``all_gather``, ``a2a``), the communication is that
-all-gather: the numbers are the same, each rank holds the whole sequence's K and V for the
-layer's duration, and nothing is overlapped; for ``thd`` the chunk positions are read back to
-the host once a call. ``return_max_logit`` gives the whole sequence's
+all-gather: the numbers are the same, each rank keeps the whole sequence's K and V from the
+forward to the backward (with ``checkpoint_core_attention`` only its own chunks: the gather
+and the attention run again in the backward), and nothing is overlapped; for ``thd`` the chunk
+positions are read back to the host once a call. ``return_max_logit`` gives the whole sequence's
 per-head maximum (a MAX all-reduce over the group). Not built: the hierarchical ``a2a+p2p`` groups,
 padding masks given as tensors (``sbhd``/``bshd``), arbitrary masks, biases, ALiBi, a KV cache
 and cross attention with context parallelism; each is refused naming itself.
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from .recompute import recompute_in_backward
 
 __all__ = ["context_parallel_attention", "gather_sequence", "thd_partitioned_indices"]
 
@@ -111,9 +114,9 @@ def _refuse(what: str) -> None:
 def context_parallel_attention(dpa, q, k, v, fmt, mask_type, window, options: dict):
     """``dpa``'s attention of this rank's zig-zag query chunks over the whole sequence.
 
-    ``options``: the call's remaining arguments (``attention_mask``, ``cu_seqlens_q``,
-    ``cu_seqlens_kv``, ``core_attention_bias_type``, ``core_attention_bias``,
-    ``alibi_slopes``, ``inference_params``, ``checkpoint_core_attention``)."""
+    ``options``: the call's remaining arguments (``inference_params``, ``alibi_slopes``,
+    ``core_attention_bias_type``, ``checkpoint_core_attention``, and ``cu_seqlens``: the
+    tuple ``(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)``)."""
     if mask_type not in (_THD_MASKS if fmt == "thd" else _MASKS):
         _refuse(f"attn_mask_type={mask_type!r} (qkv_format={fmt!r})")
     if options["inference_params"] is not None:
@@ -122,43 +125,55 @@ def context_parallel_attention(dpa, q, k, v, fmt, mask_type, window, options: di
         _refuse(f"core_attention_bias_type={options['core_attention_bias_type']!r} / ALiBi")
     if "causal" not in mask_type and window not in (None, (-1, -1)):
         _refuse(f"window_size={window} without a causal mask")
-    if fmt == "thd":
-        return _finish(dpa, _thd_attention(dpa, q, k, v, mask_type, window, options), 0)
+    if fmt != "thd":
+        seq_dim = 0 if fmt == "sbhd" else 1
+        local = q.shape[seq_dim]
+        if k.shape[seq_dim] != local or v.shape[seq_dim] != local:
+            _refuse(f"keys of another length than the queries ({k.shape[seq_dim]} against "
+                    f"{local}: cross attention)")  # fmt: skip
+        if local % 2:
+            raise ValueError(
+                f"DotProductAttention: with context parallelism each rank holds two equal "
+                f"chunks of the sequence, so its length ({local}) must be even"
+            )
+
+    def run(q, k, v):
+        if fmt == "thd":
+            return _finish(dpa, _thd_attention(dpa, q, k, v, mask_type, window, options), 0)
+        return _finish(dpa, _dense_attention(dpa, q, k, v, fmt, mask_type, window), seq_dim)
+
+    if options["checkpoint_core_attention"] and torch.is_grad_enabled():
+        # Keep only this rank's chunks: the backward gathers and attends again.
+        dropout = dpa.attention_dropout if dpa.training else 0.0
+        tracker = dpa._dropout_context() if dropout > 0.0 else None
+        return recompute_in_backward(run, q, k, v, tracker=tracker)
+    return run(q, k, v)
+
+
+def _dense_attention(dpa, q, k, v, fmt, mask_type, window):
+    """``sbhd`` / ``bshd``: the results of this rank's query parts, in order."""
     seq_dim = 0 if fmt == "sbhd" else 1
     local = q.shape[seq_dim]
-    if k.shape[seq_dim] != local or v.shape[seq_dim] != local:
-        _refuse(
-            f"keys of another length than the queries ({k.shape[seq_dim]} against {local}: "
-            "cross attention)"
-        )
-    if local % 2:
-        raise ValueError(
-            f"DotProductAttention: with context parallelism each rank holds two equal chunks "
-            f"of the sequence, so its length ({local}) must be even"
-        )
     group, size, rank = dpa.cp_group, dpa.cp_size, dpa.cp_rank
     k_all = gather_sequence(k, seq_dim, group, size, rank)
     v_all = gather_sequence(v, seq_dim, group, size, rank)
     layout = f"{fmt}_{fmt}_{fmt}"
-    checkpoint = options["checkpoint_core_attention"]
 
     def attend(q_part, keys, mask, bottom_right):
         return dpa._attend(
             q_part, k_all.narrow(seq_dim, 0, keys), v_all.narrow(seq_dim, 0, keys), fmt, fmt,
             layout, None, mask, window, bottom_right, None, None, None, None, None, None,
-            checkpoint, "no_bias", None, None, False, False,
+            False, "no_bias", None, None, False, False,
         )  # fmt: skip
 
     if mask_type == "no_mask":
-        results = [attend(q, k_all.shape[seq_dim], "no_mask", False)]
-    else:
-        half = local // 2
-        results = [
-            attend(q.narrow(seq_dim, 0, half), (rank + 1) * half, "causal_bottom_right", True),
-            attend(q.narrow(seq_dim, half, half), (2 * size - rank) * half,
-                   "causal_bottom_right", True),
-        ]  # fmt: skip
-    return _finish(dpa, results, seq_dim)
+        return [attend(q, k_all.shape[seq_dim], "no_mask", False)]
+    half = local // 2
+    return [
+        attend(q.narrow(seq_dim, 0, half), (rank + 1) * half, "causal_bottom_right", True),
+        attend(q.narrow(seq_dim, half, half), (2 * size - rank) * half, "causal_bottom_right",
+               True),
+    ]  # fmt: skip
 
 
 def _finish(dpa, results, dim: int):
@@ -225,7 +240,6 @@ def _thd_attention(dpa, q, k, v, mask_type, window, options):
     whole = _rows([o for o, _ in order], [n for _, n in order], device)
     k_all = _GatherSequence.apply(k, 0, group, size, rank).index_select(0, whole)
     v_all = _GatherSequence.apply(v, 0, group, size, rank).index_select(0, whole)
-    checkpoint = options["checkpoint_core_attention"]
 
     def attend(q_part, q_valid, q_rows, keys, mask):
         """``q_part`` (``q_rows`` rows a sequence, the first ``q_valid`` real) against the first
@@ -236,7 +250,7 @@ def _thd_attention(dpa, q, k, v, mask_type, window, options):
         return dpa._attend(
             q_part, k_part, v_part, "thd", "thd", "thd_thd_thd", None, mask, window, True,
             _cumsum(q_valid, device), _cumsum(k_valid, device), _cumsum(q_rows, device),
-            _cumsum(keys, device), max(q_rows, default=1), max(keys, default=1), checkpoint,
+            _cumsum(keys, device), max(q_rows, default=1), max(keys, default=1), False,
             "no_bias", None, None, False, True,
         )  # fmt: skip
 
