@@ -398,3 +398,16 @@ def test_thd_partitioned_indices_pick_each_ranks_chunks():
         tex.thd_get_partitioned_indices(torch.tensor([0, 6, 12]), 12, 2, 0)
     with pytest.raises(ValueError, match="total_tokens is 16"):
         tex.thd_get_partitioned_indices(cu, 16, 2, 0)
+
+
+def test_kv_cache_is_refused_before_it_is_written(two_rank_dpa):
+    class Cache:
+        dtype = None
+
+        def step(self, *args):
+            raise AssertionError("the cache was written")
+
+    q = torch.randn(6, 2, H, D)
+    dpa = two_rank_dpa(attn_mask_type="padding_causal")
+    with pytest.raises(NotImplementedError, match="KV cache"):
+        dpa(q, q, q, inference_params=Cache())

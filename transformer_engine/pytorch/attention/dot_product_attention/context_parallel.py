@@ -33,7 +33,12 @@ import torch.distributed as dist
 
 from .recompute import recompute_in_backward
 
-__all__ = ["context_parallel_attention", "gather_sequence", "thd_partitioned_indices"]
+__all__ = [
+    "context_parallel_attention",
+    "gather_sequence",
+    "refuse_under_context_parallelism",
+    "thd_partitioned_indices",
+]
 
 _MASKS = ("no_mask", "causal", "causal_bottom_right")
 _THD_MASKS = ("padding", "padding_causal", "padding_causal_bottom_right")
@@ -104,32 +109,32 @@ def thd_partitioned_indices(cu_seqlens, total_tokens: int, world_size: int, rank
     return _rows(starts, lengths, cu_seqlens.device).to(torch.int32)
 
 
-def _refuse(what: str) -> None:
+def refuse_under_context_parallelism(what: str) -> None:
+    """``NotImplementedError``: ``what`` is not built with context parallelism."""
     raise NotImplementedError(
         f"DotProductAttention: {what} with context parallelism (a cp_group of more than one "
         "rank) is not built here"
     )
 
 
-def context_parallel_attention(dpa, q, k, v, fmt, mask_type, window, options: dict):
+def context_parallel_attention(dpa, q, k, v, fmt, mask_type, window, options: tuple):
     """``dpa``'s attention of this rank's zig-zag query chunks over the whole sequence.
 
-    ``options``: the call's remaining arguments (``inference_params``, ``alibi_slopes``,
-    ``core_attention_bias_type``, ``checkpoint_core_attention``, and ``cu_seqlens``: the
-    tuple ``(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)``)."""
+    ``options``: the call's remaining arguments, ``(core_attention_bias_type, alibi_slopes,
+    checkpoint_core_attention, (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+    cu_seqlens_kv_padded))`` (a KV cache was refused before it was written)."""
+    bias_type, alibi_slopes, checkpoint, cu_seqlens = options
     if mask_type not in (_THD_MASKS if fmt == "thd" else _MASKS):
-        _refuse(f"attn_mask_type={mask_type!r} (qkv_format={fmt!r})")
-    if options["inference_params"] is not None:
-        _refuse("a KV cache (inference_params)")
-    if options["core_attention_bias_type"] != "no_bias" or options["alibi_slopes"] is not None:
-        _refuse(f"core_attention_bias_type={options['core_attention_bias_type']!r} / ALiBi")
+        refuse_under_context_parallelism(f"attn_mask_type={mask_type!r} (qkv_format={fmt!r})")
+    if bias_type != "no_bias" or alibi_slopes is not None:
+        refuse_under_context_parallelism(f"core_attention_bias_type={bias_type!r} / ALiBi")
     if "causal" not in mask_type and window not in (None, (-1, -1)):
-        _refuse(f"window_size={window} without a causal mask")
+        refuse_under_context_parallelism(f"window_size={window} without a causal mask")
     if fmt != "thd":
         seq_dim = 0 if fmt == "sbhd" else 1
         local = q.shape[seq_dim]
         if k.shape[seq_dim] != local or v.shape[seq_dim] != local:
-            _refuse(f"keys of another length than the queries ({k.shape[seq_dim]} against "
+            refuse_under_context_parallelism(f"keys of another length than the queries ({k.shape[seq_dim]} against "
                     f"{local}: cross attention)")  # fmt: skip
         if local % 2:
             raise ValueError(
@@ -139,10 +144,10 @@ def context_parallel_attention(dpa, q, k, v, fmt, mask_type, window, options: di
 
     def run(q, k, v):
         if fmt == "thd":
-            return _finish(dpa, _thd_attention(dpa, q, k, v, mask_type, window, options), 0)
+            return _finish(dpa, _thd_attention(dpa, q, k, v, mask_type, window, cu_seqlens), 0)
         return _finish(dpa, _dense_attention(dpa, q, k, v, fmt, mask_type, window), seq_dim)
 
-    if options["checkpoint_core_attention"] and torch.is_grad_enabled():
+    if checkpoint and torch.is_grad_enabled():
         # Keep only this rank's chunks: the backward gathers and attends again.
         dropout = dpa.attention_dropout if dpa.training else 0.0
         tracker = dpa._dropout_context() if dropout > 0.0 else None
@@ -198,10 +203,10 @@ def _rows(starts, lengths, device) -> torch.Tensor:
     return torch.tensor(index, dtype=torch.int64, device=device)
 
 
-def _thd_attention(dpa, q, k, v, mask_type, window, options):
+def _thd_attention(dpa, q, k, v, mask_type, window, cu_seqlens):
     """``thd``: the local tokens' attention, as a list of results for :func:`_finish` (one
     part, or the two chunks' in the local order already; see the module docstring)."""
-    cu_q, cu_kv, cu_q_padded, cu_kv_padded = options["cu_seqlens"]
+    cu_q, cu_kv, cu_q_padded, cu_kv_padded = cu_seqlens
     if cu_q is None or cu_kv is None:
         raise ValueError(
             "DotProductAttention: qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv"
@@ -211,7 +216,9 @@ def _thd_attention(dpa, q, k, v, mask_type, window, options):
         same = same and cu_kv_padded is not None and cu_q_padded is not None
         same = same and bool(torch.equal(cu_kv_padded, cu_q_padded))
     if not same:
-        _refuse("different cu_seqlens for queries and keys (cross attention)")
+        refuse_under_context_parallelism(
+            "different cu_seqlens for queries and keys (cross attention)"
+        )
     group, size, rank = dpa.cp_group, dpa.cp_size, dpa.cp_rank
     padded = (cu_q if cu_q_padded is None else cu_q_padded).tolist()  # one host read a call
     actual = (cu_q[1:] - cu_q[:-1]).tolist()

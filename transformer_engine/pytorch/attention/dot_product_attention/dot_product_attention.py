@@ -20,7 +20,7 @@ from ...device import (
 from ...module.base import TransformerEngineBaseModule
 from ...quantization import FP8GlobalStateManager
 from .backends import FlashAttention, FusedAttention, UnfusedDotProductAttention
-from .context_parallel import context_parallel_attention
+from .context_parallel import context_parallel_attention, refuse_under_context_parallelism
 from .inputs import (
     QKV_FORMATS,
     build_problem,
@@ -438,11 +438,8 @@ class DotProductAttention(TransformerEngineBaseModule):
         enter_device(q.device)
         try:
             if self.cp_size > 1:
-                options = dict(inference_params=inference_params, alibi_slopes=alibi_slopes,
-                               core_attention_bias_type=core_attention_bias_type,
-                               checkpoint_core_attention=checkpoint_core_attention,
-                               cu_seqlens=(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                                           cu_seqlens_kv_padded))  # fmt: skip
+                cu = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+                options = (core_attention_bias_type, alibi_slopes, checkpoint_core_attention, cu)
                 return context_parallel_attention(self, q, k, v, fmt, mask_type, window, options)
             return self._attend(
                 q, k, v, q_format, kv_format, layout, attention_mask, mask_type, window,
@@ -457,6 +454,8 @@ class DotProductAttention(TransformerEngineBaseModule):
     def _kv_cache_step(self, inference_params, k, v, fmt, mask_type):
         """Write this step's K/V into the cache; attention then reads the whole (bshd) cache
         with a bottom-right causal diagonal per sequence."""
+        if self.cp_size > 1:  # refused before the cache is written
+            refuse_under_context_parallelism("a KV cache (inference_params)")
         if "padding" not in mask_type:
             raise ValueError(
                 f"DotProductAttention: KV caching needs a padding mask type, got "
