@@ -199,8 +199,12 @@ def _cumsum(lengths, device) -> torch.Tensor:
 
 
 def _rows(starts, lengths, device) -> torch.Tensor:
-    index = [r for start, n in zip(starts, lengths) for r in range(start, start + n)]
-    return torch.tensor(index, dtype=torch.int64, device=device)
+    """int64 ``[start_0, start_0 + n_0) + [start_1, ...) + ...``, built on ``device`` (no
+    per-token host loop: a packed batch may hold many thousands of tokens)."""
+    total = sum(lengths)
+    n = torch.tensor(lengths, dtype=torch.int64, device=device)
+    shift = torch.tensor(starts, dtype=torch.int64, device=device) - (torch.cumsum(n, 0) - n)
+    return torch.arange(total, device=device) + torch.repeat_interleave(shift, n, output_size=total)
 
 
 def _thd_attention(dpa, q, k, v, mask_type, window, cu_seqlens):
