@@ -191,12 +191,35 @@ def _layer_case(cp, rank):
     return out.detach(), local.grad, grads
 
 
+def _fp8_layer_steps(layer, x, w, freqs, group):
+    """Two FP8 (delayed scaling) steps of ``layer``: each step's output and input gradient;
+    the amax reduction over ``group`` gives every rank the whole batch's scales."""
+    from transformer_engine.common.recipe import DelayedScaling
+
+    results = []
+    for _ in range(2):
+        x_step = x.detach().clone().requires_grad_()
+        with te.autocast(recipe=DelayedScaling(), amax_reduction_group=group):
+            out = layer(x_step, rotary_pos_emb=freqs)
+        (out * w).sum().backward()
+        results.append((out.detach(), x_step.grad))
+    return results
+
+
 def _worker(rank, cp, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=cp)
     try:
         results = {name: _dpa_case(cp, rank, *case) for name, case in DPA_CASES.items()}
         results["layer"] = _layer_case(cp, rank)
         results["max_logit"] = _max_logit_case(cp, rank)
+        x, w, freqs = _layer_inputs(cp)
+        results["fp8_layer"] = _fp8_layer_steps(
+            _layer(dist.group.WORLD, cp),
+            zigzag(x, 0, cp, rank),
+            zigzag(w, 0, cp, rank),
+            freqs,
+            dist.group.WORLD,
+        )
         for mask_type in THD_MASKS:
             results[f"thd-{mask_type}"] = _thd_case(cp, rank, mask_type)
         torch.save(results, f"{out_dir}/rank{rank}.pt")
@@ -282,6 +305,21 @@ def test_transformer_layer_rows_equal_whole_sequence_run(split_run):
         for name, p in layer.named_parameters():
             torch.testing.assert_close(got_grads[name], p.grad, rtol=1e-4, atol=1e-5,
                                        msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+
+
+def test_fp8_transformer_layer_rows_equal_whole_sequence_run(split_run):
+    # Delayed scaling with the amax reduced over the ranks: every rank casts with the scales of
+    # the whole batch, so each step's rows are those of the one-process FP8 run (up to the
+    # order of float sums in the GEMMs).
+    cp, results = split_run
+    x, w, freqs = _layer_inputs(cp)
+    whole = _fp8_layer_steps(_layer(), x, w, freqs, None)
+    for rank, result in enumerate(results):
+        for step, ((got_out, got_dx), (out, dx)) in enumerate(zip(result["fp8_layer"], whole)):
+            torch.testing.assert_close(got_out, zigzag(out, 0, cp, rank), rtol=1e-4, atol=1e-4,
+                                       msg=lambda m, s=step: f"step {s}: {m}")  # fmt: skip
+            torch.testing.assert_close(got_dx, zigzag(dx, 0, cp, rank), rtol=1e-4, atol=1e-4,
+                                       msg=lambda m, s=step: f"step {s}: {m}")  # fmt: skip
 
 
 # --- one process: what is refused -----------------------------------------------------------
