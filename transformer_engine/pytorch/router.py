@@ -71,6 +71,16 @@ def _check_topk(name: str, topk, num_experts: int) -> int:
     return topk
 
 
+def _checked_rows(name: str, logits, topk, score_function: str):
+    """``(logits as [tokens, num_experts] in the compute dtype, topk)`` after the checks the
+    routing functions share."""
+    _check_logits(name, logits)
+    _check_score_function(name, score_function)
+    num_experts = logits.shape[-1]
+    topk = _check_topk(name, topk, num_experts)
+    return logits.reshape(-1, num_experts).to(_compute_dtype(logits.dtype)), topk
+
+
 def _grouping(name: str, num_groups, group_topk, topk: int, num_experts: int):
     """``(num_groups, group_topk)`` of group-limited routing, or ``None`` when it is off
     (``None``, 0 or -1 for either, as callers pass "not used")."""
@@ -156,14 +166,9 @@ def fused_topk_with_score_function(
     (bool, ``True`` where routed), both shaped like ``logits``.
     """
     name = "fused_topk_with_score_function"
-    _check_logits(name, logits)
-    _check_score_function(name, score_function)
-    shape = logits.shape
-    num_experts = shape[-1]
-    topk = _check_topk(name, topk, num_experts)
+    x, topk = _checked_rows(name, logits, topk, score_function)
+    shape, num_experts, compute = logits.shape, x.shape[1], x.dtype
     grouping = _grouping(name, num_groups, group_topk, topk, num_experts)
-    compute = _compute_dtype(logits.dtype)
-    x = logits.reshape(-1, num_experts).to(compute)
     if expert_bias is not None:
         if score_function != "sigmoid":
             raise ValueError(
@@ -210,14 +215,8 @@ def fused_compute_score_for_moe_aux_loss(
     ``topk > 1``, in the logits' dtype. ``routing_map`` is bool, ``True`` at each token's
     ``topk`` highest scores (lower index first among equal ones).
     """
-    name = "fused_compute_score_for_moe_aux_loss"
-    _check_logits(name, logits)
-    _check_score_function(name, score_function)
-    shape = logits.shape
-    num_experts = shape[-1]
-    topk = _check_topk(name, topk, num_experts)
-    compute = _compute_dtype(logits.dtype)
-    x = logits.reshape(-1, num_experts).to(compute)
+    x, topk = _checked_rows("fused_compute_score_for_moe_aux_loss", logits, topk, score_function)
+    shape, num_experts, compute = logits.shape, x.shape[1], x.dtype
     if score_function == "softmax":
         scores = torch.softmax(x, dim=-1)
         out_dtype = compute
