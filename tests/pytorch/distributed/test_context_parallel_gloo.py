@@ -223,6 +223,7 @@ def _worker(rank, cp, init_file, out_dir):
         for mask_type in THD_MASKS:
             results[f"thd-{mask_type}"] = _thd_case(cp, rank, mask_type)
         torch.save(results, f"{out_dir}/rank{rank}.pt")
+        dist.barrier()  # every rank done with its collectives before any tears its group down
     finally:
         dist.destroy_process_group()
 
@@ -390,6 +391,7 @@ def _cuda_worker(rank, init_file, out_dir):
             results[dtype] = (out.detach().cpu(), [t.grad.cpu() for t in local])
         results["thd"] = _thd_case(2, rank, "padding_causal", device="cuda")
         torch.save(results, f"{out_dir}/rank{rank}.pt")
+        dist.barrier()  # every rank done with its collectives before any tears its group down
     finally:
         dist.destroy_process_group()
 
