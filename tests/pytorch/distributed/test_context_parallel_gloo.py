@@ -206,12 +206,31 @@ def _fp8_layer_steps(layer, x, w, freqs, group):
     return results
 
 
+def _reduce_scatter_case(cp, rank):
+    """The bshd causal case through the backward's reduce-scatter branch (the one NCCL takes),
+    where gloo has reduce_scatter; ``None`` where it has not."""
+    import transformer_engine.pytorch.attention.dot_product_attention.context_parallel as cpm
+
+    try:
+        probe = torch.zeros(1)
+        dist.reduce_scatter(probe, [torch.zeros(1) for _ in range(cp)])
+    except RuntimeError:
+        return None
+    real = cpm.dist.get_backend
+    cpm.dist.get_backend = lambda group=None: "nccl"
+    try:
+        return _dpa_case(cp, rank, "bshd", "causal", None, False)
+    finally:
+        cpm.dist.get_backend = real
+
+
 def _worker(rank, cp, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=cp)
     try:
         results = {name: _dpa_case(cp, rank, *case) for name, case in DPA_CASES.items()}
         results["layer"] = _layer_case(cp, rank)
         results["max_logit"] = _max_logit_case(cp, rank)
+        results["reduce_scatter"] = _reduce_scatter_case(cp, rank)
         x, w, freqs = _layer_inputs(cp)
         results["fp8_layer"] = _fp8_layer_steps(
             _layer(dist.group.WORLD, cp),
@@ -266,6 +285,20 @@ def test_packed_sequences_equal_whole_sequence_oracle(split_run, mask_type):
             torch.testing.assert_close(got.double(), zigzag_thd(ref, cu_padded, cp, rank),
                                        rtol=1e-5, atol=1e-6,
                                        msg=lambda m, r=rank, n=label: f"rank {r} d{n}: {m}")  # fmt: skip
+
+
+def test_reduce_scatter_branch_of_the_gather_backward(split_run):
+    cp, results = split_run
+    if results[0]["reduce_scatter"] is None:
+        pytest.skip("this torch's gloo has no reduce_scatter")
+    q, k, v, w = _inputs(cp)
+    out, grads = _oracle(q, k, v, w, "causal", None)
+    for rank, result in enumerate(results):
+        got_out, got_grads, _ = result["reduce_scatter"]
+        torch.testing.assert_close(got_out.double(), zigzag(out, 1, cp, rank), rtol=1e-5, atol=1e-6)
+        for got, ref in zip(got_grads, grads):
+            torch.testing.assert_close(got.double(), zigzag(ref, 1, cp, rank), rtol=1e-5,
+                                       atol=1e-6)  # fmt: skip
 
 
 def test_checkpoint_keeps_only_the_local_chunks(split_run):
