@@ -224,6 +224,26 @@ def _reduce_scatter_case(cp, rank):
         cpm.dist.get_backend = real
 
 
+def _dropout_checkpoint_case(cp, rank):
+    """Attention dropout, with and without checkpoint_core_attention, from the same seed:
+    ``[(out, grads) plain, (out, grads) recomputed, out without dropout (eval)]``."""
+    q, k, v, w = _inputs(cp)
+    runs = []
+    for checkpoint in (False, True):
+        local = [zigzag(t, 1, cp, rank).requires_grad_() for t in (q, k, v)]
+        dpa = DotProductAttention(H, D, num_gqa_groups=G, qkv_format="bshd",
+                                  attn_mask_type="causal", attention_dropout=0.3, device="cpu")  # fmt: skip
+        dpa.set_context_parallel_group(dist.group.WORLD, list(range(cp)), None, "p2p")
+        torch.manual_seed(100 + rank)
+        out = dpa(*local, checkpoint_core_attention=checkpoint)
+        torch.manual_seed(200)  # the recompute must restore the forward's state, not use this
+        (out * zigzag(w, 1, cp, rank)).sum().backward()
+        runs.append((out.detach(), [t.grad for t in local]))
+    dpa.eval()
+    runs.append(dpa(*(zigzag(t, 1, cp, rank) for t in (q, k, v))))
+    return runs
+
+
 def _worker(rank, cp, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=cp)
     try:
@@ -231,6 +251,7 @@ def _worker(rank, cp, init_file, out_dir):
         results["layer"] = _layer_case(cp, rank)
         results["max_logit"] = _max_logit_case(cp, rank)
         results["reduce_scatter"] = _reduce_scatter_case(cp, rank)
+        results["dropout"] = _dropout_checkpoint_case(cp, rank)
         x, w, freqs = _layer_inputs(cp)
         results["fp8_layer"] = _fp8_layer_steps(
             _layer(dist.group.WORLD, cp),
@@ -299,6 +320,16 @@ def test_reduce_scatter_branch_of_the_gather_backward(split_run):
         for got, ref in zip(got_grads, grads):
             torch.testing.assert_close(got.double(), zigzag(ref, 1, cp, rank), rtol=1e-5,
                                        atol=1e-6)  # fmt: skip
+
+
+def test_checkpoint_recomputes_the_same_dropout(split_run):
+    _, results = split_run
+    for result in results:
+        (out, grads), (out_ckpt, grads_ckpt), out_eval = result["dropout"]
+        assert not torch.allclose(out, out_eval)  # the dropout did drop
+        assert torch.equal(out, out_ckpt)
+        for got, want in zip(grads_ckpt, grads):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_checkpoint_keeps_only_the_local_chunks(split_run):
