@@ -344,14 +344,19 @@ def test_checkpoint_keeps_only_the_local_chunks(split_run):
         assert recomputed <= local_q and recomputed < plain
 
 
-def test_max_logit_is_the_whole_sequences(split_run):
-    cp, results = split_run
+def _whole_max_logit(cp):
+    """Per-head maximum of the causal, scaled scores of the whole sequence, in float64."""
     q, k, _, _ = _inputs(cp)
     s = q.shape[1]
     kk = k.double().repeat_interleave(H // G, dim=2)
     scores = torch.einsum("bihd,bjhd->bhij", q.double(), kk) * D**-0.5
     causal = torch.ones(s, s, dtype=torch.bool).triu(1)
-    want = scores.masked_fill(causal, float("-inf")).amax(dim=(0, 2, 3))
+    return scores.masked_fill(causal, float("-inf")).amax(dim=(0, 2, 3))
+
+
+def test_max_logit_is_the_whole_sequences(split_run):
+    cp, results = split_run
+    want = _whole_max_logit(cp)
     for result in results:
         torch.testing.assert_close(result["max_logit"].double(), want, rtol=1e-5, atol=1e-6)
 
@@ -396,9 +401,9 @@ class _FakeGroup:
 
 @pytest.fixture
 def two_rank_dpa(monkeypatch):
-    import transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention as m
+    import transformer_engine.pytorch.attention.dot_product_attention.context_parallel as m
 
-    monkeypatch.setattr(m, "_group_size", lambda group: 1 if group is None else 2)
+    monkeypatch.setattr(m, "group_size", lambda group: 1 if group is None else 2)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
 
     def make(**kwargs):
@@ -430,11 +435,14 @@ def test_odd_local_length_is_refused(two_rank_dpa):
         two_rank_dpa()(q, q, q)
 
 
-def test_hierarchical_groups_are_refused(two_rank_dpa):
+def test_hierarchical_groups_need_their_whole_group(two_rank_dpa):
     dpa = two_rank_dpa()
-    with pytest.raises(NotImplementedError, match="a2a\\+p2p"):
+    with pytest.raises(ValueError, match="need cp_global_ranks listing the 4 ranks"):
         dpa.set_context_parallel_group([_FakeGroup(), _FakeGroup()], [0, 1], None,
                                        ["a2a", "p2p"])  # fmt: skip
+    with pytest.raises(ValueError, match="two groups; got 3"):
+        dpa.set_context_parallel_group([_FakeGroup()] * 3, list(range(8)), None, "p2p")
+    assert dpa.cp_size == 2  # the refused calls changed nothing
 
 
 # --- CUDA: two processes on one GPU (gloo carries CUDA tensors) ---------------------------------
@@ -515,3 +523,55 @@ def test_kv_cache_is_refused_before_it_is_written(two_rank_dpa):
     dpa = two_rank_dpa(attn_mask_type="padding_causal")
     with pytest.raises(NotImplementedError, match="KV cache"):
         dpa(q, q, q, inference_params=Cache())
+
+
+# --- the hierarchical a2a+p2p form: 4 processes, a2a groups of 2 inside p2p groups of 2 ------
+
+
+def _hierarchical_worker(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
+    try:
+        # every process creates every group, in the same order
+        a2a = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        p2p = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        groups = [a2a[rank // 2], p2p[rank % 2]]
+        results = {}
+        for name, ranks in (("in-order", [0, 1, 2, 3]), ("permuted", [0, 2, 1, 3])):
+            cp_rank = ranks.index(rank)
+            q, k, v, w = _inputs(4)
+            local = [zigzag(t, 1, 4, cp_rank).requires_grad_() for t in (q, k, v)]
+            dpa = DotProductAttention(H, D, num_gqa_groups=G, qkv_format="bshd",
+                                      attn_mask_type="causal", return_max_logit=True,
+                                      device="cpu")  # fmt: skip
+            dpa.set_context_parallel_group(groups, ranks, None, ["a2a", "p2p"])
+            assert (dpa.cp_size, dpa.cp_rank) == (4, cp_rank)
+            for _ in range(2):  # the second call reuses the learned block order
+                for t in local:
+                    t.grad = None
+                out, max_logit = dpa(*local)
+                (out * zigzag(w, 1, 4, cp_rank)).sum().backward()
+            results[name] = (cp_rank, out.detach(), [t.grad for t in local], max_logit)
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hierarchical_groups_equal_whole_sequence_oracle(tmp_path):
+    mp.spawn(_hierarchical_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=4,
+             join=True)  # fmt: skip
+    q, k, v, w = _inputs(4)
+    out, grads = _oracle(q, k, v, w, "causal", None)
+    for rank in range(4):
+        for name, (cp_rank, got_out, got_grads, max_logit) in torch.load(
+            tmp_path / f"rank{rank}.pt"
+        ).items():
+            label = f"{name} rank {rank}"
+            want = zigzag(out, 1, 4, cp_rank)
+            torch.testing.assert_close(got_out.double(), want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=label: f"{n}: {m}")  # fmt: skip
+            for got, ref in zip(got_grads, grads):
+                torch.testing.assert_close(got.double(), zigzag(ref, 1, 4, cp_rank), rtol=1e-5,
+                                           atol=1e-6, msg=lambda m, n=label: f"{n}: {m}")  # fmt: skip
+            torch.testing.assert_close(max_logit.double(), _whole_max_logit(4), rtol=1e-5,
+                                       atol=1e-6)  # fmt: skip

@@ -20,13 +20,16 @@ Whatever ``cp_comm_type`` names (``p2p``, ``all_gather``, ``a2a``), the communic
 all-gather: the numbers are the same, each rank keeps the whole sequence's K and V from the
 forward to the backward (with ``checkpoint_core_attention`` only its own chunks: the gather
 and the attention run again in the backward), and nothing is overlapped; for ``thd`` the chunk
-positions are read back to the host once a call. ``return_max_logit`` gives the whole sequence's
-per-head maximum (a MAX all-reduce over the group). Not built: the hierarchical ``a2a+p2p`` groups,
+positions are read back to the host once a call. The hierarchical ``a2a+p2p`` form (a list of
+two groups, with ``cp_global_ranks``) gathers over each group in turn. ``return_max_logit``
+gives the whole sequence's per-head maximum (a MAX all-reduce over the group). Not built:
 padding masks given as tensors (``sbhd``/``bshd``), arbitrary masks, biases, ALiBi, a KV cache
 and cross attention with context parallelism; each is refused naming itself.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -35,6 +38,7 @@ from .recompute import recompute_in_backward
 
 __all__ = [
     "context_parallel_attention",
+    "context_parallel_size_and_rank",
     "gather_sequence",
     "refuse_under_context_parallelism",
     "thd_partitioned_indices",
@@ -69,10 +73,76 @@ class _GatherSequence(torch.autograd.Function):
         return mine, None, None, None, None
 
 
-def gather_sequence(x: torch.Tensor, dim: int, group, size: int, rank: int) -> torch.Tensor:
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def context_parallel_size_and_rank(cp_group, cp_global_ranks) -> tuple[int, int]:
+    """``(size, rank)`` of context parallelism over ``cp_group``: one process group, or the two
+    of the hierarchical ``a2a+p2p`` form (a list: the all-to-all group, then the point-to-point
+    one), whose whole group ``cp_global_ranks`` lists in context-parallel order."""
+    if not isinstance(cp_group, (list, tuple)):
+        size = group_size(cp_group)
+        return size, (dist.get_rank(cp_group) if size > 1 else 0)
+    sizes = [group_size(g) for g in cp_group]
+    total = math.prod(sizes)
+    if total == 1:
+        return 1, 0
+    if len(cp_group) != 2:
+        raise ValueError(
+            f"DotProductAttention: a list of cp groups is the hierarchical a2a+p2p form, two "
+            f"groups; got {len(cp_group)}"
+        )
+    ranks = list(cp_global_ranks or [])
+    if len(ranks) != total or dist.get_rank() not in ranks:
+        raise ValueError(
+            f"DotProductAttention: hierarchical cp groups of sizes {sizes} need cp_global_ranks "
+            f"listing the {total} ranks of the whole context-parallel group in its order (this "
+            f"rank, {dist.get_rank()}, among them); got {cp_global_ranks}"
+        )
+    return total, ranks.index(dist.get_rank())
+
+
+def _groups(dpa) -> list:
+    group = dpa.cp_group
+    return list(group) if isinstance(group, (list, tuple)) else [group]
+
+
+def gather_blocks(x: torch.Tensor, dim: int, dpa) -> torch.Tensor:
+    """Every context-parallel rank's ``x`` concatenated along ``dim`` in context-parallel rank
+    order (differentiable). Hierarchical groups gather over each in turn; which rank each
+    gathered block came from is learned once, by gathering the ranks themselves."""
+    groups = _groups(dpa)
+    if len(groups) == 1:
+        return _GatherSequence.apply(x, dim, groups[0], dpa.cp_size, dpa.cp_rank)
+    owners = getattr(dpa, "_cp_block_owners", None)
+    tag = None
+    if owners is None:
+        tag = torch.tensor([dpa.cp_rank], dtype=torch.int64, device=x.device)
+    for group in groups:
+        size, rank = group_size(group), dist.get_rank(group)
+        x = _GatherSequence.apply(x, dim, group, size, rank)
+        if tag is not None:
+            tag = _GatherSequence.apply(tag, 0, group, size, rank)
+    if owners is None:
+        owners = tag.tolist()
+        if sorted(owners) != list(range(dpa.cp_size)):
+            raise ValueError(
+                f"DotProductAttention: the hierarchical cp groups do not cover the "
+                f"context-parallel group once each (gathered ranks {owners}); the a2a and p2p "
+                "groups must factor the group that cp_global_ranks lists"
+            )
+        dpa._cp_block_owners = owners
+    n = x.shape[dim] // dpa.cp_size
+    where = {owner: i for i, owner in enumerate(owners)}
+    return torch.cat([x.narrow(dim, where[r] * n, n) for r in range(dpa.cp_size)], dim=dim)
+
+
+def gather_sequence(x: torch.Tensor, dim: int, dpa) -> torch.Tensor:
     """The whole sequence from each rank's zig-zag pair of chunks of ``x`` along ``dim``, in
     sequence order (differentiable)."""
-    gathered = _GatherSequence.apply(x, dim, group, size, rank)
+    size = dpa.cp_size
+    gathered = gather_blocks(x, dim, dpa)
     half = x.shape[dim] // 2
     order = []
     for chunk in range(2 * size):
@@ -159,9 +229,9 @@ def _dense_attention(dpa, q, k, v, fmt, mask_type, window):
     """``sbhd`` / ``bshd``: the results of this rank's query parts, in order."""
     seq_dim = 0 if fmt == "sbhd" else 1
     local = q.shape[seq_dim]
-    group, size, rank = dpa.cp_group, dpa.cp_size, dpa.cp_rank
-    k_all = gather_sequence(k, seq_dim, group, size, rank)
-    v_all = gather_sequence(v, seq_dim, group, size, rank)
+    size, rank = dpa.cp_size, dpa.cp_rank
+    k_all = gather_sequence(k, seq_dim, dpa)
+    v_all = gather_sequence(v, seq_dim, dpa)
     layout = f"{fmt}_{fmt}_{fmt}"
 
     def attend(q_part, keys, mask, bottom_right):
@@ -187,7 +257,8 @@ def _finish(dpa, results, dim: int):
     if not dpa.return_max_logit:
         return torch.cat(results, dim=dim)
     top = torch.stack([max_logit for _, max_logit in results]).amax(dim=0)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=dpa.cp_group)
+    for group in _groups(dpa):
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     return torch.cat([out for out, _ in results], dim=dim), top
 
 
@@ -223,7 +294,7 @@ def _thd_attention(dpa, q, k, v, mask_type, window, cu_seqlens):
         refuse_under_context_parallelism(
             "different cu_seqlens for queries and keys (cross attention)"
         )
-    group, size, rank = dpa.cp_group, dpa.cp_size, dpa.cp_rank
+    size, rank = dpa.cp_size, dpa.cp_rank
     padded = (cu_q if cu_q_padded is None else cu_q_padded).tolist()  # one host read a call
     actual = (cu_q[1:] - cu_q[:-1]).tolist()
     lengths = [b - a for a, b in zip(padded[:-1], padded[1:])]
@@ -249,8 +320,8 @@ def _thd_attention(dpa, q, k, v, mask_type, window, cu_seqlens):
             owner, second = (c, 0) if c < size else (2 * size - 1 - c, 1)
             order.append((owner * local_total + local_start[i] + second * c_len, c_len))
     whole = _rows([o for o, _ in order], [n for _, n in order], device)
-    k_all = _GatherSequence.apply(k, 0, group, size, rank).index_select(0, whole)
-    v_all = _GatherSequence.apply(v, 0, group, size, rank).index_select(0, whole)
+    k_all = gather_blocks(k, 0, dpa).index_select(0, whole)
+    v_all = gather_blocks(v, 0, dpa).index_select(0, whole)
 
     def attend(q_part, q_valid, q_rows, keys, mask):
         """``q_part`` (``q_rows`` rows a sequence, the first ``q_valid`` real) against the first

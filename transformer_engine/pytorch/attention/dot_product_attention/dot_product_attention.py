@@ -20,7 +20,11 @@ from ...device import (
 from ...module.base import TransformerEngineBaseModule
 from ...quantization import FP8GlobalStateManager
 from .backends import FlashAttention, FusedAttention, UnfusedDotProductAttention
-from .context_parallel import context_parallel_attention, refuse_under_context_parallelism
+from .context_parallel import (
+    context_parallel_attention,
+    context_parallel_size_and_rank,
+    refuse_under_context_parallelism,
+)
 from .inputs import (
     QKV_FORMATS,
     build_problem,
@@ -271,23 +275,17 @@ class DotProductAttention(TransformerEngineBaseModule):
     def set_context_parallel_group(
         self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type: str = "p2p"
     ) -> None:
-        """Context parallelism over ``cp_group``: each rank holds the zig-zag chunks ``rank`` and
-        ``2 * cp - 1 - rank`` of the sequence (``context_parallel.py``; every ``cp_comm_type``
-        runs as an all-gather of K and V). The hierarchical ``a2a+p2p`` groups are not built."""
+        """Context parallelism over ``cp_group`` (one group, or the a2a and p2p groups of the
+        hierarchical form with ``cp_global_ranks``): each rank holds the zig-zag chunks
+        ``rank`` and ``2 * cp - 1 - rank`` of the sequence (``context_parallel.py``; every
+        ``cp_comm_type`` runs as an all-gather of K and V)."""
         types = cp_comm_type if isinstance(cp_comm_type, (list, tuple)) else [cp_comm_type]
         if any(t not in CP_COMM_TYPES for t in types):
             raise ValueError(f"cp_comm_type={cp_comm_type!r} is not one of {CP_COMM_TYPES}")
-        groups = cp_group if isinstance(cp_group, (list, tuple)) else [cp_group]
-        sizes = [_group_size(g) for g in groups]
-        if len(groups) > 1 and max(sizes) > 1:
-            raise NotImplementedError(
-                "DotProductAttention: hierarchical context parallelism (a list of cp groups, "
-                "cp_comm_type='a2a+p2p') is not built; pass one cp_group"
-            )
+        size, rank = context_parallel_size_and_rank(cp_group, cp_global_ranks)
         self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
         self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
-        self.cp_size = sizes[0]
-        self.cp_rank = torch.distributed.get_rank(groups[0]) if self.cp_size > 1 else 0
+        self.cp_size, self.cp_rank, self._cp_block_owners = size, rank, None
 
     def _mask_settings(self, attn_mask_type, window_size, bottom_right_diagonal):
         """``(mask_type, window, bottom_right)`` of one call, cached per distinct arguments."""
