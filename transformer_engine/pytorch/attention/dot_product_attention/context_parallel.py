@@ -40,6 +40,7 @@ __all__ = [
     "context_parallel_attention",
     "context_parallel_size_and_rank",
     "gather_sequence",
+    "group_size",
     "refuse_under_context_parallelism",
     "thd_partitioned_indices",
 ]
@@ -74,6 +75,7 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def group_size(group) -> int:
+    """Ranks in ``group``; 1 for ``None`` (no group: one process)."""
     return 1 if group is None else dist.get_world_size(group)
 
 

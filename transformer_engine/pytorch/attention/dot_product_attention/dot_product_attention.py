@@ -23,6 +23,7 @@ from .backends import FlashAttention, FusedAttention, UnfusedDotProductAttention
 from .context_parallel import (
     context_parallel_attention,
     context_parallel_size_and_rank,
+    group_size,
     refuse_under_context_parallelism,
 )
 from .inputs import (
@@ -58,12 +59,6 @@ _attention_backends = {
 _MAX_CACHED_CHOICES = 256
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-
-
-def _group_size(group) -> int:
-    if group is None:
-        return 1
-    return torch.distributed.get_world_size(group)
 
 
 def _choose_backend(params: AttentionParams, problem: AttentionProblem):
@@ -172,7 +167,7 @@ class DotProductAttention(TransformerEngineBaseModule):
     ) -> None:
         super().__init__(name=name)
         if tp_group is not None:
-            tp_size = _group_size(tp_group)
+            tp_size = group_size(tp_group)
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"DotProductAttention: tp_size={tp_size!r} must be a positive int")
         # The core has no collectives: each rank attends over its own heads (the projections
