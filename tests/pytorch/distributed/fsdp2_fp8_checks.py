@@ -56,12 +56,7 @@ def fp8_parameter_refusal(device, mesh) -> str:
     with te.quantized_model_init(enabled=True, recipe=DelayedScaling()):
         module = te.Linear(HIDDEN, HIDDEN, device=device)
     fully_shard(module, mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
-    try:
-        with te.autocast(recipe=DelayedScaling()):
-            module(torch.randn(16, HIDDEN, device=device))
-    except NotImplementedError as error:
-        return str(error)
-    return ""
+    return _first_forward_error(module, DelayedScaling(), device, NotImplementedError)
 
 
 def fp8_parameter_scale_mismatch(device, mesh, rank: int) -> str:
@@ -76,10 +71,16 @@ def fp8_parameter_scale_mismatch(device, mesh, rank: int) -> str:
     local = module.weight.to_local()
     with torch.no_grad():
         local.quantize_(local.dequantize() * (1 + rank))
+    return _first_forward_error(module, Float8CurrentScaling(), device, RuntimeError)
+
+
+def _first_forward_error(module, recipe, device, error_type) -> str:
+    """The message of the ``error_type`` a forward of ``module`` under ``recipe`` raises
+    (empty string: none)."""
     try:
-        with te.autocast(recipe=Float8CurrentScaling()):
+        with te.autocast(recipe=recipe):
             module(torch.randn(16, HIDDEN, device=device))
-    except RuntimeError as error:
+    except error_type as error:
         return str(error)
     return ""
 
