@@ -140,6 +140,12 @@ def gather_blocks(x: torch.Tensor, dim: int, dpa) -> torch.Tensor:
     return torch.cat([x.narrow(dim, where[r] * n, n) for r in range(dpa.cp_size)], dim=dim)
 
 
+def _chunk_owner(chunk: int, size: int) -> tuple[int, int]:
+    """``(rank, half)`` holding chunk ``chunk`` of ``2 * size``: chunk c < size is rank c's
+    first half, chunk c >= size rank ``2 * size - 1 - c``'s second."""
+    return (chunk, 0) if chunk < size else (2 * size - 1 - chunk, 1)
+
+
 def gather_sequence(x: torch.Tensor, dim: int, dpa) -> torch.Tensor:
     """The whole sequence from each rank's zig-zag pair of chunks of ``x`` along ``dim``, in
     sequence order (differentiable)."""
@@ -148,8 +154,7 @@ def gather_sequence(x: torch.Tensor, dim: int, dpa) -> torch.Tensor:
     half = x.shape[dim] // 2
     order = []
     for chunk in range(2 * size):
-        # chunk c < size is rank c's first half; chunk c >= size is rank 2*size-1-c's second
-        owner, second = (chunk, 0) if chunk < size else (2 * size - 1 - chunk, 1)
+        owner, second = _chunk_owner(chunk, size)
         order.append(gathered.narrow(dim, (2 * owner + second) * half, half))
     return torch.cat(order, dim=dim)
 
@@ -314,12 +319,11 @@ def _thd_attention(dpa, q, k, v, mask_type, window, cu_seqlens):
         )
     chunk = [n // (2 * size) for n in lengths]
     local_start = [p // size for p in padded[:-1]]
-    # The whole padded sequences from every rank's chunks: chunk c of sequence i lives on
-    # rank c (first half) or 2*size-1-c (second half).
+    # The whole padded sequences from every rank's chunks.
     order = []
     for i, c_len in enumerate(chunk):
         for c in range(2 * size):
-            owner, second = (c, 0) if c < size else (2 * size - 1 - c, 1)
+            owner, second = _chunk_owner(c, size)
             order.append((owner * local_total + local_start[i] + second * c_len, c_len))
     whole = _rows([o for o, _ in order], [n for _, n in order], device)
     k_all = gather_blocks(k, 0, dpa).index_select(0, whole)
