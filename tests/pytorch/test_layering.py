@@ -97,6 +97,8 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.pytorch.graph",
         "transformer_engine.pytorch._graph_arguments",
         "transformer_engine.pytorch._graph_copies",
+        "transformer_engine.pytorch._graph_schedule",
+        "transformer_engine.pytorch._graph_variant",
     )),
     (10, "the public package and the compat shims", (
         "transformer_engine.pytorch",

@@ -17,12 +17,9 @@ class Options:
     """The resolved arguments of one :func:`make_graphed_callables` call."""
 
     def __init__(self, n: int, args: dict) -> None:
-        if args["_order"] is not None:
-            raise NotImplementedError(
-                f"{_WHO}: _order (Megatron's interleaved pipeline schedule: several graphs per "
-                "callable, for microbatches in flight) is not supported yet; capture without it"
-            )
-        if args["_num_layers_per_chunk"] is not None or args["_reuse_graph_input_output_buffers"]:
+        if args["_order"] is None and (
+            args["_num_layers_per_chunk"] is not None or args["_reuse_graph_input_output_buffers"]
+        ):
             raise ValueError(
                 f"{_WHO}: _num_layers_per_chunk and _reuse_graph_input_output_buffers belong to "
                 "the _order schedule; they need _order"

@@ -6,14 +6,16 @@ callable's ``enabled`` flag. The same modules come back with ``forward`` replace
 inputs are copied into the captured (static) input tensors, the forward graph is replayed, and
 autograd's backward replays the backward graph; FP8 state stays eager around the graphs
 (``quantization/graph_state.py``). ``cache_quantized_params=True`` captures the variants
-``is_first_microbatch=True`` and ``False``; each replay picks one. See docs/cuda_graphs.md.
+``is_first_microbatch=True`` and ``False``; each replay picks one. With ``_order`` every callable
+gets a pair of graphs per microbatch, captured in the schedule's order and returned as functions
+(``_graph_schedule.py``). See docs/cuda_graphs.md.
 """
 
 from __future__ import annotations
 
 import gc
 import inspect
-from typing import Any
+from types import SimpleNamespace
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -26,7 +28,8 @@ from ._graph_arguments import (
     same_constant,
     sorted_kwargs,
 )
-from ._graph_copies import GraphCopies, copy_nodes_enabled, new_graph
+from ._graph_schedule import Schedule
+from ._graph_variant import TENSOR, GraphReplay, Variant
 from .module.base import TransformerEngineBaseModule
 from .quantization import FP8GlobalStateManager
 from .quantization.graph_state import (
@@ -38,7 +41,6 @@ from .quantization.graph_state import (
 __all__ = ["make_graphed_callables", "is_graph_capturing"]
 
 _IS_GRAPH_CAPTURING = False
-_TENSOR = object()  # marks where a flattened argument or output holds a tensor
 _WHO = "make_graphed_callables"
 
 
@@ -47,165 +49,14 @@ def is_graph_capturing() -> bool:
     return _IS_GRAPH_CAPTURING
 
 
-class _Variant:
-    """One captured forward graph, its backward graph and its deferred-wgrad graph."""
-
-    def __init__(self, owner: _Graphed, is_first_microbatch) -> None:
-        self.owner, self.is_first_microbatch = owner, is_first_microbatch
-        # the copies into and out of the static tensors, as nodes of the graphs (_graph_copies)
-        keep = copy_nodes_enabled()
-        self.fwd_copies = GraphCopies(owner.device, keep)
-        self.bwd_copies = GraphCopies(owner.device, keep)
-        self.fwd_graph, self.bwd_graph, self.dw_graph = new_graph(keep), None, None
-        self.grad_outputs = self.grad_inputs = None
-        self.dw_grads: list = []
-        # What the graphs read that nothing else may keep alive: the deferred-wgrad GEMMs'
-        # operands and the FP8 weight workspaces cast in the graph (an eager call may replace a
-        # module's entry; the pool must not hand that memory to a later capture).
-        self.keep_alive: list = []
-
-    def capture_forward(self, pool, stream) -> None:
-        owner = self.owner
-        call_hooks(owner.hooks, "forward_pre_hooks", owner.module)
-        with torch.cuda.graph(self.fwd_graph, pool=pool, stream=stream):
-            self.input_slots = [self.fwd_copies.record(t) for t in owner.static_inputs]
-            out = owner.run_forward(self.is_first_microbatch)
-        self.fwd_copies.finish(self.fwd_graph)
-        call_hooks(owner.hooks, "forward_hooks", owner.module)
-        self.keep_alive += [dict(m._fp8_workspaces) for m in owner.te_modules]
-        leaves, self.out_spec = tree_flatten(out)
-        self.out_leaves = [_TENSOR if isinstance(t, torch.Tensor) else t for t in leaves]
-        self.outputs = tuple(t for t in leaves if isinstance(t, torch.Tensor))
-        self.output_requires_grad = tuple(t.requires_grad for t in self.outputs)
-
-    def capture_backward(self, pool, stream) -> None:
-        owner = self.owner
-        wanted = [i for i, t in enumerate(owner.surface()) if t.requires_grad]
-        if wanted and any(self.output_requires_grad):
-            self.grad_outputs = tuple(
-                torch.empty_like(t) if rg else None
-                for t, rg in zip(self.outputs, self.output_requires_grad)
-            )
-            copies, grads_in = self.bwd_copies, self.grad_outputs
-            clone = owner.options.clone_param_grads
-            self.bwd_graph = new_graph(copies.active)
-            call_hooks(owner.hooks, "backward_pre_hooks", owner.module)
-            with graph_capture_backward(), torch.cuda.graph(self.bwd_graph, pool, stream=stream):
-                self.grad_slots = [None if g is None else copies.record(g) for g in grads_in]
-                self.grad_inputs = owner.run_backward(self.outputs, grads_in, wanted)
-                # the parameter gradients handed out as copies, made by the graph itself
-                self.out_slots = {}
-                for i in range(len(owner.static_inputs), len(self.grad_inputs)):
-                    g = self.grad_inputs[i]
-                    slot = None if g is None or not clone else copies.record(g)
-                    if slot is not None:
-                        self.out_slots[i] = slot
-            copies.finish(self.bwd_graph)
-            call_hooks(owner.hooks, "backward_hooks", owner.module)
-        else:  # an inference graph: the replay's outputs do not require grad
-            self.output_requires_grad = (False,) * len(self.outputs)
-        if not owner.options.retain_graph_in_backward:  # else its saved tensors stay alive
-            self.outputs = tuple(t.detach() for t in self.outputs)
-        deferred = [m for m in owner.te_modules if m.need_backward_dw() and m.wgrad_store]
-        if deferred:
-            self._capture_deferred_wgrads(deferred, pool, stream)
-
-    def _capture_deferred_wgrads(self, modules, pool, stream) -> None:
-        """``delay_wgrad_compute``: the weight-gradient GEMMs the backward capture queued become
-        a third graph, replayed by ``backward_dw()``. A GEMM that assigns ``.grad`` does so with
-        a tensor of the graph's pool; the replay adds that into ``.grad`` eagerly."""
-        self.keep_alive += [list(m.wgrad_store) for m in modules]
-        params = [p for m in modules for p in m.parameters(recurse=False)]
-        saved = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        self.dw_graph = torch.cuda.CUDAGraph()
-        with graph_capture_backward(), torch.cuda.graph(self.dw_graph, pool, stream=stream):
-            for m in modules:
-                type(m).backward_dw(m)
-        self.dw_grads = [(p, p.grad) for p in params if p.grad is not None]
-        for p, grad in zip(params, saved):
-            p.grad = grad
-
-    def replay_forward(self, inputs) -> tuple:
-        # inputs: the user's tensors, then the parameters (their own static tensors)
-        for static, x, slot in zip(self.owner.static_inputs, inputs, self.input_slots):
-            if slot is not None:
-                self.fwd_copies.copy_in(slot, x)
-            elif static is not x and static.data_ptr() != x.data_ptr():
-                static.copy_(x)
-        self.fwd_graph.replay()
-        return tuple(t.detach() for t in self.outputs)
-
-    def replay_backward(self, grads) -> tuple:
-        copies = self.bwd_copies
-        for static, grad, slot in zip(self.grad_outputs, grads, self.grad_slots):
-            if static is None:
-                continue
-            if grad is None:
-                if slot is not None:
-                    copies.skip(slot)
-                static.zero_()
-            elif slot is not None:
-                copies.copy_in(slot, grad)
-            elif static.data_ptr() != grad.data_ptr():
-                static.copy_(grad)
-        copied = {i: copies.copy_out(slot) for i, slot in self.out_slots.items()}
-        copied = {i: out for i, out in copied.items() if out is not None}  # None: cloned below
-        self.bwd_graph.replay()
-        n_user, clone = len(self.owner.static_inputs), self.owner.options.clone_param_grads
-        return tuple(
-            copied[i] if i in copied
-            else None if g is None
-            else g.clone() if clone and i >= n_user
-            else g.detach()
-            for i, g in enumerate(self.grad_inputs)
-        )  # fmt: skip
-
-    def replay_deferred_wgrads(self) -> None:
-        if self.dw_graph is not None:
-            self.dw_graph.replay()
-            for p, static in self.dw_grads:
-                p.grad = static.clone() if p.grad is None else p.grad + static
-
-    def unflatten(self, outputs) -> Any:
-        it = iter(outputs)
-        leaves = [next(it) if leaf is _TENSOR else leaf for leaf in self.out_leaves]
-        return tree_unflatten(leaves, self.out_spec)
-
-    def reset(self) -> None:
-        for graph in (self.fwd_graph, self.bwd_graph, self.dw_graph):
-            if graph is not None:
-                graph.reset()
-        self.__dict__.clear()  # drops the static tensors; the owner drops this variant
-
-
-class _GraphReplay(torch.autograd.Function):
-    """One replay as one autograd node: forward graph in forward, backward graph in backward."""
-
-    @staticmethod
-    def forward(ctx, variant: _Variant, update, *inputs):  # noqa: D102
-        ctx.variant, ctx.update = variant, update
-        ctx.set_materialize_grads(False)
-        outputs = variant.replay_forward(inputs)
-        frozen = [t for t, rg in zip(outputs, variant.output_requires_grad) if not rg]
-        if frozen:
-            ctx.mark_non_differentiable(*frozen)
-        return outputs
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, *grads):  # noqa: D102
-        grad_inputs = ctx.variant.replay_backward(grads)
-        if ctx.update is not None:
-            ctx.update.complete()  # the region's first FP8 callable: its backward ran last
-        return (None, None, *grad_inputs)
-
-
 class _Graphed:
     """What :func:`make_graphed_callables` keeps for one callable, and its replacing forward."""
 
-    def __init__(self, index: int, module, args, kwargs, hooks, options: Options) -> None:
+    def __init__(self, index: int, module, args, kwargs, hooks, options: Options,
+                 callable_index: int, shared: SimpleNamespace) -> None:  # fmt: skip
+        # index: the sample's (and, with _order, the returned function's); callable_index: the
+        # module's, which its enabled flag follows; shared: per module, whether a replay has
+        # cast its weights (is_first_microbatch=True) since capture or an eager call
         if not isinstance(args, (tuple, list)):
             raise TypeError(
                 f"{_WHO}: sample_args[{index}] must be a tuple of tensors, got "
@@ -228,7 +79,7 @@ class _Graphed:
             except TypeError:
                 raise ValueError(
                     f"{_WHO}: cache_quantized_params=True passes is_first_microbatch to each "
-                    f"callable, but {type(module).__name__}.forward (callable {index}) takes "
+                    f"callable, but {type(module).__name__}.forward (callable {callable_index}) takes "
                     "none; graph the TE modules themselves, or give the container that argument"
                 ) from None
         # one flattening of (args, kwargs): tensors are static inputs, the rest is captured
@@ -239,19 +90,21 @@ class _Graphed:
             and len(leaves) == len(args)
             and all(isinstance(t, torch.Tensor) for t in args)
         )
-        self.leaves = [_TENSOR if isinstance(t, torch.Tensor) else t for t in leaves]
+        self.leaves = [TENSOR if isinstance(t, torch.Tensor) else t for t in leaves]
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         self.device = device_of(index, module, tensors)
         # detached aliases of the sample tensors: the graphs read them, replays write them
         self.static_inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
         self.index, self.module, self.hooks, self.options = index, module, hooks, options
+        self.callable_index, self.shared, self.installed = callable_index, shared, False
         self.params = tuple(module.parameters())
-        self.enabled, self.training = options.autocast.enabled[index], module.training
+        self.enabled = options.autocast.enabled[callable_index]
+        self.training = module.training
         self.te_modules = [
             m for m in module.modules() if isinstance(m, TransformerEngineBaseModule)
         ]
         self.variants: dict | None = {}
-        self.first_replayed, self.last, self.fp8_state = False, None, None
+        self.last, self.fp8_state = None, None
         self.name = f"graphed {type(module).__name__}"
         self.original_forward = module.forward
 
@@ -261,11 +114,11 @@ class _Graphed:
     def run_forward(self, is_first_microbatch: bool | None):
         """The module's own forward on the static inputs, as captured."""
         tensors = iter(self.static_inputs)
-        leaves = [next(tensors) if leaf is _TENSOR else leaf for leaf in self.leaves]
+        leaves = [next(tensors) if leaf is TENSOR else leaf for leaf in self.leaves]
         args, kwargs = tree_unflatten(leaves, self.spec)
         if is_first_microbatch is not None:
             kwargs["is_first_microbatch"] = is_first_microbatch
-        with self.options.autocast(self.index):
+        with self.options.autocast(self.callable_index):
             return self.module(*args, **kwargs)
 
     def run_backward(self, outputs, grad_outputs, wanted: list) -> tuple:
@@ -304,11 +157,26 @@ class _Graphed:
 
     # -- replay ----------------------------------------------------------------------------------
     def install(self) -> None:
-        if self.enabled:
-            self.fp8_state = GraphedFP8State(self.module, self.options.autocast.recipe, self.name)
+        """Replay through the module itself: its ``forward`` becomes the replay."""
+        self._start_replays()
         self.module.forward = lambda *args, **kwargs: self.forward(args, kwargs)
         self.module.backward_dw = self.backward_dw
         self.module.reset = self.reset
+        self.installed = True
+
+    def as_function(self):
+        """Replay through a function of its own (``_order``: several per module)."""
+        self._start_replays()
+
+        def graphed(*args, **kwargs):
+            return self.forward(args, kwargs)
+
+        graphed.backward_dw, graphed.reset = self.backward_dw, self.reset
+        return graphed
+
+    def _start_replays(self) -> None:
+        if self.enabled:
+            self.fp8_state = GraphedFP8State(self.module, self.options.autocast.recipe, self.name)
 
     def forward(self, args: tuple, kwargs: dict):
         first = None
@@ -321,11 +189,11 @@ class _Graphed:
                 )
         if self.variants is None or self.module.training != self.training:
             # reset(), or another training mode than captured: the module runs eagerly
-            self.last, self.first_replayed = None, False
+            self.last, self.shared.first_replayed = None, False
             if first is not None:
                 kwargs["is_first_microbatch"] = first
             return self.original_forward(*args, **kwargs)
-        if first is False and not self.first_replayed:
+        if first is False and not self.shared.first_replayed:
             raise ValueError(
                 f"{self.name}: is_first_microbatch=False reuses the weights cast by an "
                 "is_first_microbatch=True replay, and none ran since capture (or since an eager "
@@ -338,12 +206,12 @@ class _Graphed:
         if self.cache:
             FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(not first, self.device)
         if grad and variant.bwd_graph is not None:
-            outputs = _GraphReplay.apply(variant, update, *inputs, *self.params)
+            outputs = GraphReplay.apply(variant, update, *inputs, *self.params)
         else:
             outputs = variant.replay_forward(inputs)
         if fp8:
             self.fp8_state.end_replay()
-        self.first_replayed = self.first_replayed or bool(first)
+        self.shared.first_replayed = self.shared.first_replayed or bool(first)
         self.last = variant
         return variant.unflatten(outputs)
 
@@ -366,7 +234,7 @@ class _Graphed:
     def _checked(self, leaves) -> list:
         tensors, grad = [], torch.is_grad_enabled()
         for x, want in zip(leaves, self.leaves):
-            if want is not _TENSOR:
+            if want is not TENSOR:
                 if not same_constant(x, want):
                     raise ValueError(
                         f"{self.name}: an argument is {x!r}, captured as {want!r}; non-tensor "
@@ -405,8 +273,10 @@ class _Graphed:
         for variant in (self.variants or {}).values():
             variant.reset()
         self.variants, self.last = None, None
-        for name in ("forward", "backward_dw", "reset"):
-            self.module.__dict__.pop(name, None)
+        if self.installed:
+            for name in ("forward", "backward_dw", "reset"):
+                self.module.__dict__.pop(name, None)
+            self.installed = False
 
 
 def make_graphed_callables(
@@ -470,28 +340,46 @@ def make_graphed_callables(
         Per callable ``None`` or ``{kind: {id: fn(module)}}`` with kinds ``forward_pre_hooks``,
         ``forward_hooks``, ``backward_pre_hooks``, ``backward_hooks``: run around warm-up and
         capture passes, outside the graphs; they must return ``None``.
-    _order, _num_layers_per_chunk, _reuse_graph_input_output_buffers
-        Megatron's interleaved pipeline schedule: not supported (``NotImplementedError``).
+    _order : list of int, optional
+        A pipeline schedule (Megatron-LM's): ``modules`` are the layers of model chunks, ``+c``
+        / ``-c`` the forward / backward of chunk ``c``'s next microbatch; one pair of graphs per
+        layer and microbatch, captured in this order, which replays must follow.
+        ``sample_args`` (and ``sample_kwargs``) then hold one entry per graph: chunk by chunk,
+        microbatch by microbatch, layer by layer.
+    _num_layers_per_chunk : list of int, optional
+        With ``_order``: the layers of each chunk (default: an equal share).
+    _reuse_graph_input_output_buffers : bool, default False
+        With ``_order``: accepted; every graph keeps buffers of its own (more memory, the same
+        results).
 
     Returns
     -------
     The same module(s) with ``forward`` replaced by a replay (eager while ``module.training``
-    differs from the capture's), plus ``backward_dw()`` and ``reset()``. Replay inside
-    ``te.autocast`` with the capture's recipe.
+    differs from the capture's), plus ``backward_dw()`` and ``reset()``; with ``_order`` a
+    tuple of functions laid out as ``sample_args``, each with ``backward_dw()`` and
+    ``reset()``. Replay inside ``te.autocast`` with the capture's recipe.
     """
     options = Options(len(modules) if isinstance(modules, tuple) else 1, dict(locals()))
     single = not isinstance(modules, tuple)
     if single:
-        modules, sample_args, sample_kwargs = (modules,), (sample_args,), (sample_kwargs,)
+        modules = (modules,)
+        if _order is None:  # with _order, sample_args holds one entry per microbatch already
+            sample_args, sample_kwargs = (sample_args,), (sample_kwargs,)
         if isinstance(capture_time_hooks, dict):
             capture_time_hooks = (capture_time_hooks,)
     n = len(modules)
-    sample_kwargs = (None,) * n if sample_kwargs is None else tuple(sample_kwargs)
+    schedule = Schedule(n, _order, _num_layers_per_chunk)
+    graphs = schedule.num_samples
+    sample_kwargs = (None,) * graphs if sample_kwargs is None else tuple(sample_kwargs)
     hooks = (None,) * n if capture_time_hooks is None else tuple(capture_time_hooks)
-    for name, value in (("sample_args", sample_args), ("sample_kwargs", sample_kwargs),
-                        ("capture_time_hooks", hooks)):  # fmt: skip
-        if len(value) != n:
-            raise ValueError(f"{_WHO}: {len(value)} {name} for {n} callables; give one each")
+    per_graph = "callables"
+    if schedule.ordered:
+        per_graph = f"graphs ({n} callables x {schedule.num_microbatches} microbatches)"
+    for name, value, want, what in (("sample_args", sample_args, graphs, per_graph),
+                                    ("sample_kwargs", sample_kwargs, graphs, per_graph),
+                                    ("capture_time_hooks", hooks, n, "callables")):  # fmt: skip
+        if len(value) != want:
+            raise ValueError(f"{_WHO}: {len(value)} {name} for {want} {what}; give one each")
     if torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled():
         raise RuntimeError(
             f"{_WHO}: torch.autocast's weight cache must be off during capture; use "
@@ -504,26 +392,31 @@ def make_graphed_callables(
             f"{_WHO}: the callables are in different training modes; call .train() or .eval() "
             "on all of them before capture"
         )
+    shared = [SimpleNamespace(first_replayed=False) for _ in modules]
     entries = [
-        _Graphed(i, m, a, k, h, options)
-        for i, (m, a, k, h) in enumerate(zip(modules, sample_args, sample_kwargs, hooks))
+        _Graphed(s, modules[c], sample_args[s], sample_kwargs[s], hooks[c], options, c, shared[c])
+        for s, c in schedule.entries
     ]
-    _capture_all(entries, options, pre_warmup_hook, post_warmup_hook)
+    _capture_all(entries, options, pre_warmup_hook, post_warmup_hook, schedule.plan)
+    if schedule.ordered:
+        return tuple(e.as_function() for e in entries)
     for e in entries:
         e.install()
     return modules[0] if single else modules
 
 
-def _capture_all(entries, options: Options, pre_warmup_hook, post_warmup_hook) -> None:
-    """Warm up, then capture forward graphs in order and backward graphs in reverse: the order
-    of a replayed step, which is what lets all graphs share one memory pool. FP8 state,
-    ``main_grad`` buffers and RNG states are written back afterwards."""
+def _capture_all(entries, options: Options, pre_warmup_hook, post_warmup_hook, plan) -> None:
+    """Warm up, then capture the graphs in the order of ``plan`` (forwards in order and
+    backwards in reverse, or the ``_order`` schedule's): the order replays follow, which is what
+    lets all graphs share one memory pool. FP8 state, ``main_grad`` buffers and RNG states are
+    written back afterwards."""
     global _IS_GRAPH_CAPTURING
     devices = list(dict.fromkeys(e.device for e in entries))
     streams = {d: torch.cuda.Stream(device=d) for d in devices}
     pool = options.pool if options.pool is not None else torch.cuda.graph_pool_handle()
-    fp8_snapshot = DelayedScalingSnapshot([e.module for e in entries])
-    main_grads = [getattr(p, "main_grad", None) for e in entries for p in e.params]
+    modules = list(dict.fromkeys(e.module for e in entries))  # with _order, one per microbatch
+    fp8_snapshot = DelayedScalingSnapshot(modules)
+    main_grads = [getattr(p, "main_grad", None) for m in modules for p in m.parameters()]
     main_grads = [(g, g.clone()) for g in main_grads if isinstance(g, torch.Tensor)]
     rng = torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices]
     # No Python garbage collection while capturing: a collection started by an allocation
@@ -548,15 +441,29 @@ def _capture_all(entries, options: Options, pre_warmup_hook, post_warmup_hook) -
                 current.wait_stream(streams[e.device])
         if post_warmup_hook is not None:
             post_warmup_hook()
-        for is_first in options.variants:
-            variants = [_Variant(e, is_first) for e in entries]
-            for e, v in zip(entries, variants):
-                with torch.cuda.device(e.device):
-                    v.capture_forward(pool, streams[e.device])
-            for e, v in reversed(list(zip(entries, variants))):
-                with torch.cuda.device(e.device):
+        # Weight caching's two variants: without _order a step replays one variant of every
+        # callable, so each variant's graphs are captured as a step of their own. With _order
+        # the first microbatch replays the is_first_microbatch=True graphs and the others the
+        # False ones, interleaved: both variants of each step are captured together, so that
+        # neither variant's graphs reuse memory the other's still hold at that point of the
+        # schedule. And a module's True graphs (one per microbatch) all leave its cast weights
+        # where its False graphs read them.
+        several = len(modules) < len(entries)
+        if several:
+            steps = [(first, fwd, i) for fwd, i in plan for first in options.variants]
+        else:
+            steps = [(first, fwd, i) for first in options.variants for fwd, i in plan]
+        share = _SharedWorkspaces() if several and options.cache_quantized_params else None
+        variants = {(first, i): Variant(e, first) for first in options.variants
+                    for i, e in enumerate(entries)}  # fmt: skip
+        for first, forward, i in steps:
+            e, v = entries[i], variants[first, i]
+            with torch.cuda.device(e.device):
+                if forward:
+                    v.capture_forward(pool, streams[e.device], share if first else None)
+                else:
                     v.capture_backward(pool, streams[e.device])
-                e.variants[is_first] = v
+                    e.variants[first] = v
         for d in devices:
             torch.cuda.synchronize(d)
     finally:
@@ -570,3 +477,35 @@ def _capture_all(entries, options: Options, pre_warmup_hook, post_warmup_hook) -
         torch.set_rng_state(rng[0])
         for d, state in rng[1]:
             torch.cuda.set_rng_state(state, d)
+
+
+class _SharedWorkspaces:
+    """Captured after a forward with ``is_first_microbatch=True``: copies the weights that
+    forward cast into the module's first such capture's workspaces (the ones every
+    ``False`` graph then reads), and points the module back at those. Each graph keeps its own
+    workspaces alive: it writes them at every replay."""
+
+    def __init__(self) -> None:
+        self.first: dict = {}  # TE module -> its first capture's workspaces
+
+    def __call__(self, variant) -> None:
+        for m in variant.owner.te_modules:
+            first = self.first.setdefault(m, dict(m._fp8_workspaces))
+            for key, cast in m._fp8_workspaces.items():
+                target = first.setdefault(key, cast)
+                if target is not cast:
+                    _copy_storage(target, cast)
+            variant.keep_alive.append(dict(m._fp8_workspaces))
+            m._fp8_workspaces.clear()
+            m._fp8_workspaces.update(first)
+
+
+def _copy_storage(target, source) -> None:
+    """The tensors of a quantized storage (data, transposed copy, scales) into another's."""
+    if isinstance(source, torch.Tensor):
+        target.copy_(source)
+        return
+    for name, t in vars(source).items():
+        dst = getattr(target, name, None)
+        if isinstance(t, torch.Tensor) and isinstance(dst, torch.Tensor) and dst is not t:
+            dst.copy_(t)

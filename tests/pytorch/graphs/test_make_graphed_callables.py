@@ -13,16 +13,15 @@ import warnings
 
 import pytest
 import torch
+from graph_helpers import DTYPE, TOKENS, H, assert_same, fp8_state, sgd
 from utils import bitwise_equal, current_device_unchanged, make_recipe, needs_cuda, needs_two_gpus
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.pytorch.graph import is_graph_capturing, make_graphed_callables
-from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
-H, TOKENS, STEPS, LR = 128, 64, 10, 0.25
-DTYPE = torch.bfloat16
+STEPS = 10
 
 
 # -- CPU: argument rules and errors -----------------------------------------------------------
@@ -68,7 +67,6 @@ def test_capture_time_hooks_need_known_kinds():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(_order=[1, -1]), NotImplementedError, "_order .* is not supported yet"),
         (dict(_num_layers_per_chunk=[1]), ValueError, "need _order"),
         (dict(_reuse_graph_input_output_buffers=True), ValueError, "need _order"),
         (dict(num_warmup_iters=0), ValueError, "num_warmup_iters=0 must be an int >= 1"),
@@ -159,43 +157,12 @@ def static_sample(device, requires_grad=True) -> torch.Tensor:
     return torch.randn(TOKENS, H, device=device, dtype=DTYPE, requires_grad=requires_grad)
 
 
-def fp8_state(model) -> list:
-    """Every delayed-scaling tensor of the model's TE modules, cloned."""
-    out = []
-    for m in model.modules():
-        if isinstance(m, TransformerEngineBaseModule) and m.fp8_meta_tensors_initialized:
-            for key in ("scaling_fwd", "scaling_bwd"):
-                state = m.fp8_meta[key].delayed_scaling_state()
-                if state is not None:
-                    out += [state.scale.clone(), state.amax_history.clone()]
-    return out
-
-
-def sgd(model) -> list:
-    """The step's parameter gradients (cloned), then ``p -= LR * grad`` and no gradients."""
-    grads = []
-    with torch.no_grad():
-        for p in model.parameters():
-            grads.append(None if p.grad is None else p.grad.clone())
-            if p.grad is not None:
-                p.sub_(LR * p.grad)
-            p.grad = None
-    return grads
-
-
 def step(model, x, dy, recipe, **kwargs) -> list:
     x = x.clone().requires_grad_(True)
     with te.autocast(enabled=recipe is not None, recipe=recipe):
         y = model(x, **kwargs)
     y.backward(dy)
     return [y.detach().clone(), x.grad.clone()]
-
-
-def assert_same(eager: list, graphed: list, what: str) -> None:
-    assert len(eager) == len(graphed), what
-    for i, (a, b) in enumerate(zip(eager, graphed)):
-        assert (a is None) == (b is None), f"{what}[{i}]"
-        assert a is None or bitwise_equal(a, b), f"{what}[{i}] differs"
 
 
 def run_and_compare(eager, graphed, recipe, device, steps=STEPS) -> None:

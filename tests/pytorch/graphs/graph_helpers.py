@@ -1,0 +1,43 @@
+"""What the graph tests share: the layer size and dtype, and the eager-vs-graphed comparisons
+(bit for bit: a replay runs the kernels the eager step runs)."""
+
+from __future__ import annotations
+
+import torch
+from utils import bitwise_equal
+
+from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+H, TOKENS, LR = 128, 64, 0.25
+DTYPE = torch.bfloat16
+
+
+def fp8_state(model) -> list:
+    """Every delayed-scaling tensor of the model's TE modules, cloned."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, TransformerEngineBaseModule) and m.fp8_meta_tensors_initialized:
+            for key in ("scaling_fwd", "scaling_bwd"):
+                state = m.fp8_meta[key].delayed_scaling_state()
+                if state is not None:
+                    out += [state.scale.clone(), state.amax_history.clone()]
+    return out
+
+
+def sgd(model) -> list:
+    """The step's parameter gradients (cloned), then ``p -= LR * grad`` and no gradients."""
+    grads = []
+    with torch.no_grad():
+        for p in model.parameters():
+            grads.append(None if p.grad is None else p.grad.clone())
+            if p.grad is not None:
+                p.sub_(LR * p.grad)
+            p.grad = None
+    return grads
+
+
+def assert_same(eager: list, graphed: list, what: str) -> None:
+    assert len(eager) == len(graphed), what
+    for i, (a, b) in enumerate(zip(eager, graphed)):
+        assert (a is None) == (b is None), f"{what}[{i}]"
+        assert a is None or bitwise_equal(a, b), f"{what}[{i}] differs"

@@ -1,0 +1,181 @@
+"""One captured variant of a graphed callable (``te.make_graphed_callables``): its forward,
+backward and deferred-wgrad CUDA graphs, the static tensors they read and write, and their
+replay as one autograd node (:class:`GraphReplay`).
+
+The copies into and out of the static tensors are nodes of the graphs themselves
+(``_graph_copies.py``); the callable's own warm-up, argument checks and FP8 bookkeeping are in
+``graph.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ._graph_arguments import call_hooks
+from ._graph_copies import GraphCopies, copy_nodes_enabled, new_graph
+from .quantization.graph_state import graph_capture_backward
+
+__all__ = ["GraphReplay", "Variant", "TENSOR"]
+
+TENSOR = object()  # marks where a flattened argument or output holds a tensor
+
+
+class Variant:
+    """One captured forward graph, its backward graph and its deferred-wgrad graph."""
+
+    def __init__(self, owner, is_first_microbatch) -> None:
+        self.owner, self.is_first_microbatch = owner, is_first_microbatch
+        # the copies into and out of the static tensors, as nodes of the graphs (_graph_copies)
+        keep = copy_nodes_enabled()
+        self.fwd_copies = GraphCopies(owner.device, keep)
+        self.bwd_copies = GraphCopies(owner.device, keep)
+        self.fwd_graph, self.bwd_graph, self.dw_graph = new_graph(keep), None, None
+        self.grad_outputs = self.grad_inputs = None
+        self.dw_grads: list = []
+        # What the graphs read that nothing else may keep alive: the deferred-wgrad GEMMs'
+        # operands and the FP8 weight workspaces cast in the graph (an eager call may replace a
+        # module's entry; the pool must not hand that memory to a later capture).
+        self.keep_alive: list = []
+
+    def capture_forward(self, pool, stream, then=None) -> None:
+        """``then(self)``: captured after the forward, in the same graph."""
+        owner = self.owner
+        call_hooks(owner.hooks, "forward_pre_hooks", owner.module)
+        with torch.cuda.graph(self.fwd_graph, pool=pool, stream=stream):
+            self.input_slots = [self.fwd_copies.record(t) for t in owner.static_inputs]
+            out = owner.run_forward(self.is_first_microbatch)
+            if then is not None:
+                then(self)
+        self.fwd_copies.finish(self.fwd_graph)
+        call_hooks(owner.hooks, "forward_hooks", owner.module)
+        self.keep_alive += [dict(m._fp8_workspaces) for m in owner.te_modules]
+        leaves, self.out_spec = tree_flatten(out)
+        self.out_leaves = [TENSOR if isinstance(t, torch.Tensor) else t for t in leaves]
+        self.outputs = tuple(t for t in leaves if isinstance(t, torch.Tensor))
+        self.output_requires_grad = tuple(t.requires_grad for t in self.outputs)
+
+    def capture_backward(self, pool, stream) -> None:
+        owner = self.owner
+        wanted = [i for i, t in enumerate(owner.surface()) if t.requires_grad]
+        if wanted and any(self.output_requires_grad):
+            self.grad_outputs = tuple(
+                torch.empty_like(t) if rg else None
+                for t, rg in zip(self.outputs, self.output_requires_grad)
+            )
+            copies, grads_in = self.bwd_copies, self.grad_outputs
+            clone = owner.options.clone_param_grads
+            self.bwd_graph = new_graph(copies.active)
+            call_hooks(owner.hooks, "backward_pre_hooks", owner.module)
+            with graph_capture_backward(), torch.cuda.graph(self.bwd_graph, pool, stream=stream):
+                self.grad_slots = [None if g is None else copies.record(g) for g in grads_in]
+                self.grad_inputs = owner.run_backward(self.outputs, grads_in, wanted)
+                # the parameter gradients handed out as copies, made by the graph itself
+                self.out_slots = {}
+                for i in range(len(owner.static_inputs), len(self.grad_inputs)):
+                    g = self.grad_inputs[i]
+                    slot = None if g is None or not clone else copies.record(g)
+                    if slot is not None:
+                        self.out_slots[i] = slot
+            copies.finish(self.bwd_graph)
+            call_hooks(owner.hooks, "backward_hooks", owner.module)
+        else:  # an inference graph: the replay's outputs do not require grad
+            self.output_requires_grad = (False,) * len(self.outputs)
+        if not owner.options.retain_graph_in_backward:  # else its saved tensors stay alive
+            self.outputs = tuple(t.detach() for t in self.outputs)
+        deferred = [m for m in owner.te_modules if m.need_backward_dw() and m.wgrad_store]
+        if deferred:
+            self._capture_deferred_wgrads(deferred, pool, stream)
+
+    def _capture_deferred_wgrads(self, modules, pool, stream) -> None:
+        """``delay_wgrad_compute``: the weight-gradient GEMMs the backward capture queued become
+        a third graph, replayed by ``backward_dw()``. A GEMM that assigns ``.grad`` does so with
+        a tensor of the graph's pool; the replay adds that into ``.grad`` eagerly."""
+        self.keep_alive += [list(m.wgrad_store) for m in modules]
+        params = [p for m in modules for p in m.parameters(recurse=False)]
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        self.dw_graph = torch.cuda.CUDAGraph()
+        with graph_capture_backward(), torch.cuda.graph(self.dw_graph, pool, stream=stream):
+            for m in modules:
+                type(m).backward_dw(m)
+        self.dw_grads = [(p, p.grad) for p in params if p.grad is not None]
+        for p, grad in zip(params, saved):
+            p.grad = grad
+
+    def replay_forward(self, inputs) -> tuple:
+        # inputs: the user's tensors, then the parameters (their own static tensors)
+        for static, x, slot in zip(self.owner.static_inputs, inputs, self.input_slots):
+            if slot is not None:
+                self.fwd_copies.copy_in(slot, x)
+            elif static is not x and static.data_ptr() != x.data_ptr():
+                static.copy_(x)
+        self.fwd_graph.replay()
+        return tuple(t.detach() for t in self.outputs)
+
+    def replay_backward(self, grads) -> tuple:
+        copies = self.bwd_copies
+        for static, grad, slot in zip(self.grad_outputs, grads, self.grad_slots):
+            if static is None:
+                continue
+            if grad is None:
+                if slot is not None:
+                    copies.skip(slot)
+                static.zero_()
+            elif slot is not None:
+                copies.copy_in(slot, grad)
+            elif static.data_ptr() != grad.data_ptr():
+                static.copy_(grad)
+        copied = {i: copies.copy_out(slot) for i, slot in self.out_slots.items()}
+        copied = {i: out for i, out in copied.items() if out is not None}  # None: cloned below
+        self.bwd_graph.replay()
+        n_user, clone = len(self.owner.static_inputs), self.owner.options.clone_param_grads
+        return tuple(
+            copied[i] if i in copied
+            else None if g is None
+            else g.clone() if clone and i >= n_user
+            else g.detach()
+            for i, g in enumerate(self.grad_inputs)
+        )  # fmt: skip
+
+    def replay_deferred_wgrads(self) -> None:
+        if self.dw_graph is not None:
+            self.dw_graph.replay()
+            for p, static in self.dw_grads:
+                p.grad = static.clone() if p.grad is None else p.grad + static
+
+    def unflatten(self, outputs) -> Any:
+        it = iter(outputs)
+        leaves = [next(it) if leaf is TENSOR else leaf for leaf in self.out_leaves]
+        return tree_unflatten(leaves, self.out_spec)
+
+    def reset(self) -> None:
+        for graph in (self.fwd_graph, self.bwd_graph, self.dw_graph):
+            if graph is not None:
+                graph.reset()
+        self.__dict__.clear()  # drops the static tensors; the owner drops this variant
+
+
+class GraphReplay(torch.autograd.Function):
+    """One replay as one autograd node: forward graph in forward, backward graph in backward."""
+
+    @staticmethod
+    def forward(ctx, variant: Variant, update, *inputs):  # noqa: D102
+        ctx.variant, ctx.update = variant, update
+        ctx.set_materialize_grads(False)
+        outputs = variant.replay_forward(inputs)
+        frozen = [t for t, rg in zip(outputs, variant.output_requires_grad) if not rg]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):  # noqa: D102
+        grad_inputs = ctx.variant.replay_backward(grads)
+        if ctx.update is not None:
+            ctx.update.complete()  # the region's first FP8 callable: its backward ran last
+        return (None, None, *grad_inputs)
