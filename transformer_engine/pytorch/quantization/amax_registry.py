@@ -253,6 +253,12 @@ class AmaxRegistry:
         """Reduce (if the recipe and the process group ask for it) and update every pair."""
         entries = self._entries.get(key)
         groups = self.device_groups(key)
+        # Hold the pairs for the whole update: a pair whose owner is garbage (a reference
+        # cycle) can be freed by a collection that any allocation below sets off.
+        held = [(entries[p].amax_history, entries[p].scale) for _, ps in groups for p in ps]
+        if any(h is None or s is None for h, s in held):  # freed since the grouping
+            groups = self.device_groups(key)
+            held = [(entries[p].amax_history, entries[p].scale) for _, ps in groups for p in ps]
         if not groups:
             return
         reduced = self._reduce(entries, groups, group) if _should_reduce(recipe, group) else {}
