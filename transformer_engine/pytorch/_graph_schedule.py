@@ -38,15 +38,16 @@ class Schedule:
         self.num_microbatches = microbatches
         first_callable = [sum(layers[:c]) for c in range(chunks)]
         first_sample = [f * microbatches for f in first_callable]
+
+        def entry(c: int, m: int, layer: int) -> int:  # the sample index is the entry's
+            return first_sample[c] + m * layers[c] + layer
+
         self.entries = [
-            (first_sample[c] + m * layers[c] + layer, first_callable[c] + layer)
+            (entry(c, m, layer), first_callable[c] + layer)
             for c in range(chunks)
             for m in range(microbatches)
             for layer in range(layers[c])
         ]
-
-        def entry(c: int, m: int, layer: int) -> int:  # the sample index is the entry's
-            return first_sample[c] + m * layers[c] + layer
 
         forwards, backwards, self.plan = [0] * chunks, [0] * chunks, []
         for step in order:

@@ -493,19 +493,12 @@ class _SharedWorkspaces:
             first = self.first.setdefault(m, dict(m._fp8_workspaces))
             for key, cast in m._fp8_workspaces.items():
                 target = first.setdefault(key, cast)
-                if target is not cast:
-                    _copy_storage(target, cast)
+                if target is cast:
+                    continue
+                if hasattr(target, "copy_from_storage"):  # a quantized storage: bytes and scales
+                    target.copy_from_storage(cast)
+                else:  # a plain tensor (an IdentityQuantizer's)
+                    target.copy_(cast)
             variant.keep_alive.append(dict(m._fp8_workspaces))
             m._fp8_workspaces.clear()
             m._fp8_workspaces.update(first)
-
-
-def _copy_storage(target, source) -> None:
-    """The tensors of a quantized storage (data, transposed copy, scales) into another's."""
-    if isinstance(source, torch.Tensor):
-        target.copy_(source)
-        return
-    for name, t in vars(source).items():
-        dst = getattr(target, name, None)
-        if isinstance(t, torch.Tensor) and isinstance(dst, torch.Tensor) and dst is not t:
-            dst.copy_(t)
