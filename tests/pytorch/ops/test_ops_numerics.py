@@ -147,10 +147,16 @@ def test_basic_linear_init_is_kaiming_uniform_like_torch_linear():
 
 
 def test_basic_linear_argument_errors():
-    with pytest.raises(NotImplementedError, match="tensor_parallel_mode"):
+    # tensor parallelism needs a process group (tests/pytorch/distributed runs it over gloo)
+    with pytest.raises(RuntimeError, match="init_process_group"):
         ops.BasicLinear(IN, OUT, device="cpu", tensor_parallel_mode="column")
-    with pytest.raises(NotImplementedError, match="sequence_parallel"):
-        ops.BasicLinear(IN, OUT, device="cpu", sequence_parallel=True)
+    with pytest.raises(ValueError, match="tensor_parallel_mode='diagonal'"):
+        ops.BasicLinear(IN, OUT, device="cpu", tensor_parallel_mode="diagonal")
+    with pytest.raises(NotImplementedError, match="userbuffers_options"):
+        ops.BasicLinear(IN, OUT, device="cpu", userbuffers_options={"comm_name": "qkv"})
+    # without a mode, sequence parallelism has nothing to split: the op is the plain one
+    plain_op = ops.BasicLinear(IN, OUT, device="cpu", sequence_parallel=True)
+    assert plain_op.sequence_parallel is False and plain_op.weight.shape == (OUT, IN)
     with pytest.raises(ValueError, match="in_features"):
         ops.BasicLinear(0, OUT, device="cpu")
     with pytest.raises(TypeError, match="dtype"):

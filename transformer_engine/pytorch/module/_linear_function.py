@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from .._sequence_parallel_input import keep_local_shard, restore_gathered_input
 from .._tensor_parallel import (
-    gather_along_first_dim,
     reduce_scatter_along_first_dim,
-    regather_fp8_shard,
     sequence_parallel_gemm_input,
     sequence_parallel_grad_output,
 )
@@ -54,20 +53,10 @@ class _LinearFunction(torch.autograd.Function):
             needs_wgrad=weight.requires_grad and shard is None,
             bias_requires_grad=bias is not None and bias.requires_grad,
         )
+        ctx.kept_shard = None
         if sp_group is not None:
             out = out.reshape(*leading, out.shape[-1])
-        if shard is not None and weight.requires_grad:
-            saved.x = shard
-        # Keep the local shard instead of the gathered input when backward reads it as it is.
-        ctx.regather = shard is not None and weight.requires_grad
-        ctx.regather_high_precision = (
-            sp_group is not None
-            and type(saved.x) is torch.Tensor
-            and full is not inp
-            and saved.x.data_ptr() == full.data_ptr()
-        )
-        if ctx.regather_high_precision:
-            saved.x = inp.reshape(-1, inp.shape[-1])
+            ctx.kept_shard = keep_local_shard(saved, inp, full, shard, weight.requires_grad)
         if out_sp_group is not None:
             out = reduce_scatter_along_first_dim(out, out_sp_group)[0]
         ctx.save_for_backward(*saved.pack())
@@ -82,10 +71,7 @@ class _LinearFunction(torch.autograd.Function):
         with device_guard(grad_out.device):
             saved = ctx.saved
             saved.unpack(ctx.saved_tensors)
-            if ctx.regather:
-                saved.x = regather_fp8_shard(saved.x, ctx.sp_group)
-            elif ctx.regather_high_precision:
-                saved.x = gather_along_first_dim(saved.x, ctx.sp_group)[0]
+            restore_gathered_input(saved, ctx.kept_shard, ctx.sp_group)
             if ctx.out_sp_group is not None:
                 # The layouts the GEMMs read; it gathers in high precision unless they run
                 # in per-tensor FP8 (no backward_override).

@@ -17,9 +17,9 @@ FC1's output ``h`` in the activation dtype (the activation's backward reads it),
 activation in the activation dtype and the linear core casts it as usual.
 
 Under sequence parallelism (``sp_group``) FC1's input arrives split along dimension 0: the node
-all-gathers it (``sequence_parallel_gemm_input``: FP8 bytes under a per-tensor FP8 recipe, of
-which only the local FP8 shard is kept and gathered again in backward for FC1's weight
-gradient) and reduce-scatters its gradient. With ``out_sp_group`` (FC2 row-parallel under
+all-gathers it (``sequence_parallel_gemm_input``: FP8 bytes under a per-tensor FP8 recipe),
+keeps only the local shard (FP8, or the input itself in high precision), which backward gathers
+again for FC1's weight gradient, and reduce-scatters its gradient. With ``out_sp_group`` (FC2 row-parallel under
 sequence parallelism) the node reduce-scatters FC2's output along dimension 0 and all-gathers
 the output gradient (``sequence_parallel_grad_output``: FP8 bytes cast with FC2's grad-output
 quantizer under a per-tensor FP8 recipe).
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
+from .._sequence_parallel_input import keep_local_shard, restore_gathered_input
 from .._tensor_parallel import (
     reduce_scatter_along_first_dim,
-    regather_fp8_shard,
     sequence_parallel_gemm_input,
     sequence_parallel_grad_output,
 )
@@ -91,10 +91,10 @@ class _MLPBody(torch.autograd.Function):
         fc1_needed = ln_out.requires_grad or fc1_weight.requires_grad or fc1_bias_grad
         # 2-D operands throughout: FC1's output is then the GEMM's own tensor (not a view),
         # which backward can release as soon as the activation's gradient is computed.
-        ln2, leading = ln_out.reshape(-1, ln_out.shape[-1]), ln_out.shape[:-1]
-        shard = None
+        local = ln2 = ln_out.reshape(-1, ln_out.shape[-1])
+        leading, shard = ln_out.shape[:-1], None
         if sp_group is not None:
-            ln2, _, shard = sequence_parallel_gemm_input(ln2, sp_group, fc1_config)
+            ln2, _, shard = sequence_parallel_gemm_input(local, sp_group, fc1_config)
             leading = (-1, *ln_out.shape[1:-1])
         h2, saved1 = linear_forward(
             fc1_weight, ln2, fc1_bias, fc1_config,
@@ -103,9 +103,9 @@ class _MLPBody(torch.autograd.Function):
             needs_wgrad=fc1_weight.requires_grad and shard is None,
             bias_requires_grad=fc1_bias_grad,
         )  # fmt: skip
-        ctx.regather = shard is not None and fc1_weight.requires_grad
-        if ctx.regather:
-            saved1.x = shard
+        ctx.kept_shard = None
+        if sp_group is not None:
+            ctx.kept_shard = keep_local_shard(saved1, local, ln2, shard, fc1_weight.requires_grad)
         act = _fc2_input(h2, spec, fc2_config, fc2_weight, columnwise=fc2_weight.requires_grad)
         out, saved2 = linear_forward(
             fc2_weight, act, fc2_bias, fc2_config,
@@ -162,8 +162,7 @@ class _MLPBody(torch.autograd.Function):
                 _release(tensors[ctx.split : ctx.split + ctx.act_tensors])
             d_ln = dw1 = db1 = None
             if ctx.fc1_needed:
-                if ctx.regather:
-                    saved1.x = regather_fp8_shard(saved1.x, ctx.sp_group)
+                restore_gathered_input(saved1, ctx.kept_shard, ctx.sp_group)
                 dh, dbias = _activation_gradient(ctx, saved1, d_act, h2)
                 del d_act
                 _release((h2,))

@@ -8,14 +8,13 @@ module puts it is described in docs/modules.md ("Tensor parallelism").
 
 from __future__ import annotations
 
+from .._sequence_parallel_input import check_sequence_parallel_scaling
 from .._tensor_parallel import (
     copy_to_tensor_parallel_region,
     get_distributed_world_size,
-    group_contains,
     reduce_from_tensor_parallel_region,
     set_tensor_model_parallel_attributes,
 )
-from ..quantization import FP8GlobalStateManager
 from ._linear_function import linear
 
 __all__ = [
@@ -113,22 +112,7 @@ def check_tensor_parallel_ready(module, *, gathers_input: bool = True) -> None:
             "rank(s); initialize torch.distributed and pass a group of tp_size ranks"
         )
     if gathers_input and module.fp8 and module.sequence_parallel:
-        recipe = module.fp8_meta.get("recipe")
-        if recipe is not None and recipe.delayed():
-            if not recipe.reduce_amax:
-                raise RuntimeError(
-                    f"{owner}: sequence_parallel=True under DelayedScaling needs "
-                    "recipe.reduce_amax=True, so that every tensor-parallel rank casts with the "
-                    "same scale"
-                )
-            group = FP8GlobalStateManager.get_fp8_group()
-            if not group_contains(group, module.tp_group):
-                raise RuntimeError(
-                    f"{owner}: sequence_parallel=True under DelayedScaling needs the autocast's "
-                    "amax_reduction_group to contain the tensor-parallel group (normally the "
-                    "data x tensor parallel group); pass te.autocast(..., "
-                    "amax_reduction_group=...) accordingly"
-                )
+        check_sequence_parallel_scaling(owner, module.fp8_meta.get("recipe"), module.tp_group)
 
 
 def reduce_split_amaxes(module, config, *, input_split: bool, grad_output_split: bool) -> None:

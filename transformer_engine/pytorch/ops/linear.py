@@ -36,9 +36,14 @@ class Linear(FusedOperation):
     rng_state_tracker_function : callable, optional
     accumulate_into_main_grad : bool, default False
 
-    Tensor-parallel arguments (``tensor_parallel_mode``, ``tensor_parallel_group``,
-    ``sequence_parallel``) are accepted for compatibility; values other than the
-    single-process defaults raise ``NotImplementedError``.
+    tensor_parallel_mode : {None, "column", "row"}, default None
+    tensor_parallel_group : torch.distributed.ProcessGroup, optional
+    sequence_parallel : bool, default False
+        As ``BasicLinear``'s. Column: the bias is split like the output features
+        (``Bias(tensor_parallel=True)``). Row: the bias is whole and added after the
+        reduction, so it counts once; under sequence parallelism its gradient is this rank's
+        partial sum (``bias.sequence_parallel`` is set), which the framework all-reduces over
+        the group, as for ``te.Linear``.
 
     Attributes
     ----------
@@ -62,21 +67,32 @@ class Linear(FusedOperation):
         rng_state_tracker_function=None,
         accumulate_into_main_grad: bool = False,
     ) -> None:
-        ops = [
-            BasicLinear(
-                in_features,
-                out_features,
-                device=device,
-                dtype=dtype,
-                tensor_parallel_mode=tensor_parallel_mode,
-                tensor_parallel_group=tensor_parallel_group,
-                sequence_parallel=sequence_parallel,
-                rng_state_tracker_function=rng_state_tracker_function,
-                accumulate_into_main_grad=accumulate_into_main_grad,
-            )
-        ]
+        linear = BasicLinear(
+            in_features,
+            out_features,
+            device=device,
+            dtype=dtype,
+            tensor_parallel_mode=tensor_parallel_mode,
+            tensor_parallel_group=tensor_parallel_group,
+            sequence_parallel=sequence_parallel,
+            rng_state_tracker_function=rng_state_tracker_function,
+            accumulate_into_main_grad=accumulate_into_main_grad,
+        )
+        ops = [linear]
         if bias:
-            ops.append(Bias(out_features, device=device, dtype=dtype))
+            parallel = linear.tensor_parallel_size > 1
+            column = parallel and tensor_parallel_mode == "column"
+            ops.append(
+                Bias(
+                    out_features,
+                    device=device,
+                    dtype=dtype,
+                    tensor_parallel=column,
+                    tensor_parallel_group=tensor_parallel_group if column else None,
+                )
+            )
+            if parallel and tensor_parallel_mode == "row" and linear.sequence_parallel:
+                ops[-1].bias.sequence_parallel = True
         super().__init__(ops)
         self.in_features = in_features
         self.out_features = out_features

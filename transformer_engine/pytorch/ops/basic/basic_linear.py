@@ -38,8 +38,9 @@ from ._common import (
     plain,
     quantize_weight_in_slot,
 )
+from ._linear_parallelism import LinearParallelism
 
-__all__ = ["BasicLinear", "is_produced_input"]
+__all__ = ["BasicLinear", "fusible_linear", "is_produced_input"]
 
 # quantizer slots (upstream's layout): forward [input, weight], backward [grad_output]
 _INPUT, _WEIGHT, _GRAD_OUTPUT = 0, 1, 0
@@ -63,9 +64,21 @@ class BasicLinear(BasicOperation):
         Accumulate the weight gradient into ``weight.main_grad`` (float32) instead of returning
         it.
 
-    Tensor-parallel and Userbuffers arguments (``tensor_parallel_mode``,
-    ``tensor_parallel_group``, ``sequence_parallel``, ``userbuffers_options``) are accepted for
-    compatibility; values other than the single-process defaults raise ``NotImplementedError``.
+    tensor_parallel_mode : {None, "column", "row"}, default None
+        Split the weight over ``tensor_parallel_group``: ``"column"`` holds ``out_features / tp``
+        output features (the input gradient is all-reduced), ``"row"`` holds
+        ``in_features / tp`` input features (the output is all-reduced; add a bias after it).
+        ``in_features`` and ``out_features`` are the whole layer's; ``local_in_features`` and
+        ``local_out_features`` this rank's. Needs ``torch.distributed`` initialized.
+    tensor_parallel_group : torch.distributed.ProcessGroup, optional
+        Default: the world group.
+    sequence_parallel : bool, default False
+        With a mode and more than one rank: the input (column) or output (row) is split along
+        dimension 0, all-gathered before a column GEMM (in FP8 under a per-tensor FP8 recipe)
+        and reduce-scattered after a row GEMM, as ``te.Linear`` does.
+    userbuffers_options : dict, optional
+        Userbuffers communication overlap is not built: anything but ``None`` raises
+        ``NotImplementedError``.
 
     Notes
     -----
@@ -90,23 +103,28 @@ class BasicLinear(BasicOperation):
         userbuffers_options=None,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("tensor_parallel_mode", tensor_parallel_mode),
-            ("sequence_parallel", sequence_parallel),
-            ("userbuffers_options", userbuffers_options),
-        ):
-            if value not in (None, False):
-                raise NotImplementedError(
-                    f"BasicLinear: {name}={value!r} is not implemented yet (single process only)"
-                )
+        if userbuffers_options is not None:
+            raise NotImplementedError(
+                f"BasicLinear: userbuffers_options={userbuffers_options!r}: Userbuffers "
+                "communication overlap is not built in this package; leave it None (the "
+                "collectives then run without overlap)"
+            )
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"BasicLinear: {name}={value!r} must be a positive int")
+        par = LinearParallelism(
+            "BasicLinear", in_features, out_features, tensor_parallel_mode,
+            tensor_parallel_group, sequence_parallel,
+        )  # fmt: skip
+        self._parallelism = par
         self.in_features = in_features
         self.out_features = out_features
-        self.tensor_parallel_mode = None
+        self.local_in_features = par.local_in_features
+        self.local_out_features = par.local_out_features
+        self.tensor_parallel_mode = tensor_parallel_mode
         self.tensor_parallel_group = tensor_parallel_group
-        self.sequence_parallel = False
+        self.tensor_parallel_size = par.size
+        self.sequence_parallel = par.sequence_parallel
         self._rng_state_tracker_function = rng_state_tracker_function
         self._accumulate_into_main_grad = accumulate_into_main_grad
         self._with_quantized_weight = FP8GlobalStateManager.with_fp8_parameters()
@@ -118,12 +136,15 @@ class BasicLinear(BasicOperation):
         )
         dtype = check_params_dtype("BasicLinear", dtype)
         device = construction_device("BasicLinear", device)
-        weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
+        weight = torch.empty(
+            par.local_out_features, par.local_in_features, dtype=dtype, device=device
+        )
         if device.type == "meta" and self._with_quantized_weight:
             # per-tensor FP8 weights are Float8Tensors on meta already (FSDP2 sharding on meta)
             empty = empty_fp8_weight_on_meta(weight, self._quantized_weight_recipe)
             weight = weight if empty is None else empty
         self.weight = torch.nn.Parameter(weight)
+        par.mark_weight(self.weight)
         if device.type != "meta":
             self.reset_parameters()
 
@@ -235,9 +256,9 @@ class BasicLinear(BasicOperation):
         with the inputs it casts itself."""
         produced = is_produced_input(input_)
         if produced:
-            input_ = _check_produced_input(input_, self.in_features)
+            input_ = _check_produced_input(input_, self.local_in_features)
         else:
-            check_input_features("BasicLinear", input_, self.in_features, "in_features")
+            check_input_features("BasicLinear", input_, self.local_in_features, "local in_features")
         input_shape = input_.shape
         weight = self.weight
         fp8 = FP8GlobalStateManager.is_fp8_enabled()
@@ -251,7 +272,7 @@ class BasicLinear(BasicOperation):
         ctx.weight_dtype = weight.dtype
         if produced:
             # the core takes a producer's FP8 input as a 2-D storage
-            input_ = input_ if len(input_shape) == 2 else input_.view((-1, self.in_features))
+            input_ = input_ if len(input_shape) == 2 else input_.view((-1, input_shape[-1]))
         elif isinstance(input_, QuantizedTensor) and not fp8:
             input_ = input_.dequantize()
         if not produced and not isinstance(input_, QuantizedTensor) and input_.dtype != dtype:
@@ -270,7 +291,7 @@ class BasicLinear(BasicOperation):
         quantizers = (None, None, None)
         recipe = None
         if fp8:
-            check_fp8_gemm_shapes(self.in_features, self.out_features)
+            check_fp8_gemm_shapes(self.local_in_features, self.local_out_features)
             quantizers = (
                 self.get_quantizer("forward", _INPUT),
                 self.get_quantizer("forward", _WEIGHT),
@@ -286,21 +307,31 @@ class BasicLinear(BasicOperation):
         )
         if bias is not None and bias.dtype != dtype:
             bias = bias.to(dtype)
+        par = self._parallelism
+        if par.active and bias is not None and par.mode == "row":
+            raise ValueError(
+                "BasicLinear: a bias inside a row-parallel GEMM would be summed over the ranks; "
+                "add it after the reduction (te.ops.Linear does)"
+            )
+        par.prepare_fp8(config, recipe)
         with torch.no_grad():
+            full, leading, shard = par.gemm_input(input_, config)
             out, saved = linear_forward(
                 gemm_weight,
-                input_,
+                full,
                 bias,
                 config,
                 needs_dgrad=ctx.input_requires_grad,
-                needs_wgrad=needs_wgrad,
+                # an FP8 shard is gathered again in backward for the weight gradient
+                needs_wgrad=needs_wgrad and shard is None,
             )
+            out = par.finish_forward(ctx, saved, input_, full, leading, shard, needs_wgrad, out)
         if produced:
             if needs_wgrad:
                 input_.update_usage(rowwise_usage=False, columnwise_usage=True)
             saved.inp_shape = input_shape  # the input gradient takes the producer's shape
             if len(input_shape) != 2:
-                out = out.reshape(*input_shape[:-1], self.out_features)
+                out = out.reshape(*input_shape[:-1], out.shape[-1])
         if ctx.requires_grad:
             ctx.save_for_backward(*saved.pack())
             ctx.linear_saved = saved
@@ -358,12 +389,22 @@ class BasicLinear(BasicOperation):
             grad_output = plain(grad_output)
             if grad_output.dtype != saved.config.activation_dtype:
                 grad_output = grad_output.to(saved.config.activation_dtype)
+        par = self._parallelism
+        grad_output = par.backward_inputs(ctx, saved, grad_output)
         grad_input, grad_weight, grad_bias = linear_backward(saved, grad_output)
+        grad_input = par.input_gradient(ctx, grad_input)
         if grad_input is not None and grad_input.dtype != ctx.input_dtype:
             grad_input = grad_input.to(ctx.input_dtype)
         if grad_weight is not None and grad_weight.dtype != ctx.weight_dtype:
             grad_weight = grad_weight.to(ctx.weight_dtype)
         return grad_input, grad_weight, grad_bias
+
+
+def fusible_linear(op) -> bool:
+    """Whether ``op`` is a ``BasicLinear`` the fusions may take: one without tensor parallelism
+    (they run the linear core on the operation's whole input and output, with no collective
+    around it)."""
+    return type(op) is BasicLinear and not op._parallelism.active
 
 
 def is_produced_input(tensor) -> bool:

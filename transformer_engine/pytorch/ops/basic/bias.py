@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from ..._tensor_parallel import divide, set_tensor_model_parallel_attributes
 from ...device import construction_device, materialization_device
 from ..op import BasicOperation, OperationContext
 from ._common import autocast_dtype, check_params_dtype, plain
+from ._linear_parallelism import tensor_parallel_size
 
 __all__ = ["Bias"]
 
@@ -24,8 +26,11 @@ class Bias(BasicOperation):
         input's device).
     dtype : torch.dtype, optional
         Parameter dtype; default ``torch.get_default_dtype()``.
-    tensor_parallel, tensor_parallel_group
-        Accepted for compatibility; ``tensor_parallel=True`` raises ``NotImplementedError``.
+    tensor_parallel : bool, default False
+        The bias of a column-parallel linear: this rank holds ``size / tp`` of it
+        (``local_size``), ``tp`` being the size of ``tensor_parallel_group`` (default: the world
+        group; ``torch.distributed`` must be initialized). No communication.
+    tensor_parallel_group : torch.distributed.ProcessGroup, optional
     """
 
     def __init__(
@@ -38,14 +43,21 @@ class Bias(BasicOperation):
         tensor_parallel_group=None,
     ) -> None:
         super().__init__()
-        if tensor_parallel:
-            raise NotImplementedError("Bias: tensor_parallel=True is not implemented yet")
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ValueError(f"Bias: size={size!r} must be a positive int")
         self.size = size
+        self.tensor_parallel = bool(tensor_parallel)
+        self.tensor_parallel_group = tensor_parallel_group
+        self.tensor_parallel_size = 1
+        self.local_size = size
+        if self.tensor_parallel:
+            self.tensor_parallel_size = tensor_parallel_size("Bias", tensor_parallel_group)
+            self.local_size = divide(size, self.tensor_parallel_size, "Bias: size")
         dtype = check_params_dtype("Bias", dtype)
         device = construction_device("Bias", device)
-        self.bias = torch.nn.Parameter(torch.empty(size, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.empty(self.local_size, dtype=dtype, device=device))
+        if self.tensor_parallel_size > 1:  # Megatron-LM's partition attributes, as the weight's
+            set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
         if device.type != "meta":
             self.reset_parameters()
 
@@ -75,7 +87,7 @@ class Bias(BasicOperation):
         """``grad_output`` summed over every dimension but the last (``None`` if not needed)."""
         if not ctx.bias_requires_grad:
             return None
-        return grad_output.reshape(-1, self.size).sum(dim=0).to(ctx.bias_dtype)
+        return grad_output.reshape(-1, self.local_size).sum(dim=0).to(ctx.bias_dtype)
 
     def op_forward(
         self,
@@ -85,9 +97,11 @@ class Bias(BasicOperation):
         prev_op_grad_output_quantizer=None,
         next_op_input_quantizer=None,
     ) -> torch.Tensor:
-        if input_.shape[-1] != self.size:
+        if input_.shape[-1] != self.local_size:
             raise ValueError(
-                f"Bias: the input's last dimension is {input_.shape[-1]} but size={self.size}"
+                f"Bias: the input's last dimension is {input_.shape[-1]} but the bias has "
+                f"{self.local_size} (size={self.size}"
+                + (f" over {self.tensor_parallel_size} ranks)" if self.tensor_parallel else ")")
             )
         x = plain(input_)
         dtype = autocast_dtype(x) or x.dtype

@@ -14,7 +14,7 @@ from __future__ import annotations
 from ...functional.produced_fp8 import activation_gradient_producer, can_produce, produce_fp8
 from ..basic._common import plain
 from ..basic.activation import ActivationOperation
-from ..basic.basic_linear import BasicLinear
+from ..basic.basic_linear import BasicLinear, fusible_linear
 from ..basic.bias import Bias
 from ..op import FusedOperation
 from ._producer import replace_under_per_tensor_fp8
@@ -101,7 +101,7 @@ def fuse_backward_activation_cast(ops, *, recipe=None):
 
 def _match_backward_activation_cast(ops, i):
     linear = ops[i]
-    if type(linear) is not BasicLinear:
+    if not fusible_linear(linear):
         return None
     bias, activation = op_at(ops, i + 1), op_at(ops, i + 2)
     if type(bias) is Bias and bias.size == linear.out_features:

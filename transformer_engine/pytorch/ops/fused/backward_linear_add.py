@@ -5,7 +5,7 @@ buffer."""
 from __future__ import annotations
 
 from ..basic._common import plain
-from ..basic.basic_linear import BasicLinear
+from ..basic.basic_linear import BasicLinear, fusible_linear
 from ..basic.extra_io import MakeExtraOutput, _writable_like
 from ..op import FusedOperation
 from ._owned_buffers import add_into_fresh
@@ -79,7 +79,7 @@ def _match_backward_linear_add(ops, i):
     if (
         type(op) is MakeExtraOutput
         and op.in_place
-        and type(linear) is BasicLinear
+        and fusible_linear(linear)
         # column tensor parallelism all-reduces the input gradient across ranks, which must
         # happen before the branch's gradient is added
         and getattr(linear, "tensor_parallel_mode", None) != "column"

@@ -3,7 +3,7 @@ pass that casts the output gradient to FP8, as ``te.Linear`` takes it."""
 
 from __future__ import annotations
 
-from ..basic.basic_linear import BasicLinear
+from ..basic.basic_linear import BasicLinear, fusible_linear
 from ..basic.bias import Bias
 from ..op import FusedOperation
 from ._producer import replace_under_per_tensor_fp8
@@ -62,6 +62,6 @@ def fuse_backward_linear_bias(ops, *, recipe=None):
 
 def _match_backward_linear_bias(ops, i):
     linear, bias = ops[i], op_at(ops, i + 1)
-    if type(linear) is BasicLinear and type(bias) is Bias and bias.size == linear.out_features:
+    if fusible_linear(linear) and type(bias) is Bias and bias.size == linear.out_features:
         return BackwardLinearBias(linear=linear, bias=bias), 2
     return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..basic.basic_linear import BasicLinear
+from ..basic.basic_linear import BasicLinear, fusible_linear
 from ..basic.simple import ConstantScale
 from ..op import FusedOperation
 from ._rewrite import op_at, replace_matching_runs
@@ -58,7 +58,7 @@ def fuse_backward_linear_scale(ops, *, recipe=None):
 def _match_backward_linear_scale(ops, i):
     op, scale = ops[i], op_at(ops, i + 1)
     if (
-        type(op) is BasicLinear
+        fusible_linear(op)
         and type(scale) is ConstantScale
         # column tensor parallelism all-reduces the input gradient across ranks; upstream
         # leaves that case unfused

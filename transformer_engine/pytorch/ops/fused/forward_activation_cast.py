@@ -13,7 +13,7 @@ from __future__ import annotations
 from ...functional.produced_fp8 import activation_producer, produce_fp8
 from ..basic._common import plain
 from ..basic.activation import ActivationOperation
-from ..basic.basic_linear import BasicLinear
+from ..basic.basic_linear import BasicLinear, fusible_linear
 from ._producer import ForwardProducerFusion, replace_under_per_tensor_fp8
 from ._rewrite import op_at
 
@@ -95,6 +95,6 @@ def fuse_forward_activation_cast(ops, *, recipe=None):
 
 def _match_forward_activation_cast(ops, i):
     op, linear = ops[i], op_at(ops, i + 1)
-    if isinstance(op, ActivationOperation) and op.fusible and type(linear) is BasicLinear:
+    if isinstance(op, ActivationOperation) and op.fusible and fusible_linear(linear):
         return ForwardActivationCast(activation=op, linear=linear), 1
     return None

@@ -9,7 +9,7 @@ forward would fill it, so any backward (fused or not) works on it.
 from __future__ import annotations
 
 from ..basic.activation import ActivationOperation
-from ..basic.basic_linear import BasicLinear
+from ..basic.basic_linear import BasicLinear, fusible_linear
 from ..basic.bias import Bias
 from ..op import FusedOperation
 from ._kwargs import refuse_kwargs
@@ -66,7 +66,7 @@ def fuse_forward_linear_bias_activation(ops, *, recipe=None):
 
 def _match_forward_linear_bias_activation(ops, i):
     op, bias = ops[i], op_at(ops, i + 1)
-    if not (type(op) is BasicLinear and type(bias) is Bias and bias.size == op.out_features):
+    if not (fusible_linear(op) and type(bias) is Bias and bias.size == op.out_features):
         return None
     activation = op_at(ops, i + 2)
     if not (isinstance(activation, ActivationOperation) and activation.fusible):

@@ -4,7 +4,7 @@ added into the caller's buffer)."""
 from __future__ import annotations
 
 from ..basic._common import autocast_dtype
-from ..basic.basic_linear import BasicLinear
+from ..basic.basic_linear import BasicLinear, fusible_linear
 from ..basic.bias import Bias
 from ..basic.extra_io import AddExtraInput
 from ..op import FusedOperation
@@ -82,12 +82,6 @@ class ForwardLinearBiasAdd(FusedOperation):
         return out, [() for _ in self.basic_ops]
 
 
-def _fusable_linear(op) -> bool:
-    # row tensor parallelism reduces the GEMM output across ranks before anything may be
-    # added to it, so the residual cannot join the GEMM's step
-    return type(op) is BasicLinear and getattr(op, "tensor_parallel_mode", None) != "row"
-
-
 def _in_place_add(op) -> bool:
     return type(op) is AddExtraInput and op.in_place
 
@@ -106,7 +100,7 @@ def fuse_forward_linear_bias_add(ops, *, recipe=None):
 
 def _match_forward_linear_bias_add(ops, i):
     op = ops[i]
-    if not _fusable_linear(op):
+    if not fusible_linear(op):
         return None
     nxt, after = op_at(ops, i + 1), op_at(ops, i + 2)
     if type(nxt) is Bias and nxt.size == op.out_features and _in_place_add(after):

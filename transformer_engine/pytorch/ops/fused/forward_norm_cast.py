@@ -16,7 +16,7 @@ from __future__ import annotations
 from ...functional.normalization import norm_kernels_write_fp8
 from ...functional.produced_fp8 import cast_for_linear
 from ..basic._common import plain
-from ..basic.basic_linear import BasicLinear
+from ..basic.basic_linear import BasicLinear, fusible_linear
 from ..basic.normalization import LayerNorm, RMSNorm
 from ._producer import ForwardProducerFusion, replace_under_per_tensor_fp8
 from ._rewrite import op_at
@@ -85,6 +85,6 @@ def fuse_forward_norm_cast(ops, *, recipe=None):
 
 def _match_forward_norm_cast(ops, i):
     op, linear = ops[i], op_at(ops, i + 1)
-    if type(op) in _NORMS and type(linear) is BasicLinear:
+    if type(op) in _NORMS and fusible_linear(linear):
         return ForwardNormCast(norm=op, linear=linear), 1
     return None

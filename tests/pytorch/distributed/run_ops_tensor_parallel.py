@@ -1,0 +1,213 @@
+"""Tensor / sequence parallelism of the fusible operations (``te.ops.BasicLinear``, ``Bias``,
+``te.ops.Linear``) over real processes, held to the single-process operations.
+
+Every rank builds the same full ``te.ops.Sequential`` from one seed, then the tensor-parallel
+one whose parameters are this rank's shards: a column-parallel linear, an activation, a
+row-parallel linear (``"pair"``: ``te.ops.Linear`` with biases and GELU; ``"basic"``: two
+``BasicLinear`` with nothing between), with and without sequence parallelism, in float32,
+DelayedScaling or Float8CurrentScaling. Each rank checks the output, the input gradient, every
+weight and bias gradient (shards gathered; the row bias's partial sums all-reduced under
+sequence parallelism, as a framework does for ``bias.sequence_parallel``) and, under
+DelayedScaling, every linear's scales. Then the construction errors and attributes. Run under
+torchrun (NCCL on GPUs):
+
+    torchrun --standalone --nproc_per_node=2 tests/pytorch/distributed/run_ops_tensor_parallel.py \
+        --backend nccl
+
+or through ``worker(rank, world_size, backend, out_dir, init_method)`` (the gloo test).
+Tolerances: those of ``run_tensor_parallel.py`` (``tp_harness.compare``): the weights put the
+whole tensor's largest magnitude in every shard and split operands have their amax reduced, so
+every rank casts with the single-process scales; only float32 summation order differs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from tp_harness import compare, gather, main, make_recipe, run_worker, spread_maxima, summed
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling
+from transformer_engine.pytorch import ops
+
+SEQ, BATCH, HIDDEN, FFN = 32, 2, 32, 64
+STEPS = 3
+CASES = [
+    (model, sp, recipe)
+    for model in ("pair", "basic")
+    for sp in (False, True)
+    for recipe in (None, "delayed", "current")
+]
+
+
+def build(model, device, group=None, sp=False):
+    """The model; with ``group``, its tensor-parallel version (column, then row)."""
+    col = {} if group is None else dict(tensor_parallel_mode="column", tensor_parallel_group=group)
+    row = {} if group is None else dict(tensor_parallel_mode="row", tensor_parallel_group=group)
+    if group is not None:
+        col["sequence_parallel"] = row["sequence_parallel"] = sp
+    if model == "pair":
+        return ops.Sequential(
+            ops.Linear(HIDDEN, FFN, device=device, **col),
+            ops.GELU(),
+            ops.Linear(FFN, HIDDEN, device=device, **row),
+        )
+    return ops.Sequential(
+        ops.BasicLinear(HIDDEN, FFN, device=device, **col),
+        ops.BasicLinear(FFN, HIDDEN, device=device, **row),
+    )
+
+
+def shard(t, dim, rank, world):
+    return t.chunk(world, dim=dim)[rank].clone()
+
+
+def linears(model):
+    return [op for op in model.modules() if isinstance(op, ops.BasicLinear)]
+
+
+def load_shards(full, par, rank, world):
+    """``par``'s parameters: this rank's shards of ``full``'s (column linear's weight rows and
+    bias, row linear's weight columns, row bias whole)."""
+    with torch.no_grad():
+        for (name, p), (_, q) in zip(full.named_parameters(), par.named_parameters()):
+            if p.shape == q.shape:
+                q.copy_(p)  # the row-parallel bias
+            elif name.startswith("0."):
+                q.copy_(shard(p, 0, rank, world))  # column: output features
+            else:
+                q.copy_(shard(p, 1, rank, world))  # row: input features
+
+
+def run(model, x, grad, recipe):
+    x = x.detach().clone().requires_grad_(True)
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        out = model(x)
+    out.backward(grad)
+    return out.detach(), x.grad
+
+
+def parallel_grads(par, sp, group):
+    """The tensor-parallel gradients as whole tensors, named as the full model's."""
+    grads = {}
+    for name, p in par.named_parameters():
+        if name.startswith("0."):
+            grads[name] = gather(p.grad, 0, group)
+        elif name.endswith("weight"):
+            grads[name] = gather(p.grad, 1, group)
+        else:  # the row bias: this rank's tokens' partial sum under sequence parallelism
+            grads[name] = summed(p.grad, group) if sp else p.grad
+    return grads
+
+
+def check_case(model, sp, recipe_name, group, device) -> list[str]:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    torch.manual_seed(1234)
+    full = build(model, device)
+    for p in full.parameters():
+        with torch.no_grad():
+            p.normal_(0, 0.1)
+        spread_maxima(p)
+    par = build(model, device, group, sp)
+    load_shards(full, par, rank, world)
+    fp8 = recipe_name is not None
+    failures: list[str] = []
+    label = f"ops {model} sp={sp} recipe={recipe_name}"
+    for step in range(STEPS):
+        torch.manual_seed(100 + step)
+        x = torch.randn(SEQ, BATCH, HIDDEN, device=device)
+        grad = torch.randn(SEQ, BATCH, HIDDEN, device=device)
+        full.zero_grad(set_to_none=True)
+        par.zero_grad(set_to_none=True)
+        ref_out, ref_dx = run(full, x, grad, make_recipe(recipe_name))
+        x_in = shard(x, 0, rank, world) if sp else x
+        g_in = shard(grad, 0, rank, world) if sp else grad
+        out, dx = run(par, x_in, g_in, make_recipe(recipe_name))
+        if sp:
+            out, dx = gather(out, 0, group), gather(dx, 0, group)
+        tag = f"{label} step {step}"
+        compare(f"{tag} output", out, ref_out, fp8, failures)
+        compare(f"{tag} input grad", dx, ref_dx, fp8, failures)
+        ref_grads = {n: p.grad for n, p in full.named_parameters()}
+        for name, g in parallel_grads(par, sp, group).items():
+            compare(f"{tag} {name} grad", g, ref_grads[name], fp8, failures)
+        if recipe_name == "delayed":
+            for i, (p, f) in enumerate(zip(linears(par), linears(full))):
+                for mode in ("forward", "backward"):
+                    got, want = p.recipe_state(mode).scale, f.recipe_state(mode).scale
+                    if not torch.equal(got, want):
+                        failures.append(f"{tag} linear {i} {mode} scales {got} != {want}")
+    return failures
+
+
+def _expect(failures, kind, text, fn) -> None:
+    try:
+        fn()
+    except kind as exc:
+        if text not in str(exc):
+            failures.append(f"{kind.__name__} without {text!r}: {exc}")
+        return
+    failures.append(f"no {kind.__name__} ({text!r})")
+
+
+def check_construction(group, device) -> list[str]:
+    """Local sizes, attributes, and the errors that name the fix."""
+    failures: list[str] = []
+    world = dist.get_world_size(group)
+    col = ops.Linear(HIDDEN, FFN, tensor_parallel_mode="column", tensor_parallel_group=group,
+                     sequence_parallel=True, device=device)  # fmt: skip
+    row = ops.Linear(FFN, HIDDEN, tensor_parallel_mode="row", tensor_parallel_group=group,
+                     sequence_parallel=True, device=device)  # fmt: skip
+    basic = col.basic_ops[0]
+    want = {
+        "column weight": (tuple(col.weight.shape), (FFN // world, HIDDEN)),
+        "column bias": (tuple(col.bias.shape), (FFN // world,)),
+        "row weight": (tuple(row.weight.shape), (HIDDEN, FFN // world)),
+        "row bias": (tuple(row.bias.shape), (HIDDEN,)),
+        "local sizes": (
+            (
+                basic.in_features,
+                basic.out_features,
+                basic.local_in_features,
+                basic.local_out_features,
+            ),
+            (HIDDEN, FFN, HIDDEN, FFN // world),
+        ),  # fmt: skip
+        "partition dims": ((col.weight.partition_dim, row.weight.partition_dim), (0, 1)),
+        "row bias sequence_parallel": (getattr(row.bias, "sequence_parallel", None), True),
+        "sequence_parallel": ((basic.sequence_parallel, basic.tensor_parallel_size), (True, world)),
+    }
+    for name, (got, expected) in want.items():
+        if got != expected:
+            failures.append(f"{name}: {got} != {expected}")
+    _expect(failures, ValueError, "not divisible by tp_size", lambda: ops.BasicLinear(
+        HIDDEN, FFN + 1, tensor_parallel_mode="column", tensor_parallel_group=group,
+        device=device))  # fmt: skip
+    _expect(failures, ValueError, "Bias: size", lambda: ops.Bias(
+        FFN + 1, tensor_parallel=True, tensor_parallel_group=group, device=device))  # fmt: skip
+    wrong = torch.randn(4, FFN, device=device)  # the row linear takes FFN / world features
+    _expect(failures, ValueError, f"in_features={FFN // world}", lambda: row(wrong))
+    # under DelayedScaling, sequence parallelism needs the amaxes reduced over the group
+    x = torch.randn(SEQ // world, BATCH, HIDDEN, device=device)
+    no_reduce = DelayedScaling(reduce_amax=False)
+
+    def delayed_without_reduction():
+        with te.autocast(recipe=no_reduce):
+            col(x)
+
+    _expect(failures, RuntimeError, "reduce_amax=True", delayed_without_reduction)
+    return failures
+
+
+def worker(rank, world_size, backend, out_dir=None, init_method="env://"):
+    def checks(group, device):
+        failures = check_construction(group, device)
+        for model, sp, recipe_name in CASES:
+            failures += check_case(model, sp, recipe_name, group, device)
+        return failures, len(CASES) + 1
+
+    return run_worker(rank, world_size, backend, out_dir, init_method, "OPS_TP", checks)
+
+
+if __name__ == "__main__":
+    main(worker)

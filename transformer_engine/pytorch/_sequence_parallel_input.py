@@ -1,0 +1,76 @@
+"""A column-parallel GEMM's input under sequence parallelism, from the forward to the backward.
+
+The forward all-gathers the input over the tensor-parallel group (``sequence_parallel_gemm_input``
+of :mod:`._tensor_parallel`, in FP8 where the recipe allows) and runs the GEMM on the whole
+sequence; what the weight gradient needs is kept as this rank's shard only (the FP8 shard the
+gather handed out, or the high-precision input itself) and gathered again in the backward. The
+modules' linear node and ``te.ops.BasicLinear`` both go through :func:`keep_local_shard` and
+:func:`restore_gathered_input`, so they keep and gather the same things.
+
+:func:`check_sequence_parallel_scaling` is the rule that lets every rank cast the gathered input
+with one scale under delayed scaling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._tensor_parallel import gather_along_first_dim, group_contains, regather_fp8_shard
+from .quantization import FP8GlobalStateManager
+
+__all__ = ["keep_local_shard", "restore_gathered_input", "check_sequence_parallel_scaling"]
+
+# What a backward gathers again (``keep_local_shard``'s result)
+_FP8_SHARD = "fp8"
+_HIGH_PRECISION_SHARD = "high_precision"
+
+
+def keep_local_shard(saved, inp: torch.Tensor, full, shard, needs_wgrad: bool) -> str | None:
+    """After the linear core's forward on the gathered input ``full``: point ``saved.x`` (what
+    the weight gradient reads) at this rank's shard instead of the gathered input, and say what
+    the backward must gather again (``None``: nothing; the saved input is not the gathered one).
+
+    ``shard``: the FP8 shard ``sequence_parallel_gemm_input`` handed out (``None`` when it
+    gathered in high precision); ``inp``: this rank's input as it came in. The core was asked
+    for no transposed copy of ``full`` when ``shard`` is set (the backward builds it from the
+    gathered shard)."""
+    if shard is not None and needs_wgrad:
+        saved.x = shard
+        return _FP8_SHARD
+    x = saved.x
+    if type(x) is torch.Tensor and full is not inp and x.data_ptr() == full.data_ptr():
+        # the core kept the gathered high-precision input as it is: keep the local rows
+        saved.x = inp.reshape(-1, inp.shape[-1])
+        return _HIGH_PRECISION_SHARD
+    return None
+
+
+def restore_gathered_input(saved, kept: str | None, group) -> None:
+    """In the backward, before the weight gradient: ``saved.x`` gathered again over ``group``
+    as :func:`keep_local_shard` left it (``kept``)."""
+    if kept == _FP8_SHARD:
+        saved.x = regather_fp8_shard(saved.x, group)
+    elif kept == _HIGH_PRECISION_SHARD:
+        saved.x = gather_along_first_dim(saved.x, group)[0]
+
+
+def check_sequence_parallel_scaling(owner: str, recipe, tp_group) -> None:
+    """Under delayed scaling, a sequence-parallel GEMM casts the gathered input with the scale
+    of its amax history, so every rank must hold the same history: the amaxes must be reduced
+    (``recipe.reduce_amax=True``) over a group that contains the tensor-parallel group.
+    ``RuntimeError`` naming ``owner`` and the fix otherwise; other recipes pass."""
+    if recipe is None or not recipe.delayed():
+        return
+    if not recipe.reduce_amax:
+        raise RuntimeError(
+            f"{owner}: sequence_parallel=True under DelayedScaling needs "
+            "recipe.reduce_amax=True, so that every tensor-parallel rank casts with the "
+            "same scale"
+        )
+    if not group_contains(FP8GlobalStateManager.get_fp8_group(), tp_group):
+        raise RuntimeError(
+            f"{owner}: sequence_parallel=True under DelayedScaling needs the autocast's "
+            "amax_reduction_group to contain the tensor-parallel group (normally the "
+            "data x tensor parallel group); pass te.autocast(..., "
+            "amax_reduction_group=...) accordingly"
+        )

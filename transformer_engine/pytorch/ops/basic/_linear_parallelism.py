@@ -1,0 +1,159 @@
+"""Tensor (and sequence) parallelism of ``BasicLinear`` and ``Bias``: the local sizes, and the
+collectives around the linear core, as the ``te.Linear`` module places them.
+
+* ``"column"``: the weight holds ``out_features / tp`` rows (the output's features are split);
+  the input is whole and the input gradient is all-reduced; with ``sequence_parallel`` the input
+  arrives split along dimension 0 and is all-gathered before the GEMM (in FP8 under a
+  per-tensor FP8 recipe), only the local shard is kept for the weight gradient (gathered again
+  in backward), and the input gradient is reduce-scattered back.
+* ``"row"``: the weight holds ``in_features / tp`` columns (the input's features are split); the
+  output is all-reduced, or reduce-scattered along dimension 0 with ``sequence_parallel``, whose
+  output gradient is all-gathered in backward (in FP8 where the grad-output quantizer allows).
+  A bias must be added after the reduction (``te.ops.Linear`` puts its ``Bias`` there).
+
+The gradients follow Megatron-LM's convention (each collective's backward is the adjoint of its
+forward when the computation downstream of a row-parallel output is replicated on every rank),
+so a whole model's gradients equal the single-process model's, shards gathered and the partial
+sums of sequence-parallel parameters all-reduced by the framework.
+
+FP8: under current scaling an operand split along its features (the row-parallel input, the
+column-parallel output gradient) has its amax reduced over the group, so every rank casts with
+the whole tensor's scale; under delayed scaling, sequence parallelism needs the amaxes reduced
+over a group containing the tensor-parallel one (``check_sequence_parallel_scaling``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..._sequence_parallel_input import (
+    check_sequence_parallel_scaling,
+    keep_local_shard,
+    restore_gathered_input,
+)
+from ..._tensor_parallel import (
+    allreduce,
+    divide,
+    reduce_scatter_along_first_dim,
+    sequence_parallel_gemm_input,
+    sequence_parallel_grad_output,
+    set_tensor_model_parallel_attributes,
+)
+
+__all__ = ["LinearParallelism", "tensor_parallel_size"]
+
+_MODES = (None, "column", "row")
+
+
+def tensor_parallel_size(owner: str, group) -> int:
+    """The number of ranks in ``group`` (``None``: the default group), which needs
+    ``torch.distributed`` initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{owner}: tensor parallelism needs torch.distributed; call "
+            "torch.distributed.init_process_group(...) before building the operation (or leave "
+            "the tensor-parallel arguments at their defaults in a single process)"
+        )
+    return dist.get_world_size(group)
+
+
+class LinearParallelism:
+    """How one ``BasicLinear`` is split over its tensor-parallel group, and the collectives
+    that split implies. ``active`` is false without a mode or with a group of one rank: then
+    every method is the identity and the local sizes are the whole ones."""
+
+    def __init__(
+        self, owner: str, in_features: int, out_features: int, mode, group, sequence_parallel
+    ) -> None:
+        if mode not in _MODES:
+            raise ValueError(
+                f"{owner}: tensor_parallel_mode={mode!r} must be None, 'column' or 'row'"
+            )
+        self.owner = owner
+        self.mode = mode
+        self.group = group
+        self.size = 1 if mode is None else tensor_parallel_size(owner, group)
+        self.active = self.size > 1
+        # as the modules: sequence parallelism takes effect only with a split over ranks
+        self.sequence_parallel = self.active and bool(sequence_parallel)
+        self.in_features, self.out_features = in_features, out_features
+        if self.active and mode == "column":
+            out_features = divide(out_features, self.size, f"{owner}: out_features")
+        elif self.active and mode == "row":
+            in_features = divide(in_features, self.size, f"{owner}: in_features")
+        self.local_in_features, self.local_out_features = in_features, out_features
+
+    # -- parameters and FP8 --------------------------------------------------------------------
+    def mark_weight(self, weight: torch.Tensor) -> None:
+        """Megatron-LM's partition attributes on the weight (column: dimension 0, row: 1), which
+        gradient clipping and checkpoint tools read; nothing when the weight is whole."""
+        if self.active and not hasattr(weight, "partition_dim"):
+            set_tensor_model_parallel_attributes(weight, True, 0 if self.mode == "column" else 1, 1)
+
+    def prepare_fp8(self, config, recipe) -> None:
+        """Before an FP8 GEMM: the split operand's amax reduced over the group (current
+        scaling), and the delayed-scaling rule of sequence parallelism checked."""
+        if not (self.active and config.fp8):
+            return
+        if self.sequence_parallel:
+            check_sequence_parallel_scaling(self.owner, recipe, self.group)
+        split = config.input_quantizer if self.mode == "row" else config.grad_output_quantizer
+        if hasattr(split, "with_amax_reduction"):
+            split.with_amax_reduction = True
+            split.amax_reduction_group = self.group
+
+    # -- forward -------------------------------------------------------------------------------
+    @property
+    def gathers_input(self) -> bool:
+        return self.sequence_parallel and self.mode == "column"
+
+    def gemm_input(self, input_: torch.Tensor, config):
+        """``(gemm_input, leading, shard)``: the input the GEMM reads (all-gathered along
+        dimension 0 when the op gathers its input, else ``input_`` with ``leading=None``), the
+        gathered leading shape and the FP8 shard (``sequence_parallel_gemm_input``)."""
+        if not self.gathers_input:
+            return input_, None, None
+        return sequence_parallel_gemm_input(input_, self.group, config)
+
+    def finish_forward(self, ctx, saved, input_, full, leading, shard, needs_wgrad, out):
+        """After the core's forward: the output in the gathered leading shape, the saved input
+        reduced to this rank's shard (``ctx.kept_shard``), and a row-parallel output reduced
+        over the group."""
+        ctx.kept_shard = None
+        if leading is not None:
+            out = out.reshape(*leading, out.shape[-1])
+            ctx.kept_shard = keep_local_shard(saved, input_, full, shard, needs_wgrad)
+            ctx.local_input_shape = input_.shape
+        if self.active and self.mode == "row":
+            if self.sequence_parallel:
+                return reduce_scatter_along_first_dim(out, self.group)[0]
+            return allreduce(out, self.group)[0]  # the GEMM's own output, summed in place
+        return out
+
+    # -- backward ------------------------------------------------------------------------------
+    def backward_inputs(self, ctx, saved, grad_output):
+        """Before the core's backward: the gathered input restored for the weight gradient, and
+        a sequence-parallel row output's gradient all-gathered (in the layouts the GEMMs
+        read)."""
+        if not self.active:
+            return grad_output
+        if self.gathers_input:
+            # each backward: a second one (retain_graph=True) unpacks the shard again
+            restore_gathered_input(saved, ctx.kept_shard, self.group)
+        if self.mode == "row" and self.sequence_parallel:
+            grad_output = sequence_parallel_grad_output(
+                grad_output, self.group, saved.config,
+                rowwise=saved.w is not None, columnwise=saved.x is not None,
+            )  # fmt: skip
+        return grad_output
+
+    def input_gradient(self, ctx, grad_input):
+        """A column-parallel input gradient summed over the group (reduce-scattered back to
+        this rank's rows under sequence parallelism)."""
+        if grad_input is None or not (self.active and self.mode == "column"):
+            return grad_input
+        if self.sequence_parallel:
+            grad_input = reduce_scatter_along_first_dim(grad_input, self.group)[0]
+            return grad_input.view(ctx.local_input_shape)
+        return allreduce(grad_input.contiguous(), self.group)[0]
