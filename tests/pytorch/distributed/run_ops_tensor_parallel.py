@@ -6,10 +6,10 @@ one whose parameters are this rank's shards: a column-parallel linear, an activa
 row-parallel linear (``"pair"``: ``te.ops.Linear`` with biases and GELU; ``"basic"``: two
 ``BasicLinear`` with nothing between), with and without sequence parallelism, in float32,
 DelayedScaling or Float8CurrentScaling. Each rank checks the output, the input gradient, every
-weight and bias gradient (shards gathered; the row bias's partial sums all-reduced under
-sequence parallelism, as a framework does for ``bias.sequence_parallel``) and, under
-DelayedScaling, every linear's scales. Then the construction errors and attributes. Run under
-torchrun (NCCL on GPUs):
+weight and bias gradient (shards gathered; the row bias's gradient is whole on every rank, the
+operation summing it over the group under sequence parallelism) and, under DelayedScaling,
+every linear's scales. Then the construction errors and attributes. Run under torchrun (NCCL
+on GPUs):
 
     torchrun --standalone --nproc_per_node=2 tests/pytorch/distributed/run_ops_tensor_parallel.py \
         --backend nccl
@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from tp_harness import compare, gather, main, make_recipe, run_worker, spread_maxima, summed
+from tp_harness import compare, gather, main, make_recipe, run_worker, spread_maxima
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.pytorch import ops
+from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
 
 SEQ, BATCH, HIDDEN, FFN = 32, 2, 32, 64
 STEPS = 3
@@ -38,10 +39,19 @@ CASES = [
     for sp in (False, True)
     for recipe in (None, "delayed", "current")
 ]
+# FP8 weights (te.quantized_model_init): each rank quantizes its own shard
+CASES += [("pair-fp8-weights", False, "delayed"), ("pair-fp8-weights", True, "current")]
 
 
-def build(model, device, group=None, sp=False):
-    """The model; with ``group``, its tensor-parallel version (column, then row)."""
+def build(model, device, group=None, sp=False, recipe=None):
+    """The model; with ``group``, its tensor-parallel version (column, then row); FP8 weights
+    quantized for ``recipe`` for the ``-fp8-weights`` models."""
+    fp8_weights = model.endswith("-fp8-weights")
+    with te.quantized_model_init(enabled=fp8_weights, recipe=recipe):
+        return _build(model.removesuffix("-fp8-weights"), device, group, sp)
+
+
+def _build(model, device, group, sp):
     col = {} if group is None else dict(tensor_parallel_mode="column", tensor_parallel_group=group)
     row = {} if group is None else dict(tensor_parallel_mode="row", tensor_parallel_group=group)
     if group is not None:
@@ -87,7 +97,7 @@ def run(model, x, grad, recipe):
     return out.detach(), x.grad
 
 
-def parallel_grads(par, sp, group):
+def parallel_grads(par, group):
     """The tensor-parallel gradients as whole tensors, named as the full model's."""
     grads = {}
     for name, p in par.named_parameters():
@@ -95,21 +105,28 @@ def parallel_grads(par, sp, group):
             grads[name] = gather(p.grad, 0, group)
         elif name.endswith("weight"):
             grads[name] = gather(p.grad, 1, group)
-        else:  # the row bias: this rank's tokens' partial sum under sequence parallelism
-            grads[name] = summed(p.grad, group) if sp else p.grad
+        else:  # the row bias: whole on every rank, sequence parallelism or not
+            grads[name] = p.grad
     return grads
 
 
 def check_case(model, sp, recipe_name, group, device) -> list[str]:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     torch.manual_seed(1234)
-    full = build(model, device)
-    for p in full.parameters():
+    values = build(model.removesuffix("-fp8-weights"), device)  # high-precision parameters
+    for p in values.parameters():
         with torch.no_grad():
             p.normal_(0, 0.1)
         spread_maxima(p)
-    par = build(model, device, group, sp)
-    load_shards(full, par, rank, world)
+    full = build(model, device, recipe=make_recipe(recipe_name))
+    with torch.no_grad():
+        for p, v in zip(full.parameters(), values.parameters()):
+            p.copy_(v)  # an FP8 weight quantizes the values
+    par = build(model, device, group, sp, make_recipe(recipe_name))
+    load_shards(values, par, rank, world)
+    fp8_weights = [isinstance(op.weight, QuantizedTensor) for op in linears(full) + linears(par)]
+    if fp8_weights != [model.endswith("-fp8-weights")] * len(fp8_weights):
+        return [f"{model}: FP8 weights {fp8_weights}"]
     fp8 = recipe_name is not None
     failures: list[str] = []
     label = f"ops {model} sp={sp} recipe={recipe_name}"
@@ -129,7 +146,7 @@ def check_case(model, sp, recipe_name, group, device) -> list[str]:
         compare(f"{tag} output", out, ref_out, fp8, failures)
         compare(f"{tag} input grad", dx, ref_dx, fp8, failures)
         ref_grads = {n: p.grad for n, p in full.named_parameters()}
-        for name, g in parallel_grads(par, sp, group).items():
+        for name, g in parallel_grads(par, group).items():
             compare(f"{tag} {name} grad", g, ref_grads[name], fp8, failures)
         if recipe_name == "delayed":
             for i, (p, f) in enumerate(zip(linears(par), linears(full))):
@@ -174,7 +191,8 @@ def check_construction(group, device) -> list[str]:
             (HIDDEN, FFN, HIDDEN, FFN // world),
         ),  # fmt: skip
         "partition dims": ((col.weight.partition_dim, row.weight.partition_dim), (0, 1)),
-        "row bias sequence_parallel": (getattr(row.bias, "sequence_parallel", None), True),
+        # its gradient is summed over the group by the operation: nothing left to the framework
+        "row bias sequence_parallel": (getattr(row.bias, "sequence_parallel", None), None),
         "sequence_parallel": ((basic.sequence_parallel, basic.tensor_parallel_size), (True, world)),
     }
     for name, (got, expected) in want.items():

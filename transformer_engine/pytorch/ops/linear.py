@@ -41,9 +41,10 @@ class Linear(FusedOperation):
     sequence_parallel : bool, default False
         As ``BasicLinear``'s. Column: the bias is split like the output features
         (``Bias(tensor_parallel=True)``). Row: the bias is whole and added after the
-        reduction, so it counts once; under sequence parallelism its gradient is this rank's
-        partial sum (``bias.sequence_parallel`` is set), which the framework all-reduces over
-        the group, as for ``te.Linear``.
+        reduction, so it counts once; under sequence parallelism, where it is added to this
+        rank's tokens only, its gradient is summed over the group in backward, so every rank
+        holds the whole gradient (unlike ``te.Linear``'s, which leaves that sum to the
+        framework through ``bias.sequence_parallel``).
 
     Attributes
     ----------
@@ -92,7 +93,7 @@ class Linear(FusedOperation):
                 )
             )
             if parallel and tensor_parallel_mode == "row" and linear.sequence_parallel:
-                ops[-1].bias.sequence_parallel = True
+                ops[-1]._grad_reduction_group = tensor_parallel_group
         super().__init__(ops)
         self.in_features = in_features
         self.out_features = out_features

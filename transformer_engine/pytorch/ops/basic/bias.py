@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._tensor_parallel import divide, set_tensor_model_parallel_attributes
+from ..._tensor_parallel import allreduce, divide, set_tensor_model_parallel_attributes
 from ...device import construction_device, materialization_device
 from ..op import BasicOperation, OperationContext
 from ._common import autocast_dtype, check_params_dtype, plain
@@ -53,6 +53,10 @@ class Bias(BasicOperation):
         if self.tensor_parallel:
             self.tensor_parallel_size = tensor_parallel_size("Bias", tensor_parallel_group)
             self.local_size = divide(size, self.tensor_parallel_size, "Bias: size")
+        # Set by a row-parallel te.ops.Linear under sequence parallelism: the bias follows the
+        # reduce-scatter, so its gradient here sums this rank's tokens only; summing over the
+        # group gives every rank the whole gradient, as without tensor parallelism.
+        self._grad_reduction_group = None
         dtype = check_params_dtype("Bias", dtype)
         device = construction_device("Bias", device)
         self.bias = torch.nn.Parameter(torch.empty(self.local_size, dtype=dtype, device=device))
@@ -87,7 +91,10 @@ class Bias(BasicOperation):
         """``grad_output`` summed over every dimension but the last (``None`` if not needed)."""
         if not ctx.bias_requires_grad:
             return None
-        return grad_output.reshape(-1, self.local_size).sum(dim=0).to(ctx.bias_dtype)
+        grad = grad_output.reshape(-1, self.local_size).sum(dim=0).to(ctx.bias_dtype)
+        if self._grad_reduction_group is not None:
+            grad = allreduce(grad, self._grad_reduction_group)[0]
+        return grad
 
     def op_forward(
         self,
