@@ -24,7 +24,16 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from tp_harness import compare, gather, main, make_recipe, run_worker, spread_maxima
+from tp_harness import (
+    compare,
+    compare_step,
+    gather,
+    main,
+    make_recipe,
+    run_worker,
+    shard,
+    spread_maxima,
+)
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
@@ -66,10 +75,6 @@ def _build(model, device, group, sp):
         ops.BasicLinear(HIDDEN, FFN, device=device, **col),
         ops.BasicLinear(FFN, HIDDEN, device=device, **row),
     )
-
-
-def shard(t, dim, rank, world):
-    return t.chunk(world, dim=dim)[rank].clone()
 
 
 def linears(model):
@@ -136,15 +141,12 @@ def check_case(model, sp, recipe_name, group, device) -> list[str]:
         grad = torch.randn(SEQ, BATCH, HIDDEN, device=device)
         full.zero_grad(set_to_none=True)
         par.zero_grad(set_to_none=True)
-        ref_out, ref_dx = run(full, x, grad, make_recipe(recipe_name))
-        x_in = shard(x, 0, rank, world) if sp else x
-        g_in = shard(grad, 0, rank, world) if sp else grad
-        out, dx = run(par, x_in, g_in, make_recipe(recipe_name))
-        if sp:
-            out, dx = gather(out, 0, group), gather(dx, 0, group)
         tag = f"{label} step {step}"
-        compare(f"{tag} output", out, ref_out, fp8, failures)
-        compare(f"{tag} input grad", dx, ref_dx, fp8, failures)
+        compare_step(
+            tag, lambda x, g: run(full, x, g, make_recipe(recipe_name)),
+            lambda x, g: run(par, x, g, make_recipe(recipe_name)), x, grad, sp, group, fp8,
+            failures,
+        )  # fmt: skip
         ref_grads = {n: p.grad for n, p in full.named_parameters()}
         for name, g in parallel_grads(par, group).items():
             compare(f"{tag} {name} grad", g, ref_grads[name], fp8, failures)

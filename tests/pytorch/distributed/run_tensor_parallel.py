@@ -27,7 +27,17 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from tp_harness import compare, gather, main, make_recipe, run_worker, spread_maxima, summed
+from tp_harness import (
+    compare,
+    compare_step,
+    gather,
+    main,
+    make_recipe,
+    run_worker,
+    shard,
+    spread_maxima,
+    summed,
+)
 
 import transformer_engine.pytorch as te
 
@@ -53,10 +63,6 @@ def build_full(model, device):
                 p.normal_(0, 0.1)
             spread_maxima(p)
     return modules
-
-
-def shard(t, dim, rank, world):
-    return t.chunk(world, dim=dim)[rank].clone()
 
 
 def build_parallel(model, full, sp, group, device):
@@ -118,7 +124,6 @@ def parallel_grads(model, par, sp, group):
 
 
 def check_case(model, sp, recipe_name, group, device) -> list[str]:
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
     full = build_full(model, device)
     par = build_parallel(model, full, sp, group, device)
     fp8 = recipe_name is not None
@@ -130,15 +135,12 @@ def check_case(model, sp, recipe_name, group, device) -> list[str]:
         grad = torch.randn(SEQ, BATCH, HIDDEN, device=device)
         for m in full + par:
             m.zero_grad(set_to_none=True)
-        ref_out, ref_dx = run(full, x, grad, make_recipe(recipe_name))
-        x_in = shard(x, 0, rank, world) if sp else x
-        g_in = shard(grad, 0, rank, world) if sp else grad
-        out, dx = run(par, x_in, g_in, make_recipe(recipe_name))
-        if sp:
-            out, dx = gather(out, 0, group), gather(dx, 0, group)
         tag = f"{label} step {step}"
-        compare(f"{tag} output", out, ref_out, fp8, failures)
-        compare(f"{tag} input grad", dx, ref_dx, fp8, failures)
+        compare_step(
+            tag, lambda x, g: run(full, x, g, make_recipe(recipe_name)),
+            lambda x, g: run(par, x, g, make_recipe(recipe_name)), x, grad, sp, group, fp8,
+            failures,
+        )  # fmt: skip
         ref_grads = {n: p.grad for n, p in torch.nn.ModuleList(full).named_parameters()}
         for name, g in parallel_grads(model, par, sp, group).items():
             compare(f"{tag} {name} grad", g, ref_grads[name], fp8, failures)

@@ -8,10 +8,10 @@ Worker side (the ``run_*.py`` scripts, one process per rank):
 * ``main``: the torchrun entry point (``--backend``, ``--out``; exit 1 on any failure);
 * ``recorded_gathers`` / ``high_precision_gathers``: log what ``_tensor_parallel``'s all-gathers
   send, and switch the FP8 gathers off (the path before them: gather, then cast);
-* ``make_recipe``, ``make_quantizer``, ``spread_maxima``, ``gather``, ``summed``, ``compare``,
-  ``compare_bitwise``, ``recipe_state``: recipes, per-tensor FP8 quantizers, weights whose every
-  shard holds the whole tensor's amax, the collectives that rebuild whole tensors, and the
-  comparisons against the single-process run.
+* ``make_recipe``, ``make_quantizer``, ``spread_maxima``, ``shard``, ``gather``, ``summed``,
+  ``compare``, ``compare_step``, ``compare_bitwise``, ``recipe_state``: recipes, per-tensor FP8
+  quantizers, weights whose every shard holds the whole tensor's amax, a rank's shard and the
+  collectives that rebuild whole tensors, and the comparisons against the single-process run.
 
 Test side: ``check_gloo_run`` spawns the worker on 2 gloo processes and checks every rank's
 result file; ``run_torchrun`` runs a worker script on 2 GPUs under torchrun (NCCL).
@@ -146,6 +146,26 @@ def gather(t, dim, group):
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
+
+
+def shard(t, dim, rank, world):
+    """Rank ``rank``'s block of ``t`` along ``dim`` (a copy)."""
+    return t.chunk(world, dim=dim)[rank].clone()
+
+
+def compare_step(tag, run_full, run_parallel, x, grad, sp, group, fp8, failures) -> None:
+    """One step of the single-process model and its tensor-parallel version on the same data:
+    ``run_*(x, grad) -> (output, input gradient)``; the parallel one takes this rank's rows
+    under sequence parallelism (``sp``), gathered again before the comparison."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ref_out, ref_dx = run_full(x, grad)
+    if sp:
+        x, grad = shard(x, 0, rank, world), shard(grad, 0, rank, world)
+    out, dx = run_parallel(x, grad)
+    if sp:
+        out, dx = gather(out, 0, group), gather(dx, 0, group)
+    compare(f"{tag} output", out, ref_out, fp8, failures)
+    compare(f"{tag} input grad", dx, ref_dx, fp8, failures)
 
 
 def summed(t, group):
