@@ -28,6 +28,7 @@ Why the two runs agree bit for bit (the reduction order is the same):
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -426,6 +427,15 @@ def gloo_worker(rank, out_dir, init_file, mesh_shape, train, mesh_dim_names=None
         mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=mesh_dim_names)
         torch.save(train(mesh), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
+        # Nothing of the run may keep a mesh's gloo subgroup alive past the destroy: the FP8
+        # state holds amax-reduction groups, and freed modules may sit in reference cycles;
+        # a gloo group destroyed at interpreter exit can abort the process ("terminate called
+        # without an active exception": a 4-process HSDP run once died so, not reproduced;
+        # tp_harness.run_worker clears the same state for the same reason).
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+        FP8GlobalStateManager.reset()
+        gc.collect()
         dist.destroy_process_group()
 
 
