@@ -76,13 +76,6 @@ def fuse_backward_linear_add(ops, *, recipe=None):
 
 def _match_backward_linear_add(ops, i):
     op, linear = ops[i], op_at(ops, i + 1)
-    if (
-        type(op) is MakeExtraOutput
-        and op.in_place
-        and fusible_linear(linear)
-        # column tensor parallelism all-reduces the input gradient across ranks, which must
-        # happen before the branch's gradient is added
-        and getattr(linear, "tensor_parallel_mode", None) != "column"
-    ):
+    if type(op) is MakeExtraOutput and op.in_place and fusible_linear(linear):
         return BackwardLinearAdd(backward_add=op, linear=linear), 2
     return None

@@ -57,12 +57,6 @@ def fuse_backward_linear_scale(ops, *, recipe=None):
 
 def _match_backward_linear_scale(ops, i):
     op, scale = ops[i], op_at(ops, i + 1)
-    if (
-        fusible_linear(op)
-        and type(scale) is ConstantScale
-        # column tensor parallelism all-reduces the input gradient across ranks; upstream
-        # leaves that case unfused
-        and getattr(op, "tensor_parallel_mode", None) != "column"
-    ):
+    if fusible_linear(op) and type(scale) is ConstantScale:
         return BackwardLinearScale(linear=op, scale=scale), 2
     return None

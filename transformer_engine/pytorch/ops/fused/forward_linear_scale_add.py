@@ -87,8 +87,6 @@ def _match_forward_linear_scale_add(ops, i):
     linear, scale, add = ops[i], op_at(ops, i + 1), op_at(ops, i + 2)
     if (
         fusible_linear(linear)
-        # row tensor parallelism reduces the GEMM output across ranks first
-        and getattr(linear, "tensor_parallel_mode", None) != "row"
         and type(scale) is ConstantScale
         and type(add) is AddExtraInput
         and add.in_place
