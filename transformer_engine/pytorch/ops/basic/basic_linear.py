@@ -258,7 +258,8 @@ class BasicLinear(BasicOperation):
         if produced:
             input_ = _check_produced_input(input_, self.local_in_features)
         else:
-            check_input_features("BasicLinear", input_, self.local_in_features, "local in_features")
+            label = "local in_features" if self._parallelism.active else "in_features"
+            check_input_features("BasicLinear", input_, self.local_in_features, label)
         input_shape = input_.shape
         weight = self.weight
         fp8 = FP8GlobalStateManager.is_fp8_enabled()
