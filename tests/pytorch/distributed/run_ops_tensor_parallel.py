@@ -33,6 +33,7 @@ from tp_harness import (
     run_worker,
     shard,
     spread_maxima,
+    summed,
 )
 
 import transformer_engine.pytorch as te
@@ -44,7 +45,7 @@ SEQ, BATCH, HIDDEN, FFN = 32, 2, 32, 64
 STEPS = 3
 CASES = [
     (model, sp, recipe)
-    for model in ("pair", "basic")
+    for model in ("pair", "basic", "norm")
     for sp in (False, True)
     for recipe in (None, "delayed", "current")
 ]
@@ -65,33 +66,64 @@ def _build(model, device, group, sp):
     row = {} if group is None else dict(tensor_parallel_mode="row", tensor_parallel_group=group)
     if group is not None:
         col["sequence_parallel"] = row["sequence_parallel"] = sp
-    if model == "pair":
+    if model == "basic":
         return ops.Sequential(
-            ops.Linear(HIDDEN, FFN, device=device, **col),
-            ops.GELU(),
-            ops.Linear(FFN, HIDDEN, device=device, **row),
+            ops.BasicLinear(HIDDEN, FFN, device=device, **col),
+            ops.BasicLinear(FFN, HIDDEN, device=device, **row),
         )
-    return ops.Sequential(
-        ops.BasicLinear(HIDDEN, FFN, device=device, **col),
-        ops.BasicLinear(FFN, HIDDEN, device=device, **row),
-    )
+    pair = [
+        ops.Linear(HIDDEN, FFN, device=device, **col),
+        ops.GELU(),
+        ops.Linear(FFN, HIDDEN, device=device, **row),
+    ]
+    if model == "norm":  # the norm runs on this rank's tokens under sequence parallelism
+        return ops.Sequential(ops.LayerNorm(HIDDEN, device=device), *pair)
+    return ops.Sequential(*pair)
+
+
+def roles(model):
+    """How each operation's parameters are split: ``{index: "column" | "row" | "whole"}``."""
+    if model.startswith("basic"):
+        return {"0": "column", "1": "row"}
+    if model.startswith("norm"):
+        return {"0": "whole", "1": "column", "3": "row"}
+    return {"0": "column", "2": "row"}
+
+
+def role_of(model, name):
+    """``"column"``, ``"row"``, ``"row bias"`` (whole, after the reduction) or ``"whole"``."""
+    role = roles(model)[name.split(".")[0]]
+    return "row bias" if role == "row" and name.endswith("bias") else role
+
+
+# The fused operations each FP8 model's passes hold under tensor parallelism: the ones whose
+# collectives stay in place (docs/ops.md); without sequence parallelism the norm writes the
+# column linear's FP8 input, with it the linear gathers a high-precision input.
+def expected_fusions(model, sp):
+    if model.startswith("basic"):
+        return set(), set()
+    forward = {"ForwardLinearBiasActivation", "ForwardActivationCast"}
+    if model == "norm" and not sp:
+        forward.add("ForwardNormCast")
+    return forward, {"BackwardActivationCast"}
 
 
 def linears(model):
     return [op for op in model.modules() if isinstance(op, ops.BasicLinear)]
 
 
-def load_shards(full, par, rank, world):
+def load_shards(model, full, par, rank, world):
     """``par``'s parameters: this rank's shards of ``full``'s (column linear's weight rows and
-    bias, row linear's weight columns, row bias whole)."""
+    bias, row linear's weight columns; the row bias and the norm whole)."""
     with torch.no_grad():
         for (name, p), (_, q) in zip(full.named_parameters(), par.named_parameters()):
-            if p.shape == q.shape:
-                q.copy_(p)  # the row-parallel bias
-            elif name.startswith("0."):
-                q.copy_(shard(p, 0, rank, world))  # column: output features
+            role = role_of(model, name)
+            if role == "column":
+                q.copy_(shard(p, 0, rank, world))  # output features
+            elif role == "row":
+                q.copy_(shard(p, 1, rank, world))  # input features
             else:
-                q.copy_(shard(p, 1, rank, world))  # row: input features
+                q.copy_(p)
 
 
 def run(model, x, grad, recipe):
@@ -102,17 +134,31 @@ def run(model, x, grad, recipe):
     return out.detach(), x.grad
 
 
-def parallel_grads(par, group):
-    """The tensor-parallel gradients as whole tensors, named as the full model's."""
+def parallel_grads(model, par, sp, group):
+    """The tensor-parallel gradients as whole tensors, named as the full model's: shards
+    gathered; the row bias is whole on every rank (the operation sums it over the group under
+    sequence parallelism); the norm's, a partial sum over this rank's tokens under sequence
+    parallelism, summed as a framework does."""
     grads = {}
     for name, p in par.named_parameters():
-        if name.startswith("0."):
+        role = role_of(model, name)
+        if role == "column":
             grads[name] = gather(p.grad, 0, group)
-        elif name.endswith("weight"):
+        elif role == "row":
             grads[name] = gather(p.grad, 1, group)
-        else:  # the row bias: whole on every rank, sequence parallelism or not
+        elif role == "whole" and sp:
+            grads[name] = summed(p.grad, group)
+        else:
             grads[name] = p.grad
     return grads
+
+
+def fused_names(model, which):
+    """The fused operations (class names) of a ``Sequential``'s ``which`` pass."""
+    (fuser,) = model._get_module_groups()
+    return {type(op).__name__ for op, _ in getattr(fuser, f"_{which}_ops")} - {
+        type(op).__name__ for op in fuser._basic_ops
+    }
 
 
 def check_case(model, sp, recipe_name, group, device) -> list[str]:
@@ -128,7 +174,7 @@ def check_case(model, sp, recipe_name, group, device) -> list[str]:
         for p, v in zip(full.parameters(), values.parameters()):
             p.copy_(v)  # an FP8 weight quantizes the values
     par = build(model, device, group, sp, make_recipe(recipe_name))
-    load_shards(values, par, rank, world)
+    load_shards(model, values, par, rank, world)
     fp8_weights = [isinstance(op.weight, QuantizedTensor) for op in linears(full) + linears(par)]
     if fp8_weights != [model.endswith("-fp8-weights")] * len(fp8_weights):
         return [f"{model}: FP8 weights {fp8_weights}"]
@@ -148,8 +194,12 @@ def check_case(model, sp, recipe_name, group, device) -> list[str]:
             failures,
         )  # fmt: skip
         ref_grads = {n: p.grad for n, p in full.named_parameters()}
-        for name, g in parallel_grads(par, group).items():
+        for name, g in parallel_grads(model, par, sp, group).items():
             compare(f"{tag} {name} grad", g, ref_grads[name], fp8, failures)
+        if fp8 and step == 0:
+            got = (fused_names(par, "forward"), fused_names(par, "backward"))
+            if got != expected_fusions(model, sp):
+                failures.append(f"{tag} fusions {got} != {expected_fusions(model, sp)}")
         if recipe_name == "delayed":
             for i, (p, f) in enumerate(zip(linears(par), linears(full))):
                 for mode in ("forward", "backward"):

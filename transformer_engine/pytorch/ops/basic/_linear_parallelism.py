@@ -84,6 +84,14 @@ class LinearParallelism:
             in_features = divide(in_features, self.size, f"{owner}: in_features")
         self.local_in_features, self.local_out_features = in_features, out_features
 
+    @property
+    def placement(self) -> str | None:
+        """``None`` without a split, else ``"column"``, ``"column+sp"``, ``"row"`` or ``"row+sp"``:
+        what a fusion must know to keep the collectives in place (``fusible_linear``)."""
+        if not self.active:
+            return None
+        return self.mode + ("+sp" if self.sequence_parallel else "")
+
     # -- parameters and FP8 --------------------------------------------------------------------
     def mark_weight(self, weight: torch.Tensor) -> None:
         """Megatron-LM's partition attributes on the weight (column: dimension 0, row: 1), which
@@ -91,17 +99,22 @@ class LinearParallelism:
         if self.active and not hasattr(weight, "partition_dim"):
             set_tensor_model_parallel_attributes(weight, True, 0 if self.mode == "column" else 1, 1)
 
-    def prepare_fp8(self, config, recipe) -> None:
-        """Before an FP8 GEMM: the split operand's amax reduced over the group (current
-        scaling), and the delayed-scaling rule of sequence parallelism checked."""
-        if not (self.active and config.fp8):
+    def reduce_split_amaxes(self, input_quantizer, grad_output_quantizer) -> None:
+        """When the quantizers are made: the operand split along its features (the row input,
+        the column output gradient) has its amax reduced over the group (current scaling), so
+        every rank casts with the whole tensor's scale; also where a fused producer (an
+        activation writing the linear's FP8 input or gradient) casts it."""
+        if not self.active:
             return
-        if self.sequence_parallel:
-            check_sequence_parallel_scaling(self.owner, recipe, self.group)
-        split = config.input_quantizer if self.mode == "row" else config.grad_output_quantizer
+        split = input_quantizer if self.mode == "row" else grad_output_quantizer
         if hasattr(split, "with_amax_reduction"):
             split.with_amax_reduction = True
             split.amax_reduction_group = self.group
+
+    def check_fp8(self, config, recipe) -> None:
+        """Before an FP8 GEMM under sequence parallelism: the delayed-scaling rule."""
+        if self.sequence_parallel and config.fp8:
+            check_sequence_parallel_scaling(self.owner, recipe, self.group)
 
     # -- forward -------------------------------------------------------------------------------
     @property

@@ -158,11 +158,14 @@ class BasicLinear(BasicOperation):
         return [QuantizerRole("linear", "grad_output")]
 
     def _on_recipe_state_change(self) -> None:
-        # An FP8 weight re-quantizes (optimizer updates) with the op's current weight quantizer.
-        weight = self.weight
         quantizer = self.get_quantizer("forward", _WEIGHT)
         if quantizer is None:
             return
+        self._parallelism.reduce_split_amaxes(
+            self.get_quantizer("forward", _INPUT), self.get_quantizer("backward", _GRAD_OUTPUT)
+        )
+        # An FP8 weight re-quantizes (optimizer updates) with the op's current weight quantizer.
+        weight = self.weight
         quantizer = quantizer.copy()
         quantizer.set_usage(rowwise=True, columnwise=True)
         rebind_weight_quantizer(weight, quantizer)  # FSDP2's shard or whole weight too
@@ -314,7 +317,7 @@ class BasicLinear(BasicOperation):
                 "BasicLinear: a bias inside a row-parallel GEMM would be summed over the ranks; "
                 "add it after the reduction (te.ops.Linear does)"
             )
-        par.prepare_fp8(config, recipe)
+        par.check_fp8(config, recipe)
         with torch.no_grad():
             full, leading, shard = par.gemm_input(input_, config)
             out, saved = linear_forward(
@@ -326,13 +329,13 @@ class BasicLinear(BasicOperation):
                 # an FP8 shard is gathered again in backward for the weight gradient
                 needs_wgrad=needs_wgrad and shard is None,
             )
+            if produced and len(input_shape) != 2:
+                out = out.reshape(*input_shape[:-1], out.shape[-1])
             out = par.finish_forward(ctx, saved, input_, full, leading, shard, needs_wgrad, out)
         if produced:
             if needs_wgrad:
                 input_.update_usage(rowwise_usage=False, columnwise_usage=True)
             saved.inp_shape = input_shape  # the input gradient takes the producer's shape
-            if len(input_shape) != 2:
-                out = out.reshape(*input_shape[:-1], out.shape[-1])
         if ctx.requires_grad:
             ctx.save_for_backward(*saved.pack())
             ctx.linear_saved = saved
@@ -401,11 +404,13 @@ class BasicLinear(BasicOperation):
         return grad_input, grad_weight, grad_bias
 
 
-def fusible_linear(op) -> bool:
-    """Whether ``op`` is a ``BasicLinear`` the fusions may take: one without tensor parallelism
-    (they run the linear core on the operation's whole input and output, with no collective
-    around it)."""
-    return type(op) is BasicLinear and not op._parallelism.active
+def fusible_linear(op, allow: tuple[str, ...] = ()) -> bool:
+    """Whether ``op`` is a ``BasicLinear`` a fusion may take: any without tensor parallelism;
+    with it, only the placements in ``allow`` (``"column"``, ``"column+sp"``, ``"row"``,
+    ``"row+sp"``), those where the fusion leaves the operation's collectives as they are (a
+    produced FP8 input cannot be all-gathered, a bias inside a row GEMM would be summed over
+    the ranks, ...)."""
+    return type(op) is BasicLinear and op._parallelism.placement in (None, *allow)
 
 
 def is_produced_input(tensor) -> bool:

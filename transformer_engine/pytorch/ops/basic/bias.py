@@ -65,6 +65,14 @@ class Bias(BasicOperation):
         if device.type != "meta":
             self.reset_parameters()
 
+    def folds_into(self, linear) -> bool:
+        """Whether a fusion may compute this bias inside ``linear``'s GEMM or its gradient cast:
+        it has the linear's (local) output width and no gradient reduction of its own."""
+        return (
+            self.local_size == getattr(linear, "local_out_features", None)
+            and self._grad_reduction_group is None
+        )
+
     def reset_parameters(self, device=None) -> None:
         """Zero the bias; a meta bias is materialized first (on ``device`` if given, else the
         current CUDA device, else the CPU). A bias with storage is zeroed in place."""

@@ -72,5 +72,5 @@ class ForwardProducerFusion(FusedOperation):
     def check_linear_shapes(ctx, linear: BasicLinear) -> bool:
         """Run ``linear``'s FP8 GEMM shape checks before anything is written; returns whether
         the transposed copy (weight gradient) is needed."""
-        check_fp8_gemm_shapes(linear.in_features, linear.out_features)
+        check_fp8_gemm_shapes(linear.local_in_features, linear.local_out_features)
         return ctx.requires_grad and linear.weight.requires_grad

@@ -101,10 +101,12 @@ def fuse_backward_activation_cast(ops, *, recipe=None):
 
 def _match_backward_activation_cast(ops, i):
     linear = ops[i]
-    if not fusible_linear(linear):
+    # a column linear's output gradient is this rank's features, cast where it is (its amax
+    # reduced over the group under current scaling)
+    if not fusible_linear(linear, ("column", "column+sp")):
         return None
     bias, activation = op_at(ops, i + 1), op_at(ops, i + 2)
-    if type(bias) is Bias and bias.size == linear.out_features:
+    if type(bias) is Bias and bias.folds_into(linear):
         if isinstance(activation, ActivationOperation) and activation.fusible:
             return BackwardActivationCast(linear=linear, bias=bias, activation=activation), 3
         return None

@@ -62,6 +62,11 @@ def fuse_backward_linear_bias(ops, *, recipe=None):
 
 def _match_backward_linear_bias(ops, i):
     linear, bias = ops[i], op_at(ops, i + 1)
-    if fusible_linear(linear) and type(bias) is Bias and bias.size == linear.out_features:
+    # column parallelism: the bias is split like the output gradient it sums
+    if (
+        fusible_linear(linear, ("column", "column+sp"))
+        and type(bias) is Bias
+        and bias.folds_into(linear)
+    ):
         return BackwardLinearBias(linear=linear, bias=bias), 2
     return None

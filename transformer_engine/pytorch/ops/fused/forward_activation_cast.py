@@ -59,7 +59,7 @@ class ForwardActivationCast(ForwardProducerFusion):
             return activation.activation_forward(ctx, x)
         spec = activation._spec()
         cols = x.shape[-1] // 2 if spec.gated else x.shape[-1]
-        if (spec.gated and x.shape[-1] % 2) or cols != linear.in_features:
+        if (spec.gated and x.shape[-1] % 2) or cols != linear.local_in_features:
             # the chain's errors: the activation's (odd gated width) or the linear's
             return activation.activation_forward(ctx, x)
         # the linear's checks before anything is written (no amax recorded for a refused call)
@@ -95,6 +95,8 @@ def fuse_forward_activation_cast(ops, *, recipe=None):
 
 def _match_forward_activation_cast(ops, i):
     op, linear = ops[i], op_at(ops, i + 1)
-    if isinstance(op, ActivationOperation) and op.fusible and fusible_linear(linear):
+    # not before a sequence-parallel column linear, which all-gathers its input first
+    allow = ("column", "row", "row+sp")
+    if isinstance(op, ActivationOperation) and op.fusible and fusible_linear(linear, allow):
         return ForwardActivationCast(activation=op, linear=linear), 1
     return None

@@ -66,7 +66,9 @@ def fuse_forward_linear_bias_activation(ops, *, recipe=None):
 
 def _match_forward_linear_bias_activation(ops, i):
     op, bias = ops[i], op_at(ops, i + 1)
-    if not (fusible_linear(op) and type(bias) is Bias and bias.size == op.out_features):
+    # column parallelism: the split bias joins this rank's output features
+    linear_ok = fusible_linear(op, ("column", "column+sp"))
+    if not (linear_ok and type(bias) is Bias and bias.folds_into(op)):
         return None
     activation = op_at(ops, i + 2)
     if not (isinstance(activation, ActivationOperation) and activation.fusible):

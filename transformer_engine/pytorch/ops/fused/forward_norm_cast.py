@@ -57,7 +57,7 @@ class ForwardNormCast(ForwardProducerFusion):
         if not (
             self.casts_for(linear, quantizer, x)
             and x.dim() > 0
-            and x.shape[-1] == linear.in_features
+            and x.shape[-1] == linear.local_in_features
             and len(norm.normalized_shape) == 1
         ):
             return norm.op_forward(ctx, input_)
@@ -85,6 +85,7 @@ def fuse_forward_norm_cast(ops, *, recipe=None):
 
 def _match_forward_norm_cast(ops, i):
     op, linear = ops[i], op_at(ops, i + 1)
-    if type(op) in _NORMS and fusible_linear(linear):
+    # a norm before a column linear that takes the whole input (no sequence-parallel gather)
+    if type(op) in _NORMS and fusible_linear(linear, ("column",)):
         return ForwardNormCast(norm=op, linear=linear), 1
     return None
