@@ -175,10 +175,23 @@ def summed(t, group):
     return t
 
 
+# FP8 GEMMs on a GPU (cuBLAS; the forward in fast-accumulation mode) keep fewer bits than
+# float32 while they accumulate, so a GEMM split over the ranks rounds its partial sums
+# differently from the whole one: both ranks of the tensor-parallel runs on one H200 (gloo)
+# differed from the single-process model by up to 1.3e-4 of the largest value, where the CPU's
+# exact emulation differs by float32 ulps. On CUDA the FP8 cases' close share is measured
+# against this bound instead of the float32 tolerance (a scale mismatch between ranks, the
+# failure it exists to catch, moves values by percents).
+CUDA_FP8_REL_TO_MAX = 2**-10
+
+
 def compare(name, got, ref, fp8, failures, *, rel_to_max=1e-5, floor=0.0, fp8_share=0.98):
     """float32: every element within ``rel_to_max * max|ref| + 1e-5 * |ref| + floor``; FP8:
-    every element within ``2^-3 * max|ref|`` and ``fp8_share`` of them within the float32
-    tolerance. A miss is appended to ``failures``."""
+    every element within ``2^-3 * max|ref|`` and ``fp8_share`` of them within that tolerance
+    (on CUDA with ``rel_to_max`` at least ``CUDA_FP8_REL_TO_MAX``). A miss is appended to
+    ``failures``."""
+    if fp8 and got.device.type == "cuda":
+        rel_to_max = max(rel_to_max, CUDA_FP8_REL_TO_MAX)
     got, ref = got.double().cpu(), ref.double().cpu()
     if got.shape != ref.shape:
         failures.append(f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}")
@@ -193,7 +206,7 @@ def compare(name, got, ref, fp8, failures, *, rel_to_max=1e-5, floor=0.0, fp8_sh
     if not ok:
         failures.append(
             f"{name}: max err {err.max().item():.3e} (scale {scale:.3e}), "
-            f"{100 * tight.double().mean().item():.1f}% within float32 tolerance"
+            f"{100 * tight.double().mean().item():.1f}% within {rel_to_max:.1e} of it"
         )
 
 
