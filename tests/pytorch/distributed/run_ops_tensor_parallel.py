@@ -62,8 +62,12 @@ def build(model, device, group=None, sp=False, recipe=None):
 
 
 def _build(model, device, group, sp):
-    col = {} if group is None else dict(tensor_parallel_mode="column", tensor_parallel_group=group)
-    row = {} if group is None else dict(tensor_parallel_mode="row", tensor_parallel_group=group)
+    # the norm model leaves the group at its default, the world group (all ranks here)
+    tp_group = None if model == "norm" else group
+    col = (
+        {} if group is None else dict(tensor_parallel_mode="column", tensor_parallel_group=tp_group)
+    )
+    row = {} if group is None else dict(tensor_parallel_mode="row", tensor_parallel_group=tp_group)
     if group is not None:
         col["sequence_parallel"] = row["sequence_parallel"] = sp
     if model == "basic":

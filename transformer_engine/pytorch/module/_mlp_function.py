@@ -19,10 +19,10 @@ activation in the activation dtype and the linear core casts it as usual.
 Under sequence parallelism (``sp_group``) FC1's input arrives split along dimension 0: the node
 all-gathers it (``sequence_parallel_gemm_input``: FP8 bytes under a per-tensor FP8 recipe),
 keeps only the local shard (FP8, or the input itself in high precision), which backward gathers
-again for FC1's weight gradient, and reduce-scatters its gradient. With ``out_sp_group`` (FC2 row-parallel under
-sequence parallelism) the node reduce-scatters FC2's output along dimension 0 and all-gathers
-the output gradient (``sequence_parallel_grad_output``: FP8 bytes cast with FC2's grad-output
-quantizer under a per-tensor FP8 recipe).
+again for FC1's weight gradient, and reduce-scatters its gradient. With ``out_sp_group`` (FC2
+row-parallel under sequence parallelism) the node reduce-scatters FC2's output along dimension
+0 and all-gathers the output gradient (``sequence_parallel_grad_output``: FP8 bytes cast with
+FC2's grad-output quantizer under a per-tensor FP8 recipe).
 """
 
 from __future__ import annotations

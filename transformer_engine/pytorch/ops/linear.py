@@ -11,6 +11,7 @@ initialization replaced them the aliases still pointed at the old meta tensors a
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .basic.basic_linear import BasicLinear
 from .basic.bias import Bias
@@ -93,7 +94,8 @@ class Linear(FusedOperation):
                 )
             )
             if parallel and tensor_parallel_mode == "row" and linear.sequence_parallel:
-                ops[-1]._grad_reduction_group = tensor_parallel_group
+                group = tensor_parallel_group
+                ops[-1]._grad_reduction_group = dist.group.WORLD if group is None else group
         super().__init__(ops)
         self.in_features = in_features
         self.out_features = out_features
