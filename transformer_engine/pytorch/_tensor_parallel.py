@@ -324,7 +324,8 @@ def sequence_parallel_gemm_input(inp: torch.Tensor, group, config):
     ``gemm_input`` is a 2-D FP8 storage with row-wise bytes, cast with the scale of the whole
     gathered tensor (the GEMM takes it as it is), and ``shard`` this rank's rows of it (FP8
     storage, row-wise), which is what the caller keeps for the weight gradient
-    (:func:`regather_fp8_shard` in backward). With a block-scaled input quantizer under the
+    (:func:`regather_fp8_shard` in backward); an input a fused producer already wrote in FP8
+    with that quantizer (2-D) is gathered as it is. With a block-scaled input quantizer under the
     same conditions, when this rank's rows (tokens) are a multiple of the block (128 / 32, so
     the column-wise tiles along the tokens lie inside one rank), the local rows are cast with
     both copies: the row-wise bytes and scales are gathered into ``gemm_input`` (bitwise the
@@ -333,8 +334,14 @@ def sequence_parallel_gemm_input(inp: torch.Tensor, group, config):
     tensor and ``shard`` is ``None``.
     """
     world = get_distributed_world_size(group)
-    leading = (inp.shape[0] * world, *inp.shape[1:-1]) if inp.dim() else ()
     quantizer = config.input_quantizer
+    produced = isinstance(inp, Float8TensorStorage) and not isinstance(inp, torch.Tensor)
+    if produced and inp._data is not None and _fp8_backward(config, quantizer, world):
+        # a fused producer's FP8 rows (2-D, cast with the scale every rank shares): gathered
+        # as they are, and kept as the shard
+        gathered, shard = _gather_fp8_storage(inp, group, quantizer, rowwise=True, columnwise=False)
+        return gathered, (inp.shape[0] * world,), shard
+    leading = (inp.shape[0] * world, *inp.shape[1:-1]) if inp.dim() else ()
     fp8_gather = (
         _fp8_backward(config, quantizer, world)
         and not config.save_original_input

@@ -106,10 +106,14 @@ class LinearParallelism:
         activation writing the linear's FP8 input or gradient) casts it."""
         if not self.active:
             return
-        split = input_quantizer if self.mode == "row" else grad_output_quantizer
-        if hasattr(split, "with_amax_reduction"):
-            split.with_amax_reduction = True
-            split.amax_reduction_group = self.group
+        split = [input_quantizer if self.mode == "row" else grad_output_quantizer]
+        if self.gathers_input:
+            # a producer writing the input before the gather casts with the whole tensor's scale
+            split.append(input_quantizer)
+        for quantizer in split:
+            if hasattr(quantizer, "with_amax_reduction"):
+                quantizer.with_amax_reduction = True
+                quantizer.amax_reduction_group = self.group
 
     def check_fp8(self, config, recipe) -> None:
         """Before an FP8 GEMM under sequence parallelism: the delayed-scaling rule."""
@@ -121,23 +125,28 @@ class LinearParallelism:
     def gathers_input(self) -> bool:
         return self.sequence_parallel and self.mode == "column"
 
-    def gemm_input(self, input_: torch.Tensor, config):
+    def gemm_input(self, input_, config, shape):
         """``(gemm_input, leading, shard)``: the input the GEMM reads (all-gathered along
         dimension 0 when the op gathers its input, else ``input_`` with ``leading=None``), the
-        gathered leading shape and the FP8 shard (``sequence_parallel_gemm_input``)."""
+        gathered leading shape (from ``shape``, the input's as the caller sees it: a fused
+        producer's FP8 input arrives flattened to 2-D) and the FP8 shard
+        (``sequence_parallel_gemm_input``)."""
         if not self.gathers_input:
             return input_, None, None
-        return sequence_parallel_gemm_input(input_, self.group, config)
+        full, _, shard = sequence_parallel_gemm_input(input_, self.group, config)
+        leading = (shape[0] * self.size, *shape[1:-1]) if len(shape) else ()
+        return full, leading, shard
 
-    def finish_forward(self, ctx, saved, input_, full, leading, shard, needs_wgrad, out):
-        """After the core's forward: the output in the gathered leading shape, the saved input
-        reduced to this rank's shard (``ctx.kept_shard``), and a row-parallel output reduced
-        over the group."""
+    def finish_forward(self, ctx, saved, input_, shape, gathered, out):
+        """After the core's forward (``gathered``: what :meth:`gemm_input` returned; ``shape``
+        as there): the output in the gathered leading shape, the saved input reduced to this
+        rank's shard (``ctx.kept_shard``), and a row-parallel output reduced over the group."""
+        full, leading, shard = gathered
         ctx.kept_shard = None
         if leading is not None:
             out = out.reshape(*leading, out.shape[-1])
-            ctx.kept_shard = keep_local_shard(saved, input_, full, shard, needs_wgrad)
-            ctx.local_input_shape = input_.shape
+            ctx.kept_shard = keep_local_shard(saved, input_, full, shard, ctx.needs_wgrad)
+            ctx.local_input_shape = shape
         if self.active and self.mode == "row":
             if self.sequence_parallel:
                 return reduce_scatter_along_first_dim(out, self.group)[0]

@@ -319,7 +319,9 @@ class BasicLinear(BasicOperation):
             )
         par.check_fp8(config, recipe)
         with torch.no_grad():
-            full, leading, shard = par.gemm_input(input_, config)
+            gathered = par.gemm_input(input_, config, input_shape)
+            full, leading, shard = gathered
+            ctx.needs_wgrad = needs_wgrad
             out, saved = linear_forward(
                 gemm_weight,
                 full,
@@ -329,10 +331,10 @@ class BasicLinear(BasicOperation):
                 # an FP8 shard is gathered again in backward for the weight gradient
                 needs_wgrad=needs_wgrad and shard is None,
             )
-            if produced and len(input_shape) != 2:
+            if produced and leading is None and len(input_shape) != 2:
                 out = out.reshape(*input_shape[:-1], out.shape[-1])
-            out = par.finish_forward(ctx, saved, input_, full, leading, shard, needs_wgrad, out)
-        if produced:
+            out = par.finish_forward(ctx, saved, input_, input_shape, gathered, out)
+        if produced and leading is None:
             if needs_wgrad:
                 input_.update_usage(rowwise_usage=False, columnwise_usage=True)
             saved.inp_shape = input_shape  # the input gradient takes the producer's shape

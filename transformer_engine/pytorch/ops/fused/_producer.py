@@ -73,4 +73,6 @@ class ForwardProducerFusion(FusedOperation):
         """Run ``linear``'s FP8 GEMM shape checks before anything is written; returns whether
         the transposed copy (weight gradient) is needed."""
         check_fp8_gemm_shapes(linear.local_in_features, linear.local_out_features)
-        return ctx.requires_grad and linear.weight.requires_grad
+        # a sequence-parallel linear builds the transposed copy from the gathered bytes
+        gathers = linear._parallelism.gathers_input
+        return ctx.requires_grad and linear.weight.requires_grad and not gathers

@@ -95,8 +95,8 @@ def fuse_forward_activation_cast(ops, *, recipe=None):
 
 def _match_forward_activation_cast(ops, i):
     op, linear = ops[i], op_at(ops, i + 1)
-    # not before a sequence-parallel column linear, which all-gathers its input first
-    allow = ("column", "row", "row+sp")
+    # before a sequence-parallel column linear the FP8 bytes are all-gathered as they are
+    allow = ("column", "column+sp", "row", "row+sp")
     if isinstance(op, ActivationOperation) and op.fusible and fusible_linear(linear, allow):
         return ForwardActivationCast(activation=op, linear=linear), 1
     return None

@@ -85,7 +85,7 @@ def fuse_forward_norm_cast(ops, *, recipe=None):
 
 def _match_forward_norm_cast(ops, i):
     op, linear = ops[i], op_at(ops, i + 1)
-    # a norm before a column linear that takes the whole input (no sequence-parallel gather)
-    if type(op) in _NORMS and fusible_linear(linear, ("column",)):
+    # before a sequence-parallel column linear the FP8 bytes are all-gathered as they are
+    if type(op) in _NORMS and fusible_linear(linear, ("column", "column+sp")):
         return ForwardNormCast(norm=op, linear=linear), 1
     return None
