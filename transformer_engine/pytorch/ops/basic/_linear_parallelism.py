@@ -77,7 +77,6 @@ class LinearParallelism:
         self.active = self.size > 1
         # as the modules: sequence parallelism takes effect only with a split over ranks
         self.sequence_parallel = self.active and bool(sequence_parallel)
-        self.in_features, self.out_features = in_features, out_features
         if self.active and mode == "column":
             out_features = divide(out_features, self.size, f"{owner}: out_features")
         elif self.active and mode == "row":
@@ -137,7 +136,7 @@ class LinearParallelism:
         leading = (shape[0] * self.size, *shape[1:-1]) if len(shape) else ()
         return full, leading, shard
 
-    def finish_forward(self, ctx, saved, input_, shape, gathered, out):
+    def finish_forward(self, ctx, saved, input_, shape, gathered, needs_wgrad, out):
         """After the core's forward (``gathered``: what :meth:`gemm_input` returned; ``shape``
         as there): the output in the gathered leading shape, the saved input reduced to this
         rank's shard (``ctx.kept_shard``), and a row-parallel output reduced over the group."""
@@ -145,7 +144,7 @@ class LinearParallelism:
         ctx.kept_shard = None
         if leading is not None:
             out = out.reshape(*leading, out.shape[-1])
-            ctx.kept_shard = keep_local_shard(saved, input_, full, shard, ctx.needs_wgrad)
+            ctx.kept_shard = keep_local_shard(saved, input_, full, shard, needs_wgrad)
             ctx.local_input_shape = shape
         if self.active and self.mode == "row":
             if self.sequence_parallel:

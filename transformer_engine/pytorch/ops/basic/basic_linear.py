@@ -321,7 +321,6 @@ class BasicLinear(BasicOperation):
         with torch.no_grad():
             gathered = par.gemm_input(input_, config, input_shape)
             full, leading, shard = gathered
-            ctx.needs_wgrad = needs_wgrad
             out, saved = linear_forward(
                 gemm_weight,
                 full,
@@ -333,7 +332,7 @@ class BasicLinear(BasicOperation):
             )
             if produced and leading is None and len(input_shape) != 2:
                 out = out.reshape(*input_shape[:-1], out.shape[-1])
-            out = par.finish_forward(ctx, saved, input_, input_shape, gathered, out)
+            out = par.finish_forward(ctx, saved, input_, input_shape, gathered, needs_wgrad, out)
         if produced and leading is None:
             if needs_wgrad:
                 input_.update_usage(rowwise_usage=False, columnwise_usage=True)
