@@ -45,13 +45,30 @@ def keep_local_shard(saved, inp: torch.Tensor, full, shard, needs_wgrad: bool) -
     return None
 
 
-def restore_gathered_input(saved, kept: str | None, group) -> None:
+def restore_gathered_input(saved, kept: str | None, group, async_op: bool = False):
     """In the backward, before the weight gradient: ``saved.x`` gathered again over ``group``
-    as :func:`keep_local_shard` left it (``kept``)."""
+    as :func:`keep_local_shard` left it (``kept``). With ``async_op`` the gather is only issued
+    (``saved.x`` keeps the shard meanwhile) and the call returns a function that waits for it
+    and sets ``saved.x`` (``None`` when there is nothing to gather)."""
     if kept == _FP8_SHARD:
-        saved.x = regather_fp8_shard(saved.x, group)
+        finish = regather_fp8_shard(saved.x, group, async_op=True)
     elif kept == _HIGH_PRECISION_SHARD:
-        saved.x = gather_along_first_dim(saved.x, group)[0]
+        gathered, handle = gather_along_first_dim(saved.x, group, async_op=True)
+
+        def finish():
+            if handle is not None:
+                handle.wait()
+            return gathered
+    else:
+        return None
+
+    def set_gathered():
+        saved.x = finish()
+
+    if not async_op:
+        set_gathered()
+        return None
+    return set_gathered
 
 
 def check_sequence_parallel_scaling(owner: str, recipe, tp_group) -> None:

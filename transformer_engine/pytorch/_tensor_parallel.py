@@ -13,18 +13,14 @@ The regions (each an autograd function whose backward is the forward's adjoint):
 * :func:`reduce_scatter_to_sequence_parallel_region`: reduce-scatter along dim 0 forward,
   all-gather of the gradient (the output of a row-parallel GEMM under sequence parallelism).
 
-FP8 all-gather: :func:`gather_along_first_dim` with a per-tensor FP8 quantizer (delayed or
-current scaling) casts this rank's rows first and all-gathers the FP8 bytes (one byte per value
-instead of two in BF16) with the shared ``scale_inv``; every rank must cast with the same scale
-(delayed scaling: amaxes reduced over a group containing this one; current scaling: the local
-amax is all-reduced (MAX) over the group before the scale is computed, done here). With a
-block-scaled quantizer (``Float8BlockScaling``'s, MXFP8's; :func:`gathers_block_fp8`) each rank
-casts its rows and the bytes and block scales are gathered (:mod:`._block_gather`), which is
-bitwise the cast of the gathered tensor when no block straddles two ranks' rows: always for the
-row-wise 1x128 / 1x32 tiles, for the column-wise copies (and 2-D blocks) only when each rank's
-row count is a multiple of the block (128 / 32); otherwise, and for quantized inputs other
-than per-tensor FP8, the values are gathered in high precision and quantized afterwards. The
-reduce-scatters and all-reduces always run in high precision.
+FP8 all-gather: :func:`gather_along_first_dim` with a per-tensor FP8 quantizer casts this
+rank's rows first and all-gathers the FP8 bytes with the shared ``scale_inv`` (every rank casts
+with one scale: delayed scaling by amaxes reduced over a group containing this one, current
+scaling by the local amax all-reduced (MAX) here); with a block-scaled quantizer
+(:func:`gathers_block_fp8`) the bytes and block scales (:mod:`._block_gather`), bitwise the cast
+of the gathered tensor when no block straddles two ranks' rows; otherwise the values are
+gathered in high precision and quantized afterwards. The reduce-scatters and all-reduces always
+run in high precision.
 
 The GEMMs under sequence parallelism use it three times (when the GEMM runs its FP8 backward
 on a per-tensor FP8 recipe, or a block-scaled one where the gather is exact):
@@ -370,25 +366,35 @@ def sequence_parallel_gemm_input(inp: torch.Tensor, group, config):
     return gathered, leading, shard
 
 
-def regather_fp8_shard(shard, group):
+def regather_fp8_shard(shard, group, async_op: bool = False):
     """The FP8 shard :func:`sequence_parallel_gemm_input` handed out, all-gathered again over
     ``group`` (its bytes, with its ``scale_inv``) with only the transposed copy the weight
     gradient reads (built from the gathered bytes): equal to the gathered input's. A
     block-scaled shard (its local column-wise copy) is gathered as bytes and scales: the
-    column-wise copy of the cast of the gathered input."""
+    column-wise copy of the cast of the gathered input. With ``async_op`` the per-tensor bytes
+    are still in flight when the call returns: it returns a function that waits for them and
+    gives the result (the block-scaled gather is done by then)."""
     world = get_distributed_world_size(group)
     if not isinstance(shard, Float8TensorStorage):
-        return gather_block_cast(shard, group, world, _all_gather_dim0, internal=True)[0]
+        gathered = gather_block_cast(shard, group, world, _all_gather_dim0, internal=True)[0]
+        return (lambda: gathered) if async_op else gathered
     data = shard._data if shard._data.is_contiguous() else shard._data.contiguous()
-    shape = (data.shape[0] * world, *data.shape[1:])
-    out = torch.empty(shape, dtype=data.dtype, device=data.device)
-    _all_gather_dim0(out, data, group=group)
-    gathered = Float8TensorStorage._from_cast(
-        data=out, transpose=None, scale_inv=shard._scale_inv, fp8_dtype=shard._fp8_dtype,
-        quantizer=shard._quantizer, fake_dtype=shard._dtype,
-    )  # fmt: skip
-    gathered.update_usage(rowwise_usage=False, columnwise_usage=True)
-    return gathered
+    out = torch.empty(
+        (data.shape[0] * world, *data.shape[1:]), dtype=data.dtype, device=data.device
+    )
+    handle = _all_gather_dim0(out, data, group=group, async_op=async_op)
+
+    def finish():
+        if handle is not None:
+            handle.wait()
+        gathered = Float8TensorStorage._from_cast(
+            data=out, transpose=None, scale_inv=shard._scale_inv, fp8_dtype=shard._fp8_dtype,
+            quantizer=shard._quantizer, fake_dtype=shard._dtype,
+        )  # fmt: skip
+        gathered.update_usage(rowwise_usage=False, columnwise_usage=True)
+        return gathered
+
+    return finish if async_op else finish()
 
 
 def sequence_parallel_grad_output(

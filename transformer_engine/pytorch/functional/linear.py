@@ -347,7 +347,9 @@ def _forward_with_backward_override(saved, x, weight, bias, needs_dgrad, needs_w
     return out
 
 
-def linear_backward(saved: LinearSaved, grad_out, dbias_of_grad: torch.Tensor | None = None):
+def linear_backward(
+    saved: LinearSaved, grad_out, dbias_of_grad: torch.Tensor | None = None, communication=None
+):
     """``(dx, dW, dbias)`` from a :func:`linear_forward`'s saved state (already unpacked).
 
     ``dx`` is computed when the forward was told ``needs_dgrad``, ``dW`` when ``needs_wgrad`` (with
@@ -359,17 +361,22 @@ def linear_backward(saved: LinearSaved, grad_out, dbias_of_grad: torch.Tensor | 
     producer (an activation's backward) already quantized with the grad-output quantizer, with
     the usages this backward reads (row-wise for dgrad, column-wise for wgrad); then the bias
     gradient, when needed, comes as ``dbias_of_grad`` (the producer's column sums).
+
+    ``communication``: a tensor-parallel caller's collectives, overlapped with the GEMMs (see
+    ``_parallel_backward.ColumnParallelBackward``): ``before_dgrad()`` right before the
+    input-gradient GEMM (after the grad-output cast, whose amax reduction must not queue
+    behind them), ``before_wgrad()`` before ``saved.x`` is read, ``dgrad_ready(dx)`` with the
+    input gradient (2-D) once the weight gradient's input is ready, before its GEMM.
     """
     config = saved.config
     prequantized = isinstance(grad_out, QuantizedTensorStorage) and not isinstance(
         grad_out, torch.Tensor
     )
-    saved_x, saved_w = saved.x, saved.w
-    if saved.requantize_x:
-        saved_x = _quantize(config.input_quantizer, saved_x, rowwise=False, columnwise=True)
+    # Only whether x is saved matters before the weight gradient: a tensor-parallel caller may
+    # still be gathering it (``communication``).
+    has_x, saved_w = saved.x is not None, saved.w
     use_fp8 = config.fp8 and not saved.high_precision_backward
     if config.fp8 and saved.high_precision_backward:  # backward_override
-        saved_x = _high_precision(saved_x, config.activation_dtype)
         saved_w = _high_precision(saved_w, config.activation_dtype)
     if prequantized:
         if not use_fp8:
@@ -388,7 +395,7 @@ def linear_backward(saved: LinearSaved, grad_out, dbias_of_grad: torch.Tensor | 
         device = dy.device
     dx = dw = dbias = None
     weight = saved.weight
-    fuse = config.fuse_wgrad_accumulation and saved_x is not None
+    fuse = config.fuse_wgrad_accumulation and has_x
     if fuse:
         # The GEMM may have seen a cast or concatenated copy: main_grad lives on the module's
         # Parameter.
@@ -402,15 +409,17 @@ def linear_backward(saved: LinearSaved, grad_out, dbias_of_grad: torch.Tensor | 
     grad_operand = dy
     if prequantized:
         grad_operand, dbias = grad_out, dbias_of_grad
-    if use_fp8 and (saved_w is not None or saved_x is not None):
+    if use_fp8 and (saved_w is not None or has_x):
         if not prequantized:
             grad_operand, dbias = _quantize_grad_output(
                 config.grad_output_quantizer,
                 dy,
                 rowwise=saved_w is not None,
-                columnwise=saved_x is not None,
+                columnwise=has_x,
                 with_dbias=saved.bias_requires_grad,
             )
+        if communication is not None:
+            communication.before_dgrad()
         if saved_w is not None:
             dx = fp8_gemm_prevalidated(
                 saved_w,
@@ -419,11 +428,21 @@ def linear_backward(saved: LinearSaved, grad_out, dbias_of_grad: torch.Tensor | 
                 layout="NN",
                 use_split_accumulator=config.dgrad_split_accumulator,
             )
-    elif saved_w is not None:
-        dx = hp_gemm_cpu.matmul(dy, saved_w)
+    else:
+        if communication is not None:
+            communication.before_dgrad()
+        if saved_w is not None:
+            dx = hp_gemm_cpu.matmul(dy, saved_w)
+    saved_x = None
+    if has_x:
+        if communication is not None:
+            communication.before_wgrad()
+        saved_x = _weight_gradient_input(saved, config)
+    if communication is not None and dx is not None:
+        communication.dgrad_ready(dx)
     if saved.bias_requires_grad:
         dbias = _as_dtype(dy.sum(dim=0) if dbias is None else dbias, saved.bias_dtype)
-    if saved_x is not None:
+    if has_x:
         if config.wgrad_store is not None:
             # delay_wgrad_compute: the module's backward_dw() runs this later.
             config.wgrad_store.append(
@@ -438,6 +457,18 @@ def linear_backward(saved: LinearSaved, grad_out, dbias_of_grad: torch.Tensor | 
     elif fuse and config.wgrad_store is None:
         dw = _placeholder_wgrad(weight, saved.weight)
     return dx, dw, dbias
+
+
+def _weight_gradient_input(saved: LinearSaved, config):
+    """``saved.x`` as the weight-gradient GEMM reads it: cast to its transposed FP8 copy when
+    the forward kept the original input (``save_original_input``), in high precision under
+    ``backward_override``."""
+    x = saved.x
+    if saved.requantize_x:
+        x = _quantize(config.input_quantizer, x, rowwise=False, columnwise=True)
+    if config.fp8 and saved.high_precision_backward:
+        x = _high_precision(x, config.activation_dtype)
+    return x
 
 
 def _high_precision(t, dtype):

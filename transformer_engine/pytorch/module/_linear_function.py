@@ -8,7 +8,8 @@ update once its backward is done.
 
 Under sequence parallelism a column-parallel GEMM's input arrives split along dimension 0: the
 node all-gathers it before the GEMM, reduce-scatters the input gradient, and keeps only the
-local shard for backward, which gathers it again for the weight gradient. In FP8 with a
+local shard for backward, which gathers it again for the weight gradient (the backward's
+collectives overlap its GEMMs: :mod:`.._parallel_backward`). In FP8 with a
 per-tensor FP8 input quantizer the gather moves FP8 bytes (``sequence_parallel_gemm_input``)
 and the shard kept is the local FP8 rows (``regather_fp8_shard`` in backward); otherwise the
 high-precision shard is kept when the weight gradient reads the input as it is. A row-parallel
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .._sequence_parallel_input import keep_local_shard, restore_gathered_input
+from .._parallel_backward import ColumnParallelBackward
+from .._sequence_parallel_input import keep_local_shard
 from .._tensor_parallel import (
     reduce_scatter_along_first_dim,
     sequence_parallel_gemm_input,
@@ -38,7 +40,9 @@ __all__ = ["linear"]
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, inp, bias, config, backward_update, sp_group, out_sp_group):  # noqa: D102
+    def forward(  # noqa: D102
+        ctx, weight, inp, bias, config, backward_update, sp_group, out_sp_group, in_grad_group
+    ):  # fmt: skip
         full, shard = inp, None
         if sp_group is not None:
             full, leading, shard = sequence_parallel_gemm_input(inp, sp_group, config)
@@ -63,6 +67,7 @@ class _LinearFunction(torch.autograd.Function):
         ctx.saved = saved
         ctx.backward_update = backward_update
         ctx.sp_group, ctx.out_sp_group, ctx.inp_shape = sp_group, out_sp_group, inp.shape
+        ctx.in_grad_group = in_grad_group
         return function_output(out)
 
     @staticmethod
@@ -71,7 +76,12 @@ class _LinearFunction(torch.autograd.Function):
         with device_guard(grad_out.device):
             saved = ctx.saved
             saved.unpack(ctx.saved_tensors)
-            restore_gathered_input(saved, ctx.kept_shard, ctx.sp_group)
+            communication = None
+            if ctx.sp_group is not None or ctx.in_grad_group is not None:
+                communication = ColumnParallelBackward(
+                    saved, ctx.kept_shard, ctx.sp_group or ctx.in_grad_group,
+                    sequence_parallel=ctx.sp_group is not None,
+                )  # fmt: skip
             if ctx.out_sp_group is not None:
                 # The layouts the GEMMs read; it gathers in high precision unless they run
                 # in per-tensor FP8 (no backward_override).
@@ -79,14 +89,14 @@ class _LinearFunction(torch.autograd.Function):
                     grad_out, ctx.out_sp_group, saved.config,
                     rowwise=saved.w is not None, columnwise=saved.x is not None,
                 )  # fmt: skip
-            dx, dw, dbias = linear_backward(saved, grad_out)
+            dx, dw, dbias = linear_backward(saved, grad_out, communication=communication)
+            if communication is not None:
+                dx = communication.input_gradient(dx, ctx.inp_shape)
             if saved.config.wgrad_store is None:  # else backward_dw() still reads x
                 saved.release_unpacked()
-            if dx is not None and ctx.sp_group is not None:
-                dx = reduce_scatter_along_first_dim(dx, ctx.sp_group)[0].view(ctx.inp_shape)
             if ctx.backward_update is not None:
                 ctx.backward_update.complete()
-        return dw, dx, dbias, None, None, None, None
+        return dw, dx, dbias, None, None, None, None, None
 
 
 def linear(
@@ -97,6 +107,7 @@ def linear(
     backward_update: BackwardScaleUpdate | None = None,
     sequence_parallel_group=None,
     output_sequence_parallel_group=None,
+    input_gradient_group=None,
 ) -> torch.Tensor:
     """``inp @ weight^T + bias`` through the linear core, differentiable in grad mode.
 
@@ -107,6 +118,9 @@ def linear(
     is reduce-scattered back. ``output_sequence_parallel_group`` (row-parallel): the output is
     reduce-scattered (summed) over the group along dimension 0 and its gradient all-gathered;
     the bias, added after the reduction, is the caller's (``bias`` must be ``None``).
+    ``input_gradient_group`` (column-parallel without sequence parallelism): the input gradient
+    is all-reduced over the group. The backward overlaps its collectives with its GEMMs
+    (:mod:`.._parallel_backward`).
     """
     if output_sequence_parallel_group is not None and bias is not None:
         raise ValueError(
@@ -116,7 +130,7 @@ def linear(
     if torch.is_grad_enabled():
         return _LinearFunction.apply(
             weight, inp, bias, config, backward_update, sequence_parallel_group,
-            output_sequence_parallel_group,
+            output_sequence_parallel_group, input_gradient_group,
         )  # fmt: skip
     full, leading = inp, None
     if sequence_parallel_group is not None:

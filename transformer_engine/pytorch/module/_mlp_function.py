@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from .._sequence_parallel_input import keep_local_shard, restore_gathered_input
+from .._parallel_backward import ColumnParallelBackward
+from .._sequence_parallel_input import keep_local_shard
 from .._tensor_parallel import (
     reduce_scatter_along_first_dim,
     sequence_parallel_gemm_input,
@@ -84,7 +85,7 @@ class _MLPBody(torch.autograd.Function):
     @staticmethod
     def forward(  # noqa: D102
         ctx, ln_out, fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, fc1_config, fc2_config,
-        backward_update, sp_group, out_sp_group,
+        backward_update, sp_group, out_sp_group, in_grad_group,
     ):  # fmt: skip
         fc1_bias_grad = fc1_bias is not None and fc1_bias.requires_grad
         fc2_bias_grad = fc2_bias is not None and fc2_bias.requires_grad
@@ -123,6 +124,7 @@ class _MLPBody(torch.autograd.Function):
         ctx.saved = (saved1, saved2)
         ctx.spec, ctx.fc1_needed, ctx.fc1_bias_grad = spec, fc1_needed, fc1_bias_grad
         ctx.ln_shape, ctx.sp_group, ctx.out_sp_group = ln_out.shape, sp_group, out_sp_group
+        ctx.in_grad_group = in_grad_group
         ctx.backward_update = backward_update
         ctx.released = False
         out = out.reshape(*leading, out.shape[-1])
@@ -162,20 +164,27 @@ class _MLPBody(torch.autograd.Function):
                 _release(tensors[ctx.split : ctx.split + ctx.act_tensors])
             d_ln = dw1 = db1 = None
             if ctx.fc1_needed:
-                restore_gathered_input(saved1, ctx.kept_shard, ctx.sp_group)
                 dh, dbias = _activation_gradient(ctx, saved1, d_act, h2)
                 del d_act
                 _release((h2,))
-                d_ln, dw1, db1 = linear_backward(saved1, dh, dbias)
-                if d_ln is not None and ctx.sp_group is not None:
-                    d_ln = reduce_scatter_along_first_dim(d_ln, ctx.sp_group)[0]
-                if d_ln is not None:
+                communication = None
+                if ctx.sp_group is not None or ctx.in_grad_group is not None:
+                    # FC1's input gathered again and its gradient reduced, overlapped with
+                    # FC1's GEMMs
+                    communication = ColumnParallelBackward(
+                        saved1, ctx.kept_shard, ctx.sp_group or ctx.in_grad_group,
+                        sequence_parallel=ctx.sp_group is not None,
+                    )  # fmt: skip
+                d_ln, dw1, db1 = linear_backward(saved1, dh, dbias, communication)
+                if communication is not None:
+                    d_ln = communication.input_gradient(d_ln, ctx.ln_shape)
+                elif d_ln is not None:
                     d_ln = d_ln.reshape(ctx.ln_shape)
             if saved1.config.wgrad_store is None:  # else backward_dw() still reads x
                 saved1.release_unpacked()
             if ctx.backward_update is not None:
                 ctx.backward_update.complete()
-        return d_ln, dw1, db1, dw2, db2, None, None, None, None, None, None
+        return d_ln, dw1, db1, dw2, db2, None, None, None, None, None, None, None
 
 
 def _release(tensors) -> None:
@@ -216,6 +225,7 @@ def fc1_activation_fc2(
     backward_update: BackwardScaleUpdate | None = None,
     sp_group=None,
     out_sp_group=None,
+    in_grad_group=None,
 ) -> torch.Tensor:
     """``fc2(act(fc1(ln_out)))``, differentiable in grad mode (one autograd node).
 
@@ -225,6 +235,9 @@ def fc1_activation_fc2(
     all-gathered before FC1; its gradient is reduce-scattered back.
     ``out_sp_group``: FC2's output is reduce-scattered (summed) along dimension 0 over the group
     and its gradient all-gathered (FC2 row-parallel; ``fc2_bias`` must then be ``None``).
+    ``in_grad_group``: ``ln_out``'s gradient is all-reduced over the group (FC1
+    column-parallel without sequence parallelism). FC1's backward overlaps its collectives with
+    its GEMMs (:mod:`.._parallel_backward`).
     """
     if out_sp_group is not None and fc2_bias is not None:
         raise ValueError(
@@ -234,7 +247,7 @@ def fc1_activation_fc2(
     if torch.is_grad_enabled():
         return _MLPBody.apply(
             ln_out, fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, fc1_config, fc2_config,
-            backward_update, sp_group, out_sp_group,
+            backward_update, sp_group, out_sp_group, in_grad_group,
         )  # fmt: skip
     ln2, leading = ln_out.reshape(-1, ln_out.shape[-1]), ln_out.shape[:-1]
     if sp_group is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from .._sequence_parallel_input import check_sequence_parallel_scaling
 from .._tensor_parallel import (
-    copy_to_tensor_parallel_region,
     get_distributed_world_size,
     reduce_from_tensor_parallel_region,
     set_tensor_model_parallel_attributes,
@@ -133,8 +132,9 @@ def reduce_split_amaxes(module, config, *, input_split: bool, grad_output_split:
 def parallel_gemm(module, weight, inp, bias, config, backward_update, gemm=linear):
     """One GEMM of ``module`` with the collectives of its ``parallel_mode``:
 
-    * column: the input gradient is all-reduced; under sequence parallelism the input is
-      all-gathered along dim 0 first and its gradient reduce-scattered;
+    * column: the input gradient is all-reduced by the GEMM's node (overlapped with the weight
+      gradient's GEMM); under sequence parallelism the input is all-gathered along dim 0 first
+      and its gradient reduce-scattered;
     * row: the output is all-reduced (under sequence parallelism reduce-scattered along dim 0
       by the GEMM's node, which all-gathers the output gradient, in FP8 where the grad-output
       quantizer allows) and the bias added after the reduction, so it counts once;
@@ -147,8 +147,7 @@ def parallel_gemm(module, weight, inp, bias, config, backward_update, gemm=linea
     if mode == "column":
         if module.sequence_parallel:
             return gemm(weight, inp, bias, config, backward_update, group)
-        inp = copy_to_tensor_parallel_region(inp, group)
-        return gemm(weight, inp, bias, config, backward_update)
+        return gemm(weight, inp, bias, config, backward_update, input_gradient_group=group)
     if mode == "row":
         if module.sequence_parallel:
             out = gemm(weight, inp, None, config, backward_update, None, group)

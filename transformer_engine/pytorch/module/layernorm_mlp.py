@@ -251,12 +251,14 @@ class LayerNormMLP(TransformerEngineBaseModule):
             )
             ln_out = None if fuse_norm else apply_norm(self, inp)
             gemm_in = inp if fuse_norm else ln_out
+            in_grad_group = None  # FC1's node all-reduces its input gradient over it
             if parallel and not body_gathers:  # FC1 is column-parallel: its input is whole
-                gemm_in = (
-                    gather_from_sequence_parallel_region(ln_out, self.tp_group)
-                    if self.sequence_parallel
-                    else copy_to_tensor_parallel_region(ln_out, self.tp_group)
-                )
+                if self.sequence_parallel:
+                    gemm_in = gather_from_sequence_parallel_region(ln_out, self.tp_group)
+                elif self.checkpoint and torch.is_grad_enabled():
+                    gemm_in = copy_to_tensor_parallel_region(ln_out, self.tp_group)
+                else:
+                    in_grad_group = self.tp_group
             fc1_weight = gemm_weight("LayerNormMLP", self.fc1_weight, dtype, fp8)
             fc2_weight = gemm_weight("LayerNormMLP", self.fc2_weight, dtype, fp8)
             fc1_bias = self.fc1_bias.to(dtype) if self.use_bias else None
@@ -311,14 +313,15 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 out = fc1_activation_fc2(
                     gemm_in, fc1_weight, fc1_bias, fc2_weight, gemm_bias,
                     self._activation_spec, fc1_config, fc2_config, update,
-                    self.tp_group if body_gathers else None, rs_group,
+                    self.tp_group if body_gathers else None, rs_group, in_grad_group,
                 )  # fmt: skip
                 if fuse_norm:
                     out = reshape_output(out, (*inp.shape[:-1], out.shape[-1]))
             else:  # activation_fn replaced by the user: call it
                 act_out = self.activation_fn(
-                    linear(fc1_weight, gemm_in, fc1_bias, fc1_config, update)
-                )
+                    linear(fc1_weight, gemm_in, fc1_bias, fc1_config, update,
+                           input_gradient_group=in_grad_group)
+                )  # fmt: skip
                 out = linear(fc2_weight, act_out, gemm_bias, fc2_config, None, None, rs_group)
             if parallel:
                 if not self.sequence_parallel:

@@ -27,11 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..._sequence_parallel_input import (
-    check_sequence_parallel_scaling,
-    keep_local_shard,
-    restore_gathered_input,
-)
+from ..._parallel_backward import ColumnParallelBackward
+from ..._sequence_parallel_input import check_sequence_parallel_scaling, keep_local_shard
 from ..._tensor_parallel import (
     allreduce,
     divide,
@@ -154,27 +151,31 @@ class LinearParallelism:
 
     # -- backward ------------------------------------------------------------------------------
     def backward_inputs(self, ctx, saved, grad_output):
-        """Before the core's backward: the gathered input restored for the weight gradient, and
-        a sequence-parallel row output's gradient all-gathered (in the layouts the GEMMs
-        read)."""
+        """Before the core's backward: ``(grad_output, communication)``, a sequence-parallel
+        row output's gradient all-gathered (in the layouts the GEMMs read), and for a
+        column-parallel linear the collectives the core overlaps with its GEMMs (the input
+        gathered again for the weight gradient, the input gradient's reduction;
+        ``ColumnParallelBackward``), else ``None``."""
         if not self.active:
-            return grad_output
-        if self.gathers_input:
+            return grad_output, None
+        if self.mode == "column":
             # each backward: a second one (retain_graph=True) unpacks the shard again
-            restore_gathered_input(saved, ctx.kept_shard, self.group)
-        if self.mode == "row" and self.sequence_parallel:
+            kept = ctx.kept_shard if self.gathers_input else None
+            return grad_output, ColumnParallelBackward(
+                saved, kept, self.group, self.sequence_parallel
+            )
+        if self.sequence_parallel:
             grad_output = sequence_parallel_grad_output(
                 grad_output, self.group, saved.config,
                 rowwise=saved.w is not None, columnwise=saved.x is not None,
             )  # fmt: skip
-        return grad_output
+        return grad_output, None
 
-    def input_gradient(self, ctx, grad_input):
+    def input_gradient(self, ctx, grad_input, communication):
         """A column-parallel input gradient summed over the group (reduce-scattered back to
-        this rank's rows under sequence parallelism)."""
-        if grad_input is None or not (self.active and self.mode == "column"):
-            return grad_input
-        if self.sequence_parallel:
-            grad_input = reduce_scatter_along_first_dim(grad_input, self.group)[0]
-            return grad_input.view(ctx.local_input_shape)
-        return allreduce(grad_input.contiguous(), self.group)[0]
+        this rank's rows under sequence parallelism), once ``communication`` (from
+        :meth:`backward_inputs`) has reduced it."""
+        if communication is None or grad_input is None:
+            return grad_input if communication is None else communication.input_gradient(None, ())
+        shape = ctx.local_input_shape if self.sequence_parallel else grad_input.shape
+        return communication.input_gradient(grad_input, shape)

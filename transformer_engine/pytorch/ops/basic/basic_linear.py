@@ -395,9 +395,11 @@ class BasicLinear(BasicOperation):
             if grad_output.dtype != saved.config.activation_dtype:
                 grad_output = grad_output.to(saved.config.activation_dtype)
         par = self._parallelism
-        grad_output = par.backward_inputs(ctx, saved, grad_output)
-        grad_input, grad_weight, grad_bias = linear_backward(saved, grad_output)
-        grad_input = par.input_gradient(ctx, grad_input)
+        grad_output, communication = par.backward_inputs(ctx, saved, grad_output)
+        grad_input, grad_weight, grad_bias = linear_backward(
+            saved, grad_output, None, communication
+        )
+        grad_input = par.input_gradient(ctx, grad_input, communication)
         if grad_input is not None and grad_input.dtype != ctx.input_dtype:
             grad_input = grad_input.to(ctx.input_dtype)
         if grad_weight is not None and grad_weight.dtype != ctx.weight_dtype:

@@ -1,0 +1,168 @@
+"""A column-parallel GEMM's backward overlaps its collectives with its GEMMs, over real processes.
+
+Every rank runs forward + backward of tensor-parallel layers (a column -> row ``te.Linear``
+pair, a column ``te.LayerNormLinear``, a ``te.LayerNormMLP`` with ``set_parallel_mode``, a
+column ``te.ops.Linear``; with and without sequence parallelism; float32 and DelayedScaling)
+and records, in the order the host issues them, the backward's collectives of
+``_tensor_parallel`` (all-gathers, reduce-scatters, all-reduces: issued, and for the
+asynchronous ones, waited for) and the linear core's GEMMs. Checked, per case:
+
+* the column layer's input-gradient reduction (all-reduce; under sequence parallelism
+  reduce-scatter) and, under sequence parallelism, its input's second all-gather are issued
+  asynchronously;
+* between the issue of every asynchronous collective and the wait for it the host issues a
+  GEMM (the gather overlaps the input-gradient GEMM, the reduction the weight-gradient GEMM);
+* every asynchronous collective is waited for before the backward returns.
+
+The results themselves are checked against the single-process model by run_tensor_parallel.py
+and run_ops_tensor_parallel.py. Run under torchrun (NCCL on GPUs):
+
+    torchrun --standalone --nproc_per_node=2 tests/pytorch/distributed/run_backward_overlap.py \
+        --backend nccl
+
+or through ``worker(rank, world_size, backend, out_dir, init_method)`` (the gloo test).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import torch
+import torch.distributed as dist
+from tp_harness import main, make_recipe, run_worker
+
+import transformer_engine.pytorch as te
+from transformer_engine.pytorch import _tensor_parallel as tp
+from transformer_engine.pytorch.functional import linear as core
+
+SEQ, BATCH, HIDDEN, FFN = 16, 2, 32, 64
+CASES = [
+    (model, sp, recipe)
+    for model in ("pair", "layernorm_linear", "mlp", "ops")
+    for sp in (False, True)
+    for recipe in (None, "delayed")
+]
+
+
+class _RecordedWork:
+    """An asynchronous collective's work object that logs the wait for it."""
+
+    def __init__(self, work, name, log):
+        self.work, self.name, self.log = work, name, log
+
+    def wait(self, *args, **kwargs):
+        self.log.append(("wait", self.name))
+        return self.work.wait(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def recorded_backward_events():
+    """``log``: ``("issue", name, async)``, ``("wait", name)`` and ``("gemm", kind)`` events."""
+    log, counter = [], itertools.count()
+    patched = []
+
+    def collective(kind, original):
+        def run(*args, async_op=False, **kwargs):
+            name = f"{kind}#{next(counter)}"
+            log.append(("issue", name, async_op))
+            work = original(*args, async_op=async_op, **kwargs)
+            return _RecordedWork(work, name, log) if async_op and work is not None else work
+
+        return run
+
+    def gemm(kind, original):
+        def run(*args, **kwargs):
+            layout = kwargs.get("layout", "TN")
+            log.append(("gemm", kind if kind != "fp8" else layout))
+            return original(*args, **kwargs)
+
+        return run
+
+    hp = core.hp_gemm_cpu
+    hp_stand_in = type("hp", (), {"matmul": staticmethod(gemm("dgrad", hp.matmul))})
+    for owner, name, wrapper in (
+        (tp, "_all_gather_dim0", collective("all_gather", tp._all_gather_dim0)),
+        (tp, "_reduce_scatter_dim0", collective("reduce_scatter", tp._reduce_scatter_dim0)),
+        (dist, "all_reduce", collective("all_reduce", dist.all_reduce)),
+        (core, "fp8_gemm_prevalidated", gemm("fp8", core.fp8_gemm_prevalidated)),
+        (core, "_weight_gradient", gemm("wgrad", core._weight_gradient)),
+        (core, "hp_gemm_cpu", hp_stand_in),
+    ):
+        patched.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, wrapper)
+    try:
+        yield log
+    finally:
+        for owner, name, original in reversed(patched):
+            setattr(owner, name, original)
+
+
+def build(model, sp, group, device):
+    world = dist.get_world_size(group)
+    torch.manual_seed(7)
+    kw = {"tp_group": group, "sequence_parallel": sp, "device": device}
+    if model == "pair":
+        return [te.Linear(HIDDEN, FFN, parallel_mode="column", **kw),
+                te.Linear(FFN, HIDDEN, parallel_mode="row", **kw)]  # fmt: skip
+    if model == "layernorm_linear":
+        return [te.LayerNormLinear(HIDDEN, FFN, parallel_mode="column", **kw)]
+    if model == "mlp":
+        return [te.LayerNormMLP(HIDDEN, FFN, set_parallel_mode=True, tp_size=world, **kw)]
+    return [te.ops.Sequential(te.ops.Linear(
+        HIDDEN, FFN, tensor_parallel_mode="column", tensor_parallel_group=group,
+        sequence_parallel=sp, device=device,
+    ))]  # fmt: skip
+
+
+def backward_events(modules, x, recipe):
+    """The events of one backward (the forward runs unrecorded)."""
+    x = x.detach().clone().requires_grad_(True)
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        out = x
+        for m in modules:
+            out = m(out)
+    grad = torch.ones_like(out)
+    with recorded_backward_events() as log:
+        out.backward(grad)
+    return log
+
+
+def check_events(label, log, sp) -> list[str]:
+    failures = []
+    issued = {e[1]: i for i, e in enumerate(log) if e[0] == "issue" and e[2]}
+    waited = {}  # the first wait for each
+    for i, e in enumerate(log):
+        if e[0] == "wait":
+            waited.setdefault(e[1], i)
+    kinds = {name.split("#")[0] for name in issued}
+    wanted = {"reduce_scatter", "all_gather"} if sp else {"all_reduce"}
+    if not wanted <= kinds:
+        failures.append(f"{label}: asynchronous collectives {sorted(kinds)}, want {sorted(wanted)}")
+    for name, start in issued.items():
+        if name not in waited:
+            failures.append(f"{label}: {name} was never waited for")
+            continue
+        between = [e for e in log[start : waited[name]] if e[0] == "gemm"]
+        if not between:
+            failures.append(f"{label}: no GEMM runs while {name} is in flight: {log}")
+    return failures
+
+
+def worker(rank, world_size, backend, out_dir=None, init_method="env://"):
+    def checks(group, device):
+        failures = []
+        for model, sp, recipe_name in CASES:
+            modules = build(model, sp, group, device)
+            torch.manual_seed(11)
+            seq = SEQ // world_size if sp else SEQ
+            x = torch.randn(seq, BATCH, HIDDEN, device=device)
+            log = backward_events(modules, x, make_recipe(recipe_name))
+            failures += check_events(f"{model} sp={sp} recipe={recipe_name}", log, sp)
+        return failures, len(CASES)
+
+    return run_worker(rank, world_size, backend, out_dir, init_method, "BACKWARD_OVERLAP", checks)
+
+
+if __name__ == "__main__":
+    main(worker)
