@@ -4,7 +4,9 @@
 Every rank builds the same full ``te.ops.Sequential`` from one seed, then the tensor-parallel
 one whose parameters are this rank's shards: a column-parallel linear, an activation, a
 row-parallel linear (``"pair"``: ``te.ops.Linear`` with biases and GELU; ``"basic"``: two
-``BasicLinear`` with nothing between), with and without sequence parallelism, in float32,
+``BasicLinear`` with nothing between; ``"norm"``: a LayerNorm first; ``"residual"``: the pair
+inside a residual connection, ``"scaled"``: the same without biases, the row output scaled
+before the residual add), with and without sequence parallelism, in float32,
 DelayedScaling or Float8CurrentScaling. Each rank checks the output, the input gradient, every
 weight and bias gradient (shards gathered; the row bias's gradient is whole on every rank, the
 operation summing it over the group under sequence parallelism) and, under DelayedScaling,
@@ -49,6 +51,13 @@ CASES = [
     for sp in (False, True)
     for recipe in (None, "delayed", "current")
 ]
+# residual branches around the pair: the add and scale fusions with tensor-parallel linears
+CASES += [
+    (model, sp, recipe)
+    for model in ("residual", "scaled")
+    for sp in (False, True)
+    for recipe in (None, "current")
+]
 # FP8 weights (te.quantized_model_init): each rank quantizes its own shard
 CASES += [("pair-fp8-weights", False, "delayed"), ("pair-fp8-weights", True, "current")]
 
@@ -61,6 +70,19 @@ def build(model, device, group=None, sp=False, recipe=None):
         return _build(model.removesuffix("-fp8-weights"), device, group, sp)
 
 
+class _Residual(torch.nn.Module):
+    """``second(first(x))`` where ``first`` hands its input on as an extra output (in place)
+    and ``second`` adds it to its output (in place): a residual connection around the pair."""
+
+    def __init__(self, first, second):
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, x):
+        y, skip = self.first(x)
+        return self.second(y, skip)
+
+
 def _build(model, device, group, sp):
     # the norm model leaves the group at its default, the world group (all ranks here)
     tp_group = None if model == "norm" else group
@@ -70,6 +92,26 @@ def _build(model, device, group, sp):
     row = {} if group is None else dict(tensor_parallel_mode="row", tensor_parallel_group=tp_group)
     if group is not None:
         col["sequence_parallel"] = row["sequence_parallel"] = sp
+    if model == "scaled":  # no biases: the row linear is followed by the scale
+        return _Residual(
+            ops.Sequential(
+                ops.MakeExtraOutput(in_place=True), ops.BasicLinear(HIDDEN, FFN, device=device, **col)
+            ),
+            ops.Sequential(
+                ops.GELU(), ops.BasicLinear(FFN, HIDDEN, device=device, **row),
+                ops.ConstantScale(0.5), ops.AddExtraInput(in_place=True),
+            ),
+        )  # fmt: skip
+    if model == "residual":
+        return _Residual(
+            ops.Sequential(
+                ops.MakeExtraOutput(in_place=True), ops.Linear(HIDDEN, FFN, device=device, **col)
+            ),
+            ops.Sequential(
+                ops.GELU(), ops.Linear(FFN, HIDDEN, device=device, **row),
+                ops.AddExtraInput(in_place=True),
+            ),
+        )  # fmt: skip
     if model == "basic":
         return ops.Sequential(
             ops.BasicLinear(HIDDEN, FFN, device=device, **col),
@@ -86,17 +128,20 @@ def _build(model, device, group, sp):
 
 
 def roles(model):
-    """How each operation's parameters are split: ``{index: "column" | "row" | "whole"}``."""
+    """How each operation's parameters are split: ``{name prefix: "column" | "row" |
+    "whole"}``."""
     if model.startswith("basic"):
         return {"0": "column", "1": "row"}
     if model.startswith("norm"):
         return {"0": "whole", "1": "column", "3": "row"}
+    if model in ("residual", "scaled"):
+        return {"first.1": "column", "second.1": "row"}
     return {"0": "column", "2": "row"}
 
 
 def role_of(model, name):
     """``"column"``, ``"row"``, ``"row bias"`` (whole, after the reduction) or ``"whole"``."""
-    role = roles(model)[name.split(".")[0]]
+    (role,) = [r for prefix, r in roles(model).items() if name.startswith(prefix + ".")]
     return "row bias" if role == "row" and name.endswith("bias") else role
 
 
@@ -106,6 +151,14 @@ def role_of(model, name):
 def expected_fusions(model, sp):
     if model.startswith("basic"):
         return set(), set()
+    if model == "scaled":  # the add and scale fusions take a linear of any placement
+        return {"ForwardActivationCast", "ForwardLinearScaleAdd"}, {
+            "BackwardLinearAdd",
+            "BackwardLinearScale",
+        }
+    if model == "residual":  # (the row bias has its gradient summed: no BackwardLinearBias)
+        forward = {"ForwardLinearBiasActivation", "ForwardActivationCast", "ForwardLinearBiasAdd"}
+        return forward, {"BackwardLinearAdd"}
     forward = {"ForwardLinearBiasActivation", "ForwardActivationCast"}
     if model == "norm":
         forward.add("ForwardNormCast")
@@ -134,7 +187,8 @@ def run(model, x, grad, recipe):
     x = x.detach().clone().requires_grad_(True)
     with te.autocast(enabled=recipe is not None, recipe=recipe):
         out = model(x)
-    out.backward(grad)
+    # a copy: an in-place residual's backward may add into the gradient it is given
+    out.backward(grad.clone())
     return out.detach(), x.grad
 
 
@@ -158,11 +212,16 @@ def parallel_grads(model, par, sp, group):
 
 
 def fused_names(model, which):
-    """The fused operations (class names) of a ``Sequential``'s ``which`` pass."""
-    (fuser,) = model._get_module_groups()
-    return {type(op).__name__ for op, _ in getattr(fuser, f"_{which}_ops")} - {
-        type(op).__name__ for op in fuser._basic_ops
-    }
+    """The fused operations (class names) of the ``which`` pass of ``model``'s
+    ``Sequential`` (or of both of a residual model's)."""
+    names = set()
+    for seq in model.modules():
+        if isinstance(seq, ops.Sequential):
+            (fuser,) = seq._get_module_groups()
+            names |= {type(op).__name__ for op, _ in getattr(fuser, f"_{which}_ops")} - {
+                type(op).__name__ for op in fuser._basic_ops
+            }
+    return names
 
 
 def check_case(model, sp, recipe_name, group, device) -> list[str]:

@@ -40,7 +40,11 @@ from ._common import (
 )
 from ._linear_parallelism import LinearParallelism
 
-__all__ = ["BasicLinear", "fusible_linear", "is_produced_input"]
+__all__ = ["BasicLinear", "fusible_linear", "is_produced_input", "EVERY_PLACEMENT"]
+
+# For fusions that run the linear's own forward and backward (its collectives included) and do
+# their extra arithmetic outside its GEMMs: any tensor-parallel placement.
+EVERY_PLACEMENT = ("column", "column+sp", "row", "row+sp")
 
 # quantizer slots (upstream's layout): forward [input, weight], backward [grad_output]
 _INPUT, _WEIGHT, _GRAD_OUTPUT = 0, 1, 0

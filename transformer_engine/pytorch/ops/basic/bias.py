@@ -73,6 +73,16 @@ class Bias(BasicOperation):
             and self._grad_reduction_group is None
         )
 
+    def check_width(self, width: int) -> None:
+        """``ValueError`` unless the tensor the bias is added to has ``width`` = the bias's
+        (local) size as its last dimension."""
+        if width != self.local_size:
+            raise ValueError(
+                f"Bias: the input's last dimension is {width} but the bias has "
+                f"{self.local_size} (size={self.size}"
+                + (f" over {self.tensor_parallel_size} ranks)" if self.tensor_parallel else ")")
+            )
+
     def reset_parameters(self, device=None) -> None:
         """Zero the bias; a meta bias is materialized first (on ``device`` if given, else the
         current CUDA device, else the CPU). A bias with storage is zeroed in place."""
@@ -112,12 +122,7 @@ class Bias(BasicOperation):
         prev_op_grad_output_quantizer=None,
         next_op_input_quantizer=None,
     ) -> torch.Tensor:
-        if input_.shape[-1] != self.local_size:
-            raise ValueError(
-                f"Bias: the input's last dimension is {input_.shape[-1]} but the bias has "
-                f"{self.local_size} (size={self.size}"
-                + (f" over {self.tensor_parallel_size} ranks)" if self.tensor_parallel else ")")
-            )
+        self.check_width(input_.shape[-1])
         x = plain(input_)
         dtype = autocast_dtype(x) or x.dtype
         bias = self.bias_forward(ctx)

@@ -5,7 +5,7 @@ buffer."""
 from __future__ import annotations
 
 from ..basic._common import plain
-from ..basic.basic_linear import BasicLinear, fusible_linear
+from ..basic.basic_linear import EVERY_PLACEMENT, BasicLinear, fusible_linear
 from ..basic.extra_io import MakeExtraOutput, _writable_like
 from ..op import FusedOperation
 from ._owned_buffers import add_into_fresh
@@ -76,6 +76,6 @@ def fuse_backward_linear_add(ops, *, recipe=None):
 
 def _match_backward_linear_add(ops, i):
     op, linear = ops[i], op_at(ops, i + 1)
-    if type(op) is MakeExtraOutput and op.in_place and fusible_linear(linear):
+    if type(op) is MakeExtraOutput and op.in_place and fusible_linear(linear, EVERY_PLACEMENT):
         return BackwardLinearAdd(backward_add=op, linear=linear), 2
     return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..basic.basic_linear import BasicLinear, fusible_linear
+from ..basic.basic_linear import EVERY_PLACEMENT, BasicLinear, fusible_linear
 from ..basic.simple import ConstantScale
 from ..op import FusedOperation
 from ._rewrite import op_at, replace_matching_runs
@@ -57,6 +57,6 @@ def fuse_backward_linear_scale(ops, *, recipe=None):
 
 def _match_backward_linear_scale(ops, i):
     op, scale = ops[i], op_at(ops, i + 1)
-    if fusible_linear(op) and type(scale) is ConstantScale:
+    if fusible_linear(op, EVERY_PLACEMENT) and type(scale) is ConstantScale:
         return BackwardLinearScale(linear=op, scale=scale), 2
     return None

@@ -4,7 +4,7 @@ added into the caller's buffer)."""
 from __future__ import annotations
 
 from ..basic._common import autocast_dtype
-from ..basic.basic_linear import BasicLinear, fusible_linear
+from ..basic.basic_linear import EVERY_PLACEMENT, BasicLinear, fusible_linear
 from ..basic.bias import Bias
 from ..basic.extra_io import AddExtraInput
 from ..op import FusedOperation
@@ -62,10 +62,7 @@ class ForwardLinearBiasAdd(FusedOperation):
         out = linear.linear_forward(basic_op_ctxs[0], input_)
         if self._has_bias:
             bias_op = self.basic_ops[1]
-            if out.shape[-1] != bias_op.size:
-                raise ValueError(
-                    f"Bias: the input's last dimension is {out.shape[-1]} but size={bias_op.size}"
-                )
+            bias_op.check_width(out.shape[-1])
             # the Bias op's arithmetic (operands in the autocast dtype, else the input's),
             # written into the GEMM output when its dtype already is that one
             dtype = autocast_dtype(out) or out.dtype
@@ -100,10 +97,11 @@ def fuse_forward_linear_bias_add(ops, *, recipe=None):
 
 def _match_forward_linear_bias_add(ops, i):
     op = ops[i]
-    if not fusible_linear(op):
+    if not fusible_linear(op, EVERY_PLACEMENT):
         return None
     nxt, after = op_at(ops, i + 1), op_at(ops, i + 2)
-    if type(nxt) is Bias and nxt.size == op.out_features and _in_place_add(after):
+    # the bias is added after the linear's forward (a row linear's output already reduced)
+    if type(nxt) is Bias and nxt.local_size == op.local_out_features and _in_place_add(after):
         return ForwardLinearBiasAdd(linear=op, bias=nxt, add=after), 3
     if _in_place_add(nxt):
         return ForwardLinearBiasAdd(linear=op, bias=None, add=nxt), 2

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..basic.basic_linear import BasicLinear, fusible_linear
+from ..basic.basic_linear import EVERY_PLACEMENT, BasicLinear, fusible_linear
 from ..basic.extra_io import AddExtraInput
 from ..basic.simple import ConstantScale
 from ..op import FusedOperation
@@ -86,7 +86,7 @@ def fuse_forward_linear_scale_add(ops, *, recipe=None):
 def _match_forward_linear_scale_add(ops, i):
     linear, scale, add = ops[i], op_at(ops, i + 1), op_at(ops, i + 2)
     if (
-        fusible_linear(linear)
+        fusible_linear(linear, EVERY_PLACEMENT)
         and type(scale) is ConstantScale
         and type(add) is AddExtraInput
         and add.in_place
