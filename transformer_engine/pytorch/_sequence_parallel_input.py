@@ -8,7 +8,8 @@ modules' linear node and ``te.ops.BasicLinear`` both go through :func:`keep_loca
 :func:`restore_gathered_input`, so they keep and gather the same things.
 
 :func:`check_sequence_parallel_scaling` is the rule that lets every rank cast the gathered input
-with one scale under delayed scaling.
+with one scale under delayed scaling; :func:`reduce_amaxes_over` the one that does it under
+current scaling, for that input and for any operand split along its features.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ import torch
 from ._tensor_parallel import gather_along_first_dim, group_contains, regather_fp8_shard
 from .quantization import FP8GlobalStateManager
 
-__all__ = ["keep_local_shard", "restore_gathered_input", "check_sequence_parallel_scaling"]
+__all__ = [
+    "keep_local_shard",
+    "restore_gathered_input",
+    "check_sequence_parallel_scaling",
+    "reduce_amaxes_over",
+]
 
 # What a backward gathers again (``keep_local_shard``'s result)
 _FP8_SHARD = "fp8"
@@ -91,3 +97,14 @@ def check_sequence_parallel_scaling(owner: str, recipe, tp_group) -> None:
             "data x tensor parallel group); pass te.autocast(..., "
             "amax_reduction_group=...) accordingly"
         )
+
+
+def reduce_amaxes_over(quantizers, group) -> None:
+    """Current scaling: each of ``quantizers`` (those of operands split over the
+    tensor-parallel ranks) all-reduces (MAX) its amax over ``group`` before computing its
+    scale, so every rank casts with the whole tensor's scale; other quantizers are left as
+    they are."""
+    for quantizer in quantizers:
+        if hasattr(quantizer, "with_amax_reduction"):
+            quantizer.with_amax_reduction = True
+            quantizer.amax_reduction_group = group

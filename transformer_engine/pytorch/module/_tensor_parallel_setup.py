@@ -8,7 +8,7 @@ module puts it is described in docs/modules.md ("Tensor parallelism").
 
 from __future__ import annotations
 
-from .._sequence_parallel_input import check_sequence_parallel_scaling
+from .._sequence_parallel_input import check_sequence_parallel_scaling, reduce_amaxes_over
 from .._tensor_parallel import (
     get_distributed_world_size,
     reduce_from_tensor_parallel_region,
@@ -120,13 +120,10 @@ def reduce_split_amaxes(module, config, *, input_split: bool, grad_output_split:
     tensor-parallel group, so every rank casts with the scale the whole tensor has."""
     if not (config.fp8 and module.tp_size > 1):
         return
-    for quantizer, split in (
-        (config.input_quantizer, input_split),
-        (config.grad_output_quantizer, grad_output_split),
-    ):
-        if split and hasattr(quantizer, "with_amax_reduction"):
-            quantizer.with_amax_reduction = True
-            quantizer.amax_reduction_group = module.tp_group
+    split = [config.input_quantizer] if input_split else []
+    if grad_output_split:
+        split.append(config.grad_output_quantizer)
+    reduce_amaxes_over(split, module.tp_group)
 
 
 def parallel_gemm(module, weight, inp, bias, config, backward_update, gemm=linear):

@@ -28,7 +28,11 @@ import torch
 import torch.distributed as dist
 
 from ..._parallel_backward import ColumnParallelBackward
-from ..._sequence_parallel_input import check_sequence_parallel_scaling, keep_local_shard
+from ..._sequence_parallel_input import (
+    check_sequence_parallel_scaling,
+    keep_local_shard,
+    reduce_amaxes_over,
+)
 from ..._tensor_parallel import (
     allreduce,
     divide,
@@ -106,10 +110,7 @@ class LinearParallelism:
         if self.gathers_input:
             # a producer writing the input before the gather casts with the whole tensor's scale
             split.append(input_quantizer)
-        for quantizer in split:
-            if hasattr(quantizer, "with_amax_reduction"):
-                quantizer.with_amax_reduction = True
-                quantizer.amax_reduction_group = self.group
+        reduce_amaxes_over(split, self.group)
 
     def check_fp8(self, config, recipe) -> None:
         """Before an FP8 GEMM under sequence parallelism: the delayed-scaling rule."""
