@@ -31,7 +31,18 @@ import torch
 from ._sequence_parallel_input import restore_gathered_input
 from ._tensor_parallel import allreduce, reduce_scatter_along_first_dim
 
-__all__ = ["ColumnParallelBackward"]
+__all__ = ["ColumnParallelBackward", "column_parallel_backward"]
+
+
+def column_parallel_backward(saved, kept, sp_group, in_grad_group):
+    """The :class:`ColumnParallelBackward` of a GEMM whose input is gathered over ``sp_group``
+    (sequence parallelism) or whose input gradient is all-reduced over ``in_grad_group``;
+    ``None`` when neither is set (no communication)."""
+    if sp_group is None and in_grad_group is None:
+        return None
+    return ColumnParallelBackward(
+        saved, kept, sp_group or in_grad_group, sequence_parallel=sp_group is not None
+    )
 
 
 class ColumnParallelBackward:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .._parallel_backward import ColumnParallelBackward
+from .._parallel_backward import column_parallel_backward
 from .._sequence_parallel_input import keep_local_shard
 from .._tensor_parallel import (
     reduce_scatter_along_first_dim,
@@ -76,12 +76,9 @@ class _LinearFunction(torch.autograd.Function):
         with device_guard(grad_out.device):
             saved = ctx.saved
             saved.unpack(ctx.saved_tensors)
-            communication = None
-            if ctx.sp_group is not None or ctx.in_grad_group is not None:
-                communication = ColumnParallelBackward(
-                    saved, ctx.kept_shard, ctx.sp_group or ctx.in_grad_group,
-                    sequence_parallel=ctx.sp_group is not None,
-                )  # fmt: skip
+            communication = column_parallel_backward(
+                saved, ctx.kept_shard, ctx.sp_group, ctx.in_grad_group
+            )
             if ctx.out_sp_group is not None:
                 # The layouts the GEMMs read; it gathers in high precision unless they run
                 # in per-tensor FP8 (no backward_override).

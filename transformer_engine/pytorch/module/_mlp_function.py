@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .._parallel_backward import ColumnParallelBackward
+from .._parallel_backward import column_parallel_backward
 from .._sequence_parallel_input import keep_local_shard
 from .._tensor_parallel import (
     reduce_scatter_along_first_dim,
@@ -167,14 +167,11 @@ class _MLPBody(torch.autograd.Function):
                 dh, dbias = _activation_gradient(ctx, saved1, d_act, h2)
                 del d_act
                 _release((h2,))
-                communication = None
-                if ctx.sp_group is not None or ctx.in_grad_group is not None:
-                    # FC1's input gathered again and its gradient reduced, overlapped with
-                    # FC1's GEMMs
-                    communication = ColumnParallelBackward(
-                        saved1, ctx.kept_shard, ctx.sp_group or ctx.in_grad_group,
-                        sequence_parallel=ctx.sp_group is not None,
-                    )  # fmt: skip
+                # FC1's input gathered again and its gradient reduced, overlapped with FC1's
+                # GEMMs
+                communication = column_parallel_backward(
+                    saved1, ctx.kept_shard, ctx.sp_group, ctx.in_grad_group
+                )
                 d_ln, dw1, db1 = linear_backward(saved1, dh, dbias, communication)
                 if communication is not None:
                     d_ln = communication.input_gradient(d_ln, ctx.ln_shape)
