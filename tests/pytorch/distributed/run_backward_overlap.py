@@ -1,8 +1,8 @@
 """A column-parallel GEMM's backward overlaps its collectives with its GEMMs, over real processes.
 
 Every rank runs forward + backward of tensor-parallel layers (a column -> row ``te.Linear``
-pair, a column ``te.LayerNormLinear``, a ``te.LayerNormMLP`` with ``set_parallel_mode``, a
-column ``te.ops.Linear``; with and without sequence parallelism; float32 and DelayedScaling)
+pair, a column ``te.LayerNormLinear``, a ``te.LayerNormMLP`` with ``set_parallel_mode`` (also
+with its ``activation_fn`` replaced), a column ``te.ops.Linear``; with and without sequence parallelism; float32 and DelayedScaling)
 and records, in the order the host issues them, the backward's collectives of
 ``_tensor_parallel`` (all-gathers, reduce-scatters, all-reduces: issued, and for the
 asynchronous ones, waited for) and the linear core's GEMMs. Checked, per case:
@@ -39,7 +39,7 @@ from transformer_engine.pytorch.functional import linear as core
 SEQ, BATCH, HIDDEN, FFN = 16, 2, 32, 64
 CASES = [
     (model, sp, recipe)
-    for model in ("pair", "layernorm_linear", "mlp", "ops")
+    for model in ("pair", "layernorm_linear", "mlp", "mlp-act", "ops")
     for sp in (False, True)
     for recipe in (None, "delayed")
 ]
@@ -107,8 +107,11 @@ def build(model, sp, group, device):
                 te.Linear(FFN, HIDDEN, parallel_mode="row", **kw)]  # fmt: skip
     if model == "layernorm_linear":
         return [te.LayerNormLinear(HIDDEN, FFN, parallel_mode="column", **kw)]
-    if model == "mlp":
-        return [te.LayerNormMLP(HIDDEN, FFN, set_parallel_mode=True, tp_size=world, **kw)]
+    if model.startswith("mlp"):
+        mlp = te.LayerNormMLP(HIDDEN, FFN, set_parallel_mode=True, tp_size=world, **kw)
+        if model == "mlp-act":  # a replaced activation: FC1 runs as a node of its own
+            mlp.activation_fn = lambda x: torch.nn.functional.gelu(x, approximate="tanh")
+        return [mlp]
     return [te.ops.Sequential(te.ops.Linear(
         HIDDEN, FFN, tensor_parallel_mode="column", tensor_parallel_group=group,
         sequence_parallel=sp, device=device,

@@ -1,8 +1,9 @@
 """Tensor / sequence parallelism over real processes, held to the single-process model.
 
 Every rank builds the same full model (a column -> row ``te.Linear`` pair, or a
-``te.LayerNormMLP``) from one seed, then the tensor-parallel model with ``tp_size`` ranks whose
-parameters are this rank's shards of the full ones. Both run the same steps (float32,
+``te.LayerNormMLP``, also with its ``activation_fn`` replaced) from one seed, then the
+tensor-parallel model with ``tp_size`` ranks whose parameters are this rank's shards of the
+full ones. Both run the same steps (float32,
 DelayedScaling or Float8CurrentScaling), with and without sequence parallelism, and every
 rank checks: the output, the input gradient, every weight / bias / norm gradient (shards
 gathered, partial sums of ``sequence_parallel`` parameters all-reduced as a framework does) and,
@@ -47,10 +48,15 @@ SEQ, BATCH, HIDDEN, FFN = 32, 2, 32, 64
 STEPS = 3
 CASES = [
     (model, sp, recipe)
-    for model in ("pair", "mlp")
+    for model in ("pair", "mlp", "mlp-act")
     for sp in (False, True)
     for recipe in (None, "delayed", "current")
 ]
+
+
+def _tanh_gelu(x):
+    """A replaced ``activation_fn`` (``"mlp-act"``): FC1 then runs as a node of its own."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
 
 
 def build_full(model, device):
@@ -59,6 +65,8 @@ def build_full(model, device):
         modules = [te.Linear(HIDDEN, FFN, device=device), te.Linear(FFN, HIDDEN, device=device)]
     else:
         modules = [te.LayerNormMLP(HIDDEN, FFN, device=device)]
+        if model == "mlp-act":
+            modules[0].activation_fn = _tanh_gelu
     for m in modules:
         for p in m.parameters():
             with torch.no_grad():
@@ -82,6 +90,8 @@ def build_parallel(model, full, sp, group, device):
         return [col, row]
     mlp = te.LayerNormMLP(HIDDEN, FFN, sequence_parallel=sp, set_parallel_mode=True,
                           tp_group=group, tp_size=world, device=device)  # fmt: skip
+    if model == "mlp-act":
+        mlp.activation_fn = _tanh_gelu
     ref = full[0]
     with torch.no_grad():
         mlp.layer_norm_weight.copy_(ref.layer_norm_weight)

@@ -25,7 +25,7 @@ from tp_harness import check_gloo_run, run_torchrun  # noqa: E402
 
 
 def test_parallel_models_equal_the_single_process_model(tmp_path):
-    check_gloo_run(harness.worker, tmp_path, 12)
+    check_gloo_run(harness.worker, tmp_path, len(harness.CASES))
 
 
 # --- the collectives ---------------------------------------------------------------------------

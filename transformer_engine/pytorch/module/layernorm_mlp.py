@@ -233,11 +233,12 @@ class LayerNormMLP(TransformerEngineBaseModule):
             if inp.dtype != dtype:
                 inp = inp.to(dtype)
             parallel = self.set_parallel_mode and self.tp_size > 1
-            # The fused body all-gathers the norm output itself (in FP8 where the recipe allows).
+            # FC1's node (the fused body's, or FC1's own with a replaced activation) all-gathers
+            # the norm output itself (in FP8 where the recipe allows); the recomputing path
+            # (checkpoint=True) gathers it before FC1.
             body_gathers = (
                 parallel
                 and self.sequence_parallel
-                and self.activation_fn is self._fused_activation_fn
                 and not (self.checkpoint and torch.is_grad_enabled())
             )
             # The fused body without parallelism takes FC1's FP8 input written by the norm
@@ -320,6 +321,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
             else:  # activation_fn replaced by the user: call it
                 act_out = self.activation_fn(
                     linear(fc1_weight, gemm_in, fc1_bias, fc1_config, update,
+                           self.tp_group if body_gathers else None,
                            input_gradient_group=in_grad_group)
                 )  # fmt: skip
                 out = linear(fc2_weight, act_out, gemm_bias, fc2_config, None, None, rs_group)
