@@ -45,12 +45,21 @@ HERE = Path(__file__).resolve().parent
 # --- worker side ---------------------------------------------------------------------------------
 
 
+# A gloo process group whose ranks all compute on cuda:0: the workers' checks with the native
+# kernels on a machine of one GPU (gloo carries the CUDA tensors through host memory).
+GLOO_ON_ONE_GPU = "gloo-on-one-gpu"
+
+
 def run_worker(rank, world_size, backend, out_dir, init_method, label, checks):
     """Run ``checks(group, device) -> (failures, cases)`` on this rank and report the result;
-    returns the failures."""
+    returns the failures. ``backend``: ``"nccl"`` (a GPU a rank), ``"gloo"`` (the CPU) or
+    :data:`GLOO_ON_ONE_GPU`."""
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)  # NCCL's process device; the library never asks
+    elif backend == GLOO_ON_ONE_GPU:
+        device, backend = torch.device("cuda", 0), "gloo"
+        torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
@@ -239,14 +248,14 @@ def recipe_state(modules):
 # --- test side -----------------------------------------------------------------------------------
 
 
-def _gloo_rank(rank, worker, world_size, out_dir, init_file):
-    worker(rank, world_size, "gloo", out_dir, init_method=f"file://{init_file}")
+def _gloo_rank(rank, worker, world_size, out_dir, init_file, backend):
+    worker(rank, world_size, backend, out_dir, init_method=f"file://{init_file}")
 
 
-def check_gloo_run(worker, tmp_path, cases, world_size=2) -> None:
-    """Spawn ``worker`` on ``world_size`` gloo processes; every rank must have run ``cases``
-    cases without a failure."""
-    args = (worker, world_size, str(tmp_path), str(tmp_path / "init"))
+def check_gloo_run(worker, tmp_path, cases, world_size=2, backend="gloo") -> None:
+    """Spawn ``worker`` on ``world_size`` gloo processes (``backend``: ``"gloo"`` on the CPU,
+    or :data:`GLOO_ON_ONE_GPU`); every rank must have run ``cases`` cases without a failure."""
+    args = (worker, world_size, str(tmp_path), str(tmp_path / "init"), backend)
     mp.spawn(_gloo_rank, args=args, nprocs=world_size, join=True)
     for rank in range(world_size):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
