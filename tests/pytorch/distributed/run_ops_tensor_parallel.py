@@ -56,7 +56,7 @@ CASES += [
     (model, sp, recipe)
     for model in ("residual", "scaled")
     for sp in (False, True)
-    for recipe in (None, "current")
+    for recipe in (None, "delayed", "current")
 ]
 # FP8 weights (te.quantized_model_init): each rank quantizes its own shard
 CASES += [("pair-fp8-weights", False, "delayed"), ("pair-fp8-weights", True, "current")]
