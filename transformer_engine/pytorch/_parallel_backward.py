@@ -94,4 +94,4 @@ class ColumnParallelBackward:
         self._reduction = None
         if handle is not None:
             handle.wait()
-        return out.view(shape) if self.sequence_parallel else dx.view(shape)
+        return out.view(shape)  # the reduce-scatter's output, or dx summed in place
