@@ -10,6 +10,9 @@ a tensor-parallel time is the slower rank's. Reported per configuration:
 
 * parallel efficiency = single-GPU time / (2 x TP time)          (issue 17 target: >= 80%)
 * FP8 vs BF16 at TP=2 = TP time in BF16 / TP time in FP8            (issue 17 target: >= 1.3x)
+* with ``--overlap-baseline``: overlap gain = TP time with FC1's backward collectives waited
+  for as soon as they are issued / TP time with them overlapping FC1's GEMMs (the default;
+  ``transformer_engine.pytorch._parallel_backward``), timed in the same run
 
 Under sequence parallelism FC1's input is all-gathered in FP8 for the per-tensor FP8 recipes
 (one byte per value) and FC2's output reduce-scattered in BF16.
@@ -19,6 +22,7 @@ Usage (2 processes x 1 GPU; NVLink multicast off):
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
         python -m torch.distributed.run --nproc-per-node 2 benchmarks/parallel/benchmark_tp_mlp.py
     ... benchmarks/parallel/benchmark_tp_mlp.py --tokens 4096 --steps 10 --json out.json
+    ... benchmarks/parallel/benchmark_tp_mlp.py --overlap-baseline
 
 With fewer than 2 GPUs (or not launched by torch.distributed.run with 2 processes) it prints
 why and exits with status 2.
@@ -37,6 +41,7 @@ import torch.distributed as dist
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.pytorch import _parallel_backward
 
 PRECISIONS = ("bf16", "delayed", "current")
 EFFICIENCY_TARGET, FP8_TARGET = 0.80, 1.3
@@ -99,7 +104,15 @@ def single_gpu_times(args, device) -> dict:
     return times
 
 
-def tp_time(args, device, group, precision, sp) -> float:
+def tp_time(args, device, group, precision, sp, overlap=True) -> float:
+    _parallel_backward.OVERLAP = overlap
+    try:
+        return _tp_time(args, device, group, precision, sp)
+    finally:
+        _parallel_backward.OVERLAP = True
+
+
+def _tp_time(args, device, group, precision, sp) -> float:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     module = build(args, device, group, sp)
     x, dy = inputs(args.tokens, args.hidden, device)
@@ -129,6 +142,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", default=None, help="write the results here (rank 0)")
+    parser.add_argument(
+        "--overlap-baseline", action="store_true",
+        help="also time each TP configuration with the backward collectives unoverlapped",
+    )  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -153,7 +170,10 @@ def main() -> int:
         for sp in (False, True):
             for precision in PRECISIONS:
                 tp = tp_time(args, device, group, precision, sp)
-                results.append({"precision": precision, "sequence_parallel": sp, "tp_ms": tp})
+                result = {"precision": precision, "sequence_parallel": sp, "tp_ms": tp}
+                if args.overlap_baseline:
+                    result["unoverlapped_ms"] = tp_time(args, device, group, precision, sp, False)
+                results.append(result)
         if rank == 0:
             report(args, single, results)
         return 0
@@ -166,15 +186,20 @@ def report(args, single: dict, results: list[dict]) -> None:
     print(f"LayerNormMLP({args.hidden}, {args.ffn}), {args.tokens} tokens, BF16 parameters, "
           "forward + backward; TP=2 over NCCL")  # fmt: skip
     print(f"{'precision':<9} {'SP':<5} {'1 GPU ms':>9} {'TP=2 ms':>8} {'efficiency':>10} "
-          f"{'FP8 vs BF16':>11}")  # fmt: skip
+          f"{'FP8 vs BF16':>11} {'overlap gain':>12}")  # fmt: skip
     for r in results:
         r["single_ms"] = single[r["precision"]]
         r["efficiency"] = r["single_ms"] / (2 * r["tp_ms"])
         fp8 = r["precision"] != "bf16"
         r["fp8_vs_bf16"] = tp_bf16[r["sequence_parallel"]] / r["tp_ms"] if fp8 else None
         ratio = f"{r['fp8_vs_bf16']:.2f}x" if fp8 else "-"
+        gain = "-"
+        if "unoverlapped_ms" in r:
+            r["overlap_gain"] = r["unoverlapped_ms"] / r["tp_ms"]
+            gain = f"{r['overlap_gain']:.3f}x"
         print(f"{r['precision']:<9} {str(r['sequence_parallel']):<5} {r['single_ms']:>9.2f} "
-              f"{r['tp_ms']:>8.2f} {100 * r['efficiency']:>9.1f}% {ratio:>11}")  # fmt: skip
+              f"{r['tp_ms']:>8.2f} {100 * r['efficiency']:>9.1f}% {ratio:>11} "
+              f"{gain:>12}")  # fmt: skip
     print(f"targets: efficiency >= {EFFICIENCY_TARGET:.0%}, FP8 vs BF16 at TP=2 >= "
           f"{FP8_TARGET}x")  # fmt: skip
     if args.json:

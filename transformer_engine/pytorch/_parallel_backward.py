@@ -33,6 +33,11 @@ from ._tensor_parallel import allreduce, reduce_scatter_along_first_dim
 
 __all__ = ["ColumnParallelBackward", "column_parallel_backward"]
 
+# False: every collective is waited for as soon as it is issued (the order of a backward
+# without overlap), for benchmarks that time both in one run
+# (benchmarks/parallel/benchmark_tp_mlp.py --overlap-baseline); read when a backward starts.
+OVERLAP = True
+
 
 def column_parallel_backward(saved, kept, sp_group, in_grad_group):
     """The :class:`ColumnParallelBackward` of a GEMM whose input is gathered over ``sp_group``
@@ -51,23 +56,30 @@ class ColumnParallelBackward:
     sequence-parallel input (``keep_local_shard``'s result), ``sequence_parallel`` whether the
     input gradient is reduce-scattered (else all-reduced)."""
 
-    __slots__ = ("saved", "kept", "group", "sequence_parallel", "_gathered", "_reduction")
+    __slots__ = (
+        "saved", "kept", "group", "sequence_parallel", "overlap", "_gathered", "_reduction"
+    )  # fmt: skip
 
     def __init__(self, saved, kept: str | None, group, sequence_parallel: bool) -> None:
         self.saved, self.kept, self.group = saved, kept, group
         self.sequence_parallel = sequence_parallel
+        self.overlap = OVERLAP
         self._gathered = None  # waits for the input's gather and sets saved.x
         self._reduction = None  # (result, work handle) of the input gradient's reduction
 
     def before_dgrad(self) -> None:
-        """Issue the input's all-gather (asynchronous)."""
+        """Issue the input's all-gather (asynchronous; without :data:`OVERLAP`, not yet)."""
+        if self.overlap:
+            self._issue_gather()
+
+    def _issue_gather(self) -> None:
         self._gathered = restore_gathered_input(self.saved, self.kept, self.group, async_op=True)
         self.kept = None
 
     def before_wgrad(self) -> None:
         """Wait for the input's all-gather (issuing it first if that has not happened)."""
         if self.kept is not None:
-            self.before_dgrad()
+            self._issue_gather()
         if self._gathered is not None:
             self._gathered()
             self._gathered = None
@@ -80,6 +92,9 @@ class ColumnParallelBackward:
             self._reduction = reduce_scatter_along_first_dim(dx, self.group, async_op=True)
         else:
             self._reduction = allreduce(dx, self.group, async_op=True)
+        handle = self._reduction[1]
+        if not self.overlap and handle is not None:
+            handle.wait()
 
     def input_gradient(self, dx: torch.Tensor | None, shape) -> torch.Tensor | None:
         """The input gradient summed over the group (this rank's rows under sequence

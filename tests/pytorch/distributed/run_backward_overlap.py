@@ -12,7 +12,9 @@ asynchronous ones, waited for) and the linear core's GEMMs. Checked, per case:
   asynchronously;
 * between the issue of every asynchronous collective and the wait for it the host issues a
   GEMM (the gather overlaps the input-gradient GEMM, the reduction the weight-gradient GEMM);
-* every asynchronous collective is waited for before the backward returns.
+* every asynchronous collective is waited for before the backward returns;
+* with ``_parallel_backward.OVERLAP = False`` (the benchmarks' baseline) no GEMM is issued while
+  a collective is in flight.
 
 The results themselves are checked against the single-process model by run_tensor_parallel.py
 and run_ops_tensor_parallel.py. Run under torchrun (NCCL on GPUs):
@@ -33,16 +35,19 @@ import torch.distributed as dist
 from tp_harness import main, make_recipe, run_worker
 
 import transformer_engine.pytorch as te
+from transformer_engine.pytorch import _parallel_backward as parallel_backward
 from transformer_engine.pytorch import _tensor_parallel as tp
 from transformer_engine.pytorch.functional import linear as core
 
 SEQ, BATCH, HIDDEN, FFN = 16, 2, 32, 64
 CASES = [
-    (model, sp, recipe)
+    (model, sp, recipe, True)
     for model in ("pair", "layernorm_linear", "mlp", "mlp-act", "ops")
     for sp in (False, True)
     for recipe in (None, "delayed")
 ]
+# the benchmarks' baseline (``_parallel_backward.OVERLAP = False``): nothing in flight over a GEMM
+CASES += [("pair", True, None, False), ("mlp", True, "delayed", False), ("ops", False, None, False)]
 
 
 class _RecordedWork:
@@ -131,7 +136,7 @@ def backward_events(modules, x, recipe):
     return log
 
 
-def check_events(label, log, sp) -> list[str]:
+def check_events(label, log, sp, overlap=True) -> list[str]:
     failures = []
     issued = {e[1]: i for i, e in enumerate(log) if e[0] == "issue" and e[2]}
     waited = {}  # the first wait for each
@@ -147,21 +152,28 @@ def check_events(label, log, sp) -> list[str]:
             failures.append(f"{label}: {name} was never waited for")
             continue
         between = [e for e in log[start : waited[name]] if e[0] == "gemm"]
-        if not between:
+        if overlap and not between:
             failures.append(f"{label}: no GEMM runs while {name} is in flight: {log}")
+        if not overlap and between:
+            failures.append(f"{label}: without overlap a GEMM runs while {name} is in flight")
     return failures
 
 
 def worker(rank, world_size, backend, out_dir=None, init_method="env://"):
     def checks(group, device):
         failures = []
-        for model, sp, recipe_name in CASES:
+        for model, sp, recipe_name, overlap in CASES:
             modules = build(model, sp, group, device)
             torch.manual_seed(11)
             seq = SEQ // world_size if sp else SEQ
             x = torch.randn(seq, BATCH, HIDDEN, device=device)
-            log = backward_events(modules, x, make_recipe(recipe_name))
-            failures += check_events(f"{model} sp={sp} recipe={recipe_name}", log, sp)
+            parallel_backward.OVERLAP = overlap
+            try:
+                log = backward_events(modules, x, make_recipe(recipe_name))
+            finally:
+                parallel_backward.OVERLAP = True
+            label = f"{model} sp={sp} recipe={recipe_name} overlap={overlap}"
+            failures += check_events(label, log, sp, overlap)
         return failures, len(CASES)
 
     return run_worker(rank, world_size, backend, out_dir, init_method, "BACKWARD_OVERLAP", checks)
