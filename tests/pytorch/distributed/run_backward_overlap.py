@@ -32,7 +32,7 @@ import itertools
 
 import torch
 import torch.distributed as dist
-from tp_harness import main, make_recipe, run_worker
+from tp_harness import case_checks, main, make_recipe, run_worker
 
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch import _parallel_backward as parallel_backward
@@ -159,23 +159,22 @@ def check_events(label, log, sp, overlap=True) -> list[str]:
     return failures
 
 
-def worker(rank, world_size, backend, out_dir=None, init_method="env://"):
-    def checks(group, device):
-        failures = []
-        for model, sp, recipe_name, overlap in CASES:
-            modules = build(model, sp, group, device)
-            torch.manual_seed(11)
-            seq = SEQ // world_size if sp else SEQ
-            x = torch.randn(seq, BATCH, HIDDEN, device=device)
-            parallel_backward.OVERLAP = overlap
-            try:
-                log = backward_events(modules, x, make_recipe(recipe_name))
-            finally:
-                parallel_backward.OVERLAP = True
-            label = f"{model} sp={sp} recipe={recipe_name} overlap={overlap}"
-            failures += check_events(label, log, sp, overlap)
-        return failures, len(CASES)
+def check_case(model, sp, recipe_name, overlap, group, device) -> list[str]:
+    modules = build(model, sp, group, device)
+    torch.manual_seed(11)
+    seq = SEQ // dist.get_world_size(group) if sp else SEQ
+    x = torch.randn(seq, BATCH, HIDDEN, device=device)
+    parallel_backward.OVERLAP = overlap
+    try:
+        log = backward_events(modules, x, make_recipe(recipe_name))
+    finally:
+        parallel_backward.OVERLAP = True
+    label = f"{model} sp={sp} recipe={recipe_name} overlap={overlap}"
+    return check_events(label, log, sp, overlap)
 
+
+def worker(rank, world_size, backend, out_dir=None, init_method="env://"):
+    checks = case_checks(CASES, check_case)
     return run_worker(rank, world_size, backend, out_dir, init_method, "BACKWARD_OVERLAP", checks)
 
 

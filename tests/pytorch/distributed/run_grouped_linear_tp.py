@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from tp_harness import compare, gather, main, make_recipe, run_worker, spread_maxima
+from tp_harness import case_checks, compare, gather, main, make_recipe, run_worker, spread_maxima
 
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch import _tensor_parallel as tp
@@ -139,12 +139,7 @@ def check(name, got, ref, checks, failures) -> None:
 
 
 def worker(rank, world_size, backend, out_dir=None, init_method="env://"):
-    def checks(group, device):
-        failures = []
-        for sp, precision in CASES:
-            failures += check_case(sp, precision, group, device)
-        return failures, len(CASES)
-
+    checks = case_checks(CASES, check_case)
     return run_worker(rank, world_size, backend, out_dir, init_method, "GROUPED_TP", checks)
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from tp_harness import (
+    case_checks,
     compare,
     compare_step,
     gather,
@@ -59,10 +60,13 @@ def _tanh_gelu(x):
     return torch.nn.functional.gelu(x, approximate="tanh")
 
 
-def build_full(model, device):
+def build_full(model, device, **pair_options):
+    """The single-process model; ``pair_options``: more ``te.Linear`` arguments for both of
+    the pair's layers (run_tensor_parallel_options.py)."""
     torch.manual_seed(1234)
     if model == "pair":
-        modules = [te.Linear(HIDDEN, FFN, device=device), te.Linear(FFN, HIDDEN, device=device)]
+        modules = [te.Linear(HIDDEN, FFN, device=device, **pair_options),
+                   te.Linear(FFN, HIDDEN, device=device, **pair_options)]  # fmt: skip
     else:
         modules = [te.LayerNormMLP(HIDDEN, FFN, device=device)]
         if model == "mlp-act":
@@ -75,13 +79,14 @@ def build_full(model, device):
     return modules
 
 
-def build_parallel(model, full, sp, group, device):
+def build_parallel(model, full, sp, group, device, **pair_options):
+    """The tensor-parallel model holding this rank's shards of ``full``'s parameters."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if model == "pair":
         col = te.Linear(HIDDEN, FFN, parallel_mode="column", sequence_parallel=sp,
-                        tp_group=group, device=device)  # fmt: skip
+                        tp_group=group, device=device, **pair_options)  # fmt: skip
         row = te.Linear(FFN, HIDDEN, parallel_mode="row", sequence_parallel=sp,
-                        tp_group=group, device=device)  # fmt: skip
+                        tp_group=group, device=device, **pair_options)  # fmt: skip
         with torch.no_grad():
             col.weight.copy_(shard(full[0].weight, 0, rank, world))
             col.bias.copy_(shard(full[0].bias, 0, rank, world))
@@ -166,12 +171,7 @@ def check_case(model, sp, recipe_name, group, device) -> list[str]:
 
 
 def worker(rank, world_size, backend, out_dir=None, init_method="env://"):
-    def checks(group, device):
-        failures = []
-        for model, sp, recipe_name in CASES:
-            failures += check_case(model, sp, recipe_name, group, device)
-        return failures, len(CASES)
-
+    checks = case_checks(CASES, check_case)
     return run_worker(rank, world_size, backend, out_dir, init_method, "TP", checks)
 
 

@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 # This file's directory is on sys.path both under torchrun and from its test.
+from tp_harness import case_checks, gather, main, make_recipe, run_worker, spread_maxima, summed
 from tp_harness import compare as harness_compare
-from tp_harness import gather, main, make_recipe, run_worker, spread_maxima, summed
 
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch.attention.multi_head_attention import MultiheadAttention
@@ -185,12 +185,7 @@ def check_case(kind, sp, recipe_name, extra, group, device) -> list[str]:
 
 
 def worker(rank, world_size, backend, out_dir=None, init_method="env://"):
-    def checks(group, device):
-        failures = []
-        for kind, sp, recipe_name, extra in CASES:
-            failures += check_case(kind, sp, recipe_name, extra, group, device)
-        return failures, len(CASES)
-
+    checks = case_checks(CASES, check_case)
     return run_worker(rank, world_size, backend, out_dir, init_method, "TP_ATTN", checks)
 
 

@@ -21,14 +21,22 @@ Tolerances: ``tp_harness.compare`` (see run_tensor_parallel.py).
 
 from __future__ import annotations
 
+import run_tensor_parallel as models  # this file's directory is on sys.path, as for tp_harness
 import torch
-import torch.distributed as dist
-from tp_harness import compare, compare_step, gather, main, run_worker, shard, spread_maxima, summed
+from tp_harness import (
+    case_checks,
+    compare,
+    compare_step,
+    gather,
+    main,
+    run_worker,
+    summed,
+)
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 
-SEQ, BATCH, HIDDEN, FFN = 32, 2, 32, 64
+SEQ, BATCH, HIDDEN = models.SEQ, models.BATCH, models.HIDDEN
 STEPS = 2
 OPTIONS = ("save_original_input", "delay_wgrad", "fuse_wgrad", "override_hp", "override_dq")
 CASES = [(option, sp, recipe) for option in OPTIONS for sp in (False, True)
@@ -52,30 +60,17 @@ def module_options(option):
     }.get(option, {})
 
 
-def build(option, device, group=None, sp=False):
-    torch.manual_seed(1234)
-    kw = dict(device=device, **module_options(option))
-    if group is None:
-        pair = [te.Linear(HIDDEN, FFN, **kw), te.Linear(FFN, HIDDEN, **kw)]
-    else:
-        tp = dict(tp_group=group, sequence_parallel=sp)
-        pair = [te.Linear(HIDDEN, FFN, parallel_mode="column", **tp, **kw),
-                te.Linear(FFN, HIDDEN, parallel_mode="row", **tp, **kw)]  # fmt: skip
-    for m in pair:
-        if option == "fuse_wgrad":
+def build(option, device, group, sp):
+    """The single-process pair and its tensor-parallel version (run_tensor_parallel.py's: the
+    same weights, this rank's shards), both with ``option``'s arguments; under ``fuse_wgrad``
+    each weight gets a float32 ``main_grad``."""
+    kw = module_options(option)
+    full = models.build_full("pair", device, **kw)
+    par = models.build_parallel("pair", full, sp, group, device, **kw)
+    if option == "fuse_wgrad":
+        for m in full + par:
             m.weight.main_grad = torch.zeros(m.weight.shape, dtype=torch.float32, device=device)
-    return pair
-
-
-def load_shards(full, par, rank, world):
-    with torch.no_grad():
-        for p in [q for m in full for q in m.parameters()]:
-            p.normal_(0, 0.1)
-            spread_maxima(p)
-        par[0].weight.copy_(shard(full[0].weight, 0, rank, world))
-        par[0].bias.copy_(shard(full[0].bias, 0, rank, world))
-        par[1].weight.copy_(shard(full[1].weight, 1, rank, world))
-        par[1].bias.copy_(full[1].bias)
+    return full, par
 
 
 def run(pair, option, x, grad, recipe):
@@ -99,9 +94,7 @@ def weight_grads(pair, option):
 
 
 def check_case(option, sp, recipe_name, group, device) -> list[str]:
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    full, par = build(option, device), build(option, device, group, sp)
-    load_shards(full, par, rank, world)
+    full, par = build(option, device, group, sp)
     failures: list[str] = []
     label = f"{option} sp={sp} recipe={recipe_name}"
     for step in range(STEPS):
@@ -129,12 +122,7 @@ def check_case(option, sp, recipe_name, group, device) -> list[str]:
 
 
 def worker(rank, world_size, backend, out_dir=None, init_method="env://"):
-    def checks(group, device):
-        failures = []
-        for option, sp, recipe_name in CASES:
-            failures += check_case(option, sp, recipe_name, group, device)
-        return failures, len(CASES)
-
+    checks = case_checks(CASES, check_case)
     return run_worker(rank, world_size, backend, out_dir, init_method, "TP_OPTIONS", checks)
 
 

@@ -81,6 +81,19 @@ def run_worker(rank, world_size, backend, out_dir, init_method, label, checks):
         dist.destroy_process_group()
 
 
+def case_checks(cases, check_case):
+    """The ``checks`` of :func:`run_worker` that runs ``check_case(*case, group, device) ->
+    failures`` for every case of ``cases`` and reports ``len(cases)`` cases."""
+
+    def checks(group, device):
+        failures = []
+        for case in cases:
+            failures += check_case(*case, group, device)
+        return failures, len(cases)
+
+    return checks
+
+
 def main(worker):
     """The torchrun entry point of a worker script."""
     parser = argparse.ArgumentParser()
