@@ -73,7 +73,7 @@ class ColumnParallelBackward:
             self._issue_gather()
 
     def _issue_gather(self) -> None:
-        self._gathered = restore_gathered_input(self.saved, self.kept, self.group, async_op=True)
+        self._gathered = restore_gathered_input(self.saved, self.kept, self.group)
         self.kept = None
 
     def before_wgrad(self) -> None:

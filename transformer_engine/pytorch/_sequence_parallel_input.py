@@ -51,11 +51,11 @@ def keep_local_shard(saved, inp: torch.Tensor, full, shard, needs_wgrad: bool) -
     return None
 
 
-def restore_gathered_input(saved, kept: str | None, group, async_op: bool = False):
-    """In the backward, before the weight gradient: ``saved.x`` gathered again over ``group``
-    as :func:`keep_local_shard` left it (``kept``). With ``async_op`` the gather is only issued
-    (``saved.x`` keeps the shard meanwhile) and the call returns a function that waits for it
-    and sets ``saved.x`` (``None`` when there is nothing to gather)."""
+def restore_gathered_input(saved, kept: str | None, group):
+    """In the backward, before the weight gradient: issue the all-gather over ``group`` of
+    ``saved.x`` as :func:`keep_local_shard` left it (``kept``), asynchronously (``saved.x``
+    keeps the shard meanwhile), and return a function that waits for it and sets ``saved.x``
+    to the gathered input (``None`` when there is nothing to gather)."""
     if kept == _FP8_SHARD:
         finish = regather_fp8_shard(saved.x, group, async_op=True)
     elif kept == _HIGH_PRECISION_SHARD:
@@ -71,9 +71,6 @@ def restore_gathered_input(saved, kept: str | None, group, async_op: bool = Fals
     def set_gathered():
         saved.x = finish()
 
-    if not async_op:
-        set_gathered()
-        return None
     return set_gathered
 
 
