@@ -81,6 +81,8 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.pytorch._tensor_parallel",
         "transformer_engine.pytorch._sequence_parallel_input",
         "transformer_engine.pytorch._parallel_backward",
+        "transformer_engine.pytorch._ring_gemm",
+        "transformer_engine.pytorch._userbuffers",
         "transformer_engine.pytorch._block_gather",
         "transformer_engine.pytorch._sharded_parameters",
         "transformer_engine.pytorch._distributed_checkpoint",

@@ -10,6 +10,7 @@ reference (``reference``) and upstream's helper names. docs/architecture.md desc
 """
 
 from . import attention, cpp_extensions, distributed, ops, optimizers, reference
+from ._userbuffers import UserBufferQuantizationMode, destroy_ub, initialize_ub
 from .attention import (
     DotProductAttention,
     InferenceParams,
@@ -106,6 +107,9 @@ __all__ = [
     "RotaryPositionEmbedding",
     "CudaRNGStatesTracker",
     "make_graphed_callables",
+    "initialize_ub",
+    "destroy_ub",
+    "UserBufferQuantizationMode",
     "get_cpu_offload_context",
     "mark_not_offload",
     "ManualOffloadSynchronizer",

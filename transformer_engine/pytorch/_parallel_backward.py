@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ._ring_gemm import gemm_reduce_scatter
 from ._sequence_parallel_input import restore_gathered_input
 from ._tensor_parallel import allreduce, reduce_scatter_along_first_dim
 
@@ -39,15 +40,18 @@ __all__ = ["ColumnParallelBackward", "column_parallel_backward"]
 OVERLAP = True
 
 
-def column_parallel_backward(saved, kept, sp_group, in_grad_group):
+def column_parallel_backward(saved, kept, sp_group, in_grad_group, pipelined_dgrad=False):
     """The :class:`ColumnParallelBackward` of a GEMM whose input is gathered over ``sp_group``
     (sequence parallelism) or whose input gradient is all-reduced over ``in_grad_group``;
-    ``None`` when neither is set (no communication)."""
+    ``None`` when neither is set (no communication). ``pipelined_dgrad`` (sequence
+    parallelism): the input gradient's GEMM runs chunk by chunk with its reduce-scatter
+    (``_ring_gemm.gemm_reduce_scatter``; a module's ``ub_overlap_rs_dgrad``)."""
     if sp_group is None and in_grad_group is None:
         return None
     return ColumnParallelBackward(
-        saved, kept, sp_group or in_grad_group, sequence_parallel=sp_group is not None
-    )
+        saved, kept, sp_group or in_grad_group, sequence_parallel=sp_group is not None,
+        pipelined_dgrad=pipelined_dgrad and sp_group is not None,
+    )  # fmt: skip
 
 
 class ColumnParallelBackward:
@@ -57,12 +61,16 @@ class ColumnParallelBackward:
     input gradient is reduce-scattered (else all-reduced)."""
 
     __slots__ = (
-        "saved", "kept", "group", "sequence_parallel", "overlap", "_gathered", "_reduction"
+        "saved", "kept", "group", "sequence_parallel", "pipelined_dgrad", "overlap",
+        "_gathered", "_reduction",
     )  # fmt: skip
 
-    def __init__(self, saved, kept: str | None, group, sequence_parallel: bool) -> None:
+    def __init__(
+        self, saved, kept: str | None, group, sequence_parallel: bool, pipelined_dgrad=False
+    ) -> None:
         self.saved, self.kept, self.group = saved, kept, group
         self.sequence_parallel = sequence_parallel
+        self.pipelined_dgrad = pipelined_dgrad
         self.overlap = OVERLAP
         self._gathered = None  # waits for the input's gather and sets saved.x
         self._reduction = None  # (result, work handle) of the input gradient's reduction
@@ -76,6 +84,19 @@ class ColumnParallelBackward:
         self._gathered = restore_gathered_input(self.saved, self.kept, self.group)
         self.kept = None
 
+    def dgrad(self, gemm, grad_operand):
+        """The input-gradient GEMM; with ``pipelined_dgrad`` run chunk by chunk with its
+        reduce-scatter, whose result is then the reduction :meth:`input_gradient` returns."""
+        if not self.pipelined_dgrad:
+            return gemm(grad_operand)
+        dx = gemm_reduce_scatter(grad_operand, self.group, gemm)
+        self._reduction = (dx, None)
+        return dx
+
+    def wgrad_operand(self, grad_operand):
+        """The output gradient as the weight gradient reads it (unchanged: not split)."""
+        return grad_operand
+
     def before_wgrad(self) -> None:
         """Wait for the input's all-gather (issuing it first if that has not happened)."""
         if self.kept is not None:
@@ -88,6 +109,8 @@ class ColumnParallelBackward:
         """Issue the reduction of the input gradient ``dx`` (asynchronous; an all-reduce sums
         ``dx`` in place: it is the GEMM's own output)."""
         self.before_wgrad()  # the gather first, on every rank
+        if self._reduction is not None:  # reduced by the pipelined GEMM already
+            return
         if self.sequence_parallel:
             self._reduction = reduce_scatter_along_first_dim(dx, self.group, async_op=True)
         else:

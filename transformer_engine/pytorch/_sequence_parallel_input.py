@@ -21,6 +21,7 @@ from .quantization import FP8GlobalStateManager
 
 __all__ = [
     "keep_local_shard",
+    "mark_kept_shard",
     "restore_gathered_input",
     "check_sequence_parallel_scaling",
     "reduce_amaxes_over",
@@ -49,6 +50,16 @@ def keep_local_shard(saved, inp: torch.Tensor, full, shard, needs_wgrad: bool) -
         saved.x = inp.reshape(-1, inp.shape[-1])
         return _HIGH_PRECISION_SHARD
     return None
+
+
+def mark_kept_shard(saved, shard, needs_wgrad: bool) -> str | None:
+    """:func:`keep_local_shard` for a GEMM that read this rank's rows itself, chunk by chunk
+    with the others' (``_ring_gemm.all_gather_gemm``): the FP8 ``shard`` it read is kept when the
+    weight gradient needs it; a high-precision ``saved.x`` already is the local rows."""
+    if shard is not None and needs_wgrad:
+        saved.x = shard
+        return _FP8_SHARD
+    return _HIGH_PRECISION_SHARD if type(saved.x) is torch.Tensor else None
 
 
 def restore_gathered_input(saved, kept: str | None, group):

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from .attention.multi_head_attention import (
     MultiheadAttention,
     check_attention_mask,
-    refuse_comm_overlap,
     tensor_parallel_size,
 )
 from .device import construction_device, device_guard
@@ -155,8 +154,8 @@ class TransformerLayer(torch.nn.Module):
         ``[s, b, hidden]``, ``[b, s, hidden]`` or packed ``[tokens, hidden]``.
     name : str, optional
 
-    ``ub_tp_comm_overlap`` (the ``ub_*`` options only act with it) raises
-    ``NotImplementedError``: userbuffers communication overlap is not built.
+    ``ub_tp_comm_overlap=True`` (the ``ub_*`` options act only with it, after
+    ``initialize_ub``) hands the ``ub_*`` flags to the attention and MLP blocks.
     """
 
     def __init__(
@@ -217,7 +216,12 @@ class TransformerLayer(torch.nn.Module):
         super().__init__()
         owner = "TransformerLayer"
         # Every ub_* option only acts together with ub_tp_comm_overlap (upstream ANDs them).
-        refuse_comm_overlap(owner, ub_tp_comm_overlap=ub_tp_comm_overlap)
+        on = bool(ub_tp_comm_overlap)
+        ub = dict(
+            ub_overlap_ag=on and ub_overlap_ag, ub_overlap_rs=on and ub_overlap_rs,
+            ub_overlap_rs_dgrad=on and ub_overlap_rs_dgrad, ub_bulk_dgrad=on and ub_bulk_dgrad,
+            ub_bulk_wgrad=on and ub_bulk_wgrad,
+        )  # fmt: skip
         tp_size = tensor_parallel_size(owner, tp_group, tp_size)
         if layer_type not in LAYER_TYPES:
             raise ValueError(f"{owner}: layer_type={layer_type!r} must be one of {LAYER_TYPES}")
@@ -287,7 +291,7 @@ class TransformerLayer(torch.nn.Module):
             normalization=normalization, device=device, qkv_format=attn_input_format,
             qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps,
             qk_norm_before_rope=qk_norm_before_rope, seq_length=seq_length,
-            micro_batch_size=micro_batch_size, softmax_type=softmax_type,
+            micro_batch_size=micro_batch_size, softmax_type=softmax_type, **ub,
         )  # fmt: skip
         self.self_attention = MultiheadAttention(
             **attention, input_layernorm=not output_layernorm, attention_type="self",
@@ -314,7 +318,7 @@ class TransformerLayer(torch.nn.Module):
             seq_length=seq_length, micro_batch_size=micro_batch_size,
             zero_centered_gamma=zero_centered_gamma, activation=activation,
             activation_params=activation_params, normalization=normalization, device=device,
-            name=child_name("layernorm_mlp"),
+            name=child_name("layernorm_mlp"), **ub,
         )  # fmt: skip
         batch_dim = 1 if attn_input_format == "sbhd" else 0
         self.drop_path = DropPath(drop_path_rate, batch_dim) if drop_path_rate > 0.0 else None

@@ -305,8 +305,6 @@ def test_default_initialization():
         ({"fuse_wgrad_accumulation": True}, ValueError, "requires fuse_qkv_params=True"),
         ({"tp_size": 2}, ValueError, "tp_size=2 needs set_parallel_mode=True"),
         ({"tp_size": 3, "set_parallel_mode": True}, ValueError, "not divisible by tp_size=3"),
-        ({"ub_overlap_ag": True}, NotImplementedError, "ub_overlap_ag=True"),
-        ({"ub_bulk_wgrad": True}, NotImplementedError, "ub_bulk_wgrad=True"),
     ],
 )
 def test_constructor_errors(kwargs, error, match):

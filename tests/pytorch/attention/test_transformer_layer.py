@@ -397,7 +397,6 @@ def test_fp8_parameters_with_fused_qkv():
         ({"hidden_dropout": 1.0}, ValueError, "hidden_dropout=1.0"),
         ({"tp_size": 2}, ValueError, "tp_size=2 needs set_parallel_mode=True"),
         ({"tp_size": 3, "set_parallel_mode": True}, ValueError, "not divisible by tp_size=3"),
-        ({"ub_tp_comm_overlap": True}, NotImplementedError, "ub_tp_comm_overlap=True"),
     ],
 )  # fmt: skip
 def test_constructor_errors(kwargs, error, match):

@@ -108,11 +108,23 @@ def test_construction_errors(build, match):
         build()
 
 
-def test_comm_overlap_still_refused():
-    with pytest.raises(NotImplementedError, match="ub_overlap_rs=True"):
-        MultiheadAttention(64, 4, ub_overlap_rs=True, device="cpu")
-    with pytest.raises(NotImplementedError, match="ub_tp_comm_overlap=True"):
-        TransformerLayer(64, 128, 4, ub_tp_comm_overlap=True, device="cpu")
+def test_comm_overlap_flags_reach_the_projections():
+    """``ub_tp_comm_overlap`` hands the ``ub_*`` flags down: the QKV projection (``"qkv"``)
+    pipelines its gather and its input gradient's reduce-scatter, the output projection
+    (``"proj"``) its reduce-scatter and its output gradient's gather, the MLP both."""
+    kw = dict(tp_size=2, set_parallel_mode=True, sequence_parallel=True, seq_length=16,
+              device="cpu")  # fmt: skip
+    layer = TransformerLayer(64, 128, 4, ub_tp_comm_overlap=True, ub_overlap_rs_dgrad=True, **kw)
+    qkv = layer.self_attention.layernorm_qkv.comm_overlap
+    proj = layer.self_attention.proj.comm_overlap
+    mlp = layer.layernorm_mlp.comm_overlap
+    assert (qkv.name, qkv.ag_fprop, qkv.rs_dgrad, qkv.rs_fprop) == ("qkv", True, True, False)
+    assert (proj.name, proj.rs_fprop, proj.ag_dgrad, proj.ag_fprop) == ("proj", True, True, False)
+    assert (mlp.ag_fprop, mlp.rs_fprop, mlp.rs_dgrad, mlp.ag_dgrad) == (True, True, True, True)
+    # without ub_tp_comm_overlap the ub_* defaults (True) do nothing
+    assert TransformerLayer(64, 128, 4, **kw).self_attention.proj.comm_overlap is None
+    mha = MultiheadAttention(64, 4, ub_overlap_rs=True, **kw)
+    assert mha.proj.comm_overlap.rs_fprop and mha.qkv.comm_overlap is None
 
 
 def test_forward_errors_without_a_group():

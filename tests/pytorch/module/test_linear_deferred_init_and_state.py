@@ -432,15 +432,17 @@ def test_tensor_parallel_size_without_a_group_refuses_the_forward():
         m(torch.randn(4, IN // 2))
 
 
-@pytest.mark.parametrize(
-    "kwargs, name",
-    [
-        ({"ub_overlap_ag": True}, "ub_overlap_ag"),
-    ],
-)
-def test_other_unimplemented_arguments_are_named(kwargs, name):
-    with pytest.raises(NotImplementedError, match=name):
-        Linear(IN, OUT, device="cpu", **kwargs)
+@pytest.mark.parametrize("flag", ["ub_overlap_ag", "ub_overlap_rs", "ub_bulk_wgrad"])
+def test_comm_overlap_flags_need_a_layer_name(flag):
+    with pytest.raises(ValueError, match="need ub_name"):
+        Linear(IN, OUT, device="cpu", **{flag: True})
+    # without tensor and sequence parallelism they pipeline nothing (as upstream)
+    assert Linear(IN, OUT, device="cpu", ub_name="qkv", **{flag: True}).comm_overlap is None
+
+
+def test_symmetric_all_reduce_is_named_as_not_built():
+    with pytest.raises(NotImplementedError, match="symmetric_ar_type"):
+        Linear(IN, OUT, device="cpu", symmetric_ar_type="two_shot")
 
 
 def test_parallel_mode_must_be_known():

@@ -38,17 +38,6 @@ def positive_int(owner: str, label: str, value) -> int:
     return value
 
 
-def refuse_comm_overlap(owner: str, **flags) -> None:
-    """Userbuffers communication overlap is not built: refuse each ``ub_*`` flag by name here,
-    before any child is built (the children would refuse them too, less clearly)."""
-    for name, value in flags.items():
-        if value:
-            raise NotImplementedError(
-                f"{owner}: {name}={value!r} is not implemented (userbuffers communication "
-                f"overlap is not built; the collectives run unoverlapped); leave {name} at False"
-            )
-
-
 def tensor_parallel_size(owner: str, tp_group, tp_size) -> int:
     """The group's size when a group is given (upstream's rule), else ``tp_size`` checked."""
     if tp_group is not None:
@@ -162,8 +151,9 @@ class MultiheadAttention(torch.nn.Module):
     softmax_type : str, default "vanilla"
         Passed to ``DotProductAttention``.
 
-    The ``ub_*`` overlaps raise ``NotImplementedError`` naming the argument (userbuffers are
-    not built).
+    The ``ub_*`` flags (after ``initialize_ub``, under sequence parallelism) go to the QKV
+    projection (``ub_name="qkv"``: ``ub_overlap_ag``, ``ub_overlap_rs_dgrad``, ``ub_bulk_*``)
+    and the output projection (``"proj"``: ``ub_overlap_ag``, ``ub_overlap_rs``).
     """
 
     def __init__(
@@ -214,11 +204,6 @@ class MultiheadAttention(torch.nn.Module):
     ) -> None:
         super().__init__()
         owner = "MultiheadAttention"
-        refuse_comm_overlap(
-            owner, ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
-            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
-            ub_bulk_wgrad=ub_bulk_wgrad,
-        )  # fmt: skip
         tp_size = tensor_parallel_size(owner, tp_group, tp_size)
         positive_int(owner, "hidden_size", hidden_size)
         heads = positive_int(owner, "num_attention_heads", num_attention_heads)
@@ -302,6 +287,10 @@ class MultiheadAttention(torch.nn.Module):
             return_layernorm_output=return_layernorm_output,
         )  # fmt: skip
         column = "column" if set_parallel_mode else None
+        qkv_ub = dict(
+            ub_overlap_ag=ub_overlap_ag, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
+            ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad, ub_name="qkv",
+        )  # fmt: skip
         if attention_type == "self":
             split = None
             if not fuse_qkv_params:
@@ -312,12 +301,12 @@ class MultiheadAttention(torch.nn.Module):
                 self.layernorm_qkv = LayerNormLinear(
                     *qkv_args, init_method=init_method, parallel_mode=column,
                     parameters_split=split, name=child_name("layernorm_linear_qkv"),
-                    **norm, **common,
+                    **norm, **common, **qkv_ub,
                 )  # fmt: skip
             else:
                 self.qkv = Linear(
                     *qkv_args, init_method=init_method, parallel_mode=column,
-                    parameters_split=split, name=child_name("linear_qkv"), **common,
+                    parameters_split=split, name=child_name("linear_qkv"), **common, **qkv_ub,
                 )  # fmt: skip
         else:
             q_split = None if fuse_qkv_params else ("query",)
@@ -325,13 +314,13 @@ class MultiheadAttention(torch.nn.Module):
                 self.layernorm_query = LayerNormLinear(
                     hidden_size, self.hidden_size_q, init_method=init_method,
                     parallel_mode=column, parameters_split=q_split,
-                    name=child_name("layernorm_linear_q"), **norm, **common,
+                    name=child_name("layernorm_linear_q"), **norm, **common, **qkv_ub,
                 )  # fmt: skip
             else:
                 self.query_layer = Linear(
                     hidden_size, self.hidden_size_q, init_method=init_method,
                     parallel_mode=column, parameters_split=q_split,
-                    name=child_name("linear_q"), **common,
+                    name=child_name("linear_q"), **common, **qkv_ub,
                 )  # fmt: skip
             self.key_value = Linear(
                 hidden_size, 2 * self.hidden_size_kv, init_method=init_method,
@@ -353,7 +342,8 @@ class MultiheadAttention(torch.nn.Module):
         self.proj = Linear(
             self.hidden_size_q, hidden_size, init_method=output_layer_init_method,
             return_bias=return_bias, parallel_mode="row" if set_parallel_mode else None,
-            name=child_name("proj"), **common,
+            name=child_name("proj"), ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+            ub_name="proj", **common,
         )  # fmt: skip
 
     def _qk_norms(self, qk_norm_type, eps, dtype, device, seq_length, micro_batch_size):

@@ -254,12 +254,17 @@ def linear_forward(
     needs_dgrad: bool,
     needs_wgrad: bool,
     bias_requires_grad: bool = False,
+    forward_gemm=None,
 ) -> tuple[torch.Tensor, LinearSaved]:
     """``inp @ weight^T + bias`` and what the backward needs.
 
     ``needs_dgrad`` / ``needs_wgrad`` say which gradients the backward will compute (both
     ``False``: inference, nothing is kept); ``bias_requires_grad`` whether it computes the bias
     gradient too. The output has ``inp``'s leading dimensions.
+
+    ``forward_gemm(gemm, x)``: a tensor-parallel caller's GEMM pipelined with its collective
+    (``_ring_gemm.PipelinedForward``), given the GEMM of some rows of the (quantized) input,
+    ``gemm(rows, out=None)``; the output is then 2-D with the rows it returns.
     """
     in_features = weight.shape[-1]
     # An FP8 input a producer already quantized (a fused activation) comes as a 2-D storage.
@@ -267,12 +272,18 @@ def linear_forward(
     x = inp if two_dim else inp.reshape(-1, in_features)
     saved = LinearSaved(config, None, None, weight, inp.shape, bias, bias_requires_grad)
     if not config.fp8:
-        out = hp_gemm_cpu.linear(x, weight, bias)
+
+        def gemm(rows, out=None):
+            return hp_gemm_cpu.linear(rows, weight, bias)
+
+        out = gemm(x) if forward_gemm is None else forward_gemm(gemm, x)
         saved.high_precision_backward = True
         saved.x = x if needs_wgrad else None
         saved.w = weight if needs_dgrad else None
     elif config.backward_override is not None:
-        out = _forward_with_backward_override(saved, x, weight, bias, needs_dgrad, needs_wgrad)
+        out = _forward_with_backward_override(
+            saved, x, weight, bias, needs_dgrad, needs_wgrad, forward_gemm
+        )
     else:
         owns_x_q = not isinstance(x, (QuantizedTensor, QuantizedTensorStorage))
         # save_original_input: backward re-quantizes the saved x (exact for stateless
@@ -286,14 +297,7 @@ def linear_forward(
                 config.input_quantizer, x, rowwise=True, columnwise=needs_wgrad and not keep_x
             )
         w_q = _quantized_weight(weight, config, columnwise=needs_dgrad)
-        out = fp8_gemm_prevalidated(
-            w_q,
-            x_q,
-            config.activation_dtype,
-            layout="TN",
-            bias=bias,
-            use_split_accumulator=config.fprop_split_accumulator,
-        )
+        out = _fp8_forward_gemm(w_q, x_q, bias, config, forward_gemm)
         # Backward needs only the transposed copies; drop the row-wise input bytes (a plain
         # tensor an IdentityQuantizer returned serves both layouts and has none to drop).
         drops_x = owns_x_q or config.input_produced
@@ -312,11 +316,22 @@ def linear_forward(
         saved.requantize_x = keep_x
         saved.x = x if keep_x else x_q if needs_wgrad else None
         saved.w = w_q if needs_dgrad else None
-    out = out if two_dim else out.reshape(*inp.shape[:-1], weight.shape[0])
+    if not two_dim and forward_gemm is None:
+        out = out.reshape(*inp.shape[:-1], weight.shape[0])
     return out, saved
 
 
-def _forward_with_backward_override(saved, x, weight, bias, needs_dgrad, needs_wgrad):
+def _fp8_forward_gemm(w_q, x_q, bias, config, forward_gemm):
+    def gemm(rows, out=None):
+        return fp8_gemm_prevalidated(
+            w_q, rows, config.activation_dtype, layout="TN", bias=bias,
+            use_split_accumulator=config.fprop_split_accumulator, out=out,
+        )  # fmt: skip
+
+    return gemm(x_q) if forward_gemm is None else forward_gemm(gemm, x_q)
+
+
+def _forward_with_backward_override(saved, x, weight, bias, needs_dgrad, needs_wgrad, overlap):
     """FP8 forward GEMM whose backward runs in high precision (``recipe.backward_override``).
 
     ``"high_precision"`` saves the original operands, ``"dequantized"`` saves the FP8 ones
@@ -329,14 +344,7 @@ def _forward_with_backward_override(saved, x, weight, bias, needs_dgrad, needs_w
         else _quantize(config.input_quantizer, x, rowwise=True, columnwise=False)
     )
     w_q = _quantized_weight(weight, config, columnwise=False)
-    out = fp8_gemm_prevalidated(
-        w_q,
-        x_q,
-        config.activation_dtype,
-        layout="TN",
-        bias=bias,
-        use_split_accumulator=config.fprop_split_accumulator,
-    )
+    out = _fp8_forward_gemm(w_q, x_q, bias, config, overlap)
     saved.high_precision_backward = True
     if config.backward_override == "high_precision":
         saved.x = x if needs_wgrad else None
@@ -365,8 +373,12 @@ def linear_backward(
     ``communication``: a tensor-parallel caller's collectives, overlapped with the GEMMs (see
     ``_parallel_backward.ColumnParallelBackward``): ``before_dgrad()`` right before the
     input-gradient GEMM (after the grad-output cast, whose amax reduction must not queue
-    behind them), ``before_wgrad()`` before ``saved.x`` is read, ``dgrad_ready(dx)`` with the
-    input gradient (2-D) once the weight gradient's input is ready, before its GEMM.
+    behind them), ``dgrad(gemm, grad)`` runs that GEMM (``gemm(rows, out=None)`` of some rows
+    of the output gradient; it may pipeline it with a collective),
+    ``before_wgrad()`` before ``saved.x`` is read, ``wgrad_operand(grad)`` gives the output
+    gradient the weight gradient reads, ``dgrad_ready(dx)`` takes the input gradient (2-D)
+    once the weight gradient's input is ready, before its GEMM. The input gradient is then
+    left 2-D (the caller's ``communication.input_gradient`` shapes it).
     """
     config = saved.config
     prequantized = isinstance(grad_out, QuantizedTensorStorage) and not isinstance(
@@ -421,22 +433,30 @@ def linear_backward(
         if communication is not None:
             communication.before_dgrad()
         if saved_w is not None:
-            dx = fp8_gemm_prevalidated(
-                saved_w,
-                grad_operand,
-                config.activation_dtype,
-                layout="NN",
-                use_split_accumulator=config.dgrad_split_accumulator,
-            )
+
+            def gemm(rows, out=None):
+                return fp8_gemm_prevalidated(
+                    saved_w, rows, config.activation_dtype, layout="NN",
+                    use_split_accumulator=config.dgrad_split_accumulator, out=out,
+                )  # fmt: skip
+
+            dx = gemm(grad_operand) if communication is None else communication.dgrad(
+                gemm, grad_operand
+            )  # fmt: skip
     else:
         if communication is not None:
             communication.before_dgrad()
         if saved_w is not None:
-            dx = hp_gemm_cpu.matmul(dy, saved_w)
+
+            def gemm(rows, out=None):
+                return hp_gemm_cpu.matmul(rows, saved_w)
+
+            dx = gemm(dy) if communication is None else communication.dgrad(gemm, dy)
     saved_x = None
     if has_x:
         if communication is not None:
             communication.before_wgrad()
+            grad_operand = communication.wgrad_operand(grad_operand)
         saved_x = _weight_gradient_input(saved, config)
     if communication is not None and dx is not None:
         communication.dgrad_ready(dx)
@@ -450,7 +470,7 @@ def linear_backward(
             )
         else:
             dw = _weight_gradient(config, saved_x, grad_operand, weight, fuse, use_fp8)
-    if dx is not None and dx.shape != saved.inp_shape:
+    if dx is not None and communication is None and dx.shape != saved.inp_shape:
         dx = dx.reshape(saved.inp_shape)
     if dw is not None:
         dw = _as_dtype(dw, weight.dtype)

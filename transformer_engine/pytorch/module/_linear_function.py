@@ -23,11 +23,12 @@ from __future__ import annotations
 import torch
 
 from .._parallel_backward import column_parallel_backward
-from .._sequence_parallel_input import keep_local_shard
-from .._tensor_parallel import (
-    reduce_scatter_along_first_dim,
-    sequence_parallel_gemm_input,
-    sequence_parallel_grad_output,
+from .._ring_gemm import (
+    column_forward_input,
+    keep_column_input,
+    row_backward_grad_output,
+    row_forward_gemm,
+    row_forward_output,
 )
 from ..device import device_guard
 from ..functional._once_differentiable import once_differentiable
@@ -41,33 +42,19 @@ __all__ = ["linear"]
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(  # noqa: D102
-        ctx, weight, inp, bias, config, backward_update, sp_group, out_sp_group, in_grad_group
+        ctx, weight, inp, bias, config, backward_update, sp_group, out_sp_group, in_grad_group,
+        overlap,
     ):  # fmt: skip
-        full, shard = inp, None
-        if sp_group is not None:
-            full, leading, shard = sequence_parallel_gemm_input(inp, sp_group, config)
-        out, saved = linear_forward(
-            weight,
-            full,
-            bias,
-            config,
-            needs_dgrad=inp.requires_grad,
-            # With an FP8 shard the weight gradient reads the shard gathered again in backward:
-            # the gathered input needs no transposed copy now.
-            needs_wgrad=weight.requires_grad and shard is None,
-            bias_requires_grad=bias is not None and bias.requires_grad,
-        )
-        ctx.kept_shard = None
-        if sp_group is not None:
-            out = out.reshape(*leading, out.shape[-1])
-            ctx.kept_shard = keep_local_shard(saved, inp, full, shard, weight.requires_grad)
-        if out_sp_group is not None:
-            out = reduce_scatter_along_first_dim(out, out_sp_group)[0]
+        out, saved, kept = _forward(
+            weight, inp, bias, config, sp_group, out_sp_group, overlap,
+            needs_dgrad=inp.requires_grad, needs_wgrad=weight.requires_grad,
+        )  # fmt: skip
+        ctx.kept_shard = kept
         ctx.save_for_backward(*saved.pack())
         ctx.saved = saved
         ctx.backward_update = backward_update
         ctx.sp_group, ctx.out_sp_group, ctx.inp_shape = sp_group, out_sp_group, inp.shape
-        ctx.in_grad_group = in_grad_group
+        ctx.in_grad_group, ctx.overlap = in_grad_group, overlap
         return function_output(out)
 
     @staticmethod
@@ -76,16 +63,17 @@ class _LinearFunction(torch.autograd.Function):
         with device_guard(grad_out.device):
             saved = ctx.saved
             saved.unpack(ctx.saved_tensors)
+            overlap = ctx.overlap
             communication = column_parallel_backward(
-                saved, ctx.kept_shard, ctx.sp_group, ctx.in_grad_group
-            )
+                saved, ctx.kept_shard, ctx.sp_group, ctx.in_grad_group,
+                pipelined_dgrad=overlap is not None and overlap.rs_dgrad,
+            )  # fmt: skip
             if ctx.out_sp_group is not None:
-                # The layouts the GEMMs read; it gathers in high precision unless they run
-                # in per-tensor FP8 (no backward_override).
-                grad_out = sequence_parallel_grad_output(
-                    grad_out, ctx.out_sp_group, saved.config,
-                    rowwise=saved.w is not None, columnwise=saved.x is not None,
-                )  # fmt: skip
+                # Gathered (in FP8 where the GEMMs read per-tensor FP8) now, or by chunks with
+                # the input gradient's GEMM (ub_overlap_ag).
+                grad_out, communication = row_backward_grad_output(
+                    grad_out, ctx.out_sp_group, saved, overlap
+                )
             dx, dw, dbias = linear_backward(saved, grad_out, communication=communication)
             if communication is not None:
                 dx = communication.input_gradient(dx, ctx.inp_shape)
@@ -93,7 +81,35 @@ class _LinearFunction(torch.autograd.Function):
                 saved.release_unpacked()
             if ctx.backward_update is not None:
                 ctx.backward_update.complete()
-        return dw, dx, dbias, None, None, None, None, None
+        return dw, dx, dbias, None, None, None, None, None, None
+
+
+def _forward(weight, inp, bias, config, sp_group, out_sp_group, overlap, *, needs_dgrad,
+             needs_wgrad):  # fmt: skip
+    """The core's forward with the collectives of sequence parallelism: ``(out, saved,
+    kept)``, ``kept`` what the backward gathers again."""
+    full, shard, forward_gemm, ring_rows, kept = inp, None, None, None, None
+    if sp_group is not None:
+        full, leading, shard, forward_gemm, ring_rows = column_forward_input(
+            inp, sp_group, config, overlap
+        )
+    elif out_sp_group is not None:
+        forward_gemm = row_forward_gemm(inp, out_sp_group, overlap)
+    out, saved = linear_forward(
+        weight, full, bias, config, needs_dgrad=needs_dgrad,
+        # With an FP8 shard the weight gradient reads the shard gathered again in backward:
+        # the gathered input needs no transposed copy now.
+        needs_wgrad=needs_wgrad and shard is None,
+        bias_requires_grad=bias is not None and bias.requires_grad,
+        forward_gemm=forward_gemm,
+    )  # fmt: skip
+    if sp_group is not None:
+        out = out.reshape(*leading, out.shape[-1])
+        if needs_dgrad or needs_wgrad:
+            kept = keep_column_input(saved, inp, full, shard, needs_wgrad, ring_rows)
+    if out_sp_group is not None:
+        out = row_forward_output(out, inp.shape[:-1], out_sp_group, forward_gemm)
+    return out, saved, kept
 
 
 def linear(
@@ -105,6 +121,7 @@ def linear(
     sequence_parallel_group=None,
     output_sequence_parallel_group=None,
     input_gradient_group=None,
+    overlap=None,
 ) -> torch.Tensor:
     """``inp @ weight^T + bias`` through the linear core, differentiable in grad mode.
 
@@ -117,7 +134,9 @@ def linear(
     the bias, added after the reduction, is the caller's (``bias`` must be ``None``).
     ``input_gradient_group`` (column-parallel without sequence parallelism): the input gradient
     is all-reduced over the group. The backward overlaps its collectives with its GEMMs
-    (:mod:`.._parallel_backward`).
+    (:mod:`.._parallel_backward`). ``overlap`` (``_userbuffers.CommOverlapFlags``): which
+    collectives under sequence parallelism run chunk by chunk with their GEMM
+    (:mod:`.._ring_gemm`).
     """
     if output_sequence_parallel_group is not None and bias is not None:
         raise ValueError(
@@ -127,14 +146,10 @@ def linear(
     if torch.is_grad_enabled():
         return _LinearFunction.apply(
             weight, inp, bias, config, backward_update, sequence_parallel_group,
-            output_sequence_parallel_group, input_gradient_group,
+            output_sequence_parallel_group, input_gradient_group, overlap,
         )  # fmt: skip
-    full, leading = inp, None
-    if sequence_parallel_group is not None:
-        full, leading, _ = sequence_parallel_gemm_input(inp, sequence_parallel_group, config)
-    out, _ = linear_forward(weight, full, bias, config, needs_dgrad=False, needs_wgrad=False)
-    if leading is not None:
-        out = out.reshape(*leading, out.shape[-1])
-    if output_sequence_parallel_group is not None:
-        out = reduce_scatter_along_first_dim(out, output_sequence_parallel_group)[0]
+    out = _forward(
+        weight, inp, bias, config, sequence_parallel_group, output_sequence_parallel_group,
+        overlap, needs_dgrad=False, needs_wgrad=False,
+    )[0]  # fmt: skip
     return function_output(out)

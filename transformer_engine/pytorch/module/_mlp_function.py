@@ -30,11 +30,12 @@ from __future__ import annotations
 import torch
 
 from .._parallel_backward import column_parallel_backward
-from .._sequence_parallel_input import keep_local_shard
-from .._tensor_parallel import (
-    reduce_scatter_along_first_dim,
-    sequence_parallel_gemm_input,
-    sequence_parallel_grad_output,
+from .._ring_gemm import (
+    column_forward_input,
+    keep_column_input,
+    row_backward_grad_output,
+    row_forward_gemm,
+    row_forward_output,
 )
 from ..device import device_guard
 from ..functional._once_differentiable import once_differentiable
@@ -85,7 +86,7 @@ class _MLPBody(torch.autograd.Function):
     @staticmethod
     def forward(  # noqa: D102
         ctx, ln_out, fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, fc1_config, fc2_config,
-        backward_update, sp_group, out_sp_group, in_grad_group,
+        backward_update, sp_group, out_sp_group, in_grad_group, overlap,
     ):  # fmt: skip
         fc1_bias_grad = fc1_bias is not None and fc1_bias.requires_grad
         fc2_bias_grad = fc2_bias is not None and fc2_bias.requires_grad
@@ -93,25 +94,32 @@ class _MLPBody(torch.autograd.Function):
         # 2-D operands throughout: FC1's output is then the GEMM's own tensor (not a view),
         # which backward can release as soon as the activation's gradient is computed.
         local = ln2 = ln_out.reshape(-1, ln_out.shape[-1])
-        leading, shard = ln_out.shape[:-1], None
+        leading, shard, gather_gemm, ring_rows = ln_out.shape[:-1], None, None, None
         if sp_group is not None:
-            ln2, _, shard = sequence_parallel_gemm_input(local, sp_group, fc1_config)
+            ln2, _, shard, gather_gemm, ring_rows = column_forward_input(
+                local, sp_group, fc1_config, overlap
+            )
             leading = (-1, *ln_out.shape[1:-1])
         h2, saved1 = linear_forward(
             fc1_weight, ln2, fc1_bias, fc1_config,
             needs_dgrad=ln_out.requires_grad,
             # An FP8 shard is gathered again in backward for the weight gradient.
             needs_wgrad=fc1_weight.requires_grad and shard is None,
-            bias_requires_grad=fc1_bias_grad,
+            bias_requires_grad=fc1_bias_grad, forward_gemm=gather_gemm,
         )  # fmt: skip
         ctx.kept_shard = None
         if sp_group is not None:
-            ctx.kept_shard = keep_local_shard(saved1, local, ln2, shard, fc1_weight.requires_grad)
+            ctx.kept_shard = keep_column_input(
+                saved1, local, ln2, shard, fc1_weight.requires_grad, ring_rows
+            )
         act = _fc2_input(h2, spec, fc2_config, fc2_weight, columnwise=fc2_weight.requires_grad)
+        scatter_gemm = None
+        if out_sp_group is not None:
+            scatter_gemm = row_forward_gemm(act, out_sp_group, overlap)
         out, saved2 = linear_forward(
             fc2_weight, act, fc2_bias, fc2_config,
             needs_dgrad=fc1_needed, needs_wgrad=fc2_weight.requires_grad,
-            bias_requires_grad=fc2_bias_grad,
+            bias_requires_grad=fc2_bias_grad, forward_gemm=scatter_gemm,
         )  # fmt: skip
         if fc2_weight.requires_grad and not isinstance(act, torch.Tensor):
             # FC2's weight gradient reads only the transposed copy.
@@ -124,13 +132,10 @@ class _MLPBody(torch.autograd.Function):
         ctx.saved = (saved1, saved2)
         ctx.spec, ctx.fc1_needed, ctx.fc1_bias_grad = spec, fc1_needed, fc1_bias_grad
         ctx.ln_shape, ctx.sp_group, ctx.out_sp_group = ln_out.shape, sp_group, out_sp_group
-        ctx.in_grad_group = in_grad_group
+        ctx.in_grad_group, ctx.overlap = in_grad_group, overlap
         ctx.backward_update = backward_update
         ctx.released = False
-        out = out.reshape(*leading, out.shape[-1])
-        if out_sp_group is not None:
-            out = reduce_scatter_along_first_dim(out, out_sp_group)[0]
-        return function_output(out)
+        return function_output(_output(out, leading, out_sp_group, scatter_gemm))
 
     @staticmethod
     @once_differentiable
@@ -147,14 +152,16 @@ class _MLPBody(torch.autograd.Function):
             saved1.unpack(tensors[: ctx.split])
             saved2.unpack(tensors[ctx.split : -1])
             h2 = tensors[-1]
+            overlap, fc2_communication = ctx.overlap, None
             if ctx.out_sp_group is not None:
-                # The layouts the GEMMs read; it gathers in high precision unless they run
-                # in per-tensor FP8 (no backward_override).
-                grad_out = sequence_parallel_grad_output(
-                    grad_out, ctx.out_sp_group, saved2.config,
-                    rowwise=saved2.w is not None, columnwise=saved2.x is not None,
-                )  # fmt: skip
-            d_act, dw2, db2 = linear_backward(saved2, grad_out)
+                # Gathered (in FP8 where the GEMMs read per-tensor FP8) now, or by chunks with
+                # FC2's input-gradient GEMM (ub_overlap_ag).
+                grad_out, fc2_communication = row_backward_grad_output(
+                    grad_out, ctx.out_sp_group, saved2, overlap
+                )
+            d_act, dw2, db2 = linear_backward(saved2, grad_out, None, fc2_communication)
+            if fc2_communication is not None and d_act is not None:
+                d_act = d_act.reshape(-1, d_act.shape[-1])
             ctx.released = True  # from here on saved tensors are freed (checked above)
             saved2.w = None  # FC2's FP8 weight copy (a cached one lives on in its workspace)
             # Saved tensors live until this node's backward returns; the ones this node made
@@ -170,8 +177,9 @@ class _MLPBody(torch.autograd.Function):
                 # FC1's input gathered again and its gradient reduced, overlapped with FC1's
                 # GEMMs
                 communication = column_parallel_backward(
-                    saved1, ctx.kept_shard, ctx.sp_group, ctx.in_grad_group
-                )
+                    saved1, ctx.kept_shard, ctx.sp_group, ctx.in_grad_group,
+                    pipelined_dgrad=overlap is not None and overlap.rs_dgrad,
+                )  # fmt: skip
                 d_ln, dw1, db1 = linear_backward(saved1, dh, dbias, communication)
                 if communication is not None:
                     d_ln = communication.input_gradient(d_ln, ctx.ln_shape)
@@ -181,7 +189,15 @@ class _MLPBody(torch.autograd.Function):
                 saved1.release_unpacked()
             if ctx.backward_update is not None:
                 ctx.backward_update.complete()
-        return d_ln, dw1, db1, dw2, db2, None, None, None, None, None, None, None
+        return d_ln, dw1, db1, dw2, db2, None, None, None, None, None, None, None, None
+
+
+def _output(out, leading, out_sp_group, scatter_gemm):
+    """FC2's output in the input's leading dimensions; under sequence parallelism this rank's
+    rows of the sum over the group (reduce-scattered here unless FC2's GEMM did it)."""
+    if out_sp_group is None:
+        return out.reshape(*leading, out.shape[-1])
+    return row_forward_output(out, leading, out_sp_group, scatter_gemm)
 
 
 def _release(tensors) -> None:
@@ -223,6 +239,7 @@ def fc1_activation_fc2(
     sp_group=None,
     out_sp_group=None,
     in_grad_group=None,
+    overlap=None,
 ) -> torch.Tensor:
     """``fc2(act(fc1(ln_out)))``, differentiable in grad mode (one autograd node).
 
@@ -234,7 +251,10 @@ def fc1_activation_fc2(
     and its gradient all-gathered (FC2 row-parallel; ``fc2_bias`` must then be ``None``).
     ``in_grad_group``: ``ln_out``'s gradient is all-reduced over the group (FC1
     column-parallel without sequence parallelism). FC1's backward overlaps its collectives with
-    its GEMMs (:mod:`.._parallel_backward`).
+    its GEMMs (:mod:`.._parallel_backward`). ``overlap`` (``_userbuffers.CommOverlapFlags``):
+    which collectives under sequence parallelism run chunk by chunk with their GEMM (FC1's
+    gather and its input gradient's reduce-scatter, FC2's reduce-scatter and its output
+    gradient's gather: :mod:`.._ring_gemm`).
     """
     if out_sp_group is not None and fc2_bias is not None:
         raise ValueError(
@@ -244,18 +264,18 @@ def fc1_activation_fc2(
     if torch.is_grad_enabled():
         return _MLPBody.apply(
             ln_out, fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, fc1_config, fc2_config,
-            backward_update, sp_group, out_sp_group, in_grad_group,
+            backward_update, sp_group, out_sp_group, in_grad_group, overlap,
         )  # fmt: skip
     ln2, leading = ln_out.reshape(-1, ln_out.shape[-1]), ln_out.shape[:-1]
+    gather_gemm = scatter_gemm = None
     if sp_group is not None:
-        ln2, _, _ = sequence_parallel_gemm_input(ln2, sp_group, fc1_config)
+        ln2, _, _, gather_gemm, _ = column_forward_input(ln2, sp_group, fc1_config, overlap)
         leading = (-1, *ln_out.shape[1:-1])
     h2, _ = linear_forward(fc1_weight, ln2, fc1_bias, fc1_config, needs_dgrad=False,
-                           needs_wgrad=False)  # fmt: skip
+                           needs_wgrad=False, forward_gemm=gather_gemm)  # fmt: skip
     act = _fc2_input(h2, spec, fc2_config, fc2_weight, columnwise=False)
-    out, _ = linear_forward(fc2_weight, act, fc2_bias, fc2_config, needs_dgrad=False,
-                            needs_wgrad=False)  # fmt: skip
-    out = out.reshape(*leading, out.shape[-1])
     if out_sp_group is not None:
-        out = reduce_scatter_along_first_dim(out, out_sp_group)[0]
-    return function_output(out)
+        scatter_gemm = row_forward_gemm(act, out_sp_group, overlap)
+    out, _ = linear_forward(fc2_weight, act, fc2_bias, fc2_config, needs_dgrad=False,
+                            needs_wgrad=False, forward_gemm=scatter_gemm)  # fmt: skip
+    return function_output(_output(out, leading, out_sp_group, scatter_gemm))

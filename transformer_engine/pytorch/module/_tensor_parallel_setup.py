@@ -14,10 +14,12 @@ from .._tensor_parallel import (
     reduce_from_tensor_parallel_region,
     set_tensor_model_parallel_attributes,
 )
+from .._userbuffers import check_comm_overlap_ready, comm_overlap_flags
 from ._linear_function import linear
 
 __all__ = [
     "configure_tensor_parallel",
+    "configure_comm_overlap",
     "local_parameters_split",
     "mark_partitioned",
     "mark_sequence_parallel",
@@ -50,6 +52,16 @@ def configure_tensor_parallel(
     module.tp_group = tp_group
     module.parallel_mode = parallel_mode
     module.sequence_parallel = module.tp_size > 1 and bool(sequence_parallel)
+
+
+def configure_comm_overlap(module, parallel_mode, ub_name=None, **ub_flags) -> None:
+    """``module.comm_overlap``: which of the module's tensor-parallel collectives run chunk by
+    chunk with their GEMMs, from its ``ub_*`` arguments (``_userbuffers.comm_overlap_flags``;
+    ``None``: none). Call after :func:`configure_tensor_parallel`."""
+    module.comm_overlap = comm_overlap_flags(
+        type(module).__name__, parallel_mode=parallel_mode,
+        sequence_parallel=module.sequence_parallel, ub_name=ub_name, **ub_flags,
+    )  # fmt: skip
 
 
 def local_parameters_split(owner: str, parameters_split, tp_size: int):
@@ -112,6 +124,7 @@ def check_tensor_parallel_ready(module, *, gathers_input: bool = True) -> None:
         )
     if gathers_input and module.fp8 and module.sequence_parallel:
         check_sequence_parallel_scaling(owner, module.fp8_meta.get("recipe"), module.tp_group)
+    check_comm_overlap_ready(owner, getattr(module, "comm_overlap", None), module.tp_size)
 
 
 def reduce_split_amaxes(module, config, *, input_split: bool, grad_output_split: bool) -> None:
@@ -137,17 +150,22 @@ def parallel_gemm(module, weight, inp, bias, config, backward_update, gemm=linea
       quantizer allows) and the bias added after the reduction, so it counts once;
     * ``None`` or one rank: no communication.
 
+    Under sequence parallelism ``module.comm_overlap`` (its ``ub_*`` flags) says which of the
+    gathers and reduce-scatters run chunk by chunk with the GEMM.
+
     ``gemm``: the differentiable GEMM (``_linear_function.linear``'s signature).
     """
     mode = module.parallel_mode if module.tp_size > 1 else None
     group = module.tp_group
     if mode == "column":
         if module.sequence_parallel:
-            return gemm(weight, inp, bias, config, backward_update, group)
+            return gemm(weight, inp, bias, config, backward_update, group,
+                        overlap=module.comm_overlap)  # fmt: skip
         return gemm(weight, inp, bias, config, backward_update, input_gradient_group=group)
     if mode == "row":
         if module.sequence_parallel:
-            out = gemm(weight, inp, None, config, backward_update, None, group)
+            out = gemm(weight, inp, None, config, backward_update, None, group,
+                       overlap=module.comm_overlap)  # fmt: skip
         else:
             out = reduce_from_tensor_parallel_region(
                 gemm(weight, inp, None, config, backward_update), group

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .._userbuffers import UserBufferQuantizationMode, destroy_ub, get_ub, initialize_ub
 from ..device import construction_device, enter_device, exit_device, materialization_device
 from ..distributed import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
 from ..extra_state import empty_extra_state, pack_extra_state, unpack_extra_state
@@ -37,7 +38,15 @@ from . import _fsdp_parameters as fsdp_parameters
 from ._contiguous_parameters import group_views, repack_parameter_groups
 from ._delayed_wgrad import DelayedWgrad
 
-__all__ = ["TransformerEngineBaseModule", "resolve_module_device", "default_init_method"]
+__all__ = [
+    "TransformerEngineBaseModule",
+    "resolve_module_device",
+    "default_init_method",
+    "initialize_ub",
+    "destroy_ub",
+    "get_ub",
+    "UserBufferQuantizationMode",
+]
 
 
 def resolve_module_device(device, owner: str = "module") -> torch.device:

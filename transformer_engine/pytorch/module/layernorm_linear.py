@@ -39,6 +39,7 @@ from ._outputs import reshape_output, returned_bias
 from ._quantizer_roles import gemm_quantizer_roles
 from ._tensor_parallel_setup import (
     check_tensor_parallel_ready,
+    configure_comm_overlap,
     configure_tensor_parallel,
     local_parameters_split,
     mark_partitioned,
@@ -141,10 +142,11 @@ class LayerNormLinear(TransformerEngineBaseModule):
                 "Linear"
             )
         check_normalization("LayerNormLinear", normalization)
-        check_single_process_arguments(
-            "LayerNormLinear", ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
-            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
-            ub_bulk_wgrad=ub_bulk_wgrad, symmetric_ar_type=symmetric_ar_type,
+        check_single_process_arguments("LayerNormLinear", symmetric_ar_type=symmetric_ar_type)
+        configure_comm_overlap(
+            self, self.parallel_mode, ub_name, ub_overlap_ag=ub_overlap_ag,
+            ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
+            ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad,
         )  # fmt: skip
         check_features(in_features=in_features, out_features=out_features)
         if self.parallel_mode == "column":

@@ -40,6 +40,7 @@ from ._outputs import reshape_output, returned_bias
 from ._quantizer_roles import gemm_quantizer_roles
 from ._tensor_parallel_setup import (
     check_tensor_parallel_ready,
+    configure_comm_overlap,
     configure_tensor_parallel,
     mark_partitioned,
     mark_sequence_parallel,
@@ -159,11 +160,12 @@ class LayerNormMLP(TransformerEngineBaseModule):
             parallel_mode="column" if set_parallel_mode else None,
             sequence_parallel=sequence_parallel,
         )  # fmt: skip
-        check_single_process_arguments(
-            "LayerNormMLP", ub_overlap_ag=ub_overlap_ag,
+        check_single_process_arguments("LayerNormMLP", symmetric_ar_type=symmetric_ar_type)
+        # upstream's fixed layer names: FC1 "fc1", FC2 "fc2"
+        configure_comm_overlap(
+            self, "mlp" if set_parallel_mode else None, "fc1", ub_overlap_ag=ub_overlap_ag,
             ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
             ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad,
-            symmetric_ar_type=symmetric_ar_type,
         )  # fmt: skip
         check_features(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         ffn_hidden_size = divide(ffn_hidden_size, self.tp_size, "ffn_hidden_size")
@@ -307,7 +309,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 act_out = self._fc1_and_activation_recomputed(
                     gemm_in, fc1_weight, fc1_bias, fc1_config, update
                 )
-                out = linear(fc2_weight, act_out, gemm_bias, fc2_config, None, None, rs_group)
+                out = linear(fc2_weight, act_out, gemm_bias, fc2_config, None, None, rs_group,
+                             overlap=self.comm_overlap)  # fmt: skip
             elif self.activation_fn is self._fused_activation_fn:
                 # One node for FC1, the activation and FC2: the fused activation writes FC2's
                 # FP8 input, and its backward FC1's FP8 output gradient.
@@ -315,6 +318,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
                     gemm_in, fc1_weight, fc1_bias, fc2_weight, gemm_bias,
                     self._activation_spec, fc1_config, fc2_config, update,
                     self.tp_group if body_gathers else None, rs_group, in_grad_group,
+                    self.comm_overlap,
                 )  # fmt: skip
                 if fuse_norm:
                     out = reshape_output(out, (*inp.shape[:-1], out.shape[-1]))
@@ -322,9 +326,10 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 act_out = self.activation_fn(
                     linear(fc1_weight, gemm_in, fc1_bias, fc1_config, update,
                            self.tp_group if body_gathers else None,
-                           input_gradient_group=in_grad_group)
+                           input_gradient_group=in_grad_group, overlap=self.comm_overlap)
                 )  # fmt: skip
-                out = linear(fc2_weight, act_out, gemm_bias, fc2_config, None, None, rs_group)
+                out = linear(fc2_weight, act_out, gemm_bias, fc2_config, None, None, rs_group,
+                             overlap=self.comm_overlap)  # fmt: skip
             if parallel:
                 if not self.sequence_parallel:
                     out = reduce_from_tensor_parallel_region(out, self.tp_group)

@@ -28,6 +28,7 @@ from ._outputs import returned_bias
 from ._quantizer_roles import gemm_quantizer_roles
 from ._tensor_parallel_setup import (
     check_tensor_parallel_ready,
+    configure_comm_overlap,
     configure_tensor_parallel,
     local_parameters_split,
     mark_partitioned,
@@ -121,10 +122,11 @@ class Linear(TransformerEngineBaseModule):
             self, tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode,
             sequence_parallel=sequence_parallel,
         )  # fmt: skip
-        check_single_process_arguments(
-            "Linear", ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
-            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
-            ub_bulk_wgrad=ub_bulk_wgrad, symmetric_ar_type=symmetric_ar_type,
+        check_single_process_arguments("Linear", symmetric_ar_type=symmetric_ar_type)
+        configure_comm_overlap(
+            self, self.parallel_mode, ub_name, ub_overlap_ag=ub_overlap_ag,
+            ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
+            ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad,
         )  # fmt: skip
         check_features(in_features=in_features, out_features=out_features)
         if self.parallel_mode == "column":

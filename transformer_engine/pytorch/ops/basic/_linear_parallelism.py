@@ -162,6 +162,10 @@ class LinearParallelism:
         if self.mode == "column":
             # each backward: a second one (retain_graph=True) unpacks the shard again
             kept = ctx.kept_shard if self.gathers_input else None
+            # the core leaves the input gradient 2-D when it communicates: its shape
+            ctx.grad_input_shape = (
+                ctx.local_input_shape if self.sequence_parallel else saved.inp_shape
+            )
             return grad_output, ColumnParallelBackward(
                 saved, kept, self.group, self.sequence_parallel
             )
@@ -178,5 +182,4 @@ class LinearParallelism:
         :meth:`backward_inputs`) has reduced it."""
         if communication is None or grad_input is None:
             return grad_input if communication is None else communication.input_gradient(None, ())
-        shape = ctx.local_input_shape if self.sequence_parallel else grad_input.shape
-        return communication.input_gradient(grad_input, shape)
+        return communication.input_gradient(grad_input, ctx.grad_input_shape)
