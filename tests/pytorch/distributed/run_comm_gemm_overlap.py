@@ -6,8 +6,9 @@ parameters: one with every ``ub_*`` flag on (``ub_overlap_ag``, ``ub_overlap_rs`
 ``ub_overlap_rs_dgrad``, ``ub_bulk_dgrad``, ``ub_bulk_wgrad``), one without (its collectives are
 checked against the single-process model by run_tensor_parallel.py). Models: a column -> row
 ``te.Linear`` pair, a column ``te.LayerNormLinear`` followed by a row ``te.Linear``, a
-``te.LayerNormMLP`` (``set_parallel_mode``; also with its ``activation_fn`` replaced); float32,
-DelayedScaling and Float8CurrentScaling; two steps. Checked, per case:
+``te.LayerNormMLP`` (``set_parallel_mode``; also with its ``activation_fn`` replaced), a
+``te.ops.Sequential`` of a column ``BasicLinear``, GELU and a row ``BasicLinear``
+(``userbuffers_options``); float32, DelayedScaling and Float8CurrentScaling; two steps. Checked, per case:
 
 * the output, the input gradient and every parameter gradient equal the plain model's (the
   pipelined reduce-scatter adds the ranks' partial sums in another order: float32 within
@@ -45,7 +46,7 @@ SEQ, BATCH, HIDDEN, FFN = 24, 2, 48, 96
 STEPS = 2
 CASES = [
     (model, recipe)
-    for model in ("pair", "layernorm_linear", "mlp", "mlp-act")
+    for model in ("pair", "layernorm_linear", "mlp", "mlp-act", "ops")
     for recipe in (None, "delayed", "current")
 ]
 UB_FLAGS = dict(ub_overlap_ag=True, ub_overlap_rs=True, ub_overlap_rs_dgrad=True,
@@ -72,6 +73,15 @@ def build(model, group, device, ub: bool):
             te.Linear(FFN, HIDDEN, parallel_mode="row", ub_name="proj" if ub else None,
                       **kw, **flags),
         ]  # fmt: skip
+    elif model == "ops":
+        opts = dict(tensor_parallel_group=group, sequence_parallel=True, device=device)
+        modules = [te.ops.Sequential(
+            te.ops.BasicLinear(HIDDEN, FFN, tensor_parallel_mode="column", **opts,
+                               userbuffers_options={"comm_name": "fc1"} if ub else None),
+            te.ops.GELU(),
+            te.ops.BasicLinear(FFN, HIDDEN, tensor_parallel_mode="row", **opts,
+                               userbuffers_options={"comm_name": "fc2"} if ub else None),
+        )]  # fmt: skip
     else:
         mlp = te.LayerNormMLP(HIDDEN, FFN, set_parallel_mode=True, tp_size=world, **kw, **flags)
         if model == "mlp-act":  # a replaced activation: FC1 and FC2 run as nodes of their own
@@ -174,11 +184,54 @@ def run(modules, x, grad, recipe, log_events=False):
     return out.detach(), x.grad, forward_log, backward_log
 
 
+def _raises(failures, label, error, match, call) -> None:
+    try:
+        call()
+    except error as e:
+        if match not in str(e):
+            failures.append(f"{label}: {error.__name__} without {match!r}: {e}")
+    else:
+        failures.append(f"{label}: no {error.__name__}")
+
+
+def check_setup_errors(piped, world, device) -> list[str]:
+    """``initialize_ub``'s checks and a forward that needs it (``destroy_ub`` undoes it)."""
+    from transformer_engine.pytorch.module.base import get_ub
+
+    failures: list[str] = []
+    x = torch.randn(SEQ // world, BATCH, HIDDEN, device=device)
+
+    def forward():
+        out = x
+        for m in piped:
+            out = m(out)
+
+    _raises(failures, "forward before initialize_ub", RuntimeError, "initialize_ub", forward)
+    shape = [SEQ * BATCH, HIDDEN]
+    _raises(failures, "tp_size", ValueError, "does not divide",
+            lambda: te.initialize_ub(shape, world + 1))  # fmt: skip
+    _raises(failures, "shape", ValueError, "multiple of tp_size",
+            lambda: te.initialize_ub([SEQ * BATCH + 1, HIDDEN], world))  # fmt: skip
+    _raises(failures, "method", ValueError, "['method']='ring'",
+            lambda: te.initialize_ub(shape, world, ub_cfgs={"fc1_fprop": {"method": "ring"}}))  # fmt: skip
+    te.initialize_ub(shape, 1, ub_cfgs={"qkv_fprop": {"method": "bulk", "num_sm": 4}})
+    _raises(failures, "twice", RuntimeError, "destroy_ub", lambda: te.initialize_ub(shape, 1))
+    if get_ub("qkv_fprop").method != "bulk" or get_ub("qkv_fprop").options != {"num_sm": 4}:
+        failures.append(f"ub_cfgs not recorded: {get_ub('qkv_fprop')}")
+    if (get_ub("fc1_fprop").method, get_ub("proj_fprop").method) != ("ring_exchange", "pipeline"):
+        failures.append("default methods differ from upstream's")
+    _raises(failures, "tp_size mismatch", RuntimeError, "tp_size=1", forward)
+    te.destroy_ub()
+    return failures
+
+
 def check_case(model, recipe_name, group, device) -> list[str]:
     world = dist.get_world_size(group)
     plain, piped = build(model, group, device, False), build(model, group, device, True)
-    te.initialize_ub([SEQ * BATCH, HIDDEN], world)
     failures: list[str] = []
+    if model == "pair" and recipe_name is None:
+        failures += check_setup_errors(piped, world, device)
+    te.initialize_ub([SEQ * BATCH, HIDDEN], world)
     fp8 = recipe_name is not None
     try:
         for step in range(STEPS):

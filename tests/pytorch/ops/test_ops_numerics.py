@@ -152,8 +152,11 @@ def test_basic_linear_argument_errors():
         ops.BasicLinear(IN, OUT, device="cpu", tensor_parallel_mode="column")
     with pytest.raises(ValueError, match="tensor_parallel_mode='diagonal'"):
         ops.BasicLinear(IN, OUT, device="cpu", tensor_parallel_mode="diagonal")
-    with pytest.raises(NotImplementedError, match="userbuffers_options"):
-        ops.BasicLinear(IN, OUT, device="cpu", userbuffers_options={"comm_name": "qkv"})
+    with pytest.raises(ValueError, match="comm_name"):
+        ops.BasicLinear(IN, OUT, device="cpu", userbuffers_options={"method": "ring_exchange"})
+    # without tensor and sequence parallelism the overlap has nothing to pipeline
+    ub_op = ops.BasicLinear(IN, OUT, device="cpu", userbuffers_options={"comm_name": "qkv"})
+    assert ub_op._parallelism.overlap is None
     # without a mode, sequence parallelism has nothing to split: the op is the plain one
     plain_op = ops.BasicLinear(IN, OUT, device="cpu", sequence_parallel=True)
     assert plain_op.sequence_parallel is False and plain_op.weight.shape == (OUT, IN)

@@ -38,15 +38,8 @@ from . import _fsdp_parameters as fsdp_parameters
 from ._contiguous_parameters import group_views, repack_parameter_groups
 from ._delayed_wgrad import DelayedWgrad
 
-__all__ = [
-    "TransformerEngineBaseModule",
-    "resolve_module_device",
-    "default_init_method",
-    "initialize_ub",
-    "destroy_ub",
-    "get_ub",
-    "UserBufferQuantizationMode",
-]
+__all__ = ["TransformerEngineBaseModule", "resolve_module_device", "default_init_method"]
+__all__ += ["initialize_ub", "destroy_ub", "get_ub", "UserBufferQuantizationMode"]
 
 
 def resolve_module_device(device, owner: str = "module") -> torch.device:

@@ -28,19 +28,16 @@ import torch
 import torch.distributed as dist
 
 from ..._parallel_backward import ColumnParallelBackward
-from ..._sequence_parallel_input import (
-    check_sequence_parallel_scaling,
-    keep_local_shard,
-    reduce_amaxes_over,
+from ..._ring_gemm import (
+    column_forward_input,
+    keep_column_input,
+    row_backward_grad_output,
+    row_forward_gemm,
+    row_forward_output,
 )
-from ..._tensor_parallel import (
-    allreduce,
-    divide,
-    reduce_scatter_along_first_dim,
-    sequence_parallel_gemm_input,
-    sequence_parallel_grad_output,
-    set_tensor_model_parallel_attributes,
-)
+from ..._sequence_parallel_input import check_sequence_parallel_scaling, reduce_amaxes_over
+from ..._tensor_parallel import allreduce, divide, set_tensor_model_parallel_attributes
+from ..._userbuffers import CommOverlapFlags, check_comm_overlap_ready
 
 __all__ = ["LinearParallelism", "tensor_parallel_size"]
 
@@ -65,8 +62,9 @@ class LinearParallelism:
     every method is the identity and the local sizes are the whole ones."""
 
     def __init__(
-        self, owner: str, in_features: int, out_features: int, mode, group, sequence_parallel
-    ) -> None:
+        self, owner: str, in_features: int, out_features: int, mode, group, sequence_parallel,
+        userbuffers_options=None,
+    ) -> None:  # fmt: skip
         if mode not in _MODES:
             raise ValueError(
                 f"{owner}: tensor_parallel_mode={mode!r} must be None, 'column' or 'row'"
@@ -83,6 +81,27 @@ class LinearParallelism:
         elif self.active and mode == "row":
             in_features = divide(in_features, self.size, f"{owner}: in_features")
         self.local_in_features, self.local_out_features = in_features, out_features
+        self.overlap = self._comm_overlap(userbuffers_options)
+
+    def _comm_overlap(self, options) -> CommOverlapFlags | None:
+        """``userbuffers_options`` (``{"comm_name": "qkv"}``): under sequence parallelism a
+        column GEMM's gather and its input gradient's reduce-scatter, a row GEMM's
+        reduce-scatter and its output gradient's gather run chunk by chunk with the GEMMs
+        (``_ring_gemm``), as the module flags do."""
+        if options is None:
+            return None
+        name = options.get("comm_name") if isinstance(options, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ValueError(
+                f"{self.owner}: userbuffers_options={options!r} must be a dict with "
+                "'comm_name', the layer's name in initialize_ub's configuration ('qkv', 'proj', "
+                "'fc1' or 'fc2')"
+            )
+        if not self.sequence_parallel:
+            return None
+        column = self.mode == "column"
+        return CommOverlapFlags(name, ag_fprop=column, rs_fprop=not column, rs_dgrad=column,
+                                ag_dgrad=not column)  # fmt: skip
 
     @property
     def placement(self) -> str | None:
@@ -123,30 +142,38 @@ class LinearParallelism:
         return self.sequence_parallel and self.mode == "column"
 
     def gemm_input(self, input_, config, shape):
-        """``(gemm_input, leading, shard)``: the input the GEMM reads (all-gathered along
-        dimension 0 when the op gathers its input, else ``input_`` with ``leading=None``), the
-        gathered leading shape (from ``shape``, the input's as the caller sees it: a fused
-        producer's FP8 input arrives flattened to 2-D) and the FP8 shard
-        (``sequence_parallel_gemm_input``)."""
+        """``(gemm_input, leading, shard, forward_gemm, ring_rows)``: the input the GEMM reads
+        (all-gathered along dimension 0 when the op gathers its input, else ``input_`` with
+        ``leading=None``), the gathered leading shape (from ``shape``, the input's as the caller
+        sees it: a fused producer's FP8 input arrives flattened to 2-D), the FP8 shard, and
+        with ``userbuffers_options`` the core's ``forward_gemm`` that pipelines the gather or
+        the row output's reduce-scatter (``_ring_gemm``; ``ring_rows``: the gathered rows when
+        the input is gathered that way, which then stays this rank's rows)."""
+        check_comm_overlap_ready(self.owner, self.overlap, self.size)
         if not self.gathers_input:
-            return input_, None, None
-        full, _, shard = sequence_parallel_gemm_input(input_, self.group, config)
+            forward_gemm = None
+            if self.active and self.mode == "row" and self.sequence_parallel:
+                forward_gemm = row_forward_gemm(input_, self.group, self.overlap)
+            return input_, None, None, forward_gemm, None
+        full, _, shard, forward_gemm, rows = column_forward_input(
+            input_, self.group, config, self.overlap
+        )
         leading = (shape[0] * self.size, *shape[1:-1]) if len(shape) else ()
-        return full, leading, shard
+        return full, leading, shard, forward_gemm, rows
 
     def finish_forward(self, ctx, saved, input_, shape, gathered, needs_wgrad, out):
         """After the core's forward (``gathered``: what :meth:`gemm_input` returned; ``shape``
         as there): the output in the gathered leading shape, the saved input reduced to this
         rank's shard (``ctx.kept_shard``), and a row-parallel output reduced over the group."""
-        full, leading, shard = gathered
+        full, leading, shard, forward_gemm, ring_rows = gathered
         ctx.kept_shard = None
         if leading is not None:
             out = out.reshape(*leading, out.shape[-1])
-            ctx.kept_shard = keep_local_shard(saved, input_, full, shard, needs_wgrad)
+            ctx.kept_shard = keep_column_input(saved, input_, full, shard, needs_wgrad, ring_rows)
             ctx.local_input_shape = shape
         if self.active and self.mode == "row":
             if self.sequence_parallel:
-                return reduce_scatter_along_first_dim(out, self.group)[0]
+                return row_forward_output(out, shape[:-1], self.group, forward_gemm)
             return allreduce(out, self.group)[0]  # the GEMM's own output, summed in place
         return out
 
@@ -167,13 +194,13 @@ class LinearParallelism:
                 ctx.local_input_shape if self.sequence_parallel else saved.inp_shape
             )
             return grad_output, ColumnParallelBackward(
-                saved, kept, self.group, self.sequence_parallel
-            )
-        if self.sequence_parallel:
-            grad_output = sequence_parallel_grad_output(
-                grad_output, self.group, saved.config,
-                rowwise=saved.w is not None, columnwise=saved.x is not None,
+                saved, kept, self.group, self.sequence_parallel,
+                pipelined_dgrad=self.overlap is not None and self.overlap.rs_dgrad,
             )  # fmt: skip
+        if self.sequence_parallel:
+            # gathered now, or by chunks with the input gradient's GEMM (userbuffers_options)
+            ctx.grad_input_shape = saved.inp_shape
+            return row_backward_grad_output(grad_output, self.group, saved, self.overlap)
         return grad_output, None
 
     def input_gradient(self, ctx, grad_input, communication):

@@ -81,8 +81,9 @@ class BasicLinear(BasicOperation):
         dimension 0, all-gathered before a column GEMM (in FP8 under a per-tensor FP8 recipe)
         and reduce-scattered after a row GEMM, as ``te.Linear`` does.
     userbuffers_options : dict, optional
-        Userbuffers communication overlap is not built: anything but ``None`` raises
-        ``NotImplementedError``.
+        ``{"comm_name": name}`` (``"qkv"``, ``"proj"``, ``"fc1"``, ``"fc2"``; after
+        ``initialize_ub``): under sequence parallelism the GEMMs run chunk by chunk with their
+        gathers and reduce-scatters, as the modules' ``ub_*`` flags do.
 
     Notes
     -----
@@ -107,18 +108,12 @@ class BasicLinear(BasicOperation):
         userbuffers_options=None,
     ) -> None:
         super().__init__()
-        if userbuffers_options is not None:
-            raise NotImplementedError(
-                f"BasicLinear: userbuffers_options={userbuffers_options!r}: Userbuffers "
-                "communication overlap is not built in this package; leave it None (the "
-                "collectives then run without overlap)"
-            )
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"BasicLinear: {name}={value!r} must be a positive int")
         par = LinearParallelism(
             "BasicLinear", in_features, out_features, tensor_parallel_mode,
-            tensor_parallel_group, sequence_parallel,
+            tensor_parallel_group, sequence_parallel, userbuffers_options,
         )  # fmt: skip
         self._parallelism = par
         self.in_features = in_features
@@ -324,7 +319,7 @@ class BasicLinear(BasicOperation):
         par.check_fp8(config, recipe)
         with torch.no_grad():
             gathered = par.gemm_input(input_, config, input_shape)
-            full, leading, shard = gathered
+            full, leading, shard, forward_gemm, _ = gathered
             out, saved = linear_forward(
                 gemm_weight,
                 full,
@@ -333,8 +328,9 @@ class BasicLinear(BasicOperation):
                 needs_dgrad=ctx.input_requires_grad,
                 # an FP8 shard is gathered again in backward for the weight gradient
                 needs_wgrad=needs_wgrad and shard is None,
+                forward_gemm=forward_gemm,
             )
-            if produced and leading is None and len(input_shape) != 2:
+            if produced and leading is None and forward_gemm is None and len(input_shape) != 2:
                 out = out.reshape(*input_shape[:-1], out.shape[-1])
             out = par.finish_forward(ctx, saved, input_, input_shape, gathered, needs_wgrad, out)
         if produced and leading is None:
