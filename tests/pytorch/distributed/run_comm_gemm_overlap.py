@@ -172,6 +172,14 @@ def check_events(tag, log, world, *, pipelined, allowed) -> list[str]:
     return failures
 
 
+def run_forward(modules, x, recipe):
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        out = x
+        for m in modules:
+            out = m(out)
+    return out
+
+
 def run(modules, x, grad, recipe, log_events=False):
     x = x.detach().clone().requires_grad_(True)
     with te.autocast(enabled=recipe is not None, recipe=recipe):
@@ -244,6 +252,10 @@ def check_case(model, recipe_name, group, device) -> list[str]:
             want = run(plain, x, grad, make_recipe(recipe_name))
             got = run(piped, x, grad, make_recipe(recipe_name), log_events=step == 0)
             compare(f"{tag} output", got[0], want[0], fp8, failures)
+            if step == 0 and recipe_name != "delayed":  # (delayed: inference moves no scale)
+                with torch.no_grad():  # the inference path of each node
+                    inference = run_forward(piped, x, make_recipe(recipe_name))
+                compare(f"{tag} output without grad", inference, want[0], fp8, failures)
             compare(f"{tag} input grad", got[1], want[1], fp8, failures)
             named = dict(torch.nn.ModuleList(plain).named_parameters())
             for name, p in torch.nn.ModuleList(piped).named_parameters():
