@@ -13,6 +13,9 @@ a tensor-parallel time is the slower rank's. Reported per configuration:
 * with ``--overlap-baseline``: overlap gain = TP time with FC1's backward collectives waited
   for as soon as they are issued / TP time with them overlapping FC1's GEMMs (the default;
   ``transformer_engine.pytorch._parallel_backward``), timed in the same run
+* with ``--ub`` (sequence parallelism): ub gain = TP time / TP time of the module built with
+  the ``ub_*`` flags after ``te.initialize_ub`` (FC1's gather and FC2's reduce-scatter, and
+  their backward twins, pipelined chunk by chunk with the GEMMs: ``_ring_gemm``), same run
 
 Under sequence parallelism FC1's input is all-gathered in FP8 for the per-tensor FP8 recipes
 (one byte per value) and FC2's output reduce-scattered in BF16.
@@ -22,7 +25,7 @@ Usage (2 processes x 1 GPU; NVLink multicast off):
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
         python -m torch.distributed.run --nproc-per-node 2 benchmarks/parallel/benchmark_tp_mlp.py
     ... benchmarks/parallel/benchmark_tp_mlp.py --tokens 4096 --steps 10 --json out.json
-    ... benchmarks/parallel/benchmark_tp_mlp.py --overlap-baseline
+    ... benchmarks/parallel/benchmark_tp_mlp.py --overlap-baseline --ub
 
 With fewer than 2 GPUs (or not launched by torch.distributed.run with 2 processes) it prints
 why and exits with status 2.
@@ -55,10 +58,12 @@ def recipe_of(precision: str, reduce_amax: bool):
     return None
 
 
-def build(args, device, group=None, sp=False):
+def build(args, device, group=None, sp=False, ub=False):
     kw = dict(params_dtype=torch.bfloat16, device=device)
     if group is not None:
         kw.update(set_parallel_mode=True, tp_group=group, sequence_parallel=sp)
+    if ub:
+        kw.update(ub_overlap_ag=True, ub_overlap_rs=True, ub_overlap_rs_dgrad=True)
     torch.manual_seed(0)
     return te.LayerNormMLP(args.hidden, args.ffn, **kw)
 
@@ -104,17 +109,17 @@ def single_gpu_times(args, device) -> dict:
     return times
 
 
-def tp_time(args, device, group, precision, sp, overlap=True) -> float:
+def tp_time(args, device, group, precision, sp, overlap=True, ub=False) -> float:
     _parallel_backward.OVERLAP = overlap
     try:
-        return _tp_time(args, device, group, precision, sp)
+        return _tp_time(args, device, group, precision, sp, ub)
     finally:
         _parallel_backward.OVERLAP = True
 
 
-def _tp_time(args, device, group, precision, sp) -> float:
+def _tp_time(args, device, group, precision, sp, ub) -> float:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    module = build(args, device, group, sp)
+    module = build(args, device, group, sp, ub)
     x, dy = inputs(args.tokens, args.hidden, device)
     if sp:
         x = x.detach().chunk(world)[rank].contiguous().requires_grad_(True)
@@ -146,6 +151,10 @@ def main() -> int:
         "--overlap-baseline", action="store_true",
         help="also time each TP configuration with the backward collectives unoverlapped",
     )  # fmt: skip
+    parser.add_argument(
+        "--ub", action="store_true",
+        help="also time each sequence-parallel configuration with the ub_* overlap flags",
+    )  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -164,6 +173,8 @@ def main() -> int:
     try:
         group = dist.new_group([0, 1])
         rank = dist.get_rank()
+        if args.ub:
+            te.initialize_ub([args.tokens, args.hidden], 2)
         single = single_gpu_times(args, device) if rank == 0 else None
         dist.barrier()
         results = []
@@ -173,6 +184,8 @@ def main() -> int:
                 result = {"precision": precision, "sequence_parallel": sp, "tp_ms": tp}
                 if args.overlap_baseline:
                     result["unoverlapped_ms"] = tp_time(args, device, group, precision, sp, False)
+                if args.ub and sp:
+                    result["ub_ms"] = tp_time(args, device, group, precision, sp, ub=True)
                 results.append(result)
         if rank == 0:
             report(args, single, results)
@@ -186,7 +199,7 @@ def report(args, single: dict, results: list[dict]) -> None:
     print(f"LayerNormMLP({args.hidden}, {args.ffn}), {args.tokens} tokens, BF16 parameters, "
           "forward + backward; TP=2 over NCCL")  # fmt: skip
     print(f"{'precision':<9} {'SP':<5} {'1 GPU ms':>9} {'TP=2 ms':>8} {'efficiency':>10} "
-          f"{'FP8 vs BF16':>11} {'overlap gain':>12}")  # fmt: skip
+          f"{'FP8 vs BF16':>11} {'overlap gain':>12} {'ub gain':>8}")  # fmt: skip
     for r in results:
         r["single_ms"] = single[r["precision"]]
         r["efficiency"] = r["single_ms"] / (2 * r["tp_ms"])
@@ -197,9 +210,13 @@ def report(args, single: dict, results: list[dict]) -> None:
         if "unoverlapped_ms" in r:
             r["overlap_gain"] = r["unoverlapped_ms"] / r["tp_ms"]
             gain = f"{r['overlap_gain']:.3f}x"
+        ub_gain = "-"
+        if "ub_ms" in r:
+            r["ub_gain"] = r["tp_ms"] / r["ub_ms"]
+            ub_gain = f"{r['ub_gain']:.3f}x"
         print(f"{r['precision']:<9} {str(r['sequence_parallel']):<5} {r['single_ms']:>9.2f} "
               f"{r['tp_ms']:>8.2f} {100 * r['efficiency']:>9.1f}% {ratio:>11} "
-              f"{gain:>12}")  # fmt: skip
+              f"{gain:>12} {ub_gain:>8}")  # fmt: skip
     print(f"targets: efficiency >= {EFFICIENCY_TARGET:.0%}, FP8 vs BF16 at TP=2 >= "
           f"{FP8_TARGET}x")  # fmt: skip
     if args.json:

@@ -4,7 +4,8 @@
 #   2. run the unit suites (CPU and GPU; the two-GPU tests run when two GPUs are visible),
 #   3. run the native-kernel GPU tests once more under compute-sanitizer memcheck (0 errors),
 #   4. with two GPUs, the amax reduction over NCCL (torchrun, 2 processes x 1 GPU),
-#   5. run the quantize benchmark (and with two GPUs the tensor-parallel MLP benchmark).
+#   5. run the quantize benchmark (and with two GPUs the tensor-parallel MLP benchmark, with the
+#      unoverlapped baseline and the ub_* overlap flags).
 # Logs go to $LOG_DIR (default: $OUT when set, else ./qa_logs).
 set -uo pipefail
 
@@ -68,9 +69,9 @@ if [ "${SKIP_BENCHMARK:-0}" != "1" ]; then
   "$PYTHON" -P benchmarks/quantize/benchmark_quantize.py --json "$LOG_DIR/benchmark_quantize.json" \
     2>&1 | tee "$LOG_DIR/benchmark_quantize.log" || status=1
   if [ "$NUM_GPUS" -ge 2 ]; then
-    step "tensor-parallel LayerNormMLP benchmark (TP=2, with the unoverlapped baseline)"
+    step "tensor-parallel LayerNormMLP benchmark (TP=2, with the unoverlapped baseline and the ub_* flags)"
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2 \
-      benchmarks/parallel/benchmark_tp_mlp.py --overlap-baseline \
+      benchmarks/parallel/benchmark_tp_mlp.py --overlap-baseline --ub \
       --json "$LOG_DIR/benchmark_tp_mlp.json" 2>&1 | tee "$LOG_DIR/benchmark_tp_mlp.log" || status=1
   fi
 fi
