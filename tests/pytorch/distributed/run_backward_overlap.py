@@ -32,7 +32,7 @@ import itertools
 
 import torch
 import torch.distributed as dist
-from tp_harness import case_checks, main, make_recipe, run_worker
+from tp_harness import RecordedWork, case_checks, main, make_recipe, run_worker
 
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch import _parallel_backward as parallel_backward
@@ -50,17 +50,6 @@ CASES = [
 CASES += [("pair", True, None, False), ("mlp", True, "delayed", False), ("ops", False, None, False)]
 
 
-class _RecordedWork:
-    """An asynchronous collective's work object that logs the wait for it."""
-
-    def __init__(self, work, name, log):
-        self.work, self.name, self.log = work, name, log
-
-    def wait(self, *args, **kwargs):
-        self.log.append(("wait", self.name))
-        return self.work.wait(*args, **kwargs)
-
-
 @contextlib.contextmanager
 def recorded_backward_events():
     """``log``: ``("issue", name, async)``, ``("wait", name)`` and ``("gemm", kind)`` events."""
@@ -72,7 +61,7 @@ def recorded_backward_events():
             name = f"{kind}#{next(counter)}"
             log.append(("issue", name, async_op))
             work = original(*args, async_op=async_op, **kwargs)
-            return _RecordedWork(work, name, log) if async_op and work is not None else work
+            return RecordedWork(work, name, log) if async_op and work is not None else work
 
         return run
 

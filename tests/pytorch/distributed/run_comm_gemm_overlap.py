@@ -35,7 +35,15 @@ import itertools
 
 import torch
 import torch.distributed as dist
-from tp_harness import case_checks, compare, main, make_recipe, run_worker, spread_maxima
+from tp_harness import (
+    RecordedWork,
+    case_checks,
+    compare,
+    main,
+    make_recipe,
+    run_worker,
+    spread_maxima,
+)
 
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch import _ring_gemm as ring
@@ -95,15 +103,6 @@ def build(model, group, device, ub: bool):
     return modules
 
 
-class _RecordedWork:
-    def __init__(self, work, name, log):
-        self.work, self.name, self.log = work, name, log
-
-    def wait(self, *args, **kwargs):
-        self.log.append(("wait", self.name))
-        return self.work.wait(*args, **kwargs)
-
-
 @contextlib.contextmanager
 def recorded_events():
     """``log``: ``("issue", name)`` for every collective and point-to-point exchange,
@@ -117,8 +116,8 @@ def recorded_events():
             log.append(("issue", name))
             work = original(*args, **kwargs)
             if isinstance(work, list):
-                return [_RecordedWork(w, name, log) for w in work]
-            return _RecordedWork(work, name, log) if work is not None else work
+                return [RecordedWork(w, name, log) for w in work]
+            return RecordedWork(work, name, log) if work is not None else work
 
         return run
 

@@ -6,6 +6,7 @@ Worker side (the ``run_*.py`` scripts, one process per rank):
   process group, run the checks on a group of every rank, write ``rank<r>.json`` and print the
   ``<LABEL>_RESULT`` / ``<LABEL>_FAILURE`` lines, leave the group;
 * ``main``: the torchrun entry point (``--backend``, ``--out``; exit 1 on any failure);
+* ``RecordedWork``: a work object that logs the wait for it (the overlap workers);
 * ``recorded_gathers`` / ``high_precision_gathers``: log what ``_tensor_parallel``'s all-gathers
   send, and switch the FP8 gathers off (the path before them: gather, then cast);
 * ``make_recipe``, ``make_quantizer``, ``spread_maxima``, ``shard``, ``gather``, ``summed``,
@@ -79,6 +80,18 @@ def run_worker(rank, world_size, backend, out_dir, init_method, label, checks):
         FP8GlobalStateManager.reset()
         gc.collect()
         dist.destroy_process_group()
+
+
+class RecordedWork:
+    """An asynchronous collective's work object that logs the wait for it in ``log`` (the
+    overlap workers' event logs)."""
+
+    def __init__(self, work, name, log):
+        self.work, self.name, self.log = work, name, log
+
+    def wait(self, *args, **kwargs):
+        self.log.append(("wait", self.name))
+        return self.work.wait(*args, **kwargs)
 
 
 def case_checks(cases, check_case):
