@@ -12,6 +12,7 @@ from __future__ import annotations
 import pickle
 
 import fp8_oracle as oracle
+import pytest
 import torch
 from utils import uint8_view
 
@@ -118,3 +119,26 @@ def test_reconstructor_keeps_its_public_name_in_pickles():
     assert b"_float8_tensor_class" not in payload
     restored = pickle.loads(payload)
     assert torch.equal(restored._data, t._data) and restored._quantizer is None
+
+
+def _devices():
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_prevalidated_gemm_writes_the_rows_it_is_given(device, out_dtype, with_bias):
+    """``out=`` a view of some rows of a larger output (a pipelined GEMM's chunk): the rows
+    hold what the GEMM returns without ``out`` (on CUDA cuBLAS writes them directly) and the
+    rest of the output is untouched."""
+    w = internal_storage(sample((32, 64), seed=1).to(device))
+    x = internal_storage(sample((48, 64), seed=2).to(device))
+    bias = sample((32,), seed=3).to(device, out_dtype) if with_bias else None
+    want = fp8_gemm_prevalidated(w, x, out_dtype, layout="TN", bias=bias)
+    whole = torch.full((96, 32), 7.0, dtype=out_dtype, device=device)
+    rows = whole[16:64]
+    got = fp8_gemm_prevalidated(w, x, out_dtype, layout="TN", bias=bias, out=rows)
+    assert got.data_ptr() == rows.data_ptr()
+    assert torch.equal(whole[16:64], want)
+    assert bool((whole[:16] == 7).all()) and bool((whole[64:] == 7).all())

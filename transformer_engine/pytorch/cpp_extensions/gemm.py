@@ -120,8 +120,12 @@ def _fp8_matrices(
     return x.reshape(m, k).contiguous(), y.reshape(n, k).contiguous()
 
 
-def _fp8_gemm(x, y, x_scale_inv, y_scale_inv, *, out_dtype, bias, alpha, fast_accum, to_fp32):
-    """``alpha * (x * sx) @ (y * sy)^T (+ bias)``, rounded once to ``out_dtype`` (or float32)."""
+def _fp8_gemm(
+    x, y, x_scale_inv, y_scale_inv, *, out_dtype, bias, alpha, fast_accum, to_fp32, into=None
+):
+    """``alpha * (x * sx) @ (y * sy)^T (+ bias)``, rounded once to ``out_dtype`` (or float32).
+    ``into``: a contiguous tensor of the result's shape and dtype that cuBLAS may write
+    directly (the result is then ``into``; otherwise the caller copies)."""
     # torch._scaled_mm takes any one-element float32 scale for per-tensor scaling, so the
     # [1]-shaped scale_inv buffers go in as they are (no reshape: one dispatch less per operand).
     scale_a = x_scale_inv
@@ -160,6 +164,16 @@ def _fp8_gemm(x, y, x_scale_inv, y_scale_inv, *, out_dtype, bias, alpha, fast_ac
             # added term is 0 * 0 = +0.0, so the product is exactly unchanged.
             k = x.shape[1] + pad
             x, y = zero_padded_fp8(x, x.shape[0], k), zero_padded_fp8(y, y.shape[0], k)
+        if (
+            into is not None
+            and mm_dtype == out_dtype == into.dtype
+            and (bias is None or fused_bias)
+        ):
+            # straight into the caller's rows (a pipelined GEMM's chunk of its output)
+            return torch._scaled_mm(
+                x, y.t(), scale_a=scale_a, scale_b=scale_b, bias=bias if fused_bias else None,
+                out_dtype=mm_dtype, use_fast_accum=fast_accum, out=into,
+            )  # fmt: skip
         product = torch._scaled_mm(
             x,
             y.t(),
@@ -486,6 +500,7 @@ def fp8_gemm_prevalidated(
             A, B, out_dtype, layout=layout, bias=bias, out=out, accumulate=accumulate,
             use_split_accumulator=use_split_accumulator,
         )[0]  # fmt: skip
+    into = out if out is not None and not accumulate and out.is_contiguous() else None
     result = _fp8_gemm(
         x,
         y,
@@ -496,11 +511,12 @@ def fp8_gemm_prevalidated(
         alpha=1.0,
         fast_accum=not use_split_accumulator,
         to_fp32=accumulate,
+        into=into,
     )
     if accumulate:
         if out.dtype == torch.float32:
             return out.add_(result)
         return out.copy_(out.float() + result)
-    if out is not None:
+    if out is not None and result is not out:
         return out.copy_(result)
     return result
