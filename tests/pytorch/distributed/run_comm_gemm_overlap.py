@@ -8,7 +8,8 @@ checked against the single-process model by run_tensor_parallel.py). Models: a c
 ``te.Linear`` pair, a column ``te.LayerNormLinear`` followed by a row ``te.Linear``, a
 ``te.LayerNormMLP`` (``set_parallel_mode``; also with its ``activation_fn`` replaced), a
 ``te.ops.Sequential`` of a column ``BasicLinear``, GELU and a row ``BasicLinear``
-(``userbuffers_options``); float32, DelayedScaling and Float8CurrentScaling; two steps. Checked, per case:
+(``userbuffers_options``), a ``te.TransformerLayer`` (``ub_tp_comm_overlap``); float32,
+DelayedScaling and Float8CurrentScaling; two steps. Checked, per case:
 
 * the output, the input gradient and every parameter gradient equal the plain model's (the
   pipelined reduce-scatter adds the ranks' partial sums in another order: float32 within
@@ -50,11 +51,12 @@ from transformer_engine.pytorch import _ring_gemm as ring
 from transformer_engine.pytorch import _tensor_parallel as tp
 from transformer_engine.pytorch.functional import linear as core
 
-SEQ, BATCH, HIDDEN, FFN = 24, 2, 48, 96
+SEQ, BATCH, HIDDEN, FFN = 24, 2, 96, 192
+HEADS = 6  # divisible by 2 and 3 ranks
 STEPS = 2
 CASES = [
     (model, recipe)
-    for model in ("pair", "layernorm_linear", "mlp", "mlp-act", "ops")
+    for model in ("pair", "layernorm_linear", "mlp", "mlp-act", "ops", "layer")
     for recipe in (None, "delayed", "current")
 ]
 UB_FLAGS = dict(ub_overlap_ag=True, ub_overlap_rs=True, ub_overlap_rs_dgrad=True,
@@ -81,6 +83,13 @@ def build(model, group, device, ub: bool):
             te.Linear(FFN, HIDDEN, parallel_mode="row", ub_name="proj" if ub else None,
                       **kw, **flags),
         ]  # fmt: skip
+    elif model == "layer":  # ub_tp_comm_overlap hands the flags to QKV, proj, FC1 and FC2
+        ub_kw = dict(ub_tp_comm_overlap=True, ub_overlap_rs_dgrad=True) if ub else {}
+        modules = [te.TransformerLayer(
+            HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0, tp_group=group,
+            tp_size=world, set_parallel_mode=True, sequence_parallel=True, seq_length=SEQ,
+            device=device, **ub_kw,
+        )]  # fmt: skip
     elif model == "ops":
         opts = dict(tensor_parallel_group=group, sequence_parallel=True, device=device)
         modules = [te.ops.Sequential(
@@ -260,12 +269,13 @@ def check_case(model, recipe_name, group, device) -> list[str]:
             for name, p in torch.nn.ModuleList(piped).named_parameters():
                 compare(f"{tag} {name} grad", p.grad, named[name].grad, fp8, failures)
             if step == 0:
+                pairs = 2 if model == "layer" else 1  # (attention, MLP)
                 # forward: the column gathers and the row reduce-scatters, one each a pair
-                failures += check_events(f"{tag} forward", got[2], world, pipelined=2,
+                failures += check_events(f"{tag} forward", got[2], world, pipelined=2 * pairs,
                                          allowed=())  # fmt: skip
                 # backward: the row gradients' gathers and the column gradients' reductions
                 # by chunks; the column inputs gathered again for their weight gradient
-                failures += check_events(f"{tag} backward", got[3], world, pipelined=2,
+                failures += check_events(f"{tag} backward", got[3], world, pipelined=2 * pairs,
                                          allowed=("all_gather",))  # fmt: skip
     finally:
         te.destroy_ub()
