@@ -18,6 +18,7 @@ FP8 path (per-tensor scaling, Hopper-style TN GEMMs):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,11 +273,10 @@ def linear_forward(
     x = inp if two_dim else inp.reshape(-1, in_features)
     saved = LinearSaved(config, None, None, weight, inp.shape, bias, bias_requires_grad)
     if not config.fp8:
-
-        def gemm(rows, out=None):
-            return hp_gemm_cpu.linear(rows, weight, bias)
-
-        out = gemm(x) if forward_gemm is None else forward_gemm(gemm, x)
+        if forward_gemm is None:
+            out = hp_gemm_cpu.linear(x, weight, bias)
+        else:
+            out = forward_gemm(lambda rows, out=None: hp_gemm_cpu.linear(rows, weight, bias), x)
         saved.high_precision_backward = True
         saved.x = x if needs_wgrad else None
         saved.w = weight if needs_dgrad else None
@@ -297,7 +297,17 @@ def linear_forward(
                 config.input_quantizer, x, rowwise=True, columnwise=needs_wgrad and not keep_x
             )
         w_q = _quantized_weight(weight, config, columnwise=needs_dgrad)
-        out = _fp8_forward_gemm(w_q, x_q, bias, config, forward_gemm)
+        if forward_gemm is None:  # (the hot path: no partial, no extra call)
+            out = fp8_gemm_prevalidated(
+                w_q,
+                x_q,
+                config.activation_dtype,
+                layout="TN",
+                bias=bias,
+                use_split_accumulator=config.fprop_split_accumulator,
+            )
+        else:
+            out = _fp8_forward_gemm(w_q, x_q, bias, config, forward_gemm)
         # Backward needs only the transposed copies; drop the row-wise input bytes (a plain
         # tensor an IdentityQuantizer returned serves both layouts and has none to drop).
         drops_x = owns_x_q or config.input_produced
@@ -322,12 +332,11 @@ def linear_forward(
 
 
 def _fp8_forward_gemm(w_q, x_q, bias, config, forward_gemm):
-    def gemm(rows, out=None):
-        return fp8_gemm_prevalidated(
-            w_q, rows, config.activation_dtype, layout="TN", bias=bias,
-            use_split_accumulator=config.fprop_split_accumulator, out=out,
-        )  # fmt: skip
-
+    """The forward GEMM, through ``forward_gemm`` (see :func:`linear_forward`) when given."""
+    gemm = functools.partial(
+        fp8_gemm_prevalidated, w_q, out_dtype=config.activation_dtype, layout="TN", bias=bias,
+        use_split_accumulator=config.fprop_split_accumulator,
+    )  # fmt: skip
     return gemm(x_q) if forward_gemm is None else forward_gemm(gemm, x_q)
 
 
@@ -432,26 +441,30 @@ def linear_backward(
             )
         if communication is not None:
             communication.before_dgrad()
-        if saved_w is not None:
-
-            def gemm(rows, out=None):
-                return fp8_gemm_prevalidated(
-                    saved_w, rows, config.activation_dtype, layout="NN",
-                    use_split_accumulator=config.dgrad_split_accumulator, out=out,
-                )  # fmt: skip
-
-            dx = gemm(grad_operand) if communication is None else communication.dgrad(
-                gemm, grad_operand
+        if saved_w is not None and communication is None:  # (the hot path: a direct call)
+            dx = fp8_gemm_prevalidated(
+                saved_w,
+                grad_operand,
+                config.activation_dtype,
+                layout="NN",
+                use_split_accumulator=config.dgrad_split_accumulator,
+            )
+        elif saved_w is not None:
+            gemm = functools.partial(
+                fp8_gemm_prevalidated, saved_w, out_dtype=config.activation_dtype,
+                layout="NN", use_split_accumulator=config.dgrad_split_accumulator,
             )  # fmt: skip
+            dx = communication.dgrad(gemm, grad_operand)
     else:
         if communication is not None:
             communication.before_dgrad()
         if saved_w is not None:
-
-            def gemm(rows, out=None):
-                return hp_gemm_cpu.matmul(rows, saved_w)
-
-            dx = gemm(dy) if communication is None else communication.dgrad(gemm, dy)
+            if communication is None:
+                dx = hp_gemm_cpu.matmul(dy, saved_w)
+            else:
+                dx = communication.dgrad(
+                    lambda rows, out=None: hp_gemm_cpu.matmul(rows, saved_w), dy
+                )
     saved_x = None
     if has_x:
         if communication is not None:
