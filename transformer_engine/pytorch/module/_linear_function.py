@@ -15,7 +15,8 @@ and the shard kept is the local FP8 rows (``regather_fp8_shard`` in backward); o
 high-precision shard is kept when the weight gradient reads the input as it is. A row-parallel
 GEMM under sequence parallelism reduce-scatters its output along dimension 0 and all-gathers
 the output gradient in backward, in FP8 under a per-tensor FP8 grad-output quantizer
-(``sequence_parallel_grad_output``).
+(``sequence_parallel_grad_output``). With a module's ``ub_*`` flags (``overlap``) those gathers
+and reduce-scatters run chunk by chunk with the GEMMs instead (:mod:`.._ring_gemm`).
 """
 
 from __future__ import annotations

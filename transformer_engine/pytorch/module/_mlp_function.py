@@ -22,7 +22,9 @@ keeps only the local shard (FP8, or the input itself in high precision), which b
 again for FC1's weight gradient, and reduce-scatters its gradient. With ``out_sp_group`` (FC2
 row-parallel under sequence parallelism) the node reduce-scatters FC2's output along dimension
 0 and all-gathers the output gradient (``sequence_parallel_grad_output``: FP8 bytes cast with
-FC2's grad-output quantizer under a per-tensor FP8 recipe).
+FC2's grad-output quantizer under a per-tensor FP8 recipe). With the module's ``ub_*`` flags
+(``overlap``) those collectives run chunk by chunk with FC1's and FC2's GEMMs instead
+(:mod:`.._ring_gemm`).
 """
 
 from __future__ import annotations
