@@ -47,6 +47,11 @@ from tp_harness import (
 )
 
 import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import (
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+)
 from transformer_engine.pytorch import _ring_gemm as ring
 from transformer_engine.pytorch import _tensor_parallel as tp
 from transformer_engine.pytorch.functional import linear as core
@@ -59,6 +64,14 @@ CASES = [
     for model in ("pair", "layernorm_linear", "mlp", "mlp-act", "ops", "layer")
     for recipe in (None, "delayed", "current")
 ]
+# operands that do not travel by chunks (block scales, a high-precision backward of FP8
+# GEMMs): those GEMMs keep their one collective, with the same results
+FALLBACK_RECIPES = {
+    "mxfp8": MXFP8BlockScaling,
+    "float8_block": Float8BlockScaling,
+    "current-hp-backward": lambda: Float8CurrentScaling(backward_override="high_precision"),
+}
+CASES += [("pair", "mxfp8"), ("mlp", "float8_block"), ("pair", "current-hp-backward")]
 UB_FLAGS = dict(ub_overlap_ag=True, ub_overlap_rs=True, ub_overlap_rs_dgrad=True,
                 ub_bulk_dgrad=True, ub_bulk_wgrad=True)  # fmt: skip
 
@@ -241,6 +254,10 @@ def check_setup_errors(piped, world, device) -> list[str]:
     return failures
 
 
+def recipe_of(name):
+    return FALLBACK_RECIPES[name]() if name in FALLBACK_RECIPES else make_recipe(name)
+
+
 def check_case(model, recipe_name, group, device) -> list[str]:
     world = dist.get_world_size(group)
     plain, piped = build(model, group, device, False), build(model, group, device, True)
@@ -257,18 +274,26 @@ def check_case(model, recipe_name, group, device) -> list[str]:
             tag = f"{model} recipe={recipe_name} step {step}"
             for m in plain + piped:
                 m.zero_grad(set_to_none=True)
-            want = run(plain, x, grad, make_recipe(recipe_name))
-            got = run(piped, x, grad, make_recipe(recipe_name), log_events=step == 0)
+            want = run(plain, x, grad, recipe_of(recipe_name))
+            got = run(piped, x, grad, recipe_of(recipe_name), log_events=step == 0)
             compare(f"{tag} output", got[0], want[0], fp8, failures)
             if step == 0 and recipe_name != "delayed":  # (delayed: inference moves no scale)
                 with torch.no_grad():  # the inference path of each node
-                    inference = run_forward(piped, x, make_recipe(recipe_name))
+                    inference = run_forward(piped, x, recipe_of(recipe_name))
                 compare(f"{tag} output without grad", inference, want[0], fp8, failures)
             compare(f"{tag} input grad", got[1], want[1], fp8, failures)
             named = dict(torch.nn.ModuleList(plain).named_parameters())
             for name, p in torch.nn.ModuleList(piped).named_parameters():
                 compare(f"{tag} {name} grad", p.grad, named[name].grad, fp8, failures)
-            if step == 0:
+            if step == 0 and recipe_name in FALLBACK_RECIPES:
+                # block-scaled operands cannot be split by rows: every collective stays one;
+                # with the high-precision backward the row GEMM's per-tensor FP8 input and
+                # both backward gradients still can (the column input is gathered at once)
+                hp_backward = recipe_name == "current-hp-backward"
+                for log, pipes in ((got[2], int(hp_backward)), (got[3], 2 * hp_backward)):
+                    failures += check_events(f"{tag}", log, world, pipelined=pipes,
+                                             allowed=("all_gather", "reduce_scatter"))  # fmt: skip
+            elif step == 0:
                 pairs = 2 if model == "layer" else 1  # (attention, MLP)
                 # forward: the column gathers and the row reduce-scatters, one each a pair
                 failures += check_events(f"{tag} forward", got[2], world, pipelined=2 * pairs,
