@@ -90,10 +90,32 @@ def _neighbours(group) -> tuple[int, int, int, int]:
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, to: int, source: int, group) -> list:
-    """Send ``send`` to global rank ``to`` while receiving ``recv`` from ``source``."""
+    """Send ``send`` to global rank ``to`` while receiving ``recv`` from ``source``: the work
+    objects to wait for."""
+    if send.device.type != "cpu" and dist.get_backend(group) == "gloo":
+        # gloo moves host memory only: through host copies (a CPU test of GPU kernels)
+        host = torch.empty(recv.shape, dtype=recv.dtype)
+        works = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, send.cpu(), to, group),
+             dist.P2POp(dist.irecv, host, source, group)]
+        )  # fmt: skip
+        return [_HostStagedWork(works, host, recv)]
     return dist.batch_isend_irecv(
         [dist.P2POp(dist.isend, send, to, group), dist.P2POp(dist.irecv, recv, source, group)]
     )
+
+
+class _HostStagedWork:
+    """Waits for a gloo exchange and copies what arrived in host memory to the device."""
+
+    def __init__(self, works, host: torch.Tensor, recv: torch.Tensor) -> None:
+        self.works, self.host, self.recv = works, host, recv
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        self.recv.copy_(self.host)
+        return True
 
 
 def _wait(works) -> None:

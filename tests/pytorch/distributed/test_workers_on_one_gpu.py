@@ -5,7 +5,8 @@ The gloo tests run the workers on the CPU, where the reference paths compute; th
 variants need two GPUs. Here the same checks run with the native kernels on a machine of one
 GPU: FP8 casts and GEMMs through cuBLAS, the norm and activation kernels writing a
 tensor-parallel linear's FP8 input, the block-scaled casts, the overlapped backward's
-asynchronous collectives on CUDA tensors. Skipped without CUDA; the GPU suite runs it.
+asynchronous collectives on CUDA tensors, the GEMMs pipelined chunk by chunk with their
+collectives (FP8 chunks written into their rows of the output by cuBLAS). Skipped without CUDA; the GPU suite runs it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ sys.path.insert(0, str(HERE))
 
 import run_backward_overlap  # noqa: E402
 import run_block_gather  # noqa: E402
+import run_comm_gemm_overlap  # noqa: E402
 import run_fp8_gather  # noqa: E402
 import run_fp8_grad_gather  # noqa: E402
 import run_grouped_linear_tp  # noqa: E402
@@ -39,6 +41,8 @@ WORKERS = {
     ),
     "ops_tensor_parallel": (run_ops_tensor_parallel, len(run_ops_tensor_parallel.CASES) + 1),
     "backward_overlap": (run_backward_overlap, len(run_backward_overlap.CASES)),
+    # (gloo's point-to-point transfers go through host copies of the CUDA chunks)
+    "comm_gemm_overlap": (run_comm_gemm_overlap, len(run_comm_gemm_overlap.CASES)),
     "tensor_parallel_attention": (
         run_tensor_parallel_attention,
         len(run_tensor_parallel_attention.CASES),
