@@ -64,8 +64,8 @@ CASES = [
     for model in ("pair", "layernorm_linear", "mlp", "mlp-act", "ops", "layer")
     for recipe in (None, "delayed", "current")
 ]
-# operands that do not travel by chunks (block scales, a high-precision backward of FP8
-# GEMMs): those GEMMs keep their one collective, with the same results
+# operands that do not travel by chunks (block-scaled ones; the column input of an FP8 GEMM
+# whose backward runs in high precision): those GEMMs keep their one collective, same results
 FALLBACK_RECIPES = {
     "mxfp8": MXFP8BlockScaling,
     "float8_block": Float8BlockScaling,
