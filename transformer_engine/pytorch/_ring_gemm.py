@@ -381,13 +381,9 @@ def row_backward_grad_output(grad: torch.Tensor, group, saved, overlap):
         and (rowwise or columnwise)
         and (not fp8_backward or ring_operand_ok(config, config.grad_output_quantizer, world))
     ):
+        local = grad.reshape(-1, grad.shape[-1])
         if fp8_backward:
-            local = cast_fp8_rows(
-                config.grad_output_quantizer, grad.reshape(-1, grad.shape[-1]), group
-            )
-        else:
-            local = grad.reshape(-1, grad.shape[-1])
-            local = local if local.is_contiguous() else local.contiguous()
+            local = cast_fp8_rows(config.grad_output_quantizer, local, group)
         return local, RowParallelGradGather(group)
     grad = sequence_parallel_grad_output(
         grad, group, config, rowwise=rowwise, columnwise=columnwise

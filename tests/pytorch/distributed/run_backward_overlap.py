@@ -32,7 +32,7 @@ import itertools
 
 import torch
 import torch.distributed as dist
-from tp_harness import RecordedWork, case_checks, main, make_recipe, run_worker
+from tp_harness import RecordedWork, case_checks, main, make_recipe, patched_attributes, run_worker
 
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch import _parallel_backward as parallel_backward
@@ -54,7 +54,6 @@ CASES += [("pair", True, None, False), ("mlp", True, "delayed", False), ("ops", 
 def recorded_backward_events():
     """``log``: ``("issue", name, async)``, ``("wait", name)`` and ``("gemm", kind)`` events."""
     log, counter = [], itertools.count()
-    patched = []
 
     def collective(kind, original):
         def run(*args, async_op=False, **kwargs):
@@ -75,21 +74,16 @@ def recorded_backward_events():
 
     hp = core.hp_gemm_cpu
     hp_stand_in = type("hp", (), {"matmul": staticmethod(gemm("dgrad", hp.matmul))})
-    for owner, name, wrapper in (
+    replacements = (
         (tp, "_all_gather_dim0", collective("all_gather", tp._all_gather_dim0)),
         (tp, "_reduce_scatter_dim0", collective("reduce_scatter", tp._reduce_scatter_dim0)),
         (dist, "all_reduce", collective("all_reduce", dist.all_reduce)),
         (core, "fp8_gemm_prevalidated", gemm("fp8", core.fp8_gemm_prevalidated)),
         (core, "_weight_gradient", gemm("wgrad", core._weight_gradient)),
         (core, "hp_gemm_cpu", hp_stand_in),
-    ):
-        patched.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, wrapper)
-    try:
+    )
+    with patched_attributes(replacements):
         yield log
-    finally:
-        for owner, name, original in reversed(patched):
-            setattr(owner, name, original)
 
 
 def build(model, sp, group, device):

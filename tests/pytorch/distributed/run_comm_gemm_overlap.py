@@ -42,6 +42,7 @@ from tp_harness import (
     compare,
     main,
     make_recipe,
+    patched_attributes,
     run_worker,
     spread_maxima,
 )
@@ -130,7 +131,6 @@ def recorded_events():
     """``log``: ``("issue", name)`` for every collective and point-to-point exchange,
     ``("wait", name)``, ``("gemm",)``."""
     log, counter = [], itertools.count()
-    patched = []
 
     def collective(kind, original):
         def run(*args, **kwargs):
@@ -154,21 +154,16 @@ def recorded_events():
     hp_stand_in = type(
         "hp", (), {"matmul": staticmethod(gemm(hp.matmul)), "linear": staticmethod(gemm(hp.linear))}
     )
-    for owner, name, wrapper in (
+    replacements = (
         (tp, "_all_gather_dim0", collective("all_gather", tp._all_gather_dim0)),
         (tp, "_reduce_scatter_dim0", collective("reduce_scatter", tp._reduce_scatter_dim0)),
         (ring.dist, "batch_isend_irecv", collective("p2p", dist.batch_isend_irecv)),
         (core, "fp8_gemm_prevalidated", gemm(core.fp8_gemm_prevalidated)),
         (core, "_weight_gradient", gemm(core._weight_gradient)),
         (core, "hp_gemm_cpu", hp_stand_in),
-    ):
-        patched.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, wrapper)
-    try:
+    )
+    with patched_attributes(replacements):
         yield log
-    finally:
-        for owner, name, original in reversed(patched):
-            setattr(owner, name, original)
 
 
 def check_events(tag, log, world, *, pipelined, allowed) -> list[str]:

@@ -6,7 +6,8 @@ Worker side (the ``run_*.py`` scripts, one process per rank):
   process group, run the checks on a group of every rank, write ``rank<r>.json`` and print the
   ``<LABEL>_RESULT`` / ``<LABEL>_FAILURE`` lines, leave the group;
 * ``main``: the torchrun entry point (``--backend``, ``--out``; exit 1 on any failure);
-* ``RecordedWork``: a work object that logs the wait for it (the overlap workers);
+* ``RecordedWork``, ``patched_attributes``: a work object that logs the wait for it, and
+  attributes replaced for a block (the overlap workers' event logs);
 * ``recorded_gathers`` / ``high_precision_gathers``: log what ``_tensor_parallel``'s all-gathers
   send, and switch the FP8 gathers off (the path before them: gather, then cast);
 * ``make_recipe``, ``make_quantizer``, ``spread_maxima``, ``shard``, ``gather``, ``summed``,
@@ -92,6 +93,21 @@ class RecordedWork:
     def wait(self, *args, **kwargs):
         self.log.append(("wait", self.name))
         return self.work.wait(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def patched_attributes(replacements):
+    """Set ``(owner, name, value)`` attributes for the ``with`` block, then restore them (in
+    reverse order) whatever happens: the overlap workers' recording wrappers."""
+    originals = []
+    try:
+        for owner, name, value in replacements:
+            originals.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, original in reversed(originals):
+            setattr(owner, name, original)
 
 
 def case_checks(cases, check_case):

@@ -149,7 +149,8 @@ class LinearParallelism:
         with ``userbuffers_options`` the core's ``forward_gemm`` that pipelines the gather or
         the row output's reduce-scatter (``_ring_gemm``; ``ring_rows``: the gathered rows when
         the input is gathered that way, which then stays this rank's rows)."""
-        check_comm_overlap_ready(self.owner, self.overlap, self.size)
+        if self.overlap is not None:
+            check_comm_overlap_ready(self.owner, self.overlap, self.size)
         if not self.gathers_input:
             forward_gemm = None
             if self.active and self.mode == "row" and self.sequence_parallel:
