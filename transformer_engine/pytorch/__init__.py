@@ -79,6 +79,11 @@ from .tensor import (
     NVFP4Tensor,
     NVFP4TensorStorage,
 )
+from .tensor.hybrid_tensor import (
+    HybridQuantizedTensor,
+    HybridQuantizedTensorStorage,
+    HybridQuantizer,
+)
 from .tensor.identity_tensor import IdentityQuantizer
 from .transformer import TransformerLayer
 from .utils import (
@@ -157,6 +162,9 @@ __all__ = [
     "NVFP4Tensor",
     "NVFP4TensorStorage",
     "IdentityQuantizer",
+    "HybridQuantizer",
+    "HybridQuantizedTensor",
+    "HybridQuantizedTensorStorage",
     "QuantizedTensorStorage",
     "prepare_for_saving",
     "restore_from_saved",

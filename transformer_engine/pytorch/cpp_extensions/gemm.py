@@ -198,6 +198,30 @@ def _hp_gemm(layout: str, a: torch.Tensor, b: torch.Tensor, m: int, n: int, k: i
     return b.reshape(k, m).t(), a.reshape(k, n)
 
 
+def _layout_copies(A, B, layout: str):
+    """``(A, B)`` with a hybrid operand (one format per copy, ``HybridQuantizedTensorStorage``)
+    replaced by the copy ``layout`` reads (the module docstring's table: A column-wise for
+    "NN" and "NT", B column-wise for "NT"); other operands as they are."""
+    get_a = getattr(A, "hybrid_gemm_operand", None)
+    if get_a is not None:
+        A = _hybrid_copy("A", A, get_a, layout != "TN", layout)
+    get_b = getattr(B, "hybrid_gemm_operand", None)
+    if get_b is not None:
+        B = _hybrid_copy("B", B, get_b, layout == "NT", layout)
+    return A, B
+
+
+def _hybrid_copy(name: str, operand, get, columnwise: bool, layout: str):
+    part = get(columnwise)
+    if part is None:
+        which = "columnwise" if columnwise else "rowwise"
+        raise ValueError(
+            f"{_OP}: layout {layout!r} reads {name} {which}, but the hybrid operand {name} holds "
+            f"no {which} copy (usages {operand.get_usages()}); quantize it with {which} usage"
+        )
+    return part
+
+
 def general_gemm(
     A,
     B,
@@ -224,7 +248,8 @@ def general_gemm(
     Args:
         A, B: FP8 operands (anything with ``float8_gemm_input``, see the module docstring:
             ``Float8Tensor``, ``Float8TensorStorage``, :class:`Float8GemmOperand`), block-scaled
-            FP8, MXFP8 or NVFP4 tensors, or plain float32, float16 or bfloat16 tensors.
+            FP8, MXFP8 or NVFP4 tensors, hybrid tensors (``HybridQuantizer``'s: the copy the
+            layout reads is used), or plain float32, float16 or bfloat16 tensors.
         out_dtype: float32, float16 or bfloat16. Default: ``out.dtype`` when ``out`` is given,
             else bfloat16 for FP8 x FP8, else the high-precision operand's dtype. With
             ``quantization_params``, the quantized output's nominal type.
@@ -287,6 +312,7 @@ def general_gemm(
         and ub_type is None
         and extra_output is None
     )
+    A, B = _layout_copies(A, B, layout)
     if plain:
         return _plain_gemm(
             A, B, out_dtype, layout=layout, out=out, bias=bias, accumulate=accumulate,
@@ -331,6 +357,7 @@ def _plain_gemm(
         )
     if accumulate and out is None:
         raise ValueError(f"{_OP}: accumulate=True adds into out, so out must be given")
+    A, B = _layout_copies(A, B, layout)
 
     if is_nvfp4_operand(A) or is_nvfp4_operand(B):
         # NVFP4 (NVFP4BlockScaling): emulated on every device (nvfp4_gemm.py).

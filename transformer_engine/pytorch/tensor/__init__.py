@@ -3,6 +3,7 @@
 from ..quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer
 from .float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
 from .float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
+from .hybrid_tensor import HybridQuantizedTensor, HybridQuantizedTensorStorage, HybridQuantizer
 from .mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor
 from .nvfp4_tensor import NVFP4Quantizer, NVFP4Tensor
 from .storage.float8_blockwise_tensor_storage import Float8BlockwiseQTensorStorage
@@ -27,4 +28,7 @@ __all__ = [
     "NVFP4Quantizer",
     "NVFP4Tensor",
     "NVFP4TensorStorage",
+    "HybridQuantizer",
+    "HybridQuantizedTensor",
+    "HybridQuantizedTensorStorage",
 ]
