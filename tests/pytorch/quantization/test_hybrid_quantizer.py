@@ -286,3 +286,41 @@ def test_zoo_factory_forward_is_mxfp8_and_it_trains(module):
         assert torch.isfinite(g).all()
         cos = torch.nn.functional.cosine_similarity(g.flatten().float(), ref.flatten().float(), 0)
         assert cos > 0.9
+
+
+def test_ops_linear_microbatches_and_hybrid_parameters():
+    torch.manual_seed(0)
+    recipe = CustomRecipe(qfactory=mx_nv_factory)
+    x = torch.randn(32, 64)
+    # te.ops: same numbers as te.Linear on the same weight
+    op = te.ops.Linear(64, 32, bias=False, device="cpu", dtype=torch.float32)
+    layer = te.Linear(64, 32, bias=False, params_dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        layer.weight.copy_(op.weight)
+    with te.autocast(recipe=recipe):
+        assert torch.equal(op(x), layer(x))
+    # a weight cast cached at the first microbatch is reused by the later ones
+    with te.autocast(recipe=recipe):
+        first = layer(x, is_first_microbatch=True)
+        with torch.no_grad():
+            layer.weight.add_(1.0)  # not seen: the cached copies are used
+        assert torch.equal(layer(x, is_first_microbatch=False), first)
+    # hybrid parameters: an optimizer step re-quantizes both copies from the updated values
+    with te.quantized_model_init(enabled=True, recipe=recipe):
+        q_layer = te.Linear(64, 32, bias=False, params_dtype=torch.float32, device="cpu")
+    assert isinstance(q_layer.weight, te.HybridQuantizedTensor)
+    before = q_layer.weight.dequantize().detach().clone()
+    with te.autocast(recipe=recipe):
+        q_layer(x).sum().backward()
+    grad = q_layer.weight.grad.clone()
+    torch.optim.SGD(q_layer.parameters(), lr=0.5).step()
+    updated = (before - 0.5 * grad).float()
+    w = q_layer.weight
+    assert torch.equal(
+        w.rowwise_sub_storage.dequantize(dtype=torch.float64),
+        mxfp8_oracle.oracle_dequantize(updated, E4M3),
+    )
+    assert_nvfp4_values(
+        w.columnwise_sub_storage.dequantize(dtype=torch.float64),
+        nvfp4_oracle.oracle_dequantize(updated, columnwise=True),
+    )
