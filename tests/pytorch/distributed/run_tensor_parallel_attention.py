@@ -28,9 +28,10 @@ that every shard holds the full tensor's largest magnitude and split operands ha
 reduced over the group (DelayedScaling: ``reduce_amax=True``), so every rank quantizes with
 the single-process scales; summation
 order can still move a value across an FP8 rounding boundary (one E4M3 step, 2^-3 relative),
-hence every element within ``2^-3 * max|reference|`` and 95% within the float32 tolerance.
+hence every element within ``2^-3 * max|reference| + 1e-6`` and 95% within the float32 tolerance.
 Under DelayedScaling every module's forward and backward scales must also equal the
-single-process module's exactly.
+single-process module's: exactly on the CPU, within 1e-5 relative on CUDA (whose kernels for
+the sharded shapes round a few float32 ulps differently, and so do the amaxes).
 """
 
 from __future__ import annotations
@@ -129,7 +130,14 @@ def compare_scales(tag, full, par) -> list[str]:
             continue
         for key in ("scaling_fwd", "scaling_bwd"):
             got, want = meta[key].scale, reference[name].fp8_meta[key].scale
-            if not torch.equal(got, want):
+            # On CUDA the sharded GEMMs and norms run kernels chosen for their own shapes, which
+            # round a few float32 ulps differently, and so do the amaxes the scales come from.
+            same = (
+                torch.equal(got, want)
+                if got.device.type == "cpu"
+                else torch.allclose(got, want, rtol=1e-5, atol=0)
+            )
+            if not same:
                 failures.append(f"{tag} {name or 'module'} {key} scales {got} != {want}")
     return failures
 
