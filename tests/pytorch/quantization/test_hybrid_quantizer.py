@@ -8,6 +8,8 @@ bytes of each copy, and the built-in ``MXFP8BlockScaling`` recipe for the zoo fa
 
 from __future__ import annotations
 
+import copy
+import io
 import warnings
 
 import mxfp8_oracle
@@ -329,3 +331,19 @@ def test_ops_linear_microbatches_and_hybrid_parameters():
         w.columnwise_sub_storage.dequantize(dtype=torch.float64),
         nvfp4_oracle.oracle_dequantize(updated, columnwise=True),
     )
+
+
+def test_hybrid_parameters_copy_and_pickle():
+    recipe = CustomRecipe(qfactory=mx_nv_factory)
+    with te.quantized_model_init(enabled=True, recipe=recipe):
+        layer = te.Linear(64, 32, bias=False, params_dtype=torch.float32, device="cpu")
+    buffer = io.BytesIO()
+    torch.save(layer.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)["weight"]
+    for copied in (copy.deepcopy(layer).weight, loaded):
+        assert isinstance(copied, te.HybridQuantizedTensor)
+        for name in ("rowwise_sub_storage", "columnwise_sub_storage"):
+            mine, theirs = getattr(copied, name), getattr(layer.weight, name)
+            assert mine is not theirs
+            assert torch.equal(mine.dequantize(), theirs.dequantize())
