@@ -90,8 +90,10 @@ def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
 class UnfusedDotProductAttention(torch.nn.Module):
     """Attention written out in PyTorch operations, computed in float32 (the CPU path).
 
-    ``forward(problem, dropout_p, dropout_ctx)`` returns ``(out [b, hq, sq, dv] in the input
-    dtype, max_logit [hq] float32 or None)``.
+    ``forward(problem, dropout_p, dropout_ctx, fp8=None)`` returns ``(out [b, hq, sq, dv] in the
+    input dtype, max_logit [hq] float32 or None)``. ``fp8`` (an ``fp8_attention.Fp8Attention``)
+    rounds the tensors FP8 attention reads in FP8 (Q, K, V, the softmax output, O, and the
+    gradients of O and of the scores) to their FP8 values.
     """
 
     def forward(
@@ -99,13 +101,19 @@ class UnfusedDotProductAttention(torch.nn.Module):
         problem: AttentionProblem,
         dropout_p: float = 0.0,
         dropout_ctx=contextlib.nullcontext,
+        fp8=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         q, k, v = problem.q, problem.k, problem.v
         groups = q.shape[1] // k.shape[1]
-        q32 = q.float()
-        k32 = _repeat_kv(k.float(), groups)
-        v32 = _repeat_kv(v.float(), groups)
+        if fp8 is None:
+            q32, k32, v32 = q.float(), k.float(), v.float()
+        else:
+            q32, k32, v32 = fp8.inputs(q, k, v)
+        k32 = _repeat_kv(k32, groups)
+        v32 = _repeat_kv(v32, groups)
         scores = torch.matmul(q32, k32.transpose(-2, -1)) * problem.scale
+        if fp8 is not None:
+            scores = fp8.scores(scores)
         if problem.bias is not None:
             scores = scores + problem.bias.float()
         keep = problem.keep
@@ -128,7 +136,11 @@ class UnfusedDotProductAttention(torch.nn.Module):
         if dropout_p > 0.0:
             with dropout_ctx():
                 probs = F.dropout(probs, p=dropout_p, training=True)
+        if fp8 is not None:
+            probs = fp8.probabilities(probs)
         out = torch.matmul(probs, v32)
+        if fp8 is not None:
+            out = fp8.output(out)
         return out.to(q.dtype), max_logit
 
 

@@ -18,7 +18,6 @@ from ...device import (
     materialization_device,
 )
 from ...module.base import TransformerEngineBaseModule
-from ...quantization import FP8GlobalStateManager
 from .backends import FlashAttention, FusedAttention, UnfusedDotProductAttention
 from .context_parallel import (
     context_parallel_attention,
@@ -26,6 +25,7 @@ from .context_parallel import (
     group_size,
     refuse_under_context_parallelism,
 )
+from .fp8_attention import fp8_attention_roles, setup_fp8_attention
 from .inputs import (
     QKV_FORMATS,
     build_problem,
@@ -307,31 +307,15 @@ class DotProductAttention(TransformerEngineBaseModule):
             return None
         return self.get_rng_state_tracker()
 
-    @staticmethod
-    def _refuse_fp8_attention() -> None:
-        """FP8 attention (the autocast recipe's ``fp8_dpa`` / ``fp8_mha``) is not built.
+    def parameters_device(self) -> torch.device | None:
+        """The parameters' device, else (no parameters) the last FP8 call's inputs' device:
+        where the FP8 attention slots' recipe state lives."""
+        device = super().parameters_device()
+        return device if device is not None else self.__dict__.get("_fp8_device")
 
-        With ``NVTE_DPA_FP8_RECIPE=F16`` attention runs in high precision instead and, as
-        upstream, both flags of the autocast recipe itself are set to False (callers that read
-        them afterwards see False). Otherwise a recipe asking for FP8 attention is refused."""
-        if not FP8GlobalStateManager.is_fp8_enabled():
-            return
-        recipe = FP8GlobalStateManager.get_fp8_recipe()
-        flags = [f for f in ("fp8_dpa", "fp8_mha") if getattr(recipe, f, False)]
-        if not flags:
-            return
-        dpa_recipe = os.environ.get("NVTE_DPA_FP8_RECIPE", "")
-        if dpa_recipe == "F16":
-            for flag in flags:
-                setattr(recipe, flag, False)
-            return
-        chosen = f" (NVTE_DPA_FP8_RECIPE={dpa_recipe!r})" if dpa_recipe else ""
-        raise NotImplementedError(
-            f"DotProductAttention: FP8 attention ({'=True, '.join(flags)}=True in the "
-            f"{type(recipe).__name__} recipe{chosen}) is not supported; leave fp8_dpa and "
-            "fp8_mha False, or set NVTE_DPA_FP8_RECIPE=F16: attention then runs in high "
-            "precision inside the FP8 autocast"
-        )
+    def get_quantizer_roles(self, *, fwd: bool, num_quantizers: int) -> list:
+        """The FP8 attention slots' roles (``module_type="dpa"``), for a ``CustomRecipe``."""
+        return fp8_attention_roles(self.name or "", fwd=fwd, num_quantizers=num_quantizers)
 
     def _softmax_offset(self, device: torch.device):
         if self.softmax_type != "learnable":
@@ -390,7 +374,9 @@ class DotProductAttention(TransformerEngineBaseModule):
         attention, or anything broadcastable to ``[b, h, sq, skv]`` for ``arbitrary``.
         ``fast_zero_fill`` and ``pad_between_seqs`` are accepted (padded positions always get
         zeros; padding between ``thd`` sequences follows from ``cu_seqlens_*_padded``);
-        ``fp8_output`` and ``bf16_backward`` only apply to FP8 attention, which is not built.
+        ``fp8_output`` (return a ``Float8Tensor``) and ``bf16_backward`` (a high-precision
+        backward) apply to FP8 attention (the recipe's ``fp8_dpa`` / ``fp8_mha``, emulated:
+        ``fp8_attention.py``).
         """
         if num_splits not in (None, 1):
             raise NotImplementedError(
@@ -402,13 +388,15 @@ class DotProductAttention(TransformerEngineBaseModule):
                 "DotProductAttention: score_mod / score_mod_bprop (cuDNN flex attention) are "
                 "not supported"
             )
-        self._refuse_fp8_attention()
         fmt = self.qkv_format if qkv_format is None else qkv_format
         if fmt not in QKV_FORMATS:
             raise ValueError(f"qkv_format={fmt!r} is not one of {', '.join(QKV_FORMATS)}")
         q, k, v, packed_layout = resolve_packed_inputs(
             query_layer, key_layer, value_layer, qkv_layer, kv_layer, qkv_interleave_dim, fmt
         )
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        fp8 = setup_fp8_attention(self, q.device, fp8_output=fp8_output, grad=grad,
+                                  bf16_backward=bf16_backward, kv_cache=inference_params is not None)  # fmt: skip
         mask_type, window, bottom_right = self._mask_settings(
             attn_mask_type, window_size, bottom_right_diagonal
         )
@@ -434,14 +422,21 @@ class DotProductAttention(TransformerEngineBaseModule):
                 cu = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
                 options = (core_attention_bias_type, alibi_slopes, checkpoint_core_attention, cu)
                 return context_parallel_attention(self, q, k, v, fmt, mask_type, window, options)
-            return self._attend(
+            if fp8 is not None:
+                self._recompute_swap_in()
+            out = self._attend(
                 q, k, v, q_format, kv_format, layout, attention_mask, mask_type, window,
                 bottom_right, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                 cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, checkpoint_core_attention,
                 core_attention_bias_type, core_attention_bias, alibi_slopes,
-                inference_params is not None, bool(pad_between_seqs),
+                inference_params is not None, bool(pad_between_seqs), fp8,
             )  # fmt: skip
+            if fp8 is not None:
+                self._register_fp8_state()
+            return out
         finally:
+            if fp8 is not None:
+                self._recompute_swap_out()
             exit_device()
 
     def _kv_cache_step(self, inference_params, k, v, fmt, mask_type):
@@ -479,6 +474,7 @@ class DotProductAttention(TransformerEngineBaseModule):
         self, q, k, v, q_format, kv_format, layout, attention_mask, mask_type, window,
         bottom_right, cu_q, cu_kv, cu_q_padded, cu_kv_padded, max_seqlen_q, max_seqlen_kv,
         checkpoint_core_attention, bias_type, bias, alibi_slopes, kv_cache, pad_between_seqs,
+        fp8=None,
     ):  # fmt: skip
         if q_format == "thd" or kv_format == "thd":
             check_thd_arguments(mask_type, q_format, kv_format, cu_q, cu_kv)
@@ -529,6 +525,8 @@ class DotProductAttention(TransformerEngineBaseModule):
 
         def attend(q_, k_, v_):
             problem.q, problem.k, problem.v = q_, k_, v_
+            if fp8 is not None:  # emulated in the unfused backend (fp8_attention.py)
+                return self.unfused_attention(problem, dropout_p, dropout_ctx, fp8=fp8)
             if choice.use_flash_attention:
                 return self.flash_attention(
                     problem,
@@ -543,12 +541,15 @@ class DotProductAttention(TransformerEngineBaseModule):
                                             repeat_kv=kernel.repeat_kv)  # fmt: skip
             return self.unfused_attention(problem, dropout_p, dropout_ctx)
 
-        if checkpoint_core_attention and torch.is_grad_enabled():
+        # FP8 attention keeps its operands (a recompute would round with updated scales)
+        if checkpoint_core_attention and torch.is_grad_enabled() and fp8 is None:
             result = recompute_in_backward(attend, qb, kb, vb, tracker=tracker)
         else:
             result = attend(qb, kb, vb)
         out, max_logit = result if isinstance(result, tuple) else (result, None)
         out = self._output(out, q_format, q_side)
+        if fp8 is not None and fp8.fp8_output:
+            out = fp8.fp8_result(out)
         if self.return_max_logit:
             return out, max_logit
         return out
