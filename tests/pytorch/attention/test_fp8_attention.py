@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from utils import current_scale, fake_quant
+from utils import current_scale, fake_quant, needs_cuda
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import (
@@ -100,14 +100,14 @@ def oracle(q, k, v, dout, *, round_o, scales=None, causal=True):
     return merged, bshd, amaxes
 
 
-def _run(recipe, q, k, v, dout, **kwargs):
+def _run(recipe, q, k, v, dout, device="cpu", **kwargs):
     dpa = DotProductAttention(HQ, D, num_gqa_groups=HKV, qkv_format="bshd",
-                              attn_mask_type="causal", device="cpu")  # fmt: skip
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+                              attn_mask_type="causal", device=device)  # fmt: skip
+    q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
     with te.autocast(recipe=recipe):
         out = dpa(q, k, v, **kwargs)
-    out.backward(dout)
-    return dpa, out, [q.grad, k.grad, v.grad]
+    out.backward(dout.to(device))
+    return dpa, out.cpu(), [q.grad.cpu(), k.grad.cpu(), v.grad.cpu()]
 
 
 def _assert_matches(got, expected):
@@ -142,6 +142,24 @@ def test_current_scaling_matches_the_oracle(factory):
     )
     _, out, grads = _run(recipe, q, k, v, dout)
     ref_out, ref_grads, _ = oracle(q, k, v, dout, round_o=False)
+    _assert_matches(out, ref_out)
+    for got, expected in zip(grads, ref_grads):
+        _assert_matches(got, expected)
+
+
+@needs_cuda
+@pytest.mark.parametrize("recipe", ["DS", "CS"])
+def test_matches_the_oracle_on_cuda(recipe):
+    # the native casts (and their amaxes) on the GPU; cuda:0 as the module's device
+    q, k, v, dout = _inputs(8)
+    if recipe == "CS":
+        _, out, grads = _run(Float8CurrentScaling(fp8_dpa=True), q, k, v, dout, device="cuda")
+        ref_out, ref_grads, _ = oracle(q, k, v, dout, round_o=False)
+    else:
+        ds = DelayedScaling(fp8_dpa=True)
+        _, out, grads = _run(ds, q, k, v, dout, device="cuda")
+        ones = dict.fromkeys(("qkv", "s", "o", "do", "dp", "dqkv"), 1.0)
+        ref_out, ref_grads, _ = oracle(q, k, v, dout, round_o=True, scales=ones)
     _assert_matches(out, ref_out)
     for got, expected in zip(grads, ref_grads):
         _assert_matches(got, expected)
