@@ -347,3 +347,34 @@ def test_hybrid_parameters_copy_and_pickle():
             mine, theirs = getattr(copied, name), getattr(layer.weight, name)
             assert mine is not theirs
             assert torch.equal(mine.dequantize(), theirs.dequantize())
+
+
+def test_nvfp4_linear_fp8_dpa_factory():
+    from transformer_engine.pytorch.custom_recipes.quantizer_factory_zoo import (
+        nvfp4_linear_fp8_dpa_factory as factory,
+    )
+
+    def role(module_type, tensor_type):
+        return QuantizerRole(module_type=module_type, tensor_type=tensor_type)
+
+    assert isinstance(factory(role("linear", "input")), te.NVFP4Quantizer)
+    assert isinstance(factory(None), te.NVFP4Quantizer)
+    for tensor_type, dtype in (("qkv", E4M3), ("s", E4M3), ("do", E5M2), ("dqkv", E5M2)):
+        q = factory(role("dpa", tensor_type))
+        assert isinstance(q, te.Float8CurrentScalingQuantizer)
+        assert q.dtype == te.DType.cast(dtype)
+    # a transformer layer trains with it: NVFP4 linears, FP8 attention
+    recipe = CustomRecipe(qfactory=factory, fp8_dpa=True)
+    layer = te.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                                params_dtype=torch.float32, device="cpu")  # fmt: skip
+    x = torch.randn(16, 2, 64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the emulated attention and NVFP4 GEMMs are announced
+        with te.autocast(recipe=recipe):
+            out = layer(x)
+        out.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    attention = layer.self_attention.core_attention
+    assert isinstance(attention.quantizers["scaling_fwd"][2], te.Float8CurrentScalingQuantizer)
+    qkv = layer.self_attention.layernorm_qkv
+    assert isinstance(qkv.quantizers["scaling_fwd"][0], te.NVFP4Quantizer)

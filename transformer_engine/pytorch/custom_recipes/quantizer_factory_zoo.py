@@ -1,4 +1,5 @@
-"""``CustomRecipe`` factories that mix formats, built from :class:`HybridQuantizer`.
+"""``CustomRecipe`` factories that mix formats: by tensor (:class:`HybridQuantizer`) or by
+layer kind.
 
 A tensor's row-wise copy feeds the forward GEMM (and, for the output gradient, dgrad); its
 column-wise copy feeds the backward GEMMs (the weight's dgrad, wgrad). A factory that answers a
@@ -8,15 +9,19 @@ backward format of that tensor independently.
 
 from __future__ import annotations
 
+import torch
+
 from ..quantization import QuantizerRole
+from ..tensor.float8_tensor import Float8CurrentScalingQuantizer
 from ..tensor.hybrid_tensor import HybridQuantizer
 from ..tensor.mxfp8_tensor import MXFP8Quantizer
 from ..tensor.nvfp4_tensor import NVFP4Quantizer
 from .quantizer_factories import mxfp8_factory, nvfp4_factory
 
-__all__ = ["mxfp8_fwd_nvfp4_bwd_factory"]
+__all__ = ["mxfp8_fwd_nvfp4_bwd_factory", "nvfp4_linear_fp8_dpa_factory"]
 
 _FORWARD_OPERANDS = ("input", "weight")
+_ATTENTION_GRADIENTS = ("dqkv", "do", "dp")
 
 
 def mxfp8_fwd_nvfp4_bwd_factory(
@@ -41,3 +46,20 @@ def mxfp8_fwd_nvfp4_bwd_factory(
     if tensor_type == "grad_output":
         return nvfp4_factory(role)
     return mxfp8_factory(role)
+
+
+def nvfp4_linear_fp8_dpa_factory(
+    role: QuantizerRole | None,
+) -> NVFP4Quantizer | Float8CurrentScalingQuantizer:
+    """NVFP4 for the linear layers, FP8 for attention (with ``CustomRecipe(...,
+    fp8_dpa=True)``).
+
+    * attention slots (``module_type="dpa"``): current scaling, E5M2 for the gradients
+      (``dqkv``, ``do``, ``dp``) and E4M3 for the rest (``qkv``, ``o``, ``s``), as
+      ``Float8CurrentScaling()`` gives them;
+    * every other slot (boundary slots included): :func:`~.quantizer_factories.nvfp4_factory`.
+    """
+    if role is not None and role.module_type == "dpa":
+        grad = role.tensor_type in _ATTENTION_GRADIENTS
+        return Float8CurrentScalingQuantizer(torch.float8_e5m2 if grad else torch.float8_e4m3fn)
+    return nvfp4_factory(role)
