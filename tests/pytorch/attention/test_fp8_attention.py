@@ -293,3 +293,15 @@ def test_recompute_gives_the_same_step(how):
     for step_a, step_b in zip(grads_a, grads_b):
         for a, b in zip(step_a, step_b):
             assert torch.equal(a, b)
+
+
+def test_a_failed_call_hands_the_first_module_flag_back():
+    q, k, v, _ = _inputs(9)
+    dpa = DotProductAttention(HQ, D, num_gqa_groups=HKV, qkv_format="bshd", device="cpu")
+    state = te.FP8GlobalStateManager.quantization_state
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with te.autocast(recipe=DelayedScaling(fp8_dpa=True)):
+        assert state.is_first_fp8_module
+        with pytest.raises(ValueError):  # the mask type needs a mask: raised after the setup
+            dpa(q, k, v, attn_mask_type="arbitrary")
+        assert state.is_first_fp8_module  # the next module still claims the backward update

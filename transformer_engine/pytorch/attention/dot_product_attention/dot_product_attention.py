@@ -434,6 +434,10 @@ class DotProductAttention(TransformerEngineBaseModule):
             if fp8 is not None:
                 self._register_fp8_state()
             return out
+        except BaseException:
+            if fp8 is not None:
+                fp8.abandon()
+            raise
         finally:
             if fp8 is not None:
                 self._recompute_swap_out()

@@ -107,8 +107,14 @@ def setup_fp8_attention(module, device, *, fp8_output, bf16_backward, kv_cache, 
         )
     module.__dict__["_fp8_device"] = device
     module.init_fp8_metadata(num_gemms=3)
+    region = FP8GlobalStateManager.quantization_state
+    first = region.is_first_fp8_module
     update = claim_backward_update() if grad else None
-    return Fp8Attention(module, fp8_output=fp8_output, bf16_backward=bf16_backward, update=update)
+    attention = Fp8Attention(
+        module, fp8_output=fp8_output, bf16_backward=bf16_backward, update=update
+    )
+    attention.first_flag = first
+    return attention
 
 
 def fp8_attention_recipe_check(recipe) -> None:
@@ -231,10 +237,16 @@ class Fp8Attention:
         self.fp8_output = fp8_output
         self.round_output = not o_in_f16 and not fp8_output
         self.update = update
+        self.first_flag = False
         _warn_once()
 
     def quantizer(self, slot: int, backward: bool = False):
         return (self.backward_quantizers if backward else self.forward_quantizers)[slot]
+
+    def abandon(self) -> None:
+        """The call failed: hand the region's first-module flag back (the backward update
+        claimed with it belongs to whichever module runs first next)."""
+        FP8GlobalStateManager.quantization_state.is_first_fp8_module = self.first_flag
 
     def backward_done(self) -> None:
         if self.update is not None:
