@@ -312,14 +312,14 @@ def general_gemm(
         and ub_type is None
         and extra_output is None
     )
-    A, B = _layout_copies(A, B, layout)
-    if plain:
+    if plain:  # (_plain_gemm takes the hybrid operands' copies itself)
         return _plain_gemm(
             A, B, out_dtype, layout=layout, out=out, bias=bias, accumulate=accumulate,
             use_split_accumulator=use_split_accumulator, alpha=alpha,
         )  # fmt: skip
     overlap = {"ub": ub, "ub_type": ub_type, "extra_output": extra_output}
     refuse_unbuilt_epilogues(_OP, gelu=gelu, overlap=overlap, bulk_overlap=bulk_overlap)
+    A, B = _layout_copies(A, B, layout)  # the epilogues read B (its bias gradient) directly
     result, bias_grad = gemm_with_epilogues(
         _OP, _plain_gemm, A, B, out_dtype, quantizer=quantization_params, alpha=alpha,
         beta=beta, accumulate=accumulate, layout=layout, out=out, bias=bias,

@@ -118,15 +118,24 @@ class HybridQuantizer(Quantizer):
                 "HybridQuantizer: rowwise and columnwise usage are both off; set_usage(...) "
                 "one of them before quantizing"
             )
-        derived = self.columnwise_usage and self.columnwise_source == "rowwise_dequantized"
         rowwise = None
-        if self.rowwise_usage or derived:
+        if self.rowwise_usage:
             rowwise = self.rowwise_quantizer.quantize_impl(src, dtype=dtype)
         columnwise = None
         if self.columnwise_usage:
-            col_src = _values_of(rowwise, src.dtype) if derived else src
+            col_src = self._columnwise_source(src, rowwise)
             columnwise = self.columnwise_quantizer.quantize_impl(col_src, dtype=dtype)
-        return (rowwise if self.rowwise_usage else None), columnwise
+        return rowwise, columnwise
+
+    def _columnwise_source(self, src: torch.Tensor, rowwise) -> torch.Tensor:
+        """What the column-wise copy is quantized from: ``src``, or with
+        ``columnwise_source="rowwise_dequantized"`` the row-wise copy's values (``rowwise``,
+        made here when the caller holds none)."""
+        if self.columnwise_source != "rowwise_dequantized":
+            return src
+        if rowwise is None:
+            rowwise = self.rowwise_quantizer.quantize_impl(src)
+        return _values_of(rowwise, src.dtype)
 
     def quantize_impl(self, tensor: torch.Tensor, *, dtype: torch.dtype | None = None):
         """Both copies of ``tensor`` (those of the usages set now) in a new
@@ -157,16 +166,10 @@ class HybridQuantizer(Quantizer):
                 f"{tuple(dst.size())}"
             )
         src = high_precision_source(src)
-        derived = self.columnwise_source == "rowwise_dequantized"
         if dst._rowwise is not None:
             self.rowwise_quantizer.update_quantized(src, dst._rowwise, noop_flag=noop_flag)
         if dst._columnwise is not None:
-            col_src = src
-            if derived:
-                row = dst._rowwise
-                if row is None:
-                    row = self.rowwise_quantizer.quantize_impl(src)
-                col_src = _values_of(row, src.dtype)
+            col_src = self._columnwise_source(src, dst._rowwise)
             self.columnwise_quantizer.update_quantized(
                 col_src, dst._columnwise, noop_flag=noop_flag
             )
@@ -300,7 +303,7 @@ class HybridQuantizedTensorStorage(QuantizedTensorStorage):
         """The per-tensor FP8 GEMM interface of the copy ``columnwise`` names, so that two
         per-tensor FP8 copies take the FP8 GEMM's fast path; ``AttributeError`` for a copy of
         another format (the GEMM then takes its general path, which unwraps the copy)."""
-        part = self._columnwise if columnwise else self._rowwise
+        part = self.hybrid_gemm_operand(columnwise)
         if part is None:
             return None, None
         return part.float8_gemm_input(columnwise)
