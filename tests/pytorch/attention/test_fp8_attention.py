@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from utils import current_scale, fake_quant, needs_cuda
@@ -24,7 +25,10 @@ from transformer_engine.common.recipe import (
     Float8CurrentScaling,
     MXFP8BlockScaling,
 )
-from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention
+from transformer_engine.pytorch.attention.dot_product_attention import (
+    DotProductAttention,
+    fp8_score_blocks,
+)
 from transformer_engine.pytorch.custom_recipes.quantizer_factories import (
     current_scaling_factory,
     mxfp8_factory,
@@ -41,6 +45,15 @@ def _quiet_and_clean(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the emulation is announced once
         yield
+
+
+@pytest.fixture(params=["one block", "blocks of 3 rows"])
+def blocks(request, monkeypatch):
+    """The products in one block, or in blocks of 3 query rows (S = 8: blocks of 3, 3 and 2),
+    which must give the same roundings (one scale per slot over all blocks)."""
+    if request.param != "one block":
+        monkeypatch.setattr(fp8_score_blocks, "SCORE_BLOCK_BYTES", 3 * 4 * B * HQ * S)
+    return request.param
 
 
 def _inputs(seed=0):
@@ -133,7 +146,7 @@ def e5m2_gradients_factory(role):
 
 
 @pytest.mark.parametrize("factory", [None, e5m2_gradients_factory], ids=["CS", "Custom"])
-def test_current_scaling_matches_the_oracle(factory):
+def test_current_scaling_matches_the_oracle(blocks, factory):
     q, k, v, dout = _inputs()
     recipe = (
         Float8CurrentScaling(fp8_dpa=True)
@@ -149,7 +162,7 @@ def test_current_scaling_matches_the_oracle(factory):
 
 @needs_cuda
 @pytest.mark.parametrize("recipe", ["DS", "CS"])
-def test_matches_the_oracle_on_cuda(recipe):
+def test_matches_the_oracle_on_cuda(blocks, recipe):
     # the native casts (and their amaxes) on the GPU; cuda:0 as the module's device
     q, k, v, dout = _inputs(8)
     if recipe == "CS":
@@ -165,14 +178,14 @@ def test_matches_the_oracle_on_cuda(recipe):
         _assert_matches(got, expected)
 
 
-def test_current_scaling_rounds_o_when_asked(monkeypatch):
+def test_current_scaling_rounds_o_when_asked(blocks, monkeypatch):
     monkeypatch.setenv("NVTE_DPA_FP8CS_O_in_F16", "0")
     q, k, v, dout = _inputs(1)
     _, out, _ = _run(Float8CurrentScaling(fp8_dpa=True), q, k, v, dout)
     _assert_matches(out, oracle(q, k, v, dout, round_o=True)[0])
 
 
-def test_delayed_scaling_rounds_with_the_state_and_updates_it():
+def test_delayed_scaling_rounds_with_the_state_and_updates_it(blocks):
     q, k, v, dout = _inputs(2)
     recipe = DelayedScaling(fp8_dpa=True, amax_history_len=1)
     dpa, out, grads = _run(recipe, q, k, v, dout)
@@ -203,7 +216,7 @@ def test_delayed_scaling_rounds_with_the_state_and_updates_it():
 
 
 @pytest.mark.parametrize("how", ["argument", "env"])
-def test_high_precision_backward(monkeypatch, how):
+def test_high_precision_backward(blocks, monkeypatch, how):
     q, k, v, dout = _inputs(4)
     kwargs = {"bf16_backward": True} if how == "argument" else {}
     if how == "env":
@@ -305,3 +318,138 @@ def test_a_failed_call_hands_the_first_module_flag_back():
         with pytest.raises(ValueError):  # the mask type needs a mask: raised after the setup
             dpa(q, k, v, attn_mask_type="arbitrary")
         assert state.is_first_fp8_module  # the next module still claims the backward update
+
+
+# -- the products in query blocks: masks, biases, the learnable softmax, dropout, memory ------
+class _RoundGradient(torch.autograd.Function):
+    """Identity; the gradient rounded to E5M2 (current scaling), as a float64 oracle step."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: D102
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        return _round(grad, E5M2)
+
+
+class _RoundValue(torch.autograd.Function):
+    """The E4M3 values (current scaling); the gradient passes through."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: D102
+        return _round(x, E4M3)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        return grad
+
+
+def hashed_keep(seed, shape, p):
+    """The documented dropout mask, written independently with numpy's wrapping uint64
+    arithmetic: kept where mix(mix(lo32(i) ^ seed0) ^ hi32(i) ^ seed1) >= p * 2**32 for the
+    element's flat index i, mix being xor-shift 16, * 0x7feb352d, xor-shift 15, * 0x846ca68b,
+    xor-shift 16 (mod 2**32)."""
+    low = np.uint64(0xFFFFFFFF)
+
+    def mix(x):
+        x = x ^ (x >> np.uint64(16))
+        x = (x * np.uint64(0x7FEB352D)) & low
+        x = x ^ (x >> np.uint64(15))
+        x = (x * np.uint64(0x846CA68B)) & low
+        return x ^ (x >> np.uint64(16))
+
+    index = np.arange(math.prod(shape), dtype=np.uint64)
+    s0, s1 = (np.uint64(int(v)) for v in seed)
+    x = mix(mix((index & low) ^ s0) ^ (index >> np.uint64(32)) ^ s1)
+    return torch.from_numpy(x >= np.uint64(int(p * 2**32))).reshape(shape)
+
+
+def feature_oracle(q, k, v, dout, bias, offset, masked, keep, p):
+    """float64 current-scaling FP8 attention with a post-scale bias, a learnable softmax
+    offset, an arbitrary mask (``masked`` True = excluded) and dropout (``keep``): the output,
+    dQ, dK, dV, and the gradients of the bias (the unrounded score gradient) and the offset."""
+    qkv8 = [t.detach().requires_grad_() for t in _round_together([q, k, v], E4M3)]
+    qb, kb, vb = (t.transpose(1, 2) for t in qkv8)
+    kb, vb = kb.repeat_interleave(HQ // HKV, 1), vb.repeat_interleave(HQ // HKV, 1)
+    bias = bias.detach().double().requires_grad_()
+    offset = offset.detach().double().requires_grad_()
+    scores = _RoundGradient.apply(qb @ kb.transpose(-2, -1) / math.sqrt(D)) + bias
+    scores = scores.masked_fill(masked, float("-inf"))
+    off = offset.view(1, HQ, 1, 1)
+    shift = torch.maximum(scores.amax(-1, keepdim=True), off).detach()
+    exps = torch.exp(scores - shift)
+    probs = exps / (exps.sum(-1, keepdim=True) + torch.exp(off - shift))
+    probs = _RoundValue.apply(probs * keep / (1 - p))
+    out = _RoundGradient.apply(probs @ vb).transpose(1, 2).reshape(B, S, HQ * D)
+    out.backward(dout.double())
+    grads = _round_together([t.grad for t in qkv8], E5M2)
+    return out.detach(), grads, bias.grad, offset.grad
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_masks_bias_learnable_softmax_and_dropout_match_the_oracle(blocks, device, monkeypatch):
+    q, k, v, dout = _inputs(10)
+    g = torch.Generator().manual_seed(11)
+    bias = torch.randn(1, HQ, S, S, generator=g)
+    offset = torch.randn(HQ, generator=g)
+    masked = torch.rand(B, 1, S, S, generator=g) < 0.3
+    masked &= ~torch.eye(S, dtype=torch.bool)  # every query keeps a key
+    seed = torch.tensor([0x12345678, 0x9ABCDEF0], dtype=torch.int64)
+    monkeypatch.setattr(fp8_score_blocks, "dropout_seed", lambda dev, ctx: seed.to(dev))
+    p = 0.25
+    dpa = DotProductAttention(HQ, D, num_gqa_groups=HKV, qkv_format="bshd", device=device,
+                              attn_mask_type="arbitrary", attention_dropout=p,
+                              softmax_type="learnable")  # fmt: skip
+    with torch.no_grad():
+        dpa.softmax_offset.copy_(offset)
+    qd, kd, vd, bd = (t.to(device).requires_grad_() for t in (q, k, v, bias))
+    with te.autocast(recipe=Float8CurrentScaling(fp8_dpa=True)):
+        out = dpa(qd, kd, vd, attention_mask=masked.to(device),
+                  core_attention_bias_type="post_scale_bias", core_attention_bias=bd)  # fmt: skip
+    out.backward(dout.to(device))
+    keep = hashed_keep(seed, (B, HQ, S, S), p)
+    assert 0 < keep.double().mean().item() < 1
+    ref_out, ref_grads, ref_dbias, ref_doffset = feature_oracle(
+        *(t.detach() for t in (q, k, v, dout, bias, offset)), masked, keep, p
+    )
+    _assert_matches(out.detach().cpu(), ref_out)
+    for got, expected in zip((qd.grad, kd.grad, vd.grad), ref_grads):
+        _assert_matches(got.cpu(), expected)
+    torch.testing.assert_close(bd.grad.cpu().double(), ref_dbias, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(dpa.softmax_offset.grad.cpu().double(), ref_doffset,
+                               rtol=1e-4, atol=1e-6)  # fmt: skip
+
+
+def test_the_dropout_mask_keeps_one_minus_p_and_does_not_depend_on_blocks():
+    seed = torch.tensor([7, 2**32 - 1], dtype=torch.int64)
+    shape = (2, 3, 64, 1000)
+    whole = fp8_score_blocks.dropout_keep(seed, shape, slice(0, 64), 0.1)
+    assert abs(whole.double().mean().item() - 0.9) < 0.003
+    assert torch.equal(fp8_score_blocks.dropout_keep(seed, shape, slice(5, 9), 0.1),
+                       whole[:, :, 5:9])  # fmt: skip
+    assert torch.equal(whole, hashed_keep(seed, shape, 0.1))
+    other = fp8_score_blocks.dropout_keep(seed + 1, shape, slice(0, 64), 0.1)
+    assert (other != whole).double().mean().item() > 0.1
+
+
+def test_the_backward_keeps_no_score_matrix(monkeypatch):
+    # 64 queries in blocks of 8 rows: nothing saved for backward is as big as one score matrix
+    s = 64
+    monkeypatch.setattr(fp8_score_blocks, "SCORE_BLOCK_BYTES", 8 * 4 * B * HQ * s)
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(B, s, h, D, generator=g).requires_grad_() for h in (HQ, HKV, HKV))
+    dpa = DotProductAttention(HQ, D, num_gqa_groups=HKV, qkv_format="bshd",
+                              attn_mask_type="causal", attention_dropout=0.1, device="cpu")  # fmt: skip
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with te.autocast(recipe=Float8CurrentScaling(fp8_dpa=True)):
+            out = dpa(q, k, v)
+    out.sum().backward()
+    assert saved and max(saved) <= B * HQ * s * D < B * HQ * s * s, sorted(saved)[-4:]
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()

@@ -210,35 +210,35 @@ class _Float8QuantizerBase(Quantizer):
         res = quantize_prevalidated(src, scale, fp8_dtype, amax=amax, with_transpose=with_transpose)
         return res, (column_sum(src) if with_dbias else None)
 
-    #: Whether the scale is fixed before a cast (delayed scaling), so that a fused producer (an
-    #: activation kernel) can write the FP8 bytes in its own pass: :meth:`quantize_produced`.
+    #: Whether the scale is fixed before a cast (delayed scaling): a fused producer (an activation
+    #: kernel) can write the FP8 bytes in its own pass (:meth:`quantize_produced`).
     scale_precedes_cast = False
 
     def quantize_produced(self, produce, shape, dtype: torch.dtype, device: torch.device, *,
                           amax_of=None):  # fmt: skip
         """An FP8 tensor (internal storage when ``internal``) of ``shape`` whose bytes
         ``produce(scale, amax, fp8_dtype, with_transpose)`` writes, returning
-        ``(QuantizeResult, extra)``; returns ``(tensor, extra)``.
-
-        With delayed scaling (``scale_precedes_cast``) ``produce`` gets this quantizer's scale
-        and amax buffer. A quantizer that computes its scale from the values (current
-        scaling) needs ``amax_of(amax)``: the producer's amax pass, writing ``max |values|``
-        into a one-element float32 buffer; the scale follows from it (reduced across the
-        group first when amax reduction is on) and ``produce`` gets that scale and no amax.
-        """
-        if self.scale_precedes_cast:
-            scale, amax = self._scale_and_amax(None)
-        elif amax_of is not None and hasattr(self, "_scale_from_amax_pass"):
-            scale, amax = self._scale_from_amax_pass(amax_of, device), None
-        else:
-            raise TypeError(
-                f"{type(self).__name__} computes its scale from the values; pass amax_of "
-                "(the producer's amax pass) or quantize the produced tensor with quantize()"
-            )
+        ``(QuantizeResult, extra)``; returns ``(tensor, extra)``. Delayed scaling: ``produce``
+        gets this quantizer's scale and amax buffer; current scaling needs ``amax_of(amax)``, the
+        producer's amax pass writing ``max |values|`` into a one-element float32 buffer, and
+        ``produce`` gets the scale from it (reduced across the group first) and no amax."""
+        scale, amax = self.cast_scale(device, amax_of)
         need_data, need_transpose = self._layouts(device, shape)
         res, extra = produce(scale, amax, _torch_fp8_dtype(self.dtype), need_transpose)
         out = self._wrap_result(res, torch.Size(shape), dtype, need_data, need_transpose)
         return out, extra
+
+    def cast_scale(self, device: torch.device, amax_of=None):
+        """``(scale, amax buffer or None)`` of a cast on ``device``: delayed scaling's state (each
+        cast accumulates its amax), or current scaling's scale from ``amax_of`` (as above)."""
+        if self.scale_precedes_cast:
+            return self._scale_and_amax(None)
+        if amax_of is not None and hasattr(self, "_scale_from_amax_pass"):
+            return self._scale_from_amax_pass(amax_of, device), None
+        raise TypeError(
+            f"{type(self).__name__} computes its scale from the values; pass amax_of "
+            "(the producer's amax pass) or quantize the produced tensor with quantize()"
+        )
 
     def update_quantized(self, src: torch.Tensor, dst, *, noop_flag: torch.Tensor | None = None):
         """Quantize ``src`` into ``dst``'s buffers in place (see :meth:`Quantizer.update_quantized`).

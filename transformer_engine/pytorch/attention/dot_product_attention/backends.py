@@ -66,10 +66,13 @@ def _amax_or_neg_inf(scores: torch.Tensor, dim, keepdim: bool = False) -> torch.
     return scores.new_full(shape, float("-inf"))
 
 
-def _float_softmax_with_offset(scores: torch.Tensor, offset: torch.Tensor | None):
+def _float_softmax_with_offset(scores: torch.Tensor, offset: torch.Tensor | None, *,
+                               with_sink: bool = False):  # fmt: skip
     """``exp(s_j) / (exp(offset) + sum_j exp(s_j))`` over the last dim (offset ``None``: the
     vanilla softmax). Rows whose scores are all ``-inf`` give zeros, never NaN; so do rows
-    without any key (a zero-length key sequence), where ``amax`` has nothing to reduce."""
+    without any key (a zero-length key sequence), where ``amax`` has nothing to reduce.
+    ``with_sink``: also the offset's own share ``exp(offset) / (...)`` per row (zeros without
+    an offset), ``(probs, sink)``."""
     row_max = _amax_or_neg_inf(scores, dim=-1, keepdim=True)
     if offset is not None:
         row_max = torch.maximum(row_max, offset)
@@ -80,10 +83,14 @@ def _float_softmax_with_offset(scores: torch.Tensor, offset: torch.Tensor | None
     if offset is not None:
         denominator = denominator + torch.exp(offset - shift)
     denominator = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
-    return exps / denominator
+    if not with_sink:
+        return exps / denominator
+    sink = torch.zeros_like(denominator) if offset is None else torch.exp(offset - shift)
+    return exps / denominator, sink / denominator
 
 
-def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+def repeat_kv_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """``t`` ``[b, hkv, s, d]`` with each head repeated ``groups`` times (grouped-query attention)."""
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
@@ -91,9 +98,9 @@ class UnfusedDotProductAttention(torch.nn.Module):
     """Attention written out in PyTorch operations, computed in float32 (the CPU path).
 
     ``forward(problem, dropout_p, dropout_ctx, fp8=None)`` returns ``(out [b, hq, sq, dv] in the
-    input dtype, max_logit [hq] float32 or None)``. ``fp8`` (an ``fp8_attention.Fp8Attention``)
-    rounds the tensors FP8 attention reads in FP8 (Q, K, V, the softmax output, O, and the
-    gradients of O and of the scores) to their FP8 values.
+    input dtype, max_logit [hq] float32 or None)``. With ``fp8`` (an
+    ``fp8_attention.Fp8Attention``) the call is FP8 attention's emulation instead, whose
+    products run in query blocks (``fp8_score_blocks.py``).
     """
 
     def forward(
@@ -103,17 +110,13 @@ class UnfusedDotProductAttention(torch.nn.Module):
         dropout_ctx=contextlib.nullcontext,
         fp8=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if fp8 is not None:
+            return fp8.attend(problem, dropout_p, dropout_ctx), None
         q, k, v = problem.q, problem.k, problem.v
         groups = q.shape[1] // k.shape[1]
-        if fp8 is None:
-            q32, k32, v32 = q.float(), k.float(), v.float()
-        else:
-            q32, k32, v32 = fp8.inputs(q, k, v)
-        k32 = _repeat_kv(k32, groups)
-        v32 = _repeat_kv(v32, groups)
-        scores = torch.matmul(q32, k32.transpose(-2, -1)) * problem.scale
-        if fp8 is not None:
-            scores = fp8.scores(scores)
+        k32 = repeat_kv_heads(k.float(), groups)
+        v32 = repeat_kv_heads(v.float(), groups)
+        scores = torch.matmul(q.float(), k32.transpose(-2, -1)) * problem.scale
         if problem.bias is not None:
             scores = scores + problem.bias.float()
         keep = problem.keep
@@ -125,23 +128,22 @@ class UnfusedDotProductAttention(torch.nn.Module):
         if problem.return_max_logit:
             with torch.no_grad():
                 max_logit = _amax_or_neg_inf(scores, dim=(0, 2, 3)).float()
-        offset = None
-        if problem.softmax_type != "vanilla":
-            heads = q.shape[1]
-            if problem.softmax_offset is None:  # off-by-one: exp(0) in the denominator
-                offset = scores.new_zeros(1, heads, 1, 1)
-            else:
-                offset = problem.softmax_offset.float().view(1, heads, 1, 1)
-        probs = _float_softmax_with_offset(scores, offset)
+        probs = _float_softmax_with_offset(scores, softmax_offset(problem, scores.device))
         if dropout_p > 0.0:
             with dropout_ctx():
                 probs = F.dropout(probs, p=dropout_p, training=True)
-        if fp8 is not None:
-            probs = fp8.probabilities(probs)
-        out = torch.matmul(probs, v32)
-        if fp8 is not None:
-            out = fp8.output(out)
-        return out.to(q.dtype), max_logit
+        return torch.matmul(probs, v32).to(q.dtype), max_logit
+
+
+def softmax_offset(problem: AttentionProblem, device) -> torch.Tensor | None:
+    """The softmax offset ``[1, hq, 1, 1]`` float32 of the off-by-one (zeros) and learnable
+    softmax types; ``None`` for vanilla."""
+    if problem.softmax_type == "vanilla":
+        return None
+    heads = problem.q.shape[1]
+    if problem.softmax_offset is None:  # off-by-one: exp(0) in the denominator
+        return torch.zeros(1, heads, 1, 1, device=device)
+    return problem.softmax_offset.float().view(1, heads, 1, 1)
 
 
 # -- PyTorch's SDPA kernels ---------------------------------------------------------------------
@@ -195,7 +197,7 @@ def sdpa_inputs(problem: AttentionProblem, repeat_kv: bool, flash: bool = False)
             v = torch.cat([v, v.new_zeros(b, hkv, 1, v.shape[3])], dim=2)
     enable_gqa = hq != hkv
     if enable_gqa and repeat_kv:
-        k, v = _repeat_kv(k, hq // hkv), _repeat_kv(v, hq // hkv)
+        k, v = repeat_kv_heads(k, hq // hkv), repeat_kv_heads(v, hq // hkv)
         enable_gqa = False
     return q, k, v, attn_mask, is_causal, enable_gqa
 

@@ -11,9 +11,10 @@ Here the unfused backend computes the same with those roundings applied to the v
 multiplies: every tensor cuDNN would read in FP8 is quantized with its slot's quantizer (which
 records the amax the recipe state needs: delayed scaling's history, reduced and updated like any
 module's) and dequantized to float32, and the products, the softmax and its gradient run in
-float32. So the FP8 rounding of every operand is upstream's; the accumulation order, and the
-speed and memory of a fused kernel, are not (the score matrix is materialized). A warning says
-so once per process.
+float32, walking the queries in blocks (``fp8_score_blocks.py``: the score matrix is never
+whole, and the backward recomputes it block by block). So the FP8 rounding of every operand is
+upstream's; the accumulation order, and the speed of a fused kernel, are not. A warning says so
+once per process.
 
 Recipes: ``DelayedScaling`` (every slot delayed scaling; ``O`` always quantized, as the fused
 kernel writes it in FP8), ``Float8CurrentScaling`` (every slot current scaling, ``O`` in high
@@ -35,6 +36,8 @@ import torch
 
 from ...quantization import FP8GlobalStateManager, QuantizerRole, claim_backward_update
 from ...tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
+from .backends import repeat_kv_heads, softmax_offset
+from .fp8_score_blocks import attend_in_blocks
 
 __all__ = [
     "Fp8Attention",
@@ -216,8 +219,7 @@ class _RoundBackward(torch.autograd.Function):
 class Fp8Attention:
     """One FP8 attention call's quantization: the module's slot quantizers and the settings.
 
-    The unfused backend calls :meth:`inputs` (Q, K, V), :meth:`scores` (before the softmax:
-    rounds its gradient), :meth:`probabilities` (after the dropout) and :meth:`output`.
+    The unfused backend hands the call to :meth:`attend`.
     """
 
     def __init__(self, module, *, fp8_output: bool, bf16_backward: bool, update):
@@ -252,17 +254,23 @@ class Fp8Attention:
         if self.update is not None:
             self.update.complete()
 
+    def attend(self, problem, dropout_p: float, dropout_ctx) -> torch.Tensor:
+        """The attention output ``[b, hq, sq, dv]`` in the inputs' dtype: Q, K, V rounded
+        (:meth:`inputs`), the products in query blocks with the S and dP roundings
+        (``fp8_score_blocks.py``), O and its gradient rounded (:meth:`output`)."""
+        q, k, v = self.inputs(problem.q, problem.k, problem.v)
+        groups = q.shape[1] // k.shape[1]
+        out = attend_in_blocks(
+            problem, q, repeat_kv_heads(k, groups), repeat_kv_heads(v, groups),
+            softmax_offset(problem, q.device), dropout_p=dropout_p, dropout_ctx=dropout_ctx,
+            s_quantizer=self.quantizer(SLOT_S),
+            dp_quantizer=self.quantizer(SLOT_DP, True) if self.fp8_backward else None,
+        )  # fmt: skip
+        return self.output(out).to(problem.q.dtype)
+
     def inputs(self, q, k, v):
         """float32 FP8 values of Q, K and V (one scale)."""
         return _QKV.apply(q, k, v, self)
-
-    def scores(self, scores):
-        """The scores, whose gradient is rounded to FP8 (the dP slot)."""
-        return _RoundBackward.apply(scores, self, SLOT_DP)
-
-    def probabilities(self, probs):
-        """The softmax output as its FP8 values (the S slot)."""
-        return _RoundForward.apply(probs, self.quantizer(SLOT_S))
 
     def output(self, out):
         """``P V``: its gradient rounded (the dO slot), and its value too where the recipe
@@ -287,6 +295,6 @@ def _warn_once() -> None:
             "DotProductAttention: FP8 attention runs by emulation here: Q, K, V, the softmax "
             "output, O and the gradients are rounded to FP8 with the recipe's scales as "
             "upstream's fused kernels round them, and the products run in float32 in the "
-            "unfused backend (FP8 attention's numerics, not its speed or memory)",
+            "unfused backend, in blocks of queries (FP8 attention's numerics, not its speed)",
             stacklevel=4,
         )
