@@ -3,7 +3,7 @@
 BF16 attention (PyTorch's flash kernel) of the same shape, side by side in one run on one GPU.
 
 The emulation computes the products in float32 in blocks of queries
-(``fp8_score_blocks.SCORE_BLOCK_BYTES`` of scores each); ``one block`` sets that budget high
+(``score_blocks.SCORE_BLOCK_BYTES`` of scores each); ``one block`` sets that budget high
 enough for the whole score matrix, which is what the emulation cost before it walked the queries
 in blocks (a few score-sized float32 tensors). Causal self-attention, bshd, BF16 inputs;
 the peak is ``torch.cuda.max_memory_allocated`` above what the inputs hold.
@@ -25,7 +25,7 @@ import transformer_engine.pytorch as te  # noqa: E402
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
 from transformer_engine.pytorch.attention.dot_product_attention import (  # noqa: E402
     DotProductAttention,
-    fp8_score_blocks,
+    score_blocks,
 )
 
 
@@ -63,7 +63,7 @@ def main() -> int:
         print("needs a CUDA GPU")
         return 1
     torch.manual_seed(0)
-    budget = fp8_score_blocks.SCORE_BLOCK_BYTES
+    budget = score_blocks.SCORE_BLOCK_BYTES
     print(f"{torch.cuda.get_device_name()}; block budget {budget >> 20} MiB of scores")
     print(f"{'seq':>6} {'configuration':<28} {'ms/step':>9} {'peak GiB':>9}")
     for seq in args.seq:
@@ -82,14 +82,14 @@ def main() -> int:
             ("FP8 current, one block", Float8CurrentScaling(fp8_dpa=True), score_bytes),
         ]
         for name, recipe, block_bytes in configs:
-            fp8_score_blocks.SCORE_BLOCK_BYTES = block_bytes
+            score_blocks.SCORE_BLOCK_BYTES = block_bytes
             try:
                 ms, peak = measure(dpa, recipe, q, k, v, dout, args.steps)
                 print(f"{seq:>6} {name:<28} {ms:>9.2f} {peak:>9.2f}")
             except torch.OutOfMemoryError:
                 print(f"{seq:>6} {name:<28} {'out of memory':>19}")
             finally:
-                fp8_score_blocks.SCORE_BLOCK_BYTES = budget
+                score_blocks.SCORE_BLOCK_BYTES = budget
                 q.grad = k.grad = v.grad = None
                 torch.cuda.empty_cache()
         print(f"{seq:>6} (one float32 score matrix: {score_bytes / 2**30:.2f} GiB)")

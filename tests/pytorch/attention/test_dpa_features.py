@@ -15,7 +15,11 @@ from test_dpa_numerics import (
     random_qkv,
 )
 
-from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention
+from transformer_engine.pytorch.attention.dot_product_attention import (
+    DotProductAttention,
+    score_blocks,
+)
+from transformer_engine.pytorch.attention.dot_product_attention.problem import AttentionProblem
 
 
 def cu(lengths):
@@ -248,6 +252,25 @@ def test_packed_kv_layer():
 
 
 # --- maximum logit -------------------------------------------------------------------------------
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_max_logit_in_blocks(monkeypatch, rows):
+    # the pass that serves return_max_logit beside a kernel's output, in blocks of `rows`
+    # queries: GQA, a materialized mask with a fully masked row, a bias without a batch dim
+    b, sq, skv, h, g, d, scale = 2, 7, 9, 4, 2, 8, 0.3
+    q, k, _ = random_qkv(b, sq, skv, h, g, d, seed=21)
+    bias = torch.randn(h, sq, skv)
+    keep = torch.rand(b, 1, sq, skv, generator=torch.Generator().manual_seed(22)) < 0.6
+    keep[1, 0, 2] = False  # a query without keys
+    monkeypatch.setattr(score_blocks, "SCORE_BLOCK_BYTES", rows * 4 * b * h * skv)
+    problem = AttentionProblem(bhsd(q), bhsd(k), bhsd(k), keep=keep, bias=bias, scale=scale)
+    got = score_blocks.max_logit_in_blocks(problem)
+    kb = bhsd(k).double().repeat_interleave(h // g, 1)
+    scores = bhsd(q).double() @ kb.transpose(-1, -2) * scale + bias.double()
+    expected = scores.masked_fill(~keep, float("-inf")).amax(dim=(0, 2, 3))
+    assert got.dtype == torch.float32 and got.shape == (h,)
+    torch.testing.assert_close(got.double(), expected, **FP32_TOL)
+
+
 def test_return_max_logit():
     b, s, h, d, scale = 2, 5, 3, 4, 0.5
     q, k, v = random_qkv(b, s, s, h, h, d, seed=18)

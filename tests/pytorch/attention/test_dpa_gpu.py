@@ -215,6 +215,34 @@ def test_bias_and_learnable_softmax_on_gpu():
     assert chosen() == "EFFICIENT_ATTENTION"
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_return_max_logit_runs_a_kernel_on_gpu(bias):
+    # the output from flash (no bias) or the memory-efficient kernel, the maximum from a
+    # blocked float32 pass over the scores; GQA, causal
+    b, s, h, g, d, scale = 2, 96, 4, 2, 64, 0.125
+    q, k, v = make_inputs(b, s, s, h, g, d, torch.bfloat16, seed=9)
+    bias_t = torch.randn(1, h, s, s, device="cuda") if bias else None
+    kwargs = {"core_attention_bias_type": "post_scale_bias", "core_attention_bias": bias_t}
+    dpa = DotProductAttention(h, d, num_gqa_groups=g, qkv_format="bshd", softmax_scale=scale,
+                              return_max_logit=True, device="cuda")  # fmt: skip
+    out, max_logit = dpa(q, k, v, **(kwargs if bias else {}))
+    assert chosen() == ("EFFICIENT_ATTENTION" if bias else "flash")
+    qb, kb = bhsd(q.cpu()).double(), bhsd(k.cpu()).double().repeat_interleave(h // g, 1)
+    scores = qb @ kb.transpose(-1, -2) * scale
+    if bias:
+        scores = scores + bias_t.cpu().double()
+    keep = oracle_keep(b, s, s, mask_type="causal").expand_as(scores)
+    expected = scores.masked_fill(~keep, float("-inf")).amax(dim=(0, 2, 3))
+    assert max_logit.device == q.device and max_logit.dtype == torch.float32
+    torch.testing.assert_close(max_logit.double().cpu(), expected, rtol=1e-5, atol=1e-5)
+    reference = oracle_attention(bhsd(q.cpu()), bhsd(k.cpu()), bhsd(v.cpu()), keep=keep,
+                                 bias=bias_t.cpu() if bias else None, scale=scale)  # fmt: skip
+    torch.testing.assert_close(out.double().cpu(), oracle_output(reference, "bshd"),
+                               rtol=2e-2, atol=2e-2)  # fmt: skip
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
 def test_thd_on_gpu():
     h, d, lens = 4, 64, [40, 100, 7]
     q, k, v = make_inputs(3, 100, 100, h, h, d, torch.bfloat16, seed=7)

@@ -27,7 +27,7 @@ from transformer_engine.common.recipe import (
 )
 from transformer_engine.pytorch.attention.dot_product_attention import (
     DotProductAttention,
-    fp8_score_blocks,
+    score_blocks,
 )
 from transformer_engine.pytorch.custom_recipes.quantizer_factories import (
     current_scaling_factory,
@@ -52,7 +52,7 @@ def blocks(request, monkeypatch):
     """The products in one block, or in blocks of 3 query rows (S = 8: blocks of 3, 3 and 2),
     which must give the same roundings (one scale per slot over all blocks)."""
     if request.param != "one block":
-        monkeypatch.setattr(fp8_score_blocks, "SCORE_BLOCK_BYTES", 3 * 4 * B * HQ * S)
+        monkeypatch.setattr(score_blocks, "SCORE_BLOCK_BYTES", 3 * 4 * B * HQ * S)
     return request.param
 
 
@@ -396,7 +396,7 @@ def test_masks_bias_learnable_softmax_and_dropout_match_the_oracle(blocks, devic
     masked = torch.rand(B, 1, S, S, generator=g) < 0.3
     masked &= ~torch.eye(S, dtype=torch.bool)  # every query keeps a key
     seed = torch.tensor([0x12345678, 0x9ABCDEF0], dtype=torch.int64)
-    monkeypatch.setattr(fp8_score_blocks, "dropout_seed", lambda dev, ctx: seed.to(dev))
+    monkeypatch.setattr(score_blocks, "dropout_seed", lambda dev, ctx: seed.to(dev))
     p = 0.25
     dpa = DotProductAttention(HQ, D, num_gqa_groups=HKV, qkv_format="bshd", device=device,
                               attn_mask_type="arbitrary", attention_dropout=p,
@@ -424,19 +424,19 @@ def test_masks_bias_learnable_softmax_and_dropout_match_the_oracle(blocks, devic
 def test_the_dropout_mask_keeps_one_minus_p_and_does_not_depend_on_blocks():
     seed = torch.tensor([7, 2**32 - 1], dtype=torch.int64)
     shape = (2, 3, 64, 1000)
-    whole = fp8_score_blocks.dropout_keep(seed, shape, slice(0, 64), 0.1)
+    whole = score_blocks.dropout_keep(seed, shape, slice(0, 64), 0.1)
     assert abs(whole.double().mean().item() - 0.9) < 0.003
-    assert torch.equal(fp8_score_blocks.dropout_keep(seed, shape, slice(5, 9), 0.1),
+    assert torch.equal(score_blocks.dropout_keep(seed, shape, slice(5, 9), 0.1),
                        whole[:, :, 5:9])  # fmt: skip
     assert torch.equal(whole, hashed_keep(seed, shape, 0.1))
-    other = fp8_score_blocks.dropout_keep(seed + 1, shape, slice(0, 64), 0.1)
+    other = score_blocks.dropout_keep(seed + 1, shape, slice(0, 64), 0.1)
     assert (other != whole).double().mean().item() > 0.1
 
 
 def test_the_backward_keeps_no_score_matrix(monkeypatch):
     # 64 queries in blocks of 8 rows: nothing saved for backward is as big as one score matrix
     s = 64
-    monkeypatch.setattr(fp8_score_blocks, "SCORE_BLOCK_BYTES", 8 * 4 * B * HQ * s)
+    monkeypatch.setattr(score_blocks, "SCORE_BLOCK_BYTES", 8 * 4 * B * HQ * s)
     g = torch.Generator().manual_seed(12)
     q, k, v = (torch.randn(B, s, h, D, generator=g).requires_grad_() for h in (HQ, HKV, HKV))
     dpa = DotProductAttention(HQ, D, num_gqa_groups=HKV, qkv_format="bshd",

@@ -100,7 +100,7 @@ class UnfusedDotProductAttention(torch.nn.Module):
     ``forward(problem, dropout_p, dropout_ctx, fp8=None)`` returns ``(out [b, hq, sq, dv] in the
     input dtype, max_logit [hq] float32 or None)``. With ``fp8`` (an
     ``fp8_attention.Fp8Attention``) the call is FP8 attention's emulation instead, whose
-    products run in query blocks (``fp8_score_blocks.py``).
+    products run in query blocks (``score_blocks.py``).
     """
 
     def forward(

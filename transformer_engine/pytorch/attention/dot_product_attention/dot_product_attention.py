@@ -40,6 +40,7 @@ from .inputs import (
 from .packing import padded_to_thd
 from .problem import AttentionProblem
 from .recompute import recompute_in_backward
+from .score_blocks import max_logit_in_blocks
 from .utils import AttentionParams, backend_env, check_set_window_size, get_attention_backend
 
 __all__ = ["DotProductAttention", "_attention_backends"]
@@ -529,21 +530,19 @@ class DotProductAttention(TransformerEngineBaseModule):
 
         def attend(q_, k_, v_):
             problem.q, problem.k, problem.v = q_, k_, v_
-            if fp8 is not None:  # emulated in the unfused backend (fp8_attention.py)
+            if fp8 is not None or not (choice.use_flash_attention or choice.use_fused_attention):
+                # (FP8 attention is emulated in the unfused backend: fp8_attention.py)
                 return self.unfused_attention(problem, dropout_p, dropout_ctx, fp8=fp8)
             if choice.use_flash_attention:
-                return self.flash_attention(
-                    problem,
-                    dropout_p,
-                    dropout_ctx,
-                    repeat_kv=choice.flash_attention_backend.repeat_kv,
-                )
-            if choice.use_fused_attention:
+                kernel, run = choice.flash_attention_backend, self.flash_attention
+                out = run(problem, dropout_p, dropout_ctx, repeat_kv=kernel.repeat_kv)
+            else:
                 kernel = choice.fused_attention_backend
-                return self.fused_attention(problem, dropout_p, dropout_ctx,
-                                            sdp_backend=kernel.sdp_backend,
-                                            repeat_kv=kernel.repeat_kv)  # fmt: skip
-            return self.unfused_attention(problem, dropout_p, dropout_ctx)
+                out = self.fused_attention(problem, dropout_p, dropout_ctx,
+                                           sdp_backend=kernel.sdp_backend,
+                                           repeat_kv=kernel.repeat_kv)  # fmt: skip
+            # The kernels return no scores: the maximum logit comes from a pass of its own.
+            return (out, max_logit_in_blocks(problem)) if problem.return_max_logit else out
 
         # FP8 attention keeps its operands (a recompute would round with updated scales)
         if checkpoint_core_attention and torch.is_grad_enabled() and fp8 is None:

@@ -11,7 +11,7 @@ Here the unfused backend computes the same with those roundings applied to the v
 multiplies: every tensor cuDNN would read in FP8 is quantized with its slot's quantizer (which
 records the amax the recipe state needs: delayed scaling's history, reduced and updated like any
 module's) and dequantized to float32, and the products, the softmax and its gradient run in
-float32, walking the queries in blocks (``fp8_score_blocks.py``: the score matrix is never
+float32, walking the queries in blocks (``score_blocks.py``: the score matrix is never
 whole, and the backward recomputes it block by block). So the FP8 rounding of every operand is
 upstream's; the accumulation order, and the speed of a fused kernel, are not. A warning says so
 once per process.
@@ -37,7 +37,7 @@ import torch
 from ...quantization import FP8GlobalStateManager, QuantizerRole, claim_backward_update
 from ...tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
 from .backends import repeat_kv_heads, softmax_offset
-from .fp8_score_blocks import attend_in_blocks
+from .score_blocks import attend_in_blocks
 
 __all__ = [
     "Fp8Attention",
@@ -257,7 +257,7 @@ class Fp8Attention:
     def attend(self, problem, dropout_p: float, dropout_ctx) -> torch.Tensor:
         """The attention output ``[b, hq, sq, dv]`` in the inputs' dtype: Q, K, V rounded
         (:meth:`inputs`), the products in query blocks with the S and dP roundings
-        (``fp8_score_blocks.py``), O and its gradient rounded (:meth:`output`)."""
+        (``score_blocks.py``), O and its gradient rounded (:meth:`output`)."""
         q, k, v = self.inputs(problem.q, problem.k, problem.v)
         groups = q.shape[1] // k.shape[1]
         out = attend_in_blocks(

@@ -263,8 +263,6 @@ def _common_sdpa_filters(params: AttentionParams, dtypes) -> list[str]:
     if params.qkv_dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         reasons.append(f"qkv_dtype={params.qkv_dtype} is not one of {names}")
-    if params.return_max_logit:
-        reasons.append("return_max_logit=True needs the scores, which the kernels do not return")
     if params.fp8:
         reasons.append("FP8 attention is not supported")
     if params.context_parallel:

@@ -1,11 +1,13 @@
-"""FP8 attention's score products, walked in blocks of queries so that memory stays bounded.
+"""Attention's float32 score products, walked in blocks of queries so that memory stays bounded.
 
-The emulation of ``fp8_attention.py`` multiplies FP8 values in float32. Materializing the score
-matrix would take ``4 * b * h * sq * skv`` bytes, several times over for autograd (16 GiB per
-copy at b = 2, h = 32, s = 8192), where the fused kernels it stands for keep none. Here the
-forward and the backward walk the queries in blocks holding at most :data:`SCORE_BLOCK_BYTES`
-of scores each; what is kept for backward is Q, K, V (their FP8 values in float32) and the
-softmax output's scale, and the backward recomputes each block's scores and softmax.
+Two computations need the scores that the SDPA kernels do not expose: FP8 attention's emulation
+(``fp8_attention.py``: it multiplies FP8 values in float32) and ``return_max_logit`` beside a
+kernel's output (:func:`max_logit_in_blocks`). Materializing the score matrix would take
+``4 * b * h * sq * skv`` bytes, several times over for autograd (16 GiB per copy at b = 2,
+h = 32, s = 8192), where a fused kernel keeps none. Here they walk the queries in blocks holding
+at most :data:`SCORE_BLOCK_BYTES` of scores each. For FP8 attention what is kept for backward is
+Q, K, V (their FP8 values in float32) and the softmax output's scale, and the backward
+recomputes each block's scores and softmax.
 
 The softmax output (slot S) and the score gradient (slot dP) are rounded with one scale each
 for the whole tensor, as the fused kernels do: delayed scaling's scale is the recipe state's
@@ -26,10 +28,16 @@ import torch
 
 from ...constants import to_torch_fp8_dtype
 from ...cpp_extensions.cast import dequantize, quantize_prevalidated
-from .backends import _float_softmax_with_offset
+from .backends import _float_softmax_with_offset, repeat_kv_heads
 from .problem import AttentionProblem
 
-__all__ = ["SCORE_BLOCK_BYTES", "attend_in_blocks", "dropout_keep", "dropout_seed"]
+__all__ = [
+    "SCORE_BLOCK_BYTES",
+    "attend_in_blocks",
+    "dropout_keep",
+    "dropout_seed",
+    "max_logit_in_blocks",
+]
 
 #: float32 scores per block (bytes); the backward holds about six block-sized tensors at once.
 SCORE_BLOCK_BYTES = 128 << 20
@@ -76,10 +84,10 @@ def dropout_seed(device: torch.device, dropout_ctx) -> torch.Tensor:
 
 
 class _Plan:
-    """One call's blocks and the tensors every block reads."""
+    """One call's query blocks and what every block reads besides Q and K."""
 
-    def __init__(self, problem: AttentionProblem, q, k, dropout_p, seed, s_quantizer,
-                 dp_quantizer):  # fmt: skip
+    def __init__(self, problem: AttentionProblem, q, k, *, dropout_p=0.0, seed=None,
+                 s_quantizer=None, dp_quantizer=None):  # fmt: skip
         b, h, sq, _ = q.shape
         skv = k.shape[2]
         self.shape = (b, h, sq, skv)
@@ -90,16 +98,18 @@ class _Plan:
         rows = max(1, SCORE_BLOCK_BYTES // (4 * max(b * h * skv, 1)))
         self.blocks = [slice(r, min(r + rows, sq)) for r in range(0, sq, rows)]
 
-    def probabilities(self, q, k, bias, offset, rows: slice):
-        """``(p, sink, p after dropout)`` of ``rows``: the softmax of their masked, scaled and
-        biased scores, the offset's share per row, and ``p`` with dropout applied."""
+    def scores(self, q, k, bias, rows: slice):
+        """The masked (``-inf``), scaled and biased float32 scores of ``rows``."""
         scores = torch.matmul(q[:, :, rows], k.transpose(-2, -1)) * self.scale
         if bias is not None:
             scores = scores + (bias[:, :, rows] if _has_rows(bias, self.shape[2]) else bias)
         keep = self._keep(rows, scores.device)
-        if keep is not None:
-            scores = scores.masked_fill(~keep, float("-inf"))
-        p, sink = _float_softmax_with_offset(scores, offset, with_sink=True)
+        return scores if keep is None else scores.masked_fill(~keep, float("-inf"))
+
+    def probabilities(self, q, k, bias, offset, rows: slice):
+        """``(p, sink, p after dropout)`` of ``rows``: the softmax of their scores, the
+        offset's share per row, and ``p`` with dropout applied."""
+        p, sink = _float_softmax_with_offset(self.scores(q, k, bias, rows), offset, with_sink=True)
         return p, sink, self._dropped(p, rows)
 
     def _keep(self, rows: slice, device):
@@ -119,6 +129,14 @@ class _Plan:
             return x
         keep = dropout_keep(self.seed, self.shape, rows, self.dropout_p)
         return x * keep * (1.0 / (1.0 - self.dropout_p))
+
+
+def _bias4(problem: AttentionProblem):
+    """The problem's bias as a 4-D view (``None`` without one)."""
+    bias = problem.bias
+    if bias is not None and bias.dim() < 4:
+        bias = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    return bias
 
 
 def _has_rows(bias: torch.Tensor, sq: int) -> bool:
@@ -231,11 +249,25 @@ def attend_in_blocks(problem: AttentionProblem, q, k, v, offset, *, dropout_p, d
     (K and V heads repeated to Q's): the softmax output rounded by ``s_quantizer``, and in
     backward the score gradient by ``dp_quantizer`` (``None``: kept in float32)."""
     seed = dropout_seed(q.device, dropout_ctx) if dropout_p > 0.0 else None
-    plan = _Plan(problem, q, k, dropout_p, seed, s_quantizer, dp_quantizer)
-    bias = problem.bias
-    if bias is not None and bias.dim() < 4:
-        bias = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    plan = _Plan(problem, q, k, dropout_p=dropout_p, seed=seed, s_quantizer=s_quantizer,
+                 dp_quantizer=dp_quantizer)  # fmt: skip
     s_quantizer.set_usage(rowwise=True, columnwise=False)
     if dp_quantizer is not None:
         dp_quantizer.set_usage(rowwise=True, columnwise=False)
-    return _ScoreBlocks.apply(q, k, v, bias, offset, plan)
+    return _ScoreBlocks.apply(q, k, v, _bias4(problem), offset, plan)
+
+
+def max_logit_in_blocks(problem: AttentionProblem) -> torch.Tensor:
+    """The float32 ``[hq]`` maximum per head of the masked, scaled and biased scores (float32
+    products; ``-inf`` for a head without any), computed block by block without autograd: what
+    ``return_max_logit`` returns beside the output of a kernel that does not return scores."""
+    with torch.no_grad():
+        q, k = problem.q.float(), problem.k.float()
+        k = repeat_kv_heads(k, q.shape[1] // k.shape[1])
+        plan, bias = _Plan(problem, q, k), _bias4(problem)
+        top = torch.full((q.shape[1],), float("-inf"), device=q.device)
+        for rows in plan.blocks:
+            scores = plan.scores(q, k, bias, rows)
+            if scores.numel():
+                top = torch.maximum(top, scores.amax(dim=(0, 2, 3)))
+        return top
