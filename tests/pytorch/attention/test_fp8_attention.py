@@ -318,6 +318,9 @@ def test_a_failed_call_hands_the_first_module_flag_back():
         with pytest.raises(ValueError):  # the mask type needs a mask: raised after the setup
             dpa(q, k, v, attn_mask_type="arbitrary")
         assert state.is_first_fp8_module  # the next module still claims the backward update
+        with pytest.raises(ValueError):  # a head count the module does not have: likewise
+            dpa(q[:, :, :2], k, v)
+        assert state.is_first_fp8_module
 
 
 # -- the products in query blocks: masks, biases, the learnable softmax, dropout, memory ------

@@ -396,29 +396,29 @@ class DotProductAttention(TransformerEngineBaseModule):
             query_layer, key_layer, value_layer, qkv_layer, kv_layer, qkv_interleave_dim, fmt
         )
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        fp8 = setup_fp8_attention(self, q.device, fp8_output=fp8_output, grad=grad,
-                                  bf16_backward=bf16_backward, kv_cache=inference_params is not None)  # fmt: skip
         mask_type, window, bottom_right = self._mask_settings(
             attn_mask_type, window_size, bottom_right_diagonal
         )
-        q_format = kv_format = fmt
-        if inference_params is not None:
-            k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_kv, q_format, mask_type = (
-                self._kv_cache_step(inference_params, k, v, fmt, mask_type)
-            )
-            kv_format, attention_mask = "bshd", None
-            if q_format == "thd" and max_seqlen_q is None:  # known without a host sync
-                max_seqlen_q = getattr(inference_params, "max_ctx_len", None)
-            cu_seqlens_q_padded = cu_seqlens_kv_padded = None
-            # padding_causal became its bottom-right form; the other padding types keep their
-            # own diagonal (bottom-right unless the caller said otherwise), so a decoded
-            # query's window and ALiBi distances count back from the end of the cache
-            bottom_right = bottom_right or mask_type.endswith("bottom_right")
-        check_qkv(q, k, v, q_format, kv_format, self.num_attention_heads_per_partition,
-                  self.num_gqa_groups_per_partition, *self.kv_channels)  # fmt: skip
-        layout = packed_layout or f"{q_format}_{kv_format}_{kv_format}"
+        fp8 = setup_fp8_attention(self, q.device, fp8_output=fp8_output, grad=grad,
+                                  bf16_backward=bf16_backward, kv_cache=inference_params is not None)  # fmt: skip
         enter_device(q.device)
-        try:
+        try:  # (from here on a failure hands FP8 attention's claims back: fp8.abandon)
+            q_format = kv_format = fmt
+            if inference_params is not None:
+                k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_kv, q_format, mask_type = (
+                    self._kv_cache_step(inference_params, k, v, fmt, mask_type)
+                )
+                kv_format, attention_mask = "bshd", None
+                if q_format == "thd" and max_seqlen_q is None:  # known without a host sync
+                    max_seqlen_q = getattr(inference_params, "max_ctx_len", None)
+                cu_seqlens_q_padded = cu_seqlens_kv_padded = None
+                # padding_causal became its bottom-right form; the other padding types keep
+                # their own diagonal (bottom-right unless the caller said otherwise), so a
+                # decoded query's window and ALiBi distances count back from the cache's end
+                bottom_right = bottom_right or mask_type.endswith("bottom_right")
+            check_qkv(q, k, v, q_format, kv_format, self.num_attention_heads_per_partition,
+                      self.num_gqa_groups_per_partition, *self.kv_channels)  # fmt: skip
+            layout = packed_layout or f"{q_format}_{kv_format}_{kv_format}"
             if self.cp_size > 1:
                 cu = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
                 options = (core_attention_bias_type, alibi_slopes, checkpoint_core_attention, cu)
