@@ -3,7 +3,8 @@
 FP8 attention runs by emulation here (test_fp8_attention.py checks its numbers). Facts:
 - every recipe but ``Float8BlockScaling`` accepts the flags (``MXFP8BlockScaling`` included);
 - ``NVTE_DPA_FP8_RECIPE=F16`` makes attention run in high precision and sets ``fp8_dpa`` and
-  ``fp8_mha`` of the autocast recipe to False.
+  ``fp8_mha`` of the autocast recipe to False; ``DelayedScaling`` / ``Float8CurrentScaling``
+  give attention a recipe of its own (settings from ``NVTE_DPA_FP8*`` variables).
 So: with ``F16`` attention must equal the high-precision result (the float64 oracle of
 test_dpa_numerics.py) and the recipe's flags must read False afterwards; without it, attention
 runs in FP8 (close to, not equal to, the high-precision result), and MXFP8 is refused.
@@ -34,7 +35,9 @@ ENV = "NVTE_DPA_FP8_RECIPE"
 
 @pytest.fixture(autouse=True)
 def _no_dpa_recipe_env(monkeypatch):
-    monkeypatch.delenv(ENV, raising=False)
+    for name in (ENV, "NVTE_DPA_FP8_FORMAT", "NVTE_DPA_FP8_RECIPE_DPA", "NVTE_DPA_FP8_RECIPE_MHA",
+                 "NVTE_DPA_FP8DS_AMAX_HISTLEN", "NVTE_DPA_FP8DS_AMAX_ALGO"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
 
 
 def _recipes(**flags):
@@ -87,14 +90,60 @@ def test_mxfp8_fp8_dpa_is_refused_by_attention_not_by_the_recipe():
         Float8BlockScaling(fp8_dpa=True)  # the one recipe that refuses the flag itself
 
 
-@pytest.mark.parametrize("value", ["DelayedScaling", "Float8CurrentScaling", "f16"])
-def test_other_dpa_recipes_still_refuse(monkeypatch, value):
-    # Any other value asks for a separate attention recipe, which is not built.
-    monkeypatch.setenv(ENV, value)
-    recipe = DelayedScaling(fp8_dpa=True)
+def test_delayed_scaling_attention_among_current_scaling_linears(monkeypatch):
+    # NVTE_DPA_FP8_RECIPE gives attention a recipe of its own, with its DS settings from the
+    # environment; the linears keep the autocast recipe
+    monkeypatch.setenv(ENV, "DelayedScaling")
+    monkeypatch.setenv("NVTE_DPA_FP8DS_AMAX_HISTLEN", "4")
+    monkeypatch.setenv("NVTE_DPA_FP8DS_AMAX_ALGO", "max")
+    recipe = Float8CurrentScaling(fp8_dpa=True)
+    q, k, v = _qkv(seed=45)
     dpa = DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="no_mask")
-    with pytest.raises(NotImplementedError, match=f"NVTE_DPA_FP8_RECIPE='{value}'"):
-        _attend(dpa, recipe, *_qkv())
+    linear = te.Linear(32, 32, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with te.autocast(enabled=True, recipe=recipe):
+            out = dpa(q, k, v)
+            y = linear(out)
+    expected = DelayedScaling(amax_history_len=4, amax_compute_algo="max", fp8_dpa=True)
+    assert dpa.fp8_meta["recipe"] == expected
+    assert linear.fp8_meta["recipe"] == recipe
+    assert isinstance(dpa.quantizers["scaling_fwd"][2], te.Float8Quantizer)
+    history = dpa.fp8_meta["scaling_fwd"].amax_history
+    assert history.shape == (4, 9)
+    # the autocast exit updated the attention's delayed scaling state: QKV slot = 448 / amax
+    amax = max(float(t.detach().abs().max()) for t in (q, k, v))
+    assert abs(dpa.fp8_meta["scaling_fwd"].scale[2].item() - 448.0 / amax) < 1e-3 * 448 / amax
+    (y.sum()).backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_current_scaling_attention_and_the_flags_from_the_environment(monkeypatch):
+    monkeypatch.setenv(ENV, "Float8CurrentScaling")
+    dpa = DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="no_mask")
+    q, k, v = _qkv(seed=46)
+    out = _attend(dpa, DelayedScaling(fp8_dpa=True), q, k, v)
+    assert isinstance(dpa.quantizers["scaling_fwd"][2], te.Float8CurrentScalingQuantizer)
+    assert not torch.allclose(out.double(), _oracle(q, k, v), **FP32_TOL)  # FP8, not exact
+    monkeypatch.setenv("NVTE_DPA_FP8_RECIPE_DPA", "0")  # the switched recipe's flag: off
+    out = _attend(dpa, DelayedScaling(fp8_dpa=True), q, k, v)
+    torch.testing.assert_close(out.double(), _oracle(q, k, v), **FP32_TOL)
+
+
+@pytest.mark.parametrize(
+    "env,error,match",
+    [
+        ({ENV: "f16"}, ValueError, "NVTE_DPA_FP8_RECIPE='f16' is not one of"),
+        ({ENV: "DelayedScaling", "NVTE_DPA_FP8_FORMAT": "E4M4"}, ValueError, "E4M4"),
+        ({ENV: "MXFP8BlockScaling"}, NotImplementedError, "MXFP8BlockScaling is not built"),
+    ],
+)
+def test_bad_attention_recipes_are_refused(monkeypatch, env, error, match):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    dpa = DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="no_mask")
+    with pytest.raises(error, match=match):
+        _attend(dpa, DelayedScaling(fp8_dpa=True), *_qkv())
 
 
 @pytest.mark.parametrize(

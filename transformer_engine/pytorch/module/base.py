@@ -177,7 +177,8 @@ class TransformerEngineBaseModule(DelayedWgrad, torch.nn.Module):
             attrs["fp8_initialized"] = False
             return
         if fp8 or calibrating or self._fp8_param_recipe is None:
-            recipe = FP8GlobalStateManager.get_fp8_recipe()
+            # (attention may follow a recipe of its own: NVTE_DPA_FP8_RECIPE)
+            recipe = attrs.get("_recipe_override") or FP8GlobalStateManager.get_fp8_recipe()
             if fp8 and self.primary_weights_in_fp8:  # before anything is rebound to it
                 check_weight_recipe(type(self).__name__, self._fp8_param_recipe, recipe)
         else:

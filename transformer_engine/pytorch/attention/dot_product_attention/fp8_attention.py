@@ -34,6 +34,7 @@ import warnings
 
 import torch
 
+from ....common.recipe import DelayedScaling, Float8CurrentScaling, Format, MXFP8BlockScaling
 from ...quantization import FP8GlobalStateManager, QuantizerRole, claim_backward_update
 from ...tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
 from .backends import repeat_kv_heads, softmax_offset
@@ -67,7 +68,8 @@ def setup_fp8_attention(module, device, *, fp8_output, bf16_backward, kv_cache, 
     runs in high precision (no FP8 autocast, or neither ``fp8_dpa`` nor ``fp8_mha`` set).
 
     With ``NVTE_DPA_FP8_RECIPE=F16`` attention runs in high precision and, as upstream, both
-    flags of the autocast recipe itself are set to False. ``fp8_mha`` without ``fp8_dpa`` sets
+    flags of the autocast recipe itself are set to False; another value gives attention a
+    recipe of its own (:func:`attention_recipe`). ``fp8_mha`` without ``fp8_dpa`` sets
     ``fp8_dpa`` (with a warning, as upstream). The module's recipe state (three GEMMs' slots)
     is built on ``device`` here.
     """
@@ -82,12 +84,10 @@ def setup_fp8_attention(module, device, *, fp8_output, bf16_backward, kv_cache, 
         for flag in flags:
             setattr(recipe, flag, False)
         return None
-    if dpa_recipe:
-        raise NotImplementedError(
-            f"DotProductAttention: NVTE_DPA_FP8_RECIPE={dpa_recipe!r} (a separate recipe for "
-            "attention) is not built; unset it (attention then uses the autocast recipe) or "
-            "set it to 'F16'"
-        )
+    if dpa_recipe:  # attention's own recipe; the autocast recipe stays the linears'
+        recipe = attention_recipe(dpa_recipe, recipe)
+        if not (recipe.fp8_dpa or recipe.fp8_mha):
+            return None
     if recipe.fp8_mha and not recipe.fp8_dpa:
         warnings.warn(
             "fp8_mha=True implies fp8_dpa=True; setting recipe.fp8_dpa=True", stacklevel=4
@@ -109,6 +109,7 @@ def setup_fp8_attention(module, device, *, fp8_output, bf16_backward, kv_cache, 
             "fp8_dpa and fp8_mha False, or return_max_logit=False"
         )
     module.__dict__["_fp8_device"] = device
+    module.__dict__["_recipe_override"] = recipe if dpa_recipe else None
     module.init_fp8_metadata(num_gemms=3)
     region = FP8GlobalStateManager.quantization_state
     first = region.is_first_fp8_module
@@ -118,6 +119,48 @@ def setup_fp8_attention(module, device, *, fp8_output, bf16_backward, kv_cache, 
     )
     attention.first_flag = first
     return attention
+
+
+_ATTENTION_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling")
+
+
+def attention_recipe(name: str, autocast_recipe):
+    """The recipe ``NVTE_DPA_FP8_RECIPE=name`` gives attention instead of the autocast recipe
+    (upstream's switch, for instance delayed-scaling attention among current-scaling linears):
+    its format from ``NVTE_DPA_FP8_FORMAT`` (``HYBRID``); delayed scaling's history length,
+    amax algorithm and amax reduction from ``NVTE_DPA_FP8DS_AMAX_HISTLEN`` (1),
+    ``NVTE_DPA_FP8DS_AMAX_ALGO`` (``most_recent``) and ``NVTE_DPA_FP8DS_REDUCE_AMAX`` (1); its
+    ``fp8_dpa`` / ``fp8_mha`` from ``NVTE_DPA_FP8_RECIPE_DPA`` / ``_MHA`` (``1`` or ``0``),
+    else the autocast recipe's."""
+    env = os.environ
+    if name not in _ATTENTION_RECIPES:
+        raise ValueError(
+            f"DotProductAttention: NVTE_DPA_FP8_RECIPE={name!r} is not one of 'F16', "
+            f"{', '.join(repr(n) for n in _ATTENTION_RECIPES)}; unset it to use the autocast "
+            "recipe"
+        )
+    format_name = env.get("NVTE_DPA_FP8_FORMAT", "HYBRID")
+    if format_name not in Format.__members__:
+        raise ValueError(
+            f"DotProductAttention: NVTE_DPA_FP8_FORMAT={format_name!r} is not one of "
+            f"{', '.join(Format.__members__)}"
+        )
+    flags = {}
+    for flag in ("fp8_dpa", "fp8_mha"):
+        value = env.get(f"NVTE_DPA_FP8_RECIPE_{flag[4:].upper()}")
+        flags[flag] = getattr(autocast_recipe, flag, False) if value is None else value == "1"
+    fp8_format = Format[format_name]
+    if name == "DelayedScaling":
+        return DelayedScaling(
+            fp8_format=fp8_format,
+            amax_history_len=int(env.get("NVTE_DPA_FP8DS_AMAX_HISTLEN", "1")),
+            amax_compute_algo=env.get("NVTE_DPA_FP8DS_AMAX_ALGO", "most_recent"),
+            reduce_amax=env.get("NVTE_DPA_FP8DS_REDUCE_AMAX", "1") != "0",
+            **flags,
+        )
+    if name == "Float8CurrentScaling":
+        return Float8CurrentScaling(fp8_format=fp8_format, **flags)
+    return MXFP8BlockScaling(fp8_format=fp8_format, **flags)  # refused by the check below
 
 
 def fp8_attention_recipe_check(recipe) -> None:
