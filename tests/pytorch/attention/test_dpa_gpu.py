@@ -215,8 +215,9 @@ def test_bias_and_learnable_softmax_on_gpu():
     assert chosen() == "EFFICIENT_ATTENTION"
 
 
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["", "checkpoint_core_attention"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_return_max_logit_runs_a_kernel_on_gpu(bias):
+def test_return_max_logit_runs_a_kernel_on_gpu(bias, checkpoint):
     # the output from flash (no bias) or the memory-efficient kernel, the maximum from a
     # blocked float32 pass over the scores; GQA, causal
     b, s, h, g, d, scale = 2, 96, 4, 2, 64, 0.125
@@ -225,7 +226,7 @@ def test_return_max_logit_runs_a_kernel_on_gpu(bias):
     kwargs = {"core_attention_bias_type": "post_scale_bias", "core_attention_bias": bias_t}
     dpa = DotProductAttention(h, d, num_gqa_groups=g, qkv_format="bshd", softmax_scale=scale,
                               return_max_logit=True, device="cuda")  # fmt: skip
-    out, max_logit = dpa(q, k, v, **(kwargs if bias else {}))
+    out, max_logit = dpa(q, k, v, checkpoint_core_attention=checkpoint, **(kwargs if bias else {}))
     assert chosen() == ("EFFICIENT_ATTENTION" if bias else "flash")
     qb, kb = bhsd(q.cpu()).double(), bhsd(k.cpu()).double().repeat_interleave(h // g, 1)
     scores = qb @ kb.transpose(-1, -2) * scale
