@@ -19,7 +19,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the source tree, not an install
+try:  # the installed package (its native kernels); else the source tree
+    import transformer_engine
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import transformer_engine  # noqa: F401
 
 import transformer_engine.pytorch as te  # noqa: E402
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
