@@ -456,3 +456,37 @@ def test_the_backward_keeps_no_score_matrix(monkeypatch):
     out.sum().backward()
     assert saved and max(saved) <= B * HQ * s * D < B * HQ * s * s, sorted(saved)[-4:]
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+
+
+def test_thd_equals_bshd_with_a_padding_mask(blocks):
+    # Packed sequences and the same sequences padded (the padding masked) make one attention
+    # problem: equal FP8 results, forward and backward, also in blocks
+    lens, s = [5, 8], S
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(B, s, h, D, generator=g) for h in (HQ, HKV, HKV))
+    for t in (q, k, v):
+        for i, n in enumerate(lens):
+            t[i, n:] = 0.0  # padding: no values that could count in an amax
+    dout = torch.randn(B, s, HQ * D, generator=g)
+    recipe = Float8CurrentScaling(fp8_dpa=True)
+    padded = [t.clone().requires_grad_() for t in (q, k, v)]
+    mask = torch.arange(s).view(1, 1, 1, s) >= torch.tensor(lens).view(B, 1, 1, 1)
+    dpa = DotProductAttention(HQ, D, num_gqa_groups=HKV, qkv_format="bshd",
+                              attn_mask_type="padding_causal", device="cpu")  # fmt: skip
+    with te.autocast(recipe=recipe):
+        out_bshd = dpa(*padded, attention_mask=mask)
+    for i, n in enumerate(lens):
+        dout[i, n:] = 0.0
+    out_bshd.backward(dout)
+    packed = [torch.cat([t[i, :n] for i, n in enumerate(lens)]).requires_grad_() for t in (q, k, v)]
+    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+    thd = DotProductAttention(HQ, D, num_gqa_groups=HKV, qkv_format="thd",
+                              attn_mask_type="padding_causal", device="cpu")  # fmt: skip
+    with te.autocast(recipe=recipe):
+        out_thd = thd(*packed, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s, max_seqlen_kv=s)
+    out_thd.backward(torch.cat([dout[i, :n] for i, n in enumerate(lens)]))
+    unpack = lambda t: torch.cat([t[i, :n] for i, n in enumerate(lens)])  # noqa: E731
+    torch.testing.assert_close(out_thd, unpack(out_bshd), rtol=1e-6, atol=1e-6)
+    for got, ref in zip(packed, padded):
+        torch.testing.assert_close(got.grad, unpack(ref.grad), rtol=1e-6, atol=1e-6)
+    assert not torch.equal(out_thd, torch.zeros_like(out_thd))
