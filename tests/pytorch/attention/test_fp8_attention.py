@@ -490,3 +490,45 @@ def test_thd_equals_bshd_with_a_padding_mask(blocks):
     for got, ref in zip(packed, padded):
         torch.testing.assert_close(got.grad, unpack(ref.grad), rtol=1e-6, atol=1e-6)
     assert not torch.equal(out_thd, torch.zeros_like(out_thd))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["non_paged", "paged"])
+def test_kv_cache_prefill_equals_the_call_without_a_cache_and_decoding_runs(paged):
+    # fp8_dpa with a KV cache (upstream runs it; fp8_mha with one has no backend): the
+    # prefill reads the prompt's K/V from the cache, its unused slots zero and masked, so it
+    # rounds as the call without a cache does; each decoded token then attends to the cache
+    from collections import OrderedDict
+
+    from transformer_engine.pytorch.attention.inference import InferenceParams
+
+    prompt, total = 5, 8
+    g = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(B, total, h, D, generator=g) for h in (HQ, HKV, HKV))
+    recipe = Float8CurrentScaling(fp8_dpa=True)
+    plain = DotProductAttention(HQ, D, num_gqa_groups=HKV, qkv_format="bshd",
+                                attn_mask_type="causal", device="cpu")  # fmt: skip
+    with torch.no_grad(), te.autocast(recipe=recipe):
+        expected = plain(q[:, :prompt], k[:, :prompt], v[:, :prompt])
+        full = plain(q, k, v)
+    paging = {"is_paged": True, "page_size": 2, "total_num_pages": B * 5} if paged else {}
+    params = InferenceParams(B, 10, num_heads_kv=HKV, head_dim_k=D, dtype=torch.float32,
+                             qkv_format="bshd", device="cpu", **paging)  # fmt: skip
+    params.allocate_memory(1)
+    dpa = DotProductAttention(HQ, D, num_gqa_groups=HKV, qkv_format="bshd",
+                              attn_mask_type="padding_causal", layer_number=1, device="cpu")  # fmt: skip
+    params.pre_step(OrderedDict((i, prompt) for i in range(B)))
+    with torch.no_grad(), te.autocast(recipe=recipe):
+        out = dpa(q[:, :prompt], k[:, :prompt], v[:, :prompt], inference_params=params)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    for t in range(prompt, total):
+        params.pre_step(OrderedDict((i, 1) for i in range(B)))
+        step = slice(t, t + 1)
+        with torch.no_grad(), te.autocast(recipe=recipe):
+            out = dpa(q[:, step], k[:, step], v[:, step], inference_params=params)
+        # its own roundings (this step's amaxes), close to the FP8 call over all tokens
+        torch.testing.assert_close(out, full[:, step], rtol=0.1, atol=0.1)
+    mha = DotProductAttention(HQ, D, num_gqa_groups=HKV, qkv_format="bshd",
+                              attn_mask_type="padding_causal", layer_number=1, device="cpu")  # fmt: skip
+    with pytest.raises(ValueError, match="fp8_mha with a KV cache"):
+        with te.autocast(recipe=Float8CurrentScaling(fp8_mha=True)):
+            mha(q[:, :1], k[:, :1], v[:, :1], inference_params=params)

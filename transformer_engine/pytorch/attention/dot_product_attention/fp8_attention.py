@@ -94,15 +94,16 @@ def setup_fp8_attention(module, device, *, fp8_output, bf16_backward, kv_cache, 
         )
         recipe.fp8_dpa = True
     fp8_attention_recipe_check(recipe)
-    for what, refused in (
-        ("context parallelism", module.cp_size > 1),
-        ("a KV cache (inference_params)", kv_cache),
-    ):
-        if refused:
-            raise NotImplementedError(
-                f"DotProductAttention: FP8 attention with {what} is not built; set fp8_dpa and "
-                "fp8_mha False in the recipe for this call"
-            )
+    if module.cp_size > 1:
+        raise NotImplementedError(
+            "DotProductAttention: FP8 attention with context parallelism is not built; set "
+            "fp8_dpa and fp8_mha False in the recipe for this call"
+        )
+    if kv_cache and recipe.fp8_mha:
+        raise ValueError(
+            "DotProductAttention: fp8_mha with a KV cache (inference_params) has no attention "
+            "backend (as upstream); set fp8_mha=False (fp8_dpa=True keeps attention in FP8)"
+        )
     if module.return_max_logit:
         raise ValueError(
             "DotProductAttention: return_max_logit=True has no FP8 attention backend; set "
