@@ -136,6 +136,7 @@ def test_current_scaling_attention_and_the_flags_from_the_environment(monkeypatc
         ({ENV: "f16"}, ValueError, "NVTE_DPA_FP8_RECIPE='f16' is not one of"),
         ({ENV: "DelayedScaling", "NVTE_DPA_FP8_FORMAT": "E4M4"}, ValueError, "E4M4"),
         ({ENV: "MXFP8BlockScaling"}, NotImplementedError, "MXFP8BlockScaling is not built"),
+        ({ENV: "DelayedScaling", "NVTE_DPA_FP8DS_AMAX_HISTLEN": "0"}, ValueError, "HISTLEN='0'"),
     ],
 )
 def test_bad_attention_recipes_are_refused(monkeypatch, env, error, match):

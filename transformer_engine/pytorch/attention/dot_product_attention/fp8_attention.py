@@ -152,9 +152,15 @@ def attention_recipe(name: str, autocast_recipe):
         flags[flag] = getattr(autocast_recipe, flag, False) if value is None else value == "1"
     fp8_format = Format[format_name]
     if name == "DelayedScaling":
+        history = env.get("NVTE_DPA_FP8DS_AMAX_HISTLEN", "1")
+        if not history.isdigit() or int(history) < 1:
+            raise ValueError(
+                f"DotProductAttention: NVTE_DPA_FP8DS_AMAX_HISTLEN={history!r} is not a positive "
+                "integer"
+            )
         return DelayedScaling(
             fp8_format=fp8_format,
-            amax_history_len=int(env.get("NVTE_DPA_FP8DS_AMAX_HISTLEN", "1")),
+            amax_history_len=int(history),
             amax_compute_algo=env.get("NVTE_DPA_FP8DS_AMAX_ALGO", "most_recent"),
             reduce_amax=env.get("NVTE_DPA_FP8DS_REDUCE_AMAX", "1") != "0",
             **flags,
