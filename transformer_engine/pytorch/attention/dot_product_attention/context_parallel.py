@@ -22,18 +22,23 @@ forward to the backward (with ``checkpoint_core_attention`` only its own chunks:
 and the attention run again in the backward), and nothing is overlapped; for ``thd`` the chunk
 positions are read back to the host once a call. The hierarchical ``a2a+p2p`` form (a list of
 two groups, with ``cp_global_ranks``) gathers over each group in turn. ``return_max_logit``
-gives the whole sequence's per-head maximum (a MAX all-reduce over the group). Not built:
+gives the whole sequence's per-head maximum (a MAX all-reduce over the group). FP8 attention
+(emulated) runs a rank's two query chunks in one call over the gathered K and V, masked by each
+query's position (``sbhd``/``bshd``). Not built:
 padding masks given as tensors (``sbhd``/``bshd``), arbitrary masks, biases, ALiBi, a KV cache
 and cross attention with context parallelism; each is refused naming itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.distributed as dist
 
+from .inputs import to_bhsd
+from .problem import AttentionProblem
 from .recompute import recompute_in_backward
 
 __all__ = [
@@ -200,7 +205,7 @@ def context_parallel_attention(dpa, q, k, v, fmt, mask_type, window, options: tu
     ``options``: the call's remaining arguments, ``(core_attention_bias_type, alibi_slopes,
     checkpoint_core_attention, (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
     cu_seqlens_kv_padded))`` (a KV cache was refused before it was written)."""
-    bias_type, alibi_slopes, checkpoint, cu_seqlens = options
+    bias_type, alibi_slopes, checkpoint, cu_seqlens, fp8 = options
     if mask_type not in (_THD_MASKS if fmt == "thd" else _MASKS):
         refuse_under_context_parallelism(f"attn_mask_type={mask_type!r} (qkv_format={fmt!r})")
     if bias_type != "no_bias" or alibi_slopes is not None:
@@ -218,6 +223,11 @@ def context_parallel_attention(dpa, q, k, v, fmt, mask_type, window, options: tu
                 f"DotProductAttention: with context parallelism each rank holds two equal "
                 f"chunks of the sequence, so its length ({local}) must be even"
             )
+
+    if fp8 is not None:  # keeps its operands, as without context parallelism
+        if fmt == "thd":
+            refuse_under_context_parallelism("FP8 attention (fp8_dpa) with qkv_format='thd'")
+        return _fp8_attention(dpa, fp8, q, k, v, fmt, mask_type, window)
 
     def run(q, k, v):
         if fmt == "thd":
@@ -256,6 +266,30 @@ def _dense_attention(dpa, q, k, v, fmt, mask_type, window):
         attend(q.narrow(seq_dim, half, half), (2 * size - rank) * half, "causal_bottom_right",
                True),
     ]  # fmt: skip
+
+
+def _fp8_attention(dpa, fp8, q, k, v, fmt, mask_type, window):
+    """FP8 attention (emulated, ``fp8_attention.py``) of this rank's two query chunks over the
+    gathered sequence in one call, each query row masked by its position in the whole
+    sequence: one QKV, S and dP scale per rank, as one kernel call would take."""
+    seq_dim = 0 if fmt == "sbhd" else 1
+    k_all, v_all = gather_sequence(k, seq_dim, dpa), gather_sequence(v, seq_dim, dpa)
+    mask = {}
+    if mask_type != "no_mask":
+        half, size, rank = q.shape[seq_dim] // 2, dpa.cp_size, dpa.cp_rank
+        firsts = (rank * half, (2 * size - 1 - rank) * half)
+        positions = torch.cat([torch.arange(f, f + half, device=q.device) for f in firsts])
+        mask = {"positions": positions, "window_left": -1 if window is None else window[0]}
+    problem = AttentionProblem(
+        to_bhsd(q, fmt), to_bhsd(k_all, fmt), to_bhsd(v_all, fmt), scale=dpa.softmax_scale,
+        softmax_type=dpa.softmax_type, softmax_offset=dpa._softmax_offset(q.device),
+    )  # fmt: skip
+    dropout = dpa.attention_dropout if dpa.training else 0.0
+    tracker = dpa._dropout_context() if dropout > 0.0 else None
+    out = fp8.attend(problem, dropout, contextlib.nullcontext if tracker is None else tracker.fork,
+                     **mask)  # fmt: skip
+    out = dpa._output(out, fmt, None)
+    return fp8.fp8_result(out) if fp8.fp8_output else out
 
 
 def _finish(dpa, results, dim: int):

@@ -419,19 +419,21 @@ class DotProductAttention(TransformerEngineBaseModule):
             check_qkv(q, k, v, q_format, kv_format, self.num_attention_heads_per_partition,
                       self.num_gqa_groups_per_partition, *self.kv_channels)  # fmt: skip
             layout = packed_layout or f"{q_format}_{kv_format}_{kv_format}"
-            if self.cp_size > 1:
-                cu = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
-                options = (core_attention_bias_type, alibi_slopes, checkpoint_core_attention, cu)
-                return context_parallel_attention(self, q, k, v, fmt, mask_type, window, options)
             if fp8 is not None:
                 self._recompute_swap_in()
-            out = self._attend(
-                q, k, v, q_format, kv_format, layout, attention_mask, mask_type, window,
-                bottom_right, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, checkpoint_core_attention,
-                core_attention_bias_type, core_attention_bias, alibi_slopes,
-                inference_params is not None, bool(pad_between_seqs), fp8,
-            )  # fmt: skip
+            if self.cp_size > 1:
+                cu = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+                options = (core_attention_bias_type, alibi_slopes, checkpoint_core_attention, cu,
+                           fp8)  # fmt: skip
+                out = context_parallel_attention(self, q, k, v, fmt, mask_type, window, options)
+            else:
+                out = self._attend(
+                    q, k, v, q_format, kv_format, layout, attention_mask, mask_type, window,
+                    bottom_right, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                    cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, checkpoint_core_attention,
+                    core_attention_bias_type, core_attention_bias, alibi_slopes,
+                    inference_params is not None, bool(pad_between_seqs), fp8,
+                )  # fmt: skip
             if fp8 is not None:
                 self._register_fp8_state()
             return out

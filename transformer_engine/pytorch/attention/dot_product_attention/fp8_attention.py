@@ -94,11 +94,6 @@ def setup_fp8_attention(module, device, *, fp8_output, bf16_backward, kv_cache, 
         )
         recipe.fp8_dpa = True
     fp8_attention_recipe_check(recipe)
-    if module.cp_size > 1:
-        raise NotImplementedError(
-            "DotProductAttention: FP8 attention with context parallelism is not built; set "
-            "fp8_dpa and fp8_mha False in the recipe for this call"
-        )
     if kv_cache and recipe.fp8_mha:
         raise ValueError(
             "DotProductAttention: fp8_mha with a KV cache (inference_params) has no attention "
@@ -304,17 +299,18 @@ class Fp8Attention:
         if self.update is not None:
             self.update.complete()
 
-    def attend(self, problem, dropout_p: float, dropout_ctx) -> torch.Tensor:
+    def attend(self, problem, dropout_p: float, dropout_ctx, **mask) -> torch.Tensor:
         """The attention output ``[b, hq, sq, dv]`` in the inputs' dtype: Q, K, V rounded
         (:meth:`inputs`), the products in query blocks with the S and dP roundings
-        (``score_blocks.py``), O and its gradient rounded (:meth:`output`)."""
+        (``score_blocks.py``; ``mask``: its ``positions`` / ``window_left``), O and its
+        gradient rounded (:meth:`output`)."""
         q, k, v = self.inputs(problem.q, problem.k, problem.v)
         groups = q.shape[1] // k.shape[1]
         out = attend_in_blocks(
             problem, q, repeat_kv_heads(k, groups), repeat_kv_heads(v, groups),
             softmax_offset(problem, q.device), dropout_p=dropout_p, dropout_ctx=dropout_ctx,
             s_quantizer=self.quantizer(SLOT_S),
-            dp_quantizer=self.quantizer(SLOT_DP, True) if self.fp8_backward else None,
+            dp_quantizer=self.quantizer(SLOT_DP, True) if self.fp8_backward else None, **mask,
         )  # fmt: skip
         return self.output(out).to(problem.q.dtype)
 

@@ -61,14 +61,17 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def dropout_keep(seed: torch.Tensor, shape, rows: slice, p: float) -> torch.Tensor:
-    """Bool ``[b, h, rows, skv]``: the dropout mask of ``rows`` of a ``[b, h, sq, skv]`` score
-    matrix, True (kept) where the hash of the element's flat index and ``seed`` (two int64
-    values in ``[0, 2**32)``) is at or above ``p * 2**32``."""
+def dropout_keep(seed: torch.Tensor, shape, rows, p: float) -> torch.Tensor:
+    """Bool ``[b, h, rows, skv]``: the dropout mask of ``rows`` (a slice, or an int64 tensor of
+    row indices) of a ``[b, h, sq, skv]`` score matrix, True (kept) where the hash of the
+    element's flat index and ``seed`` (two int64 values in ``[0, 2**32)``) is at or above
+    ``p * 2**32``."""
     b, h, sq, skv = shape
     device = seed.device
     heads = torch.arange(b * h, device=device, dtype=torch.int64).view(b, h, 1, 1)
-    i = torch.arange(rows.start, rows.stop, device=device, dtype=torch.int64).view(1, 1, -1, 1)
+    if isinstance(rows, slice):
+        rows = torch.arange(rows.start, rows.stop, device=device, dtype=torch.int64)
+    i = rows.view(1, 1, -1, 1)
     j = torch.arange(skv, device=device, dtype=torch.int64).view(1, 1, 1, -1)
     index = (heads * sq + i) * skv + j
     x = _mix32((index & _LOW32) ^ seed[0])
@@ -84,13 +87,20 @@ def dropout_seed(device: torch.device, dropout_ctx) -> torch.Tensor:
 
 
 class _Plan:
-    """One call's query blocks and what every block reads besides Q and K."""
+    """One call's query blocks and what every block reads besides Q and K.
+
+    ``positions`` (int64 ``[sq]``, or ``None``): the query rows' positions among the keys
+    (context parallelism's chunks of one sequence), which make the mask causal by position,
+    key ``j`` visible from row ``i`` when ``positions[i] - window_left <= j <= positions[i]``
+    (``window_left < 0``: no lower bound), and number the rows of the dropout's index as in
+    the whole ``skv x skv`` matrix."""
 
     def __init__(self, problem: AttentionProblem, q, k, *, dropout_p=0.0, seed=None,
-                 s_quantizer=None, dp_quantizer=None):  # fmt: skip
+                 s_quantizer=None, dp_quantizer=None, positions=None, window_left=-1):  # fmt: skip
         b, h, sq, _ = q.shape
         skv = k.shape[2]
         self.shape = (b, h, sq, skv)
+        self.positions, self.window_left = positions, window_left
         self.keep, self.implicit_causal = problem.keep, problem.implicit_causal
         self.scale = problem.scale
         self.dropout_p, self.seed = dropout_p, seed
@@ -113,6 +123,10 @@ class _Plan:
         return p, sink, self._dropped(p, rows)
 
     def _keep(self, rows: slice, device):
+        if self.positions is not None:
+            at = self.positions[rows].view(1, 1, -1, 1)
+            j = torch.arange(self.shape[3], device=device).view(1, 1, 1, -1)
+            return (j <= at) & (j >= at - self.window_left) if self.window_left >= 0 else j <= at
         if self.keep is not None:
             return self.keep[:, :, rows] if self.keep.shape[2] != 1 else self.keep
         if self.implicit_causal is None:
@@ -127,7 +141,10 @@ class _Plan:
         entries scaled by ``1 / (1 - p)``."""
         if self.dropout_p == 0.0:
             return x
-        keep = dropout_keep(self.seed, self.shape, rows, self.dropout_p)
+        shape, ids = self.shape, rows
+        if self.positions is not None:  # the rows of the whole skv x skv matrix
+            shape, ids = (*shape[:2], shape[3], shape[3]), self.positions[rows]
+        keep = dropout_keep(self.seed, shape, ids, self.dropout_p)
         return x * keep * (1.0 / (1.0 - self.dropout_p))
 
 
@@ -244,13 +261,14 @@ def _add_bias_grad(dbias: torch.Tensor, ds: torch.Tensor, rows: slice, sq: int) 
 
 
 def attend_in_blocks(problem: AttentionProblem, q, k, v, offset, *, dropout_p, dropout_ctx,
-                     s_quantizer, dp_quantizer):  # fmt: skip
+                     s_quantizer, dp_quantizer, positions=None, window_left=-1):  # fmt: skip
     """FP8 attention's ``P V`` (float32 ``[b, h, sq, dv]``) from float32 FP8 values of Q, K, V
     (K and V heads repeated to Q's): the softmax output rounded by ``s_quantizer``, and in
-    backward the score gradient by ``dp_quantizer`` (``None``: kept in float32)."""
+    backward the score gradient by ``dp_quantizer`` (``None``: kept in float32).
+    ``positions`` / ``window_left``: a causal mask by query position (see ``_Plan``)."""
     seed = dropout_seed(q.device, dropout_ctx) if dropout_p > 0.0 else None
     plan = _Plan(problem, q, k, dropout_p=dropout_p, seed=seed, s_quantizer=s_quantizer,
-                 dp_quantizer=dp_quantizer)  # fmt: skip
+                 dp_quantizer=dp_quantizer, positions=positions, window_left=window_left)  # fmt: skip
     s_quantizer.set_usage(rowwise=True, columnwise=False)
     if dp_quantizer is not None:
         dp_quantizer.set_usage(rowwise=True, columnwise=False)
