@@ -204,7 +204,8 @@ def context_parallel_attention(dpa, q, k, v, fmt, mask_type, window, options: tu
 
     ``options``: the call's remaining arguments, ``(core_attention_bias_type, alibi_slopes,
     checkpoint_core_attention, (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-    cu_seqlens_kv_padded))`` (a KV cache was refused before it was written)."""
+    cu_seqlens_kv_padded), fp8)`` (a KV cache was refused before it was written; ``fp8``: the
+    call's ``Fp8Attention`` or ``None``)."""
     bias_type, alibi_slopes, checkpoint, cu_seqlens, fp8 = options
     if mask_type not in (_THD_MASKS if fmt == "thd" else _MASKS):
         refuse_under_context_parallelism(f"attn_mask_type={mask_type!r} (qkv_format={fmt!r})")
