@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_context_parallel_gloo import zigzag
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
@@ -36,11 +37,6 @@ CASES = {
     "bshd-causal-dropout": ("bshd", "causal", None, 0.25, "DS", True),
     "bshd-causal-current": ("bshd", "causal", None, 0.0, "CS", False),
 }
-
-
-def zigzag(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
-    chunks = t.chunk(2 * cp, dim=dim)
-    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=dim)
 
 
 def _inputs(cp: int, fmt: str, seed: int = 3):

@@ -237,9 +237,7 @@ def context_parallel_attention(dpa, q, k, v, fmt, mask_type, window, options: tu
 
     if checkpoint and torch.is_grad_enabled():
         # Keep only this rank's chunks: the backward gathers and attends again.
-        dropout = dpa.attention_dropout if dpa.training else 0.0
-        tracker = dpa._dropout_context() if dropout > 0.0 else None
-        return recompute_in_backward(run, q, k, v, tracker=tracker)
+        return recompute_in_backward(run, q, k, v, tracker=dpa._dropout()[1])
     return run(q, k, v)
 
 
@@ -285,8 +283,7 @@ def _fp8_attention(dpa, fp8, q, k, v, fmt, mask_type, window):
         to_bhsd(q, fmt), to_bhsd(k_all, fmt), to_bhsd(v_all, fmt), scale=dpa.softmax_scale,
         softmax_type=dpa.softmax_type, softmax_offset=dpa._softmax_offset(q.device),
     )  # fmt: skip
-    dropout = dpa.attention_dropout if dpa.training else 0.0
-    tracker = dpa._dropout_context() if dropout > 0.0 else None
+    dropout, tracker = dpa._dropout()
     out = fp8.attend(problem, dropout, contextlib.nullcontext if tracker is None else tracker.fork,
                      **mask)  # fmt: skip
     out = dpa._output(out, fmt, None)

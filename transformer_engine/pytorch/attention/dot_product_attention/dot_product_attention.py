@@ -303,10 +303,13 @@ class DotProductAttention(TransformerEngineBaseModule):
             settings = self._mask_settings_cache[key] = (mask_type, window, bottom_right)
         return settings
 
-    def _dropout_context(self):
-        if self.get_rng_state_tracker is None or self.sequence_parallel:
-            return None
-        return self.get_rng_state_tracker()
+    def _dropout(self):
+        """``(p, tracker)``: this call's attention dropout (0 in eval mode) and the RNG tracker
+        it draws under (``None`` without dropout or tracker)."""
+        p = self.attention_dropout if self.training else 0.0
+        if p == 0.0 or self.get_rng_state_tracker is None or self.sequence_parallel:
+            return p, None
+        return p, self.get_rng_state_tracker()
 
     def parameters_device(self) -> torch.device | None:
         """The parameters' device, else (no parameters) the last FP8 call's inputs' device:
@@ -523,11 +526,10 @@ class DotProductAttention(TransformerEngineBaseModule):
             softmax_offset=self._softmax_offset(q.device),
             return_max_logit=self.return_max_logit,
         )  # fmt: skip
-        dropout_p = self.attention_dropout if self.training else 0.0
+        dropout_p, tracker = self._dropout()
         params = self._params(problem, layout, mask_type, window, bottom_right, bias_type, bias,
                               alibi_slopes, kv_cache, pad_between_seqs, dropout_p)  # fmt: skip
         choice = _choose_backend(params, problem)
-        tracker = self._dropout_context() if dropout_p > 0.0 else None
         dropout_ctx = contextlib.nullcontext if tracker is None else tracker.fork
 
         def attend(q_, k_, v_):

@@ -228,18 +228,15 @@ class _ScoreBlocks(torch.autograd.Function):
             p, sink, p_dropped = plan.probabilities(q, k, bias, offset, rows)
             g = plan._dropped(torch.matmul(dout[:, :, rows], v.transpose(-2, -1)), rows)
             row_sum = (g * p).sum(-1, keepdim=True)
-            return (
-                _rounded(p_dropped, plan.s_quantizer, s_scale, None),
-                p * (g - row_sum),
-                sink * row_sum,
-            )
+            return p_dropped, p * (g - row_sum), sink * row_sum
 
         block = _Memo(len(plan.blocks) == 1, grads)
         quantizer = plan.dp_quantizer
         if quantizer is not None:
             scale, amax = _block_scale(quantizer, q.device, plan.blocks, lambda r: block(r)[1])
         for rows in plan.blocks:
-            p8, ds, sink_share = block(rows)
+            p_dropped, ds, sink_share = block(rows)
+            p8 = _rounded(p_dropped, plan.s_quantizer, s_scale, None)  # (not in the amax pass)
             dv += torch.matmul(p8.transpose(-2, -1), dout[:, :, rows])
             if need_bias:
                 _add_bias_grad(dbias, ds, rows, plan.shape[2])
