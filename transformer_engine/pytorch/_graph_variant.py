@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._graph_arguments import call_hooks
 from ._graph_copies import GraphCopies, copy_nodes_enabled, new_graph
+from ._graph_streams import ReplayStream
 from .quantization.graph_state import graph_capture_backward
 
 __all__ = ["GraphReplay", "Variant", "TENSOR"]
@@ -106,17 +107,23 @@ class Variant:
         for p, grad in zip(params, saved):
             p.grad = grad
 
-    def replay_forward(self, inputs) -> tuple:
+    def replay_forward(self, inputs, where: ReplayStream | None) -> tuple:
         # inputs: the user's tensors, then the parameters (their own static tensors)
         for static, x, slot in zip(self.owner.static_inputs, inputs, self.input_slots):
             if slot is not None:
                 self.fwd_copies.copy_in(slot, x)
             elif static is not x and static.data_ptr() != x.data_ptr():
                 static.copy_(x)
-        self.fwd_graph.replay()
+        self._replay(self.fwd_graph, where)
         return tuple(t.detach() for t in self.outputs)
 
-    def replay_backward(self, grads) -> tuple:
+    def _replay(self, graph: torch.cuda.CUDAGraph, where: ReplayStream | None) -> None:
+        if where is None:
+            graph.replay()
+        else:  # eager copies above ran on the calling stream, which the side stream waits for
+            where.replay(graph, self.owner.device)
+
+    def replay_backward(self, grads, where: ReplayStream | None) -> tuple:
         copies = self.bwd_copies
         for static, grad, slot in zip(self.grad_outputs, grads, self.grad_slots):
             if static is None:
@@ -131,7 +138,7 @@ class Variant:
                 static.copy_(grad)
         copied = {i: copies.copy_out(slot) for i, slot in self.out_slots.items()}
         copied = {i: out for i, out in copied.items() if out is not None}  # None: cloned below
-        self.bwd_graph.replay()
+        self._replay(self.bwd_graph, where)
         n_user, clone = len(self.owner.static_inputs), self.owner.options.clone_param_grads
         return tuple(
             copied[i] if i in copied
@@ -163,10 +170,11 @@ class GraphReplay(torch.autograd.Function):
     """One replay as one autograd node: forward graph in forward, backward graph in backward."""
 
     @staticmethod
-    def forward(ctx, variant: Variant, update, *inputs):  # noqa: D102
+    def forward(ctx, variant: Variant, update, where: ReplayStream | None, *inputs):  # noqa: D102
         ctx.variant, ctx.update = variant, update
+        ctx.where = None if where is None else where.for_backward()
         ctx.set_materialize_grads(False)
-        outputs = variant.replay_forward(inputs)
+        outputs = variant.replay_forward(inputs, where)
         frozen = [t for t, rg in zip(outputs, variant.output_requires_grad) if not rg]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
@@ -175,7 +183,7 @@ class GraphReplay(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):  # noqa: D102
-        grad_inputs = ctx.variant.replay_backward(grads)
+        grad_inputs = ctx.variant.replay_backward(grads, ctx.where)
         if ctx.update is not None:
             ctx.update.complete()  # the region's first FP8 callable: its backward ran last
-        return (None, None, *grad_inputs)
+        return (None, None, None, *grad_inputs)

@@ -29,6 +29,7 @@ from ._graph_arguments import (
     sorted_kwargs,
 )
 from ._graph_schedule import Schedule
+from ._graph_streams import ReplayStream
 from ._graph_variant import TENSOR, GraphReplay, Variant
 from .module.base import TransformerEngineBaseModule
 from .quantization import FP8GlobalStateManager
@@ -180,6 +181,7 @@ class _Graphed:
 
     def forward(self, args: tuple, kwargs: dict):
         first = None
+        where = ReplayStream.take(kwargs, self.device, self.name) if kwargs else None
         if self.cache:
             first = kwargs.pop("is_first_microbatch", None)
             if not isinstance(first, bool):
@@ -206,9 +208,9 @@ class _Graphed:
         if self.cache:
             FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(not first, self.device)
         if grad and variant.bwd_graph is not None:
-            outputs = GraphReplay.apply(variant, update, *inputs, *self.params)
+            outputs = GraphReplay.apply(variant, update, where, *inputs, *self.params)
         else:
-            outputs = variant.replay_forward(inputs)
+            outputs = variant.replay_forward(inputs, where)
         if fp8:
             self.fp8_state.end_replay()
         self.shared.first_replayed = self.shared.first_replayed or bool(first)
@@ -357,7 +359,10 @@ def make_graphed_callables(
     The same module(s) with ``forward`` replaced by a replay (eager while ``module.training``
     differs from the capture's), plus ``backward_dw()`` and ``reset()``; with ``_order`` a
     tuple of functions laid out as ``sample_args``, each with ``backward_dw()`` and
-    ``reset()``. Replay inside ``te.autocast`` with the capture's recipe.
+    ``reset()``. Replay inside ``te.autocast`` with the capture's recipe. A replay also takes
+    ``cuda_graph_stream=`` (replay on that side stream, ordered with the calling stream) and
+    ``cuda_graph_event=`` (an event the graph records: the calling stream waits for it instead of
+    the whole side stream).
     """
     options = Options(len(modules) if isinstance(modules, tuple) else 1, dict(locals()))
     single = not isinstance(modules, tuple)
