@@ -53,6 +53,19 @@ def test_fp8_parameters_are_float8_tensor_parameters():
     torch.testing.assert_close(recorded, amax(w.dequantize()), rtol=2**-4, atol=0)
 
 
+def test_split_fp8_parameters_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"parameters_split=\('a', 'b'\) cannot be combined"):
+        with te.quantized_model_init(enabled=True, recipe=DelayedScaling()):
+            Linear(IN, OUT, parameters_split=("a", "b"), device="cpu")
+    with pytest.raises(ValueError, match="fuse_qkv_params=True"):
+        with te.quantized_model_init(enabled=True, recipe=DelayedScaling()):
+            te.MultiheadAttention(32, 2, device="cpu")
+    with te.quantized_model_init(enabled=True, recipe=DelayedScaling()):
+        mha = te.MultiheadAttention(32, 2, fuse_qkv_params=True, device="cpu")
+    assert isinstance(mha.layernorm_qkv.weight if hasattr(mha, "layernorm_qkv") else
+                      mha.qkv.weight, Float8Tensor)  # fmt: skip
+
+
 def test_fp8_parameters_preserve_high_precision_init_val():
     torch.manual_seed(11)
     m = make_fp8_param_linear(preserve_high_precision_init_val=True)

@@ -75,7 +75,12 @@ def register_linear_parameters(
     module.sizes = split_sizes(parameters_split, out_features)
     module.use_bias = bias
     if parameters_split is not None and module.primary_weights_in_fp8:
-        raise ValueError("parameters_split cannot be combined with FP8 parameters")
+        raise ValueError(
+            f"parameters_split={parameters_split!r} cannot be combined with FP8 parameters "
+            "(quantized_model_init): the splits would be views into one FP8 weight, which a "
+            "quantized tensor cannot share; build the module outside quantized_model_init, or "
+            "keep the weight whole (MultiheadAttention / TransformerLayer: fuse_qkv_params=True)"
+        )
     if parameters_split is not None and getattr(module, "fuse_wgrad_accumulation", False):
         raise ValueError(
             "parameters_split cannot be combined with fuse_wgrad_accumulation=True: the split "
