@@ -238,6 +238,9 @@ def fp8_to_float32_unscaled(data: torch.Tensor) -> tuple[torch.Tensor, float]:
     +-480 after the factor (E4M3's ``0x7F``/``0xFF``). The largest byte as int8 and as uint8
     finds them (E4M3's NaNs are 127 and 255, E5M2's 125..127 and 253..255; no other byte
     reaches those); only then does torch's own upcast run instead, with ``factor`` 1.
+
+    Off the CPU torch's upcast is itself one fast kernel, and finding the largest byte would
+    wait for the device (which a CUDA-graph capture forbids): there it runs (``factor`` 1).
     """
     if data.dtype == torch.float8_e5m2:
         nan_bytes, shift, factor = (125, 253), 8, 1.0
@@ -245,6 +248,8 @@ def fp8_to_float32_unscaled(data: torch.Tensor) -> tuple[torch.Tensor, float]:
         nan_bytes, shift, factor = (127, 255), 7, 256.0
     else:
         raise TypeError(f"fp8_to_float32: data has dtype {data.dtype}; pass an FP8 tensor")
+    if data.device.type != "cpu":
+        return data.float(), 1.0
     if data.numel() and (
         int(data.view(torch.int8).max()) >= nan_bytes[0]
         or int(data.view(torch.uint8).max()) >= nan_bytes[1]

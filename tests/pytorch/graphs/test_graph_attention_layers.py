@@ -18,6 +18,7 @@ from graph_helpers import DTYPE, assert_same, fp8_state, sgd
 from utils import make_recipe, needs_cuda
 
 import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import ops
 from transformer_engine.pytorch.graph import make_graphed_callables
 
@@ -118,3 +119,18 @@ def test_graphed_transformer_layer_with_dropout_draws_the_eager_masks(recipe_nam
     xs, dy = batches[0]
     again = step(graphed, xs, dy, recipe)[0]
     assert not torch.equal(again, graphed_steps[0][0]), "a replay reused the last masks"
+
+
+@needs_cuda
+@pytest.mark.filterwarnings("ignore:.*FP8 attention")
+@pytest.mark.parametrize("recipe_cls", [DelayedScaling, Float8CurrentScaling])
+@pytest.mark.parametrize("kind", ["transformer_layer", "dpa"])
+def test_graphed_fp8_attention_matches_eager(kind, recipe_cls):
+    """``fp8_dpa=True``: attention's own FP8 emulation (its scales, amaxes and casts) inside
+    the graphs, as the eager module runs it."""
+    recipe = recipe_cls(fp8_dpa=True)
+    eager, graphed = graphed_and_eager(kind, recipe)
+    for i, (xs, dy) in enumerate(data(kind, _device())):
+        assert_same(step(eager, xs, dy, recipe), step(graphed, xs, dy, recipe), f"step {i}")
+        assert_same(sgd(eager), sgd(graphed), f"step {i} parameter gradients")
+        assert_same(fp8_state(eager), fp8_state(graphed), f"step {i} FP8 state")

@@ -195,3 +195,25 @@ def test_linear_fp8_training_step_captured_by_hand_keeps_scales_moving():
         expect_bwd = torch.tensor(57344.0, device=device()) / max(amax_dy)
         assert torch.equal(fwd.scale[0], expect_fwd), (factor, fwd.scale[0], expect_fwd)
         assert torch.equal(bwd.scale[0], expect_bwd), (factor, bwd.scale[0], expect_bwd)
+
+
+def test_emulated_mxfp8_gemm_is_capturable():
+    """Off Blackwell the MXFP8 GEMM is emulated (its operands dequantized through
+    ``reference.fp8_to_float32_unscaled``), which must ask the device nothing during capture;
+    the replayed product is the eager one's on the same operands."""
+    from transformer_engine.pytorch.tensor import MXFP8Quantizer
+
+    x, w = inputs((64, 128), 4), inputs((32, 128), 5)
+    q = MXFP8Quantizer(DType.kFloat8E4M3)
+
+    def fn():
+        out, *_ = ext.general_gemm(q(w), q(x), out_dtype=torch.float32, layout="TN")
+        return (out,)
+
+    with torch.no_grad():
+        graph, out = capture(fn)
+        x.copy_(inputs((64, 128), 6))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = fn()
+    assert torch.equal(bits(out[0]), bits(eager[0]))
