@@ -10,10 +10,18 @@ reverse). Graphs are captured in that order into one memory pool, so a graph may
 that an earlier step's graphs no longer need by then in that schedule: replays must follow the
 same order. ``sample_args`` holds one entry per graph, chunk by chunk, then microbatch by
 microbatch, then layer by layer; the graphed functions come back in the same layout.
+
+A negative step that is not a whole number is a weight-gradient step: ``s`` with
+``ceil(s) == -c`` (``-1.5`` for chunk 1) marks where the schedule runs the deferred
+weight-gradient GEMMs (``delay_wgrad_compute`` modules) of chunk ``c``'s oldest backward whose
+weight gradients have not run: the caller calls its layers' functions' ``backward_dw()`` there. Those graphs
+are captured right after their backward and keep what they read alive, so their place in the
+schedule changes no capture; it is checked (after that backward, once per microbatch).
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 
 __all__ = ["Schedule"]
@@ -51,6 +59,8 @@ class Schedule:
 
         forwards, backwards, self.plan = [0] * chunks, [0] * chunks, []
         for step in order:
+            if _is_wgrad_step(step):
+                continue  # captured with its backward (module docstring)
             c = abs(step) - 1
             if step > 0:
                 self.plan += [(True, entry(c, forwards[c], layer)) for layer in range(layers[c])]
@@ -71,23 +81,37 @@ def _check_order(order) -> tuple[int, int]:
         raise ValueError(f"{_WHO}: _order must be a list of chunk numbers, got {order!r}")
     steps = list(order)
     for step in steps:
-        if isinstance(step, numbers.Real) and not isinstance(step, bool) and step != int(step):
-            raise NotImplementedError(
-                f"{_WHO}: _order holds {step!r}; fractional steps (separate weight-gradient "
-                "graphs in the schedule) are not supported: use whole chunk numbers, and "
-                "delay_wgrad_compute's backward_dw() on each graphed function"
-            )
+        if _is_wgrad_step(step):
+            if math.ceil(step) == 0:
+                raise ValueError(
+                    f"{_WHO}: _order holds {step!r}, a weight-gradient step of chunk 0; chunk c's "
+                    "is a number between -(c + 1) and -c, such as -1.5 for chunk 1"
+                )
+            continue
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step == 0:
             raise ValueError(
                 f"{_WHO}: _order holds {step!r}; each step is a nonzero int: +c runs the "
-                "forward of model chunk c (1-based), -c its backward"
+                "forward of model chunk c (1-based), -c its backward (and a negative fraction "
+                "-c.x the deferred weight gradients of that backward)"
             )
-    if not steps:
-        raise ValueError(f"{_WHO}: _order is empty")
-    chunks = max(abs(s) for s in steps)
-    microbatches = len(steps) // (2 * chunks)
-    forwards, backwards = [0] * chunks, [0] * chunks
+    whole = [s for s in steps if not _is_wgrad_step(s)]
+    if not whole:
+        raise ValueError(f"{_WHO}: _order is empty" if not steps else
+                         f"{_WHO}: _order {steps!r} has weight-gradient steps only")  # fmt: skip
+    chunks = max(max(abs(s) for s in whole), max((-math.ceil(s) for s in steps), default=0))
+    microbatches = len(whole) // (2 * chunks)
+    forwards, backwards, wgrads = [0] * chunks, [0] * chunks, [0] * chunks
     for i, step in enumerate(steps):
+        if _is_wgrad_step(step):
+            c = -math.ceil(step) - 1
+            wgrads[c] += 1
+            if wgrads[c] > backwards[c]:
+                raise ValueError(
+                    f"{_WHO}: _order step {i} ({step}) is weight-gradient step number "
+                    f"{wgrads[c]} of chunk {c + 1}, which has had only {backwards[c]} "
+                    "backward(s) by then"
+                )
+            continue
         c = abs(step) - 1
         if step > 0:
             forwards[c] += 1
@@ -98,13 +122,29 @@ def _check_order(order) -> tuple[int, int]:
                     f"{_WHO}: _order step {i} ({step}) is backward number {backwards[c]} of "
                     f"chunk {c + 1}, which has had only {forwards[c]} forward(s) by then"
                 )
-    if set(forwards + backwards) != {microbatches} or len(steps) != 2 * chunks * microbatches:
+    if set(forwards + backwards) != {microbatches} or len(whole) != 2 * chunks * microbatches:
         raise ValueError(
             f"{_WHO}: _order must run every chunk 1..{chunks} forward and backward the same "
             f"number of times (the microbatches); it has forwards {forwards} and backwards "
             f"{backwards} per chunk"
         )
+    if not set(wgrads) <= {0, microbatches}:
+        raise ValueError(
+            f"{_WHO}: _order's weight-gradient steps per chunk are {wgrads}; a chunk has one "
+            f"after each of its {microbatches} backwards, or none"
+        )
     return chunks, microbatches
+
+
+def _is_wgrad_step(step) -> bool:
+    """A negative step that is not a whole number: a weight-gradient step."""
+    return (
+        isinstance(step, numbers.Real)
+        and not isinstance(step, (bool, numbers.Integral))
+        and math.isfinite(step)
+        and step < 0
+        and step != math.floor(step)
+    )
 
 
 def _layers_per_chunk(layers, chunks: int, n_callables: int) -> list[int]:

@@ -345,7 +345,9 @@ def make_graphed_callables(
     _order : list of int, optional
         A pipeline schedule (Megatron-LM's): ``modules`` are the layers of model chunks, ``+c``
         / ``-c`` the forward / backward of chunk ``c``'s next microbatch; one pair of graphs per
-        layer and microbatch, captured in this order, which replays must follow.
+        layer and microbatch, captured in this order, which replays must follow; a negative
+        fraction (``-1.5``: chunk 1) marks where the schedule calls ``backward_dw()`` for the
+        deferred weight gradients of that chunk's oldest backward.
         ``sample_args`` (and ``sample_kwargs``) then hold one entry per graph: chunk by chunk,
         microbatch by microbatch, layer by layer.
     _num_layers_per_chunk : list of int, optional

@@ -50,6 +50,13 @@ def test_equal_chunks_by_default_and_no_order():
     assert plain.plan == [(True, 0), (True, 1), (False, 1), (False, 0)]
 
 
+def test_weight_gradient_steps_follow_their_backwards_and_change_no_capture():
+    order = [1, 2, -2, -2.5, 1, -1, -1.5, 2, -2, -1, -1.5, -2.5]
+    s = Schedule(2, order)
+    assert s.num_microbatches == 2
+    assert s.plan == Schedule(2, [s for s in order if s == int(s)]).plan
+
+
 def cpu_layers(n=3) -> tuple:
     return tuple(te.Linear(32, 32, device="cpu") for _ in range(n))
 
@@ -63,7 +70,15 @@ def samples(n) -> tuple:
     [
         (dict(_order=[1, 0, -1]), ValueError, "holds 0; each step is a nonzero int"),
         (dict(_order=[1, True]), ValueError, "holds True"),
-        (dict(_order=[1, -1.5]), NotImplementedError, "fractional steps"),
+        (dict(_order=[1, 1.5, -1]), ValueError, "holds 1.5; each step is a nonzero int"),
+        (dict(_order=[1, -0.5, -1]), ValueError, "weight-gradient step of chunk 0"),
+        (
+            dict(_order=[1, -1.5, -1]),
+            ValueError,
+            "weight-gradient step number 1 of chunk 1, which has had only 0 backward",
+        ),
+        (dict(_order=[1, 1, -1, -1.5, -1]), ValueError, r"per chunk are \[1\]; a chunk has one"),
+        (dict(_order=[-1.5]), ValueError, "weight-gradient steps only"),
         (dict(_order=[]), ValueError, "_order is empty"),
         (dict(_order="1-1"), ValueError, "must be a list of chunk numbers"),
         (dict(_order=[-1, 1]), ValueError, "backward number 1 of chunk 1, which has had only 0"),
@@ -183,3 +198,66 @@ def test_scheduled_graphs_match_eager(recipe_name, caching):
     kwargs = {"is_first_microbatch": True} if caching else {}
     with torch.no_grad(), te.autocast(enabled=recipe is not None, recipe=recipe):
         assert_same([eager[0](x, **kwargs)], [functions[0](x, **kwargs)], "after reset")
+
+
+@needs_cuda
+@pytest.mark.parametrize("recipe_name", ["high_precision", "delayed"])
+def test_weight_gradient_steps_replay_deferred_wgrads_where_the_schedule_puts_them(recipe_name):
+    """``delay_wgrad_compute`` layers in a schedule with weight-gradient steps (``-c.5``): at
+    each, the chunk's graphed functions' ``backward_dw()`` replay that microbatch's deferred
+    GEMMs, as the eager modules' ``backward_dw()`` run theirs; every output, input gradient and
+    the accumulated weight gradients bit for bit the same."""
+    order = [1, 2, -2, -2.5, 1, -1, -1.5, 2, -2, -2.5, -1, -1.5]
+    device = torch.device("cuda", torch.cuda.current_device())
+    recipe = make_recipe(recipe_name)
+
+    def layers():
+        torch.manual_seed(1234)
+        kw = dict(params_dtype=DTYPE, device=device, delay_wgrad_compute=True)
+        return [te.Linear(H, H, **kw), te.LayerNormMLP(H, 2 * H, **kw)]
+
+    eager, graphed = layers(), layers()
+    samples = tuple((torch.randn(TOKENS, H, device=device, dtype=DTYPE, requires_grad=True),)
+                    for _ in range(4))  # fmt: skip
+    functions = make_graphed_callables(tuple(graphed), samples, _order=order,
+                                       enabled=recipe is not None, recipe=recipe,
+                                       allow_unused_input=True)  # fmt: skip
+    for iteration in range(2):
+        g = torch.Generator().manual_seed(iteration)
+        data = [[tuple(torch.randn(TOKENS, H, generator=g).to(device, DTYPE) for _ in range(2))
+                 for _ in range(2)] for _ in range(2)]  # fmt: skip
+        runs = [
+            run_with_wgrad_steps(order, data, recipe, lambda c, m, x: eager[c](x),
+                                 lambda c, m: eager[c].backward_dw(), eager),
+            run_with_wgrad_steps(order, data, recipe, lambda c, m, x: functions[2 * c + m](x),
+                                 lambda c, m: functions[2 * c + m].backward_dw(), graphed),
+        ]  # fmt: skip
+        assert_same(runs[0], runs[1], f"iteration {iteration}")
+        assert runs[0][3] is None, "the weight gradient was not deferred"
+        for i, (a, b) in enumerate(zip(eager, graphed)):
+            assert_same(sgd(a), sgd(b), f"iteration {iteration} layer {i} parameter gradients")
+
+
+def run_with_wgrad_steps(order, data, recipe, forward, backward_dw, modules) -> list:
+    """One iteration of ``order``: each forward's output; each backward's input gradient and
+    the chunk's first weight gradient right after it (None while deferred)."""
+    results, open_batches, counts = [], {}, {}
+    for step in order:
+        kind = "forward" if step > 0 else "backward" if step == int(step) else "wgrad"
+        c = (abs(step) if kind != "wgrad" else -int(step)) - 1
+        m = counts.get((kind, c), 0)
+        counts[kind, c] = m + 1
+        if kind == "forward":
+            x = data[c][m][0].clone().requires_grad_(True)
+            with te.autocast(enabled=recipe is not None, recipe=recipe):
+                y = forward(c, m, x)
+            results.append(y.detach().clone())
+            open_batches[c, m] = (x, y)
+        elif kind == "backward":
+            x, y = open_batches.pop((c, m))
+            y.backward(data[c][m][1])
+            weight = next(modules[c].parameters()) if c == 0 else modules[c].fc1_weight
+            results += [x.grad.clone(), None if weight.grad is None else weight.grad.clone()]
+        else:
+            backward_dw(c, m)
+    return results
