@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_helpers import DTYPE, assert_same, sgd
+from graph_helpers import DTYPE, H, assert_same, sgd
+from test_make_graphed_callables import build
 from utils import needs_cuda
 
 import transformer_engine.pytorch as te
@@ -21,7 +22,7 @@ from transformer_engine.common.recipe import (
 )
 from transformer_engine.pytorch.graph import make_graphed_callables
 
-TOKENS, H = 128, 128
+TOKENS = 128  # the block-scaled casts' block length along the tokens (H: 128 as well)
 STEPS = 4
 RECIPES = {
     "float8_block": (Float8BlockScaling, te.is_fp8_block_scaling_available),
@@ -37,18 +38,6 @@ def recipe_or_skip(name: str):
     if not available() and not te.is_fp8_available():
         pytest.skip(f"{name}: this GPU runs no FP8 at all")
     return cls()
-
-
-def build(kind: str, device) -> torch.nn.Module:
-    torch.manual_seed(1234)
-    kw = dict(params_dtype=DTYPE, device=device)
-    if kind == "linear":
-        return te.Linear(H, H, **kw)
-    if kind == "layernorm_mlp":
-        return te.LayerNormMLP(H, 4 * H, **kw)
-    return torch.nn.Sequential(
-        te.LayerNormLinear(H, H, **kw), te.Linear(H, H, **kw), te.LayerNormMLP(H, 2 * H, **kw)
-    )
 
 
 def data(device) -> list:
