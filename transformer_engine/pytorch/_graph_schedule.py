@@ -14,9 +14,10 @@ microbatch, then layer by layer; the graphed functions come back in the same lay
 A negative step that is not a whole number is a weight-gradient step: ``s`` with
 ``ceil(s) == -c`` (``-1.5`` for chunk 1) marks where the schedule runs the deferred
 weight-gradient GEMMs (``delay_wgrad_compute`` modules) of chunk ``c``'s oldest backward whose
-weight gradients have not run: the caller calls its layers' functions' ``backward_dw()`` there. Those graphs
-are captured right after their backward and keep what they read alive, so their place in the
-schedule changes no capture; it is checked (after that backward, once per microbatch).
+weight gradients have not run: the caller calls its layers' functions' ``backward_dw()`` there.
+Those graphs are captured right after their backward and keep what they read alive, so their
+place in the schedule changes no capture; it is checked (after that backward, once per
+microbatch).
 """
 
 from __future__ import annotations
