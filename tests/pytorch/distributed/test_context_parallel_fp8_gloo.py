@@ -17,8 +17,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from test_context_parallel_gloo import zigzag
+from test_context_parallel_gloo import spawn_ranks, zigzag
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
@@ -106,10 +105,7 @@ def _worker(rank, cp, init_file, out_dir):
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["cp2", "cp3"])
 def split_run(request, tmp_path_factory):
-    cp = request.param
-    out = tmp_path_factory.mktemp(f"fp8cp{cp}")
-    mp.spawn(_worker, args=(cp, str(out / "init"), str(out)), nprocs=cp, join=True)
-    return cp, [torch.load(out / f"rank{r}.pt") for r in range(cp)]
+    return spawn_ranks(_worker, request.param, tmp_path_factory.mktemp(f"fp8cp{request.param}"))
 
 
 @pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[4] == "DS"])

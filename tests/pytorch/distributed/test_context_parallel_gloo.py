@@ -268,12 +268,16 @@ def _worker(rank, cp, init_file, out_dir):
         dist.destroy_process_group()
 
 
+def spawn_ranks(worker, cp: int, out) -> tuple:
+    """``worker(rank, cp, init_file, out_dir)`` on ``cp`` gloo processes, each saving its
+    results to ``out/rank{r}.pt``: ``(cp, [each rank's results])``."""
+    mp.spawn(worker, args=(cp, str(out / "init"), str(out)), nprocs=cp, join=True)
+    return cp, [torch.load(out / f"rank{r}.pt") for r in range(cp)]
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["cp2", "cp3"])
 def split_run(request, tmp_path_factory):
-    cp = request.param
-    out = tmp_path_factory.mktemp(f"cp{cp}")
-    mp.spawn(_worker, args=(cp, str(out / "init"), str(out)), nprocs=cp, join=True)
-    return cp, [torch.load(out / f"rank{r}.pt") for r in range(cp)]
+    return spawn_ranks(_worker, request.param, tmp_path_factory.mktemp(f"cp{request.param}"))
 
 
 @pytest.mark.parametrize("name", list(DPA_CASES))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from graph_helpers import DTYPE, assert_same, fp8_state, sgd
+from test_make_graphed_callables import step
 from utils import make_recipe, needs_cuda
 
 import transformer_engine.pytorch as te
@@ -49,14 +50,6 @@ def weights(model) -> list:
         else:
             out.append(p.detach().clone())
     return out
-
-
-def step(model, x, dy, recipe, **kwargs) -> list:
-    x = x.clone().requires_grad_(True)
-    with te.autocast(recipe=recipe):
-        y = model(x, **kwargs)
-    y.backward(dy)
-    return [y.detach().clone(), x.grad.clone()]
 
 
 def data(device, steps=STEPS) -> list:

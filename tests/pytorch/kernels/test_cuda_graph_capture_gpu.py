@@ -50,6 +50,19 @@ def capture(fn):
     return graph, out
 
 
+def assert_replay_matches_eager(fn, x, new_x) -> None:
+    """Capture ``fn``, write ``new_x`` into its input ``x``, replay, and compare every output
+    the replay wrote with an eager ``fn()`` on the same input, byte for byte."""
+    graph, out = capture(fn)
+    x.copy_(new_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = fn()
+    out, eager = (out, eager) if isinstance(out, tuple) else ((out,), (eager,))
+    for got, want in zip(out, eager, strict=True):
+        assert torch.equal(bits(got), bits(want))
+
+
 def inputs(shape, seed):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(shape, generator=g) * 5).to(device())
@@ -63,13 +76,7 @@ def test_quantize_and_dequantize_are_capturable():
         res = ext.quantize(x, scale, E4M3, with_transpose=True)
         return res.data, res.transpose, res.scale_inv, ext.dequantize(res.data, res.scale_inv)
 
-    graph, out = capture(fn)
-    x.copy_(inputs((64, 128), 1))
-    graph.replay()
-    torch.cuda.synchronize()
-    eager = fn()
-    for got, want in zip(out, eager):
-        assert torch.equal(bits(got), bits(want))
+    assert_replay_matches_eager(fn, x, inputs((64, 128), 1))
 
 
 @pytest.mark.parametrize("kind", ["delayed", "current"])
@@ -87,13 +94,7 @@ def test_quantizers_are_capturable(kind):
         return y._data, y._transpose, y._scale_inv
 
     with torch.no_grad():
-        graph, out = capture(fn)
-        x.copy_(inputs((32, 64), 3))
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = fn()
-    for got, want in zip(out, eager):
-        assert torch.equal(bits(got), bits(want))
+        assert_replay_matches_eager(fn, x, inputs((32, 64), 3))
 
 
 def test_current_scaling_cast_is_capturable():
@@ -109,13 +110,7 @@ def test_current_scaling_cast_is_capturable():
         )
         return res.data, res.transpose, res.scale_inv
 
-    graph, out = capture(fn)
-    x.copy_(inputs((48, 96), 5))
-    graph.replay()
-    torch.cuda.synchronize()
-    eager = fn()
-    for got, want in zip(out, eager):
-        assert torch.equal(bits(got), bits(want))
+    assert_replay_matches_eager(fn, x, inputs((48, 96), 5))
 
 
 def test_delayed_scaling_update_is_capturable():
@@ -154,12 +149,7 @@ def test_linear_fp8_forward_is_capturable(recipe):
     # No grad: the forward scales stay put (they update only on a grad-mode autocast exit), so
     # the eager run after the replay sees the same scales as the captured one.
     with torch.no_grad():
-        graph, out = capture(fn)
-        x.copy_(inputs((32, 128), 8).to(torch.bfloat16))
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = fn()
-    assert torch.equal(bits(out), bits(eager))
+        assert_replay_matches_eager(fn, x, inputs((32, 128), 8).to(torch.bfloat16))
 
 
 def test_linear_fp8_training_step_captured_by_hand_keeps_scales_moving():
@@ -207,13 +197,7 @@ def test_emulated_mxfp8_gemm_is_capturable():
     q = MXFP8Quantizer(DType.kFloat8E4M3)
 
     def fn():
-        out, *_ = ext.general_gemm(q(w), q(x), out_dtype=torch.float32, layout="TN")
-        return (out,)
+        return ext.general_gemm(q(w), q(x), out_dtype=torch.float32, layout="TN")[0]
 
     with torch.no_grad():
-        graph, out = capture(fn)
-        x.copy_(inputs((64, 128), 6))
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = fn()
-    assert torch.equal(bits(out[0]), bits(eager[0]))
+        assert_replay_matches_eager(fn, x, inputs((64, 128), 6))
