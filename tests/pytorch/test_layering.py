@@ -102,6 +102,7 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.pytorch._graph_arguments",
         "transformer_engine.pytorch._graph_copies",
         "transformer_engine.pytorch._graph_schedule",
+        "transformer_engine.pytorch._graph_buffers",
         "transformer_engine.pytorch._graph_streams",
         "transformer_engine.pytorch._graph_variant",
     )),

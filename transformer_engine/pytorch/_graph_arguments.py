@@ -37,6 +37,7 @@ class Options:
         self.clone_param_grads = bool(args["clone_param_grads_on_return"])
         self.retain_graph_in_backward = bool(args["retain_graph_in_backward"])
         self.pool = args["pool"]
+        self.reuse_buffers = bool(args["_reuse_graph_input_output_buffers"])
         self.variants = (True, False) if self.cache_quantized_params else (None,)
 
 

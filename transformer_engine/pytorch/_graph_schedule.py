@@ -32,12 +32,15 @@ _WHO = "make_graphed_callables"
 
 class Schedule:
     """``entries``: per graphed function, ``(sample index, callable index)``; ``plan``: the
-    captures in order, ``(True, entry)`` for a forward and ``(False, entry)`` for a backward."""
+    captures in order, ``(True, entry)`` for a forward and ``(False, entry)`` for a backward;
+    ``previous_layer``: entry -> the entry of the layer before it in the same chunk and
+    microbatch (whose output feeds it in a pipeline schedule)."""
 
     def __init__(self, n_callables: int, order=None, layers_per_chunk=None) -> None:
         self.ordered = order is not None
         if not self.ordered:
             self.num_microbatches = 1
+            self.previous_layer: dict[int, int] = {}
             self.entries = [(i, i) for i in range(n_callables)]
             self.plan = [(True, i) for i in range(n_callables)]
             self.plan += [(False, i) for i in reversed(range(n_callables))]
@@ -57,6 +60,12 @@ class Schedule:
             for m in range(microbatches)
             for layer in range(layers[c])
         ]
+        self.previous_layer = {
+            entry(c, m, layer): entry(c, m, layer - 1)
+            for c in range(chunks)
+            for m in range(microbatches)
+            for layer in range(1, layers[c])
+        }
 
         forwards, backwards, self.plan = [0] * chunks, [0] * chunks, []
         for step in order:

@@ -15,6 +15,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._graph_arguments import call_hooks
+from ._graph_buffers import warn_shared_input_overwritten
 from ._graph_copies import GraphCopies, copy_nodes_enabled, new_graph
 from ._graph_streams import ReplayStream
 from .quantization.graph_state import graph_capture_backward
@@ -34,6 +35,10 @@ class Variant:
         self.fwd_copies = GraphCopies(owner.device, keep)
         self.bwd_copies = GraphCopies(owner.device, keep)
         self.fwd_graph, self.bwd_graph, self.dw_graph = new_graph(keep), None, None
+        # the tensors the graphs read as the callable's inputs: the owner's (aliases of the
+        # sample arguments) unless _graph_buffers gives the first one another layer's output
+        self.static_inputs: tuple = owner.static_inputs
+        self.shared_input = False
         self.grad_outputs = self.grad_inputs = None
         self.dw_grads: list = []
         # What the graphs read that nothing else may keep alive: the deferred-wgrad GEMMs'
@@ -46,8 +51,8 @@ class Variant:
         owner = self.owner
         call_hooks(owner.hooks, "forward_pre_hooks", owner.module)
         with torch.cuda.graph(self.fwd_graph, pool=pool, stream=stream):
-            self.input_slots = [self.fwd_copies.record(t) for t in owner.static_inputs]
-            out = owner.run_forward(self.is_first_microbatch)
+            self.input_slots = [self.fwd_copies.record(t) for t in self.static_inputs]
+            out = owner.run_forward(self.is_first_microbatch, self.static_inputs)
             if then is not None:
                 then(self)
         self.fwd_copies.finish(self.fwd_graph)
@@ -58,21 +63,32 @@ class Variant:
         self.outputs = tuple(t for t in leaves if isinstance(t, torch.Tensor))
         self.output_requires_grad = tuple(t.requires_grad for t in self.outputs)
 
-    def capture_backward(self, pool, stream) -> None:
+    def surface(self) -> tuple:
+        return self.static_inputs + self.owner.params
+
+    def capture_backward(self, pool, stream, grad_outputs: tuple | None = None) -> None:
+        """``grad_outputs``: the static output gradients to read (buffers shared with other
+        graphs, ``_graph_buffers``); buffers of this graph's own by default."""
         owner = self.owner
-        wanted = [i for i, t in enumerate(owner.surface()) if t.requires_grad]
+        surface = self.surface()
+        wanted = [i for i, t in enumerate(surface) if t.requires_grad]
         if wanted and any(self.output_requires_grad):
-            self.grad_outputs = tuple(
-                torch.empty_like(t) if rg else None
-                for t, rg in zip(self.outputs, self.output_requires_grad)
-            )
+            if grad_outputs is None:
+                grad_outputs = tuple(
+                    torch.empty_like(t) if rg else None
+                    for t, rg in zip(self.outputs, self.output_requires_grad)
+                )
+            self.grad_outputs = grad_outputs
             copies, grads_in = self.bwd_copies, self.grad_outputs
             clone = owner.options.clone_param_grads
             self.bwd_graph = new_graph(copies.active)
             call_hooks(owner.hooks, "backward_pre_hooks", owner.module)
             with graph_capture_backward(), torch.cuda.graph(self.bwd_graph, pool, stream=stream):
                 self.grad_slots = [None if g is None else copies.record(g) for g in grads_in]
-                self.grad_inputs = owner.run_backward(self.outputs, grads_in, wanted)
+                grad_inputs = owner.run_backward(self.outputs, grads_in, wanted, surface)
+                if grad_outputs is not None:  # shared: other graphs overwrite them
+                    grad_inputs = _unaliased(grad_inputs, grads_in)
+                self.grad_inputs = grad_inputs
                 # the parameter gradients handed out as copies, made by the graph itself
                 self.out_slots = {}
                 for i in range(len(owner.static_inputs), len(self.grad_inputs)):
@@ -109,7 +125,9 @@ class Variant:
 
     def replay_forward(self, inputs, where: ReplayStream | None) -> tuple:
         # inputs: the user's tensors, then the parameters (their own static tensors)
-        for static, x, slot in zip(self.owner.static_inputs, inputs, self.input_slots):
+        if self.shared_input and inputs[0].data_ptr() != self.static_inputs[0].data_ptr():
+            warn_shared_input_overwritten(self.owner.name)
+        for static, x, slot in zip(self.static_inputs, inputs, self.input_slots):
             if slot is not None:
                 self.fwd_copies.copy_in(slot, x)
             elif static is not x and static.data_ptr() != x.data_ptr():
@@ -164,6 +182,14 @@ class Variant:
             if graph is not None:
                 graph.reset()
         self.__dict__.clear()  # drops the static tensors; the owner drops this variant
+
+
+def _unaliased(grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+    """The input gradients, each that is one of the (shared) output-gradient buffers itself
+    (a layer passing its gradient through) replaced by a copy made in the graph: the next
+    graph reading that buffer would overwrite the gradient this one handed out."""
+    buffers = {g.data_ptr() for g in grad_outputs if g is not None}
+    return tuple(g.clone() if g is not None and g.data_ptr() in buffers else g for g in grad_inputs)
 
 
 class GraphReplay(torch.autograd.Function):

@@ -28,6 +28,7 @@ from ._graph_arguments import (
     same_constant,
     sorted_kwargs,
 )
+from ._graph_buffers import SharedBuffers
 from ._graph_schedule import Schedule
 from ._graph_streams import ReplayStream
 from ._graph_variant import TENSOR, GraphReplay, Variant
@@ -112,9 +113,10 @@ class _Graphed:
     def surface(self) -> tuple:
         return self.static_inputs + self.params
 
-    def run_forward(self, is_first_microbatch: bool | None):
-        """The module's own forward on the static inputs, as captured."""
-        tensors = iter(self.static_inputs)
+    def run_forward(self, is_first_microbatch: bool | None, static_inputs: tuple | None = None):
+        """The module's own forward on the static inputs (the variant's, where it has its own),
+        as captured."""
+        tensors = iter(self.static_inputs if static_inputs is None else static_inputs)
         leaves = [next(tensors) if leaf is TENSOR else leaf for leaf in self.leaves]
         args, kwargs = tree_unflatten(leaves, self.spec)
         if is_first_microbatch is not None:
@@ -122,10 +124,10 @@ class _Graphed:
         with self.options.autocast(self.callable_index):
             return self.module(*args, **kwargs)
 
-    def run_backward(self, outputs, grad_outputs, wanted: list) -> tuple:
+    def run_backward(self, outputs, grad_outputs, wanted: list, surface=None) -> tuple:
         """Gradients of the outputs w.r.t. the surface entries ``wanted`` (None elsewhere)."""
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None]
-        surface = self.surface()
+        surface = self.surface() if surface is None else surface
         grads = torch.autograd.grad(
             [o for o, _ in pairs],
             [surface[i] for i in wanted],
@@ -353,8 +355,10 @@ def make_graphed_callables(
     _num_layers_per_chunk : list of int, optional
         With ``_order``: the layers of each chunk (default: an equal share).
     _reuse_graph_input_output_buffers : bool, default False
-        With ``_order``: accepted; every graph keeps buffers of its own (more memory, the same
-        results).
+        With ``_order``: a layer's static input is the previous layer's output (same chunk and
+        microbatch) and the backward graphs share their static output gradients, saving that
+        memory and the copies; pass each layer's output on unchanged (another tensor is copied
+        into that buffer, overwriting the output; warned once).
 
     Returns
     -------
@@ -404,7 +408,7 @@ def make_graphed_callables(
         _Graphed(s, modules[c], sample_args[s], sample_kwargs[s], hooks[c], options, c, shared[c])
         for s, c in schedule.entries
     ]
-    _capture_all(entries, options, pre_warmup_hook, post_warmup_hook, schedule.plan)
+    _capture_all(entries, options, pre_warmup_hook, post_warmup_hook, schedule)
     if schedule.ordered:
         return tuple(e.as_function() for e in entries)
     for e in entries:
@@ -412,11 +416,13 @@ def make_graphed_callables(
     return modules[0] if single else modules
 
 
-def _capture_all(entries, options: Options, pre_warmup_hook, post_warmup_hook, plan) -> None:
-    """Warm up, then capture the graphs in the order of ``plan`` (forwards in order and
+def _capture_all(entries, options: Options, pre_warmup_hook, post_warmup_hook, schedule) -> None:
+    """Warm up, then capture the graphs in the order of ``schedule.plan`` (forwards in order and
     backwards in reverse, or the ``_order`` schedule's): the order replays follow, which is what
-    lets all graphs share one memory pool. FP8 state, ``main_grad`` buffers and RNG states are
+    lets all graphs share one memory pool (and, with ``_reuse_graph_input_output_buffers``, some
+    static tensors: ``_graph_buffers.py``). FP8 state, ``main_grad`` buffers and RNG states are
     written back afterwards."""
+    plan = schedule.plan
     global _IS_GRAPH_CAPTURING
     devices = list(dict.fromkeys(e.device for e in entries))
     streams = {d: torch.cuda.Stream(device=d) for d in devices}
@@ -463,14 +469,23 @@ def _capture_all(entries, options: Options, pre_warmup_hook, post_warmup_hook, p
         share = _SharedWorkspaces() if several and options.cache_quantized_params else None
         variants = {(first, i): Variant(e, first) for first in options.variants
                     for i, e in enumerate(entries)}  # fmt: skip
+        buffers = (
+            SharedBuffers(schedule.previous_layer, variants) if options.reuse_buffers else None
+        )
         for first, forward, i in steps:
             e, v = entries[i], variants[first, i]
             with torch.cuda.device(e.device):
                 if forward:
+                    if buffers is not None:
+                        buffers.share_input(first, i)
                     v.capture_forward(pool, streams[e.device], share if first else None)
                 else:
-                    v.capture_backward(pool, streams[e.device])
+                    grads = None if buffers is None else buffers.grad_outputs(first, i)
+                    v.capture_backward(pool, streams[e.device], grads)
                     e.variants[first] = v
+        if buffers is not None:  # the replays' checks need the inputs' shapes only: let the
+            for e in entries:  # sample arguments the graphs no longer read go
+                e.static_inputs = e.variants[options.variants[0]].static_inputs
         for d in devices:
             torch.cuda.synchronize(d)
     finally:

@@ -148,28 +148,44 @@ def run_schedule(forward, data, recipe, caching) -> list:
     return results
 
 
-@needs_cuda
-@pytest.mark.parametrize(
-    "recipe_name, caching",
-    [("high_precision", False), ("delayed", False), ("current", False), ("delayed", True)],
-)
-def test_scheduled_graphs_match_eager(recipe_name, caching):
-    device = torch.device("cuda", torch.cuda.current_device())
-    recipe = make_recipe(recipe_name)
-    eager, graphed = build(device), build(device)
+def entry(c, m, layer):  # sample_args' layout: chunk, microbatch, layer
+    return sum(LAYERS[:c]) * MICROBATCHES + m * LAYERS[c] + layer
+
+
+def capture_schedule(graphed, device, recipe, caching, reuse=False) -> tuple:
     sample_args = tuple(
         (torch.randn(TOKENS, H, device=device, dtype=DTYPE, requires_grad=True),)
         for _ in range(sum(LAYERS) * MICROBATCHES)
     )
-    functions = make_graphed_callables(
+    return make_graphed_callables(
         tuple(graphed), sample_args, _order=ORDER, _num_layers_per_chunk=LAYERS,
         enabled=recipe is not None, recipe=recipe, cache_quantized_params=caching,
+        _reuse_graph_input_output_buffers=reuse,
     )  # fmt: skip
-    assert isinstance(functions, tuple) and len(functions) == len(sample_args)
-    assert all("forward" not in m.__dict__ for m in graphed)  # the modules stay eager
 
-    def entry(c, m, layer):  # sample_args' layout: chunk, microbatch, layer
-        return sum(LAYERS[:c]) * MICROBATCHES + m * LAYERS[c] + layer
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "recipe_name, caching, reuse",
+    [
+        ("high_precision", False, False),
+        ("delayed", False, False),
+        ("current", False, False),
+        ("delayed", True, False),
+        ("high_precision", False, True),
+        ("current", False, True),
+        ("delayed", True, True),
+    ],
+)
+def test_scheduled_graphs_match_eager(recipe_name, caching, reuse):
+    """With ``_reuse_graph_input_output_buffers`` too: the shared static tensors
+    (``test_graph_reuse_buffers.py``) change no result."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    recipe = make_recipe(recipe_name)
+    eager, graphed = build(device), build(device)
+    functions = capture_schedule(graphed, device, recipe, caching, reuse)
+    assert isinstance(functions, tuple) and len(functions) == sum(LAYERS) * MICROBATCHES
+    assert all("forward" not in m.__dict__ for m in graphed)  # the modules stay eager
 
     def graphed_forward(c, m, x, kwargs):
         for layer in range(LAYERS[c]):

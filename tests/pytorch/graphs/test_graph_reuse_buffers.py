@@ -1,0 +1,129 @@
+"""``make_graphed_callables(_order=..., _reuse_graph_input_output_buffers=True)``: which static
+tensors the graphs of a schedule share, and what the sharing must leave intact.
+
+That the shared tensors change no result is ``test_graph_order.py``'s scheduled test, run with
+the flag against the eager layers. Here: the sharing itself (by address: a layer reads the
+previous layer's output and hands it its input gradient; one output-gradient buffer per kind
+for every other backward), the memory it gives back (the sample arguments no graph reads any
+more), a tensor other than the shared output copied in with a warning, and an input gradient
+that stays valid until its own graph replays again although its layer passes the shared
+gradient buffer through.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+from graph_helpers import DTYPE, TOKENS, H
+from test_graph_order import LAYERS, MICROBATCHES, ORDER, build, capture_schedule, entry
+from utils import bitwise_equal, make_recipe, needs_cuda
+
+import transformer_engine.pytorch as te
+from transformer_engine.pytorch import _graph_buffers
+from transformer_engine.pytorch.graph import make_graphed_callables
+
+
+def variants_of(function) -> dict:
+    """``{is_first_microbatch: Variant}`` behind a returned function (``reset`` is a bound
+    method of the callable's graph record)."""
+    return function.reset.__self__.variants
+
+
+def cuda() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def activation(requires_grad=False) -> torch.Tensor:
+    return torch.randn(TOKENS, H, device=cuda(), dtype=DTYPE, requires_grad=requires_grad)
+
+
+@needs_cuda
+@pytest.mark.parametrize("caching", [False, True])
+def test_layers_share_their_boundary_and_backwards_their_gradient_buffers(caching):
+    functions = capture_schedule(build(cuda()), cuda(), make_recipe("delayed"), caching, True)
+    others = set()  # the output-gradient buffers that no layer boundary gives
+    for m in range(MICROBATCHES):
+        first, second = (
+            variants_of(functions[entry(1, m, 0)]),
+            variants_of(functions[entry(1, m, 1)]),
+        )
+        assert first.keys() == second.keys() == ({True, False} if caching else {None})
+        for flag in first:
+            a, b = first[flag], second[flag]
+            assert b.shared_input and b.static_inputs[0].data_ptr() == a.outputs[0].data_ptr()
+            assert a.grad_outputs[0].data_ptr() == b.grad_inputs[0].data_ptr()
+            others.add(b.grad_outputs[0].data_ptr())
+        for v in variants_of(functions[entry(0, m, 0)]).values():
+            assert not v.shared_input  # a chunk's first layer reads its own static input
+            others.add(v.grad_outputs[0].data_ptr())
+    assert len(others) == 1, "every backward's (TOKENS, H) output gradient shares one buffer"
+
+
+@needs_cuda
+@pytest.mark.parametrize("reuse", [False, True])
+def test_the_graphs_let_go_of_the_sample_arguments_they_do_not_read(reuse):
+    layers = tuple(build(cuda()))
+    samples = tuple((activation(requires_grad=True),) for _ in range(sum(LAYERS) * MICROBATCHES))
+    functions = make_graphed_callables(layers, samples, _order=ORDER, _num_layers_per_chunk=LAYERS,
+                                       _reuse_graph_input_output_buffers=reuse)  # fmt: skip
+    torch.cuda.synchronize()
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    del samples
+    gc.collect()
+    freed = before - torch.cuda.memory_allocated()
+    # with the flag the second layer of chunk 2 reads the first's output in every microbatch
+    shared = MICROBATCHES if reuse else 0
+    assert freed == shared * TOKENS * H * torch.finfo(DTYPE).bits // 8
+    assert len(functions) == len(layers) * MICROBATCHES
+
+
+@needs_cuda
+def test_another_tensor_for_a_shared_input_is_copied_in_with_a_warning(monkeypatch):
+    monkeypatch.setattr(_graph_buffers, "_warned", False)
+    eager, graphed = build(cuda()), build(cuda())
+    functions = capture_schedule(graphed, cuda(), None, False, reuse=True)
+    first, second = functions[entry(1, 0, 0)], functions[entry(1, 0, 1)]
+    x = activation(requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the output itself: no copy, no warning
+        out = second(first(x))
+    assert bitwise_equal(out, eager[2](eager[1](x)))
+    y = first(x)
+    z = (y * 2).detach()
+    with pytest.warns(RuntimeWarning, match="overwrites the output the previous layer"):
+        out = second(z)
+    assert bitwise_equal(out, eager[2](z))
+    assert torch.equal(y, z), "the documented overwrite: the earlier output now holds z"
+
+
+class PassThrough(torch.nn.Module):
+    """Hands its input on as a view: its input gradient is its output gradient's buffer."""
+
+    def forward(self, x):
+        return x.view_as(x)
+
+
+@needs_cuda
+def test_an_input_gradient_stays_until_its_own_graph_replays_again():
+    """Chunk 1 passes the gradient through, chunk 2 is a te.Linear; both backwards read the
+    shared (TOKENS, H) output-gradient buffer. Microbatch 0's input gradient must survive
+    microbatch 1's chunk-2 backward, which writes that buffer."""
+    order = [1, 2, -2, -1, 1, 2, -2, -1]
+    layers = (PassThrough(), te.Linear(H, H, params_dtype=DTYPE, device=cuda()))
+    samples = tuple((activation(requires_grad=True),) for _ in range(4))
+    functions = make_graphed_callables(layers, samples, _order=order,
+                                       _reuse_graph_input_output_buffers=True)  # fmt: skip
+    kept = []
+    for m in range(2):  # functions: chunk 1's microbatches 0, 1, then chunk 2's
+        x, dy = activation(requires_grad=True), activation()
+        y = functions[m](x)
+        functions[2 + m](activation(requires_grad=True)).backward(activation())
+        y.backward(dy)
+        kept.append((x.grad, dy))
+    torch.cuda.synchronize()
+    for m, (grad, dy) in enumerate(kept):
+        assert torch.equal(grad, dy), f"microbatch {m}'s input gradient was overwritten"

@@ -1,0 +1,108 @@
+"""``make_graphed_callables(_order=..., _reuse_graph_input_output_buffers=True)``: the static
+tensors the graphs of a pipeline schedule share instead of holding one each.
+
+Every graph reads its inputs from static tensors and its backward reads the output gradients
+from static buffers; a replay copies the caller's tensors into them. With a schedule of many
+layers and microbatches that is two activation-sized tensors per graph pair, and a copy into each
+at every replay. With the flag:
+
+- the first static input of a layer is the first output of the layer before it in the same chunk
+  and microbatch (where shape, dtype and device match): a schedule that passes that output on,
+  as pipeline schedules do, copies nothing, and the graphs no longer hold that layer's sample
+  argument. Passing another tensor copies it into that buffer, which overwrites the output the
+  earlier layer returned (warned once);
+- that earlier layer's static output gradient is the later layer's input gradient, so the
+  gradient passed back between them is not copied either;
+- every other static output gradient is one of a set of buffers all backward graphs share (one
+  per shape, dtype and layout, and per position among a graph's outputs of that kind): a backward
+  graph reads its output gradients only while it replays, and replays run one after another. An
+  input gradient that would be such a buffer itself (a layer passing its gradient through) is
+  copied inside the graph, so the next backward does not overwrite what this one handed out.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+__all__ = ["SharedBuffers", "warn_shared_input_overwritten"]
+
+_warned = False
+
+
+def warn_shared_input_overwritten(name: str) -> None:
+    """Once a process: a replay gave a shared static input a tensor other than the one it is."""
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            f"{name}: with _reuse_graph_input_output_buffers=True this graph's input is the "
+            "previous layer's output buffer; it was called with another tensor, which is copied "
+            "into that buffer and so overwrites the output the previous layer returned. Pass the "
+            "previous layer's output itself, or capture without the flag",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.dtype, t.device
+
+
+class SharedBuffers:
+    """Decides, capture by capture, what a graph reads from another graph's tensors.
+
+    ``variants`` is the capture's ``{(is_first_microbatch, entry): Variant}``; a layer shares
+    only with the layer before and after it in the same variant (a schedule replays one variant
+    for all layers of a microbatch)."""
+
+    def __init__(self, previous_layer: dict, variants: dict) -> None:
+        self.previous = previous_layer
+        self.next = {before: after for after, before in previous_layer.items()}
+        self.variants = variants
+        self.grad_buffers: dict = {}
+
+    def share_input(self, first, index: int) -> None:
+        """Before capturing the forward of entry ``index``: read the previous layer's output."""
+        variant, before = self.variants[first, index], self.previous.get(index)
+        if before is None or not variant.static_inputs:
+            return
+        earlier = self.variants[first, before]
+        if not getattr(earlier, "outputs", None):  # captured before this one, in the plan
+            return
+        out, static = earlier.outputs[0], variant.static_inputs[0]
+        if _layout(out) != _layout(static):
+            return
+        if any(out.data_ptr() == t.data_ptr() for t in earlier.surface()):
+            return  # the output is the earlier layer's input or a parameter: leave it alone
+        shared = out.detach().requires_grad_(static.requires_grad)
+        variant.static_inputs = (shared,) + variant.static_inputs[1:]
+        variant.shared_input = True
+
+    def grad_outputs(self, first, index: int) -> tuple:
+        """Before capturing the backward of entry ``index``: its static output gradients."""
+        variant, after = self.variants[first, index], self.next.get(index)
+        later = None if after is None else self.variants[first, after]
+        taken: dict = {}
+        grads = []
+        for k, (out, rg) in enumerate(zip(variant.outputs, variant.output_requires_grad)):
+            if not rg:
+                grads.append(None)
+                continue
+            if k == 0 and later is not None and later.shared_input:
+                given = later.grad_inputs[0] if later.grad_inputs is not None else None
+                if (
+                    later.static_inputs[0].data_ptr() == out.data_ptr()
+                    and given is not None
+                    and _layout(given) == _layout(out)
+                ):
+                    grads.append(given)
+                    continue
+            key = _layout(out)
+            n = taken[key] = taken.get(key, -1) + 1
+            buffer = self.grad_buffers.get((key, n))
+            if buffer is None:
+                buffer = self.grad_buffers[key, n] = torch.empty_like(out)
+            grads.append(buffer)
+        return tuple(grads)
