@@ -13,11 +13,18 @@ at every replay. With the flag:
   earlier layer returned (warned once);
 - that earlier layer's static output gradient is the later layer's input gradient, so the
   gradient passed back between them is not copied either;
+- a chunk's first static input is, for a microbatch whose forward comes after the backward of an
+  earlier microbatch of that chunk, that microbatch's buffer: nothing reads it between that
+  backward and the next forward's copy into it;
 - every other static output gradient is one of a set of buffers all backward graphs share (one
   per shape, dtype and layout, and per position among a graph's outputs of that kind): a backward
   graph reads its output gradients only while it replays, and replays run one after another. An
   input gradient that would be such a buffer itself (a layer passing its gradient through) is
   copied inside the graph, so the next backward does not overwrite what this one handed out.
+
+Layers with deferred weight gradients (``delay_wgrad_compute``) keep their own output-gradient
+buffers, and their chunks their own first inputs: ``backward_dw()`` reads them after the
+backward, when another graph may have written a shared one.
 """
 
 from __future__ import annotations
@@ -55,23 +62,36 @@ class SharedBuffers:
 
     ``variants`` is the capture's ``{(is_first_microbatch, entry): Variant}``; a layer shares
     only with the layer before and after it in the same variant (a schedule replays one variant
-    for all layers of a microbatch)."""
+    for all layers of a microbatch); both variants of a chunk's first layer read one buffer."""
 
-    def __init__(self, previous_layer: dict, variants: dict) -> None:
-        self.previous = previous_layer
-        self.next = {before: after for after, before in previous_layer.items()}
-        self.variants = variants
+    def __init__(self, schedule, variants: dict, flags: tuple) -> None:
+        self.previous = schedule.previous_layer
+        self.next = {before: after for after, before in self.previous.items()}
+        self.chunk_of = schedule.chunk_of
+        self.variants, self.flags = variants, flags
+        deferring = {self.chunk_of[i] for (_, i), v in variants.items() if v.owner.deferred_wgrads}
+        self.chunk_may_share = [c not in deferring for c in range(max(self.chunk_of) + 1)]
+        self.free_inputs: dict = {}  # chunk -> first static inputs no graph reads any more
+        self.first_inputs: dict = {}  # a chunk's first-layer entry -> its static input
         self.grad_buffers: dict = {}
 
     def share_input(self, first, index: int) -> None:
-        """Before capturing the forward of entry ``index``: read the previous layer's output."""
-        variant, before = self.variants[first, index], self.previous.get(index)
-        if before is None or not variant.static_inputs:
+        """Before capturing the forward of entry ``index``."""
+        variant = self.variants[first, index]
+        if not variant.static_inputs:
+            return
+        static = variant.static_inputs[0]
+        before = self.previous.get(index)
+        if before is None:
+            buffer = self._free_first_input(index, static)
+            if buffer is not None:
+                shared = buffer.detach().requires_grad_(static.requires_grad)
+                variant.static_inputs = (shared,) + variant.static_inputs[1:]
             return
         earlier = self.variants[first, before]
         if not getattr(earlier, "outputs", None):  # captured before this one, in the plan
             return
-        out, static = earlier.outputs[0], variant.static_inputs[0]
+        out = earlier.outputs[0]
         if _layout(out) != _layout(static):
             return
         if any(out.data_ptr() == t.data_ptr() for t in earlier.surface()):
@@ -80,9 +100,41 @@ class SharedBuffers:
         variant.static_inputs = (shared,) + variant.static_inputs[1:]
         variant.shared_input = True
 
-    def grad_outputs(self, first, index: int) -> tuple:
-        """Before capturing the backward of entry ``index``: its static output gradients."""
+    def _free_first_input(self, index: int, static: torch.Tensor) -> torch.Tensor | None:
+        """A chunk's first layer: the buffer of an earlier microbatch whose backward is done
+        (the same for both variants of the entry), or None."""
+        if index in self.first_inputs:
+            return self.first_inputs[index]
+        chunk = self.chunk_of[index]
+        free = self.free_inputs.get(chunk, [])
+        for k, buffer in enumerate(free):
+            if _layout(buffer) == _layout(static):
+                self.first_inputs[index] = free.pop(k)
+                return self.first_inputs[index]
+        self.first_inputs[index] = None
+        return None
+
+    def backward_captured(self, first, index: int) -> None:
+        """After capturing a backward: once both variants of a chunk's first layer have theirs,
+        that microbatch's first static input is free for a later forward of the chunk, unless an
+        output of the layer is that buffer (a pass-through, whose output the caller may hold)."""
+        chunk = self.chunk_of[index]
+        if index in self.previous or first != self.flags[-1] or not self.chunk_may_share[chunk]:
+            return
+        variants = [self.variants[flag, index] for flag in self.flags]
+        buffer = variants[0].static_inputs[0] if variants[0].static_inputs else None
+        if buffer is None:
+            return
+        if any(o.data_ptr() == buffer.data_ptr() for v in variants for o in v.outputs):
+            return
+        self.free_inputs.setdefault(chunk, []).append(buffer)
+
+    def grad_outputs(self, first, index: int) -> tuple | None:
+        """Before capturing the backward of entry ``index``: its static output gradients
+        (None: buffers of its own, for a layer with deferred weight gradients)."""
         variant, after = self.variants[first, index], self.next.get(index)
+        if variant.owner.deferred_wgrads:
+            return None
         later = None if after is None else self.variants[first, after]
         taken: dict = {}
         grads = []

@@ -34,13 +34,15 @@ class Schedule:
     """``entries``: per graphed function, ``(sample index, callable index)``; ``plan``: the
     captures in order, ``(True, entry)`` for a forward and ``(False, entry)`` for a backward;
     ``previous_layer``: entry -> the entry of the layer before it in the same chunk and
-    microbatch (whose output feeds it in a pipeline schedule)."""
+    microbatch (whose output feeds it in a pipeline schedule); ``chunk_of``: entry -> its model
+    chunk."""
 
     def __init__(self, n_callables: int, order=None, layers_per_chunk=None) -> None:
         self.ordered = order is not None
         if not self.ordered:
             self.num_microbatches = 1
             self.previous_layer: dict[int, int] = {}
+            self.chunk_of = [0] * n_callables
             self.entries = [(i, i) for i in range(n_callables)]
             self.plan = [(True, i) for i in range(n_callables)]
             self.plan += [(False, i) for i in reversed(range(n_callables))]
@@ -60,6 +62,7 @@ class Schedule:
             for m in range(microbatches)
             for layer in range(layers[c])
         ]
+        self.chunk_of = [c for c in range(chunks) for _ in range(microbatches * layers[c])]
         self.previous_layer = {
             entry(c, m, layer): entry(c, m, layer - 1)
             for c in range(chunks)

@@ -105,6 +105,9 @@ class _Graphed:
         self.te_modules = [
             m for m in module.modules() if isinstance(m, TransformerEngineBaseModule)
         ]
+        # delay_wgrad_compute: backward_dw() reads the backward's operands later
+        self.deferred_wgrads = any(getattr(m, "wgrad_store", None) is not None
+                                   for m in module.modules())  # fmt: skip
         self.variants: dict | None = {}
         self.last, self.fp8_state = None, None
         self.name = f"graphed {type(module).__name__}"
@@ -469,9 +472,9 @@ def _capture_all(entries, options: Options, pre_warmup_hook, post_warmup_hook, s
         share = _SharedWorkspaces() if several and options.cache_quantized_params else None
         variants = {(first, i): Variant(e, first) for first in options.variants
                     for i, e in enumerate(entries)}  # fmt: skip
-        buffers = (
-            SharedBuffers(schedule.previous_layer, variants) if options.reuse_buffers else None
-        )
+        buffers = None
+        if options.reuse_buffers:
+            buffers = SharedBuffers(schedule, variants, options.variants)
         for first, forward, i in steps:
             e, v = entries[i], variants[first, i]
             with torch.cuda.device(e.device):
@@ -483,6 +486,8 @@ def _capture_all(entries, options: Options, pre_warmup_hook, post_warmup_hook, s
                     grads = None if buffers is None else buffers.grad_outputs(first, i)
                     v.capture_backward(pool, streams[e.device], grads)
                     e.variants[first] = v
+                    if buffers is not None:
+                        buffers.backward_captured(first, i)
         if buffers is not None:  # the replays' checks need the inputs' shapes only: let the
             for e in entries:  # sample arguments the graphs no longer read go
                 e.static_inputs = e.variants[options.variants[0]].static_inputs

@@ -216,14 +216,35 @@ def test_scheduled_graphs_match_eager(recipe_name, caching, reuse):
         assert_same([eager[0](x, **kwargs)], [functions[0](x, **kwargs)], "after reset")
 
 
+# each backward followed by its weight-gradient step; or with other steps between them (the
+# chunk-2 weight gradients of microbatch 0 after chunk 1's backward)
+WGRAD_ORDERS = {
+    "right_after": [1, 2, -2, -2.5, 1, -1, -1.5, 2, -2, -2.5, -1, -1.5],
+    "later": [1, 2, -2, 1, -1, -2.5, -1.5, 2, -2, -2.5, -1, -1.5],
+}
+
+
 @needs_cuda
-@pytest.mark.parametrize("recipe_name", ["high_precision", "delayed"])
-def test_weight_gradient_steps_replay_deferred_wgrads_where_the_schedule_puts_them(recipe_name):
+@pytest.mark.parametrize(
+    "recipe_name, order_name, reuse",
+    [
+        ("high_precision", "right_after", False),
+        ("delayed", "right_after", False),
+        ("high_precision", "later", False),
+        ("high_precision", "later", True),
+        ("delayed", "later", True),
+    ],
+)
+def test_weight_gradient_steps_replay_deferred_wgrads_where_the_schedule_puts_them(
+    recipe_name, order_name, reuse
+):
     """``delay_wgrad_compute`` layers in a schedule with weight-gradient steps (``-c.5``): at
     each, the chunk's graphed functions' ``backward_dw()`` replay that microbatch's deferred
     GEMMs, as the eager modules' ``backward_dw()`` run theirs; every output, input gradient and
-    the accumulated weight gradients bit for bit the same."""
-    order = [1, 2, -2, -2.5, 1, -1, -1.5, 2, -2, -2.5, -1, -1.5]
+    the accumulated weight gradients bit for bit the same. With
+    ``_reuse_graph_input_output_buffers`` too: the weight-gradient graphs read their output
+    gradients after other backwards ran, so those are not shared."""
+    order = WGRAD_ORDERS[order_name]
     device = torch.device("cuda", torch.cuda.current_device())
     recipe = make_recipe(recipe_name)
 
@@ -237,7 +258,8 @@ def test_weight_gradient_steps_replay_deferred_wgrads_where_the_schedule_puts_th
                     for _ in range(4))  # fmt: skip
     functions = make_graphed_callables(tuple(graphed), samples, _order=order,
                                        enabled=recipe is not None, recipe=recipe,
-                                       allow_unused_input=True)  # fmt: skip
+                                       allow_unused_input=True,
+                                       _reuse_graph_input_output_buffers=reuse)  # fmt: skip
     for iteration in range(2):
         g = torch.Generator().manual_seed(iteration)
         data = [[tuple(torch.randn(TOKENS, H, generator=g).to(device, DTYPE) for _ in range(2))

@@ -3,8 +3,9 @@ tensors the graphs of a schedule share, and what the sharing must leave intact.
 
 That the shared tensors change no result is ``test_graph_order.py``'s scheduled test, run with
 the flag against the eager layers. Here: the sharing itself (by address: a layer reads the
-previous layer's output and hands it its input gradient; one output-gradient buffer per kind
-for every other backward), the memory it gives back (the sample arguments no graph reads any
+previous layer's output and hands it its input gradient; a chunk's later microbatch reads the
+first input of one whose backward has run; one output-gradient buffer per kind for every other
+backward), the memory it gives back (the sample arguments no graph reads any
 more), a tensor other than the shared output copied in with a warning, and an input gradient
 that stays valid until its own graph replays again although its layer passes the shared
 gradient buffer through.
@@ -57,9 +58,27 @@ def test_layers_share_their_boundary_and_backwards_their_gradient_buffers(cachin
             assert a.grad_outputs[0].data_ptr() == b.grad_inputs[0].data_ptr()
             others.add(b.grad_outputs[0].data_ptr())
         for v in variants_of(functions[entry(0, m, 0)]).values():
-            assert not v.shared_input  # a chunk's first layer reads its own static input
+            assert not v.shared_input  # a chunk's first layer reads no other layer's output
             others.add(v.grad_outputs[0].data_ptr())
     assert len(others) == 1, "every backward's (TOKENS, H) output gradient shares one buffer"
+
+    # a chunk's first input: a later microbatch's forward takes the buffer of a microbatch whose
+    # backward has run (ORDER: chunk 2 runs one microbatch at a time; chunk 1's third forward
+    # follows its first backward, its second forward does not)
+    def first_inputs(c) -> list:
+        inputs = []
+        for m in range(MICROBATCHES):
+            pointers = {
+                v.static_inputs[0].data_ptr()
+                for v in variants_of(functions[entry(c, m, 0)]).values()
+            }
+            assert len(pointers) == 1, "both variants of an entry read one buffer"
+            inputs += pointers
+        return inputs
+
+    chunk1, chunk2 = first_inputs(0), first_inputs(1)
+    assert len(set(chunk2)) == 1
+    assert chunk1[2] == chunk1[0] != chunk1[1]
 
 
 @needs_cuda
@@ -75,8 +94,9 @@ def test_the_graphs_let_go_of_the_sample_arguments_they_do_not_read(reuse):
     del samples
     gc.collect()
     freed = before - torch.cuda.memory_allocated()
-    # with the flag the second layer of chunk 2 reads the first's output in every microbatch
-    shared = MICROBATCHES if reuse else 0
+    # with the flag the second layer of chunk 2 reads the first's output in every microbatch,
+    # chunk 2's first layer one buffer for all three microbatches, chunk 1's two
+    shared = MICROBATCHES + 2 + 1 if reuse else 0
     assert freed == shared * TOKENS * H * torch.finfo(DTYPE).bits // 8
     assert len(functions) == len(layers) * MICROBATCHES
 
