@@ -38,7 +38,6 @@ class Options:
         self.retain_graph_in_backward = bool(args["retain_graph_in_backward"])
         self.pool = args["pool"]
         self.reuse_buffers = bool(args["_reuse_graph_input_output_buffers"])
-        self.variants = (True, False) if self.cache_quantized_params else (None,)
 
 
 def call_hooks(hooks: dict | None, kind: str, module) -> None:

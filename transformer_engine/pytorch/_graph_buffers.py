@@ -58,37 +58,33 @@ def _layout(t: torch.Tensor) -> tuple:
 
 
 class SharedBuffers:
-    """Decides, capture by capture, what a graph reads from another graph's tensors.
+    """Decides, capture by capture, what a graph reads from another graph's tensors;
+    ``variants`` is the capture's ``{entry: Variant}``."""
 
-    ``variants`` is the capture's ``{(is_first_microbatch, entry): Variant}``; a layer shares
-    only with the layer before and after it in the same variant (a schedule replays one variant
-    for all layers of a microbatch); both variants of a chunk's first layer read one buffer."""
-
-    def __init__(self, schedule, variants: dict, flags: tuple) -> None:
+    def __init__(self, schedule, variants: dict) -> None:
         self.previous = schedule.previous_layer
         self.next = {before: after for after, before in self.previous.items()}
         self.chunk_of = schedule.chunk_of
-        self.variants, self.flags = variants, flags
-        deferring = {self.chunk_of[i] for (_, i), v in variants.items() if v.owner.deferred_wgrads}
+        self.variants = variants
+        deferring = {self.chunk_of[i] for i, v in variants.items() if v.owner.deferred_wgrads}
         self.chunk_may_share = [c not in deferring for c in range(max(self.chunk_of) + 1)]
         self.free_inputs: dict = {}  # chunk -> first static inputs no graph reads any more
-        self.first_inputs: dict = {}  # a chunk's first-layer entry -> its static input
         self.grad_buffers: dict = {}
 
-    def share_input(self, first, index: int) -> None:
+    def share_input(self, index: int) -> None:
         """Before capturing the forward of entry ``index``."""
-        variant = self.variants[first, index]
+        variant = self.variants[index]
         if not variant.static_inputs:
             return
         static = variant.static_inputs[0]
         before = self.previous.get(index)
         if before is None:
-            buffer = self._free_first_input(index, static)
+            buffer = self._free_first_input(self.chunk_of[index], static)
             if buffer is not None:
                 shared = buffer.detach().requires_grad_(static.requires_grad)
                 variant.static_inputs = (shared,) + variant.static_inputs[1:]
             return
-        earlier = self.variants[first, before]
+        earlier = self.variants[before]
         if not getattr(earlier, "outputs", None):  # captured before this one, in the plan
             return
         out = earlier.outputs[0]
@@ -100,42 +96,34 @@ class SharedBuffers:
         variant.static_inputs = (shared,) + variant.static_inputs[1:]
         variant.shared_input = True
 
-    def _free_first_input(self, index: int, static: torch.Tensor) -> torch.Tensor | None:
-        """A chunk's first layer: the buffer of an earlier microbatch whose backward is done
-        (the same for both variants of the entry), or None."""
-        if index in self.first_inputs:
-            return self.first_inputs[index]
-        chunk = self.chunk_of[index]
+    def _free_first_input(self, chunk: int, static: torch.Tensor) -> torch.Tensor | None:
+        """A chunk's first layer: the buffer of an earlier microbatch whose backward is done,
+        or None."""
         free = self.free_inputs.get(chunk, [])
         for k, buffer in enumerate(free):
             if _layout(buffer) == _layout(static):
-                self.first_inputs[index] = free.pop(k)
-                return self.first_inputs[index]
-        self.first_inputs[index] = None
+                return free.pop(k)
         return None
 
-    def backward_captured(self, first, index: int) -> None:
-        """After capturing a backward: once both variants of a chunk's first layer have theirs,
-        that microbatch's first static input is free for a later forward of the chunk, unless an
-        output of the layer is that buffer (a pass-through, whose output the caller may hold)."""
-        chunk = self.chunk_of[index]
-        if index in self.previous or first != self.flags[-1] or not self.chunk_may_share[chunk]:
+    def backward_captured(self, index: int) -> None:
+        """After capturing a backward: for a chunk's first layer, that microbatch's first static
+        input is free for a later forward of the chunk, unless an output of the layer is that
+        buffer (a pass-through, whose output the caller may hold)."""
+        chunk, variant = self.chunk_of[index], self.variants[index]
+        if index in self.previous or not self.chunk_may_share[chunk] or not variant.static_inputs:
             return
-        variants = [self.variants[flag, index] for flag in self.flags]
-        buffer = variants[0].static_inputs[0] if variants[0].static_inputs else None
-        if buffer is None:
-            return
-        if any(o.data_ptr() == buffer.data_ptr() for v in variants for o in v.outputs):
+        buffer = variant.static_inputs[0]
+        if any(o.data_ptr() == buffer.data_ptr() for o in variant.outputs):
             return
         self.free_inputs.setdefault(chunk, []).append(buffer)
 
-    def grad_outputs(self, first, index: int) -> tuple | None:
+    def grad_outputs(self, index: int) -> tuple | None:
         """Before capturing the backward of entry ``index``: its static output gradients
         (None: buffers of its own, for a layer with deferred weight gradients)."""
-        variant, after = self.variants[first, index], self.next.get(index)
+        variant, after = self.variants[index], self.next.get(index)
         if variant.owner.deferred_wgrads:
             return None
-        later = None if after is None else self.variants[first, after]
+        later = None if after is None else self.variants[after]
         taken: dict = {}
         grads = []
         for k, (out, rg) in enumerate(zip(variant.outputs, variant.output_requires_grad)):

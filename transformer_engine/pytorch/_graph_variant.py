@@ -9,6 +9,7 @@ The copies into and out of the static tensors are nodes of the graphs themselves
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -18,7 +19,8 @@ from ._graph_arguments import call_hooks
 from ._graph_buffers import warn_shared_input_overwritten
 from ._graph_copies import GraphCopies, copy_nodes_enabled, new_graph
 from ._graph_streams import ReplayStream
-from .quantization.graph_state import graph_capture_backward
+from .quantization import FP8GlobalStateManager
+from .quantization.graph_state import cast_cached_weights_in_graph, graph_capture_backward
 
 __all__ = ["GraphReplay", "Variant", "TENSOR"]
 
@@ -26,7 +28,11 @@ TENSOR = object()  # marks where a flattened argument or output holds a tensor
 
 
 class Variant:
-    """One captured forward graph, its backward graph and its deferred-wgrad graph."""
+    """One captured forward graph, its backward graph and its deferred-wgrad graph.
+
+    ``is_first_microbatch``: what the capture passes the callable; ``False`` under weight
+    caching, where the graph serves both values (``graph_state.cast_cached_weights_in_graph``):
+    :meth:`set_first_microbatch` before each replay."""
 
     def __init__(self, owner, is_first_microbatch) -> None:
         self.owner, self.is_first_microbatch = owner, is_first_microbatch
@@ -39,6 +45,10 @@ class Variant:
         # sample arguments) unless _graph_buffers gives the first one another layer's output
         self.static_inputs: tuple = owner.static_inputs
         self.shared_input = False
+        # weight caching: the device flag the weight casts read, and the weights whose
+        # main_grad a first microbatch overwrites (zeroed before its replay; the graph adds)
+        self.skip_flag: torch.Tensor | None = None
+        self.overwritten: list = []
         self.grad_outputs = self.grad_inputs = None
         self.dw_grads: list = []
         # What the graphs read that nothing else may keep alive: the deferred-wgrad GEMMs'
@@ -46,15 +56,19 @@ class Variant:
         # module's entry; the pool must not hand that memory to a later capture).
         self.keep_alive: list = []
 
-    def capture_forward(self, pool, stream, then=None) -> None:
-        """``then(self)``: captured after the forward, in the same graph."""
+    def capture_forward(self, pool, stream) -> None:
         owner = self.owner
+        caching = self.is_first_microbatch is False
+        if caching:  # the flag the weight casts read (made here, outside the capture)
+            FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(False, owner.device)
+            self.skip_flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor(owner.device)
         call_hooks(owner.hooks, "forward_pre_hooks", owner.module)
-        with torch.cuda.graph(self.fwd_graph, pool=pool, stream=stream):
+        in_graph = cast_cached_weights_in_graph() if caching else contextlib.nullcontext()
+        with torch.cuda.graph(self.fwd_graph, pool=pool, stream=stream), in_graph:
             self.input_slots = [self.fwd_copies.record(t) for t in self.static_inputs]
             out = owner.run_forward(self.is_first_microbatch, self.static_inputs)
-            if then is not None:
-                then(self)
+        if caching:
+            self.overwritten = in_graph.overwritten
         self.fwd_copies.finish(self.fwd_graph)
         call_hooks(owner.hooks, "forward_hooks", owner.module)
         self.keep_alive += [dict(m._fp8_workspaces) for m in owner.te_modules]
@@ -122,6 +136,19 @@ class Variant:
         self.dw_grads = [(p, p.grad) for p in params if p.grad is not None]
         for p, grad in zip(params, saved):
             p.grad = grad
+
+    def set_first_microbatch(self, first: bool) -> None:
+        """Weight caching: the next replay casts the weights (``True``) or reuses them."""
+        self.skip_flag.fill_(0.0 if first else 1.0)
+        device = self.owner.device
+        if FP8GlobalStateManager.get_skip_fp8_weight_update_tensor(device) is not self.skip_flag:
+            # the state was reset since capture: keep upstream's flag current for its readers
+            FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(not first, device)
+        if first:
+            for weight in self.overwritten:
+                main_grad = getattr(weight, "main_grad", None)
+                if main_grad is not None:
+                    main_grad.zero_()
 
     def replay_forward(self, inputs, where: ReplayStream | None) -> tuple:
         # inputs: the user's tensors, then the parameters (their own static tensors)

@@ -5,8 +5,9 @@ graph each (all graphs share one memory pool), under ``te.autocast(..., _graph=T
 callable's ``enabled`` flag. The same modules come back with ``forward`` replaced by a replay:
 inputs are copied into the captured (static) input tensors, the forward graph is replayed, and
 autograd's backward replays the backward graph; FP8 state stays eager around the graphs
-(``quantization/graph_state.py``). ``cache_quantized_params=True`` captures the variants
-``is_first_microbatch=True`` and ``False``; each replay picks one. With ``_order`` every callable
+(``quantization/graph_state.py``). With ``cache_quantized_params=True`` the one graph serves
+both values of ``is_first_microbatch``: its weight casts read a device flag that each replay
+sets (``graph_state.cast_cached_weights_in_graph``). With ``_order`` every callable
 gets a pair of graphs per microbatch, captured in the schedule's order and returned as functions
 (``_graph_schedule.py``). See docs/cuda_graphs.md.
 """
@@ -33,7 +34,6 @@ from ._graph_schedule import Schedule
 from ._graph_streams import ReplayStream
 from ._graph_variant import TENSOR, GraphReplay, Variant
 from .module.base import TransformerEngineBaseModule
-from .quantization import FP8GlobalStateManager
 from .quantization.graph_state import (
     DelayedScalingSnapshot,
     GraphedFP8State,
@@ -108,7 +108,7 @@ class _Graphed:
         # delay_wgrad_compute: backward_dw() reads the backward's operands later
         self.deferred_wgrads = any(getattr(m, "wgrad_store", None) is not None
                                    for m in module.modules())  # fmt: skip
-        self.variants: dict | None = {}
+        self.variant: Variant | None = None  # the captured graphs; None again after reset()
         self.last, self.fp8_state = None, None
         self.name = f"graphed {type(module).__name__}"
         self.original_forward = module.forward
@@ -145,7 +145,8 @@ class _Graphed:
 
     def warm_up(self) -> None:
         wanted = [i for i, t in enumerate(self.surface()) if t.requires_grad]
-        for is_first in self.options.variants:
+        # weight caching: warm up as a first microbatch, which casts the cached weights
+        for is_first in (True,) if self.cache else (None,):
             for _ in range(self.options.num_warmup_iters):
                 call_hooks(self.hooks, "forward_pre_hooks", self.module)
                 out = tree_flatten(self.run_forward(is_first))[0]
@@ -194,7 +195,7 @@ class _Graphed:
                     f"{self.name}: captured with cache_quantized_params=True, so every call "
                     f"needs is_first_microbatch=True or False (got {first!r})"
                 )
-        if self.variants is None or self.module.training != self.training:
+        if self.variant is None or self.module.training != self.training:
             # reset(), or another training mode than captured: the module runs eagerly
             self.last, self.shared.first_replayed = None, False
             if first is not None:
@@ -206,12 +207,12 @@ class _Graphed:
                 "is_first_microbatch=True replay, and none ran since capture (or since an eager "
                 "call); call it with is_first_microbatch=True first"
             )
-        variant = self.variants[first]
+        variant = self.variant
         inputs = self._match_inputs(args, kwargs)
         grad = torch.is_grad_enabled()
         fp8, update = self.fp8_state.begin_replay(grad) if self.enabled else (False, None)
         if self.cache:
-            FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(not first, self.device)
+            variant.set_first_microbatch(first)
         if grad and variant.bwd_graph is not None:
             outputs = GraphReplay.apply(variant, update, where, *inputs, *self.params)
         else:
@@ -277,9 +278,9 @@ class _Graphed:
 
     def reset(self) -> None:
         """Free the graphs and their static tensors; the module runs eagerly from now on."""
-        for variant in (self.variants or {}).values():
-            variant.reset()
-        self.variants, self.last = None, None
+        if self.variant is not None:
+            self.variant.reset()
+        self.variant, self.last = None, None
         if self.installed:
             for name in ("forward", "backward_dw", "reset"):
                 self.module.__dict__.pop(name, None)
@@ -457,40 +458,25 @@ def _capture_all(entries, options: Options, pre_warmup_hook, post_warmup_hook, s
                 current.wait_stream(streams[e.device])
         if post_warmup_hook is not None:
             post_warmup_hook()
-        # Weight caching's two variants: without _order a step replays one variant of every
-        # callable, so each variant's graphs are captured as a step of their own. With _order
-        # the first microbatch replays the is_first_microbatch=True graphs and the others the
-        # False ones, interleaved: both variants of each step are captured together, so that
-        # neither variant's graphs reuse memory the other's still hold at that point of the
-        # schedule. And a module's True graphs (one per microbatch) all leave its cast weights
-        # where its False graphs read them.
-        several = len(modules) < len(entries)
-        if several:
-            steps = [(first, fwd, i) for fwd, i in plan for first in options.variants]
-        else:
-            steps = [(first, fwd, i) for first in options.variants for fwd, i in plan]
-        share = _SharedWorkspaces() if several and options.cache_quantized_params else None
-        variants = {(first, i): Variant(e, first) for first in options.variants
-                    for i, e in enumerate(entries)}  # fmt: skip
-        buffers = None
-        if options.reuse_buffers:
-            buffers = SharedBuffers(schedule, variants, options.variants)
-        for first, forward, i in steps:
-            e, v = entries[i], variants[first, i]
+        first = False if options.cache_quantized_params else None  # graph_state's one graph
+        variants = {i: Variant(e, first) for i, e in enumerate(entries)}
+        buffers = SharedBuffers(schedule, variants) if options.reuse_buffers else None
+        for forward, i in plan:
+            e, v = entries[i], variants[i]
             with torch.cuda.device(e.device):
                 if forward:
                     if buffers is not None:
-                        buffers.share_input(first, i)
-                    v.capture_forward(pool, streams[e.device], share if first else None)
+                        buffers.share_input(i)
+                    v.capture_forward(pool, streams[e.device])
                 else:
-                    grads = None if buffers is None else buffers.grad_outputs(first, i)
+                    grads = None if buffers is None else buffers.grad_outputs(i)
                     v.capture_backward(pool, streams[e.device], grads)
-                    e.variants[first] = v
+                    e.variant = v
                     if buffers is not None:
-                        buffers.backward_captured(first, i)
+                        buffers.backward_captured(i)
         if buffers is not None:  # the replays' checks need the inputs' shapes only: let the
             for e in entries:  # sample arguments the graphs no longer read go
-                e.static_inputs = e.variants[options.variants[0]].static_inputs
+                e.static_inputs = e.variant.static_inputs
         for d in devices:
             torch.cuda.synchronize(d)
     finally:
@@ -504,28 +490,3 @@ def _capture_all(entries, options: Options, pre_warmup_hook, post_warmup_hook, s
         torch.set_rng_state(rng[0])
         for d, state in rng[1]:
             torch.cuda.set_rng_state(state, d)
-
-
-class _SharedWorkspaces:
-    """Captured after a forward with ``is_first_microbatch=True``: copies the weights that
-    forward cast into the module's first such capture's workspaces (the ones every
-    ``False`` graph then reads), and points the module back at those. Each graph keeps its own
-    workspaces alive: it writes them at every replay."""
-
-    def __init__(self) -> None:
-        self.first: dict = {}  # TE module -> its first capture's workspaces
-
-    def __call__(self, variant) -> None:
-        for m in variant.owner.te_modules:
-            first = self.first.setdefault(m, dict(m._fp8_workspaces))
-            for key, cast in m._fp8_workspaces.items():
-                target = first.setdefault(key, cast)
-                if target is cast:
-                    continue
-                if hasattr(target, "copy_from_storage"):  # a quantized storage: bytes and scales
-                    target.copy_from_storage(cast)
-                else:  # a plain tensor (an IdentityQuantizer's)
-                    target.copy_(cast)
-            variant.keep_alive.append(dict(m._fp8_workspaces))
-            m._fp8_workspaces.clear()
-            m._fp8_workspaces.update(first)

@@ -27,10 +27,10 @@ from transformer_engine.pytorch import _graph_buffers
 from transformer_engine.pytorch.graph import make_graphed_callables
 
 
-def variants_of(function) -> dict:
-    """``{is_first_microbatch: Variant}`` behind a returned function (``reset`` is a bound
-    method of the callable's graph record)."""
-    return function.reset.__self__.variants
+def variant_of(function):
+    """The captured graphs behind a returned function (``reset`` is a bound method of the
+    callable's graph record)."""
+    return function.reset.__self__.variant
 
 
 def cuda() -> torch.device:
@@ -47,34 +47,23 @@ def test_layers_share_their_boundary_and_backwards_their_gradient_buffers(cachin
     functions = capture_schedule(build(cuda()), cuda(), make_recipe("delayed"), caching, True)
     others = set()  # the output-gradient buffers that no layer boundary gives
     for m in range(MICROBATCHES):
-        first, second = (
-            variants_of(functions[entry(1, m, 0)]),
-            variants_of(functions[entry(1, m, 1)]),
-        )
-        assert first.keys() == second.keys() == ({True, False} if caching else {None})
-        for flag in first:
-            a, b = first[flag], second[flag]
-            assert b.shared_input and b.static_inputs[0].data_ptr() == a.outputs[0].data_ptr()
-            assert a.grad_outputs[0].data_ptr() == b.grad_inputs[0].data_ptr()
-            others.add(b.grad_outputs[0].data_ptr())
-        for v in variants_of(functions[entry(0, m, 0)]).values():
-            assert not v.shared_input  # a chunk's first layer reads no other layer's output
-            others.add(v.grad_outputs[0].data_ptr())
+        a, b = variant_of(functions[entry(1, m, 0)]), variant_of(functions[entry(1, m, 1)])
+        assert b.shared_input and b.static_inputs[0].data_ptr() == a.outputs[0].data_ptr()
+        assert a.grad_outputs[0].data_ptr() == b.grad_inputs[0].data_ptr()
+        others.add(b.grad_outputs[0].data_ptr())
+        v = variant_of(functions[entry(0, m, 0)])
+        assert not v.shared_input  # a chunk's first layer reads no other layer's output
+        others.add(v.grad_outputs[0].data_ptr())
     assert len(others) == 1, "every backward's (TOKENS, H) output gradient shares one buffer"
 
     # a chunk's first input: a later microbatch's forward takes the buffer of a microbatch whose
     # backward has run (ORDER: chunk 2 runs one microbatch at a time; chunk 1's third forward
     # follows its first backward, its second forward does not)
     def first_inputs(c) -> list:
-        inputs = []
-        for m in range(MICROBATCHES):
-            pointers = {
-                v.static_inputs[0].data_ptr()
-                for v in variants_of(functions[entry(c, m, 0)]).values()
-            }
-            assert len(pointers) == 1, "both variants of an entry read one buffer"
-            inputs += pointers
-        return inputs
+        return [
+            variant_of(functions[entry(c, m, 0)]).static_inputs[0].data_ptr()
+            for m in range(MICROBATCHES)
+        ]
 
     chunk1, chunk2 = first_inputs(0), first_inputs(1)
     assert len(set(chunk2)) == 1

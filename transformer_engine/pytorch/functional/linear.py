@@ -56,6 +56,9 @@ class LinearConfig:
     grad_output_quantizer: Any = None
     cached_weight: Any = None  # an already-quantized weight to use instead of casting
     cache_weight: Any = None  # callable receiving the quantized weight (is_first_microbatch=True)
+    # with cached_weight: cast the weight into it again in place, this device flag as the cast's
+    # no-op (make_graphed_callables' one graph for both values of is_first_microbatch)
+    recast_flag: Any = None
     activation_dtype: torch.dtype = torch.float32
     fuse_wgrad_accumulation: bool = False
     accumulate_into_main_grad: bool = True
@@ -222,6 +225,10 @@ def _quantize_grad_output(quantizer, dy, *, rowwise: bool, columnwise: bool, wit
 def _quantized_weight(weight, config: LinearConfig, columnwise: bool):
     """The weight as the FP8 GEMM takes it: an FP8 parameter or the cached workspace as it is
     (with the usages this call needs), else a fresh cast (handed to ``cache_weight``)."""
+    if config.recast_flag is not None and config.cached_weight is not None:
+        quantizer = config.weight_quantizer
+        quantizer.set_usage(rowwise=True, columnwise=columnwise)
+        quantizer.update_quantized(weight, config.cached_weight, noop_flag=config.recast_flag)
     if isinstance(weight, QuantizedTensor) or config.cached_weight is not None:
         w_q = weight if isinstance(weight, QuantizedTensor) else config.cached_weight
         # A plain tensor (an IdentityQuantizer's cached result) has no usages to set.

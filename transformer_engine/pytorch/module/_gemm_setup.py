@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from ..functional.linear import LinearConfig, check_fp8_gemm_shapes, config_from_recipe
-from ..quantization import BackwardScaleUpdate, claim_backward_update
+from ..quantization import BackwardScaleUpdate, FP8GlobalStateManager, claim_backward_update
 from ..quantized_tensor import QuantizedTensor
 
 __all__ = [
@@ -73,13 +73,15 @@ def make_linear_config(
         ``check_fp8_gemm_shapes``; the token count is free).
     """
     fp8 = module.fp8
+    grad_param = main_grad_param if main_grad_param is not None else weight
+    # Megatron's overwrite_main_grad: the wgrad GEMM writes main_grad instead of adding.
+    overwrite = getattr(grad_param, "overwrite_main_grad", False)
+    in_graph = FP8GlobalStateManager.quantization_state.cached_weights_in_graph
+    if in_graph is not None and module.fuse_wgrad_accumulation and not overwrite:
+        in_graph.append(grad_param)  # the graph accumulates; a first microbatch zeroes first
     options = dict(
         fuse_wgrad_accumulation=module.fuse_wgrad_accumulation,
-        # Megatron's overwrite_main_grad: the wgrad GEMM writes main_grad instead of adding.
-        accumulate_into_main_grad=not is_first_microbatch
-        and not getattr(
-            main_grad_param if main_grad_param is not None else weight, "overwrite_main_grad", False
-        ),
+        accumulate_into_main_grad=not is_first_microbatch and not overwrite,
         main_grad_param=main_grad_param,
     )
     if not fp8:
@@ -93,10 +95,36 @@ def make_linear_config(
         **options,
     )
     if not isinstance(weight, QuantizedTensor):
-        config.cached_weight, config.cache_weight = module._cached_weight(
-            workspace_key, is_first_microbatch
+        config.cached_weight, config.cache_weight, config.recast_flag = _cached_weight(
+            module, workspace_key, is_first_microbatch
         )
     return config
+
+
+def _cached_weight(module, key: str, is_first_microbatch: bool | None) -> tuple:
+    """``(cached, store, recast_flag)`` of a weight workspace (``module._fp8_workspaces``): the
+    quantized weight to reuse (``None`` when there is none), a callable that stores a new one
+    (``None`` without ``is_first_microbatch``), and, while ``make_graphed_callables`` captures
+    one graph for both values of ``is_first_microbatch``
+    (``graph_state.cast_cached_weights_in_graph``), the device flag under which that graph
+    casts the weight into the workspace again (1.0: it stays)."""
+    workspaces = module._fp8_workspaces
+    if is_first_microbatch is None:
+        workspaces.pop(key, None)
+        return None, None, None
+    store = lambda value: workspaces.__setitem__(key, value)  # noqa: E731
+    cached = workspaces.get(key)
+    if cached is not None and cached.device != module.parameters_device():
+        del workspaces[key]  # stale: the weights moved since it was cached
+        cached = None
+    if cached is not None:
+        if FP8GlobalStateManager.quantization_state.cached_weights_in_graph is not None:
+            flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor(cached.device)
+            if flag is not None:
+                return cached, store, flag
+        if is_first_microbatch is False:
+            return cached, store, None  # store: a cast again when it lacks a needed layout
+    return None, store, None
 
 
 def claim_module_backward_update(config: LinearConfig, tensors=()) -> BackwardScaleUpdate | None:

@@ -459,21 +459,6 @@ class TransformerEngineBaseModule(DelayedWgrad, torch.nn.Module):
         module's delayed-scaling state joins the amax registry."""
         return _ForwardRegion(self, inp, num_gemms, allow_non_contiguous)
 
-    # -- weight workspaces (is_first_microbatch) -----------------------------------------------
-    def _cached_weight(self, key: str, is_first_microbatch: bool | None):
-        """``(cached, store)``: the workspace to reuse (``None`` when there is none) and a
-        callable that stores a new one (``None`` without ``is_first_microbatch``)."""
-        if is_first_microbatch is None:
-            self._fp8_workspaces.pop(key, None)
-            return None, None
-        store = lambda value: self._fp8_workspaces.__setitem__(key, value)  # noqa: E731
-        cached = self._fp8_workspaces.get(key)
-        if is_first_microbatch is False and cached is not None:
-            if cached.device == self.parameters_device():
-                return cached, store  # store: a cast again when it lacks a needed layout
-            del self._fp8_workspaces[key]  # stale: the weights moved since it was cached
-        return None, store
-
     def _check_save_original_input(self) -> None:
         """``save_original_input=True`` re-quantizes the saved input in backward: refused under a
         recipe whose scale changes between forward and backward (delayed scaling)."""

@@ -51,6 +51,10 @@ class FP8GlobalState:
     # device -> one-element float32 flag (upstream keeps one process-wide tensor on whichever
     # device was current when it was first set; here each device has its own).
     skip_fp8_weight_update_tensors: dict = field(default_factory=dict)
+    # While make_graphed_callables captures one graph for both values of is_first_microbatch:
+    # the weights whose main_grad a first microbatch overwrites (the graph accumulates; the
+    # replay zeroes them first). None otherwise. See graph_state.cast_cached_weights_in_graph.
+    cached_weights_in_graph: list | None = None
 
 
 # Where an fp8_meta keeps its queue's index in fp8_tensors_recompute_buffer (upstream's key).

@@ -1,0 +1,112 @@
+"""``make_graphed_callables(cache_quantized_params=True)``: one graph per callable serves both
+values of ``is_first_microbatch``, against the same modules run eagerly.
+
+Each step runs three microbatches, the first with ``is_first_microbatch=True`` (the weights are
+cast into the cache) and the others with ``False`` (the cache is read): outputs, input
+gradients, the weight gradients (``main_grad`` with ``fuse_wgrad_accumulation``, which a first
+microbatch overwrites and the others add to) and the FP8 state must be bit for bit eager's. An
+SGD update between steps moves the weights, so a first-microbatch replay that did not cast them
+again, or a later one that did, would show.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from graph_helpers import DTYPE, LR, TOKENS, H, assert_same, fp8_state
+from utils import make_recipe, needs_cuda
+
+import transformer_engine.pytorch as te
+from transformer_engine.pytorch.graph import make_graphed_callables
+from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+MICROBATCHES = 3
+
+
+def cuda() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def build(kind: str, fuse: bool) -> torch.nn.Module:
+    torch.manual_seed(1234)
+    kw = dict(params_dtype=DTYPE, device=cuda(), fuse_wgrad_accumulation=fuse)
+    module = te.Linear(H, H, **kw) if kind == "linear" else te.LayerNormMLP(H, 2 * H, **kw)
+    if fuse:  # values a first microbatch must overwrite, not add to
+        for p in module.parameters():
+            p.main_grad = torch.full(p.shape, 7.0, device=cuda(), dtype=torch.float32)
+    return module
+
+
+def microbatches(seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        tuple(torch.randn(TOKENS, H, generator=g).to(cuda(), DTYPE) for _ in range(2))
+        for _ in range(MICROBATCHES)
+    ]
+
+
+def run_step(model, batches, recipe) -> list:
+    results = []
+    for m, (x, dy) in enumerate(batches):
+        x = x.clone().requires_grad_(True)
+        with te.autocast(enabled=True, recipe=recipe):
+            y = model(x, is_first_microbatch=m == 0)
+        y.backward(dy)
+        results += [y.detach().clone(), x.grad.clone()]
+    return results
+
+
+def update(model) -> list:
+    """Each parameter's gradient of the step (``main_grad`` where it has one, else ``.grad``),
+    cloned; then SGD with it. ``main_grad`` is left as it is (a first microbatch overwrites it)."""
+    grads = []
+    with torch.no_grad():
+        for p in model.parameters():
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            grads.append(None if g is None else g.clone())
+            if g is not None:
+                p.sub_(LR * g.to(p.dtype))
+            p.grad = None
+    return grads
+
+
+@needs_cuda
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("kind", ["linear", "layernorm_mlp"])
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_one_graph_follows_is_first_microbatch(recipe_name, kind, fuse):
+    recipe = make_recipe(recipe_name)
+    eager, graphed = build(kind, fuse), build(kind, fuse)
+    sample = (torch.randn(TOKENS, H, device=cuda(), dtype=DTYPE, requires_grad=True),)
+    # with fuse_wgrad_accumulation the weights' gradients go to main_grad, not to autograd
+    make_graphed_callables(graphed, sample, enabled=True, recipe=recipe,
+                           cache_quantized_params=True, allow_unused_input=fuse)  # fmt: skip
+    owner = graphed.reset.__self__
+    assert owner.variant.is_first_microbatch is False  # the one graph, captured as a later one
+    for s in range(3):
+        batches = microbatches(seed=s)
+        assert_same(run_step(eager, batches, recipe), run_step(graphed, batches, recipe), f"{s}")
+        assert_same(update(eager), update(graphed), f"step {s} weight gradients")
+        assert_same(fp8_state(eager), fp8_state(graphed), f"step {s} FP8 state")
+    flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor(cuda())
+    assert flag is owner.variant.skip_flag and flag.item() == 1.0  # the last call reused them
+
+
+@needs_cuda
+def test_the_graph_keeps_its_flag_across_a_state_reset():
+    """``FP8GlobalStateManager.reset()`` drops the per-device flag; the graph keeps reading the
+    one it captured, which the replays still set (and the new global one with it)."""
+    recipe = make_recipe("delayed")
+    eager, graphed = build("linear", False), build("linear", False)
+    sample = (torch.randn(TOKENS, H, device=cuda(), dtype=DTYPE, requires_grad=True),)
+    make_graphed_callables(graphed, sample, enabled=True, recipe=recipe,
+                           cache_quantized_params=True)  # fmt: skip
+    for s in range(4):
+        if s == 2:
+            FP8GlobalStateManager.reset()
+        batches = microbatches(seed=10 + s)
+        assert_same(run_step(eager, batches, recipe), run_step(graphed, batches, recipe), f"{s}")
+        assert_same(update(eager), update(graphed), f"step {s} weight gradients")
+    flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor(cuda())
+    assert flag is not None and flag.item() == 1.0
