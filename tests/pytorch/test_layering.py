@@ -104,7 +104,7 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         "transformer_engine.pytorch._graph_schedule",
         "transformer_engine.pytorch._graph_buffers",
         "transformer_engine.pytorch._graph_streams",
-        "transformer_engine.pytorch._graph_variant",
+        "transformer_engine.pytorch._graph_captured",
     )),
     (10, "the public package and the compat shims", (
         "transformer_engine.pytorch",

@@ -59,32 +59,32 @@ def _layout(t: torch.Tensor) -> tuple:
 
 class SharedBuffers:
     """Decides, capture by capture, what a graph reads from another graph's tensors;
-    ``variants`` is the capture's ``{entry: Variant}``."""
+    ``captured`` is the capture's ``{entry: CapturedGraphs}``."""
 
-    def __init__(self, schedule, variants: dict) -> None:
+    def __init__(self, schedule, captured: dict) -> None:
         self.previous = schedule.previous_layer
         self.next = {before: after for after, before in self.previous.items()}
         self.chunk_of = schedule.chunk_of
-        self.variants = variants
-        deferring = {self.chunk_of[i] for i, v in variants.items() if v.owner.deferred_wgrads}
+        self.captured = captured
+        deferring = {self.chunk_of[i] for i, v in captured.items() if v.owner.deferred_wgrads}
         self.chunk_may_share = [c not in deferring for c in range(max(self.chunk_of) + 1)]
         self.free_inputs: dict = {}  # chunk -> first static inputs no graph reads any more
         self.grad_buffers: dict = {}
 
     def share_input(self, index: int) -> None:
         """Before capturing the forward of entry ``index``."""
-        variant = self.variants[index]
-        if not variant.static_inputs:
+        graphs = self.captured[index]
+        if not graphs.static_inputs:
             return
-        static = variant.static_inputs[0]
+        static = graphs.static_inputs[0]
         before = self.previous.get(index)
         if before is None:
             buffer = self._free_first_input(self.chunk_of[index], static)
             if buffer is not None:
                 shared = buffer.detach().requires_grad_(static.requires_grad)
-                variant.static_inputs = (shared,) + variant.static_inputs[1:]
+                graphs.static_inputs = (shared,) + graphs.static_inputs[1:]
             return
-        earlier = self.variants[before]
+        earlier = self.captured[before]
         if not getattr(earlier, "outputs", None):  # captured before this one, in the plan
             return
         out = earlier.outputs[0]
@@ -93,8 +93,8 @@ class SharedBuffers:
         if any(out.data_ptr() == t.data_ptr() for t in earlier.surface()):
             return  # the output is the earlier layer's input or a parameter: leave it alone
         shared = out.detach().requires_grad_(static.requires_grad)
-        variant.static_inputs = (shared,) + variant.static_inputs[1:]
-        variant.shared_input = True
+        graphs.static_inputs = (shared,) + graphs.static_inputs[1:]
+        graphs.shared_input = True
 
     def _free_first_input(self, chunk: int, static: torch.Tensor) -> torch.Tensor | None:
         """A chunk's first layer: the buffer of an earlier microbatch whose backward is done,
@@ -109,24 +109,24 @@ class SharedBuffers:
         """After capturing a backward: for a chunk's first layer, that microbatch's first static
         input is free for a later forward of the chunk, unless an output of the layer is that
         buffer (a pass-through, whose output the caller may hold)."""
-        chunk, variant = self.chunk_of[index], self.variants[index]
-        if index in self.previous or not self.chunk_may_share[chunk] or not variant.static_inputs:
+        chunk, graphs = self.chunk_of[index], self.captured[index]
+        if index in self.previous or not self.chunk_may_share[chunk] or not graphs.static_inputs:
             return
-        buffer = variant.static_inputs[0]
-        if any(o.data_ptr() == buffer.data_ptr() for o in variant.outputs):
+        buffer = graphs.static_inputs[0]
+        if any(o.data_ptr() == buffer.data_ptr() for o in graphs.outputs):
             return
         self.free_inputs.setdefault(chunk, []).append(buffer)
 
     def grad_outputs(self, index: int) -> tuple | None:
         """Before capturing the backward of entry ``index``: its static output gradients
         (None: buffers of its own, for a layer with deferred weight gradients)."""
-        variant, after = self.variants[index], self.next.get(index)
-        if variant.owner.deferred_wgrads:
+        graphs, after = self.captured[index], self.next.get(index)
+        if graphs.owner.deferred_wgrads:
             return None
-        later = None if after is None else self.variants[after]
+        later = None if after is None else self.captured[after]
         taken: dict = {}
         grads = []
-        for k, (out, rg) in enumerate(zip(variant.outputs, variant.output_requires_grad)):
+        for k, (out, rg) in enumerate(zip(graphs.outputs, graphs.output_requires_grad)):
             if not rg:
                 grads.append(None)
                 continue

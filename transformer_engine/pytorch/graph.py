@@ -30,9 +30,9 @@ from ._graph_arguments import (
     sorted_kwargs,
 )
 from ._graph_buffers import SharedBuffers
+from ._graph_captured import TENSOR, CapturedGraphs, GraphReplay
 from ._graph_schedule import Schedule
 from ._graph_streams import ReplayStream
-from ._graph_variant import TENSOR, GraphReplay, Variant
 from .module.base import TransformerEngineBaseModule
 from .quantization.graph_state import (
     DelayedScalingSnapshot,
@@ -75,7 +75,7 @@ class _Graphed:
         kwargs = dict(kwargs or {})
         self.cache = options.cache_quantized_params
         if self.cache:
-            kwargs.pop("is_first_microbatch", None)  # each variant passes its own
+            kwargs.pop("is_first_microbatch", None)  # warm-up and capture pass their own
             try:
                 inspect.signature(module.forward).bind_partial(is_first_microbatch=True)
             except TypeError:
@@ -108,7 +108,7 @@ class _Graphed:
         # delay_wgrad_compute: backward_dw() reads the backward's operands later
         self.deferred_wgrads = any(getattr(m, "wgrad_store", None) is not None
                                    for m in module.modules())  # fmt: skip
-        self.variant: Variant | None = None  # the captured graphs; None again after reset()
+        self.captured: CapturedGraphs | None = None  # the captured graphs; None again after reset()
         self.last, self.fp8_state = None, None
         self.name = f"graphed {type(module).__name__}"
         self.original_forward = module.forward
@@ -117,8 +117,8 @@ class _Graphed:
         return self.static_inputs + self.params
 
     def run_forward(self, is_first_microbatch: bool | None, static_inputs: tuple | None = None):
-        """The module's own forward on the static inputs (the variant's, where it has its own),
-        as captured."""
+        """The module's own forward on the static inputs (the captured graphs' own, where
+        ``_graph_buffers`` gave them others), as captured."""
         tensors = iter(self.static_inputs if static_inputs is None else static_inputs)
         leaves = [next(tensors) if leaf is TENSOR else leaf for leaf in self.leaves]
         args, kwargs = tree_unflatten(leaves, self.spec)
@@ -195,7 +195,7 @@ class _Graphed:
                     f"{self.name}: captured with cache_quantized_params=True, so every call "
                     f"needs is_first_microbatch=True or False (got {first!r})"
                 )
-        if self.variant is None or self.module.training != self.training:
+        if self.captured is None or self.module.training != self.training:
             # reset(), or another training mode than captured: the module runs eagerly
             self.last, self.shared.first_replayed = None, False
             if first is not None:
@@ -207,21 +207,21 @@ class _Graphed:
                 "is_first_microbatch=True replay, and none ran since capture (or since an eager "
                 "call); call it with is_first_microbatch=True first"
             )
-        variant = self.variant
+        graphs = self.captured
         inputs = self._match_inputs(args, kwargs)
         grad = torch.is_grad_enabled()
         fp8, update = self.fp8_state.begin_replay(grad) if self.enabled else (False, None)
         if self.cache:
-            variant.set_first_microbatch(first)
-        if grad and variant.bwd_graph is not None:
-            outputs = GraphReplay.apply(variant, update, where, *inputs, *self.params)
+            graphs.set_first_microbatch(first)
+        if grad and graphs.bwd_graph is not None:
+            outputs = GraphReplay.apply(graphs, update, where, *inputs, *self.params)
         else:
-            outputs = variant.replay_forward(inputs, where)
+            outputs = graphs.replay_forward(inputs, where)
         if fp8:
             self.fp8_state.end_replay()
         self.shared.first_replayed = self.shared.first_replayed or bool(first)
-        self.last = variant
-        return variant.unflatten(outputs)
+        self.last = graphs
+        return graphs.unflatten(outputs)
 
     def _match_inputs(self, args: tuple, kwargs: dict) -> list:
         """The replay's tensors in the order of the static inputs, checked against them."""
@@ -278,9 +278,9 @@ class _Graphed:
 
     def reset(self) -> None:
         """Free the graphs and their static tensors; the module runs eagerly from now on."""
-        if self.variant is not None:
-            self.variant.reset()
-        self.variant, self.last = None, None
+        if self.captured is not None:
+            self.captured.reset()
+        self.captured, self.last = None, None
         if self.installed:
             for name in ("forward", "backward_dw", "reset"):
                 self.module.__dict__.pop(name, None)
@@ -459,10 +459,10 @@ def _capture_all(entries, options: Options, pre_warmup_hook, post_warmup_hook, s
         if post_warmup_hook is not None:
             post_warmup_hook()
         first = False if options.cache_quantized_params else None  # graph_state's one graph
-        variants = {i: Variant(e, first) for i, e in enumerate(entries)}
-        buffers = SharedBuffers(schedule, variants) if options.reuse_buffers else None
+        captured = {i: CapturedGraphs(e, first) for i, e in enumerate(entries)}
+        buffers = SharedBuffers(schedule, captured) if options.reuse_buffers else None
         for forward, i in plan:
-            e, v = entries[i], variants[i]
+            e, v = entries[i], captured[i]
             with torch.cuda.device(e.device):
                 if forward:
                     if buffers is not None:
@@ -471,12 +471,12 @@ def _capture_all(entries, options: Options, pre_warmup_hook, post_warmup_hook, s
                 else:
                     grads = None if buffers is None else buffers.grad_outputs(i)
                     v.capture_backward(pool, streams[e.device], grads)
-                    e.variant = v
+                    e.captured = v
                     if buffers is not None:
                         buffers.backward_captured(i)
         if buffers is not None:  # the replays' checks need the inputs' shapes only: let the
             for e in entries:  # sample arguments the graphs no longer read go
-                e.static_inputs = e.variant.static_inputs
+                e.static_inputs = e.captured.static_inputs
         for d in devices:
             torch.cuda.synchronize(d)
     finally:

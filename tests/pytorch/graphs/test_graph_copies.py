@@ -181,8 +181,8 @@ def test_the_graph_copies_unless_disabled(monkeypatch):
     for nodes, counts in ((True, (1, 3)), (False, (0, 0))):
         _, graphed, _ = graphed_pair(device, None, monkeypatch, nodes)
         cells = graphed.forward.__closure__  # the installed replay closes over its owner
-        owner = next(c.cell_contents for c in cells if hasattr(c.cell_contents, "variant"))
-        v = owner.variant
+        owner = next(c.cell_contents for c in cells if hasattr(c.cell_contents, "captured"))
+        v = owner.captured
         assert (len(v.fwd_copies.slots), len(v.bwd_copies.slots)) == counts
 
 

@@ -27,10 +27,10 @@ from transformer_engine.pytorch import _graph_buffers
 from transformer_engine.pytorch.graph import make_graphed_callables
 
 
-def variant_of(function):
+def captured_of(function):
     """The captured graphs behind a returned function (``reset`` is a bound method of the
     callable's graph record)."""
-    return function.reset.__self__.variant
+    return function.reset.__self__.captured
 
 
 def cuda() -> torch.device:
@@ -47,11 +47,11 @@ def test_layers_share_their_boundary_and_backwards_their_gradient_buffers(cachin
     functions = capture_schedule(build(cuda()), cuda(), make_recipe("delayed"), caching, True)
     others = set()  # the output-gradient buffers that no layer boundary gives
     for m in range(MICROBATCHES):
-        a, b = variant_of(functions[entry(1, m, 0)]), variant_of(functions[entry(1, m, 1)])
+        a, b = captured_of(functions[entry(1, m, 0)]), captured_of(functions[entry(1, m, 1)])
         assert b.shared_input and b.static_inputs[0].data_ptr() == a.outputs[0].data_ptr()
         assert a.grad_outputs[0].data_ptr() == b.grad_inputs[0].data_ptr()
         others.add(b.grad_outputs[0].data_ptr())
-        v = variant_of(functions[entry(0, m, 0)])
+        v = captured_of(functions[entry(0, m, 0)])
         assert not v.shared_input  # a chunk's first layer reads no other layer's output
         others.add(v.grad_outputs[0].data_ptr())
     assert len(others) == 1, "every backward's (TOKENS, H) output gradient shares one buffer"
@@ -61,7 +61,7 @@ def test_layers_share_their_boundary_and_backwards_their_gradient_buffers(cachin
     # follows its first backward, its second forward does not)
     def first_inputs(c) -> list:
         return [
-            variant_of(functions[entry(c, m, 0)]).static_inputs[0].data_ptr()
+            captured_of(functions[entry(c, m, 0)]).static_inputs[0].data_ptr()
             for m in range(MICROBATCHES)
         ]
 

@@ -83,14 +83,14 @@ def test_one_graph_follows_is_first_microbatch(recipe_name, kind, fuse):
     make_graphed_callables(graphed, sample, enabled=True, recipe=recipe,
                            cache_quantized_params=True, allow_unused_input=fuse)  # fmt: skip
     owner = graphed.reset.__self__
-    assert owner.variant.is_first_microbatch is False  # the one graph, captured as a later one
+    assert owner.captured.is_first_microbatch is False  # the one graph, captured as a later one
     for s in range(3):
         batches = microbatches(seed=s)
         assert_same(run_step(eager, batches, recipe), run_step(graphed, batches, recipe), f"{s}")
         assert_same(update(eager), update(graphed), f"step {s} weight gradients")
         assert_same(fp8_state(eager), fp8_state(graphed), f"step {s} FP8 state")
     flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor(cuda())
-    assert flag is owner.variant.skip_flag and flag.item() == 1.0  # the last call reused them
+    assert flag is owner.captured.skip_flag and flag.item() == 1.0  # the last call reused them
 
 
 @needs_cuda

@@ -1,4 +1,4 @@
-"""One captured variant of a graphed callable (``te.make_graphed_callables``): its forward,
+"""The captured graphs of a graphed callable (``te.make_graphed_callables``): its forward,
 backward and deferred-wgrad CUDA graphs, the static tensors they read and write, and their
 replay as one autograd node (:class:`GraphReplay`).
 
@@ -22,12 +22,12 @@ from ._graph_streams import ReplayStream
 from .quantization import FP8GlobalStateManager
 from .quantization.graph_state import cast_cached_weights_in_graph, graph_capture_backward
 
-__all__ = ["GraphReplay", "Variant", "TENSOR"]
+__all__ = ["GraphReplay", "CapturedGraphs", "TENSOR"]
 
 TENSOR = object()  # marks where a flattened argument or output holds a tensor
 
 
-class Variant:
+class CapturedGraphs:
     """One captured forward graph, its backward graph and its deferred-wgrad graph.
 
     ``is_first_microbatch``: what the capture passes the callable; ``False`` under weight
@@ -208,7 +208,7 @@ class Variant:
         for graph in (self.fwd_graph, self.bwd_graph, self.dw_graph):
             if graph is not None:
                 graph.reset()
-        self.__dict__.clear()  # drops the static tensors; the owner drops this variant
+        self.__dict__.clear()  # drops the static tensors; the owner drops these graphs
 
 
 def _unaliased(grad_inputs: tuple, grad_outputs: tuple) -> tuple:
@@ -223,12 +223,12 @@ class GraphReplay(torch.autograd.Function):
     """One replay as one autograd node: forward graph in forward, backward graph in backward."""
 
     @staticmethod
-    def forward(ctx, variant: Variant, update, where: ReplayStream | None, *inputs):  # noqa: D102
-        ctx.variant, ctx.update = variant, update
+    def forward(ctx, graphs: CapturedGraphs, update, where: ReplayStream | None, *inputs):  # noqa: D102
+        ctx.captured, ctx.update = graphs, update
         ctx.where = None if where is None else where.for_backward()
         ctx.set_materialize_grads(False)
-        outputs = variant.replay_forward(inputs, where)
-        frozen = [t for t, rg in zip(outputs, variant.output_requires_grad) if not rg]
+        outputs = graphs.replay_forward(inputs, where)
+        frozen = [t for t, rg in zip(outputs, graphs.output_requires_grad) if not rg]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
         return outputs
@@ -236,7 +236,7 @@ class GraphReplay(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):  # noqa: D102
-        grad_inputs = ctx.variant.replay_backward(grads, ctx.where)
+        grad_inputs = ctx.captured.replay_backward(grads, ctx.where)
         if ctx.update is not None:
             ctx.update.complete()  # the region's first FP8 callable: its backward ran last
         return (None, None, None, *grad_inputs)
