@@ -137,14 +137,16 @@ class CapturedGraphs:
         for p, grad in zip(params, saved):
             p.grad = grad
 
-    def set_first_microbatch(self, first: bool) -> None:
-        """Weight caching: the next replay casts the weights (``True``) or reuses them."""
+    def set_first_microbatch(self, first: bool, backward: bool) -> None:
+        """Weight caching: the next replay casts the weights (``True``) or reuses them; with
+        ``backward`` (its backward will run) a first microbatch's replay zeroes the
+        ``main_grad`` its weight gradients would overwrite."""
         self.skip_flag.fill_(0.0 if first else 1.0)
         device = self.owner.device
         if FP8GlobalStateManager.get_skip_fp8_weight_update_tensor(device) is not self.skip_flag:
             # the state was reset since capture: keep upstream's flag current for its readers
             FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(not first, device)
-        if first:
+        if first and backward:
             for weight in self.overwritten:
                 main_grad = getattr(weight, "main_grad", None)
                 if main_grad is not None:

@@ -211,9 +211,10 @@ class _Graphed:
         inputs = self._match_inputs(args, kwargs)
         grad = torch.is_grad_enabled()
         fp8, update = self.fp8_state.begin_replay(grad) if self.enabled else (False, None)
+        backward = grad and graphs.bwd_graph is not None
         if self.cache:
-            graphs.set_first_microbatch(first)
-        if grad and graphs.bwd_graph is not None:
+            graphs.set_first_microbatch(first, backward)
+        if backward:
             outputs = GraphReplay.apply(graphs, update, where, *inputs, *self.params)
         else:
             outputs = graphs.replay_forward(inputs, where)

@@ -110,3 +110,53 @@ def test_the_graph_keeps_its_flag_across_a_state_reset():
         assert_same(update(eager), update(graphed), f"step {s} weight gradients")
     flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor(cuda())
     assert flag is not None and flag.item() == 1.0
+
+
+@needs_cuda
+def test_caching_holds_no_second_set_of_activations():
+    """A pipeline schedule (``_order``, two microbatches in flight): the capture's memory pool
+    with weight caching stays near the pool without it. (Two graphs per callable, one per value
+    of ``is_first_microbatch``, had to keep both graphs' activations alive at once.)"""
+    tokens, hidden = 2048, 1024
+
+    def pool_bytes(caching: bool) -> int:
+        torch.manual_seed(1234)
+        layer = te.LayerNormMLP(hidden, 4 * hidden, params_dtype=DTYPE, device=cuda())
+        samples = tuple(
+            (torch.randn(tokens, hidden, device=cuda(), dtype=DTYPE, requires_grad=True),)
+            for _ in range(2)
+        )
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        graphs = make_graphed_callables(layer, samples, _order=[1, 1, -1, -1], enabled=True,
+                                        recipe=make_recipe("delayed"),
+                                        cache_quantized_params=caching)  # fmt: skip
+        used = torch.cuda.memory_reserved() - before
+        for g in graphs:
+            g.reset()
+        return used
+
+    plain, cached = pool_bytes(False), pool_bytes(True)
+    assert cached < 1.3 * plain, f"with caching {cached} bytes, without {plain}"
+
+
+@needs_cuda
+def test_a_first_microbatch_without_backward_leaves_main_grad():
+    """Only a replay whose backward will run zeroes ``main_grad`` for a first microbatch: a
+    no-grad call with ``is_first_microbatch=True`` between two microbatches leaves the first
+    one's weight gradient in place, as the eager module does."""
+    recipe = make_recipe("delayed")
+    eager, graphed = build("linear", True), build("linear", True)
+    sample = (torch.randn(TOKENS, H, device=cuda(), dtype=DTYPE, requires_grad=True),)
+    make_graphed_callables(graphed, sample, enabled=True, recipe=recipe,
+                           cache_quantized_params=True, allow_unused_input=True)  # fmt: skip
+    (x0, dy0), (x1, dy1), (x2, _) = microbatches(seed=20)
+    for model in (eager, graphed):
+        run_step(model, [(x0, dy0)], recipe)
+        with torch.no_grad(), te.autocast(enabled=True, recipe=recipe):
+            model(x2, is_first_microbatch=True)
+        x = x1.clone().requires_grad_(True)
+        with te.autocast(enabled=True, recipe=recipe):
+            model(x, is_first_microbatch=False).backward(dy1)
+    assert_same(update(eager), update(graphed), "weight gradients of both microbatches")
