@@ -13,7 +13,8 @@ DelayedScaling and Float8CurrentScaling; two steps. Checked, per case:
 
 * the output, the input gradient and every parameter gradient equal the plain model's (the
   pipelined reduce-scatter adds the ranks' partial sums in another order: float32 within
-  ``1e-5 * max|reference|``, FP8 with run_tensor_parallel.py's FP8 tolerance);
+  ``1e-5 * max|reference|``, parameter gradients within that plus 1e-6 (the key bias's is zero
+  in exact arithmetic: rounding noise), FP8 with run_tensor_parallel.py's FP8 tolerance);
 * the forward issues no all-gather or reduce-scatter collective (the column input's gather and
   the row output's reduce-scatter run as point-to-point exchanges, ``world - 1`` per
   pipelined GEMM), the backward no reduce-scatter (the column input gradient's runs with its
@@ -279,7 +280,11 @@ def check_case(model, recipe_name, group, device) -> list[str]:
             compare(f"{tag} input grad", got[1], want[1], fp8, failures)
             named = dict(torch.nn.ModuleList(plain).named_parameters())
             for name, p in torch.nn.ModuleList(piped).named_parameters():
-                compare(f"{tag} {name} grad", p.grad, named[name].grad, fp8, failures)
+                # floor: the key bias's gradient is zero in exact arithmetic (softmax ignores a
+                # shift of a row's scores), so both runs hold rounding noise of about 1e-7
+                # whose own maximum is no scale for the other's
+                compare(f"{tag} {name} grad", p.grad, named[name].grad, fp8, failures,
+                        floor=1e-6)  # fmt: skip
             if step == 0 and recipe_name in FALLBACK_RECIPES:
                 # block-scaled operands cannot be split by rows: every collective stays one;
                 # with the high-precision backward the row GEMM's per-tensor FP8 input and
