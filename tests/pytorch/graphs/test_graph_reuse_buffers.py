@@ -5,10 +5,10 @@ That the shared tensors change no result is ``test_graph_order.py``'s scheduled 
 the flag against the eager layers. Here: the sharing itself (by address: a layer reads the
 previous layer's output and hands it its input gradient; a chunk's later microbatch reads the
 first input of one whose backward has run; one output-gradient buffer per kind for every other
-backward), the memory it gives back (the sample arguments no graph reads any
-more), a tensor other than the shared output copied in with a warning, and an input gradient
-that stays valid until its own graph replays again although its layer passes the shared
-gradient buffer through.
+backward), the memory it gives back (the sample arguments no graph reads any more), a tensor
+other than the shared output copied in with a warning, and an input gradient that stays valid
+until its own graph replays again although its layer passes the shared gradient buffer
+through.
 """
 
 from __future__ import annotations
