@@ -57,6 +57,14 @@ def _layout(t: torch.Tensor) -> tuple:
     return tuple(t.shape), t.stride(), t.dtype, t.device
 
 
+def _read_first_input_from(graphs, buffer: torch.Tensor) -> None:
+    """The graphs' first static input becomes a leaf alias of ``buffer`` (its memory, the
+    sample argument's ``requires_grad``)."""
+    first = graphs.static_inputs[0]
+    shared = buffer.detach().requires_grad_(first.requires_grad)
+    graphs.static_inputs = (shared,) + graphs.static_inputs[1:]
+
+
 class SharedBuffers:
     """Decides, capture by capture, what a graph reads from another graph's tensors;
     ``captured`` is the capture's ``{entry: CapturedGraphs}``."""
@@ -81,8 +89,7 @@ class SharedBuffers:
         if before is None:
             buffer = self._free_first_input(self.chunk_of[index], static)
             if buffer is not None:
-                shared = buffer.detach().requires_grad_(static.requires_grad)
-                graphs.static_inputs = (shared,) + graphs.static_inputs[1:]
+                _read_first_input_from(graphs, buffer)
             return
         earlier = self.captured[before]
         if not getattr(earlier, "outputs", None):  # captured before this one, in the plan
@@ -92,8 +99,7 @@ class SharedBuffers:
             return
         if any(out.data_ptr() == t.data_ptr() for t in earlier.surface()):
             return  # the output is the earlier layer's input or a parameter: leave it alone
-        shared = out.detach().requires_grad_(static.requires_grad)
-        graphs.static_inputs = (shared,) + graphs.static_inputs[1:]
+        _read_first_input_from(graphs, out)
         graphs.shared_input = True
 
     def _free_first_input(self, chunk: int, static: torch.Tensor) -> torch.Tensor | None:

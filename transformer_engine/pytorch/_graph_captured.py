@@ -99,7 +99,7 @@ class CapturedGraphs:
             call_hooks(owner.hooks, "backward_pre_hooks", owner.module)
             with graph_capture_backward(), torch.cuda.graph(self.bwd_graph, pool, stream=stream):
                 self.grad_slots = [None if g is None else copies.record(g) for g in grads_in]
-                grad_inputs = owner.run_backward(self.outputs, grads_in, wanted, surface)
+                grad_inputs = owner.run_backward(self.outputs, grads_in, surface, wanted)
                 if grad_outputs is not None:  # shared: other graphs overwrite them
                     grad_inputs = _unaliased(grad_inputs, grads_in)
                 self.grad_inputs = grad_inputs

@@ -127,10 +127,10 @@ class _Graphed:
         with self.options.autocast(self.callable_index):
             return self.module(*args, **kwargs)
 
-    def run_backward(self, outputs, grad_outputs, wanted: list, surface=None) -> tuple:
-        """Gradients of the outputs w.r.t. the surface entries ``wanted`` (None elsewhere)."""
+    def run_backward(self, outputs, grad_outputs, surface: tuple, wanted: list) -> tuple:
+        """Gradients of the outputs w.r.t. the entries ``wanted`` of ``surface`` (the static
+        inputs, then the parameters; None elsewhere)."""
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None]
-        surface = self.surface() if surface is None else surface
         grads = torch.autograd.grad(
             [o for o, _ in pairs],
             [surface[i] for i in wanted],
@@ -144,7 +144,8 @@ class _Graphed:
         return tuple(result)
 
     def warm_up(self) -> None:
-        wanted = [i for i, t in enumerate(self.surface()) if t.requires_grad]
+        surface = self.surface()
+        wanted = [i for i, t in enumerate(surface) if t.requires_grad]
         # weight caching: warm up as a first microbatch, which casts the cached weights
         for is_first in (True,) if self.cache else (None,):
             for _ in range(self.options.num_warmup_iters):
@@ -155,7 +156,7 @@ class _Graphed:
                 if out and wanted:
                     call_hooks(self.hooks, "backward_pre_hooks", self.module)
                     with graph_capture_backward():
-                        self.run_backward(out, [torch.zeros_like(t) for t in out], wanted)
+                        self.run_backward(out, [torch.zeros_like(t) for t in out], surface, wanted)
                     call_hooks(self.hooks, "backward_hooks", self.module)
                 del out
         for m in self.te_modules:

@@ -12,6 +12,11 @@ H, TOKENS, LR = 128, 64, 0.25
 DTYPE = torch.bfloat16
 
 
+def cuda_device() -> torch.device:
+    """The current CUDA device, with its index (a bare ``cuda`` compares unequal to it)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def fp8_state(model) -> list:
     """Every delayed-scaling tensor of the model's TE modules, cloned."""
     out = []
@@ -25,13 +30,16 @@ def fp8_state(model) -> list:
 
 
 def sgd(model) -> list:
-    """The step's parameter gradients (cloned), then ``p -= LR * grad`` and no gradients."""
+    """The step's parameter gradients (cloned; ``main_grad`` where a parameter has one, which is
+    left as it is), then ``p -= LR * grad`` and no ``.grad``."""
     grads = []
     with torch.no_grad():
         for p in model.parameters():
-            grads.append(None if p.grad is None else p.grad.clone())
-            if p.grad is not None:
-                p.sub_(LR * p.grad)
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            grads.append(None if g is None else g.clone())
+            if g is not None:
+                p.sub_(LR * g.to(p.dtype))
             p.grad = None
     return grads
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_helpers import DTYPE, assert_same, fp8_state, sgd
+from graph_helpers import DTYPE, assert_same, cuda_device, fp8_state, sgd
 from utils import make_recipe, needs_cuda
 
 import transformer_engine.pytorch as te
@@ -24,10 +24,6 @@ from transformer_engine.pytorch.graph import make_graphed_callables
 
 SEQ, BATCH, HIDDEN, HEADS, FFN = 32, 2, 128, 4, 256
 STEPS = 4
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def build(kind: str, device, dropout: float = 0.0) -> torch.nn.Module:
@@ -81,7 +77,7 @@ def step(model, xs, dy, recipe) -> list:
 
 
 def graphed_and_eager(kind, recipe, dropout=0.0):
-    device = _device()
+    device = cuda_device()
     eager, graphed = build(kind, device, dropout), build(kind, device, dropout)
     make_graphed_callables(
         graphed, samples(kind, device), enabled=recipe is not None, recipe=recipe
@@ -95,7 +91,7 @@ def graphed_and_eager(kind, recipe, dropout=0.0):
 def test_graphed_layer_matches_eager(kind, recipe_name):
     recipe = make_recipe(recipe_name)
     eager, graphed = graphed_and_eager(kind, recipe)
-    for i, (xs, dy) in enumerate(data(kind, _device())):
+    for i, (xs, dy) in enumerate(data(kind, cuda_device())):
         assert_same(step(eager, xs, dy, recipe), step(graphed, xs, dy, recipe), f"step {i}")
         assert_same(sgd(eager), sgd(graphed), f"step {i} parameter gradients")
         assert_same(fp8_state(eager), fp8_state(graphed), f"step {i} FP8 state")
@@ -109,7 +105,7 @@ def test_graphed_transformer_layer_with_dropout_draws_the_eager_masks(recipe_nam
     same seed draws."""
     recipe = make_recipe(recipe_name)
     eager, graphed = graphed_and_eager("transformer_layer", recipe, dropout=0.25)
-    batches = data("transformer_layer", _device())
+    batches = data("transformer_layer", cuda_device())
     torch.manual_seed(7)
     graphed_steps = [step(graphed, xs, dy, recipe) for xs, dy in batches]
     torch.manual_seed(7)
@@ -130,7 +126,7 @@ def test_graphed_fp8_attention_matches_eager(kind, recipe_cls):
     the graphs, as the eager module runs it."""
     recipe = recipe_cls(fp8_dpa=True)
     eager, graphed = graphed_and_eager(kind, recipe)
-    for i, (xs, dy) in enumerate(data(kind, _device())):
+    for i, (xs, dy) in enumerate(data(kind, cuda_device())):
         assert_same(step(eager, xs, dy, recipe), step(graphed, xs, dy, recipe), f"step {i}")
         assert_same(sgd(eager), sgd(graphed), f"step {i} parameter gradients")
         assert_same(fp8_state(eager), fp8_state(graphed), f"step {i} FP8 state")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_helpers import DTYPE, assert_same, fp8_state, sgd
+from graph_helpers import DTYPE, assert_same, cuda_device, fp8_state, sgd
 from test_make_graphed_callables import step
 from utils import make_recipe, needs_cuda
 
@@ -22,10 +22,6 @@ from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
 
 SEQ, BATCH, HIDDEN, HEADS, FFN = 32, 2, 128, 4, 256
 STEPS = 5
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def build(kind: str, recipe, device) -> torch.nn.Module:
@@ -75,7 +71,7 @@ def compare(eager, graphed, recipe, device, **kwargs) -> None:
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
 @pytest.mark.parametrize("kind", ["linear", "layernorm_mlp", "transformer_layer"])
 def test_graphed_fp8_weights_match_eager(kind, recipe_name):
-    device, recipe = _device(), make_recipe(recipe_name)
+    device, recipe = cuda_device(), make_recipe(recipe_name)
     eager, graphed = build(kind, recipe, device), build(kind, recipe, device)
     assert any(isinstance(p, QuantizedTensor) for p in graphed.parameters())
     sample = torch.randn(SEQ, BATCH, HIDDEN, device=device, dtype=DTYPE, requires_grad=True)
@@ -87,7 +83,7 @@ def test_graphed_fp8_weights_match_eager(kind, recipe_name):
 @pytest.mark.parametrize("recipe_name", ["high_precision", "delayed"])
 def test_graphed_transformer_layer_with_a_padding_mask_keyword(recipe_name):
     """The mask is a static keyword input: each replay copies the call's mask in."""
-    device, recipe = _device(), make_recipe(recipe_name)
+    device, recipe = cuda_device(), make_recipe(recipe_name)
 
     def layer():
         torch.manual_seed(1234)

@@ -18,7 +18,7 @@ import warnings
 
 import pytest
 import torch
-from graph_helpers import DTYPE, TOKENS, H
+from graph_helpers import DTYPE, TOKENS, H, cuda_device
 from test_graph_order import LAYERS, MICROBATCHES, ORDER, build, capture_schedule, entry
 from utils import bitwise_equal, make_recipe, needs_cuda
 
@@ -33,18 +33,16 @@ def captured_of(function):
     return function.reset.__self__.captured
 
 
-def cuda() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def activation(requires_grad=False) -> torch.Tensor:
-    return torch.randn(TOKENS, H, device=cuda(), dtype=DTYPE, requires_grad=requires_grad)
+    return torch.randn(TOKENS, H, device=cuda_device(), dtype=DTYPE, requires_grad=requires_grad)
 
 
 @needs_cuda
 @pytest.mark.parametrize("caching", [False, True])
 def test_layers_share_their_boundary_and_backwards_their_gradient_buffers(caching):
-    functions = capture_schedule(build(cuda()), cuda(), make_recipe("delayed"), caching, True)
+    functions = capture_schedule(
+        build(cuda_device()), cuda_device(), make_recipe("delayed"), caching, True
+    )
     others = set()  # the output-gradient buffers that no layer boundary gives
     for m in range(MICROBATCHES):
         a, b = captured_of(functions[entry(1, m, 0)]), captured_of(functions[entry(1, m, 1)])
@@ -73,7 +71,7 @@ def test_layers_share_their_boundary_and_backwards_their_gradient_buffers(cachin
 @needs_cuda
 @pytest.mark.parametrize("reuse", [False, True])
 def test_the_graphs_let_go_of_the_sample_arguments_they_do_not_read(reuse):
-    layers = tuple(build(cuda()))
+    layers = tuple(build(cuda_device()))
     samples = tuple((activation(requires_grad=True),) for _ in range(sum(LAYERS) * MICROBATCHES))
     functions = make_graphed_callables(layers, samples, _order=ORDER, _num_layers_per_chunk=LAYERS,
                                        _reuse_graph_input_output_buffers=reuse)  # fmt: skip
@@ -93,8 +91,8 @@ def test_the_graphs_let_go_of_the_sample_arguments_they_do_not_read(reuse):
 @needs_cuda
 def test_another_tensor_for_a_shared_input_is_copied_in_with_a_warning(monkeypatch):
     monkeypatch.setattr(_graph_buffers, "_warned", False)
-    eager, graphed = build(cuda()), build(cuda())
-    functions = capture_schedule(graphed, cuda(), None, False, reuse=True)
+    eager, graphed = build(cuda_device()), build(cuda_device())
+    functions = capture_schedule(graphed, cuda_device(), None, False, reuse=True)
     first, second = functions[entry(1, 0, 0)], functions[entry(1, 0, 1)]
     x = activation(requires_grad=True)
     with warnings.catch_warnings():
@@ -122,7 +120,7 @@ def test_an_input_gradient_stays_until_its_own_graph_replays_again():
     shared (TOKENS, H) output-gradient buffer. Microbatch 0's input gradient must survive
     microbatch 1's chunk-2 backward, which writes that buffer."""
     order = [1, 2, -2, -1, 1, 2, -2, -1]
-    layers = (PassThrough(), te.Linear(H, H, params_dtype=DTYPE, device=cuda()))
+    layers = (PassThrough(), te.Linear(H, H, params_dtype=DTYPE, device=cuda_device()))
     samples = tuple((activation(requires_grad=True),) for _ in range(4))
     functions = make_graphed_callables(layers, samples, _order=order,
                                        _reuse_graph_input_output_buffers=True)  # fmt: skip

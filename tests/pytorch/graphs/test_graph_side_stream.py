@@ -13,7 +13,7 @@ import inspect
 
 import pytest
 import torch
-from graph_helpers import DTYPE, TOKENS, H, assert_same, fp8_state, sgd
+from graph_helpers import DTYPE, TOKENS, H, assert_same, cuda_device, fp8_state, sgd
 from test_make_graphed_callables import build, data, static_sample, step
 from utils import bitwise_equal, make_recipe, needs_cuda, needs_two_gpus
 
@@ -45,8 +45,6 @@ def test_replay_keywords_of_the_wrong_kind_are_refused(kwargs, match):
 
 
 # -- GPU ---------------------------------------------------------------------------------------
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 @needs_cuda
@@ -55,7 +53,7 @@ def _device() -> torch.device:
 def test_side_stream_replays_match_eager(kind, recipe_name):
     """Forward and backward replayed on a side stream: outputs, gradients and FP8 state as the
     eager module's, step after step (the calling stream orders the steps' copies and updates)."""
-    device, recipe = _device(), make_recipe(recipe_name)
+    device, recipe = cuda_device(), make_recipe(recipe_name)
     eager, graphed = build(kind, device), build(kind, device)
     make_graphed_callables(
         graphed, (static_sample(device),), enabled=recipe is not None, recipe=recipe
@@ -104,7 +102,7 @@ def test_side_stream_replay_is_ordered_with_the_calling_stream():
     """The side stream waits for the calling stream (an input written there late is the one the
     graph reads) and the calling stream for the side stream (outputs and gradients read right
     after the call are this replay's, not the previous one's)."""
-    device = _device()
+    device = cuda_device()
     reference = build("linear", device)
     graphed = _SleepThenLinear(device)
     make_graphed_callables(graphed, (static_sample(device),), num_warmup_iters=1)
@@ -129,7 +127,7 @@ def test_side_stream_replay_is_ordered_with_the_calling_stream():
 
 @needs_cuda
 def test_event_lets_the_calling_stream_go_on_before_the_graph_ends():
-    device = _device()
+    device = cuda_device()
     if "external" not in inspect.signature(torch.cuda.Event).parameters:
         pytest.skip("this torch has no torch.cuda.Event(external=True) to record inside a graph")
     reference = build("linear", device)
@@ -157,7 +155,7 @@ def test_event_lets_the_calling_stream_go_on_before_the_graph_ends():
 
 @needs_cuda
 def test_the_calling_stream_itself_and_eager_runs_take_the_keywords():
-    device, recipe = _device(), make_recipe("delayed")
+    device, recipe = cuda_device(), make_recipe("delayed")
     eager, graphed = build("linear", device), build("linear", device)
     make_graphed_callables(graphed, (static_sample(device),), enabled=True, recipe=recipe)
     x, dy = data(device, 1)[0]
@@ -174,7 +172,7 @@ def test_the_calling_stream_itself_and_eager_runs_take_the_keywords():
 
 @needs_cuda
 def test_schedule_functions_take_the_keywords():
-    device = _device()
+    device = cuda_device()
     eager, layer = build("linear", device), build("linear", device)
     (graphed,) = make_graphed_callables((layer,), ((static_sample(device),),), _order=[1, -1])
     side = torch.cuda.Stream(device=device)
@@ -186,7 +184,7 @@ def test_schedule_functions_take_the_keywords():
 
 @needs_cuda
 def test_wrong_keywords_are_refused_before_the_replay():
-    device = _device()
+    device = cuda_device()
     graphed = build("linear", device)
     make_graphed_callables(graphed, (static_sample(device),))
     x = torch.randn(TOKENS, H, device=device, dtype=DTYPE)

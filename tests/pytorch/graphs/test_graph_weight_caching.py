@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_helpers import DTYPE, LR, TOKENS, H, assert_same, fp8_state
+from graph_helpers import DTYPE, TOKENS, H, assert_same, cuda_device, fp8_state, sgd
 from utils import make_recipe, needs_cuda
 
 import transformer_engine.pytorch as te
@@ -23,24 +23,20 @@ from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 MICROBATCHES = 3
 
 
-def cuda() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def build(kind: str, fuse: bool) -> torch.nn.Module:
     torch.manual_seed(1234)
-    kw = dict(params_dtype=DTYPE, device=cuda(), fuse_wgrad_accumulation=fuse)
+    kw = dict(params_dtype=DTYPE, device=cuda_device(), fuse_wgrad_accumulation=fuse)
     module = te.Linear(H, H, **kw) if kind == "linear" else te.LayerNormMLP(H, 2 * H, **kw)
     if fuse:  # values a first microbatch must overwrite, not add to
         for p in module.parameters():
-            p.main_grad = torch.full(p.shape, 7.0, device=cuda(), dtype=torch.float32)
+            p.main_grad = torch.full(p.shape, 7.0, device=cuda_device(), dtype=torch.float32)
     return module
 
 
 def microbatches(seed: int) -> list:
     g = torch.Generator().manual_seed(seed)
     return [
-        tuple(torch.randn(TOKENS, H, generator=g).to(cuda(), DTYPE) for _ in range(2))
+        tuple(torch.randn(TOKENS, H, generator=g).to(cuda_device(), DTYPE) for _ in range(2))
         for _ in range(MICROBATCHES)
     ]
 
@@ -56,21 +52,6 @@ def run_step(model, batches, recipe) -> list:
     return results
 
 
-def update(model) -> list:
-    """Each parameter's gradient of the step (``main_grad`` where it has one, else ``.grad``),
-    cloned; then SGD with it. ``main_grad`` is left as it is (a first microbatch overwrites it)."""
-    grads = []
-    with torch.no_grad():
-        for p in model.parameters():
-            g = getattr(p, "main_grad", None)
-            g = p.grad if g is None else g
-            grads.append(None if g is None else g.clone())
-            if g is not None:
-                p.sub_(LR * g.to(p.dtype))
-            p.grad = None
-    return grads
-
-
 @needs_cuda
 @pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("kind", ["linear", "layernorm_mlp"])
@@ -78,7 +59,7 @@ def update(model) -> list:
 def test_one_graph_follows_is_first_microbatch(recipe_name, kind, fuse):
     recipe = make_recipe(recipe_name)
     eager, graphed = build(kind, fuse), build(kind, fuse)
-    sample = (torch.randn(TOKENS, H, device=cuda(), dtype=DTYPE, requires_grad=True),)
+    sample = (torch.randn(TOKENS, H, device=cuda_device(), dtype=DTYPE, requires_grad=True),)
     # with fuse_wgrad_accumulation the weights' gradients go to main_grad, not to autograd
     make_graphed_callables(graphed, sample, enabled=True, recipe=recipe,
                            cache_quantized_params=True, allow_unused_input=fuse)  # fmt: skip
@@ -87,9 +68,9 @@ def test_one_graph_follows_is_first_microbatch(recipe_name, kind, fuse):
     for s in range(3):
         batches = microbatches(seed=s)
         assert_same(run_step(eager, batches, recipe), run_step(graphed, batches, recipe), f"{s}")
-        assert_same(update(eager), update(graphed), f"step {s} weight gradients")
+        assert_same(sgd(eager), sgd(graphed), f"step {s} weight gradients")
         assert_same(fp8_state(eager), fp8_state(graphed), f"step {s} FP8 state")
-    flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor(cuda())
+    flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor(cuda_device())
     assert flag is owner.captured.skip_flag and flag.item() == 1.0  # the last call reused them
 
 
@@ -99,7 +80,7 @@ def test_the_graph_keeps_its_flag_across_a_state_reset():
     one it captured, which the replays still set (and the new global one with it)."""
     recipe = make_recipe("delayed")
     eager, graphed = build("linear", False), build("linear", False)
-    sample = (torch.randn(TOKENS, H, device=cuda(), dtype=DTYPE, requires_grad=True),)
+    sample = (torch.randn(TOKENS, H, device=cuda_device(), dtype=DTYPE, requires_grad=True),)
     make_graphed_callables(graphed, sample, enabled=True, recipe=recipe,
                            cache_quantized_params=True)  # fmt: skip
     for s in range(4):
@@ -107,8 +88,8 @@ def test_the_graph_keeps_its_flag_across_a_state_reset():
             FP8GlobalStateManager.reset()
         batches = microbatches(seed=10 + s)
         assert_same(run_step(eager, batches, recipe), run_step(graphed, batches, recipe), f"{s}")
-        assert_same(update(eager), update(graphed), f"step {s} weight gradients")
-    flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor(cuda())
+        assert_same(sgd(eager), sgd(graphed), f"step {s} weight gradients")
+    flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor(cuda_device())
     assert flag is not None and flag.item() == 1.0
 
 
@@ -121,9 +102,9 @@ def test_caching_holds_no_second_set_of_activations():
 
     def pool_bytes(caching: bool) -> int:
         torch.manual_seed(1234)
-        layer = te.LayerNormMLP(hidden, 4 * hidden, params_dtype=DTYPE, device=cuda())
+        layer = te.LayerNormMLP(hidden, 4 * hidden, params_dtype=DTYPE, device=cuda_device())
         samples = tuple(
-            (torch.randn(tokens, hidden, device=cuda(), dtype=DTYPE, requires_grad=True),)
+            (torch.randn(tokens, hidden, device=cuda_device(), dtype=DTYPE, requires_grad=True),)
             for _ in range(2)
         )
         torch.cuda.synchronize()
@@ -148,7 +129,7 @@ def test_a_first_microbatch_without_backward_leaves_main_grad():
     one's weight gradient in place, as the eager module does."""
     recipe = make_recipe("delayed")
     eager, graphed = build("linear", True), build("linear", True)
-    sample = (torch.randn(TOKENS, H, device=cuda(), dtype=DTYPE, requires_grad=True),)
+    sample = (torch.randn(TOKENS, H, device=cuda_device(), dtype=DTYPE, requires_grad=True),)
     make_graphed_callables(graphed, sample, enabled=True, recipe=recipe,
                            cache_quantized_params=True, allow_unused_input=True)  # fmt: skip
     (x0, dy0), (x1, dy1), (x2, _) = microbatches(seed=20)
@@ -159,4 +140,4 @@ def test_a_first_microbatch_without_backward_leaves_main_grad():
         x = x1.clone().requires_grad_(True)
         with te.autocast(enabled=True, recipe=recipe):
             model(x, is_first_microbatch=False).backward(dy1)
-    assert_same(update(eager), update(graphed), "weight gradients of both microbatches")
+    assert_same(sgd(eager), sgd(graphed), "weight gradients of both microbatches")

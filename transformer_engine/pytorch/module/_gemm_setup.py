@@ -96,17 +96,17 @@ def make_linear_config(
     )
     if not isinstance(weight, QuantizedTensor):
         config.cached_weight, config.cache_weight, config.recast_flag = _cached_weight(
-            module, workspace_key, is_first_microbatch
+            module, workspace_key, is_first_microbatch, in_graph is not None
         )
     return config
 
 
-def _cached_weight(module, key: str, is_first_microbatch: bool | None) -> tuple:
+def _cached_weight(module, key: str, is_first_microbatch: bool | None, in_graph: bool) -> tuple:
     """``(cached, store, recast_flag)`` of a weight workspace (``module._fp8_workspaces``): the
     quantized weight to reuse (``None`` when there is none), a callable that stores a new one
-    (``None`` without ``is_first_microbatch``), and, while ``make_graphed_callables`` captures
-    one graph for both values of ``is_first_microbatch``
-    (``graph_state.cast_cached_weights_in_graph``), the device flag under which that graph
+    (``None`` without ``is_first_microbatch``), and, ``in_graph`` (while
+    ``make_graphed_callables`` captures one graph for both values of ``is_first_microbatch``:
+    ``graph_state.cast_cached_weights_in_graph``), the device flag under which that graph
     casts the weight into the workspace again (1.0: it stays)."""
     workspaces = module._fp8_workspaces
     if is_first_microbatch is None:
@@ -118,7 +118,7 @@ def _cached_weight(module, key: str, is_first_microbatch: bool | None) -> tuple:
         del workspaces[key]  # stale: the weights moved since it was cached
         cached = None
     if cached is not None:
-        if FP8GlobalStateManager.quantization_state.cached_weights_in_graph is not None:
+        if in_graph:
             flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor(cached.device)
             if flag is not None:
                 return cached, store, flag
