@@ -187,3 +187,34 @@ def test_a_group_on_cuda1_replays_there_while_cuda0_is_current():
     torch.cuda.set_device(0)
     replaying_one_pair("cuda:1", 6, steps=4)
     assert torch.cuda.current_device() == 0
+
+
+def test_a_capture_leaves_a_running_replays_random_draws_alone():
+    """Capturing an update refills the default generator's graph-safe seed and offset (torch
+    does so at every capture): a graph still running on the current stream, replayed before,
+    must draw its dropout mask from the offset its replay set, not from the refilled one. The
+    graph sleeps before its dropout so that the capture is made while it runs."""
+    x = torch.ones(1 << 16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.nn.functional.dropout(x, 0.5)  # warm-up before capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda._sleep(100_000_000)  # about 50 ms
+        out = torch.nn.functional.dropout(x, 0.5)
+    history, scale = make_pair("cuda", 2)
+
+    def replay(capture_meanwhile: bool) -> torch.Tensor:
+        torch.manual_seed(3)
+        torch.rand(8, device="cuda")  # the replay's offset is not the one a capture writes
+        graph.replay()
+        if capture_meanwhile:
+            UpdateGraph(torch.device("cuda"), [history], [scale], torch.float8_e4m3fn, 0, "max")
+        torch.cuda.synchronize()
+        return out.clone()
+
+    alone = replay(False)
+    assert torch.equal(replay(False), alone)  # the oracle is itself reproducible
+    assert torch.equal(replay(True), alone)

@@ -56,7 +56,15 @@ class UpdateGraph:
         self.device = device
         self.config = (fp8_dtype, margin, algo)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        # Ordered after the current stream's work, and before its next: `capture_begin` fills
+        # the device's default generator's graph-safe seed and offset tensors (every graph
+        # registers that generator) on the capturing stream, and graphs replayed on the current
+        # stream read those tensors when their random kernels run. Unordered, a capture made
+        # while a replay was still running gave that replay's later dropout masks offset 0.
+        side.wait_stream(current)
+        with torch.cuda.device(device), torch.cuda.stream(side):
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 delayed_scaling_update_prevalidated(
@@ -64,6 +72,7 @@ class UpdateGraph:
                 )
             finally:
                 graph.capture_end()
+        current.wait_stream(side)
         self._graph = graph
 
     def replay(self) -> None:
