@@ -45,7 +45,7 @@ class CapturedGraphs:
         # sample arguments) unless _graph_buffers gives the first one another layer's output
         self.static_inputs: tuple = owner.static_inputs
         self.shared_input = False
-        # weight caching: the device flag the weight casts read, and the weights whose
+        # weight caching: the graph's own flag its weight casts read, and the weights whose
         # main_grad a first microbatch overwrites (zeroed before its replay; the graph adds)
         self.skip_flag: torch.Tensor | None = None
         self.overwritten: list = []
@@ -59,11 +59,12 @@ class CapturedGraphs:
     def capture_forward(self, pool, stream) -> None:
         owner = self.owner
         caching = self.is_first_microbatch is False
-        if caching:  # the flag the weight casts read (made here, outside the capture)
-            FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(False, owner.device)
-            self.skip_flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor(owner.device)
+        if caching:  # made here, outside the capture; one per graph (see set_first_microbatch)
+            self.skip_flag = torch.zeros(1, dtype=torch.float32, device=owner.device)
         call_hooks(owner.hooks, "forward_pre_hooks", owner.module)
-        in_graph = cast_cached_weights_in_graph() if caching else contextlib.nullcontext()
+        in_graph = (
+            cast_cached_weights_in_graph(self.skip_flag) if caching else contextlib.nullcontext()
+        )
         with torch.cuda.graph(self.fwd_graph, pool=pool, stream=stream), in_graph:
             self.input_slots = [self.fwd_copies.record(t) for t in self.static_inputs]
             out = owner.run_forward(self.is_first_microbatch, self.static_inputs)
@@ -137,15 +138,21 @@ class CapturedGraphs:
         for p, grad in zip(params, saved):
             p.grad = grad
 
-    def set_first_microbatch(self, first: bool, backward: bool) -> None:
+    def set_first_microbatch(self, first: bool, backward: bool, where: ReplayStream | None) -> None:
         """Weight caching: the next replay casts the weights (``True``) or reuses them; with
         ``backward`` (its backward will run) a first microbatch's replay zeroes the
-        ``main_grad`` its weight gradients would overwrite."""
-        self.skip_flag.fill_(0.0 if first else 1.0)
-        device = self.owner.device
-        if FP8GlobalStateManager.get_skip_fp8_weight_update_tensor(device) is not self.skip_flag:
-            # the state was reset since capture: keep upstream's flag current for its readers
-            FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(not first, device)
+        ``main_grad`` its weight gradients would overwrite.
+
+        The flag is this graph's own, written on the stream the graph replays on: an earlier
+        replay on a side stream may still be casting (a caller that waits for a
+        ``cuda_graph_event`` goes on before the graph ends), and no other graph reads it."""
+        value = 0.0 if first else 1.0
+        if where is None:
+            self.skip_flag.fill_(value)
+        else:
+            where.fill(self.skip_flag, value, self.owner.device)
+        # upstream's process-wide flag, which its replays set: kept current for its readers
+        FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(not first, self.owner.device)
         if first and backward:
             for weight in self.overwritten:
                 main_grad = getattr(weight, "main_grad", None)

@@ -70,14 +70,16 @@ def test_one_graph_follows_is_first_microbatch(recipe_name, kind, fuse):
         assert_same(run_step(eager, batches, recipe), run_step(graphed, batches, recipe), f"{s}")
         assert_same(sgd(eager), sgd(graphed), f"step {s} weight gradients")
         assert_same(fp8_state(eager), fp8_state(graphed), f"step {s} FP8 state")
+    # the graph's own flag, and upstream's process-wide one its replays set too
     flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor(cuda_device())
-    assert flag is owner.captured.skip_flag and flag.item() == 1.0  # the last call reused them
+    assert flag is not owner.captured.skip_flag
+    assert flag.item() == owner.captured.skip_flag.item() == 1.0  # the last call reused them
 
 
 @needs_cuda
 def test_the_graph_keeps_its_flag_across_a_state_reset():
-    """``FP8GlobalStateManager.reset()`` drops the per-device flag; the graph keeps reading the
-    one it captured, which the replays still set (and the new global one with it)."""
+    """``FP8GlobalStateManager.reset()`` drops the per-device flag; the graph reads its own,
+    which the replays still set (and the new global one with it)."""
     recipe = make_recipe("delayed")
     eager, graphed = build("linear", False), build("linear", False)
     sample = (torch.randn(TOKENS, H, device=cuda_device(), dtype=DTYPE, requires_grad=True),)
@@ -141,3 +143,44 @@ def test_a_first_microbatch_without_backward_leaves_main_grad():
         with te.autocast(enabled=True, recipe=recipe):
             model(x, is_first_microbatch=False).backward(dy1)
     assert_same(sgd(eager), sgd(graphed), "weight gradients of both microbatches")
+
+
+class EventThenSleep(torch.nn.Module):
+    """A ``te.Linear`` whose graph records ``event`` first and then sleeps before the layer: a
+    caller that waits for the event goes on while the weight cast is still to come."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        super().__init__()
+        self.event = event
+        self.linear = build("linear", False)
+
+    def forward(self, x, is_first_microbatch=None):
+        self.event.record()
+        torch.cuda._sleep(50_000_000)  # about 25 ms
+        return self.linear(x, is_first_microbatch=is_first_microbatch)
+
+
+@needs_cuda
+def test_a_side_stream_replay_casts_under_its_own_flag_while_the_caller_runs_ahead():
+    """``cuda_graph_stream`` with ``cuda_graph_event``: the calling stream waits only for the
+    event, so the next call's ``is_first_microbatch=False`` is set while the first replay's
+    weight cast is still queued. The weights moved since capture, so a first replay whose cast
+    read that ``False`` would leave stale weights in the cache for both microbatches."""
+    recipe = make_recipe("delayed")
+    event = torch.cuda.Event(external=True)
+    eager, graphed = build("linear", False), EventThenSleep(event)
+    sample = (torch.randn(TOKENS, H, device=cuda_device(), dtype=DTYPE),)
+    make_graphed_callables(graphed, sample, enabled=True, recipe=recipe,
+                           cache_quantized_params=True)  # fmt: skip
+    with torch.no_grad():
+        for m in (eager, graphed.linear):
+            m.weight.mul_(-0.5)  # the cache the capture left is stale now
+    (x1, _), (x2, _) = microbatches(seed=3)[:2]
+    side = torch.cuda.Stream()
+    with torch.no_grad(), te.autocast(enabled=True, recipe=recipe):
+        graphed(x1, is_first_microbatch=True, cuda_graph_stream=side, cuda_graph_event=event)
+        y = graphed(x2, is_first_microbatch=False, cuda_graph_stream=side, cuda_graph_event=event)
+        torch.cuda.current_stream().wait_stream(side)
+        eager(x1, is_first_microbatch=True)
+        expected = eager(x2, is_first_microbatch=False)
+    assert_same([expected], [y], "second microbatch")

@@ -76,7 +76,8 @@ def make_linear_config(
     grad_param = main_grad_param if main_grad_param is not None else weight
     # Megatron's overwrite_main_grad: the wgrad GEMM writes main_grad instead of adding.
     overwrite = getattr(grad_param, "overwrite_main_grad", False)
-    in_graph = FP8GlobalStateManager.quantization_state.cached_weights_in_graph
+    state = FP8GlobalStateManager.quantization_state
+    in_graph = state.cached_weights_in_graph
     if in_graph is not None and module.fuse_wgrad_accumulation and not overwrite:
         in_graph.append(grad_param)  # the graph accumulates; a first microbatch zeroes first
     options = dict(
@@ -96,18 +97,18 @@ def make_linear_config(
     )
     if not isinstance(weight, QuantizedTensor):
         config.cached_weight, config.cache_weight, config.recast_flag = _cached_weight(
-            module, workspace_key, is_first_microbatch, in_graph is not None
+            module, workspace_key, is_first_microbatch, state.recast_flag_in_graph
         )
     return config
 
 
-def _cached_weight(module, key: str, is_first_microbatch: bool | None, in_graph: bool) -> tuple:
+def _cached_weight(module, key: str, is_first_microbatch: bool | None, graph_flag) -> tuple:
     """``(cached, store, recast_flag)`` of a weight workspace (``module._fp8_workspaces``): the
     quantized weight to reuse (``None`` when there is none), a callable that stores a new one
-    (``None`` without ``is_first_microbatch``), and, ``in_graph`` (while
+    (``None`` without ``is_first_microbatch``), and ``graph_flag`` where one is given (while
     ``make_graphed_callables`` captures one graph for both values of ``is_first_microbatch``:
-    ``graph_state.cast_cached_weights_in_graph``), the device flag under which that graph
-    casts the weight into the workspace again (1.0: it stays)."""
+    ``graph_state.cast_cached_weights_in_graph``): the graph's flag under which it casts the
+    weight into the workspace again (1.0: it stays)."""
     workspaces = module._fp8_workspaces
     if is_first_microbatch is None:
         workspaces.pop(key, None)
@@ -118,10 +119,8 @@ def _cached_weight(module, key: str, is_first_microbatch: bool | None, in_graph:
         del workspaces[key]  # stale: the weights moved since it was cached
         cached = None
     if cached is not None:
-        if in_graph:
-            flag = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor(cached.device)
-            if flag is not None:
-                return cached, store, flag
+        if graph_flag is not None and graph_flag.device == cached.device:
+            return cached, store, graph_flag
         if is_first_microbatch is False:
             return cached, store, None  # store: a cast again when it lacks a needed layout
     return None, store, None

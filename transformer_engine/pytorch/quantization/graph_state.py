@@ -111,25 +111,27 @@ class graph_capture_backward:  # noqa: N801 (a context manager, named like autoc
 class cast_cached_weights_in_graph:  # noqa: N801 (a context manager, named like autocast)
     """The forward capture of a callable graphed with ``cache_quantized_params``: one graph for
     both values of ``is_first_microbatch``. Inside, a module with a cached FP8 weight casts the
-    weight into that cache again in place, the cast reading the device flag
-    (``get_skip_fp8_weight_update_tensor``) as its no-op (1.0: the cache stays), and its weight
+    weight into that cache again in place, the cast reading ``flag`` (the graph's own
+    one-element float32 tensor on its device) as its no-op (1.0: the cache stays), and its weight
     gradient accumulates into ``main_grad``; the weights whose ``main_grad`` a first microbatch
     would overwrite instead are collected in :attr:`overwritten` (the replay zeroes them)."""
 
-    __slots__ = ("_saved", "overwritten")
+    __slots__ = ("_saved", "flag", "overwritten")
 
-    def __init__(self) -> None:
+    def __init__(self, flag: torch.Tensor) -> None:
+        self.flag = flag
         self.overwritten: list = []
 
     def __enter__(self):
         state = FP8GlobalStateManager.quantization_state
-        self._saved, state.cached_weights_in_graph = state.cached_weights_in_graph, []
+        self._saved = state.cached_weights_in_graph, state.recast_flag_in_graph
+        state.cached_weights_in_graph, state.recast_flag_in_graph = [], self.flag
         return self
 
     def __exit__(self, *exc) -> None:
         state = FP8GlobalStateManager.quantization_state
         self.overwritten = list({id(p): p for p in state.cached_weights_in_graph}.values())
-        state.cached_weights_in_graph = self._saved
+        state.cached_weights_in_graph, state.recast_flag_in_graph = self._saved
 
 
 def _metas(m) -> list:

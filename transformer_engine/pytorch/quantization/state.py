@@ -55,6 +55,8 @@ class FP8GlobalState:
     # the weights whose main_grad a first microbatch overwrites (the graph accumulates; the
     # replay zeroes them first). None otherwise. See graph_state.cast_cached_weights_in_graph.
     cached_weights_in_graph: list | None = None
+    # ... and the flag that graph's weight casts read as their no-op (the graph's own).
+    recast_flag_in_graph: Any = None
 
 
 # Where an fp8_meta keeps its queue's index in fp8_tensors_recompute_buffer (upstream's key).
@@ -376,9 +378,11 @@ class FP8GlobalStateManager:
     def set_skip_fp8_weight_update_tensor(cls, skip: bool, device=None) -> None:
         """Set the device flag that tells weight casts to skip (1.0) or run (0.0).
 
-        Weight casts that take it as their ``noop_flag`` read it on the device, so a captured
-        CUDA graph can skip re-casting cached FP8 weights on later microbatches without being
-        re-captured. There is one flag per device: ``device=None`` means the current CUDA device
+        Upstream's captured weight casts read it on the device as their ``noop_flag``, so that
+        one graph skips re-casting cached FP8 weights on later microbatches. Here each graph
+        captured with ``cache_quantized_params`` reads a flag of its own (written on the stream
+        it replays on), and its replays set this one as upstream's do, for code that reads
+        it. There is one flag per device: ``device=None`` means the current CUDA device
         (the CPU where CUDA is not available; the CPU reference casts take the flag too). The
         tensor is made on the first call for a device and then only written (``fill_``), so a
         graph that captured it keeps reading the same memory.
