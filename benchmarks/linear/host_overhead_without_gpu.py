@@ -58,7 +58,8 @@ from transformer_engine.pytorch.cpp_extensions import (  # noqa: E402
 from transformer_engine.pytorch.functional import _fused_norms  # noqa: E402
 
 NATIVE_OPS = ("quantize", "quantize_dbias", "dequantize", "compute_amax", "compute_scale_from_amax",
-              "delayed_scaling_update", "quantize_current_scaling", "block_scaled_quantize",
+              "delayed_scaling_update", "quantize_current_scaling", "compute_current_scale",
+              "block_scaled_quantize",
               "mxfp8_quantize", "activation", "dactivation", "activation_amax",
               "dactivation_amax", "norm_forward", "norm_amax", "norm_forward_from_stats",
               "norm_backward")  # fmt: skip

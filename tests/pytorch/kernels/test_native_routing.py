@@ -41,7 +41,7 @@ def recorder(monkeypatch):
     fake = types.SimpleNamespace(
         **{n: record(n) for n in ("quantize", "quantize_dbias", "dequantize", "compute_amax",
                                    "compute_scale_from_amax", "delayed_scaling_update",
-                                   "quantize_current_scaling")}
+                                   "quantize_current_scaling", "compute_current_scale")}
     )  # fmt: skip
     for module in (cast, scaling):
         monkeypatch.setattr(module, "native_for", lambda op, device: fake)
@@ -112,13 +112,11 @@ def test_scale_and_update_entries(recorder):
     assert (device, stream) == DEVICE_AND_STREAM
 
 
-@pytest.mark.parametrize("with_reduction", [False, True])
-def test_current_scale_prevalidated_runs_amax_reduce_then_scale(recorder, with_reduction):
+def test_current_scale_prevalidated_runs_amax_reduce_then_scale(recorder):
     x = torch.randn(8, 32, dtype=torch.float16)
     reduced = []
-    reduce_amax = (lambda amax: reduced.append(amax)) if with_reduction else None
     scale = current_scale_prevalidated(
-        x, torch.float8_e5m2, epsilon=0.25, force_pow_2_scales=True, reduce_amax=reduce_amax
+        x, torch.float8_e5m2, epsilon=0.25, force_pow_2_scales=True, reduce_amax=reduced.append
     )
     (amax_name, amax_args), (scale_name, scale_args) = recorder
     assert amax_name == "compute_amax" and scale_name == "compute_scale_from_amax"
@@ -128,8 +126,25 @@ def test_current_scale_prevalidated_runs_amax_reduce_then_scale(recorder, with_r
     # the scale kernel reads the amax buffer the amax kernel wrote (after the reduction)
     assert scale_args == (amax_out, arg(scale), int(TE_DType[torch.float8_e5m2]), 0.25, True,
                           *DEVICE_AND_STREAM)  # fmt: skip
-    if with_reduction:
-        assert len(reduced) == 1 and reduced[0].data_ptr() == amax_out[0]
+    assert len(reduced) == 1 and reduced[0].data_ptr() == amax_out[0]
+
+
+@pytest.mark.parametrize("with_noop", [False, True])
+def test_current_scale_prevalidated_without_reduction_is_one_native_call(recorder, with_noop):
+    x = torch.randn(8, 32, dtype=torch.float16)
+    noop = torch.ones(1) if with_noop else None
+    scale = current_scale_prevalidated(
+        x, torch.float8_e5m2, epsilon=0.25, force_pow_2_scales=True, noop_flag=noop
+    )
+    ((name, args),) = recorder
+    assert name == "compute_current_scale"
+    inp, amax, sc, code, eps, pow2, maxima, noop_arg, *launch = args
+    assert inp == arg(x) and sc == arg(scale) and noop_arg == (None if noop is None else arg(noop))
+    assert (code, eps, pow2) == (int(TE_DType[torch.float8_e5m2]), 0.25, True)
+    assert tuple(launch) == DEVICE_AND_STREAM
+    # the amax, the scale, then the per-block maxima: consecutive slots of one scratch buffer
+    assert amax[1:] == sc[1:] == ((1,), F32_CODE) and sc[0] == amax[0] + 4
+    assert maxima == (amax[0] + 8, (AMAX_WORKSPACE_ELEMENTS,), F32_CODE)
 
 
 def test_quantize_dbias_hands_every_buffer_and_a_tile_sized_workspace(recorder):
@@ -203,3 +218,15 @@ def test_current_scaling_quantizer_fuses_unless_it_reduces_the_amax(
     else:
         assert names == ["quantize_current_scaling"] * 2 and reduced == []
         assert recorder[1][1][8] is not None  # the second call made the bias gradient
+
+
+def test_current_scaling_update_quantized_skips_its_amax_pass_with_the_cast(recorder):
+    """Under a no-op flag (a CUDA graph's cached weight) the amax pass takes the cast's flag."""
+    from transformer_engine.pytorch.tensor import Float8CurrentScalingQuantizer
+
+    q = Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+    dst = q.make_empty((64, 32), dtype=torch.bfloat16, device="cpu")
+    flag = torch.ones(1)
+    q.update_quantized(torch.randn(64, 32, dtype=torch.bfloat16), dst, noop_flag=flag)
+    assert [name for name, _ in recorder] == ["compute_current_scale", "quantize"]
+    assert all(arg(flag) in args for _, args in recorder)

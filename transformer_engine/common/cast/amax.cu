@@ -38,7 +38,8 @@ constexpr size_t kAmaxMaxBlocks = 1024;
 template <typename IType, bool kVectorized>
 __global__ void __launch_bounds__(kAmaxThreads, kAmaxBlocksPerSm)
     amax_kernel(const IType* __restrict__ in, size_t n, float* __restrict__ amax,
-                float* __restrict__ block_maxima) {
+                float* __restrict__ block_maxima, const float* __restrict__ noop) {
+  if (skip_requested(noop)) return;
   using V = Vec<IType, kAmaxVecElems>;
   float local_amax = 0.0f;
   const size_t first = static_cast<size_t>(blockIdx.x) * kAmaxThreads + threadIdx.x;
@@ -82,9 +83,10 @@ __global__ void __launch_bounds__(kAmaxThreads, kAmaxBlocksPerSm)
 }
 
 /* The amax pass over `in` (n > 0): atomics into `amax` (zeroed by the caller), or, with
- * `block_maxima`, one maximum per block there. Returns the number of blocks. */
+ * `block_maxima`, one maximum per block there; no pass when `noop` holds 1.0. Returns the
+ * number of blocks. */
 size_t launch_amax_kernel(CallContext& ctx, const NVTEBuffer& in, float* amax,
-                          float* block_maxima) {
+                          float* block_maxima, const float* noop) {
   const size_t n = numel(in);
   size_t blocks = 0;
   dispatch_high_precision(ctx.op(), in.dtype, [&](auto itype) {
@@ -97,10 +99,10 @@ size_t launch_amax_kernel(CallContext& ctx, const NVTEBuffer& in, float* amax,
                                kAmaxMaxBlocks});
     if (vectorized) {
       amax_kernel<IType, true>
-          <<<blocks, kAmaxThreads, 0, ctx.stream()>>>(in_data, n, amax, block_maxima);
+          <<<blocks, kAmaxThreads, 0, ctx.stream()>>>(in_data, n, amax, block_maxima, noop);
     } else {
       amax_kernel<IType, false>
-          <<<blocks, kAmaxThreads, 0, ctx.stream()>>>(in_data, n, amax, block_maxima);
+          <<<blocks, kAmaxThreads, 0, ctx.stream()>>>(in_data, n, amax, block_maxima, noop);
     }
     ctx.check_launch("amax_kernel launch");
   });
@@ -115,11 +117,12 @@ namespace cast_detail {
 
 void launch_amax(CallContext& ctx, const NVTEBuffer& in, float* amax) {
   check_cuda(ctx.op(), cudaMemsetAsync(amax, 0, sizeof(float), ctx.stream()), "cudaMemsetAsync");
-  if (numel(in) > 0) launch_amax_kernel(ctx, in, amax, nullptr);
+  if (numel(in) > 0) launch_amax_kernel(ctx, in, amax, nullptr, nullptr);
 }
 
-size_t launch_block_amaxes(CallContext& ctx, const NVTEBuffer& in, float* block_maxima) {
-  return numel(in) > 0 ? launch_amax_kernel(ctx, in, nullptr, block_maxima) : 0;
+size_t launch_block_amaxes(CallContext& ctx, const NVTEBuffer& in, float* block_maxima,
+                           const float* noop) {
+  return numel(in) > 0 ? launch_amax_kernel(ctx, in, nullptr, block_maxima, noop) : 0;
 }
 
 }  // namespace cast_detail

@@ -35,8 +35,10 @@ void launch_amax(CallContext& ctx, const NVTEBuffer& input, float* amax);
 
 /* The same pass writing one maximum per block into `block_maxima` (at least
  * nvte_amax_workspace_elements() floats; nothing to zero first). Returns how many it wrote (0
- * for an empty input). */
-size_t launch_block_amaxes(CallContext& ctx, const NVTEBuffer& input, float* block_maxima);
+ * for an empty input). With `noop` (one float32 on the device) holding 1.0 the pass reads and
+ * writes nothing. */
+size_t launch_block_amaxes(CallContext& ctx, const NVTEBuffer& input, float* block_maxima,
+                           const float* noop = nullptr);
 
 /* Throws unless `epsilon` is finite and >= 0. */
 void check_scale_epsilon(const char* op, float epsilon);
@@ -46,10 +48,10 @@ void launch_scale_from_amax(CallContext& ctx, const float* amax, float* scale, f
                             float epsilon, bool force_pow_2_scales);
 
 /* The same scale from `count` per-block maxima (launch_block_amaxes), whose maximum it also
- * writes to `amax` (0 when count is 0). */
+ * writes to `amax` (0 when count is 0); nothing written when `noop` holds 1.0. */
 void launch_scale_from_block_amaxes(CallContext& ctx, const float* block_maxima, size_t count,
                                     float* amax, float* scale, float fp8_max, float epsilon,
-                                    bool force_pow_2_scales);
+                                    bool force_pow_2_scales, const float* noop = nullptr);
 
 }  // namespace cast_detail
 }  // namespace transformer_engine

@@ -92,6 +92,19 @@ void compute_scale_from_amax(const TensorArg& amax, const TensorArg& scale, int 
                                force_pow_2_scales ? 1 : 0, device, to_stream(stream));
 }
 
+void compute_current_scale(const TensorArg& input, const TensorArg& amax, const TensorArg& scale,
+                           int fp8_dtype, float epsilon, bool force_pow_2_scales,
+                           const TensorArg& amax_workspace, const OptionalTensorArg& noop,
+                           int device, std::uintptr_t stream) {
+  const NVTEBuffer in = to_buffer(input);
+  NVTEBuffer am = to_buffer(amax), sc = to_buffer(scale), aw = to_buffer(amax_workspace);
+  OptionalBuffer nf(noop);
+  py::gil_scoped_release no_gil;
+  nvte_compute_current_scale(&in, &am, &sc, static_cast<NVTEDType>(fp8_dtype), epsilon,
+                             force_pow_2_scales ? 1 : 0, &aw, nf.get(), device,
+                             to_stream(stream));
+}
+
 void delayed_scaling_update(const OptionalTensorArg& amax_reduction_buffer,
                             const std::vector<TensorArg>& amax_histories,
                             const std::vector<TensorArg>& scales, bool algo_max, int fp8_dtype,
@@ -203,6 +216,10 @@ PYBIND11_MODULE(_native, m) {
   m.def("compute_scale_from_amax", &compute_scale_from_amax, py::arg("amax"), py::arg("scale"),
         py::arg("fp8_dtype"), py::arg("epsilon"), py::arg("force_pow_2_scales"), py::arg("device"),
         py::arg("stream"));
+  m.def("compute_current_scale", &compute_current_scale, py::arg("input"), py::arg("amax"),
+        py::arg("scale"), py::arg("fp8_dtype"), py::arg("epsilon"),
+        py::arg("force_pow_2_scales"), py::arg("amax_workspace"), py::arg("noop"),
+        py::arg("device"), py::arg("stream"));
   m.def("delayed_scaling_update", &delayed_scaling_update, py::arg("amax_reduction_buffer"),
         py::arg("amax_histories"), py::arg("scales"), py::arg("algo_max"), py::arg("fp8_dtype"),
         py::arg("margin"), py::arg("device"), py::arg("stream"));

@@ -23,7 +23,7 @@ from ._validation import (
     check_tensor,
     check_tensors_on,
 )
-from .scaling import current_scale_prevalidated
+from .scaling import AMAX_WORKSPACE_ELEMENTS, current_scale_prevalidated
 
 __all__ = [
     "QuantizeResult",
@@ -163,12 +163,6 @@ def _empty_outputs(input, fp8_dtype, with_transpose: bool):
 # (nvte_quantize_dbias_workspace_elements; tests/pytorch/test_native_binding.py checks the two
 # agree).
 DBIAS_TILE_ROWS = 64
-
-
-# Float32 slots for the amax pass's per-block maxima in nvte_quantize_current_scaling
-# (nvte_amax_workspace_elements; tests/pytorch/kernels/test_native_binding.py checks the two
-# agree): with them the call needs no memset launch to zero the amax first.
-AMAX_WORKSPACE_ELEMENTS = 1024
 
 
 def dbias_workspace_elements(input: torch.Tensor) -> int:

@@ -62,6 +62,9 @@ def compute_scale_from_amax(
     return out
 
 
+_FLOAT32_CODE = int(TE_DType[torch.float32])
+
+
 def _dtype_code(dtype: torch.dtype) -> int:
     return int(TE_DType[dtype])
 
@@ -173,6 +176,12 @@ def delayed_scaling_update_prevalidated(
         )  # fmt: skip
 
 
+# Float32 slots for the amax pass's per-block maxima of nvte_quantize_current_scaling and
+# nvte_compute_current_scale (nvte_amax_workspace_elements; tests/pytorch/kernels/
+# test_native_binding.py checks the two agree): with them no memset launch zeroes the amax first.
+AMAX_WORKSPACE_ELEMENTS = 1024
+
+
 def current_scale_prevalidated(
     input: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -180,10 +189,17 @@ def current_scale_prevalidated(
     epsilon: float,
     force_pow_2_scales: bool,
     reduce_amax=None,
+    noop_flag: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Current scaling's scale for ``input``: ``amax(input)`` -> ``reduce_amax(amax)`` (e.g. an
     all-reduce, optional) -> :func:`compute_scale_from_amax`, as a new one-element tensor on
     ``input``'s device.
+
+    Without ``reduce_amax``, on CUDA, one native call (``nvte_compute_current_scale``: the amax
+    pass and the scale kernel, no memset). ``noop_flag`` (a one-element float32 tensor on the
+    device, e.g. a CUDA graph's cached-weight flag) holding 1.0 makes that call read nothing
+    and leave the returned scale unwritten: pass it only with a cast that takes the same flag.
+    Elsewhere the amax is computed whatever the flag.
 
     For the current-scaling quantizer, which has checked the input's dtype, that ``fp8_dtype``
     is a torch FP8 dtype and that ``epsilon`` is finite and >= 0 (recipe validation): the
@@ -191,6 +207,19 @@ def current_scale_prevalidated(
     result with more host time per call.
     """
     input = input.contiguous()
+    device = input.device
+    native = native_for("compute_current_scale", device) if reduce_amax is None else None
+    if native is not None:
+        # amax, scale, then the per-block maxima: one allocation, pointers into it
+        scratch = torch.empty(2 + AMAX_WORKSPACE_ELEMENTS, dtype=torch.float32, device=device)
+        base, f32 = scratch.data_ptr(), _FLOAT32_CODE
+        native.compute_current_scale(
+            tensor_arg(input), (base, (1,), f32), (base + 4, (1,), f32),
+            int(_dtype_code(fp8_dtype)), float(epsilon), bool(force_pow_2_scales),
+            (base + 8, (AMAX_WORKSPACE_ELEMENTS,), f32), tensor_arg(noop_flag),
+            *launch_args(device),
+        )  # fmt: skip
+        return scratch[1:2]
 
     def fill_amax(amax: torch.Tensor) -> None:
         native = native_for("compute_amax", input.device)

@@ -135,8 +135,11 @@ class _Float8QuantizerBase(Quantizer):
         state.pop("_fsdp_shard_quantizer", None)
         return state
 
-    def _scale_and_amax(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The scale to cast ``src`` with and the amax buffer to accumulate into (or None)."""
+    def _scale_and_amax(
+        self, src: torch.Tensor, noop_flag: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The scale to cast ``src`` with and the amax buffer to accumulate into (or None);
+        ``noop_flag``: the cast's own, which may skip the work of the scale with it."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ Quantizer API
@@ -256,7 +259,11 @@ class _Float8QuantizerBase(Quantizer):
             fp8_dtype=self.dtype,
             rowwise=self.rowwise_usage,
             columnwise=self.columnwise_usage,
-            scale_and_amax=self._scale_and_amax,
+            scale_and_amax=(
+                self._scale_and_amax
+                if noop_flag is None
+                else lambda s: self._scale_and_amax(s, noop_flag=noop_flag)
+            ),
             noop_flag=noop_flag,
         )
 
@@ -384,7 +391,7 @@ class Float8Quantizer(_Float8QuantizerBase):
     # amax each in-place re-quantization accumulates: the history sees the whole parameter.
     amax_reduction_group = None
 
-    def _scale_and_amax(self, src):
+    def _scale_and_amax(self, src, noop_flag=None):
         return self.scale, self.amax
 
     def update_quantized(self, src: torch.Tensor, dst, *, noop_flag=None):  # noqa: D102
@@ -515,7 +522,9 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
             dbias = column_sum(src)
         return res, dbias
 
-    def _scale_and_amax(self, src):
+    def _scale_and_amax(self, src, noop_flag=None):
+        # noop_flag (a cast into a CUDA graph's cached weight that may be skipped): the amax
+        # pass is skipped with the cast, whose scale it no longer needs
         reduce_amax = self._amax_reduction()
         scale = current_scale_prevalidated(
             src,
@@ -523,6 +532,7 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
             epsilon=self.amax_epsilon,
             force_pow_2_scales=self.force_pow_2_scales,
             reduce_amax=reduce_amax,
+            noop_flag=noop_flag,
         )
         return scale, None
 

@@ -34,6 +34,30 @@ NVTE_API void nvte_compute_scale_from_amax(const NVTEBuffer* amax, NVTEBuffer* s
                                            NVTEDType fp8_dtype, float epsilon,
                                            int force_pow_2_scales, int device, NVTEStream stream);
 
+/*! \brief Current scaling's scale of a tensor: `amax = max |input|` (float32, NaN ignored, 0
+ *         for an empty input), then `scale` from it as nvte_compute_scale_from_amax computes it.
+ *
+ *  The same bits as nvte_compute_amax followed by nvte_compute_scale_from_amax, in two launches
+ *  (the amax pass writes one maximum per block into `amax_workspace`, which the scale kernel
+ *  reduces: no buffer to zero first).
+ *
+ *  \param[in]  input              Float32, Float16 or BFloat16 tensor.
+ *  \param[out] amax               One Float32 element.
+ *  \param[out] scale              One Float32 element.
+ *  \param[in]  fp8_dtype          kNVTEFloat8E4M3 or kNVTEFloat8E5M2.
+ *  \param[in]  epsilon            Lower bound applied to amax (finite, >= 0).
+ *  \param[in]  force_pow_2_scales Non-zero to round the scale down to a power of 2.
+ *  \param[out] amax_workspace     Float32 scratch of at least nvte_amax_workspace_elements().
+ *  \param[in]  noop               Optional: one Float32 element; when it holds 1.0 on the device
+ *                                 nothing is read or written (a CUDA graph's cached weight).
+ *  \param[in]  device             CUDA device index all buffers live on.
+ *  \param[in]  stream             Stream of `device` to launch on.
+ */
+NVTE_API void nvte_compute_current_scale(const NVTEBuffer* input, NVTEBuffer* amax,
+                                         NVTEBuffer* scale, NVTEDType fp8_dtype, float epsilon,
+                                         int force_pow_2_scales, NVTEBuffer* amax_workspace,
+                                         const NVTEBuffer* noop, int device, NVTEStream stream);
+
 /*! \brief Delayed scaling: roll many amax histories and update their scales in one launch.
  *
  *  For every slot `i` of every pair (history `H` of shape `[L, N]`, scale of shape `[N]`): `a` is
