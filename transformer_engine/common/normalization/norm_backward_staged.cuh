@@ -19,7 +19,8 @@
  * reads back only the slots it staged itself, so no barrier guards the buffer. dx forms xhat and
  * dy again from the raw words (the same bits as the first pass).
  *
- * What it replaced (on an H200, BF16, fractions of the copy bandwidth in docs/performance.md):
+ * What it replaced (on an H200, BF16, fractions of the copy bandwidth in
+ * docs/performance_norms.md):
  * partials in shared memory, read-modify-written every row (ncu: a third of the warps' stalls
  * waiting on shared memory), with 3 vectors two blocks a SM each loading its row when it reached
  * it, with 4 the next row prefetched in registers. Measured and not kept: two staged buffers read

@@ -242,8 +242,8 @@ __global__ void __launch_bounds__(kLoopThreads) norm_fwd_looped_kernel(const Fwd
  * teams stage their next row in shared memory (kStage) and take the widths where 2-vector teams
  * would leave a quarter or more of their vectors as padding (257-384, 513-768, 1025-1536,
  * 2049-3072, 4097-6144), and 8193-12288; not RMSNorm rows of exactly 384, 768 or 1536, which fill
- * the 3-vector team and run unstaged on it, slower than on the 2-vector team (docs/performance.md
- * has the figures). Calls f(nullptr) past the largest team (the looped kernel). */
+ * the 3-vector team and run unstaged on it, slower than on the 2-vector team
+ * (docs/performance_norms.md has the figures). Calls f(nullptr) past the largest team (the looped kernel). */
 template <typename F>
 void dispatch_forward_team(int H, bool rms, F&& f) {
   if (H <= 128) {
@@ -305,7 +305,7 @@ void launch_forward(CallContext& ctx, FwdParams p) {
       if constexpr (kMayStage<Cfg, IType>) {
         // Staged, but for RMSNorm rows that fill all three vectors of every thread, which ran
         // 3-5% faster without (on an H200: 4096 and 8192 x 12288; LayerNorm 9-20% faster
-        // staged at 9216-12288, RMSNorm 5-11% at 9216-10240; docs/performance.md), and 5-8%
+        // staged at 9216-12288, RMSNorm 5-11% at 9216-10240; docs/performance_norms.md), and 5-8%
         // faster without on the smaller 3-vector teams (16384 x 3072, 8192 x 6144).
         if (!(p.rms && p.H == Cfg::kMaxH)) {
           auto kernel = norm_fwd_kernel<Cfg, IType, kFp8, true>;

@@ -182,7 +182,7 @@ def _norm_kernels_setting() -> str:
     return value
 
 
-# Which kernels run the norms on CUDA (docs/performance.md has the figures). By default
+# Which kernels run the norms on CUDA (docs/performance_norms.md has the figures). By default
 # (``auto``) the package's kernels compute the high-precision forward and the backward: on an
 # H200 they move more bytes per second than PyTorch's at the hidden sizes of transformers.
 # Before an FP8 GEMM the norm's high-precision output is then cast by the GEMM's quantizer,

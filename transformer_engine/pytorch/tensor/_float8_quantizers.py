@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from functools import partial
 
 import torch
 
@@ -135,11 +136,9 @@ class _Float8QuantizerBase(Quantizer):
         state.pop("_fsdp_shard_quantizer", None)
         return state
 
-    def _scale_and_amax(
-        self, src: torch.Tensor, noop_flag: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The scale to cast ``src`` with and the amax buffer to accumulate into (or None);
-        ``noop_flag``: the cast's own, which may skip the work of the scale with it."""
+    def _scale_and_amax(self, src: torch.Tensor, noop_flag=None) -> tuple:
+        """``(scale, amax buffer or None)``: the scale to cast ``src`` with and the buffer to
+        accumulate its amax into; ``noop_flag`` is the cast's, which may skip the scale's work."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ Quantizer API
@@ -259,11 +258,7 @@ class _Float8QuantizerBase(Quantizer):
             fp8_dtype=self.dtype,
             rowwise=self.rowwise_usage,
             columnwise=self.columnwise_usage,
-            scale_and_amax=(
-                self._scale_and_amax
-                if noop_flag is None
-                else lambda s: self._scale_and_amax(s, noop_flag=noop_flag)
-            ),
+            scale_and_amax=partial(self._scale_and_amax, noop_flag=noop_flag),
             noop_flag=noop_flag,
         )
 
@@ -523,17 +518,12 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         return res, dbias
 
     def _scale_and_amax(self, src, noop_flag=None):
-        # noop_flag (a cast into a CUDA graph's cached weight that may be skipped): the amax
-        # pass is skipped with the cast, whose scale it no longer needs
-        reduce_amax = self._amax_reduction()
+        # noop_flag (a CUDA graph's cached weight): the amax pass is skipped with the cast
         scale = current_scale_prevalidated(
-            src,
-            _torch_fp8_dtype(self.dtype),
-            epsilon=self.amax_epsilon,
-            force_pow_2_scales=self.force_pow_2_scales,
-            reduce_amax=reduce_amax,
+            src, _torch_fp8_dtype(self.dtype), epsilon=self.amax_epsilon,
+            force_pow_2_scales=self.force_pow_2_scales, reduce_amax=self._amax_reduction(),
             noop_flag=noop_flag,
-        )
+        )  # fmt: skip
         return scale, None
 
     def _scale_from_amax_pass(self, amax_of, device: torch.device) -> torch.Tensor:
