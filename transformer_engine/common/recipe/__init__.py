@@ -195,7 +195,7 @@ class DelayedScaling(Recipe):
     requested, all-reduced across ranks, appended to a history of ``amax_history_len`` steps,
     and each tensor's next scale is computed from that history as
     ``fp8_max * 2**-margin / amax``. The casts of step ``k`` therefore use scales from steps
-    before ``k``. See ``docs/recipes.md`` for the exact rules.
+    before ``k``. See ``docs/numerics.md`` for the exact rules.
 
     Parameters
     ----------
@@ -294,7 +294,7 @@ class Float8CurrentScaling(Recipe):
 
     Each cast computes the amax of the tensor it is about to cast and derives the scale from
     it, ``fp8_max / max(amax, amax_epsilon)`` (no margin, no history), so there is no state to
-    keep between steps. See ``docs/recipes.md`` for the exact rules.
+    keep between steps. See ``docs/numerics.md`` for the exact rules.
 
     Parameters
     ----------
