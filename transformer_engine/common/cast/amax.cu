@@ -125,6 +125,15 @@ size_t launch_block_amaxes(CallContext& ctx, const NVTEBuffer& in, float* block_
   return numel(in) > 0 ? launch_amax_kernel(ctx, in, nullptr, block_maxima, noop) : 0;
 }
 
+void check_amax_workspace(const char* op, const NVTEBuffer& workspace) {
+  check_well_formed(op, "amax_workspace", workspace);
+  check_dtype(op, "amax_workspace", workspace, {kNVTEFloat32});
+  if (numel(workspace) < kAmaxMaxBlocks) {
+    throw_invalid(op, "amax_workspace has ", numel(workspace),
+                  " elements; it needs nvte_amax_workspace_elements() = ", kAmaxMaxBlocks);
+  }
+}
+
 }  // namespace cast_detail
 }  // namespace transformer_engine
 

@@ -40,6 +40,10 @@ void launch_amax(CallContext& ctx, const NVTEBuffer& input, float* amax);
 size_t launch_block_amaxes(CallContext& ctx, const NVTEBuffer& input, float* block_maxima,
                            const float* noop = nullptr);
 
+/* Throws unless `workspace` is a well-formed Float32 buffer of at least
+ * nvte_amax_workspace_elements() elements (launch_block_amaxes' `block_maxima`). */
+void check_amax_workspace(const char* op, const NVTEBuffer& workspace);
+
 /* Throws unless `epsilon` is finite and >= 0. */
 void check_scale_epsilon(const char* op, float epsilon);
 

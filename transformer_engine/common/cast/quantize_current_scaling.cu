@@ -37,15 +37,7 @@ extern "C" void nvte_quantize_current_scaling(const NVTEBuffer* input, NVTEBuffe
     }
     check_dbias_args(op, shape, *input, dbias, workspace);
   }
-  if (amax_workspace != nullptr) {
-    check_well_formed(op, "amax_workspace", *amax_workspace);
-    check_dtype(op, "amax_workspace", *amax_workspace, {kNVTEFloat32});
-    if (numel(*amax_workspace) < nvte_amax_workspace_elements()) {
-      throw_invalid(op, "amax_workspace has ", numel(*amax_workspace),
-                    " elements; it needs nvte_amax_workspace_elements() = ",
-                    nvte_amax_workspace_elements());
-    }
-  }
+  if (amax_workspace != nullptr) check_amax_workspace(op, *amax_workspace);
   const float max_value = fp8_max(op, output->dtype);
   check_scale_epsilon(op, epsilon);
 

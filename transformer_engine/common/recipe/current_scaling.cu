@@ -5,7 +5,6 @@
 #include <cfloat>
 
 #include "cast/launchers.h"
-#include "transformer_engine/cast.h"
 #include "transformer_engine/recipe.h"
 #include "util/buffer.h"
 #include "util/device.h"
@@ -112,13 +111,7 @@ extern "C" void nvte_compute_current_scale(const NVTEBuffer* input, NVTEBuffer* 
   check_fp32_scalar(op, "amax", require(op, "amax", amax));
   check_fp32_scalar(op, "scale", require(op, "scale", scale));
   const NVTEBuffer& maxima = require(op, "amax_workspace", amax_workspace);
-  check_well_formed(op, "amax_workspace", maxima);
-  check_dtype(op, "amax_workspace", maxima, {kNVTEFloat32});
-  if (numel(maxima) < nvte_amax_workspace_elements()) {
-    throw_invalid(op, "amax_workspace has ", numel(maxima),
-                  " elements; it needs nvte_amax_workspace_elements() = ",
-                  nvte_amax_workspace_elements());
-  }
+  cast_detail::check_amax_workspace(op, maxima);
   if (noop != nullptr) check_fp32_scalar(op, "noop", *noop);
   const float max_value = fp8_max(op, fp8_dtype);
   cast_detail::check_scale_epsilon(op, epsilon);

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from .. import reference
-from ..constants import HIGH_PRECISION_DTYPES, TE_DType, to_torch_fp8_dtype
+from ..constants import HIGH_PRECISION_DTYPES, to_torch_fp8_dtype
 from ._routing import launch_args, native_for, tensor_arg
 from ._validation import (
     check_dtype,
@@ -23,7 +23,7 @@ from ._validation import (
     check_tensor,
     check_tensors_on,
 )
-from .scaling import AMAX_WORKSPACE_ELEMENTS, current_scale_prevalidated
+from .scaling import _FLOAT32_CODE, AMAX_WORKSPACE_ELEMENTS, current_scale_prevalidated
 
 __all__ = [
     "QuantizeResult",
@@ -260,9 +260,6 @@ def quantize_current_scaling_prevalidated(
         dbias_arg, workspace_arg, *launch_args(device), maxima_arg,
     )  # fmt: skip
     return result, dbias
-
-
-_FLOAT32_CODE = int(TE_DType[torch.float32])
 
 
 def column_sum(input: torch.Tensor) -> torch.Tensor:
