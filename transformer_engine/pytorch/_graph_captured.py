@@ -163,36 +163,49 @@ class CapturedGraphs:
         # inputs: the user's tensors, then the parameters (their own static tensors)
         if self.shared_input and inputs[0].data_ptr() != self.static_inputs[0].data_ptr():
             warn_shared_input_overwritten(self.owner.name)
-        for static, x, slot in zip(self.static_inputs, inputs, self.input_slots):
-            if slot is not None:
-                self.fwd_copies.copy_in(slot, x)
-            elif static is not x and static.data_ptr() != x.data_ptr():
-                static.copy_(x)
-        self._replay(self.fwd_graph, where)
+
+        def copy_inputs() -> None:
+            for static, x, slot in zip(self.static_inputs, inputs, self.input_slots):
+                if slot is not None:
+                    self.fwd_copies.copy_in(slot, x)
+                elif static is not x and static.data_ptr() != x.data_ptr():
+                    static.copy_(x)
+
+        self._replay(self.fwd_graph, where, copy_inputs)
         return tuple(t.detach() for t in self.outputs)
 
-    def _replay(self, graph: torch.cuda.CUDAGraph, where: ReplayStream | None) -> None:
+    def _replay(self, graph: torch.cuda.CUDAGraph, where: ReplayStream | None, prepare) -> None:
+        """``prepare()`` (the eager copies, and the copy nodes' host-side updates), then the
+        replay, both on the stream the graph replays on: on a side stream the eager copies
+        come after the side stream's earlier replays, which may still read the static tensors
+        after the event the calling stream waited for."""
         if where is None:
+            prepare()
             graph.replay()
-        else:  # eager copies above ran on the calling stream, which the side stream waits for
-            where.replay(graph, self.owner.device)
+        else:
+            where.replay(graph, self.owner.device, prepare)
 
     def replay_backward(self, grads, where: ReplayStream | None) -> tuple:
         copies = self.bwd_copies
-        for static, grad, slot in zip(self.grad_outputs, grads, self.grad_slots):
-            if static is None:
-                continue
-            if grad is None:
-                if slot is not None:
-                    copies.skip(slot)
-                static.zero_()
-            elif slot is not None:
-                copies.copy_in(slot, grad)
-            elif static.data_ptr() != grad.data_ptr():
-                static.copy_(grad)
+
+        def copy_grads() -> None:
+            for static, grad, slot in zip(self.grad_outputs, grads, self.grad_slots):
+                if static is None:
+                    continue
+                if grad is None:
+                    if slot is not None:
+                        copies.skip(slot)
+                    static.zero_()
+                elif slot is not None:
+                    copies.copy_in(slot, grad)
+                elif static.data_ptr() != grad.data_ptr():
+                    static.copy_(grad)
+
+        # Allocated on the calling stream, which uses and frees them (the graph fills them at
+        # its end); None where the copies fell back: cloned below.
         copied = {i: copies.copy_out(slot) for i, slot in self.out_slots.items()}
-        copied = {i: out for i, out in copied.items() if out is not None}  # None: cloned below
-        self._replay(self.bwd_graph, where)
+        copied = {i: out for i, out in copied.items() if out is not None}
+        self._replay(self.bwd_graph, where, copy_grads)
         n_user, clone = len(self.owner.static_inputs), self.owner.options.clone_param_grads
         return tuple(
             copied[i] if i in copied

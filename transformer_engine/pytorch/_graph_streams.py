@@ -6,7 +6,9 @@ stream. The side stream first waits for the calling stream (so the graph reads t
 caller left them), the graph replays there, and the calling stream then waits for the whole side
 stream, or only for ``cuda_graph_event`` when one is given: an event the graph itself records
 (``torch.cuda.Event(external=True)`` recorded by the module during capture), after which the
-calling stream may go on while the rest of the graph still runs. The backward replays on the
+calling stream may go on while the rest of the graph still runs; so the eager copies into the
+static tensors that a replay needs run on the side stream as well, after the earlier replays.
+The backward replays on the
 same side stream, ordered the same way against the stream autograd runs it on, except that the
 calling stream then waits for the whole side stream: the event is one the forward graph records,
 and whether the backward graph records it again is not known.
@@ -64,11 +66,14 @@ class ReplayStream:
         with torch.cuda.stream(self.stream):
             flag.fill_(value)
 
-    def replay(self, graph: torch.cuda.CUDAGraph, device: torch.device) -> None:
-        """``graph`` replayed on the side stream, ordered after and before the calling stream."""
+    def replay(self, graph: torch.cuda.CUDAGraph, device: torch.device, prepare=None) -> None:
+        """``prepare()`` and ``graph`` replayed on the side stream, ordered after and before the
+        calling stream."""
         calling = torch.cuda.current_stream(device)
         self.stream.wait_stream(calling)
         with torch.cuda.stream(self.stream):
+            if prepare is not None:
+                prepare()
             graph.replay()
         if self.event is not None:
             calling.wait_event(self.event)

@@ -153,6 +153,55 @@ def test_event_lets_the_calling_stream_go_on_before_the_graph_ends():
         assert graph_ended is not with_event  # with the event: the trailing sleep still runs
 
 
+class _EventThenSleepLinear(torch.nn.Module):
+    """A te.Linear behind an event the graph records first and a long GPU sleep: the calling
+    stream goes on at once, while the graph has yet to read its static input."""
+
+    def __init__(self, device, event: torch.cuda.Event) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        self.linear = te.Linear(H, H, params_dtype=DTYPE, device=device)
+        self.event = event
+
+    def forward(self, x):
+        self.event.record()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return self.linear(x)
+
+
+@needs_cuda
+@pytest.mark.parametrize("why_eager", ["non_contiguous", "no_copy_nodes"])
+def test_an_eagerly_copied_input_waits_for_the_previous_replay(why_eager, monkeypatch):
+    """An input the next call copies eagerly (a non-contiguous one; every one without copy
+    nodes) is written into the static input on the side stream, after the previous replay,
+    which may still be ahead of reading it when the calling stream has gone on at its event."""
+    device = cuda_device()
+    if "external" not in inspect.signature(torch.cuda.Event).parameters:
+        pytest.skip("this torch has no torch.cuda.Event(external=True) to record inside a graph")
+    if why_eager == "no_copy_nodes":
+        monkeypatch.setenv("NVTE_GRAPH_COPY_NODES", "0")  # read at the capture
+    reference = build("linear", device)
+    event = torch.cuda.Event(external=True)
+    graphed = _EventThenSleepLinear(device, event)
+    make_graphed_callables(graphed, (static_sample(device, requires_grad=False),),
+                           num_warmup_iters=1)  # fmt: skip
+    side = torch.cuda.Stream(device=device)
+    (x1, _), (x2, _) = data(device, 2)
+    inputs = (
+        [x.t().contiguous().t() for x in (x1, x2)] if why_eager == "non_contiguous" else [x1, x2]
+    )
+    torch.cuda.synchronize(device)
+    with torch.no_grad():
+        y1 = graphed(inputs[0], cuda_graph_stream=side, cuda_graph_event=event)
+        with torch.cuda.stream(side):
+            y1_kept = y1.clone()  # after the first replay, before the second call's copy
+        y2 = graphed(inputs[1], cuda_graph_stream=side, cuda_graph_event=event)
+        torch.cuda.synchronize(device)
+        want1, want2 = reference(x1), reference(x2)
+    assert bitwise_equal(y1_kept, want1), "the first replay read the second call's input"
+    assert bitwise_equal(y2, want2)
+
+
 @needs_cuda
 def test_the_calling_stream_itself_and_eager_runs_take_the_keywords():
     device, recipe = cuda_device(), make_recipe("delayed")
