@@ -109,7 +109,7 @@ def bench_shape(native, name, m, n, k, device, workspace, timing) -> bool:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--batch", type=int, default=5)

@@ -87,7 +87,7 @@ def median_ms(fn, steps):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--ffn", type=int, default=1024)
     parser.add_argument("--tokens", type=int, default=1024)

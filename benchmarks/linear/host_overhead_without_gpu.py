@@ -195,7 +195,7 @@ def count_calls(step, steps: int, show: bool) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"any of {CONFIGS}")

@@ -31,7 +31,7 @@ def per_call(fn, calls):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=300)
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -261,7 +261,7 @@ def report(name: str, candidates: list[Candidate]) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated, from {', '.join(CONFIGS)}")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=None, help="override every config's")

@@ -127,7 +127,7 @@ def compare(path_a: str, path_b: str) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--dump", metavar="FILE", help="record this build's results")
     group.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two records")

@@ -211,7 +211,7 @@ def report(label: str, step, args) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="gelu,linear", help=f"from {', '.join(CONFIGS)}")
     parser.add_argument("--steps", type=int, default=20, help="steps timed (wall and host)")
     parser.add_argument("--warmup", type=int, default=5)

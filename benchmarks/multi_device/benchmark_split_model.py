@@ -203,7 +203,7 @@ def benchmark_guard(args) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=16384)

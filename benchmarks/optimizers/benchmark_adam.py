@@ -52,7 +52,7 @@ def run_case(name, build, args, device):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tensors", type=int, default=32)
     p.add_argument("--shape", default="4096x4096")
     p.add_argument("--warmup", type=int, default=3)

@@ -90,7 +90,7 @@ def cases(dev: torch.device) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=40, help="timed pairs per case")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -172,7 +172,7 @@ def report(name: str, candidates: list[Candidate], tokens: int) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"from {list(CONFIGS)}")
     parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=4, help="sequences")
