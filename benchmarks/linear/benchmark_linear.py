@@ -13,6 +13,10 @@ training under torch.compile is measured too when torchao is installed.
 ``--recipes`` picks among ``delayed``, ``current`` (the default pair) and ``block``
 (``Float8BlockScaling``, whose target at (16384, 4096, 14336) is 1.3x BF16).
 
+``--queue-ahead N`` issues N untimed steps ahead of each trial of ten, without waiting, so that
+a host faster than the GPU is ahead when the trial starts, as in a long training run (by
+default each trial starts from an idle GPU, and its first steps wait on the host).
+
 ``--single-thread-backward`` runs every implementation's backward on the calling thread
 (``torch.autograd.set_multithreading_enabled(False)``) instead of autograd's per-device worker
 thread. Where the host is the bottleneck (small layers) this shows how much of a step the
@@ -39,26 +43,30 @@ from transformer_engine.common.recipe import (
 
 SHAPES = [(16384, 4096, 4096), (16384, 4096, 14336), (8192, 8192, 8192)]
 HOST_SHAPE = (1024, 1024, 1024)
-TARGET = 1.5
+TARGET = 1.65  # issue 14: at least 1.65x BF16 at the three large shapes, both recipes
 BLOCK_TARGET = 1.3  # Float8BlockScaling
 
 
 STEPS_PER_TRIAL = 10
 
 
-def time_steps(step, iters: int, warmup: int) -> float:
+def time_steps(step, iters: int, warmup: int, ahead: int = 0) -> float:
     """Median seconds per step over ``iters`` trials of back-to-back steps (CUDA events).
 
     Steps are issued back to back as in training, so the host prepares step i+1 while the GPU
     runs step i: a trial measures GPU throughput, plus host time only where the host cannot keep
     up. (Timing single steps with a sync after each would add the launch latency of an empty
-    queue to every step.)
+    queue to every step.) Each trial starts from an idle GPU unless ``ahead`` > 0: that many
+    untimed steps are issued first, without waiting, so that where the host is faster than the
+    GPU it is already ahead when the trial starts, as in the steady state of a training run.
     """
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
+        for _ in range(ahead):
+            step()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(STEPS_PER_TRIAL):
@@ -135,6 +143,13 @@ def main() -> int:
         help="run backward on the calling thread (torch.autograd.set_multithreading_enabled)",
     )
     parser.add_argument(
+        "--queue-ahead",
+        type=int,
+        default=0,
+        help="untimed steps issued before each trial without waiting (steady state; default: "
+        "each trial starts from an idle GPU)",
+    )
+    parser.add_argument(
         "--kernel-profile",
         action="store_true",
         help="also print the GPU kernels of 5 FP8 (delayed) steps at the first shape",
@@ -151,6 +166,8 @@ def main() -> int:
     print(f"native: {transformer_engine.native_status()}")
     if args.single_thread_backward:
         print("backward on the calling thread (autograd multithreading disabled)")
+    if args.queue_ahead:
+        print(f"{args.queue_ahead} untimed steps queued ahead of each trial (steady state)")
     known = {
         "delayed": DelayedScaling,
         "current": Float8CurrentScaling,
@@ -173,16 +190,16 @@ def main() -> int:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
         base = torch.nn.Linear(k, n, device=device, dtype=torch.bfloat16)
-        bf16 = time_steps(make_step(base, x, dy, None), args.iters, args.warmup)
+        bf16 = time_steps(make_step(base, x, dy, None), args.iters, args.warmup, args.queue_ahead)
         results = {"bf16 nn.Linear": bf16}
         for label, recipe in recipes.items():
             module = te.Linear(k, n, device=device, params_dtype=torch.bfloat16)
             results[f"te fp8 {label}"] = time_steps(
-                make_step(module, x, dy, recipe), args.iters, args.warmup
+                make_step(module, x, dy, recipe), args.iters, args.warmup, args.queue_ahead
             )
         step, why = torchao_step(m, k, n, device)
         if step is not None:
-            results["torchao compile"] = time_steps(step, args.iters, args.warmup)
+            results["torchao compile"] = time_steps(step, args.iters, args.warmup, args.queue_ahead)
         for impl, seconds in results.items():
             ratio = bf16 / seconds
             print(
