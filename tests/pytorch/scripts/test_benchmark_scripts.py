@@ -151,3 +151,42 @@ def test_step_timeline_keeps_the_last_steps_of_a_steady_trace():
 )  # fmt: skip
 def test_step_timeline_kernel_kinds(name, kind):
     assert _load_script("benchmarks/mlp/step_timeline.py").kernel_kind(name) == kind
+
+
+def test_queue_ahead_issues_its_steps_before_each_trials_start_event(monkeypatch):
+    """``benchmark_linear.time_steps(..., ahead=N)``: N untimed steps go out before each trial's
+    start event and none between the events but the trial's own (a fake clock stands in for the
+    CUDA events, so this runs anywhere)."""
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_linear", ROOT / "benchmarks/linear/benchmark_linear.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    issued, marks = [0], []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = issued[0]
+            marks.append(self.at)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):  # ms: one per step between the two records
+            return float(end.at - self.at)
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+
+    def step():
+        issued[0] += 1
+
+    per_step = bench.time_steps(step, iters=3, warmup=2, ahead=4)
+    trial = bench.STEPS_PER_TRIAL
+    assert per_step == pytest.approx(1e-3)  # the trial's own steps only, at 1 ms each
+    assert issued[0] == 2 + 3 * (4 + trial)
+    assert marks == [2 + 4, 2 + 4 + trial, 2 + 4 + trial + 4, 2 + 2 * (4 + trial),
+                     2 + 2 * (4 + trial) + 4, 2 + 3 * (4 + trial)]  # fmt: skip
