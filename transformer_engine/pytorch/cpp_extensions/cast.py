@@ -23,7 +23,7 @@ from ._validation import (
     check_tensor,
     check_tensors_on,
 )
-from .scaling import _FLOAT32_CODE, AMAX_WORKSPACE_ELEMENTS, current_scale_prevalidated
+from .scaling import AMAX_WORKSPACE_ELEMENTS, current_scale_prevalidated, float32_scratch
 
 __all__ = [
     "QuantizeResult",
@@ -236,24 +236,20 @@ def quantize_current_scaling_prevalidated(
             input, scale, fp8_dtype, amax=None, with_transpose=with_transpose
         ), None
     input, result = _empty_outputs(input, fp8_dtype, with_transpose)
-    dbias = dbias_arg = workspace_arg = None
+    dbias = dbias_arg = None
     workspace_elements = 0
     if with_dbias:
         workspace_elements = dbias_workspace_elements(input)
         dbias = torch.empty(input.shape[-1], dtype=input.dtype, device=device)
         dbias_arg = tensor_arg(dbias)
-    # One float32 allocation for the dbias workspace (first, so it keeps the allocator's
-    # alignment), the amax pass's per-block maxima, then the amax and the scale: pointers into
-    # it, no tensor views. Freeing it while the kernels run is safe: the allocator hands the
-    # block only to later work on this stream.
-    blocks = AMAX_WORKSPACE_ELEMENTS
-    scratch = torch.empty(workspace_elements + blocks + 2, dtype=torch.float32, device=device)
-    base, f32 = scratch.data_ptr(), _FLOAT32_CODE
-    if with_dbias:
-        workspace_arg = (base, (workspace_elements,), f32)
-    maxima_arg = (base + 4 * workspace_elements, (blocks,), f32)
-    amax_arg = (base + 4 * (workspace_elements + blocks), (1,), f32)
-    scale_arg = (base + 4 * (workspace_elements + blocks) + 4, (1,), f32)
+    # The dbias workspace (first, so it keeps the allocator's alignment), the amax pass's
+    # per-block maxima, then the amax and the scale, in one allocation. Freeing it while the
+    # kernels run is safe: the allocator hands the block only to later work on this stream.
+    _scratch, (workspace_arg, maxima_arg, amax_arg, scale_arg) = float32_scratch(
+        device, workspace_elements, AMAX_WORKSPACE_ELEMENTS, 1, 1
+    )
+    if not with_dbias:
+        workspace_arg = None
     native.quantize_current_scaling(
         tensor_arg(input), tensor_arg(result.data), tensor_arg(result.transpose), amax_arg,
         scale_arg, tensor_arg(result.scale_inv), float(epsilon), bool(force_pow_2_scales),

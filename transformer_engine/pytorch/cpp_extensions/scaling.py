@@ -176,6 +176,18 @@ def delayed_scaling_update_prevalidated(
         )  # fmt: skip
 
 
+def float32_scratch(device: torch.device, *counts: int) -> tuple[torch.Tensor, list]:
+    """One float32 allocation on ``device`` cut into consecutive pieces of ``counts`` elements:
+    ``(the buffer, each piece as a native buffer argument)``. Keep the buffer while the call
+    runs; the native side gets pointers into it, no tensor views."""
+    scratch = torch.empty(sum(counts), dtype=torch.float32, device=device)
+    pieces, ptr = [], scratch.data_ptr()
+    for count in counts:
+        pieces.append((ptr, (count,), _FLOAT32_CODE))
+        ptr += 4 * count
+    return scratch, pieces
+
+
 # Float32 slots for the amax pass's per-block maxima of nvte_quantize_current_scaling and
 # nvte_compute_current_scale (nvte_amax_workspace_elements; tests/pytorch/kernels/
 # test_native_binding.py checks the two agree): with them no memset launch zeroes the amax first.
@@ -210,14 +222,12 @@ def current_scale_prevalidated(
     device = input.device
     native = native_for("compute_current_scale", device) if reduce_amax is None else None
     if native is not None:
-        # amax, scale, then the per-block maxima: one allocation, pointers into it
-        scratch = torch.empty(2 + AMAX_WORKSPACE_ELEMENTS, dtype=torch.float32, device=device)
-        base, f32 = scratch.data_ptr(), _FLOAT32_CODE
+        scratch, (amax_arg, scale_arg, maxima_arg) = float32_scratch(
+            device, 1, 1, AMAX_WORKSPACE_ELEMENTS
+        )
         native.compute_current_scale(
-            tensor_arg(input), (base, (1,), f32), (base + 4, (1,), f32),
-            int(_dtype_code(fp8_dtype)), float(epsilon), bool(force_pow_2_scales),
-            (base + 8, (AMAX_WORKSPACE_ELEMENTS,), f32), tensor_arg(noop_flag),
-            *launch_args(device),
+            tensor_arg(input), amax_arg, scale_arg, int(_dtype_code(fp8_dtype)), float(epsilon),
+            bool(force_pow_2_scales), maxima_arg, tensor_arg(noop_flag), *launch_args(device),
         )  # fmt: skip
         return scratch[1:2]
 
