@@ -48,6 +48,7 @@ class CapturedGraphs:
         # weight caching: the graph's own flag its weight casts read, and the weights whose
         # main_grad a first microbatch overwrites (zeroed before its replay; the graph adds)
         self.skip_flag: torch.Tensor | None = None
+        self.next_skip: float | None = None  # the flag's value for the next forward replay
         self.overwritten: list = []
         self.grad_outputs = self.grad_inputs = None
         self.dw_grads: list = []
@@ -138,19 +139,16 @@ class CapturedGraphs:
         for p, grad in zip(params, saved):
             p.grad = grad
 
-    def set_first_microbatch(self, first: bool, backward: bool, where: ReplayStream | None) -> None:
+    def set_first_microbatch(self, first: bool, backward: bool) -> None:
         """Weight caching: the next replay casts the weights (``True``) or reuses them; with
         ``backward`` (its backward will run) a first microbatch's replay zeroes the
         ``main_grad`` its weight gradients would overwrite.
 
-        The flag is this graph's own, written on the stream the graph replays on: an earlier
-        replay on a side stream may still be casting (a caller that waits for a
-        ``cuda_graph_event`` goes on before the graph ends), and no other graph reads it."""
-        value = 0.0 if first else 1.0
-        if where is None:
-            self.skip_flag.fill_(value)
-        else:
-            where.fill(self.skip_flag, value, self.owner.device)
+        The flag is this graph's own, written by the replay's ``prepare`` step on the stream the
+        graph replays on: an earlier replay on a side stream may still be casting (a caller that
+        waits for a ``cuda_graph_event`` goes on before the graph ends), and no other graph
+        reads it."""
+        self.next_skip = 0.0 if first else 1.0
         # upstream's process-wide flag, which its replays set: kept current for its readers
         FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(not first, self.owner.device)
         if first and backward:
@@ -165,6 +163,9 @@ class CapturedGraphs:
             warn_shared_input_overwritten(self.owner.name)
 
         def copy_inputs() -> None:
+            if self.next_skip is not None:
+                self.skip_flag.fill_(self.next_skip)
+                self.next_skip = None
             for static, x, slot in zip(self.static_inputs, inputs, self.input_slots):
                 if slot is not None:
                     self.fwd_copies.copy_in(slot, x)

@@ -58,13 +58,6 @@ class ReplayStream:
         """The same side stream, awaited whole (the event marks a point of the forward graph)."""
         return ReplayStream(self.stream, None)
 
-    def fill(self, flag: torch.Tensor, value: float, device: torch.device) -> None:
-        """``flag.fill_(value)`` on the side stream, after what the calling stream queued so far:
-        ordered after the side stream's earlier replays, which may still read ``flag``."""
-        self.stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(self.stream):
-            flag.fill_(value)
-
     def replay(self, graph: torch.cuda.CUDAGraph, device: torch.device, prepare=None) -> None:
         """``prepare()`` and ``graph`` replayed on the side stream, ordered after and before the
         calling stream."""

@@ -214,7 +214,7 @@ class _Graphed:
         fp8, update = self.fp8_state.begin_replay(grad) if self.enabled else (False, None)
         backward = grad and graphs.bwd_graph is not None
         if self.cache:
-            graphs.set_first_microbatch(first, backward, where)
+            graphs.set_first_microbatch(first, backward)
         if backward:
             outputs = GraphReplay.apply(graphs, update, where, *inputs, *self.params)
         else:
