@@ -28,6 +28,7 @@ UPSTREAM_NAMES = [
     ("transformer_engine.pytorch.utils", "get_device_compute_capability"),
     ("transformer_engine.pytorch.utils", "get_cudnn_version"),
     ("transformer_engine.pytorch.utils", "is_bf16_available"),
+    ("transformer_engine.pytorch.utils", "is_bf16_compatible"),
     ("transformer_engine.pytorch.utils", "is_non_tn_fp8_gemm_supported"),
     ("transformer_engine.pytorch.utils", "attention_mask_func"),
     ("transformer_engine.pytorch.utils", "interleave_glu_tensor"),
@@ -154,6 +155,7 @@ def test_compute_capability_without_cuda_raises(no_cuda):
 def test_is_bf16_available_needs_ampere(fake_gpus, cc, expected):
     fake_gpus[1] = cc
     assert te_utils.is_bf16_available() is expected
+    assert te_utils.is_bf16_compatible() is expected  # the older name, a plain bool
     available, reason = te_utils.is_bf16_available(return_reason=True)
     assert available is expected
     if expected:

@@ -119,6 +119,12 @@ def is_bf16_available(return_reason: bool = False):
     return (available, reason) if return_reason else available
 
 
+def is_bf16_compatible() -> bool:
+    """:func:`is_bf16_available` under the name upstream's releases before it used (still what
+    much client and test code imports): a plain bool, no reason."""
+    return is_bf16_available()
+
+
 def is_non_tn_fp8_gemm_supported() -> bool:
     """Whether FP8 GEMMs on the current device take non-TN layouts (data-center Blackwell:
     compute capability in [10.0, 12.0) or >= 13.0). False on Ada, Hopper, sm_120 and the CPU,
