@@ -7,7 +7,8 @@ caller left them), the graph replays there, and the calling stream then waits fo
 stream, or only for ``cuda_graph_event`` when one is given: an event the graph itself records
 (``torch.cuda.Event(external=True)`` recorded by the module during capture), after which the
 calling stream may go on while the rest of the graph still runs; so the eager copies into the
-static tensors that a replay needs run on the side stream as well, after the earlier replays.
+static tensors that a replay needs (and weight caching's flag) run on the side stream as well,
+after the earlier replays.
 The backward replays on the same side stream, ordered the same way against the stream autograd
 runs it on, except that the calling stream then waits for the whole side stream: the event is
 one the forward graph records, and whether the backward graph records it again is not known.
