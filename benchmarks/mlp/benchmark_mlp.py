@@ -23,9 +23,7 @@ Configurations (issue 20):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -108,8 +106,8 @@ class Candidate:
     """One implementation on one configuration: its forward + backward step, its forward alone,
     and the per-step times collected over the rounds."""
 
-    def __init__(self, name, forward, parameters, x, dy, env=None):
-        self.name, self.forward, self.env = name, forward, env or {}
+    def __init__(self, name, forward, parameters, x, dy):
+        self.name, self.forward = name, forward
         self.parameters, self.x, self.dy = parameters, x, dy
         self.step_times: list[float] = []
         self.forward_times: list[float] = []
@@ -125,28 +123,11 @@ class Candidate:
 
     def step(self):
         self.clear()
-        with environment(self.env):
-            self.forward(self.x).backward(self.dy)
+        self.forward(self.x).backward(self.dy)
 
     def forward_only(self):
         self.clear()
-        with environment(self.env):
-            self.forward(self.x)
-
-
-@contextlib.contextmanager
-def environment(env: dict):
-    """``env`` set in ``os.environ`` for the block (variables the package reads per call)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        self.forward(self.x)
 
 
 class Clock:
@@ -226,12 +207,6 @@ def run_config(config: dict, args, device: torch.device, clock: Clock) -> list[C
                   Candidate("te bf16", te_forward(module, None), parameters, x, dy)]  # fmt: skip
     for name, recipe in RECIPES.items():
         candidates.append(Candidate(name, te_forward(module, recipe()), parameters, x, dy))
-    if args.without_overlap and config["kind"] == "mlp":
-        for name, recipe in RECIPES.items():
-            candidates.append(Candidate(
-                name.replace("te fp8", "fp8") + " seq", te_forward(module, recipe()),
-                parameters, x, dy, env={"NVTE_MLP_OVERLAP_ACTIVATION_GRAD": "0"},
-            ))  # fmt: skip
     for candidate in candidates:
         try:
             candidate.step()
@@ -297,11 +272,6 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--device", default="cuda:0", help="cpu: a smoke run, with small shapes")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
-    parser.add_argument(
-        "--without-overlap", action="store_true",
-        help="also time the FP8 MLPs with the activation's gradient on the calling stream "
-        "(NVTE_MLP_OVERLAP_ACTIVATION_GRAD=0: 'seq' rows) instead of beside FC2's weight gradient",
-    )  # fmt: skip
     args = parser.parse_args()
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]

@@ -53,7 +53,6 @@ from ..functional.produced_fp8 import (
     produce_fp8,
 )
 from ..quantization import BackwardScaleUpdate
-from ._activation_grad_overlap import ActivationGradientBesideWgrad, overlap_wanted
 from ._outputs import function_output
 
 __all__ = ["fc1_activation_fc2"]
@@ -162,19 +161,7 @@ class _MLPBody(torch.autograd.Function):
                 grad_out, fc2_communication = row_backward_grad_output(
                     grad_out, ctx.out_sp_group, saved2, overlap
                 )
-            beside = None
-            if (
-                ctx.fc1_needed
-                and fc2_communication is None
-                and saved2.x is not None  # FC2's weight gradient: what the side stream hides
-                and saved2.config.wgrad_store is None
-                and _gradient_produced_alone(saved1)
-                and overlap_wanted(h2)
-            ):
-                beside = ActivationGradientBesideWgrad(
-                    lambda d: _activation_gradient(ctx, saved1, d, h2)
-                )
-            d_act, dw2, db2 = linear_backward(saved2, grad_out, None, fc2_communication or beside)
+            d_act, dw2, db2 = linear_backward(saved2, grad_out, None, fc2_communication)
             if fc2_communication is not None and d_act is not None:
                 d_act = d_act.reshape(-1, d_act.shape[-1])
             ctx.released = True  # from here on saved tensors are freed (checked above)
@@ -186,11 +173,8 @@ class _MLPBody(torch.autograd.Function):
                 _release(tensors[ctx.split : ctx.split + ctx.act_tensors])
             d_ln = dw1 = db1 = None
             if ctx.fc1_needed:
-                if beside is not None:  # issued on a side stream beside FC2's weight gradient
-                    dh, dbias = beside.join()
-                else:
-                    dh, dbias = _activation_gradient(ctx, saved1, d_act, h2)
-                del d_act, beside
+                dh, dbias = _activation_gradient(ctx, saved1, d_act, h2)
+                del d_act
                 _release((h2,))
                 # FC1's input gathered again and its gradient reduced, overlapped with FC1's
                 # GEMMs
@@ -226,33 +210,16 @@ def _release(tensors) -> None:
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 
-def _gradient_produced(saved1) -> bool:
-    """Whether the activation's gradient is written in FP8 by its kernel (FC1's GEMMs read
-    it with FC1's per-tensor FP8 grad-output quantizer)."""
-    config = saved1.config
-    gemms_read_grad = saved1.w is not None or saved1.x is not None
-    return (
-        gemms_read_grad
-        and not saved1.high_precision_backward
-        and _fusable(config, config.grad_output_quantizer)
-    )
-
-
-def _gradient_produced_alone(saved1) -> bool:
-    """The same, with no collective in the cast (no amax reduction group): what may run on a
-    side stream (``_activation_grad_overlap``)."""
-    quantizer = saved1.config.grad_output_quantizer
-    return _gradient_produced(saved1) and not getattr(quantizer, "with_amax_reduction", False)
-
-
 def _activation_gradient(ctx, saved1, d_act, h2):
     """``(dh, dbias)``: the activation's gradient as FC1's backward takes it; in FP8 (delayed
     scaling) produced in FP8 with FC1's grad-output quantizer, with FC1's bias gradient."""
     spec: ActivationSpec = ctx.spec
-    quantizer = saved1.config.grad_output_quantizer
+    config = saved1.config
+    quantizer = config.grad_output_quantizer
     if d_act.dtype != h2.dtype:
         d_act = d_act.to(h2.dtype)
-    if _gradient_produced(saved1):
+    gemms_read_grad = saved1.w is not None or saved1.x is not None
+    if gemms_read_grad and not saved1.high_precision_backward and _fusable(config, quantizer):
         produce, amax_of = activation_gradient_producer(d_act, h2, spec, ctx.fc1_bias_grad)
         return produce_fp8(
             quantizer, produce, amax_of, tuple(h2.shape), h2.dtype, h2.device,
