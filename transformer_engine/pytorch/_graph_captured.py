@@ -176,10 +176,10 @@ class CapturedGraphs:
         return tuple(t.detach() for t in self.outputs)
 
     def _replay(self, graph: torch.cuda.CUDAGraph, where: ReplayStream | None, prepare) -> None:
-        """``prepare()`` (the eager copies, and the copy nodes' host-side updates), then the
-        replay, both on the stream the graph replays on: on a side stream the eager copies
-        come after the side stream's earlier replays, which may still read the static tensors
-        after the event the calling stream waited for."""
+        """``prepare()`` (the eager copies, the copy nodes' host-side updates, weight caching's
+        flag), then the replay, both on the stream the graph replays on: on a side stream these
+        writes come after the side stream's earlier replays, which may still read the static
+        tensors after the event the calling stream waited for."""
         if where is None:
             prepare()
             graph.replay()

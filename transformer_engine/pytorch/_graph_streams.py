@@ -59,14 +59,13 @@ class ReplayStream:
         """The same side stream, awaited whole (the event marks a point of the forward graph)."""
         return ReplayStream(self.stream, None)
 
-    def replay(self, graph: torch.cuda.CUDAGraph, device: torch.device, prepare=None) -> None:
+    def replay(self, graph: torch.cuda.CUDAGraph, device: torch.device, prepare) -> None:
         """``prepare()`` and ``graph`` replayed on the side stream, ordered after and before the
         calling stream."""
         calling = torch.cuda.current_stream(device)
         self.stream.wait_stream(calling)
         with torch.cuda.stream(self.stream):
-            if prepare is not None:
-                prepare()
+            prepare()
             graph.replay()
         if self.event is not None:
             calling.wait_event(self.event)

@@ -157,11 +157,7 @@ def test_queue_ahead_issues_its_steps_before_each_trials_start_event(monkeypatch
     """``benchmark_linear.time_steps(..., ahead=N)``: N untimed steps go out before each trial's
     start event and none between the events but the trial's own (a fake clock stands in for the
     CUDA events, so this runs anywhere)."""
-    spec = importlib.util.spec_from_file_location(
-        "benchmark_linear", ROOT / "benchmarks/linear/benchmark_linear.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_script("benchmarks/linear/benchmark_linear.py")
     issued, marks = [0], []
 
     class FakeEvent:
